@@ -1,0 +1,1 @@
+"""Framework adapters: each turns hooks into StepRecords for the framework-free core."""

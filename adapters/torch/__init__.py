@@ -1,0 +1,1 @@
+"""PyTorch adapter: hooks on modules, parameters and the optimizer, turned into StepRecords."""

@@ -1,0 +1,141 @@
+"""`trainmon demo`: a small GPT-like model trained on synthetic tokens with TrainerMon attached.
+
+It injects one gradient spike (the loss of one micro-batch scaled up) at a chosen step so that
+the anomaly rules have something real to find, then reports where everything went.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from monitor import TrainerMon
+from monitor.config import load_config
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """Sizes of the demo model (defaults: about 0.2M parameters, ~30 ms a step on one CPU thread)."""
+
+    vocab: int = 512
+    hidden: int = 64
+    heads: int = 4
+    layers: int = 3
+    seq: int = 32
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: causal self-attention and an MLP."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.heads = cfg.heads
+        self.norm1 = nn.LayerNorm(cfg.hidden)
+        self.qkv = nn.Linear(cfg.hidden, 3 * cfg.hidden)
+        self.proj = nn.Linear(cfg.hidden, cfg.hidden)
+        self.norm2 = nn.LayerNorm(cfg.hidden)
+        self.mlp = nn.Sequential(
+            nn.Linear(cfg.hidden, 4 * cfg.hidden), nn.GELU(), nn.Linear(4 * cfg.hidden, cfg.hidden)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(self.norm1(x)).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
+        attn = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(attn.transpose(1, 2).reshape(b, t, c))
+        return x + self.mlp(self.norm2(x))
+
+
+class TinyGPT(nn.Module):
+    """Token and position embeddings, transformer blocks, final norm, LM head."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(cfg.vocab, cfg.hidden)
+        self.position = nn.Parameter(torch.zeros(cfg.seq, cfg.hidden))
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
+        self.final_norm = nn.LayerNorm(cfg.hidden)
+        self.lm_head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, std=0.02)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embedding(tokens) + self.position[: tokens.shape[1]]
+        for layer in self.layers:
+            x = layer(x)
+        return self.lm_head(self.final_norm(x))
+
+
+def synthetic_batch(
+    cfg: GPTConfig, batch: int, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens following a noisy fixed pattern, so the loss really goes down."""
+    start = torch.randint(0, cfg.vocab, (batch, 1), generator=generator)
+    steps = torch.arange(cfg.seq + 1).unsqueeze(0)
+    tokens = (start + 7 * steps) % cfg.vocab
+    noise = torch.rand(tokens.shape, generator=generator) < 0.1
+    tokens = torch.where(noise, torch.randint(0, cfg.vocab, tokens.shape, generator=generator), tokens)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def run_demo(
+    config_path: str,
+    steps: int = 50,
+    spike_step: int | None = 30,
+    spike_scale: float = 1000.0,
+    output: str | None = None,
+    fmt: str | None = None,
+    grad_acc_steps: int = 2,
+    seed: int = 0,
+) -> dict:
+    """Train the demo model with the monitor attached; returns a summary for the CLI to print."""
+    if output:
+        os.environ["MONITOR_OUTPUT_DIR"] = os.path.abspath(output)
+    config = load_config(config_path)
+    if fmt:
+        config = load_config({**config.to_dict(), "format": fmt})
+    torch.set_num_threads(1)  # small model: one thread is fastest and steady on a shared machine
+    torch.manual_seed(seed)
+    generator = torch.Generator().manual_seed(seed)
+    cfg = GPTConfig()
+    model = TinyGPT(cfg)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    monitor = TrainerMon(config)
+    monitor.set_monitor(model, grad_acc_steps=grad_acc_steps, optimizer=optimizer)
+    losses = []
+    started = time.perf_counter()
+    for step in range(steps):
+        total = 0.0
+        for _ in range(grad_acc_steps):
+            tokens, targets = synthetic_batch(cfg, 8, generator)
+            logits = model(tokens)
+            loss = (
+                nn.functional.cross_entropy(logits.reshape(-1, cfg.vocab), targets.reshape(-1))
+                / grad_acc_steps
+            )
+            if spike_step is not None and step == spike_step:
+                loss = loss * spike_scale  # the injected gradient spike
+            loss.backward()
+            total += float(loss)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(total)
+    elapsed = time.perf_counter() - started
+    monitor.stop()
+    return {
+        "output_dir": monitor.output_dir,
+        "root": os.path.dirname(monitor.output_dir) if monitor.output_dir else None,
+        "anomalies": monitor.anomalies,
+        "losses": losses,
+        "seconds": elapsed,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "first_loss": losses[0] if losses else math.nan,
+        "last_loss": losses[-1] if losses else math.nan,
+    }

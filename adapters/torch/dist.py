@@ -1,0 +1,30 @@
+"""torch.distributed facts the monitor needs: rank, pipeline stage, group membership."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed as dist
+
+
+def initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def global_rank() -> int:
+    return dist.get_rank() if initialized() else 0
+
+
+def pipeline_info(process_group: Any) -> tuple[int, list[int]]:
+    """``(pp_stage, group_mates)`` of this rank in ``process_group`` (WORLD when not a group)."""
+    if not initialized():
+        return 0, [0]
+    group = process_group if isinstance(process_group, dist.ProcessGroup) else dist.group.WORLD
+    return dist.get_group_rank(group, dist.get_rank()), list(dist.get_process_group_ranks(group))
+
+
+def rank_in_group(group: Any) -> int | None:
+    """This rank's index in ``group``, or None when there is no usable group."""
+    if group is None or not initialized() or not isinstance(group, dist.ProcessGroup):
+        return None
+    return dist.get_group_rank(group, dist.get_rank())

@@ -1,0 +1,107 @@
+"""Unreduced weight gradients: each rank's own gradient, before any data-parallel reduction.
+
+Per step (default): a post-accumulate-grad hook on every monitored parameter counts the
+backward passes of the step and, at the last micro-batch (``grad_acc_steps``), reduces the
+accumulated local gradient to statistics right away. The hook runs before DDP's reducer sees
+the gradient, so under DDP it is really this rank's gradient.
+
+Per micro-batch (``monitor_mbs_grad``): a tensor hook sees each micro-batch's own gradient
+before it is accumulated, with its micro-step index.
+
+No gradient is copied or kept; only small statistic vectors are, until the step is written.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+
+from adapters.torch.params import ParamRegistry
+from adapters.torch.stats import stat_matrix, tensor_stats
+
+logger = logging.getLogger("trainmon")
+
+
+class UnreducedGrads:
+    """Hooks that turn local gradients into statistics on collected steps only."""
+
+    def __init__(
+        self,
+        registry: ParamRegistry,
+        grad_acc_steps: int,
+        ops: tuple[str, ...],
+        eps: float,
+        per_micro_batch: bool,
+        on_error: Callable[[str, BaseException], None],
+    ) -> None:
+        self.registry = registry
+        self.grad_acc_steps = grad_acc_steps
+        self.ops = ops
+        self.eps = eps
+        self.per_micro_batch = per_micro_batch
+        self.on_error = on_error
+        #: set by the session before each step's forward: the hooks do nothing when False.
+        self.collect = False
+        self._micro = [0] * len(registry)
+        self._stats: dict[tuple[int, int], torch.Tensor] = {}
+
+    def register(self) -> list:
+        """Register one hook per monitored parameter; returns the removable handles."""
+        handles = []
+        for index, entry in enumerate(self.registry.params):
+            if self.per_micro_batch:
+                handles.append(entry.param.register_hook(self._micro_batch_hook(index)))
+            else:
+                handles.append(entry.param.register_post_accumulate_grad_hook(self._accumulated_hook(index)))
+        return handles
+
+    def _accumulated_hook(self, index: int) -> Callable[[torch.Tensor], None]:
+        def hook(param: torch.Tensor) -> None:
+            if not self.collect:
+                return
+            try:
+                count = self._micro[index] + 1
+                self._micro[index] = count
+                if count % self.grad_acc_steps:
+                    return
+                grad = self.registry.grad(param)
+                if grad is not None:
+                    self._stats.pop((index, 0), None)  # a repeat keeps the latest, in firing order
+                    self._stats[(index, 0)] = tensor_stats(grad.detach(), self.ops, self.eps)
+            except Exception as exc:
+                self.collect = False
+                self.on_error("grad_unreduced", exc)
+
+        return hook
+
+    def _micro_batch_hook(self, index: int) -> Callable[[torch.Tensor], None]:
+        def hook(grad: torch.Tensor) -> None:
+            if not self.collect:
+                return None
+            try:
+                micro = self._micro[index]
+                self._micro[index] = micro + 1
+                self._stats[(index, micro)] = tensor_stats(grad.detach(), self.ops, self.eps)
+            except Exception as exc:
+                self.collect = False
+                self.on_error("grad_unreduced", exc)
+            return None
+
+        return hook
+
+    def take(self) -> tuple[list[int], list[int] | None, torch.Tensor]:
+        """This step's rows in firing order: parameter indices, micro-steps (or None), statistics."""
+        items = list(self._stats.items())
+        self.reset()
+        index = [key[0] for key, _ in items]
+        micro = [key[1] for key, _ in items] if self.per_micro_batch else None
+        if not items:
+            return index, micro, stat_matrix((), self.ops, self.eps)
+        return index, micro, torch.stack([value for _, value in items])
+
+    def reset(self) -> None:
+        """Forget the step: micro-batch counters and pending statistics."""
+        self._micro = [0] * len(self.registry)
+        self._stats.clear()

@@ -1,0 +1,74 @@
+"""The monitored parameters: selection by targets, display names, where their gradient lives.
+
+Built once at attach time. Nothing is written onto the user's parameters (spec W11); the
+registry keeps its own side tables.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from monitor.config import MonitorConfig
+from monitor.naming import chunk_name, display_name, is_selected, name_candidates, squash_name
+from monitor.record import RowSet
+
+logger = logging.getLogger("trainmon")
+
+
+@dataclass(frozen=True)
+class MonitoredParam:
+    """One selected parameter: its chunk, its display name and the tensor itself."""
+
+    vpp_stage: int
+    name: str
+    raw_name: str
+    param: torch.nn.Parameter
+
+
+class ParamRegistry:
+    """Selected trainable parameters of every model chunk, in model order."""
+
+    def __init__(
+        self, chunks: Sequence[torch.nn.Module], config: MonitorConfig, main_grad: bool | None
+    ) -> None:
+        keys = tuple(config.targets)
+        self.main_grad = main_grad
+        self.params: list[MonitoredParam] = []
+        taken: set[str] = set()
+        for vpp, chunk in enumerate(chunks):
+            for raw, param in chunk.named_parameters():
+                if not param.requires_grad:
+                    continue
+                if not is_selected(keys, name_candidates(vpp, raw, squash_name(raw))):
+                    continue
+                name = display_name(raw, config.squash_name)
+                if chunk_name(vpp, name) in taken:  # squashing collided: keep the full name
+                    name = raw
+                taken.add(chunk_name(vpp, name))
+                self.params.append(MonitoredParam(vpp, name, raw, param))
+        self._warned_main_grad = False
+
+    def __len__(self) -> int:
+        return len(self.params)
+
+    def rows(self, rank: int | None, task: str, index: Sequence[int] | None = None) -> RowSet:
+        """Row labels for the given parameters (all by default) with tags of ``task``."""
+        chosen = self.params if index is None else [self.params[i] for i in index]
+        return RowSet.build([p.vpp_stage for p in chosen], [p.name for p in chosen], rank, task)
+
+    def grad(self, param: torch.nn.Parameter) -> torch.Tensor | None:
+        """The gradient the monitor reads: ``main_grad`` (Megatron style) where used, else ``.grad``."""
+        if self.main_grad is not False:
+            main = getattr(param, "main_grad", None)
+            if main is not None:
+                return main
+            if self.main_grad is True and not self._warned_main_grad:
+                self._warned_main_grad = True
+                logger.warning(
+                    "trainmon: params_have_main_grad=True but a parameter has no main_grad; reading .grad"
+                )
+        return param.grad

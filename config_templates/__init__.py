@@ -1,0 +1,1 @@
+"""Ready configs for the common jobs; `trainmon demo` uses everything_alerts.yaml."""

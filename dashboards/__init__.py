@@ -1,0 +1,1 @@
+"""Dashboards: TensorBoard layouts, the trainmon TensorBoard plugin, converters."""

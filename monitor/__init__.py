@@ -1,0 +1,14 @@
+"""trainmon: a training-state monitor with msprobe's monitor interface.
+
+``import monitor`` needs neither torch nor mindspore; the adapter is chosen from the model's
+type when ``TrainerMon.set_monitor`` is called.
+"""
+
+from monitor.config import ConfigError, MonitorConfig, load_config
+from monitor.logs import configure_logging
+from monitor.trainer import TrainerMon
+
+__version__ = "0.1.0"
+__all__ = ["ConfigError", "MonitorConfig", "TrainerMon", "__version__", "load_config"]
+
+configure_logging()

@@ -1,0 +1,189 @@
+"""Vectorised anomaly detection over StepRecords, and the writer-thread sink that reports it.
+
+For each data type the detector keeps a Baseline whose rows are tags; a step's record is
+evaluated with numpy over all (tag, op) cells at once. The first rule (in config order) that
+flags a cell reports it.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from monitor.record import RowSet, StepRecord
+
+logger = logging.getLogger("trainmon")
+
+#: anomaly lines printed per step before the rest are only counted.
+MAX_LINES_PER_STEP = 20
+_YELLOW, _RESET = "\033[93m", "\033[0m"
+
+
+@dataclass
+class Anomaly:
+    """One flagged value; serialises to the reference's anomaly.json record plus op/value/rule."""
+
+    rank: int
+    step: int
+    micro_step: int
+    pp_stage: int
+    vpp_stage: int
+    call_id: int
+    tag_name: str
+    op: str
+    value: float
+    baseline: float
+    rule: str
+    message: str
+    group_mates: list[int]
+
+    @property
+    def key(self) -> str:
+        """anomaly.json key; includes the op so that no record overwrites another (spec W22)."""
+        return f"{self.tag_name}_{self.op}_step_{self.step}_call_{self.call_id}"
+
+    def to_json(self) -> dict[str, Any]:
+        record = asdict(self)
+        for name in ("value", "baseline"):
+            if not np.isfinite(record[name]):
+                record[name] = str(record[name])  # JSON has no NaN/Inf literals
+        return record
+
+
+class Detector:
+    """Rules plus per-data-type baselines; ``evaluate`` returns the anomalies of one record."""
+
+    def __init__(
+        self, rules: list, rank: int, pp_stage: int = 0, group_mates: list[int] | None = None
+    ) -> None:
+        self.rules = rules
+        self.rank = rank
+        self.pp_stage = pp_stage
+        self.group_mates = list(group_mates) if group_mates is not None else [rank]
+        self._rows: dict[str, dict[str, int]] = {}
+        #: per (data type, ops): one state (dict of arrays, rows = tags) per rule.
+        self._states: dict[tuple[str, tuple[str, ...]], list[dict[str, np.ndarray]]] = {}
+        self._index_cache: dict[str, tuple[RowSet, np.ndarray]] = {}
+
+    def _index(self, prefix: str, rows: RowSet) -> np.ndarray:
+        cached = self._index_cache.get(prefix)
+        if cached is not None and cached[0] is rows:
+            return cached[1]
+        table = self._rows.setdefault(prefix, {})
+        index = np.fromiter(
+            (table.setdefault(tag, len(table)) for tag in rows.tags), dtype=np.int64, count=len(rows)
+        )
+        self._index_cache[prefix] = (rows, index)
+        return index
+
+    def evaluate(self, record: StepRecord) -> list[Anomaly]:
+        """Evaluate every rule on every (tag, op) of the record and update the baselines."""
+        if not self.rules or len(record.rows) == 0:
+            return []
+        values = record.resolve()
+        index = self._index(record.prefix, record.rows)
+        states = self._grown_states(record.prefix, record.ops)
+        reported = np.zeros(values.shape, dtype=bool)
+        found: list[Anomaly] = []
+        for rule, state in zip(self.rules, states):
+            rows = {name: array[index] for name, array in state.items()}
+            mask, baseline = rule.apply(values, rows, record.ops)
+            mask &= ~reported
+            if mask.any():
+                reported |= mask
+                for row, col in zip(*np.nonzero(mask)):
+                    found.append(
+                        self._anomaly(record, int(row), int(col), rule.name, float(baseline[row, col]))
+                    )
+            for name, array in rule.update(values, rows).items():
+                state[name][index] = array
+        return found
+
+    def _grown_states(self, prefix: str, ops: tuple[str, ...]) -> list[dict[str, np.ndarray]]:
+        """The rules' state arrays for a data type, with a row for every tag seen so far."""
+        states = self._states.get((prefix, ops))
+        if states is None:
+            states = [{name: np.zeros((0, len(ops))) for name in rule.fields} for rule in self.rules]
+            self._states[(prefix, ops)] = states
+        rows = len(self._rows[prefix])
+        for rule, state in zip(self.rules, states):
+            for name, fill in rule.fields.items():
+                extra = rows - state[name].shape[0]
+                if extra > 0:
+                    state[name] = np.vstack([state[name], np.full((extra, len(ops)), fill)])
+        return states
+
+    def _anomaly(self, record: StepRecord, row: int, col: int, rule: str, base: float) -> Anomaly:
+        tag, op = record.rows.tags[row], record.ops[col]
+        value = float(record.values[row, col])
+        micro = record.rows.micro_steps[row] if record.rows.micro_steps is not None else 0
+        call_id = int(record.call_ids[row]) if record.call_ids is not None else -1
+        message = (
+            f"Rule {rule} reports anomaly signal in ('{tag}', '{op}') at step {record.step}, "
+            f"current value {value:.6g}, history mean {base:.6g}."
+        )
+        return Anomaly(
+            rank=self.rank,
+            step=record.step,
+            micro_step=micro,
+            pp_stage=self.pp_stage,
+            vpp_stage=record.rows.vpp_stages[row],
+            call_id=call_id,
+            tag_name=tag,
+            op=op,
+            value=value,
+            baseline=base,
+            rule=rule,
+            message=message,
+            group_mates=self.group_mates,
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        """Saveable detector state: tag tables and baselines per data type."""
+        return {
+            "rows": {prefix: list(table) for prefix, table in self._rows.items()},
+            "states": {
+                f"{prefix}|{','.join(ops)}": [{k: v.tolist() for k, v in state.items()} for state in states]
+                for (prefix, ops), states in self._states.items()
+            },
+        }
+
+
+class AnomalySink:
+    """Writer-thread sink: runs the detector, prints at most 20 lines a step, feeds the dump."""
+
+    def __init__(
+        self, detector: Detector, dump: Any | None = None, keep: list[Anomaly] | None = None
+    ) -> None:
+        self.detector = detector
+        self.dump = dump
+        self.found: list[Anomaly] = keep if keep is not None else []
+        self._printed = 0
+        self._unprinted = 0
+
+    def write(self, record: StepRecord) -> None:
+        anomalies = self.detector.evaluate(record)
+        for anomaly in anomalies:
+            if self._printed < MAX_LINES_PER_STEP:
+                logger.warning("%s> %s%s", _YELLOW, anomaly.message, _RESET)
+                self._printed += 1
+            else:
+                self._unprinted += 1
+        if anomalies:
+            self.found.extend(anomalies)
+            if self.dump is not None:
+                self.dump.add(anomalies)
+
+    def end_step(self, step: int) -> None:
+        if self._unprinted:
+            logger.warning("> ... and %d more anomalies at step %d (see anomaly.json)", self._unprinted, step)
+        self._printed = self._unprinted = 0
+        if self.dump is not None:
+            self.dump.end_step(step)
+
+    def close(self) -> None:
+        if self.dump is not None:
+            self.dump.close()

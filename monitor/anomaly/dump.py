@@ -1,0 +1,43 @@
+"""anomaly_detected/rank{R}/anomaly.json: the reference's record format, replaced atomically."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+from monitor.anomaly.detector import Anomaly
+from monitor.files import atomic_write_text, make_private_dir
+
+logger = logging.getLogger("trainmon")
+
+
+class AnomalyDump:
+    """Keeps every anomaly of the run and rewrites anomaly.json at the end of a step with news.
+
+    The file is written to a temporary name, fsynced and renamed, so a reader or a crash only
+    ever sees a complete JSON document.
+    """
+
+    def __init__(self, root: str | os.PathLike, rank: int) -> None:
+        self.directory = os.path.join(os.fspath(root), "anomaly_detected", f"rank{rank}")
+        self.path = os.path.join(self.directory, "anomaly.json")
+        self._records: dict[str, dict] = {}
+        self._dirty = False
+        make_private_dir(self.directory)
+        if os.path.lexists(self.path):
+            logger.warning("trainmon: replacing the anomaly file of an earlier run at %s", self.path)
+        atomic_write_text(self.path, "{}")
+
+    def add(self, anomalies: list[Anomaly]) -> None:
+        for anomaly in anomalies:
+            self._records[anomaly.key] = anomaly.to_json()
+        self._dirty = self._dirty or bool(anomalies)
+
+    def end_step(self, step: int) -> None:
+        if self._dirty:
+            atomic_write_text(self.path, json.dumps(self._records, indent=1))
+            self._dirty = False
+
+    def close(self) -> None:
+        self.end_step(-1)

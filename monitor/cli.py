@@ -1,0 +1,119 @@
+"""The ``trainmon`` command: ``demo`` and ``anomaly-analyse`` (more tools join as sub-commands)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections import Counter
+from importlib import resources
+
+DEMO_TEMPLATE = "everything_alerts.yaml"
+
+
+def template_path(name: str) -> str:
+    """Path of a file shipped in config_templates/."""
+    return str(resources.files("config_templates").joinpath(name))
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
+
+
+def _add_demo(sub: argparse._SubParsersAction) -> None:
+    demo = sub.add_parser(
+        "demo",
+        help="train a small GPT-like model on CPU with the monitor attached and a gradient spike injected",
+        description="Train a small GPT-like model (synthetic tokens, AdamW, gradient accumulation 2) "
+        "with TrainerMon attached, inject one gradient spike, and report what the monitor found.",
+    )
+    demo.add_argument("--steps", type=_positive_int, default=50, help="optimizer steps (default 50)")
+    demo.add_argument(
+        "--output",
+        default=None,
+        help="output root (default: $MONITOR_OUTPUT_DIR or ./monitor_output)",
+    )
+    demo.add_argument(
+        "--format", choices=("csv", "tensorboard"), default=None, help="output format (default csv)"
+    )
+    spike = demo.add_mutually_exclusive_group()
+    spike.add_argument(
+        "--spike-step", type=_non_negative_int, default=30, help="step of the injected spike (30)"
+    )
+    spike.add_argument("--no-spike", action="store_true", help="do not inject a gradient spike")
+    demo.add_argument(
+        "--config", default=None, help=f"config file (default config_templates/{DEMO_TEMPLATE})"
+    )
+    demo.set_defaults(run=_run_demo)
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    from adapters.torch.demo import run_demo
+
+    config = args.config or template_path(DEMO_TEMPLATE)
+    spike_step = None if args.no_spike else args.spike_step
+    if spike_step is not None and spike_step >= args.steps:
+        print(f"trainmon demo: --spike-step {spike_step} is not below --steps {args.steps}", file=sys.stderr)
+        return 2
+    summary = run_demo(config, steps=args.steps, spike_step=spike_step, output=args.output, fmt=args.format)
+    anomalies = summary["anomalies"]
+    print()
+    print(
+        f"Trained {summary['parameters']:,}-parameter GPT-like model for {args.steps} steps "
+        f"in {summary['seconds']:.1f} s (loss {summary['first_loss']:.3f} -> {summary['last_loss']:.3f})."
+    )
+    print(f"Config:      {config}")
+    print(f"Outputs:     {summary['output_dir']}")
+    print(f"Anomalies:   {os.path.join(summary['root'], 'anomaly_detected')}")
+    if spike_step is not None:
+        print(f"Injected:    a x1000 loss (gradient) spike at step {spike_step}")
+    if anomalies:
+        steps = Counter(a.step for a in anomalies)
+        first = min(steps)
+        print(
+            f"Detected:    {len(anomalies)} anomalies; first at step {first}; by step: "
+            + ", ".join(f"step {s}: {n}" for s, n in sorted(steps.items()))
+        )
+        for anomaly in sorted(anomalies, key=lambda a: (a.step, a.call_id))[:5]:
+            print(
+                f"  step {anomaly.step:>3}  {anomaly.tag_name}  {anomaly.op}={anomaly.value:.4g} "
+                f"(history {anomaly.baseline:.4g}, {anomaly.rule})"
+            )
+    else:
+        print("Detected:    no anomalies")
+    print(f"Look at it:  tensorboard --logdir {summary['root']}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="trainmon", description="Training-state monitor tools.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    _add_demo(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``trainmon`` console script."""
+    args = build_parser().parse_args(argv)
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,423 @@
+"""Every config key, its default and its validation, in one place.
+
+Reads the reference's JSON config files (and YAML by extension). The result is an immutable
+MonitorConfig; the user's dict and file are never changed. Wrong types and ranges raise
+ConfigError naming the key path, the bad value and what was expected; unknown keys get one
+warning naming the closest known key.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import logging
+import math
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from types import MappingProxyType
+from typing import Any
+
+logger = logging.getLogger("trainmon")
+
+#: statistics a config may ask for, in the reference's spelling.
+KNOWN_OPS = ("min", "max", "norm", "zeros", "nans", "mean", "id")
+#: later reference versions always add these; they are not scalars, so we accept and ignore them.
+IGNORED_OPS = ("shape", "dtype")
+FORMATS = ("csv", "tensorboard", "api")
+#: anomaly rules known to the config; the rule classes live in monitor.anomaly.rules.
+KNOWN_RULES = ("AnomalyTurbulence", "AnomalyNan", "AnomalyZScore")
+CC_KEYS = ("enable", "cc_codeline", "cc_pre_hook", "cc_log_only")
+L2_HOOK_KEYS = ("linear_hook", "attention_hook")
+APPEND_TIME_FORMAT = re.compile(r"^[A-Z][a-z]{2}\d{2}_\d{2}-\d{2}-\d{2}$")
+DEFAULT_COLLECT_TIMES = 100_000_000
+
+
+class ConfigError(ValueError):
+    """A config value is missing, of the wrong type or out of range."""
+
+
+@dataclass(frozen=True)
+class RuleSpec:
+    """One ``alert.rules`` entry: the rule's name and its arguments."""
+
+    rule_name: str
+    args: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+
+
+@dataclass(frozen=True)
+class AlertConfig:
+    """``alert``: anomaly rules and whether anomalies are dumped to anomaly.json."""
+
+    rules: tuple[RuleSpec, ...] = ()
+    dump: bool = False
+
+
+@dataclass(frozen=True)
+class CCConfig:
+    """``cc_distribution``: monitoring of torch.distributed collectives."""
+
+    enable: bool = False
+    cc_codeline: tuple[str, ...] = ()
+    cc_pre_hook: bool = False
+    cc_log_only: bool = False
+
+
+@dataclass(frozen=True)
+class MonitorConfig:
+    """The validated, immutable configuration. Field names are the config keys."""
+
+    #: module or parameter names to monitor -> per-module I/O formats; empty = everything.
+    targets: Mapping[str, Mapping[str, Any]] = field(default_factory=lambda: MappingProxyType({}))
+    #: with DYNAMIC_MONITOR=true, switch collection on by editing the file.
+    dynamic_on: bool = False
+    #: first step eligible for collection.
+    start_step: int = 0
+    #: number of collected steps, after which every hook is removed.
+    collect_times: int = DEFAULT_COLLECT_TIMES
+    #: collect when (step - start_step) % step_interval == 0.
+    step_interval: int = 1
+    #: dump the module I/O structure after the first step.
+    print_struct: bool = False
+    #: ranks that monitor; empty = all ranks.
+    module_ranks: tuple[int, ...] = ()
+    #: Adam update / ratio distributions.
+    ur_distribution: bool = False
+    #: module inputs/outputs (forward) and their gradients (backward).
+    xy_distribution: bool = False
+    all_xy: bool = False
+    forward_only: bool = False
+    backward_only: bool = False
+    #: Adam exp_avg / exp_avg_sq.
+    mv_distribution: bool = False
+    #: parameter values before (param_origin) and after (param_updated) the update.
+    param_distribution: bool = False
+    #: weight gradients before (grad_unreduced) and after (grad_reduced) data-parallel reduction.
+    wg_distribution: bool = False
+    #: unreduced gradient of every micro-batch instead of once per step.
+    monitor_mbs_grad: bool = False
+    #: share of elements whose gradient sign agrees with exp_avg.
+    mg_direction: bool = False
+    cc_distribution: CCConfig = field(default_factory=CCConfig)
+    alert: AlertConfig = field(default_factory=AlertConfig)
+    #: output format: csv, tensorboard or api (in memory).
+    format: str = "csv"
+    #: statistics computed for every monitored tensor.
+    ops: tuple[str, ...] = ("norm",)
+    #: |x| < eps counts as zero for the ``zeros`` op.
+    eps: float = 1e-8
+    #: significant digits written to CSV (not decimal places: small values stay visible).
+    ndigits: int = 6
+    #: steps per CSV file.
+    step_count_per_record: int = 1
+    #: resume into per-rank directories whose time tag lies in [t0, t1].
+    append_output: tuple[str, ...] = ()
+    #: shorten names the way msprobe's later versions do.
+    squash_name: bool = True
+    stack_info: bool = False
+    l2_targets: Mapping[str, tuple[str, ...]] = field(default_factory=lambda: MappingProxyType({}))
+    recording_l2_features: bool = False
+    sa_order: str = "s,b,h,d"
+
+    def to_dict(self) -> dict[str, Any]:
+        """A plain, JSON-serialisable dict of the config (for logs and dynamic rewrites)."""
+        return _plain(self)
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, (MonitorConfig, AlertConfig, CCConfig, RuleSpec)):
+        return {f.name: _plain(getattr(value, f.name)) for f in fields(value)}
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, tuple):
+        return [_plain(v) for v in value]
+    return value
+
+
+_TOP_LEVEL_KEYS = tuple(f.name for f in fields(MonitorConfig))
+_BOOL_KEYS = tuple(f.name for f in fields(MonitorConfig) if f.type == "bool")
+
+
+def load_config(source: str | os.PathLike | Mapping[str, Any] | MonitorConfig) -> MonitorConfig:
+    """Load and validate a config from a JSON/YAML file path, a dict or an existing MonitorConfig.
+
+    Raises:
+        ConfigError: the file cannot be read or parsed, or a value is invalid.
+    """
+    if isinstance(source, MonitorConfig):
+        return source
+    if isinstance(source, Mapping):
+        return validate_config(source)
+    if not isinstance(source, (str, os.PathLike)):
+        raise ConfigError(f"config: expected a file path or a dict, got {type(source).__name__}")
+    return validate_config(read_config_file(source))
+
+
+def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
+    """Parse a config file as data only (JSON, or YAML with the safe loader by extension)."""
+    path = os.fspath(path)
+    try:
+        with open(path, "rb") as handle:
+            raw = handle.read()
+    except OSError as exc:
+        raise ConfigError(f"config file {path!r}: cannot be read ({exc.strerror or exc})") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError(f"config file {path!r}: expected UTF-8 text") from None
+    try:
+        if path.lower().endswith((".yaml", ".yml")):
+            import yaml
+
+            data = yaml.safe_load(text)
+        else:
+            data = json.loads(text)
+    except Exception as exc:
+        raise ConfigError(
+            f"config file {path!r}: not valid {'YAML' if path.endswith(('yaml', 'yml')) else 'JSON'}: {exc}"
+        ) from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"config file {path!r}: expected an object at the top level, got {type(data).__name__}"
+        )
+    return data
+
+
+def validate_config(raw: Mapping[str, Any]) -> MonitorConfig:
+    """Validate a raw config dict (not modified) into a MonitorConfig."""
+    for key in raw:
+        if not isinstance(key, str):
+            raise ConfigError(f"config: keys must be strings, got {key!r}")
+        if key not in _TOP_LEVEL_KEYS and key not in ("is_select", "opt_ty"):
+            _warn_unknown(key, _TOP_LEVEL_KEYS, "")
+    values: dict[str, Any] = {}
+    for key in _BOOL_KEYS:
+        if key in raw:
+            values[key] = _bool(raw[key], key)
+    if "targets" in raw:
+        values["targets"] = _targets(raw["targets"])
+    for key, low in (("start_step", 0), ("collect_times", 1), ("step_interval", 1)):
+        if key in raw:
+            values[key] = _int(raw[key], key, low)
+    if "module_ranks" in raw:
+        values["module_ranks"] = _module_ranks(raw["module_ranks"])
+    if "cc_distribution" in raw:
+        values["cc_distribution"] = _cc(raw["cc_distribution"])
+    if "alert" in raw:
+        values["alert"] = _alert(raw["alert"])
+    if "format" in raw:
+        fmt = raw["format"]
+        if not isinstance(fmt, str) or fmt.lower() not in FORMATS:
+            raise ConfigError(f"format: expected one of {', '.join(FORMATS)}, got {fmt!r}")
+        values["format"] = fmt.lower()
+    if "ops" in raw:
+        values["ops"] = _ops(raw["ops"])
+    if "eps" in raw:
+        values["eps"] = _number(raw["eps"], "eps", positive=True)
+    if "ndigits" in raw:
+        values["ndigits"] = _int(raw["ndigits"], "ndigits", 1, 17)
+    if "step_count_per_record" in raw:
+        values["step_count_per_record"] = _int(
+            raw["step_count_per_record"], "step_count_per_record", 1, 1_000_000
+        )
+    if "append_output" in raw:
+        values["append_output"] = _append_output(raw["append_output"])
+    if "l2_targets" in raw:
+        values["l2_targets"] = _l2_targets(raw["l2_targets"])
+    if "sa_order" in raw:
+        order = raw["sa_order"]
+        normalised = order.replace(" ", "") if isinstance(order, str) else None
+        if normalised not in ("s,b,h,d", "b,s,h,d"):
+            raise ConfigError(f"sa_order: expected 's,b,h,d' or 'b,s,h,d', got {order!r}")
+        values["sa_order"] = normalised
+    if values.get("forward_only") and values.get("backward_only"):
+        raise ConfigError(
+            "forward_only, backward_only: expected at most one of them to be true, got both true"
+        )
+    return MonitorConfig(**values)
+
+
+def _warn_unknown(key: str, known: tuple[str, ...], path: str) -> None:
+    close = difflib.get_close_matches(key, known, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    logger.warning("trainmon config: unknown key %r ignored%s", f"{path}{key}", hint)
+
+
+def _describe(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _bool(value: Any, path: str) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{path}: expected true or false, got {_describe(value)}")
+    return value
+
+
+def _int(value: Any, path: str, low: int | None = None, high: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        if isinstance(value, float) and value.is_integer() and math.isfinite(value):
+            value = int(value)
+        else:
+            raise ConfigError(f"{path}: expected an integer{_range_text(low, high)}, got {_describe(value)}")
+    if (low is not None and value < low) or (high is not None and value > high):
+        raise ConfigError(f"{path}: expected an integer{_range_text(low, high)}, got {value}")
+    return value
+
+
+def _range_text(low: int | None, high: int | None) -> str:
+    if low is not None and high is not None:
+        return f" in [{low}, {high}]"
+    if low is not None:
+        return f" >= {low}"
+    return ""
+
+
+def _number(value: Any, path: str, positive: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ConfigError(f"{path}: expected a finite number, got {_describe(value)}")
+    if positive and value <= 0:
+        raise ConfigError(f"{path}: expected a number > 0, got {value}")
+    if value < 0:
+        raise ConfigError(f"{path}: expected a number >= 0, got {value}")
+    return float(value)
+
+
+def _str_list(value: Any, path: str) -> tuple[str, ...]:
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ConfigError(f"{path}: expected a list of strings, got {_describe(value)}")
+    return tuple(value)
+
+
+def _targets(value: Any) -> Mapping[str, Mapping[str, Any]]:
+    if isinstance(value, list):  # a plain list of names is accepted as {name: {}}
+        value = {name: {} for name in _str_list(value, "targets")}
+    if not isinstance(value, dict):
+        raise ConfigError(
+            f"targets: expected an object mapping module names to objects, got {_describe(value)}"
+        )
+    result = {}
+    for name, spec in value.items():
+        if not isinstance(name, str):
+            raise ConfigError(f"targets: expected string keys, got {_describe(name)}")
+        if spec is None:
+            spec = {}
+        if not isinstance(spec, dict):
+            raise ConfigError(f"targets.{name}: expected an object (use {{}}), got {_describe(spec)}")
+        for direction, fmt in spec.items():
+            if direction not in ("input", "output", "input_grad", "output_grad"):
+                raise ConfigError(
+                    f"targets.{name}.{direction}: expected one of input, output, input_grad, output_grad"
+                )
+            if not isinstance(fmt, str):
+                raise ConfigError(
+                    f"targets.{name}.{direction}: expected a format string, got {_describe(fmt)}"
+                )
+        result[name] = MappingProxyType(dict(spec))
+    return MappingProxyType(result)
+
+
+def _module_ranks(value: Any) -> tuple[int, ...]:
+    if not isinstance(value, list):
+        raise ConfigError(f"module_ranks: expected a list of integer ranks, got {_describe(value)}")
+    ranks = []
+    for i, rank in enumerate(value):
+        if isinstance(rank, str) and rank.strip().isdigit():  # MindSpore 1.2.2 spelling
+            rank = int(rank)
+        ranks.append(_int(rank, f"module_ranks[{i}]", 0))
+    return tuple(sorted(set(ranks)))
+
+
+def _cc(value: Any) -> CCConfig:
+    if not isinstance(value, dict):
+        raise ConfigError(f"cc_distribution: expected an object, got {_describe(value)}")
+    for key in value:
+        if key not in CC_KEYS:
+            raise ConfigError(f"cc_distribution.{key}: unknown key; expected one of {', '.join(CC_KEYS)}")
+    return CCConfig(
+        enable=_bool(value.get("enable", False), "cc_distribution.enable"),
+        cc_codeline=_codelines(value.get("cc_codeline", [])),
+        cc_pre_hook=_bool(value.get("cc_pre_hook", False), "cc_distribution.cc_pre_hook"),
+        cc_log_only=_bool(value.get("cc_log_only", False), "cc_distribution.cc_log_only"),
+    )
+
+
+def _codelines(value: Any) -> tuple[str, ...]:
+    lines = _str_list(value, "cc_distribution.cc_codeline")
+    for i, pattern in enumerate(lines):
+        try:
+            re.compile(pattern)
+        except re.error as exc:
+            raise ConfigError(
+                f"cc_distribution.cc_codeline[{i}]: expected a regular expression, got {pattern!r} ({exc})"
+            ) from None
+    return lines
+
+
+def _alert(value: Any) -> AlertConfig:
+    if not isinstance(value, dict):
+        raise ConfigError(f"alert: expected an object with 'rules' and 'dump', got {_describe(value)}")
+    for key in value:
+        if key not in ("rules", "dump"):
+            _warn_unknown(key, ("rules", "dump"), "alert.")
+    rules_raw = value.get("rules", [])
+    if not isinstance(rules_raw, list):
+        raise ConfigError(f"alert.rules: expected a list of rules, got {_describe(rules_raw)}")
+    rules = tuple(_rule(spec, f"alert.rules[{i}]") for i, spec in enumerate(rules_raw))
+    return AlertConfig(rules=rules, dump=_bool(value.get("dump", False), "alert.dump"))
+
+
+def _rule(spec: Any, path: str) -> RuleSpec:
+    from monitor.anomaly.rules import validate_rule_args
+
+    if not isinstance(spec, dict):
+        raise ConfigError(f"{path}: expected an object with 'rule_name' and 'args', got {_describe(spec)}")
+    name = spec.get("rule_name")
+    if name not in KNOWN_RULES:
+        raise ConfigError(
+            f"{path}.rule_name: expected one of {', '.join(KNOWN_RULES)}, got {_describe(name)}"
+        )
+    args = spec.get("args") or {}
+    if not isinstance(args, dict):
+        raise ConfigError(f"{path}.args: expected an object, got {_describe(args)}")
+    return RuleSpec(name, MappingProxyType(validate_rule_args(name, args, f"{path}.args")))
+
+
+def _ops(value: Any) -> tuple[str, ...]:
+    ops = _str_list(value, "ops")
+    chosen = []
+    for i, op in enumerate(ops):
+        if op in IGNORED_OPS:
+            logger.warning("trainmon config: ops[%d] %r is not a scalar statistic and is ignored", i, op)
+            continue
+        if op not in KNOWN_OPS:
+            raise ConfigError(f"ops[{i}]: expected one of {', '.join(KNOWN_OPS)}, got {op!r}")
+        if op not in chosen:
+            chosen.append(op)
+    return tuple(chosen) or ("norm",)
+
+
+def _append_output(value: Any) -> tuple[str, ...]:
+    times = _str_list(value, "append_output")
+    if len(times) not in (0, 2):
+        raise ConfigError(
+            f"append_output: expected [] or two time strings like 'Dec03_21-34-40', got {_describe(value)}"
+        )
+    for i, text in enumerate(times):
+        if not APPEND_TIME_FORMAT.match(text):
+            raise ConfigError(f"append_output[{i}]: expected a time like 'Dec03_21-34-40', got {text!r}")
+    return times
+
+
+def _l2_targets(value: Any) -> Mapping[str, tuple[str, ...]]:
+    if not isinstance(value, dict):
+        raise ConfigError(f"l2_targets: expected an object, got {_describe(value)}")
+    result = {}
+    for key, names in value.items():
+        if key not in L2_HOOK_KEYS:
+            raise ConfigError(f"l2_targets.{key}: expected one of {', '.join(L2_HOOK_KEYS)}")
+        result[key] = _str_list(names, f"l2_targets.{key}")
+    return MappingProxyType(result)

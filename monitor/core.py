@@ -1,0 +1,97 @@
+"""The framework-free half of a monitoring session: outputs, detection, the latest values.
+
+An adapter computes StepRecords on the training thread and hands them to ``submit``; at the end
+of a collected step it calls ``end_step``. Everything after that (anomaly rules, CSV,
+TensorBoard, anomaly.json) runs on the writer thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from monitor.anomaly.detector import Anomaly, AnomalySink, Detector
+from monitor.anomaly.dump import AnomalyDump
+from monitor.anomaly.rules import build_rules
+from monitor.config import MonitorConfig
+from monitor.files import find_rank_dir, make_private_dir, output_root, rank_dir_name
+from monitor.record import StepRecord
+from monitor.writers.api import ApiWriter
+from monitor.writers.base import WriterThread
+from monitor.writers.csv import CsvWriter
+
+logger = logging.getLogger("trainmon")
+
+
+class MonitorCore:
+    """Per-rank outputs and detection for one TrainerMon.
+
+    Args:
+        config: the validated config.
+        rank: global rank (0 without a process group).
+        pp_stage: this rank's index in the pipeline group, for anomaly records.
+        group_mates: ranks of the pipeline group, for anomaly records.
+        root: output root; MONITOR_OUTPUT_DIR or ./monitor_output when None.
+    """
+
+    def __init__(
+        self,
+        config: MonitorConfig,
+        rank: int,
+        pp_stage: int = 0,
+        group_mates: list[int] | None = None,
+        root: str | None = None,
+    ) -> None:
+        self.config = config
+        self.rank = rank
+        self.root = root or output_root()
+        self.latest = ApiWriter()
+        self.anomalies: list[Anomaly] = []
+        self.output_dir: str | None = None
+        sinks: list = []
+        if config.format != "api":
+            self.output_dir = self._rank_dir()
+            sinks.append(self._file_writer())
+        if config.alert.rules:
+            dump = AnomalyDump(self.root, rank) if config.alert.dump else None
+            detector = Detector(build_rules(config.alert.rules), rank, pp_stage, group_mates)
+            sinks.append(AnomalySink(detector, dump, keep=self.anomalies))
+        self._writer = WriterThread(sinks)
+
+    def _rank_dir(self) -> str:
+        make_private_dir(self.root)
+        path = None
+        if self.config.append_output:
+            path = find_rank_dir(self.root, self.rank, *self.config.append_output)
+            if path is None:
+                logger.warning(
+                    "trainmon: append_output %s: no directory of rank %d in that range under %s; starting anew",
+                    list(self.config.append_output),
+                    self.rank,
+                    self.root,
+                )
+        return make_private_dir(path or os.path.join(self.root, rank_dir_name(self.rank)))
+
+    def _file_writer(self):
+        if self.config.format == "tensorboard":
+            from monitor.writers.tensorboard import TensorBoardWriter
+
+            return TensorBoardWriter(self.output_dir)
+        return CsvWriter(self.output_dir, self.config.ndigits, self.config.step_count_per_record)
+
+    def submit(self, record: StepRecord) -> None:
+        """Hand one data type's statistics of a collected step to the outputs (training thread)."""
+        self.latest.write(record)
+        self._writer.submit(record)
+
+    def end_step(self, step: int) -> None:
+        """The collected step is complete: rows are flushed and anomaly.json replaced."""
+        self._writer.end_step(step)
+
+    def flush(self) -> None:
+        """Wait until everything submitted so far is written."""
+        self._writer.flush()
+
+    def close(self) -> None:
+        """Drain and close the outputs; values stay readable through ``latest``."""
+        self._writer.close()

@@ -1,0 +1,126 @@
+"""Output files and directories: the per-rank directory, safe modes, atomic replacement.
+
+Directories are created 0750 and files 0640 (the reference's modes). Symlinks planted at an
+output path are refused, never followed. JSON documents are replaced atomically.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import re
+import tempfile
+import uuid
+from typing import TextIO
+
+DIR_MODE = 0o750
+FILE_MODE = 0o640
+#: time tag of per-rank directories, as the reference (host-local time, no year).
+TIME_FORMAT = "%b%d_%H-%M-%S"
+#: per-rank directory names: "{time}-rank{R}-{uuid8}"; the reference's converters match this.
+RANK_DIR_PATTERN = re.compile(r"^([\w-]{0,20})-rank(\d{1,5})-([0-9a-f]{8})$")
+OUTPUT_ENV = "MONITOR_OUTPUT_DIR"
+
+
+def output_root() -> str:
+    """MONITOR_OUTPUT_DIR or ./monitor_output, as an absolute path."""
+    return os.path.abspath(os.environ.get(OUTPUT_ENV) or "monitor_output")
+
+
+def make_private_dir(path: str | os.PathLike) -> str:
+    """Create a directory (and parents) with mode 0750; refuse a symlink at any created level."""
+    path = os.fspath(path)
+    if os.path.islink(path):
+        raise OSError(f"trainmon: refusing to use {path!r}: it is a symbolic link")
+    os.makedirs(path, mode=DIR_MODE, exist_ok=True)
+    if not os.path.isdir(path):
+        raise OSError(f"trainmon: {path!r} exists and is not a directory")
+    return path
+
+
+def create_exclusive(path: str | os.PathLike, file_mode: int = FILE_MODE) -> int:
+    """Create a new file for writing and return its descriptor.
+
+    Never reuses an existing entry or follows a symlink (O_EXCL fails on both, a dangling link
+    included); the mode is set exactly, whatever the umask.
+    """
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags, file_mode)
+    except FileExistsError as exc:
+        kind = "a symlink" if os.path.islink(path) else "a file"
+        raise FileExistsError(
+            exc.errno, f"trainmon: refusing to write through existing {kind}", os.fspath(path)
+        ) from None
+    try:
+        os.fchmod(fd, file_mode)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def open_append(path: str | os.PathLike, file_mode: int = FILE_MODE) -> tuple[TextIO, bool]:
+    """Open a text file for appending without following symlinks: ``(file, created)``.
+
+    A new file gets exactly ``file_mode``; an existing regular file (append_output) is appended to.
+    """
+    path = os.fspath(path)
+    try:
+        fd, created = create_exclusive(path, file_mode), True
+    except FileExistsError:
+        if os.path.islink(path):
+            raise
+        fd = os.open(
+            path, os.O_WRONLY | os.O_APPEND | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+        )
+        created = os.fstat(fd).st_size == 0
+    else:
+        os.lseek(fd, 0, os.SEEK_END)
+    handle = os.fdopen(fd, "a", encoding="utf-8", newline="")
+    return handle, created
+
+
+def atomic_write_text(path: str | os.PathLike, text: str, file_mode: int = FILE_MODE) -> None:
+    """Replace ``path`` with ``text``: temporary file in the same directory, fsync, rename."""
+    path = os.fspath(path)
+    if os.path.islink(path):
+        raise OSError(f"trainmon: refusing to replace {path!r}: it is a symbolic link")
+    directory = os.path.dirname(path) or "."
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.chmod(tmp, file_mode)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def rank_dir_name(rank: int, now: _dt.datetime | None = None) -> str:
+    """``{%b%d_%H-%M-%S}-rank{R}-{uuid8}`` in host-local time."""
+    now = now or _dt.datetime.now().astimezone()
+    return f"{now.strftime(TIME_FORMAT)}-rank{rank}-{uuid.uuid4().hex[:8]}"
+
+
+def find_rank_dir(root: str, rank: int, start: str, end: str) -> str | None:
+    """The newest existing directory of ``rank`` under root whose time tag lies in [start, end]."""
+    low, high = (_dt.datetime.strptime(t, TIME_FORMAT) for t in (start, end))
+    found = []
+    for entry in os.scandir(root) if os.path.isdir(root) else ():
+        match = RANK_DIR_PATTERN.match(entry.name)
+        if not match or int(match.group(2)) != rank or not entry.is_dir(follow_symlinks=False):
+            continue
+        try:
+            stamp = _dt.datetime.strptime(match.group(1), TIME_FORMAT)
+        except ValueError:
+            continue
+        if low <= stamp <= high:
+            found.append((stamp, entry.path))
+    return max(found)[1] if found else None

@@ -1,0 +1,110 @@
+"""Tags and names: chunk prefix "N:", squash_name, target matching, tag grammar (spec §4).
+
+Everything here runs at attach time; hooks only look up precomputed strings.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+#: separator between the virtual-pipeline chunk index and a name, as in "0:layers.0.fc1".
+CHUNK_SEP = ":"
+
+# The later reference's rule: the keyword is kept and its last occurrence after a dot wins;
+# the first pattern that matches decides. Unlike the reference, the start of the name counts as
+# a dot, so "layers.0.norm2.weight" stays whole instead of collapsing to "norm2.weight" (which
+# collides across layers, spec W24); every name the reference keeps whole is unchanged.
+_SQUASH_PATTERNS = tuple(
+    re.compile(p)
+    for p in (
+        r".*\.(layers?\..*)",
+        r".*\.(embeddings?\..*)",
+        r".*\.(final.*)",
+        r".*\.(output.*)",
+        r".*\.(norm.*)",
+    )
+)
+
+
+def squash_name(name: str) -> str:
+    """Shorten a module or parameter name the way msprobe's later versions do.
+
+    ``module.decoder.layers.3.mlp.weight`` -> ``layers.3.mlp.weight``;
+    ``module.language_model.output_layer.weight`` -> ``output_layer.weight``.
+    """
+    dotted = "." + name
+    for pattern in _SQUASH_PATTERNS:
+        match = pattern.fullmatch(dotted)
+        if match:
+            return match.group(1)
+    return name
+
+
+def chunk_name(vpp_stage: int, name: str) -> str:
+    """``"{vpp_stage}:{name}"``."""
+    return f"{vpp_stage}{CHUNK_SEP}{name}"
+
+
+def build_tag(vpp_stage: int, name: str, rank: int | None, task: str, micro_step: int | None = None) -> str:
+    """The reference's tag grammar: ``N:name[:m]/rank{R}/task`` (no rank segment when rank is None)."""
+    head = chunk_name(vpp_stage, name)
+    if micro_step is not None:
+        head = f"{head}{CHUNK_SEP}{micro_step}"
+    if rank is None:
+        return f"{head}/{task}"
+    return f"{head}/rank{rank}/{task}"
+
+
+def split_tag(tag: str) -> tuple[int, str, int | None, str]:
+    """Inverse of build_tag: ``(vpp_stage, name, micro_step or None, task)``.
+
+    Tags without a chunk prefix get vpp_stage 0 and the whole head as name.
+    """
+    head, _, rest = tag.partition("/")
+    task = rest.rsplit("/", 1)[-1] if rest else ""
+    vpp_text, sep, remainder = head.partition(CHUNK_SEP)
+    if not sep or not vpp_text.isdigit():
+        return 0, head, None, task
+    name, sep, micro_text = remainder.rpartition(CHUNK_SEP)
+    if sep and micro_text.isdigit():
+        return int(vpp_text), name, int(micro_text), task
+    return int(vpp_text), remainder, None, task
+
+
+def display_name(raw_name: str, squash: bool) -> str:
+    """Name shown in outputs for a raw module/parameter name."""
+    return squash_name(raw_name) if squash else raw_name
+
+
+def name_candidates(vpp_stage: int, raw_name: str, squashed: str) -> tuple[str, ...]:
+    """The spellings a targets key may use for one module/parameter.
+
+    Raw and squashed names, with and without the chunk prefix, and without the leading
+    ``module.`` segments that DDP/DeepSpeed/Megatron wrappers add.
+    """
+    bare = raw_name
+    while bare.startswith("module."):
+        bare = bare[len("module.") :]
+    names = dict.fromkeys((raw_name, squashed, bare))
+    prefixed = [chunk_name(vpp_stage, n) for n in names]
+    return tuple(dict.fromkeys([*names, *prefixed]))
+
+
+def key_selects(key: str, candidate: str) -> bool:
+    """True when a targets key selects a name: exact, or a dotted prefix on a name boundary.
+
+    ``layers.1`` selects ``layers.1`` and ``layers.1.fc.weight`` but not ``layers.10``.
+    """
+    if not key:
+        return True
+    return candidate == key or candidate.startswith(key + ".")
+
+
+def is_selected(keys: Iterable[str], candidates: Iterable[str]) -> bool:
+    """True when any targets key selects any spelling of the name (no keys: everything)."""
+    keys = tuple(keys)
+    if not keys:
+        return True
+    candidates = tuple(candidates)
+    return any(key_selects(k, c) for k in keys for c in candidates)

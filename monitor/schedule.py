@@ -1,0 +1,47 @@
+"""Which steps are collected: start_step, step_interval, collect_times and module_ranks.
+
+The decision for a step is made once, before its forward pass, so hooks only read a flag.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from monitor.config import MonitorConfig
+
+
+@dataclass
+class Schedule:
+    """Counts collected steps and answers ``wants(step)``.
+
+    A step N is collected iff N >= start_step, (N - start_step) % step_interval == 0 and fewer
+    than collect_times steps were collected so far.
+    """
+
+    start_step: int = 0
+    step_interval: int = 1
+    collect_times: int = 100_000_000
+    collected: int = 0
+
+    @classmethod
+    def from_config(cls, config: MonitorConfig) -> Schedule:
+        return cls(config.start_step, config.step_interval, config.collect_times)
+
+    def wants(self, step: int) -> bool:
+        return (
+            not self.finished
+            and step >= self.start_step
+            and (step - self.start_step) % self.step_interval == 0
+        )
+
+    def mark_collected(self) -> None:
+        self.collected += 1
+
+    @property
+    def finished(self) -> bool:
+        return self.collected >= self.collect_times
+
+
+def rank_enabled(config: MonitorConfig, rank: int) -> bool:
+    """True when this rank monitors (``module_ranks`` empty or containing it)."""
+    return not config.module_ranks or rank in config.module_ranks

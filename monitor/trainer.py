@@ -1,0 +1,180 @@
+"""TrainerMon: the one object users attach. Framework-free; the adapter is picked at set_monitor.
+
+``from monitor import TrainerMon`` never imports torch or mindspore: the adapter for the model's
+framework is imported lazily when ``set_monitor`` sees the model.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+from monitor.config import MonitorConfig, load_config
+
+logger = logging.getLogger("trainmon")
+
+
+def _framework_of(model: Any) -> str:
+    """'torch' or 'mindspore', from the model's class hierarchy (no framework import)."""
+    first = model[0] if isinstance(model, (list, tuple)) and model else model
+    for cls in type(first).__mro__:
+        root = cls.__module__.split(".", 1)[0]
+        if root in ("torch", "mindspore"):
+            return root
+    raise TypeError(
+        f"set_monitor: model: expected a torch.nn.Module, a mindspore.nn.Cell or a list of them, "
+        f"got {type(first).__name__}"
+    )
+
+
+class TrainerMon:
+    """Training-state monitor with msprobe's TrainerMon interface.
+
+    Args:
+        config_file_path: JSON or YAML config file (msprobe's keys), or a dict / MonitorConfig.
+        process_group: the pipeline-parallel group, used for anomaly records (pp_stage, group_mates).
+        params_have_main_grad: where gradients are read: True ``main_grad``, False ``.grad``, None
+            (default) per parameter, ``main_grad`` where it exists, else ``.grad``.
+        opt_ty: accepted for source compatibility with older msprobe versions and ignored.
+
+    Raises:
+        ConfigError: the config cannot be read or a value is invalid.
+    """
+
+    def __init__(
+        self,
+        config_file_path: str | os.PathLike | Mapping[str, Any] | MonitorConfig,
+        process_group: Any = None,
+        params_have_main_grad: bool | None = None,
+        opt_ty: Any = None,
+    ) -> None:
+        self.config: MonitorConfig = load_config(config_file_path)
+        self.config_file_path = config_file_path if isinstance(config_file_path, (str, os.PathLike)) else None
+        self.process_group = process_group
+        self.params_have_main_grad = params_have_main_grad
+        self._wrapped_optimizer: Any = None
+        self._session: Any = None
+
+    # -- attaching ---------------------------------------------------------------------------
+
+    def set_monitor(
+        self,
+        model: Any,
+        grad_acc_steps: Any = 1,
+        optimizer: Any = None,
+        tp_group: Any = None,
+        dp_group: Any = None,
+        start_iteration: int = 0,
+    ) -> TrainerMon:
+        """Attach to a model (or a list of virtual-pipeline chunks) and its optimizer.
+
+        Both argument orders of msprobe are accepted: ``(model, grad_acc_steps, optimizer)`` (1.2.2)
+        and ``(model, optimizer, grad_acc_steps)`` (later versions).
+
+        Raises:
+            ValueError / TypeError: a bad argument (named in the message).
+        """
+        if not isinstance(grad_acc_steps, int) and (optimizer is None or isinstance(optimizer, int)):
+            grad_acc_steps, optimizer = (1 if optimizer is None else optimizer), grad_acc_steps
+        if isinstance(grad_acc_steps, bool) or not isinstance(grad_acc_steps, int) or grad_acc_steps < 1:
+            raise ValueError(f"set_monitor: grad_acc_steps: expected an integer >= 1, got {grad_acc_steps!r}")
+        if isinstance(start_iteration, bool) or not isinstance(start_iteration, int) or start_iteration < 0:
+            raise ValueError(
+                f"set_monitor: start_iteration: expected an integer >= 0, got {start_iteration!r}"
+            )
+        if self._session is not None:
+            raise RuntimeError("set_monitor: this TrainerMon is already attached; call stop() first")
+        framework = _framework_of(model)
+        if framework == "torch":
+            from adapters.torch.session import TorchSession as Session
+        else:
+            from adapters.mindspore.session import MindSporeSession as Session
+        self._session = Session(
+            config=self.config,
+            model=model,
+            grad_acc_steps=grad_acc_steps,
+            optimizer=optimizer if optimizer is not None else self._wrapped_optimizer,
+            process_group=self.process_group,
+            params_have_main_grad=self.params_have_main_grad,
+            tp_group=tp_group,
+            dp_group=dp_group,
+            start_iteration=start_iteration,
+        )
+        return self
+
+    def monitor_gnorm_with_ad(
+        self,
+        model: Any,
+        grad_acc_steps: Any = 1,
+        optimizer: Any = None,
+        tp_group: Any = None,
+        dp_group: Any = None,
+        start_iteration: int = 0,
+    ) -> TrainerMon:
+        """Deprecated name of set_monitor (older msprobe); forwards to it."""
+        _deprecated("monitor_gnorm_with_ad", "set_monitor")
+        return self.set_monitor(model, grad_acc_steps, optimizer, tp_group, dp_group, start_iteration)
+
+    def set_wrapped_optimizer(self, optimizer: Any) -> None:
+        """Deprecated (older msprobe): remember the optimizer for a later set_monitor call."""
+        _deprecated("set_wrapped_optimizer", "set_monitor(..., optimizer=...)")
+        self._wrapped_optimizer = optimizer
+
+    # -- reading -----------------------------------------------------------------------------
+
+    def _latest(self, prefix: str) -> dict[str, dict[str, float]]:
+        return self._session.core.latest.latest(prefix) if self._session is not None else {}
+
+    def generate_wgrad_metrics(
+        self, *_: Any
+    ) -> tuple[dict[str, dict[str, float]], dict[str, dict[str, float]]]:
+        """``(reduced, unreduced)`` weight-gradient statistics of the last collected step.
+
+        Each is ``{tag: {op: float}}`` with plain Python floats (msprobe returns 0-dim tensors).
+        """
+        return self._latest("grad_reduced"), self._latest("grad_unreduced")
+
+    def generate_mv_metrics(self, *_: Any) -> dict[str, dict[str, float]]:
+        """exp_avg and exp_avg_sq statistics of the last collected step, ``{tag: {op: float}}``."""
+        return {**self._latest("exp_avg"), **self._latest("exp_avg_sq")}
+
+    def generate_param_metrics(self, *_: Any) -> dict[str, dict[str, float]]:
+        """param_origin and param_updated statistics of the last collected step."""
+        return {**self._latest("param_origin"), **self._latest("param_updated")}
+
+    @property
+    def anomalies(self) -> list:
+        """Anomalies detected so far (after the writer has processed them; see ``flush``)."""
+        return list(self._session.core.anomalies) if self._session is not None else []
+
+    @property
+    def output_dir(self) -> str | None:
+        """This rank's output directory (None for format api or before set_monitor)."""
+        return self._session.core.output_dir if self._session is not None else None
+
+    @property
+    def monitoring(self) -> bool:
+        return self._session is not None and self._session.active
+
+    @property
+    def step(self) -> int:
+        """The optimizer-step counter (the step the next optimizer.step() will be)."""
+        return self._session.step if self._session is not None else 0
+
+    def flush(self) -> None:
+        """Wait until every collected step so far is written."""
+        if self._session is not None:
+            self._session.core.flush()
+
+    def stop(self) -> None:
+        """Remove every hook and close the outputs; model and optimizer behave as before attaching."""
+        if self._session is not None:
+            self._session.stop()
+
+
+def _deprecated(old: str, new: str) -> None:
+    warnings.warn(f"TrainerMon.{old} is deprecated; use {new}", DeprecationWarning, stacklevel=3)
+    logger.warning("trainmon: TrainerMon.%s is deprecated; use %s", old, new)

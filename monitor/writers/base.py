@@ -1,0 +1,175 @@
+"""The writer interface and the background thread that feeds writers.
+
+A writer implements ``write(record)`` and ``close()``. The training thread only puts records on
+a bounded queue; a daemon thread resolves them (finishing any pending device-to-host copy) and
+hands them to each sink. A sink that raises is logged once with its cause and switched off; the
+others keep working and the training never sees the exception.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import queue
+import threading
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+from monitor.record import StepRecord
+
+logger = logging.getLogger("trainmon")
+
+#: records waiting to be written before the training thread has to wait for the writer.
+DEFAULT_QUEUE_SIZE = 256
+#: how long the training thread waits for room in a full queue before dropping a record.
+PUT_TIMEOUT_S = 60.0
+
+
+class Writer(Protocol):
+    """Where a StepRecord goes: CSV files, TensorBoard events, memory, the anomaly detector.
+
+    A writer may also define ``end_step(step)``, called once when a collected step is complete.
+    """
+
+    def write(self, record: StepRecord) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class _StepEnd:
+    __slots__ = ("step",)
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+
+_STOP = object()
+
+
+class WriterThread:
+    """A bounded queue drained by one daemon thread into a list of sinks.
+
+    Drained and joined by ``close()``, which is also registered to run at interpreter exit.
+    """
+
+    def __init__(
+        self, sinks: Sequence[Writer], queue_size: int = DEFAULT_QUEUE_SIZE, name: str = "trainmon-writer"
+    ):
+        self._sinks: list[Writer | None] = list(sinks)
+        self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
+        self._closed = False
+        self._dropped = 0
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+        self._atexit = _weak_close(self)
+        atexit.register(self._atexit)
+
+    @property
+    def alive(self) -> bool:
+        return not self._closed and any(s is not None for s in self._sinks)
+
+    def submit(self, record: StepRecord) -> None:
+        """Queue a record (training thread). Never raises."""
+        self._put(record)
+
+    def end_step(self, step: int) -> None:
+        """Mark the end of a collected step: sinks flush whole rows / replace their JSON."""
+        self._put(_StepEnd(step))
+
+    def call(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the writer thread, in order with the records."""
+        self._put(fn)
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until everything queued so far has been written."""
+        if self._closed or not self._thread.is_alive():
+            return
+        done = threading.Event()
+        self._put(done.set)
+        done.wait(timeout)
+
+    def close(self) -> None:
+        """Drain the queue, close every sink and stop the thread. Safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self._atexit)
+        if self._thread.is_alive():
+            self._queue.put(_STOP)
+            self._thread.join()
+        if self._dropped:
+            logger.warning(
+                "trainmon: %d records were dropped because the writer could not keep up", self._dropped
+            )
+
+    def _put(self, item: object) -> None:
+        if self._closed:
+            return
+        try:
+            self._queue.put(item, timeout=PUT_TIMEOUT_S)
+        except queue.Full:
+            self._dropped += 1
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is _STOP:
+                break
+            if isinstance(item, StepRecord):
+                self._each_sink("write", item)
+            elif isinstance(item, _StepEnd):
+                self._each_sink("end_step", item.step)
+            else:
+                try:
+                    item()
+                except Exception:  # a queued job must never kill the thread
+                    logger.exception("trainmon: a background job failed")
+        for index in range(len(self._sinks)):
+            self._call_sink(index, "close")
+
+    def _each_sink(self, method: str, arg: object) -> None:
+        if isinstance(arg, StepRecord):
+            try:
+                arg.resolve()
+            except Exception as exc:
+                logger.error(
+                    "trainmon: could not copy %s of step %d to the host: %r", arg.prefix, arg.step, exc
+                )
+                return
+        for index in range(len(self._sinks)):
+            self._call_sink(index, method, arg)
+
+    def _call_sink(self, index: int, method: str, *args: object) -> None:
+        sink = self._sinks[index]
+        if sink is None:
+            return
+        fn = getattr(sink, method, None)
+        if fn is None:
+            return
+        try:
+            fn(*args)
+        except Exception as exc:
+            self._sinks[index] = None
+            logger.error(
+                "trainmon: %s failed in %s (%r); it is switched off, training and the other outputs go on",
+                type(sink).__name__,
+                method,
+                exc,
+            )
+            if method != "close":
+                try:
+                    sink.close()
+                except Exception:
+                    pass
+
+
+def _weak_close(writer: WriterThread) -> Callable[[], None]:
+    ref = weakref.ref(writer)
+
+    def close() -> None:
+        target = ref()
+        if target is not None:
+            target.close()
+
+    return close

@@ -1,0 +1,107 @@
+"""msprobe-compatible CSV output: ``{prefix}_{a}-{b}.csv`` per data type and step window.
+
+Header ``vpp_stage,name,step[,micro_step],<ops>``; one row per tag. Values keep ``ndigits``
+significant digits (not decimal places, so small values such as exp_avg_sq stay visible);
+counts are written exactly. A record's rows are written with one write call and flushed, so a
+crash leaves only whole lines.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from typing import TextIO
+
+from monitor.files import FILE_MODE, open_append
+from monitor.record import RowSet, StepRecord
+
+#: ops written as exact integers.
+EXACT_OPS = ("nans",)
+
+
+def _csv_field(text: str) -> str:
+    if any(c in text for c in ',"\n\r'):
+        return '"' + text.replace('"', '""') + '"'
+    return text
+
+
+class CsvWriter:
+    """Writes StepRecords into per-prefix, per-window CSV files in ``out_dir``."""
+
+    def __init__(
+        self,
+        out_dir: str | os.PathLike,
+        ndigits: int = 6,
+        step_count_per_record: int = 1,
+        file_mode: int = FILE_MODE,
+    ) -> None:
+        self.out_dir = os.fspath(out_dir)
+        self.ndigits = ndigits
+        self.window = step_count_per_record
+        self.file_mode = file_mode
+        self._files: dict[str, tuple[int, TextIO]] = {}
+        self._row_heads: weakref.WeakKeyDictionary[RowSet, list[tuple[str, str]]] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._formats: dict[tuple[str, ...], str] = {}
+
+    def file_name(self, prefix: str, step: int) -> str:
+        start = (step // self.window) * self.window
+        return f"{prefix}_{start}-{start + self.window - 1}.csv"
+
+    def _file(self, record: StepRecord) -> TextIO:
+        start = (record.step // self.window) * self.window
+        current = self._files.get(record.prefix)
+        if current is not None and current[0] == start:
+            return current[1]
+        if current is not None:
+            current[1].close()
+        path = os.path.join(self.out_dir, self.file_name(record.prefix, record.step))
+        handle, created = open_append(path, self.file_mode)
+        if created:
+            micro = ["micro_step"] if record.has_micro_step else []
+            handle.write(",".join(["vpp_stage", "name", "step", *micro, *record.ops]) + "\n")
+        self._files[record.prefix] = (start, handle)
+        return handle
+
+    def _heads(self, rows: RowSet) -> list[tuple[str, str]]:
+        """Per row, the text before and after the step column (computed once per RowSet)."""
+        heads = self._row_heads.get(rows)
+        if heads is None:
+            micro = rows.micro_steps if rows.micro_steps is not None else (None,) * len(rows)
+            heads = [
+                (f"{v},{_csv_field(n)},", "," if m is None else f",{m},")
+                for v, n, m in zip(rows.vpp_stages, rows.names, micro)
+            ]
+            self._row_heads[rows] = heads
+        return heads
+
+    def _value_format(self, ops: tuple[str, ...]) -> str:
+        fmt = self._formats.get(ops)
+        if fmt is None:
+            fmt = ",".join("%.17g" if op in EXACT_OPS else f"%.{self.ndigits}g" for op in ops) + "\n"
+            self._formats[ops] = fmt
+        return fmt
+
+    def write(self, record: StepRecord) -> None:
+        if len(record.rows) == 0:
+            return
+        values = record.resolve().tolist()
+        fmt = self._value_format(record.ops)
+        step = str(record.step)
+        text = "".join(
+            before + step + after + fmt % tuple(row)
+            for (before, after), row in zip(self._heads(record.rows), values)
+        )
+        handle = self._file(record)
+        handle.write(text)
+        handle.flush()
+
+    def end_step(self, step: int) -> None:
+        for _, handle in self._files.values():
+            handle.flush()
+
+    def close(self) -> None:
+        files, self._files = self._files, {}
+        for _, handle in files.values():
+            handle.close()
