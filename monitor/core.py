@@ -65,7 +65,7 @@ class MonitorCore:
             path = find_rank_dir(self.root, self.rank, *self.config.append_output)
             if path is None:
                 logger.warning(
-                    "trainmon: append_output %s: no directory of rank %d in that range under %s; starting anew",
+                    "trainmon: append_output %s: no directory of rank %d in range under %s; starting anew",
                     list(self.config.append_output),
                     self.rank,
                     self.root,

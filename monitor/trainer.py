@@ -125,8 +125,13 @@ class TrainerMon:
 
     # -- reading -----------------------------------------------------------------------------
 
+    @property
+    def _core(self) -> Any:
+        """The session's MonitorCore; None before set_monitor and on ranks outside module_ranks."""
+        return self._session.core if self._session is not None else None
+
     def _latest(self, prefix: str) -> dict[str, dict[str, float]]:
-        return self._session.core.latest.latest(prefix) if self._session is not None else {}
+        return self._core.latest.latest(prefix) if self._core is not None else {}
 
     def generate_wgrad_metrics(
         self, *_: Any
@@ -148,12 +153,12 @@ class TrainerMon:
     @property
     def anomalies(self) -> list:
         """Anomalies detected so far (after the writer has processed them; see ``flush``)."""
-        return list(self._session.core.anomalies) if self._session is not None else []
+        return list(self._core.anomalies) if self._core is not None else []
 
     @property
     def output_dir(self) -> str | None:
         """This rank's output directory (None for format api or before set_monitor)."""
-        return self._session.core.output_dir if self._session is not None else None
+        return self._core.output_dir if self._core is not None else None
 
     @property
     def monitoring(self) -> bool:
@@ -166,8 +171,8 @@ class TrainerMon:
 
     def flush(self) -> None:
         """Wait until every collected step so far is written."""
-        if self._session is not None:
-            self._session.core.flush()
+        if self._core is not None:
+            self._core.flush()
 
     def stop(self) -> None:
         """Remove every hook and close the outputs; model and optimizer behave as before attaching."""

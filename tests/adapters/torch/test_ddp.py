@@ -1,0 +1,88 @@
+"""Two real gloo ranks under torch DDP, fed different data.
+
+The unreduced gradient must be each rank's own (it differs between ranks and equals a
+single-process replica trained on that rank's data); the reduced gradient is DDP's average,
+equal on both ranks. Every statistic is checked against numpy on copies made in the worker.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import pytest
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from tests.adapters.torch.distributed import run_ranks, save_result
+from tests.adapters.torch.helpers import ALL_OPS, MLP, assert_stats_close, make_batches
+
+pytestmark = pytest.mark.distributed
+
+STEPS, GRAD_ACC = 3, 2
+
+
+def _worker(rank: int, world_size: int, workdir: str) -> None:
+    from monitor import TrainerMon
+
+    os.environ["MONITOR_OUTPUT_DIR"] = os.path.join(workdir, "out")
+    torch.manual_seed(0)
+    model = MLP()
+    replica = MLP()
+    replica.load_state_dict(model.state_dict())
+    ddp = DistributedDataParallel(model)
+    optimizer = torch.optim.AdamW(ddp.parameters(), lr=0.05)
+    mon = TrainerMon(
+        {
+            "wg_distribution": True,
+            "mv_distribution": True,
+            "param_distribution": True,
+            "ops": ALL_OPS,
+            "format": "csv",
+        }
+    )
+    mon.set_monitor(ddp, grad_acc_steps=GRAD_ACC, optimizer=optimizer)
+    result = {"unreduced_norm": [], "reduced_norm": []}
+    for step_batches in make_batches(STEPS, GRAD_ACC, seed=100 + rank):
+        replica.load_state_dict(model.state_dict())
+        replica.zero_grad()
+        for micro, x in enumerate(step_batches):
+            sync = contextlib.nullcontext() if micro == GRAD_ACC - 1 else ddp.no_sync()
+            with sync:
+                ddp(x).pow(2).mean().backward()
+            replica(x).pow(2).mean().backward()
+        local = {n: p.grad.numpy().copy() for n, p in replica.named_parameters()}
+        reduced = {n: p.grad.numpy().copy() for n, p in model.named_parameters()}
+        optimizer.step()
+        optimizer.zero_grad()
+        got_reduced, got_unreduced = mon.generate_wgrad_metrics()
+        for name in local:
+            tag = f"0:{name}/rank{rank}"  # "module." squashed away
+            assert_stats_close(
+                got_unreduced[f"{tag}/acc_grad"], local[name], what=f"rank {rank} {name} unreduced"
+            )
+            assert_stats_close(
+                got_reduced[f"{tag}/post_grad"], reduced[name], what=f"rank {rank} {name} reduced"
+            )
+        result["unreduced_norm"].append(
+            {n: got_unreduced[f"0:{n}/rank{rank}/acc_grad"]["norm"] for n in local}
+        )
+        result["reduced_norm"].append({n: got_reduced[f"0:{n}/rank{rank}/post_grad"]["norm"] for n in local})
+    mon.stop()
+    result["output_dir"] = mon.output_dir
+    save_result(workdir, rank, result)
+
+
+def test_unreduced_is_each_ranks_own_and_reduced_is_shared(tmp_path):
+    rank0, rank1 = run_ranks(_worker, 2, str(tmp_path))
+    for step in range(STEPS):
+        for name, norm in rank0["unreduced_norm"][step].items():
+            assert norm != pytest.approx(rank1["unreduced_norm"][step][name], rel=1e-3)
+            assert rank0["reduced_norm"][step][name] == pytest.approx(
+                rank1["reduced_norm"][step][name], rel=1e-6
+            )
+    assert os.path.basename(rank0["output_dir"]).split("-rank")[1].startswith("0-")
+    assert os.path.basename(rank1["output_dir"]).split("-rank")[1].startswith("1-")
+    assert sorted(os.listdir(tmp_path / "out")) == sorted(
+        [os.path.basename(rank0["output_dir"]), os.path.basename(rank1["output_dir"])]
+    )

@@ -1,0 +1,315 @@
+"""Attaching, scheduling, stopping: the training is unchanged and every hook goes away."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from monitor import TrainerMon
+from tests.adapters.torch.helpers import ALL_OPS, MLP, make_batches
+
+DATA_TYPES = {
+    "wg": {"wg_distribution": True},
+    "wg_mbs": {"wg_distribution": True, "monitor_mbs_grad": True},
+    "mv": {"mv_distribution": True},
+    "param": {"param_distribution": True},
+    "mg": {"mg_direction": True},
+    "all": {
+        "wg_distribution": True,
+        "mv_distribution": True,
+        "param_distribution": True,
+        "mg_direction": True,
+    },
+}
+
+
+def _train(model, optimizer, steps: int, grad_acc: int = 2, seed: int = 1) -> list[float]:
+    losses = []
+    for step_batches in make_batches(steps, grad_acc, seed=seed):
+        for x in step_batches:
+            loss = model(x).pow(2).mean()
+            loss.backward()
+            losses.append(loss.item())
+        optimizer.step()
+        optimizer.zero_grad()
+    return losses
+
+
+def _fresh(seed: int = 0):
+    torch.manual_seed(seed)
+    model = MLP()
+    return model, torch.optim.AdamW(model.parameters(), lr=0.05)
+
+
+def _hook_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """Every hook dictionary a monitor could touch, as lists of hook ids."""
+    return {
+        "params": [
+            (n, list(p._post_accumulate_grad_hooks or {}), list(p._backward_hooks or {}))
+            for n, p in model.named_parameters()
+        ],
+        "modules": [
+            (
+                n,
+                list(m._forward_pre_hooks),
+                list(m._forward_hooks),
+                list(m._backward_hooks),
+                list(m._backward_pre_hooks),
+            )
+            for n, m in model.named_modules()
+        ],
+        "optimizer": (list(optimizer._optimizer_step_pre_hooks), list(optimizer._optimizer_step_post_hooks)),
+    }
+
+
+@pytest.mark.parametrize("kind", sorted(DATA_TYPES))
+def test_training_is_bit_identical_with_the_monitor(kind):
+    model, optimizer = _fresh()
+    plain_losses = _train(model, optimizer, 10)
+    plain = [p.detach().clone() for p in model.parameters()]
+
+    model, optimizer = _fresh()
+    mon = TrainerMon({**DATA_TYPES[kind], "ops": ALL_OPS, "format": "csv"})
+    mon.set_monitor(model, grad_acc_steps=2, optimizer=optimizer)
+    monitored_losses = _train(model, optimizer, 10)
+    mon.stop()
+    assert monitored_losses == plain_losses
+    for before, after in zip(plain, model.parameters()):
+        assert torch.equal(before, after.detach())
+
+
+def test_stop_removes_every_hook():
+    model, optimizer = _fresh()
+    before = _hook_state(model, optimizer)
+    mon = TrainerMon(DATA_TYPES["all"])
+    mon.set_monitor(model, grad_acc_steps=2, optimizer=optimizer)
+    assert _hook_state(model, optimizer) != before
+    _train(model, optimizer, 2)
+    mon.stop()
+    assert _hook_state(model, optimizer) == before
+    mon.stop()  # idempotent
+    assert not mon.monitoring
+
+
+def test_collect_times_removes_every_hook_and_training_goes_on(tmp_path):
+    model, optimizer = _fresh()
+    before = _hook_state(model, optimizer)
+    mon = TrainerMon({**DATA_TYPES["all"], "collect_times": 3})
+    mon.set_monitor(model, grad_acc_steps=2, optimizer=optimizer)
+    _train(model, optimizer, 6)
+    assert not mon.monitoring
+    assert _hook_state(model, optimizer) == before
+    files = sorted(os.listdir(mon.output_dir))
+    assert "grad_reduced_2-2.csv" in files and "grad_reduced_3-3.csv" not in files
+
+
+def test_collect_times_reached_on_the_last_step_is_cleaned_by_stop():
+    model, optimizer = _fresh()
+    before = _hook_state(model, optimizer)
+    mon = TrainerMon({**DATA_TYPES["all"], "collect_times": 2})
+    mon.set_monitor(model, grad_acc_steps=2, optimizer=optimizer)
+    _train(model, optimizer, 2)
+    mon.stop()
+    assert _hook_state(model, optimizer) == before
+
+
+def test_schedule_start_step_interval_and_collect_times():
+    model, optimizer = _fresh()
+    mon = TrainerMon({"wg_distribution": True, "start_step": 2, "step_interval": 3, "collect_times": 2})
+    mon.set_monitor(model, grad_acc_steps=2, optimizer=optimizer)
+    _train(model, optimizer, 10)
+    mon.stop()
+    steps = sorted(
+        int(f.split("_")[-1].split("-")[0])
+        for f in os.listdir(mon.output_dir)
+        if f.startswith("grad_reduced")
+    )
+    assert steps == [2, 5]
+
+
+def test_start_iteration_offsets_the_step_counter():
+    model, optimizer = _fresh()
+    mon = TrainerMon({"wg_distribution": True, "start_step": 100})
+    mon.set_monitor(model, grad_acc_steps=2, optimizer=optimizer, start_iteration=99)
+    _train(model, optimizer, 3)
+    mon.stop()
+    frame = pd.concat(
+        pd.read_csv(os.path.join(mon.output_dir, f)) for f in sorted(os.listdir(mon.output_dir))
+    )
+    assert sorted(set(frame["step"])) == [100, 101]
+
+
+def test_targets_select_on_name_boundaries():
+    torch.manual_seed(0)
+    model = MLP(sizes=(6,) * 12 + (4,))  # layers.0 .. layers.11
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = TrainerMon(
+        {"wg_distribution": True, "format": "api", "targets": {"layers.1": {}, "norm.weight": {}}}
+    )
+    mon.set_monitor(model, 2, optimizer)
+    _train(model, optimizer, 1)
+    reduced, _ = mon.generate_wgrad_metrics()
+    mon.stop()
+    assert sorted(reduced) == [
+        "0:layers.1.bias/rank0/post_grad",
+        "0:layers.1.weight/rank0/post_grad",
+        "0:norm.weight/rank0/post_grad",
+    ]
+
+
+def test_module_ranks_without_this_rank_monitors_nothing(_output_dir):
+    model, optimizer = _fresh()
+    before = _hook_state(model, optimizer)
+    mon = TrainerMon({**DATA_TYPES["all"], "module_ranks": [1]})
+    mon.set_monitor(model, 2, optimizer)
+    assert _hook_state(model, optimizer) == before
+    _train(model, optimizer, 2)
+    assert not _output_dir.exists()
+    assert mon.generate_wgrad_metrics() == ({}, {})
+
+
+def test_plain_pytorch_with_main_grad_true_does_not_crash(caplog):
+    model, optimizer = _fresh()
+    mon = TrainerMon({"wg_distribution": True, "format": "api"}, params_have_main_grad=True)
+    mon.set_monitor(model, 2, optimizer)
+    _train(model, optimizer, 2)
+    reduced, unreduced = mon.generate_wgrad_metrics()
+    mon.stop()
+    assert len(reduced) == len(list(model.parameters())) and len(unreduced) == len(reduced)
+
+
+def test_main_grad_is_read_when_present():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = TrainerMon({"wg_distribution": True, "format": "api", "ops": ["norm"]})
+    mon.set_monitor(model, 1, optimizer)
+    for p in model.parameters():
+        p.main_grad = torch.full_like(p, 2.0)
+    model(torch.randn(4, 3)).sum().backward()
+    optimizer.step()
+    reduced, _ = mon.generate_wgrad_metrics()
+    mon.stop()
+    assert reduced["0:weight/rank0/post_grad"]["norm"] == pytest.approx(2.0 * np.sqrt(6))
+
+
+def test_later_argument_order_and_deprecated_shims():
+    model, optimizer = _fresh()
+    mon = TrainerMon({"wg_distribution": True, "format": "api"})
+    mon.set_monitor(model, optimizer, 2)  # later msprobe order: (model, optimizer, grad_acc_steps)
+    _train(model, optimizer, 1)
+    assert mon.generate_wgrad_metrics()[0]
+    mon.stop()
+
+    model, optimizer = _fresh()
+    legacy = TrainerMon({"wg_distribution": True, "format": "api"})
+    with pytest.warns(DeprecationWarning):
+        legacy.set_wrapped_optimizer(optimizer)
+    with pytest.warns(DeprecationWarning):
+        legacy.monitor_gnorm_with_ad(model, grad_acc_steps=2)
+    _train(model, optimizer, 1)
+    assert legacy.generate_wgrad_metrics()[0]
+    legacy.stop()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"grad_acc_steps": 0}, "grad_acc_steps"),
+        ({"start_iteration": -1}, "start_iteration"),
+        ({"optimizer": None}, "optimizer"),
+        ({"optimizer": object()}, "optimizer"),
+    ],
+)
+def test_bad_set_monitor_arguments_are_rejected_at_the_door(kwargs, message):
+    model, optimizer = _fresh()
+    arguments = {"grad_acc_steps": 1, "optimizer": optimizer, **kwargs}
+    with pytest.raises((ValueError, TypeError), match=message):
+        TrainerMon({"wg_distribution": True}).set_monitor(model, **arguments)
+
+
+def test_csv_files_layout_rows_and_windows():
+    model, optimizer = _fresh()
+    mon = TrainerMon({**DATA_TYPES["all"], "ops": ["norm", "nans"], "step_count_per_record": 2})
+    mon.set_monitor(model, grad_acc_steps=2, optimizer=optimizer)
+    _train(model, optimizer, 5)
+    mon.stop()
+    names = [n for n, _ in model.named_parameters()]
+    files = sorted(os.listdir(mon.output_dir))
+    expected = {
+        f"{prefix}_{a}-{a + 1}.csv"
+        for prefix in (
+            "grad_unreduced",
+            "grad_reduced",
+            "exp_avg",
+            "exp_avg_sq",
+            "param_origin",
+            "param_updated",
+            "other",
+        )
+        for a in (0, 2, 4)
+    }
+    assert set(files) == expected
+    for prefix in ("grad_reduced", "exp_avg_sq", "other"):
+        frame = pd.read_csv(os.path.join(mon.output_dir, f"{prefix}_2-3.csv"))
+        assert list(frame.columns) == ["vpp_stage", "name", "step", "norm", "nans"]
+        assert sorted(frame["step"].value_counts().items()) == [(2, len(names)), (3, len(names))]
+        assert set(frame["name"]) == set(names) and set(frame["vpp_stage"]) == {0}
+    tail = pd.read_csv(os.path.join(mon.output_dir, "exp_avg_sq_4-5.csv"))
+    assert (tail["norm"] > 0).all()  # significant digits: small moments are not rounded to 0.0
+
+
+def test_tensorboard_scalars_read_back_equal_numpy():
+    from tensorboard.backend.event_processing.event_accumulator import SCALARS, EventAccumulator
+
+    model, optimizer = _fresh()
+    mon = TrainerMon({"wg_distribution": True, "ops": ["norm", "max"], "format": "tensorboard"})
+    mon.set_monitor(model, grad_acc_steps=2, optimizer=optimizer)
+    expected = {}
+    for step, step_batches in enumerate(make_batches(3, 2)):
+        for x in step_batches:
+            model(x).pow(2).mean().backward()
+        for name, p in model.named_parameters():
+            grad = p.grad.numpy().astype(np.float64)
+            expected[(f"0:{name}/rank0/post_grad_norm", step)] = np.linalg.norm(grad)
+            expected[(f"0:{name}/rank0/acc_grad_max", step)] = grad.max()
+        optimizer.step()
+        optimizer.zero_grad()
+    mon.stop()
+    events = EventAccumulator(mon.output_dir, size_guidance={SCALARS: 0})
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert len(tags) == 2 * 2 * len(list(model.parameters()))
+    for (tag, step), value in expected.items():
+        (point,) = [e for e in events.Scalars(tag) if e.step == step]
+        assert point.value == pytest.approx(np.float32(value), rel=1e-6)
+
+
+def test_failure_in_a_statistic_is_contained(monkeypatch, caplog):
+    import adapters.torch.grads as grads
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected failure")
+
+    monkeypatch.setattr(grads, "tensor_stats", broken)
+    model, optimizer = _fresh()
+    mon = TrainerMon({"wg_distribution": True, "param_distribution": True, "format": "api"})
+    mon.set_monitor(model, 2, optimizer)
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("trainmon").addHandler(handler)
+    try:
+        _train(model, optimizer, 3)
+    finally:
+        logging.getLogger("trainmon").removeHandler(handler)
+    reduced, unreduced = mon.generate_wgrad_metrics()
+    mon.stop()
+    failures = [r for r in records if "grad_unreduced failed" in r.getMessage()]
+    assert len(failures) == 1 and "injected failure" in failures[0].getMessage()
+    assert unreduced == {} and reduced and mon.generate_param_metrics()

@@ -1,0 +1,174 @@
+"""Every statistic of every data type equals numpy's on a copy made by the test (one process)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from monitor import TrainerMon
+from tests.adapters.torch.helpers import ALL_OPS, MLP, assert_stats_close, make_batches
+
+GRAD_ACC = 2
+STEPS = 4
+
+
+def _config(**extra):
+    return {
+        "wg_distribution": True,
+        "mv_distribution": True,
+        "param_distribution": True,
+        "mg_direction": True,
+        "ops": ALL_OPS,
+        "format": "api",
+        **extra,
+    }
+
+
+def _named(model):
+    return {name: p for name, p in model.named_parameters()}
+
+
+def _train_and_capture(mon: TrainerMon, model, optimizer, batches):
+    """Train, and per step capture (by copy) what each data type must describe, plus what mon reports."""
+    captured = []
+    for step_batches in batches:
+        for x in step_batches:
+            model(x).pow(2).mean().backward()
+        params = _named(model)
+        expect = {
+            "grad": {n: p.grad.detach().numpy().copy() for n, p in params.items()},
+            "param_origin": {n: p.detach().numpy().copy() for n, p in params.items()},
+            "exp_avg_before": {
+                n: optimizer.state[p]["exp_avg"].numpy().copy() if p in optimizer.state else None
+                for n, p in params.items()
+            },
+        }
+        optimizer.step()
+        expect["param_updated"] = {n: p.detach().numpy().copy() for n, p in params.items()}
+        expect["exp_avg"] = {n: optimizer.state[p]["exp_avg"].numpy().copy() for n, p in params.items()}
+        expect["exp_avg_sq"] = {n: optimizer.state[p]["exp_avg_sq"].numpy().copy() for n, p in params.items()}
+        optimizer.zero_grad()
+        reduced, unreduced = mon.generate_wgrad_metrics()
+        captured.append((expect, reduced, unreduced, mon.generate_mv_metrics(), mon.generate_param_metrics()))
+    return captured
+
+
+def test_every_statistic_matches_numpy():
+    torch.manual_seed(0)
+    model = MLP()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+    mon = TrainerMon(_config())
+    mon.set_monitor(model, grad_acc_steps=GRAD_ACC, optimizer=optimizer)
+    captured = _train_and_capture(mon, model, optimizer, make_batches(STEPS, GRAD_ACC))
+    mon.stop()
+    names = list(_named(model))
+    for step, (expect, reduced, unreduced, mv, params) in enumerate(captured):
+        for name in names:
+            head = f"0:{name}/rank0"
+            assert_stats_close(
+                unreduced[f"{head}/acc_grad"], expect["grad"][name], what=f"step {step} {name} unreduced"
+            )
+            assert_stats_close(
+                reduced[f"{head}/post_grad"], expect["grad"][name], what=f"step {step} {name} reduced"
+            )
+            for kind in ("param_origin", "param_updated"):
+                assert_stats_close(
+                    params[f"{head}/{kind}"], expect[kind][name], what=f"step {step} {name} {kind}"
+                )
+            for kind in ("exp_avg", "exp_avg_sq"):
+                assert_stats_close(
+                    mv[f"{head}/{kind}"], expect[kind][name], what=f"step {step} {name} {kind}"
+                )
+        assert len(unreduced) == len(reduced) == len(names)
+
+
+def test_mg_direction_matches_sign_agreement_with_previous_moment():
+    torch.manual_seed(0)
+    model = MLP()
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.05)
+    mon = TrainerMon(_config(ops=["min", "max", "norm", "mean"]))
+    mon.set_monitor(model, grad_acc_steps=GRAD_ACC, optimizer=optimizer)
+    values = []
+    for step_batches in make_batches(STEPS, GRAD_ACC):
+        for x in step_batches:
+            model(x).pow(2).mean().backward()
+        expected = {}
+        for name, p in _named(model).items():
+            if p in optimizer.state:
+                g = np.sign(p.grad.numpy().astype(np.float64))
+                m = np.sign(optimizer.state[p]["exp_avg"].numpy().astype(np.float64))
+                expected[name] = ((g * m).sum() / m.size + 1) / 2
+            else:
+                expected[name] = 1.0
+        optimizer.step()
+        optimizer.zero_grad()
+        values.append((expected, dict(mon._session.core.latest.latest("other"))))
+    mon.stop()
+    assert any(v != 1.0 for expected, _ in values[1:] for v in expected.values())
+    for expected, got in values:
+        for name, value in expected.items():
+            row = got[f"0:{name}/rank0/mg_direction"]
+            assert row["mean"] == pytest.approx(value, abs=1e-12)
+            assert row["min"] == row["max"] == pytest.approx(value, abs=1e-12)
+            assert row["norm"] == pytest.approx(abs(value), abs=1e-12)
+
+
+def test_per_micro_batch_gradients_match_each_micro_batch():
+    torch.manual_seed(0)
+    model = MLP()
+    twin = MLP()
+    twin.load_state_dict(model.state_dict())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    mon = TrainerMon(_config(monitor_mbs_grad=True, mv_distribution=False, mg_direction=False))
+    mon.set_monitor(model, grad_acc_steps=GRAD_ACC, optimizer=optimizer)
+    for step_batches in make_batches(2, GRAD_ACC):
+        twin.load_state_dict(model.state_dict())
+        per_micro = []
+        for x in step_batches:
+            twin.zero_grad()
+            twin(x).pow(2).mean().backward()
+            per_micro.append({n: p.grad.numpy().copy() for n, p in twin.named_parameters()})
+            model(x).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        _, unreduced = mon.generate_wgrad_metrics()
+        assert len(unreduced) == GRAD_ACC * len(per_micro[0])
+        for micro, grads in enumerate(per_micro):
+            for name, grad in grads.items():
+                assert_stats_close(
+                    unreduced[f"0:{name}:{micro}/rank0/acc_grad"], grad, what=f"{name} micro {micro}"
+                )
+    mon.stop()
+
+
+def test_metrics_are_plain_floats():
+    torch.manual_seed(0)
+    model = MLP()
+    optimizer = torch.optim.AdamW(model.parameters())
+    mon = TrainerMon(_config())
+    mon.set_monitor(model, 1, optimizer)
+    model(torch.randn(2, 6)).sum().backward()
+    optimizer.step()
+    reduced, unreduced = mon.generate_wgrad_metrics()
+    for metrics in (reduced, unreduced, mon.generate_mv_metrics(), mon.generate_param_metrics()):
+        assert metrics
+        assert all(type(v) is float for ops in metrics.values() for v in ops.values())
+    mon.stop()
+
+
+def test_unreduced_gradient_is_read_at_the_last_micro_batch_only():
+    """With grad_acc_steps=3 the row describes the sum of all three micro-batches' gradients."""
+    torch.manual_seed(0)
+    model = MLP()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = TrainerMon(_config(mv_distribution=False, mg_direction=False, param_distribution=False))
+    mon.set_monitor(model, grad_acc_steps=3, optimizer=optimizer)
+    for x in make_batches(1, 3)[0]:
+        model(x).pow(2).mean().backward()
+    total = {n: p.grad.numpy().copy() for n, p in model.named_parameters()}
+    optimizer.step()
+    _, unreduced = mon.generate_wgrad_metrics()
+    for name, grad in total.items():
+        assert_stats_close(unreduced[f"0:{name}/rank0/acc_grad"], grad, what=name)
+    mon.stop()

@@ -1,0 +1,106 @@
+"""The fused statistics kernel against numpy, including non-finite values and odd inputs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import adapters.torch.stats as stats
+from tests.adapters.torch.helpers import ALL_OPS, numpy_stats
+
+
+def _stats(tensors, ops=ALL_OPS, eps=1e-8):
+    matrix = stats.stat_matrix(tensors, ops, eps)
+    assert matrix.shape == (len(tensors), len(ops)) and matrix.dtype == torch.float64
+    return [dict(zip(ops, row)) for row in matrix.tolist()]
+
+
+def _same(got: float, want: float, rel: float = 1e-6) -> None:
+    if np.isnan(want):
+        assert np.isnan(got)
+    elif np.isinf(want):
+        assert got == want
+    else:
+        assert got == pytest.approx(want, rel=rel, abs=1e-12)
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        [1.0, float("nan"), -3.0, 0.0],
+        [1.0, float("inf"), -3.0],
+        [1.0, float("-inf"), 2.0],
+        [float("inf"), float("-inf")],
+        [float("nan")] * 4,
+        [0.0, 0.0, 1e-9, -1e-9, 2.0],
+    ],
+    ids=["nan", "inf", "-inf", "inf-inf", "all-nan", "zeros"],
+)
+def test_non_finite_values_follow_numpy(values):
+    array = np.array(values, dtype=np.float32)
+    (got,) = _stats([torch.from_numpy(array.copy())])
+    want = numpy_stats(array)
+    for op in ALL_OPS:
+        _same(got[op], want[op])
+
+
+def test_many_tensors_of_mixed_dtypes_and_shapes():
+    generator = torch.Generator().manual_seed(0)
+    tensors = [
+        torch.randn(37, 5, generator=generator),
+        torch.randn(3, generator=generator).to(torch.bfloat16),
+        torch.randn(2, 3, 4, generator=generator, dtype=torch.float64),
+        torch.randn(100, generator=generator).to(torch.float16),
+        torch.randn(8, 8, generator=generator).t(),  # non-contiguous
+    ]
+    rows = _stats(tensors)
+    for tensor, got in zip(tensors, rows):
+        want = numpy_stats(tensor.to(torch.float64).numpy())
+        for op in ALL_OPS:
+            _same(got[op], want[op], rel=1e-5)
+
+
+def test_empty_tensor_gives_nan_not_an_error():
+    (got,) = _stats([torch.empty(0)])
+    assert np.isnan(got["min"]) and np.isnan(got["max"]) and np.isnan(got["mean"]) and np.isnan(got["zeros"])
+    assert got["norm"] == 0.0 and got["nans"] == 0.0
+
+
+def test_integer_tensor_statistics():
+    tensor = torch.tensor([3, -4, 0], dtype=torch.int64)
+    (got,) = _stats([tensor])
+    want = numpy_stats(tensor.numpy())
+    for op in ALL_OPS:
+        _same(got[op], want[op])
+
+
+def test_counts_are_exact_when_taken_in_chunks(monkeypatch):
+    monkeypatch.setattr(stats, "COUNT_CHUNK", 7)
+    array = np.random.default_rng(0).normal(size=1000).astype(np.float32)
+    array[::3] = 0.0
+    array[::11] = np.nan
+    (got,) = _stats([torch.from_numpy(array.copy())], ["zeros", "nans"], eps=1e-8)
+    assert got["nans"] == np.isnan(array).sum()
+    assert got["zeros"] == pytest.approx(np.mean(np.abs(array) < 1e-8))
+
+
+def test_eps_sets_what_counts_as_zero():
+    tensor = torch.tensor([0.0, 1e-4, -1e-4, 1e-2])
+    (got,) = _stats([tensor], ["zeros"], eps=1e-3)
+    assert got["zeros"] == 0.75
+
+
+def test_id_op_is_the_value_of_a_scalar_and_nan_otherwise():
+    rows = _stats([torch.tensor(2.5), torch.ones(3)], ["id"])
+    assert rows[0]["id"] == 2.5 and np.isnan(rows[1]["id"])
+
+
+def test_only_requested_ops_in_requested_order():
+    tensor = torch.tensor([1.0, -2.0, 2.0])
+    (got,) = _stats([tensor], ["max", "norm"])
+    assert list(got) == ["max", "norm"] and got["max"] == 2.0 and got["norm"] == 3.0
+
+
+def test_no_tensors_gives_an_empty_matrix():
+    assert stats.stat_matrix([], ALL_OPS).shape == (0, len(ALL_OPS))

@@ -1,0 +1,83 @@
+"""`trainmon demo` end to end: it trains, finds the injected spike at its step, and says where to look."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pandas as pd
+import pytest
+
+pytest.importorskip("torch")
+
+
+def _demo(*args: str, cwd) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "monitor.cli", "demo", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def _anomaly_steps(root) -> set[int]:
+    with open(os.path.join(root, "anomaly_detected", "rank0", "anomaly.json")) as handle:
+        return {record["step"] for record in json.load(handle).values()}
+
+
+def test_demo_reports_the_injected_spike_at_its_step(tmp_path):
+    out = tmp_path / "run"
+    done = _demo("--steps", "40", "--spike-step", "25", "--output", str(out), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "first at step 25" in done.stdout
+    assert f"tensorboard --logdir {out}" in done.stdout
+    assert _anomaly_steps(out) == {25}
+    (rank_dir,) = [d for d in os.listdir(out) if "-rank0-" in d]
+    frame = pd.read_csv(out / rank_dir / "grad_unreduced_20-29.csv")
+    spike = frame[frame["step"] == 25]["norm"].median()
+    normal = frame[frame["step"] == 24]["norm"].median()
+    assert spike > 100 * normal
+
+
+def test_demo_without_spike_reports_no_anomaly(tmp_path):
+    done = _demo("--steps", "40", "--no-spike", "--output", str(tmp_path / "run"), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "Detected:    no anomalies" in done.stdout
+    assert _anomaly_steps(tmp_path / "run") == set()
+
+
+def test_demo_writes_tensorboard_when_asked(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import SCALARS, EventAccumulator
+
+    out = tmp_path / "run"
+    done = _demo(
+        "--steps", "12", "--spike-step", "11", "--format", "tensorboard", "--output", str(out), cwd=tmp_path
+    )
+    assert done.returncode == 0, done.stderr
+    (rank_dir,) = [d for d in os.listdir(out) if "-rank0-" in d]
+    events = EventAccumulator(str(out / rank_dir), size_guidance={SCALARS: 0})
+    events.Reload()
+    tag = "0:lm_head.weight/rank0/post_grad_norm"
+    assert [e.step for e in events.Scalars(tag)] == list(range(12))
+
+
+def test_demo_output_defaults_to_monitor_output_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "from_env"))
+    done = _demo("--steps", "3", "--no-spike", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert any("-rank0-" in d for d in os.listdir(tmp_path / "from_env"))
+
+
+def test_demo_rejects_a_spike_after_the_last_step(tmp_path):
+    done = _demo("--steps", "5", "--spike-step", "9", cwd=tmp_path)
+    assert done.returncode == 2 and "--spike-step 9" in done.stderr
+
+
+def test_console_script_is_installed():
+    assert shutil.which("trainmon") or os.path.exists(
+        os.path.join(os.path.dirname(sys.executable), "trainmon")
+    )
