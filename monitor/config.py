@@ -19,6 +19,8 @@ from dataclasses import dataclass, field, fields
 from types import MappingProxyType
 from typing import Any
 
+from monitor.files import parse_time_tag
+
 logger = logging.getLogger("trainmon")
 
 #: statistics a config may ask for, in the reference's spelling.
@@ -30,7 +32,6 @@ FORMATS = ("csv", "tensorboard", "api")
 KNOWN_RULES = ("AnomalyTurbulence", "AnomalyNan", "AnomalyZScore")
 CC_KEYS = ("enable", "cc_codeline", "cc_pre_hook", "cc_log_only")
 L2_HOOK_KEYS = ("linear_hook", "attention_hook")
-APPEND_TIME_FORMAT = re.compile(r"^[A-Z][a-z]{2}\d{2}_\d{2}-\d{2}-\d{2}$")
 DEFAULT_COLLECT_TIMES = 100_000_000
 
 
@@ -166,17 +167,11 @@ def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
         raise ConfigError(f"config file {path!r}: expected UTF-8 text") from None
+    is_yaml = path.lower().endswith((".yaml", ".yml"))
     try:
-        if path.lower().endswith((".yaml", ".yml")):
-            import yaml
-
-            data = yaml.safe_load(text)
-        else:
-            data = json.loads(text)
+        data = _load_yaml(text) if is_yaml else json.loads(text)
     except Exception as exc:
-        raise ConfigError(
-            f"config file {path!r}: not valid {'YAML' if path.endswith(('yaml', 'yml')) else 'JSON'}: {exc}"
-        ) from None
+        raise ConfigError(f"config file {path!r}: not valid {'YAML' if is_yaml else 'JSON'}: {exc}") from None
     if data is None:
         data = {}
     if not isinstance(data, dict):
@@ -184,6 +179,21 @@ def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
             f"config file {path!r}: expected an object at the top level, got {type(data).__name__}"
         )
     return data
+
+
+def _load_yaml(text: str) -> Any:
+    """YAML with the safe loader, reading floats the YAML 1.2 / JSON way (``1e-8`` is a number)."""
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    Loader.add_implicit_resolver(
+        "tag:yaml.org,2002:float",
+        re.compile(r"^[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)[eE][-+]?[0-9]+$"),
+        list("-+0123456789."),
+    )
+    return yaml.load(text, Loader=Loader)  # noqa: S506 - a SafeLoader subclass: data only
 
 
 def validate_config(raw: Mapping[str, Any]) -> MonitorConfig:
@@ -197,7 +207,7 @@ def validate_config(raw: Mapping[str, Any]) -> MonitorConfig:
     for key in _BOOL_KEYS:
         if key in raw:
             values[key] = _bool(raw[key], key)
-    if "targets" in raw:
+    if raw.get("targets") is not None:  # an empty YAML key loads as None: the default
         values["targets"] = _targets(raw["targets"])
     for key, low in (("start_step", 0), ("collect_times", 1), ("step_interval", 1)):
         if key in raw:
@@ -206,7 +216,7 @@ def validate_config(raw: Mapping[str, Any]) -> MonitorConfig:
         values["module_ranks"] = _module_ranks(raw["module_ranks"])
     if "cc_distribution" in raw:
         values["cc_distribution"] = _cc(raw["cc_distribution"])
-    if "alert" in raw:
+    if raw.get("alert") is not None:
         values["alert"] = _alert(raw["alert"])
     if "format" in raw:
         fmt = raw["format"]
@@ -325,7 +335,7 @@ def _module_ranks(value: Any) -> tuple[int, ...]:
         raise ConfigError(f"module_ranks: expected a list of integer ranks, got {_describe(value)}")
     ranks = []
     for i, rank in enumerate(value):
-        if isinstance(rank, str) and rank.strip().isdigit():  # MindSpore 1.2.2 spelling
+        if isinstance(rank, str) and rank.strip().isascii() and rank.strip().isdigit():  # MindSpore 1.2.2
             rank = int(rank)
         ranks.append(_int(rank, f"module_ranks[{i}]", 0))
     return tuple(sorted(set(ranks)))
@@ -407,8 +417,10 @@ def _append_output(value: Any) -> tuple[str, ...]:
             f"append_output: expected [] or two time strings like 'Dec03_21-34-40', got {_describe(value)}"
         )
     for i, text in enumerate(times):
-        if not APPEND_TIME_FORMAT.match(text):
+        if parse_time_tag(text) is None:
             raise ConfigError(f"append_output[{i}]: expected a time like 'Dec03_21-34-40', got {text!r}")
+    if times and parse_time_tag(times[0]) > parse_time_tag(times[1]):
+        raise ConfigError(f"append_output: expected the start before the end, got {list(times)!r}")
     return times
 
 

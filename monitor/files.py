@@ -103,6 +103,14 @@ def atomic_write_text(path: str | os.PathLike, text: str, file_mode: int = FILE_
         raise
 
 
+def parse_time_tag(text: str) -> _dt.datetime | None:
+    """A ``%b%d_%H-%M-%S`` time tag as a datetime in a leap year (so Feb29 parses), else None."""
+    try:
+        return _dt.datetime.strptime(f"2000{text}", f"%Y{TIME_FORMAT}")
+    except (TypeError, ValueError):
+        return None
+
+
 def rank_dir_name(rank: int, now: _dt.datetime | None = None) -> str:
     """``{%b%d_%H-%M-%S}-rank{R}-{uuid8}`` in host-local time."""
     now = now or _dt.datetime.now().astimezone()
@@ -111,16 +119,13 @@ def rank_dir_name(rank: int, now: _dt.datetime | None = None) -> str:
 
 def find_rank_dir(root: str, rank: int, start: str, end: str) -> str | None:
     """The newest existing directory of ``rank`` under root whose time tag lies in [start, end]."""
-    low, high = (_dt.datetime.strptime(t, TIME_FORMAT) for t in (start, end))
+    low, high = parse_time_tag(start), parse_time_tag(end)
     found = []
     for entry in os.scandir(root) if os.path.isdir(root) else ():
         match = RANK_DIR_PATTERN.match(entry.name)
         if not match or int(match.group(2)) != rank or not entry.is_dir(follow_symlinks=False):
             continue
-        try:
-            stamp = _dt.datetime.strptime(match.group(1), TIME_FORMAT)
-        except ValueError:
-            continue
-        if low <= stamp <= high:
+        stamp = parse_time_tag(match.group(1))
+        if stamp is not None and low <= stamp <= high:
             found.append((stamp, entry.path))
     return max(found)[1] if found else None

@@ -98,6 +98,8 @@ def key_selects(key: str, candidate: str) -> bool:
     """
     if not key:
         return True
+    if key.endswith("."):  # "layers." is already a boundary: every child of layers
+        return candidate.startswith(key)
     return candidate == key or candidate.startswith(key + ".")
 
 

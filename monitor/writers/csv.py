@@ -8,6 +8,7 @@ crash leaves only whole lines.
 
 from __future__ import annotations
 
+import itertools
 import os
 import weakref
 from typing import TextIO
@@ -23,6 +24,11 @@ def _csv_field(text: str) -> str:
     if any(c in text for c in ',"\n\r'):
         return '"' + text.replace('"', '""') + '"'
     return text
+
+
+def _first_line(path: str) -> str:
+    with open(path, encoding="utf-8", newline="") as handle:
+        return handle.readline()
 
 
 class CsvWriter:
@@ -56,11 +62,20 @@ class CsvWriter:
             return current[1]
         if current is not None:
             current[1].close()
-        path = os.path.join(self.out_dir, self.file_name(record.prefix, record.step))
-        handle, created = open_append(path, self.file_mode)
-        if created:
-            micro = ["micro_step"] if record.has_micro_step else []
-            handle.write(",".join(["vpp_stage", "name", "step", *micro, *record.ops]) + "\n")
+        micro = ["micro_step"] if record.has_micro_step else []
+        header = ",".join(["vpp_stage", "name", "step", *micro, *record.ops]) + "\n"
+        name = self.file_name(record.prefix, record.step)
+        for attempt in itertools.count(1):
+            path = os.path.join(self.out_dir, name)
+            handle, created = open_append(path, self.file_mode)
+            if created:
+                handle.write(header)
+                break
+            if _first_line(path) == header:
+                break
+            # An earlier run (append_output) wrote other columns: never mix them (spec W26).
+            handle.close()
+            name = f"{name.removesuffix('.csv').rsplit('.', 1)[0]}.{attempt}.csv"
         self._files[record.prefix] = (start, handle)
         return handle
 

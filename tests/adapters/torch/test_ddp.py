@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 
+import numpy as np
 import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel

@@ -1,0 +1,81 @@
+"""Shared fixtures for the core (framework-free) tests: record factories and log capture."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import pytest
+
+from monitor.record import RowSet, StepRecord
+
+
+class ListHandler(logging.Handler):
+    """Keeps every record emitted on the logger it is attached to."""
+
+    def __init__(self) -> None:
+        super().__init__(level=logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+    def at(self, level: int) -> list[str]:
+        """Messages of the records emitted at exactly ``level``."""
+        return [r.getMessage() for r in self.records if r.levelno == level]
+
+
+@pytest.fixture
+def trainmon_log():
+    """A handler attached to the "trainmon" logger itself (it may not propagate to the root)."""
+    logger = logging.getLogger("trainmon")
+    handler = ListHandler()
+    previous_level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    try:
+        yield handler
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(previous_level)
+
+
+def build_record(
+    prefix: str,
+    step: int,
+    names: Sequence[str],
+    values: Sequence[Sequence[float]] | np.ndarray,
+    ops: Sequence[str],
+    *,
+    rank: int | None = 0,
+    task: str | None = None,
+    vpp_stages: Sequence[int] | None = None,
+    micro_steps: Sequence[int] | None = None,
+    call_ids: Sequence[int] | None = None,
+    rows: RowSet | None = None,
+) -> StepRecord:
+    """A StepRecord with rows built by RowSet.build (or the given RowSet) and float64 values."""
+    if rows is None:
+        rows = RowSet.build(
+            list(vpp_stages) if vpp_stages is not None else [0] * len(names),
+            list(names),
+            rank,
+            task or prefix,
+            micro_steps=micro_steps,
+        )
+    array = np.asarray(values, dtype=np.float64).reshape(len(rows), len(ops))
+    return StepRecord(
+        prefix=prefix,
+        step=step,
+        ops=tuple(ops),
+        rows=rows,
+        values=array,
+        call_ids=None if call_ids is None else np.asarray(call_ids, dtype=np.int64),
+    )
+
+
+@pytest.fixture
+def make_record() -> Callable[..., StepRecord]:
+    """``make_record(prefix, step, names, values, ops, **labels)`` -> StepRecord."""
+    return build_record

@@ -1,0 +1,476 @@
+"""Anomaly rules driven through Detector.evaluate, and the anomaly.json dump (spec §9, W22, W30)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import stat
+
+import numpy as np
+import pytest
+
+from monitor.anomaly.detector import Detector
+from monitor.anomaly.dump import AnomalyDump
+from monitor.anomaly.rules import AnomalyNan, AnomalyTurbulence, AnomalyZScore
+from monitor.record import RowSet
+
+
+def _tag(name: str) -> str:
+    return f"0:{name}/rank0/post_grad"
+
+
+def _rec(make_record, step, names, values, ops, **labels):
+    """A grad_reduced record of rank 0 whose tags are ``_tag(name)``."""
+    labels.setdefault("task", "post_grad")
+    return make_record("grad_reduced", step, names, values, ops, **labels)
+
+
+def _drive(detector, make_record, series, names=("w",), ops=("norm",), reuse_rows=True):
+    """Feed ``series`` (steps x rows x ops) step by step; return every (step, tag, op) reported."""
+    series = np.asarray(series, dtype=np.float64).reshape(-1, len(names), len(ops))
+    rows = RowSet.build([0] * len(names), list(names), 0, "post_grad")
+    hits = []
+    for step, values in enumerate(series):
+        record = make_record(
+            "grad_reduced", step, names, values, ops, rows=rows if reuse_rows else None, task="post_grad"
+        )
+        hits += [(a.step, a.tag_name, a.op) for a in detector.evaluate(record)]
+    return hits
+
+
+def _flat_with_spike(length: int, at: int, spike: float, base: float = 1.0) -> list[float]:
+    series = [base] * length
+    series[at] = spike
+    return series
+
+
+# --------------------------------------------------------------------------------------------- spikes
+
+
+def test_turbulence_detects_a_spike_exactly_at_its_step(make_record):
+    detector = Detector([AnomalyTurbulence(threshold=0.5)], rank=0)
+    assert _drive(detector, make_record, _flat_with_spike(30, 17, 5.0)) == [(17, _tag("w"), "norm")]
+
+
+def test_zscore_detects_a_spike_exactly_at_its_step(make_record):
+    rng = np.random.default_rng(1)
+    series = rng.lognormal(0.0, 0.1, 200)
+    series[150] *= 10.0
+    detector = Detector([AnomalyZScore()], rank=0)
+    assert _drive(detector, make_record, series) == [(150, _tag("w"), "norm")]
+
+
+def test_nan_rule_detects_a_nan_exactly_at_its_step(make_record):
+    detector = Detector([AnomalyNan()], rank=0)
+    assert _drive(detector, make_record, _flat_with_spike(30, 4, math.nan)) == [(4, _tag("w"), "norm")]
+
+
+def test_spike_on_one_tag_is_reported_for_that_tag_only(make_record):
+    names = ("a", "b", "c")
+    series = np.ones((20, 3, 1))
+    series[12, 1, 0] = 40.0
+    detector = Detector([AnomalyTurbulence(threshold=0.5)], rank=0)
+    assert _drive(detector, make_record, series, names=names) == [(12, _tag("b"), "norm")]
+
+
+def test_new_rows_objects_each_step_keep_the_same_baselines(make_record):
+    detector = Detector([AnomalyTurbulence(threshold=0.5)], rank=0)
+    hits = _drive(detector, make_record, _flat_with_spike(20, 9, 3.0), reuse_rows=False)
+    assert hits == [(9, _tag("w"), "norm")]
+
+
+# --------------------------------------------------------------------------------------------- turbulence
+
+
+def _reference_turbulence(series: list[float], threshold: float, beta: float = 0.99) -> list[bool]:
+    """Later msprobe semantics (spec §9.2), written out in plain Python."""
+    flags = []
+    ema = None
+    for value in series:
+        magnitude = abs(value)
+        if ema is None:
+            ema = magnitude
+        flags.append(magnitude > ema * (1 + threshold))
+        ema = beta * ema + (1 - beta) * magnitude
+    return flags
+
+
+def test_turbulence_matches_an_independent_reimplementation(make_record):
+    rng = np.random.default_rng(2024)
+    steps, names, ops = 400, ("a", "b", "c", "d"), ("norm", "min", "mean")
+    signs = rng.choice([-1.0, 1.0], size=(steps, len(names), len(ops)))
+    series = signs * rng.lognormal(0.0, 0.4, size=(steps, len(names), len(ops)))
+    series[rng.random(series.shape) < 0.02] *= 8.0  # occasional spikes
+    threshold = 0.5
+    configured = ("norm", "mean")
+
+    expected = set()
+    for r, name in enumerate(names):
+        for c, op in enumerate(ops):
+            if op not in configured:
+                continue
+            flags = _reference_turbulence(series[:, r, c].tolist(), threshold)
+            expected |= {(step, _tag(name), op) for step, flag in enumerate(flags) if flag}
+
+    detector = Detector([AnomalyTurbulence(threshold=threshold, ops=configured)], rank=0)
+    hits = _drive(detector, make_record, series, names=names, ops=ops)
+    assert len(hits) == len(set(hits))
+    assert set(hits) == expected
+    assert len(expected) > 20  # the series does exercise the rule
+
+
+def test_turbulence_only_flags_configured_ops(make_record):
+    series = np.ones((10, 1, 3))
+    series[5] = 50.0  # every op jumps
+    detector = Detector([AnomalyTurbulence(threshold=0.5, ops=("max",))], rank=0)
+    assert _drive(detector, make_record, series, ops=("norm", "max", "mean")) == [(5, _tag("w"), "max")]
+
+
+def test_turbulence_default_ops_are_norm_and_mean(make_record):
+    series = np.ones((10, 1, 3))
+    series[5] = 50.0
+    detector = Detector([AnomalyTurbulence(threshold=0.5)], rank=0)
+    hits = _drive(detector, make_record, series, ops=("norm", "max", "mean"))
+    assert hits == [(5, _tag("w"), "norm"), (5, _tag("w"), "mean")]
+
+
+def test_turbulence_reports_the_ema_before_the_update_as_baseline(make_record):
+    series = [2.0, 4.5, 1.0, 30.0]  # 4.5 > 2 * (1 + 1)
+    ema = 2.0
+    for value in series[1:3]:
+        ema = 0.99 * ema + 0.01 * value
+    detector = Detector([AnomalyTurbulence(threshold=1.0)], rank=0)
+    found = []
+    for step, value in enumerate(series):
+        found += detector.evaluate(_rec(make_record, step, ["w"], [[value]], ("norm",)))
+    assert [a.step for a in found] == [1, 3]
+    assert found[0].baseline == pytest.approx(2.0, rel=1e-12)
+    assert found[1].baseline == pytest.approx(ema, rel=1e-12)
+    assert found[1].value == 30.0
+
+
+# --------------------------------------------------------------------------------------------- nan / inf
+
+
+def test_nan_rule_flags_nan_and_both_infinities(make_record):
+    detector = Detector([AnomalyNan()], rank=0)
+    names = ("finite", "nan", "pinf", "ninf")
+    record = _rec(make_record, 0, names, [[1.0], [math.nan], [math.inf], [-math.inf]], ("norm",))
+    found = detector.evaluate(record)
+    assert [a.tag_name for a in found] == [_tag("nan"), _tag("pinf"), _tag("ninf")]
+    assert all(a.rule == "AnomalyNan" for a in found)
+
+
+def test_nan_rule_flags_a_positive_nan_count(make_record):
+    detector = Detector([AnomalyNan()], rank=0)
+    record = _rec(make_record, 0, ("clean", "dirty"), [[3.0, 0.0], [3.0, 2.0]], ("norm", "nans"))
+    found = detector.evaluate(record)
+    assert [(a.tag_name, a.op, a.value) for a in found] == [(_tag("dirty"), "nans", 2.0)]
+
+
+def test_nan_rule_threshold_flags_large_magnitudes_but_not_counts(make_record):
+    detector = Detector([AnomalyNan(threshold=100.0)], rank=0)
+    values = [[50.0, -150.0, 0.0], [101.0, 10.0, 0.0]]
+    record = _rec(make_record, 0, ("a", "b"), values, ("norm", "min", "nans"))
+    found = detector.evaluate(record)
+    assert sorted((a.tag_name, a.op) for a in found) == [(_tag("a"), "min"), (_tag("b"), "norm")]
+
+
+def test_nan_rule_without_threshold_ignores_large_finite_values(make_record):
+    detector = Detector([AnomalyNan()], rank=0)
+    assert _drive(detector, make_record, [1.0, 1e30, -1e30, 1.0]) == []
+
+
+def test_turbulence_baseline_is_not_poisoned_by_nan(make_record):
+    # the 1.2.2 running mean becomes NaN forever after one NaN (spec W22)
+    series = [1.0, 1.0, 1.0, math.nan, 1.0, 1.0, 5.0, 1.0]
+    detector = Detector([AnomalyTurbulence(threshold=0.5)], rank=0)
+    assert _drive(detector, make_record, series) == [(6, _tag("w"), "norm")]
+
+
+def test_turbulence_baseline_after_nan_and_inf_equals_ema_of_finite_values(make_record):
+    series = [1.0, 2.0, math.nan, math.inf, 1.5, 40.0]
+    ema = 1.0
+    for value in (2.0, 1.5):
+        ema = 0.99 * ema + 0.01 * value
+    detector = Detector([AnomalyTurbulence(threshold=0.5)], rank=0)
+    found = []
+    for step, value in enumerate(series):
+        found += detector.evaluate(_rec(make_record, step, ["w"], [[value]], ("norm",)))
+    assert [a.step for a in found] == [1, 3, 5]  # 2.0 > 1.5, +inf, the spike; never the NaN
+    assert found[-1].baseline == pytest.approx(ema, rel=1e-12)
+
+
+def test_zscore_baseline_is_not_poisoned_by_nan_inf_or_zero(make_record):
+    rng = np.random.default_rng(7)
+    series = rng.lognormal(0.0, 0.1, 120)
+    series[40], series[50], series[60] = math.nan, math.inf, 0.0
+    series[100] *= 10.0
+    detector = Detector([AnomalyZScore()], rank=0)
+    assert _drive(detector, make_record, series) == [(100, _tag("w"), "norm")]
+
+
+def test_nan_first_value_does_not_start_the_turbulence_baseline(make_record):
+    series = [math.nan, 4.0, 4.2, 20.0]
+    detector = Detector([AnomalyTurbulence(threshold=0.5)], rank=0)
+    assert _drive(detector, make_record, series) == [(3, _tag("w"), "norm")]
+
+
+# --------------------------------------------------------------------------------------------- warm-up
+
+
+def test_turbulence_never_flags_the_first_value(make_record):
+    detector = Detector([AnomalyTurbulence(threshold=0.0)], rank=0)
+    assert _drive(detector, make_record, [1e6]) == []
+
+
+def test_turbulence_default_warmup_flags_the_second_value(make_record):
+    detector = Detector([AnomalyTurbulence(threshold=0.5)], rank=0)
+    assert _drive(detector, make_record, [1.0, 10.0]) == [(1, _tag("w"), "norm")]
+
+
+def test_turbulence_warmup_suppresses_verdicts_until_enough_values(make_record):
+    series = np.ones((8, 2, 1))
+    series[2, 0, 0] = 10.0  # third value of "early": only 2 seen before it
+    series[3, 1, 0] = 10.0  # fourth value of "late": 3 seen before it
+    detector = Detector([AnomalyTurbulence(threshold=0.5, warmup=3)], rank=0)
+    assert _drive(detector, make_record, series, names=("early", "late")) == [(3, _tag("late"), "norm")]
+
+
+def test_zscore_warmup_suppresses_verdicts_until_enough_values(make_record):
+    series = np.ones((15, 2, 1))
+    series[9, 0, 0] = 10.0  # 9 values seen: default warmup 10 not reached
+    series[10, 1, 0] = 10.0  # 10 values seen
+    detector = Detector([AnomalyZScore()], rank=0)
+    assert _drive(detector, make_record, series, names=("early", "late")) == [(10, _tag("late"), "norm")]
+
+
+# --------------------------------------------------------------------------------------------- zscore
+
+
+def test_zscore_is_silent_on_stationary_lognormal_noise(make_record):
+    rng = np.random.default_rng(12345)
+    names = tuple(f"layers.{i}.weight" for i in range(8))
+    series = rng.lognormal(0.0, 0.1, size=(1000, len(names), 1))
+    detector = Detector([AnomalyZScore()], rank=0)
+    assert _drive(detector, make_record, series, names=names) == []
+
+
+def test_zscore_detects_a_10x_spike_after_stationary_noise(make_record):
+    rng = np.random.default_rng(54321)
+    series = rng.lognormal(0.0, 0.1, 1001)
+    series[1000] = 10.0 * series[999]
+    detector = Detector([AnomalyZScore()], rank=0)
+    assert _drive(detector, make_record, series) == [(1000, _tag("w"), "norm")]
+
+
+def test_zscore_detects_a_10x_drop(make_record):
+    rng = np.random.default_rng(99)
+    series = rng.lognormal(0.0, 0.1, 300)
+    series[250] /= 10.0
+    detector = Detector([AnomalyZScore()], rank=0)
+    assert _drive(detector, make_record, series) == [(250, _tag("w"), "norm")]
+
+
+def test_zscore_ignores_a_2x_step_below_min_ratio(make_record):
+    detector = Detector([AnomalyZScore()], rank=0)
+    assert _drive(detector, make_record, _flat_with_spike(40, 30, 2.0)) == []
+
+
+# --------------------------------------------------------------------------------------------- reporting
+
+
+def test_first_rule_wins_nan_before_turbulence(make_record):
+    detector = Detector([AnomalyNan(), AnomalyTurbulence(threshold=0.5)], rank=0)
+    found = []
+    for step, value in enumerate([1.0, math.inf]):
+        found += detector.evaluate(_rec(make_record, step, ["w"], [[value]], ("norm",)))
+    assert [(a.step, a.rule) for a in found] == [(1, "AnomalyNan")]
+
+
+def test_first_rule_wins_turbulence_before_nan(make_record):
+    detector = Detector([AnomalyTurbulence(threshold=0.5), AnomalyNan()], rank=0)
+    found = []
+    for step, value in enumerate([1.0, math.inf]):
+        found += detector.evaluate(_rec(make_record, step, ["w"], [[value]], ("norm",)))
+    assert [(a.step, a.rule) for a in found] == [(1, "AnomalyTurbulence")]
+
+
+def test_later_rule_still_reports_cells_the_first_rule_did_not_flag(make_record):
+    detector = Detector([AnomalyNan(), AnomalyTurbulence(threshold=0.5)], rank=0)
+    found = []
+    for step, values in enumerate([[[1.0], [1.0]], [[math.nan], [9.0]]]):
+        found += detector.evaluate(_rec(make_record, step, ["a", "b"], values, ("norm",)))
+    assert [(a.tag_name, a.rule) for a in found] == [
+        (_tag("a"), "AnomalyNan"),
+        (_tag("b"), "AnomalyTurbulence"),
+    ]
+
+
+def test_record_labels_are_carried_into_the_anomaly(make_record):
+    detector = Detector([AnomalyNan()], rank=5, pp_stage=2, group_mates=[1, 5, 9])
+    record = make_record(
+        "actv",
+        11,
+        ["layers.0.fc1.input", "layers.0.fc1.output"],
+        [[1.0], [math.nan]],
+        ("norm",),
+        rank=5,
+        task="actv",
+        vpp_stages=[0, 3],
+        micro_steps=[0, 4],
+        call_ids=[17, 23],
+    )
+    (anomaly,) = detector.evaluate(record)
+    assert anomaly.tag_name == "3:layers.0.fc1.output:4/rank5/actv"
+    assert (anomaly.rank, anomaly.step, anomaly.micro_step) == (5, 11, 4)
+    assert (anomaly.pp_stage, anomaly.vpp_stage, anomaly.call_id) == (2, 3, 23)
+    assert anomaly.group_mates == [1, 5, 9]
+    assert anomaly.op == "norm"
+    assert math.isnan(anomaly.value)
+    assert "3:layers.0.fc1.output:4/rank5/actv" in anomaly.message
+    assert "step 11" in anomaly.message
+
+
+def test_missing_call_ids_and_micro_steps_default_to_minus_one_and_zero(make_record):
+    detector = Detector([AnomalyNan()], rank=0)
+    (anomaly,) = detector.evaluate(_rec(make_record, 0, ["w"], [[math.nan]], ("norm",)))
+    assert anomaly.call_id == -1
+    assert anomaly.micro_step == 0
+    assert anomaly.group_mates == [0]
+
+
+def test_two_ops_flagged_on_one_tag_in_one_step_are_two_records(make_record):
+    detector = Detector([AnomalyNan()], rank=0)
+    record = _rec(make_record, 3, ["w"], [[math.nan, math.inf]], ("norm", "max"), call_ids=[4])
+    found = detector.evaluate(record)
+    assert [a.op for a in found] == ["norm", "max"]
+    keys = [a.key for a in found]
+    assert len(set(keys)) == 2
+    assert "norm" in keys[0]
+    assert "max" in keys[1]
+    assert all(k.startswith(_tag("w")) and "step_3" in k and "call_4" in k for k in keys)
+
+
+def test_no_rules_reports_nothing(make_record):
+    detector = Detector([], rank=0)
+    assert _drive(detector, make_record, [1.0, math.nan, 1e9]) == []
+
+
+# --------------------------------------------------------------------------------------------- dump
+
+
+def _strict_json(text: str):
+    def refuse(constant):
+        raise ValueError(f"non-standard JSON constant {constant}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def _read_json(path):
+    with open(path, encoding="utf-8") as handle:
+        return _strict_json(handle.read())
+
+
+def _flagged(make_record, step, values, ops=("norm",), names=("w",), rules=None):
+    detector = Detector(rules or [AnomalyNan()], rank=0)
+    return detector.evaluate(_rec(make_record, step, names, values, ops, call_ids=[step] * len(names)))
+
+
+def test_dump_starts_with_an_empty_object(tmp_path):
+    dump = AnomalyDump(tmp_path, rank=3)
+    assert dump.path == os.path.join(tmp_path, "anomaly_detected", "rank3", "anomaly.json")
+    assert _read_json(dump.path) == {}
+
+
+def test_dump_is_valid_json_with_every_record_after_each_step(tmp_path, make_record):
+    dump = AnomalyDump(tmp_path, rank=0)
+    expected_keys = []
+    for step in range(4):
+        found = _flagged(make_record, step, [[math.nan], [math.inf]], names=("a", "b"))
+        dump.add(found)
+        dump.end_step(step)
+        expected_keys += [f"{_tag(n)}_norm_step_{step}_call_{step}" for n in ("a", "b")]
+        document = _read_json(dump.path)
+        assert sorted(document) == sorted(expected_keys)
+    record = document[f"{_tag('b')}_norm_step_3_call_3"]
+    assert record["step"] == 3
+    assert record["tag_name"] == _tag("b")
+    assert record["rule"] == "AnomalyNan"
+
+
+def test_dump_writes_nan_and_inf_values_as_strings(tmp_path, make_record):
+    dump = AnomalyDump(tmp_path, rank=0)
+    dump.add(_flagged(make_record, 0, [[math.nan, -math.inf]], ops=("norm", "min")))
+    dump.end_step(0)
+    document = _read_json(dump.path)
+    values = {record["op"]: record for record in document.values()}
+    assert values["norm"]["value"] == "nan"
+    assert values["min"]["value"] == "-inf"
+    assert values["norm"]["baseline"] == "nan"
+
+
+def test_dump_leaves_no_temporary_files(tmp_path, make_record):
+    dump = AnomalyDump(tmp_path, rank=0)
+    for step in range(3):
+        dump.add(_flagged(make_record, step, [[math.nan]]))
+        dump.end_step(step)
+        assert os.listdir(dump.directory) == ["anomaly.json"]
+    dump.close()
+    assert os.listdir(dump.directory) == ["anomaly.json"]
+
+
+def test_dump_replaces_the_file_by_rename(tmp_path, make_record):
+    dump = AnomalyDump(tmp_path, rank=0)
+    dump.add(_flagged(make_record, 0, [[math.nan]]))
+    dump.end_step(0)
+    with open(dump.path) as old:  # a reader holding the previous version
+        inode = os.fstat(old.fileno()).st_ino
+        dump.add(_flagged(make_record, 1, [[math.nan]]))
+        dump.end_step(1)
+        assert len(_strict_json(old.read())) == 1  # still the whole previous document
+    assert os.stat(dump.path).st_ino != inode
+    assert len(_read_json(dump.path)) == 2
+
+
+def test_dump_does_not_rewrite_without_new_records(tmp_path, make_record):
+    dump = AnomalyDump(tmp_path, rank=0)
+    dump.add(_flagged(make_record, 0, [[math.nan]]))
+    dump.end_step(0)
+    inode = os.stat(dump.path).st_ino
+    dump.add([])
+    dump.end_step(1)
+    assert os.stat(dump.path).st_ino == inode
+
+
+def test_dump_file_mode_is_0640(tmp_path, make_record):
+    previous = os.umask(0o077)
+    try:
+        dump = AnomalyDump(tmp_path, rank=0)
+        dump.add(_flagged(make_record, 0, [[math.nan]]))
+        dump.end_step(0)
+    finally:
+        os.umask(previous)
+    assert stat.S_IMODE(os.stat(dump.path).st_mode) == 0o640
+
+
+def test_dump_replaces_a_file_of_an_earlier_run_with_a_warning(tmp_path, trainmon_log):
+    directory = tmp_path / "anomaly_detected" / "rank0"
+    directory.mkdir(parents=True)
+    (directory / "anomaly.json").write_text('{"old": {}}')
+    dump = AnomalyDump(tmp_path, rank=0)
+    assert _read_json(dump.path) == {}
+    assert any("earlier run" in m for m in trainmon_log.at(logging.WARNING))
+
+
+def test_dump_refuses_a_symlink_at_the_file_path(tmp_path):
+    victim = tmp_path / "victim.json"
+    victim.write_text('{"mine": 1}')
+    directory = tmp_path / "anomaly_detected" / "rank0"
+    directory.mkdir(parents=True)
+    os.symlink(victim, directory / "anomaly.json")
+    with pytest.raises(OSError, match="symbolic link"):
+        AnomalyDump(tmp_path, rank=0)
+    assert victim.read_text() == '{"mine": 1}'
