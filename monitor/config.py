@@ -193,7 +193,7 @@ def _load_yaml(text: str) -> Any:
         re.compile(r"^[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)[eE][-+]?[0-9]+$"),
         list("-+0123456789."),
     )
-    return yaml.load(text, Loader=Loader)  # noqa: S506 - a SafeLoader subclass: data only
+    return yaml.load(text, Loader=Loader)  # a SafeLoader subclass: data only
 
 
 def validate_config(raw: Mapping[str, Any]) -> MonitorConfig:

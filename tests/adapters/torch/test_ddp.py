@@ -38,6 +38,7 @@ def _worker(rank: int, world_size: int, workdir: str) -> None:
             "wg_distribution": True,
             "mv_distribution": True,
             "param_distribution": True,
+            "mg_direction": True,
             "ops": ALL_OPS,
             "format": "csv",
         }
@@ -54,9 +55,25 @@ def _worker(rank: int, world_size: int, workdir: str) -> None:
             replica(x).pow(2).mean().backward()
         local = {n: p.grad.numpy().copy() for n, p in replica.named_parameters()}
         reduced = {n: p.grad.numpy().copy() for n, p in model.named_parameters()}
+        origin = {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
+        agreement = {}
+        for n, p in model.named_parameters():
+            if p in optimizer.state:
+                signs = np.sign(p.grad.numpy().astype(np.float64))
+                moment = np.sign(optimizer.state[p]["exp_avg"].numpy().astype(np.float64))
+                agreement[n] = ((signs * moment).sum() / moment.size + 1) / 2
+            else:
+                agreement[n] = 1.0
         optimizer.step()
+        updated = {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
+        moments = {
+            kind: {n: optimizer.state[p][kind].numpy().copy() for n, p in model.named_parameters()}
+            for kind in ("exp_avg", "exp_avg_sq")
+        }
         optimizer.zero_grad()
         got_reduced, got_unreduced = mon.generate_wgrad_metrics()
+        got_params, got_moments = mon.generate_param_metrics(), mon.generate_mv_metrics()
+        got_other = mon._session.core.latest.latest("other")
         for name in local:
             tag = f"0:{name}/rank{rank}"  # "module." squashed away
             assert_stats_close(
@@ -65,6 +82,13 @@ def _worker(rank: int, world_size: int, workdir: str) -> None:
             assert_stats_close(
                 got_reduced[f"{tag}/post_grad"], reduced[name], what=f"rank {rank} {name} reduced"
             )
+            assert_stats_close(got_params[f"{tag}/param_origin"], origin[name], what=f"{name} param_origin")
+            assert_stats_close(
+                got_params[f"{tag}/param_updated"], updated[name], what=f"{name} param_updated"
+            )
+            for kind, values in moments.items():
+                assert_stats_close(got_moments[f"{tag}/{kind}"], values[name], what=f"{name} {kind}")
+            assert got_other[f"{tag}/mg_direction"]["mean"] == pytest.approx(agreement[name], abs=1e-12)
         result["unreduced_norm"].append(
             {n: got_unreduced[f"0:{n}/rank{rank}/acc_grad"]["norm"] for n in local}
         )
