@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -57,6 +58,20 @@ class TrainerMon:
         self.params_have_main_grad = params_have_main_grad
         self._wrapped_optimizer: Any = None
         self._session: Any = None
+        self._early_collectives = self._wrap_collectives_early()
+
+    def _wrap_collectives_early(self) -> Any:
+        """With cc_distribution on, wrap torch.distributed now, before libraries cache its functions.
+
+        Only when torch is already imported by the application (never imported from here).
+        """
+        if not self.config.cc_distribution.enable or "torch" not in sys.modules:
+            return None
+        from adapters.torch.collectives import CollectiveMonitor
+
+        collectives = CollectiveMonitor(self.config)
+        collectives.install()
+        return collectives
 
     # -- attaching ---------------------------------------------------------------------------
 
@@ -102,6 +117,7 @@ class TrainerMon:
             tp_group=tp_group,
             dp_group=dp_group,
             start_iteration=start_iteration,
+            **({"early_collectives": self._early_collectives} if framework == "torch" else {}),
         )
         return self
 
@@ -178,6 +194,8 @@ class TrainerMon:
         """Remove every hook and close the outputs; model and optimizer behave as before attaching."""
         if self._session is not None:
             self._session.stop()
+        if self._early_collectives is not None:
+            self._early_collectives.remove()
 
 
 def _deprecated(old: str, new: str) -> None:

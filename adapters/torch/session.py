@@ -63,6 +63,7 @@ class TorchSession:
         tp_group: Any,
         dp_group: Any,
         start_iteration: int,
+        early_collectives: Any = None,
     ) -> None:
         chunks = list(model) if isinstance(model, (list, tuple)) else [model]
         for i, chunk in enumerate(chunks):
@@ -82,6 +83,7 @@ class TorchSession:
         self.core: MonitorCore | None = None
         self._chunks = chunks
         self.grads: UnreducedGrads | None = None
+        self.collectives: Any = None
         self._handles: list = []
         self._cleanup_handles: list = []
         self._post_hook: Any = None
@@ -91,8 +93,6 @@ class TorchSession:
         for key in _NOT_YET:
             if getattr(config, key):
                 logger.warning("trainmon: %s is not supported yet by this version and is ignored", key)
-        if config.cc_distribution.enable:
-            logger.warning("trainmon: cc_distribution is not supported yet by this version and is ignored")
         if not rank_enabled(config, self.rank):
             logger.info("trainmon: rank %d is not in module_ranks; nothing is monitored here", self.rank)
             return
@@ -106,6 +106,8 @@ class TorchSession:
                 self.registry, grad_acc_steps, self.ops, self.eps, config.monitor_mbs_grad, self._fail
             )
             self._handles += self.grads.register()
+        if config.cc_distribution.enable:
+            self.collectives = self._collectives(early_collectives)
         self._handles.append(self.optimizer.register_step_pre_hook(self._before_update))
         self._post_hook = self.optimizer.register_step_post_hook(self._after_update)
         self._set_collect(self.schedule.wants(self.step))
@@ -153,8 +155,19 @@ class TorchSession:
 
     # -- the step lifecycle ------------------------------------------------------------------
 
+    def _collectives(self, early: Any) -> Any:
+        """The collective wrapper: the one TrainerMon installed at construction, or a new one."""
+        from adapters.torch.collectives import CollectiveMonitor
+
+        monitor = early if early is not None else CollectiveMonitor(self.config, on_error=self._fail)
+        monitor.install()
+        self._handles.append(monitor)  # removed with the other hooks: restores the originals
+        return monitor
+
     def _set_collect(self, collect: bool) -> None:
         self._collect = collect
+        if self.collectives is not None:
+            self.collectives.begin_step(self.step, collect and "comm" not in self._failed)
         if self.grads is not None:
             self.grads.collect = collect and "grad_unreduced" not in self._failed
 
@@ -190,6 +203,8 @@ class TorchSession:
                         )
                 if self._wanted("param_updated", cfg.param_distribution):
                     self._guard("param_updated", self._submit_tensors, "param_updated", lambda p: p.detach())
+                if self.collectives is not None:
+                    self._guard("comm", self._submit_collectives)
                 self.core.end_step(self.step)
                 self.schedule.mark_collected()
         except Exception as exc:
@@ -205,12 +220,14 @@ class TorchSession:
 
     # -- statistics --------------------------------------------------------------------------
 
-    def _submit(self, prefix: str, rows: RowSet, matrix: torch.Tensor) -> None:
-        values, fetch = to_host(matrix)
+    def _submit(
+        self, prefix: str, rows: RowSet, matrix: torch.Tensor | np.ndarray, ops: tuple[str, ...] | None = None
+    ) -> None:
+        values, fetch = to_host(matrix) if isinstance(matrix, torch.Tensor) else (np.asarray(matrix), None)
         n = len(rows)
         call_ids = np.arange(self._call_id, self._call_id + n)
         self._call_id += n
-        self.core.submit(StepRecord(prefix, self.step, self.ops, rows, values, call_ids, fetch))
+        self.core.submit(StepRecord(prefix, self.step, ops or self.ops, rows, values, call_ids, fetch))
 
     def _submit_tensors(self, prefix: str, tensor_of: Any) -> None:
         """Statistics of one tensor per monitored parameter (skipping parameters without one)."""
@@ -240,6 +257,10 @@ class TorchSession:
                 micro,
             )
         self._submit("grad_unreduced", rows, matrix)
+
+    def _submit_collectives(self) -> None:
+        for rows, ops, values in self.collectives.take(self.step, self.rank):
+            self._submit("comm", rows, values, ops)
 
     def _submit_mg_direction(self) -> None:
         """Share of gradient signs agreeing with exp_avg before this update (1.0 without state)."""

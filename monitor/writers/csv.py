@@ -17,7 +17,7 @@ from monitor.files import FILE_MODE, open_append
 from monitor.record import RowSet, StepRecord
 
 #: ops written as exact integers.
-EXACT_OPS = ("nans",)
+EXACT_OPS = ("nans", "calls")
 
 
 def _csv_field(text: str) -> str:
