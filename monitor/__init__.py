@@ -5,10 +5,19 @@ type when ``TrainerMon.set_monitor`` is called.
 """
 
 from monitor.config import ConfigError, MonitorConfig, load_config
+from monitor.errors import CollectivesLogged, StructurePrinted
 from monitor.logs import configure_logging
 from monitor.trainer import TrainerMon
 
 __version__ = "0.1.0"
-__all__ = ["ConfigError", "MonitorConfig", "TrainerMon", "__version__", "load_config"]
+__all__ = [
+    "CollectivesLogged",
+    "ConfigError",
+    "MonitorConfig",
+    "StructurePrinted",
+    "TrainerMon",
+    "__version__",
+    "load_config",
+]
 
 configure_logging()

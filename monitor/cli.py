@@ -101,11 +101,26 @@ def _run_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_anomaly_analyse(sub: argparse._SubParsersAction) -> None:
+    from monitor.anomaly import analyse
+
+    parser = sub.add_parser(
+        "anomaly-analyse",
+        help="rank the anomalies of all ranks to find the first one",
+        description=analyse.DESCRIPTION,
+        epilog=analyse.EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    analyse.add_arguments(parser)
+    parser.set_defaults(run=analyse.run)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="trainmon", description="Training-state monitor tools.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     _add_demo(sub)
+    _add_anomaly_analyse(sub)
     return parser
 
 

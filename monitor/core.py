@@ -32,6 +32,8 @@ class MonitorCore:
         pp_stage: this rank's index in the pipeline group, for anomaly records.
         group_mates: ranks of the pipeline group, for anomaly records.
         root: output root; MONITOR_OUTPUT_DIR or ./monitor_output when None.
+        output_dir: an existing rank directory to continue (a restart within the same run): its
+            files are appended to and its anomaly records kept.
     """
 
     def __init__(
@@ -41,6 +43,7 @@ class MonitorCore:
         pp_stage: int = 0,
         group_mates: list[int] | None = None,
         root: str | None = None,
+        output_dir: str | None = None,
     ) -> None:
         self.config = config
         self.rank = rank
@@ -50,10 +53,10 @@ class MonitorCore:
         self.output_dir: str | None = None
         sinks: list = []
         if config.format != "api":
-            self.output_dir = self._rank_dir()
+            self.output_dir = output_dir or self._rank_dir()
             sinks.append(self._file_writer())
         if config.alert.rules:
-            dump = AnomalyDump(self.root, rank) if config.alert.dump else None
+            dump = AnomalyDump(self.root, rank, keep=output_dir is not None) if config.alert.dump else None
             detector = Detector(build_rules(config.alert.rules), rank, pp_stage, group_mates)
             sinks.append(AnomalySink(detector, dump, keep=self.anomalies))
         self._writer = WriterThread(sinks)

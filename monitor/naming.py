@@ -103,6 +103,12 @@ def key_selects(key: str, candidate: str) -> bool:
     return candidate == key or candidate.startswith(key + ".")
 
 
+def is_selected_exactly(keys: Iterable[str], candidates: Iterable[str]) -> bool:
+    """True when a targets key names one spelling of the name exactly (modules, as msprobe does)."""
+    keys = set(keys)
+    return any(c in keys for c in candidates)
+
+
 def is_selected(keys: Iterable[str], candidates: Iterable[str]) -> bool:
     """True when any targets key selects any spelling of the name (no keys: everything)."""
     keys = tuple(keys)

@@ -19,15 +19,31 @@ class AnomalyDump:
     ever sees a complete JSON document.
     """
 
-    def __init__(self, root: str | os.PathLike, rank: int) -> None:
+    def __init__(self, root: str | os.PathLike, rank: int, keep: bool = False) -> None:
         self.directory = os.path.join(os.fspath(root), "anomaly_detected", f"rank{rank}")
         self.path = os.path.join(self.directory, "anomaly.json")
         self._records: dict[str, dict] = {}
         self._dirty = False
         make_private_dir(self.directory)
+        if keep and os.path.isfile(self.path) and not os.path.islink(self.path):
+            self._records = self._read_existing()
+            return
         if os.path.lexists(self.path):
             logger.warning("trainmon: replacing the anomaly file of an earlier run at %s", self.path)
         atomic_write_text(self.path, "{}")
+
+    def _read_existing(self) -> dict[str, dict]:
+        """Records of this run written before a restart (a damaged file is kept aside, not lost)."""
+        try:
+            with open(self.path, encoding="utf-8") as handle:
+                records = json.load(handle)
+            if isinstance(records, dict):
+                return records
+        except (OSError, ValueError):
+            pass
+        os.replace(self.path, self.path + ".unreadable")
+        logger.warning("trainmon: %s was unreadable; kept as %s.unreadable", self.path, self.path)
+        return {}
 
     def add(self, anomalies: list[Anomaly]) -> None:
         for anomaly in anomalies:

@@ -1,0 +1,249 @@
+"""Module activations: statistics of inputs/outputs (``actv``) and their gradients (``actv_grad``).
+
+Forward: a forward pre-hook measures the inputs before the module runs (so a module that works
+in place is measured on what it received) and a forward hook measures the outputs. Backward:
+tensor hooks registered on those same tensors receive dL/d(output) and dL/d(input). Tensor hooks
+wrap nothing, so, unlike full backward hooks (which torch implements by routing tensors through
+an identity Function), an in-place op after the module or a view returned by it keeps working,
+and nothing global is patched (spec W9). ``input_grad`` is therefore the gradient of the loss
+with respect to the tensor the module received; when that tensor also feeds other modules it
+includes their contributions.
+
+Micro-steps are counted by a pre-hook on each model chunk's root (one call per micro-batch);
+a forward that runs inside a backward pass (activation-checkpoint recompute, reentrant or not)
+is recognised by ``torch._C._current_graph_task_id() != -1`` (what torch.utils.checkpoint itself
+uses), never by inspecting the Python stack (W3): it is not measured again, only given the
+gradient hooks that reentrant checkpointing needs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from adapters.torch.stats import stat_matrix
+from monitor.config import MonitorConfig
+from monitor.naming import display_name, is_selected_exactly, name_candidates, squash_name
+from monitor.record import RowSet
+
+logger = logging.getLogger("trainmon")
+
+_TUPLE_FORMAT = re.compile(r"^tuple\[(\d+)\](?::(\d+))?$")
+_MAX_DEPTH = 4
+
+
+def flatten_tensors(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
+    """Every tensor in an argument or output: tuples, lists, dicts, ModelOutput-like and dataclass objects."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif depth >= _MAX_DEPTH or obj is None or isinstance(obj, (str, bytes, int, float, bool)):
+        return
+    elif isinstance(obj, (tuple, list)):
+        for item in obj:
+            yield from flatten_tensors(item, depth + 1)
+    elif isinstance(obj, Mapping):
+        for item in obj.values():
+            yield from flatten_tensors(item, depth + 1)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for item in dataclasses.fields(obj):
+            yield from flatten_tensors(getattr(obj, item.name), depth + 1)
+
+
+@dataclasses.dataclass
+class HookedModule:
+    """A monitored module: its chunk, display name, and 1.2.2 per-direction formats (if any)."""
+
+    vpp_stage: int
+    name: str
+    module: torch.nn.Module
+    formats: Mapping[str, str]
+    warned: set[str] = dataclasses.field(default_factory=set)
+
+
+def _select(entry: HookedModule, direction: str, obj: Any) -> list[torch.Tensor]:
+    """The tensors of one direction: per the 1.2.2 format string if given and it fits, else all of them."""
+    fmt = entry.formats.get(direction)
+    if fmt:
+        if fmt.startswith("tensor"):
+            if isinstance(obj, torch.Tensor):
+                return [obj]
+            if isinstance(obj, tuple) and len(obj) == 1 and isinstance(obj[0], torch.Tensor):
+                return [obj[0]]
+        else:
+            match = _TUPLE_FORMAT.match(fmt)
+            if match and isinstance(obj, (tuple, list)) and len(obj) == int(match.group(1)):
+                item = obj[int(match.group(2) or 0)]
+                if isinstance(item, torch.Tensor):
+                    return [item]
+        if direction not in entry.warned:  # a structure that changed is handled, never an IndexError
+            entry.warned.add(direction)
+            logger.warning(
+                "trainmon: %s.%s does not match its format %r; monitoring all its tensors instead",
+                entry.name,
+                direction,
+                fmt,
+            )
+    return list(flatten_tensors(obj))
+
+
+def select_modules(
+    chunks: Sequence[torch.nn.Module], config: MonitorConfig, every: bool
+) -> list[HookedModule]:
+    """Modules to hook: every submodule with all_xy (or ``every``), else those named exactly in targets."""
+    keys = tuple(config.targets)
+    selected = []
+    for vpp, chunk in enumerate(chunks):
+        for raw, module in chunk.named_modules():
+            candidates = name_candidates(vpp, raw, squash_name(raw))
+            formats: Mapping[str, str] = {}
+            for key in keys:
+                if key in candidates:
+                    formats = config.targets[key]
+            if every or config.all_xy or not keys or is_selected_exactly(keys, candidates):
+                selected.append(HookedModule(vpp, display_name(raw, config.squash_name), module, formats))
+    return selected
+
+
+class Activations:
+    """Hooks on selected modules; statistics kept as small vectors until the step is written."""
+
+    def __init__(
+        self,
+        chunks: Sequence[torch.nn.Module],
+        modules: list[HookedModule],
+        ops: tuple[str, ...],
+        eps: float,
+        forward: bool,
+        backward: bool,
+        on_error: Callable[[str, BaseException], None],
+    ) -> None:
+        self.chunks = list(chunks)
+        self.modules = modules
+        self.ops = ops
+        self.eps = eps
+        self.forward = forward
+        self.backward = backward
+        self.on_error = on_error
+        #: set by the session before each step's forward: the hooks do nothing when False.
+        self.collect = False
+        self._micro = [-1] * len(self.chunks)
+        self._calls: dict[tuple[int, int], int] = {}
+        self._rows: dict[str, list[tuple[int, str, int]]] = {"actv": [], "actv_grad": []}
+        self._stats: dict[str, list[torch.Tensor]] = {"actv": [], "actv_grad": []}
+
+    def register(self) -> list:
+        """Register the hooks; returns removable handles."""
+        handles = []
+        for vpp, chunk in enumerate(self.chunks):
+            handles.append(chunk.register_forward_pre_hook(self._count_micro_step(vpp), prepend=True))
+        for index, entry in enumerate(self.modules):
+            handles.append(entry.module.register_forward_pre_hook(self._before(index), with_kwargs=True))
+            handles.append(entry.module.register_forward_hook(self._after(index), with_kwargs=True))
+        return handles
+
+    def _count_micro_step(self, vpp: int) -> Callable:
+        def hook(module: torch.nn.Module, args: Any) -> None:
+            if self.collect and module.training and torch._C._current_graph_task_id() == -1:
+                self._micro[vpp] += 1
+
+        return hook
+
+    def _call_name(self, index: int, micro: int) -> str:
+        """Module name, with ``[k]`` for the k-th extra call within one micro-step."""
+        name = self.modules[index].name
+        call = self._calls.get((index, micro), 0)
+        return name if call == 0 else f"{name}[{call}]"
+
+    def _before(self, index: int) -> Callable:
+        def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+            if not self.collect or not module.training:
+                return
+            try:
+                entry = self.modules[index]
+                micro = max(self._micro[entry.vpp_stage], 0)
+                recompute = torch._C._current_graph_task_id() != -1
+                tensors = _select(entry, "input", (*args, *kwargs.values()) if kwargs else args)
+                name = self._call_name(index, micro)
+                if self.forward and not recompute:
+                    self._measure("actv", entry.vpp_stage, f"{name}.input", micro, tensors)
+                if self.backward:
+                    self._watch(entry.vpp_stage, f"{name}.input_grad", micro, tensors)
+            except Exception as exc:
+                self.collect = False
+                self.on_error("actv", exc)
+
+        return hook
+
+    def _after(self, index: int) -> Callable:
+        def hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            if not self.collect or not module.training:
+                return
+            try:
+                entry = self.modules[index]
+                micro = max(self._micro[entry.vpp_stage], 0)
+                recompute = torch._C._current_graph_task_id() != -1
+                tensors = _select(entry, "output", output)
+                name = self._call_name(index, micro)
+                if self.forward and not recompute:
+                    self._measure("actv", entry.vpp_stage, f"{name}.output", micro, tensors)
+                if self.backward:
+                    self._watch(entry.vpp_stage, f"{name}.output_grad", micro, tensors)
+                if not recompute:
+                    self._calls[(index, micro)] = self._calls.get((index, micro), 0) + 1
+            except Exception as exc:
+                self.collect = False
+                self.on_error("actv", exc)
+
+        return hook
+
+    def _measure(self, prefix: str, vpp: int, name: str, micro: int, tensors: list[torch.Tensor]) -> None:
+        if not tensors:
+            return
+        matrix = stat_matrix([t.detach() for t in tensors], self.ops, self.eps)
+        names = [name] if len(tensors) == 1 else [f"{name}_{i}" for i in range(len(tensors))]
+        self._rows[prefix].extend((vpp, n, micro) for n in names)
+        self._stats[prefix].append(matrix)
+
+    def _watch(self, vpp: int, name: str, micro: int, tensors: list[torch.Tensor]) -> None:
+        """Register gradient hooks on the tensors that take part in autograd."""
+        several = len(tensors) > 1
+        for i, tensor in enumerate(tensors):
+            if tensor.requires_grad:
+                tensor.register_hook(self._grad_hook(vpp, f"{name}_{i}" if several else name, micro))
+
+    def _grad_hook(self, vpp: int, name: str, micro: int) -> Callable:
+        def hook(grad: torch.Tensor) -> None:
+            if not self.collect:
+                return None
+            try:
+                self._measure("actv_grad", vpp, name, micro, [grad])
+            except Exception as exc:
+                self.collect = False
+                self.on_error("actv_grad", exc)
+            return None
+
+        return hook
+
+    def take(self, rank: int) -> list[tuple[str, RowSet, torch.Tensor]]:
+        """This step's records: ``(prefix, rows, statistics)`` for actv and actv_grad; resets."""
+        out = []
+        for prefix, task in (("actv", "actv"), ("actv_grad", "actv_grad")):
+            rows, stats = self._rows[prefix], self._stats[prefix]
+            if rows:
+                vpp, names, micro = zip(*rows)
+                out.append((prefix, RowSet.build(vpp, names, rank, task, micro), torch.cat(stats)))
+        self.reset()
+        return out
+
+    def reset(self) -> None:
+        """Forget the step (W16: a module that does not run in a step has no row for it)."""
+        self._micro = [-1] * len(self.chunks)
+        self._calls.clear()
+        for prefix in self._rows:
+            self._rows[prefix] = []
+            self._stats[prefix] = []

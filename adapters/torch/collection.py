@@ -1,0 +1,321 @@
+"""Everything collected under one config: hooks, per-step statistics, the outputs they go to.
+
+A Collection lives from the step it starts at until ``collect_times`` collected steps, stop(),
+or a live reconfiguration; the TorchSession (which owns the optimizer hooks and the step
+counter) creates and removes it. Every part is guarded: a failure is logged once with its cause
+and switches that data type off while the rest goes on.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from adapters.torch.activations import Activations, select_modules
+from adapters.torch.dist import rank_in_group
+from adapters.torch.grads import UnreducedGrads
+from adapters.torch.params import ParamRegistry
+from adapters.torch.stats import stat_matrix
+from adapters.torch.structure import StackRecorder, StructureRecorder
+from monitor.config import MonitorConfig
+from monitor.core import MonitorCore
+from monitor.errors import StructurePrinted
+from monitor.record import RowSet, StepRecord
+from monitor.schedule import Schedule
+
+logger = logging.getLogger("trainmon")
+
+#: config switches that later versions implement; until then they are reported, not ignored silently.
+_NOT_YET = ("ur_distribution", "recording_l2_features")
+
+
+def to_host(matrix: torch.Tensor) -> tuple[np.ndarray | None, Any]:
+    """Start the one device-to-host copy of a step's statistics: ``(values, None)`` or ``(None, fetch)``."""
+    if matrix.device.type == "cpu":
+        return matrix.numpy(), None
+    if matrix.device.type == "cuda":
+        host = torch.empty(matrix.shape, dtype=matrix.dtype, pin_memory=True)
+        host.copy_(matrix, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+
+        def fetch() -> np.ndarray:
+            done.synchronize()
+            return host.numpy()
+
+        return None, fetch
+    return matrix.cpu().numpy(), None
+
+
+class Collection:
+    """The hooks and statistics of one config, from ``first_step`` on."""
+
+    def __init__(
+        self,
+        *,
+        config: MonitorConfig,
+        chunks: Sequence[torch.nn.Module],
+        backend: Any,
+        rank: int,
+        pp_stage: int,
+        group_mates: list[int],
+        grad_acc_steps: int,
+        main_grad: bool | None,
+        tp_group: Any,
+        dp_group: Any,
+        first_step: int,
+        output_dir: str | None = None,
+        collectives: Any = None,
+    ) -> None:
+        self.config = config
+        self.backend = backend
+        self.rank = rank
+        self.ops, self.eps = config.ops, config.eps
+        self.schedule = Schedule.from_config(config)
+        self.schedule.start_step = max(self.schedule.start_step, first_step)
+        self.collect = False
+        self._failed: set[str] = set()
+        self._call_id = 0
+        self._step = first_step
+        for key in _NOT_YET:
+            if getattr(config, key):
+                logger.warning("trainmon: %s is not supported yet by this version and is ignored", key)
+        self.registry = ParamRegistry(chunks, config, main_grad)
+        self.core = MonitorCore(config, rank, pp_stage, group_mates, output_dir=output_dir)
+        self._rows = self._build_rows(tp_group, dp_group)
+        self._handles: list = []
+        self.grads: UnreducedGrads | None = None
+        self.activations: Activations | None = None
+        self.structure: StructureRecorder | None = None
+        self.stacks: StackRecorder | None = None
+        self._stack_handles: list = []
+        self.collectives = collectives
+        if config.wg_distribution:
+            self.grads = UnreducedGrads(
+                self.registry, grad_acc_steps, self.ops, self.eps, config.monitor_mbs_grad, self.fail
+            )
+            self._handles += self.grads.register()
+        if config.xy_distribution:
+            modules = select_modules(chunks, config, every=False)
+            forward, backward = not config.backward_only, not config.forward_only
+            self.activations = Activations(chunks, modules, self.ops, self.eps, forward, backward, self.fail)
+            self._handles += self.activations.register()
+        if config.print_struct:
+            self.structure = StructureRecorder(chunks, config.squash_name)
+            self._handles += self.structure.register()
+        if config.stack_info:
+            self.stacks = StackRecorder(chunks, config.squash_name)
+            self._stack_handles = self.stacks.register()
+        if collectives is not None:
+            collectives.on_error = self.fail
+            collectives.install()
+        self.set_step(first_step)
+
+    # -- attach-time tables ------------------------------------------------------------------
+
+    def _build_rows(self, tp_group: Any, dp_group: Any) -> dict[str, tuple[list[int], RowSet]]:
+        """Parameter index lists and row labels per data type, computed once."""
+        everything = list(range(len(self.registry)))
+        dp_rank, tp_rank = rank_in_group(dp_group), rank_in_group(tp_group)
+        reduced = [
+            i
+            for i in everything
+            if dp_rank in (None, 0)
+            and (
+                tp_rank in (None, 0) or getattr(self.registry.params[i].param, "tensor_model_parallel", False)
+            )
+        ]
+        tables = {
+            "grad_reduced": (reduced, "post_grad"),
+            "param_origin": (everything, "param_origin"),
+            "param_updated": (everything, "param_updated"),
+            "exp_avg": (everything, "exp_avg"),
+            "exp_avg_sq": (everything, "exp_avg_sq"),
+            "other": (everything, "mg_direction"),
+            "grad_unreduced": (everything, "pre_grad" if self.registry.main_grad else "acc_grad"),
+        }
+        return {
+            prefix: (index, self.registry.rows(self.rank, task, index))
+            for prefix, (index, task) in tables.items()
+        }
+
+    # -- the step ----------------------------------------------------------------------------
+
+    @property
+    def finished(self) -> bool:
+        return self.schedule.finished
+
+    def set_step(self, step: int) -> None:
+        """Decide, before the step's forward, whether it is collected; every hook reads this flag."""
+        self._step = step
+        self._call_id = 0
+        collect = self.collect = self.schedule.wants(step)
+        if self.grads is not None:
+            self.grads.reset()
+            self.grads.collect = collect and "grad_unreduced" not in self._failed
+        if self.activations is not None:
+            self.activations.reset()
+            self.activations.collect = collect and not {"actv", "actv_grad"} & self._failed
+        if self.collectives is not None:
+            self.collectives.begin_step(step, collect and "comm" not in self._failed)
+
+    def before_update(self) -> None:
+        """Optimizer pre-step: activations, gradients, mg_direction, parameters before the update."""
+        if self.structure is not None and self.structure.structure:
+            self._print_structure()
+        if not self.collect:
+            return
+        cfg = self.config
+        if self.activations is not None:
+            self._guard("actv", self._submit_activations)
+        if self._wanted("grad_unreduced", cfg.wg_distribution):
+            self._guard("grad_unreduced", self._submit_unreduced)
+        if self._wanted("grad_reduced", cfg.wg_distribution):
+            self._guard("grad_reduced", self._submit_tensors, "grad_reduced", self.registry.grad)
+        if self._wanted("other", cfg.mg_direction):
+            self._guard("other", self._submit_mg_direction)
+        if self._wanted("param_origin", cfg.param_distribution):
+            self._guard("param_origin", self._submit_tensors, "param_origin", lambda p: p.detach())
+
+    def after_update(self) -> None:
+        """Optimizer post-step: moments and parameters after the update, then the step is written."""
+        if not self.collect:
+            return
+        cfg = self.config
+        moment = self.backend.moment
+        for prefix in ("exp_avg", "exp_avg_sq"):
+            if self._wanted(prefix, cfg.mv_distribution):
+                self._guard(prefix, self._submit_tensors, prefix, lambda p, k=prefix: moment(p, k))
+        if self._wanted("param_updated", cfg.param_distribution):
+            self._guard("param_updated", self._submit_tensors, "param_updated", lambda p: p.detach())
+        if self.collectives is not None:
+            self._guard("comm", self._submit_collectives)
+        if self.stacks is not None:
+            self._guard("stack_info", self._write_stacks)
+        self.core.end_step(self._step)
+        self.schedule.mark_collected()
+
+    # -- statistics --------------------------------------------------------------------------
+
+    def _submit(
+        self, prefix: str, rows: RowSet, matrix: torch.Tensor | np.ndarray, ops: tuple[str, ...] | None = None
+    ) -> None:
+        values, fetch = to_host(matrix) if isinstance(matrix, torch.Tensor) else (np.asarray(matrix), None)
+        n = len(rows)
+        call_ids = np.arange(self._call_id, self._call_id + n)
+        self._call_id += n
+        self.core.submit(StepRecord(prefix, self._step, ops or self.ops, rows, values, call_ids, fetch))
+
+    def _submit_tensors(self, prefix: str, tensor_of: Callable[[torch.nn.Parameter], Any]) -> None:
+        """Statistics of one tensor per monitored parameter (skipping parameters without one)."""
+        index, rows = self._rows[prefix]
+        tensors, present = [], []
+        for position, i in enumerate(index):
+            tensor = tensor_of(self.registry.params[i].param)
+            if tensor is not None:
+                tensors.append(tensor.detach())
+                present.append(position)
+        if len(present) != len(index):
+            rows = rows.take(present)
+        self._submit(prefix, rows, stat_matrix(tensors, self.ops, self.eps))
+
+    def _submit_unreduced(self) -> None:
+        index, micro, matrix = self.grads.take()
+        _, base = self._rows["grad_unreduced"]
+        if micro is None:
+            rows = base.take(index)
+        else:
+            task = base.tags[0].rsplit("/", 1)[-1] if len(base) else "acc_grad"
+            vpp = [base.vpp_stages[i] for i in index]
+            rows = RowSet.build(vpp, [base.names[i] for i in index], self.rank, task, micro)
+        self._submit("grad_unreduced", rows, matrix)
+
+    def _submit_activations(self) -> None:
+        for prefix, rows, matrix in self.activations.take(self.rank):
+            self._submit(prefix, rows, matrix)
+
+    def _submit_collectives(self) -> None:
+        for rows, ops, values in self.collectives.take(self._step, self.rank):
+            self._submit("comm", rows, values, ops)
+
+    def _submit_mg_direction(self) -> None:
+        """Share of gradient signs agreeing with exp_avg before this update (1.0 without state)."""
+        index, rows = self._rows["other"]
+        values, present = [], []
+        for position, i in enumerate(index):
+            param = self.registry.params[i].param
+            grad = self.registry.grad(param)
+            if grad is None:
+                continue
+            moment = self.backend.moment(param, "exp_avg")
+            if moment is None:
+                values.append(torch.ones((), dtype=torch.float64, device=grad.device))
+            elif moment.shape != grad.shape or moment.numel() == 0:
+                values.append(torch.full((), float("nan"), dtype=torch.float64, device=grad.device))
+            else:
+                agreement = (torch.sign(grad.detach()) * torch.sign(moment)).sum(dtype=torch.float64)
+                values.append((agreement / moment.numel() + 1.0) / 2.0)
+            present.append(position)
+        if len(present) != len(index):
+            rows = rows.take(present)
+        self._submit("other", rows, stat_matrix(values, self.ops, self.eps))
+
+    def _print_structure(self) -> None:
+        """print_struct: write the structure and stop the run, as the user asked."""
+        path = self.structure.write(self.core.root, self.rank)
+        logger.info("trainmon: module structure written to %s; stopping as print_struct asks", path)
+        raise StructurePrinted(path)
+
+    def _write_stacks(self) -> None:
+        """stack_info: write stack_info.csv once, at the first collected step, then unhook."""
+        if self.core.output_dir is not None:
+            path = self.stacks.write(self.core.output_dir)
+            if path:
+                logger.info("trainmon: module call stacks written to %s", path)
+        for handle in self._stack_handles:
+            handle.remove()
+        self._stack_handles, self.stacks = [], None
+
+    # -- failures and removal ----------------------------------------------------------------
+
+    def _wanted(self, part: str, switch: bool) -> bool:
+        return switch and part not in self._failed
+
+    def _guard(self, part: str, fn: Callable, *args: Any) -> None:
+        try:
+            fn(*args)
+        except StructurePrinted:
+            raise
+        except Exception as exc:
+            self.fail(part, exc)
+
+    def fail(self, part: str, exc: BaseException) -> None:
+        """Log a failure once with its cause and switch that part off; the training goes on."""
+        if part in self._failed:
+            return
+        self._failed.add(part)
+        if part == "grad_unreduced" and self.grads is not None:
+            self.grads.collect = False
+        if part in ("actv", "actv_grad") and self.activations is not None:
+            self.activations.collect = False
+        logger.error(
+            "trainmon: %s failed and is switched off (%r); training continues", part, exc, exc_info=exc
+        )
+
+    def remove(self) -> None:
+        """Remove every hook of this collection and close its outputs (idempotent)."""
+        for handle in self._handles + self._stack_handles:
+            handle.remove()
+        self._handles, self._stack_handles = [], []
+        if self.collectives is not None:
+            self.collectives.remove()
+        self.collect = False
+        if self.grads is not None:
+            self.grads.collect = False
+        if self.activations is not None:
+            self.activations.collect = False
+        self.core.close()

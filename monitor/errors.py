@@ -1,0 +1,28 @@
+"""Exceptions that trainmon raises on purpose (framework-free)."""
+
+from __future__ import annotations
+
+
+class CollectivesLogged(Exception):
+    """Raised at the first optimizer step when ``cc_distribution.cc_log_only`` is set.
+
+    With ``cc_log_only`` the monitor measures nothing: it logs every distinct collective call
+    (op, call stack, dtypes, shapes, group size) once and then stops the run on purpose by
+    raising this exception from ``optimizer.step()`` (after the update), so that a short run
+    lists the collectives a job uses. Catch it to end the run quietly::
+
+        try:
+            train()
+        except monitor.CollectivesLogged:
+            pass
+
+    Unlike the reference (which raises a bare ``Exception``), it can be told apart from real
+    failures.
+    """
+
+
+class StructurePrinted(Exception):
+    """Raised when ``print_struct`` has written the model structure: the run stops as asked.
+
+    ``args[0]`` is the path of the structure file.
+    """
