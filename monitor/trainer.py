@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from monitor.config import MonitorConfig, load_config
+from monitor.dynamic import DynamicControl, dynamic_mode
 
 logger = logging.getLogger("trainmon")
 
@@ -58,6 +59,13 @@ class TrainerMon:
         self.params_have_main_grad = params_have_main_grad
         self._wrapped_optimizer: Any = None
         self._session: Any = None
+        self._dynamic: DynamicControl | None = None
+        self._dynamic_running = False
+        if dynamic_mode():
+            if self.config_file_path is None:
+                logger.warning("trainmon: DYNAMIC_MONITOR needs a config file to watch; using static mode")
+            else:
+                self._dynamic = DynamicControl(self.config_file_path)
         self._early_collectives = self._wrap_collectives_early()
 
     def _wrap_collectives_early(self) -> Any:
@@ -107,6 +115,9 @@ class TrainerMon:
             from adapters.torch.session import TorchSession as Session
         else:
             from adapters.mindspore.session import MindSporeSession as Session
+        live = {}
+        if self._dynamic is not None:
+            live = {"dormant": True, "on_step_end": self._poll_dynamic}
         self._session = Session(
             config=self.config,
             model=model,
@@ -118,8 +129,62 @@ class TrainerMon:
             dp_group=dp_group,
             start_iteration=start_iteration,
             **({"early_collectives": self._early_collectives} if framework == "torch" else {}),
+            **live,
         )
+        if self._dynamic is not None:
+            self._dynamic.rank = self._session.rank
+            self._poll_dynamic(self._session.step)
         return self
+
+    # -- live control ------------------------------------------------------------------------
+
+    def _poll_dynamic(self, step: int) -> None:
+        """Dynamic mode, once per step: (re)start on an edit with dynamic_on, write back when done."""
+        config = self._dynamic.poll()
+        if config is not None:
+            logger.info("trainmon: config %s updated; collecting from step %d", self.config_file_path, step)
+            self.config = config
+            self._session.start(config)
+            self._dynamic_running = True
+        elif self._dynamic_running and not self._session.active:
+            self._dynamic_running = False
+            self._dynamic.finish()
+
+    def start(self, step: int | None = None) -> None:
+        """Start (or restart) collecting from the next step, with the current config.
+
+        For training loops that switch monitoring on themselves, e.g. when the loss jumps. After
+        ``stop()`` no hook sees the optimizer, so the step counter continues from the optimizer's
+        own count of updates (Adam-like optimizers keep one) or from ``step`` when given.
+
+        Raises:
+            RuntimeError: set_monitor was not called.
+        """
+        if self._session is None:
+            raise RuntimeError("start: call set_monitor first")
+        if not self._session.active:
+            self._session.resume_step_count(step)
+            self._session.start(self.config)
+
+    def _restart_with(self, **changes: Any) -> None:
+        """Validate a changed config and, when monitoring, continue with it from the current step."""
+        self.config = load_config({**self.config.to_dict(), **changes})
+        if self._session is not None and self._session.active:
+            self._session.start(self.config)
+
+    @property
+    def ops(self) -> list[str]:
+        """The statistics computed; setting it is validated like the config key ``ops``."""
+        return list(self.config.ops)
+
+    @ops.setter
+    def ops(self, value: list[str]) -> None:
+        self._restart_with(ops=value)
+
+    def reload_xy(self, xy_distribution: bool = False) -> None:
+        """Deprecated (msprobe): switch activation monitoring; use DYNAMIC_MONITOR or start()/stop()."""
+        _deprecated("reload_xy", "DYNAMIC_MONITOR or start()/stop()")
+        self._restart_with(xy_distribution=xy_distribution)
 
     def monitor_gnorm_with_ad(
         self,

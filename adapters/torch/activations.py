@@ -97,6 +97,7 @@ def select_modules(
     """Modules to hook: every submodule with all_xy (or ``every``), else those named exactly in targets."""
     keys = tuple(config.targets)
     selected = []
+    taken: set[tuple[int, str]] = set()
     for vpp, chunk in enumerate(chunks):
         for raw, module in chunk.named_modules():
             candidates = name_candidates(vpp, raw, squash_name(raw))
@@ -105,7 +106,11 @@ def select_modules(
                 if key in candidates:
                     formats = config.targets[key]
             if every or config.all_xy or not keys or is_selected_exactly(keys, candidates):
-                selected.append(HookedModule(vpp, display_name(raw, config.squash_name), module, formats))
+                name = display_name(raw, config.squash_name)
+                if (vpp, name) in taken:  # squashing collided: keep the full name (spec W24)
+                    name = raw
+                taken.add((vpp, name))
+                selected.append(HookedModule(vpp, name, module, formats))
     return selected
 
 
@@ -132,7 +137,9 @@ class Activations:
         #: set by the session before each step's forward: the hooks do nothing when False.
         self.collect = False
         self._micro = [-1] * len(self.chunks)
+        #: calls per (module, micro-step) so far, in the forward and in checkpoint recomputes.
         self._calls: dict[tuple[int, int], int] = {}
+        self._recomputed: dict[tuple[int, int], int] = {}
         self._rows: dict[str, list[tuple[int, str, int]]] = {"actv": [], "actv_grad": []}
         self._stats: dict[str, list[torch.Tensor]] = {"actv": [], "actv_grad": []}
 
@@ -153,10 +160,13 @@ class Activations:
 
         return hook
 
-    def _call_name(self, index: int, micro: int) -> str:
-        """Module name, with ``[k]`` for the k-th extra call within one micro-step."""
+    def _call_name(self, index: int, micro: int, recompute: bool) -> str:
+        """Module name, with ``[k]`` for the k-th extra call within one micro-step.
+
+        A recompute replays the forward's calls in order, so it counts its own calls.
+        """
         name = self.modules[index].name
-        call = self._calls.get((index, micro), 0)
+        call = (self._recomputed if recompute else self._calls).get((index, micro), 0)
         return name if call == 0 else f"{name}[{call}]"
 
     def _before(self, index: int) -> Callable:
@@ -168,7 +178,7 @@ class Activations:
                 micro = max(self._micro[entry.vpp_stage], 0)
                 recompute = torch._C._current_graph_task_id() != -1
                 tensors = _select(entry, "input", (*args, *kwargs.values()) if kwargs else args)
-                name = self._call_name(index, micro)
+                name = self._call_name(index, micro, recompute)
                 if self.forward and not recompute:
                     self._measure("actv", entry.vpp_stage, f"{name}.input", micro, tensors)
                 if self.backward:
@@ -188,13 +198,13 @@ class Activations:
                 micro = max(self._micro[entry.vpp_stage], 0)
                 recompute = torch._C._current_graph_task_id() != -1
                 tensors = _select(entry, "output", output)
-                name = self._call_name(index, micro)
+                name = self._call_name(index, micro, recompute)
                 if self.forward and not recompute:
                     self._measure("actv", entry.vpp_stage, f"{name}.output", micro, tensors)
                 if self.backward:
                     self._watch(entry.vpp_stage, f"{name}.output_grad", micro, tensors)
-                if not recompute:
-                    self._calls[(index, micro)] = self._calls.get((index, micro), 0) + 1
+                calls = self._recomputed if recompute else self._calls
+                calls[(index, micro)] = calls.get((index, micro), 0) + 1
             except Exception as exc:
                 self.collect = False
                 self.on_error("actv", exc)
@@ -244,6 +254,7 @@ class Activations:
         """Forget the step (W16: a module that does not run in a step has no row for it)."""
         self._micro = [-1] * len(self.chunks)
         self._calls.clear()
+        self._recomputed.clear()
         for prefix in self._rows:
             self._rows[prefix] = []
             self._stats[prefix] = []

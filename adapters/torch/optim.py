@@ -29,6 +29,15 @@ def hookable_optimizer(optimizer: Any) -> torch.optim.Optimizer:
     )
 
 
+def optimizer_step_count(optimizer: torch.optim.Optimizer) -> int | None:
+    """The optimizer's own count of updates (``state[p]["step"]`` of Adam-like optimizers), if any."""
+    for state in optimizer.state.values():
+        step = state.get("step") if isinstance(state, dict) else None
+        if step is not None:
+            return int(step)
+    return None
+
+
 class GenericBackend:
     """Moments from ``optimizer.state[param]``."""
 

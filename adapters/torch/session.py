@@ -18,7 +18,7 @@ import torch
 
 from adapters.torch.collection import Collection
 from adapters.torch.dist import global_rank, pipeline_info
-from adapters.torch.optim import hookable_optimizer, optimizer_backend
+from adapters.torch.optim import hookable_optimizer, optimizer_backend, optimizer_step_count
 from monitor.config import MonitorConfig
 from monitor.errors import StructurePrinted
 from monitor.schedule import rank_enabled
@@ -71,6 +71,7 @@ class TorchSession:
         self._hooks: list = []
         self._cleanup: list = []
         self._in_post_hook = False
+        self._steps_at_stop: int | None = None
         if not rank_enabled(config, self.rank):
             logger.info("trainmon: rank %d is not in module_ranks; nothing is monitored here", self.rank)
             return
@@ -141,7 +142,19 @@ class TorchSession:
     def stop(self) -> None:
         """Remove every hook and close the outputs (idempotent)."""
         self._end_collection()
+        if self._hooks:
+            self._steps_at_stop = optimizer_step_count(self.optimizer)
         self._detach_optimizer_hooks()
+
+    def resume_step_count(self, step: int | None) -> None:
+        """After stop() no hook counts steps: continue from ``step``, else from the optimizer's own count."""
+        if step is not None:
+            self.step = step
+            return
+        now = optimizer_step_count(self.optimizer)
+        if now is not None and self._steps_at_stop is not None:
+            self.step += now - self._steps_at_stop
+        self._steps_at_stop = None
 
     # -- optimizer hooks ---------------------------------------------------------------------
 

@@ -8,13 +8,17 @@ crash leaves only whole lines.
 
 from __future__ import annotations
 
+import csv
 import itertools
+import logging
 import os
 import weakref
 from typing import TextIO
 
 from monitor.files import FILE_MODE, open_append
 from monitor.record import RowSet, StepRecord
+
+logger = logging.getLogger("trainmon")
 
 #: ops written as exact integers.
 EXACT_OPS = ("nans", "calls")
@@ -24,6 +28,16 @@ def _csv_field(text: str) -> str:
     if any(c in text for c in ',"\n\r'):
         return '"' + text.replace('"', '""') + '"'
     return text
+
+
+def _last_step(path: str) -> int:
+    """The largest step in an existing CSV of ours (-1 when it has no rows)."""
+    last = -1
+    with open(path, encoding="utf-8", newline="") as handle:
+        for row in csv.reader(handle):
+            if len(row) > 2 and row[2].isdigit():
+                last = max(last, int(row[2]))
+    return last
 
 
 def _first_line(path: str) -> str:
@@ -50,6 +64,9 @@ class CsvWriter:
             weakref.WeakKeyDictionary()
         )
         self._formats: dict[tuple[str, ...], str] = {}
+        #: per prefix, the last step already in a file this writer continues (a resumed run).
+        self._resumed_last: dict[str, int] = {}
+        self._skipped: set[str] = set()
 
     def file_name(self, prefix: str, step: int) -> str:
         start = (step // self.window) * self.window
@@ -72,6 +89,7 @@ class CsvWriter:
                 handle.write(header)
                 break
             if _first_line(path) == header:
+                self._resumed_last[record.prefix] = _last_step(path)
                 break
             # An earlier run (append_output) wrote other columns: never mix them (spec W26).
             handle.close()
@@ -101,6 +119,17 @@ class CsvWriter:
     def write(self, record: StepRecord) -> None:
         if len(record.rows) == 0:
             return
+        handle = self._file(record)
+        if record.step <= self._resumed_last.get(record.prefix, -1):
+            if record.prefix not in self._skipped:  # a resumed run repeats steps: first write wins
+                self._skipped.add(record.prefix)
+                logger.warning(
+                    "trainmon: %s: step %d and earlier are already in %s; not written again",
+                    record.prefix,
+                    self._resumed_last[record.prefix],
+                    handle.name if isinstance(handle.name, str) else self.out_dir,
+                )
+            return
         values = record.resolve().tolist()
         fmt = self._value_format(record.ops)
         step = str(record.step)
@@ -108,7 +137,6 @@ class CsvWriter:
             before + step + after + fmt % tuple(row)
             for (before, after), row in zip(self._heads(record.rows), values)
         )
-        handle = self._file(record)
         handle.write(text)
         handle.flush()
 

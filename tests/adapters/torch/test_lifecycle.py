@@ -25,6 +25,7 @@ DATA_TYPES = {
         "param_distribution": True,
         "mg_direction": True,
     },
+    "xy": {"xy_distribution": True, "all_xy": True},
 }
 
 

@@ -1,0 +1,335 @@
+"""Activation statistics against an independent recomputation, checkpointing, in-place ops, views."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from adapters.torch.demo import Block, GPTConfig
+from monitor import TrainerMon
+from tests.adapters.torch.helpers import ALL_OPS, assert_stats_close
+
+CFG = GPTConfig(vocab=50, hidden=16, heads=2, layers=1, seq=6)
+
+
+class TinyLM(nn.Module):
+    """Embedding -> transformer block (optionally checkpointed) -> head."""
+
+    def __init__(self, reentrant: bool | None = None) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(CFG.vocab, CFG.hidden)
+        self.block = Block(CFG)
+        self.head = nn.Linear(CFG.hidden, CFG.vocab)
+        self.reentrant = reentrant
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embedding(tokens)
+        if self.reentrant is None:
+            x = self.block(x)
+        else:
+            x = checkpoint(self.block, x, use_reentrant=self.reentrant)
+        return self.head(x)
+
+
+def _batches(steps: int, micro: int, seed: int = 3) -> list[list[torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [
+        [torch.randint(0, CFG.vocab, (2, CFG.seq), generator=g) for _ in range(micro)] for _ in range(steps)
+    ]
+
+
+def _loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    return model(tokens).float().pow(2).mean()
+
+
+def _run(model, config, batches, grad_acc=2):
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = TrainerMon(
+        {
+            "xy_distribution": True,
+            "all_xy": True,
+            "ops": ALL_OPS,
+            "format": "api",
+            "squash_name": False,
+            **config,
+        }
+    )
+    mon.set_monitor(model, grad_acc_steps=grad_acc, optimizer=optimizer)
+    per_step = []
+    for step_batches in batches:
+        for tokens in step_batches:
+            _loss(model, tokens).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        latest = mon._session.core.latest
+        per_step.append((latest.latest("actv"), latest.latest("actv_grad")))
+    mon.stop()
+    return per_step
+
+
+def _capture(twin: nn.Module, tokens: torch.Tensor):
+    """Independent recomputation: the test's own hooks keep every module's inputs and outputs;
+    torch.autograd.grad gives the loss's gradient with respect to each of them."""
+    seen = []
+
+    def hook(name):
+        def fn(module, args, output):
+            seen.append((name, "input", [a for a in args if isinstance(a, torch.Tensor)]))
+            seen.append((name, "output", [output]))
+
+        return fn
+
+    handles = [m.register_forward_hook(hook(n)) for n, m in twin.named_modules()]
+    loss = _loss(twin, tokens)
+    for h in handles:
+        h.remove()
+    values = {}
+    wanted = []
+    for name, direction, tensors in seen:
+        for i, t in enumerate(tensors):
+            key = f"{name}.{direction}" + (f"_{i}" if len(tensors) > 1 else "")
+            values[key] = t.detach().numpy().copy()
+            if t.requires_grad:
+                wanted.append((f"{name}.{direction}_grad" + (f"_{i}" if len(tensors) > 1 else ""), t))
+    grads = torch.autograd.grad(loss, [t for _, t in wanted], allow_unused=True)
+    grads = {key: g.numpy().copy() for (key, _), g in zip(wanted, grads) if g is not None}
+    return values, grads
+
+
+def test_every_activation_row_matches_an_independent_recomputation():
+    torch.manual_seed(0)
+    reference = TinyLM()  # trained by the test alone, to know each step's weights
+    twin = TinyLM()
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    batches = _batches(2, 2)
+    expected = []
+    for step_batches in batches:
+        twin.load_state_dict(reference.state_dict())
+        expected.append([_capture(twin, tokens) for tokens in step_batches])
+        for tokens in step_batches:
+            _loss(reference, tokens).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    torch.manual_seed(0)
+    model = TinyLM()
+    per_step = _run(model, {}, batches)
+    for (actv, actv_grad), micro_batches in zip(per_step, expected):
+        assert len(actv) == sum(len(values) for values, _ in micro_batches)
+        assert len(actv_grad) == sum(len(grads) for _, grads in micro_batches)
+        for micro, (values, grads) in enumerate(micro_batches):
+            for key, array in values.items():
+                assert_stats_close(actv[f"0:{key}:{micro}/rank0/actv"], array, what=f"{key} micro {micro}")
+            for key, array in grads.items():
+                assert_stats_close(
+                    actv_grad[f"0:{key}:{micro}/rank0/actv_grad"], array, what=f"{key} micro {micro}"
+                )
+
+
+@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
+def test_checkpointed_model_gives_the_same_rows_and_values(reentrant):
+    batches = _batches(2, 2)
+    torch.manual_seed(0)
+    plain = _run(TinyLM(), {}, batches)
+    torch.manual_seed(0)
+    checkpointed = _run(TinyLM(reentrant=reentrant), {}, batches)
+    for (actv, grads), (actv_c, grads_c) in zip(plain, checkpointed):
+        assert sorted(actv) == sorted(actv_c)
+        assert sorted(grads) == sorted(grads_c)
+        for tag in actv:
+            for op in ALL_OPS:
+                assert actv_c[tag][op] == pytest.approx(actv[tag][op], rel=1e-5, abs=1e-7, nan_ok=True)
+        for tag in grads:
+            for op in ALL_OPS:
+                assert grads_c[tag][op] == pytest.approx(grads[tag][op], rel=1e-4, abs=1e-7, nan_ok=True)
+
+
+class ReturnsView(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.view(-1, 4)
+
+
+def test_inplace_op_after_a_hooked_module_and_a_returned_view_work():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(inplace=True), ReturnsView(), nn.Linear(4, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = TrainerMon(
+        {"xy_distribution": True, "all_xy": True, "ops": ["norm", "min", "max"], "format": "api"}
+    )
+    mon.set_monitor(model, 1, optimizer)
+    x = torch.randn(3, 4)
+    weight, bias = model[0].weight.detach().clone(), model[0].bias.detach().clone()
+    last_weight = model[3].weight.detach().numpy().copy()
+    out = model(x)
+    out.mul_(2.0)  # in-place on the view the model returned
+    out.sum().backward()
+    optimizer.step()
+    actv = mon._session.core.latest.latest("actv")
+    grads = mon._session.core.latest.latest("actv_grad")
+    mon.stop()
+    pre_relu = (x @ weight.T + bias).numpy()
+    assert_stats_close(actv["0:0.output:0/rank0/actv"], pre_relu, ["norm", "min", "max"])  # before ReLU ran
+    assert_stats_close(actv["0:1.input:0/rank0/actv"], pre_relu, ["norm", "min", "max"])
+    assert_stats_close(actv["0:1.output:0/rank0/actv"], np.maximum(pre_relu, 0), ["norm", "min", "max"])
+    relu_grad = (np.ones((3, 2)) * 2.0) @ last_weight
+    assert_stats_close(grads["0:1.output_grad:0/rank0/actv_grad"], relu_grad, ["norm", "min", "max"])
+    assert_stats_close(
+        grads["0:0.output_grad:0/rank0/actv_grad"], relu_grad * (pre_relu > 0), ["norm", "min", "max"]
+    )
+
+
+@dataclasses.dataclass
+class Output:
+    logits: torch.Tensor
+    hidden: tuple[torch.Tensor, ...]
+
+
+class Structured(nn.Module):
+    """Keyword inputs, a dataclass output (like HuggingFace ModelOutput), a changing structure."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor, *, scale: torch.Tensor, extra: bool = False):
+        h = self.fc(x) * scale
+        if extra:
+            return {"a": h, "b": h * 2, "c": h * 3}
+        return Output(logits=h, hidden=(x, h))
+
+
+def test_keyword_inputs_structured_outputs_and_changing_structure():
+    torch.manual_seed(0)
+    model = Structured()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = TrainerMon({"xy_distribution": True, "ops": ["norm"], "format": "api", "targets": {"": {}}})
+    mon.set_monitor(model, 2, optimizer)
+    x, scale = torch.randn(2, 3), torch.tensor(2.0)
+    first = model(x, scale=scale)
+    first.logits.sum().backward()
+    second = model(x, scale=scale, extra=True)
+    second["c"].sum().backward()
+    optimizer.step()
+    actv = mon._session.core.latest.latest("actv")
+    mon.stop()
+    assert set(actv) >= {
+        "0:.input_0:0/rank0/actv",
+        "0:.input_1:0/rank0/actv",
+        "0:.output_0:0/rank0/actv",
+        "0:.output_1:0/rank0/actv",
+        "0:.output_2:0/rank0/actv",
+        "0:.output_2:1/rank0/actv",
+    }
+    assert actv["0:.input_1:0/rank0/actv"]["norm"] == pytest.approx(2.0)
+    assert actv["0:.output_1:0/rank0/actv"]["norm"] == pytest.approx(float(x.norm()), rel=1e-6)
+
+
+def test_format_strings_select_and_a_mismatch_falls_back_without_error():
+    torch.manual_seed(0)
+    model = Structured()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    targets = {"fc": {"input": "tuple[1]:0", "output": "tensor"}, "": {"output": "tuple[2]:1"}}
+    mon = TrainerMon({"xy_distribution": True, "ops": ["norm"], "format": "api", "targets": targets})
+    mon.set_monitor(model, 1, optimizer)
+    x = torch.randn(2, 3)
+    model(x, scale=torch.tensor(1.0)).logits.sum().backward()
+    optimizer.step()
+    actv = mon._session.core.latest.latest("actv")
+    mon.stop()
+    assert actv["0:fc.input:0/rank0/actv"]["norm"] == pytest.approx(float(x.norm()), rel=1e-6)
+    assert "0:fc.output:0/rank0/actv" in actv
+    assert "0:.output_0:0/rank0/actv" in actv  # the root's "tuple[2]:1" does not fit a dataclass: all tensors
+
+
+class Gated(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.always = nn.Linear(2, 2)
+        self.sometimes = nn.Linear(2, 2)
+
+    def forward(self, x: torch.Tensor, use: bool) -> torch.Tensor:
+        x = self.always(x)
+        return self.sometimes(x) if use else x
+
+
+def test_a_module_that_did_not_run_has_no_row_for_that_step():
+    model = Gated()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = TrainerMon({"xy_distribution": True, "all_xy": True, "ops": ["norm"], "format": "api"})
+    mon.set_monitor(model, 1, optimizer)
+    seen = []
+    for use in (True, False):
+        model(torch.randn(1, 2), use).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        seen.append({t for t in mon._session.core.latest.latest("actv") if "sometimes" in t})
+    mon.stop()
+    assert seen[0] and not seen[1]
+
+
+@pytest.mark.parametrize(
+    ("flag", "present", "absent"),
+    [("forward_only", "actv", "actv_grad"), ("backward_only", "actv_grad", "actv")],
+)
+def test_forward_only_and_backward_only(flag, present, absent):
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = TrainerMon({"xy_distribution": True, "all_xy": True, flag: True, "format": "api"})
+    mon.set_monitor(model, 1, optimizer)
+    model(torch.randn(3, 2, requires_grad=True)).sum().backward()
+    optimizer.step()
+    latest = mon._session.core.latest
+    assert latest.latest(present) and not latest.latest(absent)
+    mon.stop()
+
+
+def test_eval_mode_forward_is_not_recorded():
+    model = nn.Sequential(nn.Linear(2, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = TrainerMon({"xy_distribution": True, "all_xy": True, "format": "api"})
+    mon.set_monitor(model, 1, optimizer)
+    model.eval()
+    with torch.no_grad():
+        model(torch.randn(3, 2))
+    model.train()
+    model(torch.randn(3, 2)).sum().backward()
+    optimizer.step()
+    tags = set(mon._session.core.latest.latest("actv"))
+    mon.stop()
+    assert tags == {
+        "0:.input:0/rank0/actv",
+        "0:.output:0/rank0/actv",
+        "0:0.input:0/rank0/actv",
+        "0:0.output:0/rank0/actv",
+    }
+
+
+@pytest.mark.parametrize("reentrant", [None, True, False], ids=["plain", "reentrant", "non-reentrant"])
+def test_training_is_bit_identical_with_activations_monitored(reentrant):
+    batches = _batches(4, 2)
+
+    def train(monitored: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = TinyLM(reentrant=reentrant)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+        mon = None
+        if monitored:
+            mon = TrainerMon(
+                {"xy_distribution": True, "all_xy": True, "ops": ALL_OPS, "wg_distribution": True}
+            )
+            mon.set_monitor(model, 2, optimizer)
+        for step_batches in batches:
+            for tokens in step_batches:
+                _loss(model, tokens).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        if mon is not None:
+            mon.stop()
+        return [p.detach().clone() for p in model.parameters()]
+
+    for plain, monitored in zip(train(False), train(True)):
+        assert torch.equal(plain, monitored)

@@ -1,0 +1,162 @@
+"""Switching collection on and off during a live run: dynamic mode, start()/stop(), ops, resume."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+import pandas as pd
+import pytest
+import torch
+
+from monitor import ConfigError, TrainerMon
+from tests.adapters.torch.helpers import MLP, make_batches
+
+
+def _collected_steps(output_dir: str, prefix: str = "grad_reduced") -> list[int]:
+    frames = [
+        pd.read_csv(os.path.join(output_dir, f)) for f in os.listdir(output_dir) if f.startswith(prefix)
+    ]
+    return sorted(set(pd.concat(frames)["step"])) if frames else []
+
+
+def _write(path, text: str) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as handle:
+        handle.write(text)
+    os.replace(tmp, path)  # a new inode: the edit is seen even within the file system's mtime granularity
+
+
+def _fresh():
+    torch.manual_seed(0)
+    model = MLP()
+    return model, torch.optim.SGD(model.parameters(), lr=0.01)
+
+
+def _step(model, optimizer, seed: int) -> None:
+    for x in make_batches(1, 1, seed=seed)[0]:
+        model(x).pow(2).mean().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+class _Errors(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def test_dynamic_mode_starts_on_edit_stops_after_collect_times_and_writes_back(tmp_path, monkeypatch):
+    monkeypatch.setenv("DYNAMIC_MONITOR", "true")
+    path = tmp_path / "monitor.json"
+    original = '{\n  "wg_distribution": true,\n\n  "dynamic_on": false,   "collect_times": 2\n}\n'
+    _write(path, original)
+    model, optimizer = _fresh()
+    mon = TrainerMon(str(path))
+    mon.set_monitor(model, 1, optimizer)
+    errors = _Errors()
+    logging.getLogger("trainmon").addHandler(errors)
+    try:
+        for step in range(12):
+            if step == 2:
+                _write(path, original.replace('"dynamic_on": false', '"dynamic_on": true'))
+            if step == 7:
+                _write(path, "{ broken")
+            if step == 8:
+                _write(
+                    path, original.replace('"dynamic_on": false', '"dynamic_on": true').replace("2\n", "1\n")
+                )
+            _step(model, optimizer, step)
+    finally:
+        logging.getLogger("trainmon").removeHandler(errors)
+    # the edit made during step 2 is seen at its end: steps 3 and 4 are collected (collect_times 2)
+    # the broken edit is reported once; the edit during step 8 collects step 9 only
+    assert _collected_steps(mon.output_dir) == [3, 4, 9]
+    assert path.read_text() == original.replace("2\n", "1\n")  # dynamic_on written back, nothing else changed
+    assert len([m for m in errors.messages if "not valid" in m]) == 1
+    mon.stop()
+
+
+def test_dynamic_mode_with_dynamic_on_at_start_collects_from_the_first_step(tmp_path, monkeypatch):
+    monkeypatch.setenv("DYNAMIC_MONITOR", "TRUE")
+    path = tmp_path / "monitor.json"
+    path.write_text(json.dumps({"wg_distribution": True, "dynamic_on": True, "collect_times": 3}))
+    model, optimizer = _fresh()
+    mon = TrainerMon(str(path))
+    mon.set_monitor(model, 1, optimizer)
+    for step in range(5):
+        _step(model, optimizer, step)
+    assert _collected_steps(mon.output_dir) == [0, 1, 2]
+    assert json.loads(path.read_text())["dynamic_on"] is False
+    mon.stop()
+
+
+@pytest.mark.parametrize("optimizer_class", [torch.optim.AdamW, torch.optim.SGD])
+def test_start_and_stop_switch_collection_from_python(optimizer_class):
+    torch.manual_seed(0)
+    model = MLP()
+    optimizer = optimizer_class(model.parameters(), lr=0.01)
+    mon = TrainerMon(
+        {"wg_distribution": True, "alert": {"rules": [{"rule_name": "AnomalyNan"}], "dump": True}}
+    )
+    mon.set_monitor(model, 1, optimizer)
+    for step in range(6):
+        if step == 2:
+            mon.stop()
+        if step == 4:  # AdamW counts its own updates; SGD does not, so the loop says where it is
+            mon.start() if optimizer_class is torch.optim.AdamW else mon.start(step=4)
+        _step(model, optimizer, step)
+    mon.stop()
+    assert _collected_steps(mon.output_dir) == [0, 1, 4, 5]
+    assert len([d for d in os.listdir(os.path.dirname(mon.output_dir)) if "-rank0-" in d]) == 1
+
+
+def test_ops_setter_is_validated_and_applies_from_the_next_step():
+    model, optimizer = _fresh()
+    mon = TrainerMon({"wg_distribution": True, "ops": ["norm"], "format": "api"})
+    mon.set_monitor(model, 1, optimizer)
+    _step(model, optimizer, 0)
+    assert set(next(iter(mon.generate_wgrad_metrics()[0].values()))) == {"norm"}
+    with pytest.raises(ConfigError, match="ops"):
+        mon.ops = ["median"]
+    mon.ops = ["max", "nans"]
+    assert mon.ops == ["max", "nans"]
+    _step(model, optimizer, 1)
+    assert set(next(iter(mon.generate_wgrad_metrics()[0].values()))) == {"max", "nans"}
+    mon.stop()
+
+
+def test_reload_xy_is_deprecated_and_switches_activations():
+    model, optimizer = _fresh()
+    mon = TrainerMon({"wg_distribution": True, "format": "api"})
+    mon.set_monitor(model, 1, optimizer)
+    _step(model, optimizer, 0)
+    with pytest.warns(DeprecationWarning):
+        mon.reload_xy(True)
+    _step(model, optimizer, 1)
+    assert mon._session.core.latest.latest("actv")
+    mon.stop()
+
+
+def test_a_resumed_run_does_not_write_steps_twice(tmp_path):
+    first_model, first_optimizer = _fresh()
+    first = TrainerMon({"wg_distribution": True, "step_count_per_record": 100})
+    first.set_monitor(first_model, 1, first_optimizer)
+    for step in range(5):
+        _step(first_model, first_optimizer, step)
+    first.stop()
+    tag = os.path.basename(first.output_dir).split("-rank")[0]
+    model, optimizer = _fresh()
+    resumed = TrainerMon({"wg_distribution": True, "step_count_per_record": 100, "append_output": [tag, tag]})
+    resumed.set_monitor(model, 1, optimizer, start_iteration=3)  # restarted from a checkpoint of step 3
+    for step in range(3, 7):
+        _step(model, optimizer, step)
+    resumed.stop()
+    assert resumed.output_dir == first.output_dir
+    frame = pd.read_csv(os.path.join(first.output_dir, "grad_reduced_0-99.csv"))
+    counts = frame["step"].value_counts()
+    assert sorted(counts.index) == list(range(7)) and set(counts) == {len(list(model.parameters()))}
