@@ -100,6 +100,9 @@ class MonitorConfig:
     monitor_mbs_grad: bool = False
     #: share of elements whose gradient sign agrees with exp_avg.
     mg_direction: bool = False
+    #: sharded optimizers (ZeRO, Megatron distributed): merge the ranks' pieces so every row is
+    #: the whole tensor (one all_gather per data type per collected step); ours, not msprobe's.
+    shard_reduce: bool = False
     cc_distribution: CCConfig = field(default_factory=CCConfig)
     alert: AlertConfig = field(default_factory=AlertConfig)
     #: output format: csv, tensorboard or api (in memory).
@@ -243,6 +246,11 @@ def validate_config(raw: Mapping[str, Any]) -> MonitorConfig:
         if normalised not in ("s,b,h,d", "b,s,h,d"):
             raise ConfigError(f"sa_order: expected 's,b,h,d' or 'b,s,h,d', got {order!r}")
         values["sa_order"] = normalised
+    if values.get("shard_reduce") and values.get("module_ranks"):
+        raise ConfigError(
+            "shard_reduce, module_ranks: expected module_ranks empty with shard_reduce (every rank of the "
+            f"data-parallel group takes part in its collective), got {list(values['module_ranks'])}"
+        )
     if values.get("forward_only") and values.get("backward_only"):
         raise ConfigError(
             "forward_only, backward_only: expected at most one of them to be true, got both true"

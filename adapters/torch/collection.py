@@ -19,6 +19,7 @@ from adapters.torch.activations import Activations, select_modules
 from adapters.torch.dist import rank_in_group
 from adapters.torch.grads import UnreducedGrads
 from adapters.torch.params import ParamRegistry
+from adapters.torch.shards import SHARD_COLUMNS, shard_reduce
 from adapters.torch.stats import stat_matrix
 from adapters.torch.structure import StackRecorder, StructureRecorder
 from monitor.config import MonitorConfig
@@ -85,6 +86,7 @@ class Collection:
             if getattr(config, key):
                 logger.warning("trainmon: %s is not supported yet by this version and is ignored", key)
         self.registry = ParamRegistry(chunks, config, main_grad)
+        backend.prepare([entry.param for entry in self.registry.params], self.registry.grad)
         self.core = MonitorCore(config, rank, pp_stage, group_mates, output_dir=output_dir)
         self._rows = self._build_rows(tp_group, dp_group)
         self._handles: list = []
@@ -175,11 +177,11 @@ class Collection:
         if self._wanted("grad_unreduced", cfg.wg_distribution):
             self._guard("grad_unreduced", self._submit_unreduced)
         if self._wanted("grad_reduced", cfg.wg_distribution):
-            self._guard("grad_reduced", self._submit_tensors, "grad_reduced", self.registry.grad)
+            self._guard("grad_reduced", self._submit_tensors, "grad_reduced", self.backend.grad)
         if self._wanted("other", cfg.mg_direction):
             self._guard("other", self._submit_mg_direction)
         if self._wanted("param_origin", cfg.param_distribution):
-            self._guard("param_origin", self._submit_tensors, "param_origin", lambda p: p.detach())
+            self._guard("param_origin", self._submit_tensors, "param_origin", self.backend.value)
 
     def after_update(self) -> None:
         """Optimizer post-step: moments and parameters after the update, then the step is written."""
@@ -191,7 +193,7 @@ class Collection:
             if self._wanted(prefix, cfg.mv_distribution):
                 self._guard(prefix, self._submit_tensors, prefix, lambda p, k=prefix: moment(p, k))
         if self._wanted("param_updated", cfg.param_distribution):
-            self._guard("param_updated", self._submit_tensors, "param_updated", lambda p: p.detach())
+            self._guard("param_updated", self._submit_tensors, "param_updated", self.backend.value)
         if self.collectives is not None:
             self._guard("comm", self._submit_collectives)
         if self.stacks is not None:
@@ -219,9 +221,40 @@ class Collection:
             if tensor is not None:
                 tensors.append(tensor.detach())
                 present.append(position)
+        if self.backend.sharded:
+            self._submit_pieces(prefix, index, rows, tensors, present)
+            return
         if len(present) != len(index):
             rows = rows.take(present)
         self._submit(prefix, rows, stat_matrix(tensors, self.ops, self.eps))
+
+    def _submit_pieces(
+        self, prefix: str, index: list[int], rows: RowSet, tensors: list[torch.Tensor], present: list[int]
+    ) -> None:
+        """Sharded data: each row is this rank's piece with its element count, or (shard_reduce)
+        the whole tensor merged over the shard group."""
+        ops = (*self.ops, *SHARD_COLUMNS)
+        pieces = stat_matrix(tensors, self.ops, self.eps)
+        counts = torch.tensor([t.numel() for t in tensors], dtype=torch.float64)
+        if self.config.shard_reduce:
+            full = torch.full(
+                (len(index), len(self.ops)), float("nan"), dtype=torch.float64, device=pieces.device
+            )
+            full[present] = pieces
+            all_counts = torch.zeros(len(index), dtype=torch.float64)
+            all_counts[present] = counts
+            self._submit(
+                prefix,
+                rows,
+                shard_reduce(full, all_counts.to(pieces.device), self.ops, self.backend.shard_group),
+                ops,
+            )
+            return
+        whole = torch.tensor(
+            [self.backend.numel(self.registry.params[index[p]].param) for p in present], dtype=torch.float64
+        )
+        extra = torch.stack([counts, (counts < whole).to(torch.float64)], dim=1).to(pieces.device)
+        self._submit(prefix, rows.take(present), torch.cat([pieces, extra], dim=1), ops)
 
     def _submit_unreduced(self) -> None:
         index, micro, matrix = self.grads.take()

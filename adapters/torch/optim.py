@@ -1,15 +1,33 @@
-"""Optimizer back-ends: for a parameter, where are its exp_avg, exp_avg_sq and step hooks.
+"""Optimizer back-ends: where a training step ends, and where each parameter's numbers live.
 
-One back-end per optimizer family, picked by class name. The generic one serves every
-torch.optim optimizer whose state uses the keys ``exp_avg`` / ``exp_avg_sq`` (Adam, AdamW,
-NAdam, RAdam, ...); others report no moments.
+A back-end answers, for one monitored parameter: its reduced gradient as the optimizer sees it,
+its (master) values, and its ``exp_avg`` / ``exp_avg_sq``; and it registers the hooks that run
+before and after each optimizer step. One back-end per optimizer family, chosen by class name
+along the wrapper chain (``BACKENDS``); maps are built once in ``prepare`` (spec W6).
+
+A sharded back-end (ZeRO, Megatron's distributed optimizer) returns each rank's own piece of a
+tensor (or None where the rank holds none) and sets ``sharded``; the collection then records each
+piece with its element count, or merges the pieces across ``shard_group`` (``shard_reduce``).
+
+The generic back-end serves every torch.optim optimizer whose state uses the keys ``exp_avg`` /
+``exp_avg_sq`` (Adam, AdamW, NAdam, RAdam, ...); others report no moments.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+
+
+def unwrap_chain(optimizer: Any, depth: int = 4) -> list[Any]:
+    """The optimizer and the objects it wraps through ``.optimizer`` (outermost first)."""
+    chain, current = [], optimizer
+    while current is not None and len(chain) < depth and all(current is not c for c in chain):
+        chain.append(current)
+        current = getattr(current, "optimizer", None)
+    return chain
 
 
 def hookable_optimizer(optimizer: Any) -> torch.optim.Optimizer:
@@ -18,11 +36,9 @@ def hookable_optimizer(optimizer: Any) -> torch.optim.Optimizer:
     Raises:
         TypeError: nothing in the chain is a torch optimizer.
     """
-    current, seen = optimizer, 0
-    while current is not None and seen < 4:
+    for current in unwrap_chain(optimizer):
         if isinstance(current, torch.optim.Optimizer):
             return current
-        current, seen = getattr(current, "optimizer", None), seen + 1
     raise TypeError(
         f"set_monitor: optimizer: expected a torch.optim.Optimizer (or a wrapper with .optimizer), "
         f"got {type(optimizer).__name__}"
@@ -38,11 +54,40 @@ def optimizer_step_count(optimizer: torch.optim.Optimizer) -> int | None:
     return None
 
 
-class GenericBackend:
-    """Moments from ``optimizer.state[param]``."""
+class TorchBackend:
+    """Any torch.optim optimizer: hooks on it, moments in ``optimizer.state[param]``."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
-        self.optimizer = optimizer
+    #: ranks hold different pieces of the same tensor (set by sharded back-ends).
+    sharded = False
+    #: the group whose ranks hold the pieces (shard_reduce merges over it).
+    shard_group: Any = None
+
+    def __init__(self, optimizer: Any) -> None:
+        self.optimizer = hookable_optimizer(optimizer)
+        self._local_grad: Callable[[torch.nn.Parameter], torch.Tensor | None] = lambda p: p.grad
+
+    def prepare(self, params: Sequence[torch.nn.Parameter], local_grad: Callable) -> None:
+        """Attach-time set-up for the monitored parameters; ``local_grad`` reads main_grad/.grad."""
+        self._local_grad = local_grad
+
+    def register_step_hooks(self, before: Callable, after: Callable) -> list:
+        """Hooks around each optimizer step, called as ``fn(optimizer, args, kwargs)``."""
+        return [self.optimizer.register_step_pre_hook(before), self.optimizer.register_step_post_hook(after)]
+
+    def step_count(self) -> int | None:
+        return optimizer_step_count(self.optimizer)
+
+    def grad(self, param: torch.nn.Parameter) -> torch.Tensor | None:
+        """The reduced gradient the optimizer uses (this rank's piece when sharded)."""
+        return self._local_grad(param)
+
+    def numel(self, param: torch.nn.Parameter) -> int:
+        """Elements of the whole parameter (a sharded back-end knows it when the param is empty)."""
+        return param.numel()
+
+    def value(self, param: torch.nn.Parameter) -> torch.Tensor | None:
+        """The values the optimizer updates (the fp32 master copy where there is one)."""
+        return param.detach()
 
     def moment(self, param: torch.nn.Parameter, key: str) -> torch.Tensor | None:
         """``exp_avg`` / ``exp_avg_sq`` of a parameter, or None before its first update."""
@@ -53,9 +98,15 @@ class GenericBackend:
         return value if isinstance(value, torch.Tensor) else None
 
 
+#: optimizer class name (anywhere in the wrapper chain, outermost first) -> back-end class.
 BACKENDS: dict[str, type] = {}
 
 
-def optimizer_backend(optimizer: torch.optim.Optimizer) -> GenericBackend:
-    """The back-end registered for the optimizer's class name, else the generic one."""
-    return BACKENDS.get(type(optimizer).__name__, GenericBackend)(optimizer)
+def optimizer_backend(optimizer: Any) -> TorchBackend:
+    """The back-end registered for a class name in the optimizer's wrapper chain, else the generic one."""
+    for current in unwrap_chain(optimizer):
+        for cls in type(current).__mro__:
+            backend = BACKENDS.get(cls.__name__)
+            if backend is not None:
+                return backend(current)
+    return TorchBackend(optimizer)

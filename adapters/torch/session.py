@@ -18,7 +18,7 @@ import torch
 
 from adapters.torch.collection import Collection
 from adapters.torch.dist import global_rank, pipeline_info
-from adapters.torch.optim import hookable_optimizer, optimizer_backend, optimizer_step_count
+from adapters.torch.optim import optimizer_backend
 from monitor.config import MonitorConfig
 from monitor.errors import StructurePrinted
 from monitor.schedule import rank_enabled
@@ -55,8 +55,8 @@ class TorchSession:
             raise ValueError("set_monitor: optimizer: required (its step marks the end of a training step)")
         self.config = config
         self.chunks = chunks
-        self.optimizer = hookable_optimizer(optimizer)
-        self.backend = optimizer_backend(self.optimizer)
+        self.backend = optimizer_backend(optimizer)
+        self.optimizer = self.backend.optimizer
         self.rank = global_rank()
         self.pp_stage, self.group_mates = pipeline_info(process_group)
         self.grad_acc_steps = grad_acc_steps
@@ -143,7 +143,7 @@ class TorchSession:
         """Remove every hook and close the outputs (idempotent)."""
         self._end_collection()
         if self._hooks:
-            self._steps_at_stop = optimizer_step_count(self.optimizer)
+            self._steps_at_stop = self.backend.step_count()
         self._detach_optimizer_hooks()
 
     def resume_step_count(self, step: int | None) -> None:
@@ -151,7 +151,7 @@ class TorchSession:
         if step is not None:
             self.step = step
             return
-        now = optimizer_step_count(self.optimizer)
+        now = self.backend.step_count()
         if now is not None and self._steps_at_stop is not None:
             self.step += now - self._steps_at_stop
         self._steps_at_stop = None
@@ -159,10 +159,7 @@ class TorchSession:
     # -- optimizer hooks ---------------------------------------------------------------------
 
     def _attach_optimizer_hooks(self) -> None:
-        self._hooks = [
-            self.optimizer.register_step_pre_hook(self._before_update),
-            self.optimizer.register_step_post_hook(self._after_update),
-        ]
+        self._hooks = self.backend.register_step_hooks(self._before_update, self._after_update)
 
     def _detach_optimizer_hooks(self) -> None:
         for handle in self._hooks + self._cleanup:

@@ -21,7 +21,7 @@ from monitor.record import RowSet, StepRecord
 logger = logging.getLogger("trainmon")
 
 #: ops written as exact integers.
-EXACT_OPS = ("nans", "calls")
+EXACT_OPS = ("nans", "calls", "numel", "partial")
 
 
 def _csv_field(text: str) -> str:

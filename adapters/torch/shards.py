@@ -1,0 +1,71 @@
+"""Statistics of sharded tensors: each rank's piece with its element count, merged exactly.
+
+Every op merges from per-piece values and counts: norm from sums of squares, min of mins, max of
+maxes, mean and zeros weighted by counts, nans summed. ``shard_reduce`` packs a data type's
+statistics and counts into one tensor and all-gathers it over the shard group (one collective per
+data type per collected step), so every rank can write whole-tensor values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+#: extra columns written for sharded data: element count of the row's piece, and 1 when partial.
+SHARD_COLUMNS = ("numel", "partial")
+
+
+def merge_pieces(values: np.ndarray, counts: np.ndarray, ops: Sequence[str]) -> np.ndarray:
+    """Merge pieces along axis 0: values (pieces, rows, ops), counts (pieces, rows) -> (rows, ops).
+
+    Pieces with count 0 (a rank that holds none of the tensor) are ignored.
+    """
+    present = counts > 0
+    total = counts.sum(axis=0)
+    out = np.full(values.shape[1:], np.nan)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        for j, op in enumerate(ops):
+            column = np.where(present, values[:, :, j], np.nan)
+            if op == "norm":
+                out[:, j] = np.sqrt(np.sum(np.where(present, column * column, 0.0), axis=0))
+            elif op == "min":
+                out[:, j] = _masked(np.fmin.reduce, column, present, values[:, :, j])
+            elif op == "max":
+                out[:, j] = _masked(np.fmax.reduce, column, present, values[:, :, j])
+            elif op in ("mean", "zeros"):
+                out[:, j] = np.sum(np.where(present, values[:, :, j] * counts, 0.0), axis=0) / total
+            elif op == "nans":
+                out[:, j] = np.sum(np.where(present, values[:, :, j], 0.0), axis=0)
+    return out
+
+
+def _masked(reduce: Any, column: np.ndarray, present: np.ndarray, raw: np.ndarray) -> np.ndarray:
+    """min/max over present pieces; a NaN inside a present piece propagates, as numpy's min does."""
+    result = reduce(column, axis=0)
+    nan_in_piece = np.any(present & np.isnan(raw), axis=0)
+    return np.where(nan_in_piece, np.nan, result)
+
+
+def shard_reduce(matrix: torch.Tensor, counts: torch.Tensor, ops: Sequence[str], group: Any) -> np.ndarray:
+    """Whole-tensor statistics from every rank's pieces: one all_gather over ``group``.
+
+    Args:
+        matrix: (rows, ops) float64 statistics of this rank's pieces (NaN rows where it holds none).
+        counts: (rows,) element counts of this rank's pieces (0 where it holds none).
+        group: the process group whose ranks hold the pieces.
+
+    Returns:
+        (rows, ops + 2) float64: merged values, the total element count, and 0 (not partial).
+    """
+    packed = torch.cat([matrix, counts.to(matrix.dtype).unsqueeze(1)], dim=1).contiguous()
+    world = dist.get_world_size(group)
+    gathered = torch.empty((world, *packed.shape), dtype=packed.dtype, device=packed.device)
+    dist.all_gather_into_tensor(gathered, packed, group=group)
+    host = gathered.cpu().numpy()
+    merged = merge_pieces(host[:, :, :-1], host[:, :, -1], ops)
+    total = host[:, :, -1].sum(axis=0)
+    return np.concatenate([merged, total[:, None], np.zeros((len(total), 1))], axis=1)
