@@ -20,7 +20,7 @@ from adapters.torch.collection import Collection
 from adapters.torch.dist import global_rank, pipeline_info
 from adapters.torch.optim import optimizer_backend
 from monitor.config import MonitorConfig
-from monitor.errors import StructurePrinted
+from monitor.errors import CollectivesLogged, StructurePrinted
 from monitor.schedule import rank_enabled
 
 logger = logging.getLogger("trainmon")
@@ -99,9 +99,13 @@ class TorchSession:
         self.config = config or self.config
         if not self._hooks:
             self._attach_optimizer_hooks()
-        if self.config.cc_distribution.enable and self.collectives is None:
+        if self.config.cc_distribution.enable and (
+            self.collectives is None or self._collectives_config_changed()
+        ):
             from adapters.torch.collectives import CollectiveMonitor
 
+            if self.collectives is not None:
+                self.collectives.remove()  # the registry keeps the wrappers while others subscribe
             self.collectives = CollectiveMonitor(self.config)
         self.collection = Collection(
             config=self.config,
@@ -137,6 +141,14 @@ class TorchSession:
             self.rank,
             self.step,
             self.collection.core.output_dir or "in memory (format api)",
+        )
+
+    def _collectives_config_changed(self) -> bool:
+        old = self.collectives.config
+        return (old.cc_distribution, old.ops, old.eps) != (
+            self.config.cc_distribution,
+            self.config.ops,
+            self.config.eps,
         )
 
     def stop(self) -> None:
@@ -193,7 +205,13 @@ class TorchSession:
                     )
                     self._end_collection()
                 else:
-                    self.collection.set_step(self.step)
+                    try:
+                        self.collection.set_step(self.step)
+                    except CollectivesLogged:  # cc_log_only: the user asked the run to stop here
+                        self._end_collection()
+                        self._detach_after_this_step()
+                        self._in_post_hook = False
+                        raise
             if self.on_step_end is not None:
                 try:
                     self.on_step_end(self.step)

@@ -45,6 +45,7 @@ TASK_STAGE: dict[str, int] = {
     "mg_direction": OPTIMIZER,
     "param_origin": OPTIMIZER,
     "param_updated": OPTIMIZER,
+    "comm": BACKWARD,
 }
 _COMM_TASK = re.compile(r"(?:pre|post)_\d+")
 _OP_RE = re.compile(r", '([^']*)'\) at step ")
