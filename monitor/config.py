@@ -265,7 +265,10 @@ def _warn_unknown(key: str, known: tuple[str, ...], path: str) -> None:
 
 
 def _describe(value: Any) -> str:
-    text = repr(value)
+    try:
+        text = repr(value)
+    except ValueError:  # an integer beyond Python's digit limit for str()
+        return f"an integer of about {value.bit_length() * 0.30103:.0f} digits"
     return text if len(text) <= 80 else text[:77] + "..."
 
 
@@ -295,7 +298,11 @@ def _range_text(low: int | None, high: int | None) -> str:
 
 
 def _number(value: Any, path: str, positive: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    try:
+        finite = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+    except OverflowError:  # an integer too large for a float
+        finite = False
+    if not finite:
         raise ConfigError(f"{path}: expected a finite number, got {_describe(value)}")
     if positive and value <= 0:
         raise ConfigError(f"{path}: expected a number > 0, got {value}")

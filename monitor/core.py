@@ -51,14 +51,17 @@ class MonitorCore:
         self.latest = ApiWriter()
         self.anomalies: list[Anomaly] = []
         self.output_dir: str | None = None
+        self.file_writer = None
+        self.detector: Detector | None = None
         sinks: list = []
         if config.format != "api":
             self.output_dir = output_dir or self._rank_dir()
-            sinks.append(self._file_writer())
+            self.file_writer = self._file_writer()
+            sinks.append(self.file_writer)
         if config.alert.rules:
             dump = AnomalyDump(self.root, rank, keep=output_dir is not None) if config.alert.dump else None
-            detector = Detector(build_rules(config.alert.rules), rank, pp_stage, group_mates)
-            sinks.append(AnomalySink(detector, dump, keep=self.anomalies))
+            self.detector = Detector(build_rules(config.alert.rules), rank, pp_stage, group_mates)
+            sinks.append(AnomalySink(self.detector, dump, keep=self.anomalies))
         self._writer = WriterThread(sinks)
 
     def _rank_dir(self) -> str:
@@ -86,6 +89,18 @@ class MonitorCore:
         """Hand one data type's statistics of a collected step to the outputs (training thread)."""
         self.latest.write(record)
         self._writer.submit(record)
+
+    def submit_histograms(self, step: int, tags: list[str], edges, counts) -> None:
+        """Histograms (TensorBoard only): ``counts`` rows are bucket counts then NaN and Inf counts."""
+        writer = self.file_writer
+        if not hasattr(writer, "write_histogram"):
+            return
+
+        def write() -> None:
+            for tag, row in zip(tags, counts):
+                writer.write_histogram(step, tag, edges, row[:-2], nan_count=row[-2], inf_count=row[-1])
+
+        self._writer.call(write)
 
     def end_step(self, step: int) -> None:
         """The collected step is complete: rows are flushed and anomaly.json replaced."""

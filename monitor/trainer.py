@@ -250,6 +250,30 @@ class TrainerMon:
         """The optimizer-step counter (the step the next optimizer.step() will be)."""
         return self._session.step if self._session is not None else 0
 
+    def state_dict(self) -> dict[str, Any]:
+        """Saveable monitor state: the step counter and the anomaly detector's baselines.
+
+        Plain Python data (fine for ``torch.save`` and JSON), so a resumed job keeps its baselines.
+        """
+        detector = self._core.detector if self._core is not None else None
+        if detector is not None:
+            self._core.flush()  # the detector runs on the writer thread: let it catch up first
+        return {
+            "step": self._session.step if self._session is not None else 0,
+            "detector": detector.state_dict() if detector is not None else None,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what state_dict() saved (call after set_monitor, before training resumes).
+
+        Raises:
+            ValueError: the state was saved with other anomaly rules, or is malformed.
+        """
+        detector = self._core.detector if self._core is not None else None
+        if detector is not None and state.get("detector") is not None:
+            self._core.flush()
+            detector.load_state_dict(state["detector"])
+
     def flush(self) -> None:
         """Wait until every collected step so far is written."""
         if self._core is not None:

@@ -365,15 +365,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="LIST",
         help="Python list of steps to keep, e.g. '[10, 20]' (default '[]': all steps)",
     )
+    from monitor.anomaly import cross_rank
+
+    cross_rank.add_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     """Run the analysis for parsed arguments; returns the exit status."""
+    if getattr(args, "cross_rank", False):
+        from monitor.anomaly import cross_rank
+
+        return cross_rank.run(args)
     try:
         out_dir, k, steps, paths = _check(args)
     except UsageError as exc:
         print(f"anomaly-analyse: error: {exc}", file=sys.stderr)
         return 2
+    return report_anomalies(paths, k, steps, out_dir)
+
+
+def report_anomalies(paths: list[str], k: int, steps: frozenset[int] | None, out_dir: str) -> int:
+    """Rank the records of the anomaly files, write OUT/anomaly_analyse.json, print the table; exit status."""
     records, summary = collect(paths, k, steps)
     out_file = os.path.join(out_dir, OUTPUT_NAME)
     status = 0
@@ -383,22 +395,30 @@ def run(args: argparse.Namespace) -> int:
         print(f"anomaly-analyse: error: cannot write {out_file}: {exc}", file=sys.stderr)
         status = 1
     scope = "all steps" if steps is None else f"steps {sorted(steps)}"
-    try:
+    with stdout_guard():
         print(f"Top {len(records)} of {summary.records_selected} anomalies ({scope}):")
         if records:
             print(format_table(records))
         if status == 0:
             print(f"written to {out_file}")
         print(summary.line())
-        sys.stdout.flush()
-    except BrokenPipeError:  # e.g. piped into head; the output file is written already
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        os.close(devnull)
     return status
 
 
-def _check(args: argparse.Namespace) -> tuple[str, int, frozenset[int] | None, list[str]]:
+@contextlib.contextmanager
+def stdout_guard() -> Iterator[None]:
+    """Printing into a closed pipe (e.g. ``| head``) ends the report quietly; files are written already."""
+    try:
+        yield
+        sys.stdout.flush()
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+
+
+def check_common(args: argparse.Namespace) -> tuple[str, int, frozenset[int] | None]:
+    """The data directory, k and steps of the arguments (UsageError when bad)."""
     data_dir = os.fspath(args.data_path)
     if not os.path.exists(data_dir):
         raise UsageError(f"data path does not exist: {data_dir}")
@@ -406,7 +426,23 @@ def _check(args: argparse.Namespace) -> tuple[str, int, frozenset[int] | None, l
         raise UsageError(f"data path is not a directory: {data_dir}")
     if args.topk < 1:
         raise UsageError(f"top k must be at least 1, got {args.topk}")
-    steps = parse_step_list(args.step_list)
+    return data_dir, args.topk, parse_step_list(args.step_list)
+
+
+def make_out_dir(args: argparse.Namespace, data_dir: str) -> str:
+    """OUT (default: the data directory), created if missing (UsageError when impossible)."""
+    out_dir = os.fspath(args.out_path) if args.out_path else data_dir
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise UsageError(f"output path is not a directory: {out_dir}")
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"cannot create output directory {out_dir}: {exc.strerror or exc}") from None
+    return out_dir
+
+
+def _check(args: argparse.Namespace) -> tuple[str, int, frozenset[int] | None, list[str]]:
+    data_dir, k, steps = check_common(args)
     try:
         paths = find_anomaly_files(data_dir)
     except OSError as exc:
@@ -416,14 +452,7 @@ def _check(args: argparse.Namespace) -> tuple[str, int, frozenset[int] | None, l
             f"no anomaly files found: expected {os.path.join(data_dir, '<sub-dir>', INPUT_NAME)} "
             "(point -d at the anomaly_detected directory)"
         )
-    out_dir = os.fspath(args.out_path) if args.out_path else data_dir
-    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
-        raise UsageError(f"output path is not a directory: {out_dir}")
-    try:
-        os.makedirs(out_dir, exist_ok=True)
-    except OSError as exc:
-        raise UsageError(f"cannot create output directory {out_dir}: {exc.strerror or exc}") from None
-    return out_dir, args.topk, steps, paths
+    return make_out_dir(args, data_dir), k, steps, paths
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,12 +2,14 @@
 
 For each data type the detector keeps a Baseline whose rows are tags; a step's record is
 evaluated with numpy over all (tag, op) cells at once. The first rule (in config order) that
-flags a cell reports it.
+flags a cell reports it. The history can be saved and restored (``state_dict`` /
+``load_state_dict``), so a resumed job keeps its baselines.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -20,6 +22,8 @@ logger = logging.getLogger("trainmon")
 #: anomaly lines printed per step before the rest are only counted.
 MAX_LINES_PER_STEP = 20
 _YELLOW, _RESET = "\033[93m", "\033[0m"
+#: layout version of Detector.state_dict().
+STATE_VERSION = 1
 
 
 @dataclass
@@ -142,14 +146,90 @@ class Detector:
         )
 
     def state_dict(self) -> dict[str, Any]:
-        """Saveable detector state: tag tables and baselines per data type."""
+        """The detector's history as plain Python data (dicts, lists, str, float; NaN/Inf kept).
+
+        Holds the rules' identities, every data type's tag table (tag -> row, in row order) and
+        each rule's state arrays per (data type, ops). Safe for pickle/``torch.save`` and for
+        ``json.dumps`` (NaN/Inf as its non-standard literals). The detector runs on the writer
+        thread: take the state after ``flush()`` (or on that thread), not while records are queued.
+        """
         return {
-            "rows": {prefix: list(table) for prefix, table in self._rows.items()},
-            "states": {
-                f"{prefix}|{','.join(ops)}": [{k: v.tolist() for k, v in state.items()} for state in states]
+            "version": STATE_VERSION,
+            "rules": rule_identities(self.rules),
+            "tags": {prefix: list(table) for prefix, table in self._rows.items()},
+            "baselines": [
+                {
+                    "prefix": prefix,
+                    "ops": list(ops),
+                    "states": [{name: array.tolist() for name, array in state.items()} for state in states],
+                }
                 for (prefix, ops), states in self._states.items()
-            },
+            ],
         }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Replace the detector's history by one from ``state_dict()`` (of a detector with the same rules).
+
+        Raises:
+            ValueError: the state is malformed, of another version, or was saved with other rules
+                or rule arguments (the message shows both); the detector is then left unchanged.
+        """
+        if not isinstance(state, Mapping) or state.get("version") != STATE_VERSION:
+            found = state.get("version") if isinstance(state, Mapping) else type(state).__name__
+            raise ValueError(
+                f"detector state: expected a mapping with version {STATE_VERSION}, got {found!r}"
+            )
+        saved, configured = state.get("rules"), rule_identities(self.rules)
+        if saved != configured:
+            raise ValueError(
+                f"detector state: saved with other anomaly rules; saved {saved!r}, configured {configured!r}"
+            )
+        try:
+            rows = {
+                str(prefix): {str(tag): i for i, tag in enumerate(tags)}
+                for prefix, tags in state["tags"].items()
+            }
+            states = {}
+            for entry in state["baselines"]:
+                prefix, ops = str(entry["prefix"]), tuple(str(op) for op in entry["ops"])
+                states[(prefix, ops)] = [
+                    _state_arrays(rule, saved_state, len(rows[prefix]), len(ops))
+                    for rule, saved_state in zip(self.rules, entry["states"], strict=True)
+                ]
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise ValueError(f"detector state: malformed ({type(exc).__name__}: {exc})") from None
+        self._rows, self._states, self._index_cache = rows, states, {}
+
+
+def rule_identities(rules: list) -> list[dict[str, Any]]:
+    """Each rule's class and parameters as plain data, to tell whether a saved state fits."""
+
+    def plain(value: Any) -> Any:
+        return list(value) if isinstance(value, tuple) else value
+
+    return [
+        {"rule": type(rule).__name__, "args": {k: plain(v) for k, v in sorted(vars(rule).items())}}
+        for rule in rules
+    ]
+
+
+def _state_arrays(rule: Any, saved: Mapping[str, Any], tags: int, ops: int) -> dict[str, np.ndarray]:
+    """One rule's saved arrays, checked against its fields and the tag table."""
+    if set(saved) != set(rule.fields):
+        raise ValueError(
+            f"{type(rule).__name__} state has fields {sorted(saved)}, expected {sorted(rule.fields)}"
+        )
+    arrays = {}
+    for name in rule.fields:
+        array = np.array(saved[name], dtype=np.float64)
+        if array.size == 0:
+            array = array.reshape(0, ops)
+        if array.ndim != 2 or array.shape[1] != ops or array.shape[0] > tags:
+            raise ValueError(
+                f"{type(rule).__name__}.{name} has shape {array.shape}, expected (<= {tags}, {ops})"
+            )
+        arrays[name] = array
+    return arrays
 
 
 class AnomalySink:

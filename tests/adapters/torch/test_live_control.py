@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
@@ -160,3 +161,38 @@ def test_a_resumed_run_does_not_write_steps_twice(tmp_path):
     frame = pd.read_csv(os.path.join(first.output_dir, "grad_reduced_0-99.csv"))
     counts = frame["step"].value_counts()
     assert sorted(counts.index) == list(range(7)) and set(counts) == {len(list(model.parameters()))}
+
+
+def test_detector_baselines_survive_a_resume_through_state_dict():
+    config = {
+        "wg_distribution": True,
+        "format": "api",
+        "alert": {"rules": [{"rule_name": "AnomalyZScore", "args": {"warmup": 3}}]},
+    }
+    model, optimizer = _fresh()
+    first = TrainerMon(config)
+    first.set_monitor(model, 1, optimizer)
+    for step in range(5):
+        _step(model, optimizer, step)
+    saved = first.state_dict()
+    first.stop()
+    assert saved["step"] == 5 and saved["detector"]["tags"]
+    found = {}
+    for load in (True, False):
+        twin = copy.deepcopy(model)
+        twin_optimizer = torch.optim.SGD(twin.parameters(), lr=0.01)
+        resumed = TrainerMon(config)
+        resumed.set_monitor(twin, 1, twin_optimizer, start_iteration=saved["step"])
+        if load:
+            resumed.load_state_dict(saved)
+        for x in make_batches(1, 1, seed=5)[0]:  # a x1000 gradient right after resuming
+            (twin(x).pow(2).mean() * 1000).backward()
+        twin_optimizer.step()
+        resumed.stop()
+        found[load] = {a.step for a in resumed.anomalies}
+    assert found == {True: {5}, False: set()}  # a fresh detector would still be warming up
+    other = TrainerMon({**config, "alert": {"rules": [{"rule_name": "AnomalyNan"}]}})
+    other.set_monitor(copy.deepcopy(model), 1, torch.optim.SGD(model.parameters(), lr=0.01))
+    with pytest.raises(ValueError, match="rules"):
+        other.load_state_dict(saved)
+    other.stop()

@@ -1,0 +1,318 @@
+"""``anomaly-analyse --cross-rank``: ranks whose statistics depart from their peers' (post hoc).
+
+Reads the CSV files of every rank directory ``{time}-rank{R}-{id}/`` of one run (rank_csv), flags
+the outliers (peers: a rank's value against the median of the other ranks holding the same tensor,
+in units of median absolute deviations), prints them as a section after the ranking of the
+detected anomalies, and writes ``OUT/cross_rank_outliers.json`` atomically.
+
+Only like is compared with like. By default only ``grad_unreduced``: every data-parallel rank's own
+gradient of the same parameter, from different data but the same distribution. ``--types`` picks
+others (the README says which are comparable); ``--ranks`` restricts the comparison to the ranks of
+one data-parallel group when tensor parallelism gives other ranks other shards of the same name.
+``--ops`` defaults to the statistics with a steady magnitude (not mean: see peers). The JSON holds
+at most MAX_RECORDS outliers (earliest first) and counts per rank; each outlier has its value, the
+median of the other ranks (``peers_median``), the MAD unit used (``scale``) and the deviation in
+those units (``deviation_mads``; ``"inf"`` for NaN/Inf values).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from monitor.anomaly import analyse, peers, rank_csv
+from monitor.anomaly.analyse import UsageError
+
+OUTPUT_NAME = "cross_rank_outliers.json"
+DEFAULT_TYPES = "grad_unreduced"
+DEFAULT_K_MAD = 8.0
+#: signed statistics near zero (mean, id) have no steady unit across a few ranks: opt-in only.
+DEFAULT_OPS = "norm,min,max,zeros,nans"
+#: outliers written to the JSON file (earliest first); the rest are only counted.
+MAX_RECORDS = 100_000
+_TYPE = re.compile(r"^[A-Za-z0-9_]+$")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The cross-rank flags of ``anomaly-analyse``."""
+    group = parser.add_argument_group("cross-rank outliers (with --cross-rank, -d is MONITOR_OUTPUT_DIR)")
+    group.add_argument(
+        "--cross-rank",
+        action="store_true",
+        help="also flag ranks whose CSV values depart from the other ranks' (-k caps the outliers printed)",
+    )
+    group.add_argument(
+        "--k-mad",
+        type=float,
+        default=DEFAULT_K_MAD,
+        metavar="K",
+        help=f"median absolute deviations allowed (default {DEFAULT_K_MAD:g})",
+    )
+    group.add_argument(
+        "--types",
+        default=DEFAULT_TYPES,
+        metavar="LIST",
+        help=f"comma-separated data types (default {DEFAULT_TYPES})",
+    )
+    group.add_argument(
+        "--ops",
+        default=DEFAULT_OPS,
+        metavar="LIST",
+        help=f"comma-separated ops compared (default {DEFAULT_OPS})",
+    )
+    group.add_argument(
+        "--ranks", default="[]", metavar="LIST", help="Python list of ranks compared (default: all)"
+    )
+
+
+# ----------------------------------------------------------------------------------------- the run
+
+
+def find_outliers(
+    rank_dirs: dict[int, str],
+    types: tuple[str, ...],
+    k_mad: float = DEFAULT_K_MAD,
+    steps: frozenset[int] | None = None,
+    ops: tuple[str, ...] | None = None,
+    warn: Callable[[str], None] | None = None,
+) -> peers.Outliers:
+    """Read the ranks' CSV files of the given data types and flag the cross-rank outliers.
+
+    ``ops`` (None: all) are compared; ``steps`` (None: all) are reported, but every step of the run
+    feeds the pooled MAD.
+    """
+    warn = warn or analyse._warn
+    by_type: dict[str, dict[int, list[rank_csv.Table]]] = {}
+    loaded = rank_csv.load_ranks(list(rank_dirs.values()), types)
+    for rank, (tables, warnings) in zip(rank_dirs, loaded):
+        for text in warnings:
+            warn(text)
+        for prefix, found in tables.items():
+            by_type.setdefault(prefix, {})[rank] = found
+    del loaded
+    out = peers.Outliers(k_mad, ops, steps)
+    for prefix in types:
+        if prefix in by_type:
+            peers.compare_type(prefix, by_type.pop(prefix), out)
+    return out
+
+
+def _number(value: float) -> float | str:
+    return float(value) if math.isfinite(value) else str(float(value))
+
+
+_FIELDS = ("type", "step", "micro", "label", "op", "rank", "value", "peers", "scale", "score")
+
+
+def records(out: peers.Outliers, limit: int | None = None) -> list[dict[str, object]]:
+    """The outliers, earliest first: (step, micro_step, type, tensor, op, rank), at most ``limit``."""
+    c = {name: out[name] for name in _FIELDS}
+    order = np.lexsort((c["rank"], c["op"], c["label"], c["type"], c["micro"], c["step"]))[:limit]
+    c = {name: array[order].tolist() for name, array in c.items()}
+    result = []
+    for i in range(len(order)):
+        vpp, name = out.labels[c["type"][i]][c["label"][i]]
+        result.append(
+            {
+                "rank": c["rank"][i],
+                "step": c["step"][i],
+                "micro_step": None if c["micro"][i] < 0 else c["micro"][i],
+                "type": out.types[c["type"][i]],
+                "vpp_stage": vpp,
+                "name": name,
+                "op": out.ops[c["op"][i]],
+                "value": _number(c["value"][i]),
+                "peers_median": _number(c["peers"][i]),
+                "scale": _number(c["scale"][i]),
+                "deviation_mads": _number(c["score"][i]),
+            }
+        )
+    return result
+
+
+def by_rank(out: peers.Outliers) -> list[dict[str, int]]:
+    """Per rank with outliers: how many, the first step, and the step with the most, earliest first."""
+    rank, step = out["rank"], out["step"]
+    pairs, counts = np.unique(np.column_stack([rank, step]).reshape(-1, 2), axis=0, return_counts=True)
+    rows: dict[int, dict[str, int]] = {}
+    for (r, s), n in zip(pairs.tolist(), counts.tolist()):  # sorted by rank, then step
+        row = rows.setdefault(r, {"rank": r, "outliers": 0, "first_step": s, "most_step": s, "most": 0})
+        row["outliers"] += n
+        if n > row["most"]:
+            row["most_step"], row["most"] = s, n
+    return sorted(rows.values(), key=lambda row: (row["first_step"], -row["outliers"], row["rank"]))
+
+
+def document(out: peers.Outliers, data_dir: str) -> dict[str, object]:
+    """The JSON document of cross_rank_outliers.json."""
+    total = len(out["rank"])
+    return {
+        "data_path": os.path.abspath(data_dir),
+        "types": out.types,
+        "steps": None if out.only_steps is None else sorted(out.only_steps),
+        "ranks": out.ranks,
+        "ops": out.ops,
+        "k_mad": out.k_mad,
+        "min_ranks": peers.MIN_RANKS,
+        "mad_floor_relative": peers.REL_FLOOR,
+        "judged": out.judged,
+        "outliers_total": total,
+        "outliers_written": min(total, MAX_RECORDS),
+        "by_rank": by_rank(out),
+        "outliers": records(out, MAX_RECORDS),
+    }
+
+
+def format_outliers(rows: list[dict[str, object]]) -> str:
+    """An aligned text table of outlier records."""
+    header = ("#", "rank", "step", "micro_step", "type", "tensor", "op", "value", "peers", "MADs")
+    lines = [header]
+    for index, row in enumerate(rows, 1):
+        micro = "-" if row["micro_step"] is None else str(row["micro_step"])
+        numbers = [
+            f"{row[k]:.6g}" if isinstance(row[k], float) else str(row[k]) for k in ("value", "peers_median")
+        ]
+        score = row["deviation_mads"]
+        lines.append(
+            (
+                str(index),
+                str(row["rank"]),
+                str(row["step"]),
+                micro,
+                str(row["type"]),
+                analyse._clean(f"{row['vpp_stage']}:{row['name']}"),
+                str(row["op"]),
+                *numbers,
+                f"{score:.1f}" if isinstance(score, float) else str(score),
+            )
+        )
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    text = []
+    for line in lines:
+        cells = [c.ljust(w) if i in (4, 5, 6) else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths))]
+        text.append("  ".join(cells).rstrip())
+    return "\n".join(text)
+
+
+def _parse_names(
+    text: str, flag: str, example: str, allowed: tuple[str, ...] | None = None
+) -> tuple[str, ...]:
+    names = tuple(dict.fromkeys(part.strip() for part in str(text).split(",")))
+    if not all(_TYPE.match(n) and (allowed is None or n in allowed) for n in names):
+        choice = f" drawn from {', '.join(allowed)}" if allowed else ""
+        raise UsageError(f"{flag}: expected comma-separated names{choice} such as '{example}', got {text!r}")
+    return names
+
+
+@dataclass
+class Settings:
+    """Checked arguments of a cross-rank run."""
+
+    data_dir: str
+    out_dir: str
+    k: int
+    steps: frozenset[int] | None
+    types: tuple[str, ...]
+    ops: tuple[str, ...]
+    rank_dirs: dict[int, str]
+
+
+def _check(args: argparse.Namespace) -> Settings:
+    from monitor.config import KNOWN_OPS
+
+    data_dir, k, steps = analyse.check_common(args)
+    if not (isinstance(args.k_mad, (int, float)) and math.isfinite(args.k_mad) and args.k_mad > 0):
+        raise UsageError(f"--k-mad must be a number > 0, got {args.k_mad!r}")
+    types = _parse_names(args.types, "--types", "grad_unreduced,actv")
+    ops = _parse_names(args.ops, "--ops", "norm,max", KNOWN_OPS)
+    try:
+        ranks = analyse.parse_step_list(args.ranks)
+    except UsageError:
+        raise UsageError(
+            f"--ranks: expected a Python list of integers such as '[0, 2]', got {args.ranks!r}"
+        ) from None
+    try:
+        rank_dirs = rank_csv.find_rank_dirs(data_dir, ranks)
+        present = {prefix for path in rank_dirs.values() for prefix in rank_csv.list_type_files(path)}
+    except rank_csv.DuplicateRankError as exc:
+        raise UsageError(
+            f"{exc}: point -d at a directory that holds the rank directories of one run"
+        ) from None
+    except OSError as exc:
+        raise UsageError(f"cannot list {exc.filename}: {exc.strerror or exc}") from None
+    where = os.path.join(data_dir, "{time}-rank{R}-{id}", "{type}_{a}-{b}.csv")
+    if not rank_dirs:
+        raise UsageError(
+            f"no per-rank output directories found: expected {where} (point -d at MONITOR_OUTPUT_DIR)"
+        )
+    if not present.intersection(types):
+        raise UsageError(
+            f"no CSV files of type {', '.join(types)} in {len(rank_dirs)} rank directories under {data_dir} "
+            f"(types found: {', '.join(sorted(present)) or 'none'}; expected {where})"
+        )
+    return Settings(data_dir, analyse.make_out_dir(args, data_dir), k, steps, types, ops, rank_dirs)
+
+
+def run(args: argparse.Namespace) -> int:
+    """``anomaly-analyse --cross-rank``: the anomaly ranking (when anomaly files exist), then the outliers."""
+    try:
+        run_ = _check(args)
+    except UsageError as exc:
+        print(f"anomaly-analyse: error: {exc}", file=sys.stderr)
+        return 2
+    status = 0
+    anomaly_dir = os.path.join(run_.data_dir, "anomaly_detected")
+    paths = analyse.find_anomaly_files(anomaly_dir) if os.path.isdir(anomaly_dir) else []
+    if paths:
+        status = analyse.report_anomalies(paths, run_.k, run_.steps, run_.out_dir)
+    else:
+        with analyse.stdout_guard():
+            print(
+                f"No anomaly files under {anomaly_dir} (alert.dump off?): no ranking of detected anomalies."
+            )
+    out = find_outliers(run_.rank_dirs, run_.types, args.k_mad, run_.steps, run_.ops)
+    doc = document(out, run_.data_dir)
+    out_file = os.path.join(run_.out_dir, OUTPUT_NAME)
+    try:
+        analyse.write_atomic(out_file, json.dumps(doc, indent=1))
+    except OSError as exc:
+        print(f"anomaly-analyse: error: cannot write {out_file}: {exc}", file=sys.stderr)
+        status = 1
+    with analyse.stdout_guard():
+        _print_section(doc, run_.k, out_file if status == 0 else None)
+    return status
+
+
+def _print_section(doc: dict, k: int, out_file: str | None) -> None:
+    compared = "; ".join(f"{t} over ranks {_span(r)}" for t, r in doc["ranks"].items()) or "nothing"
+    print()
+    print(f"Cross-rank outliers ({compared}): values beyond {doc['k_mad']:g} MADs of the other ranks' median")
+    ranks = doc["by_rank"]
+    total = doc["outliers_total"]
+    print(f"{doc['judged']:,} (tensor, step, op) values judged; {total:,} outliers on {len(ranks)} rank(s)")
+    if ranks:
+        for r in ranks[:10]:
+            print(
+                f"  rank {r['rank']}: {r['outliers']} outliers, first at step {r['first_step']}, "
+                f"most at step {r['most_step']} ({r['most']})"
+            )
+        if len(ranks) > 10:
+            print(f"  ... and {len(ranks) - 10} more ranks (see the JSON file)")
+        print(f"First {min(k, len(doc['outliers']))}:")
+        print(format_outliers(doc["outliers"][:k]))
+    if out_file:
+        print(f"written to {out_file}")
+
+
+def _span(ranks: list[int]) -> str:
+    if ranks == list(range(ranks[0], ranks[-1] + 1)) and len(ranks) > 2:
+        return f"{ranks[0]}-{ranks[-1]}"
+    return ", ".join(map(str, ranks))

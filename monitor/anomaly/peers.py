@@ -1,0 +1,307 @@
+"""Cross-rank outlier statistics: is one rank's value unlike its peers' for the same tensor and step?
+
+For every data type, step, micro-step, tensor (vpp stage and name) and op, the ranks that hold the
+tensor are compared. Rank i's value x_i is measured against the median of the OTHER ranks' values
+(its peers), m_i = median(x_j, j != i), so an outlier never pulls its own baseline. The unit is
+
+    scale = max(MAD, pooled * size, REL_FLOOR * size),   size = median over the ranks of |x_j|
+
+* MAD: the median over the ranks of |x_j - m_j| at this step (a median absolute deviation);
+* pooled: the typical MAD / size over all steps of the run, the larger of the tensor's own
+  (per type, tensor and op) and that of all tensors of the type (per type and op). It steadies
+  the MAD of a few ranks (over 4 values it is often near 0 by chance) while following the
+  tensor's magnitude from step to step (size, not |median|, so that a signed statistic is
+  measured against its spread, though across a few ranks a statistic that hovers around zero,
+  such as a gradient's mean, still has no steady unit: the CLI leaves mean out by default);
+* REL_FLOOR * size: tensors identical on most ranks (MAD 0) do not alarm on rounding. When size
+  and MAD are both 0, any non-zero value is an outlier.
+
+A rank is flagged when |x_i - m_i| > k_mad * scale, or when its value is NaN/Inf while at least
+MIN_RANKS ranks hold finite values. Fewer than MIN_RANKS (3) finite values: no verdict (of two
+ranks neither can be told to be the odd one). False-positive rates on noise: see
+benchmarks/cross_rank.py and the README.
+
+Everything is vectorised with numpy over blocks of (tensor x step) rows x ranks, bounded in memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import pandas as pd
+
+from monitor.anomaly.rank_csv import Table
+
+MIN_RANKS = 3
+#: smallest scale, relative to the median magnitude.
+REL_FLOOR = 1e-3
+#: elements of one (rows x ranks) block.
+BLOCK = 1 << 22
+_TINY = np.finfo(np.float64).tiny
+
+
+def _order_stat(sorted_rows: np.ndarray, count: np.ndarray) -> np.ndarray:
+    """Median of the first ``count`` entries of each sorted row (NaN where count is 0)."""
+    low = np.take_along_axis(sorted_rows, np.maximum((count - 1) // 2, 0)[:, None], axis=1)[:, 0]
+    high = np.take_along_axis(sorted_rows, np.maximum(count // 2 - (count == 0), 0)[:, None], axis=1)[:, 0]
+    return np.where(count > 0, (low + high) / 2.0, np.nan)
+
+
+@dataclass
+class PeerStats:
+    """Per row (a tensor at a step) and column (a rank) of one block."""
+
+    finite: np.ndarray
+    count: np.ndarray
+    median: np.ndarray
+    size: np.ndarray
+    peers: np.ndarray
+    deviation: np.ndarray
+    mad: np.ndarray
+
+
+def peer_stats(values: np.ndarray, present: np.ndarray) -> PeerStats:
+    """Median, leave-one-out peer medians, deviations and MAD of a (rows x ranks) block.
+
+    Only finite present values take part; a NaN/Inf value's peers are all finite values of its row.
+    Rows where every rank holds a finite value (the usual case) take a selection-based fast path.
+    """
+    finite = present & np.isfinite(values)
+    count = finite.sum(axis=1)
+    median, size, mad = np.empty(len(values)), np.empty(len(values)), np.empty(len(values))
+    peers, deviation = np.empty(values.shape), np.empty(values.shape)
+    full = count == values.shape[1] if values.shape[1] >= MIN_RANKS else np.zeros(len(values), dtype=bool)
+    for rows, method in ((full, _full_rows), (~full, _partial_rows)):
+        if rows.all():
+            median, size, peers, deviation, mad = method(values, finite, count)
+        elif rows.any():
+            median[rows], size[rows], peers[rows], deviation[rows], mad[rows] = method(
+                values[rows], finite[rows], count[rows]
+            )
+    return PeerStats(finite, count, median, size, peers, deviation, mad)
+
+
+def _full_rows(values: np.ndarray, finite: np.ndarray, count: np.ndarray) -> tuple[np.ndarray, ...]:
+    """peer_stats of rows with n >= MIN_RANKS finite values: three order statistics per row suffice."""
+    n = values.shape[1]
+    middle = n // 2
+    if n % 2 == 0:  # removing a value of the lower half leaves the upper middle, and vice versa
+        part = np.partition(values, (middle - 1, middle), axis=1)
+        low, high = part[:, middle - 1 : middle], part[:, middle : middle + 1]
+        median = (low + high)[:, 0] / 2.0
+        peers = np.where(values <= low, high, low)
+    else:
+        part = np.partition(values, (middle - 1, middle, middle + 1), axis=1)
+        below, centre, above = (part[:, i : i + 1] for i in (middle - 1, middle, middle + 1))
+        median = centre[:, 0]
+        peers = np.where(values < centre, (centre + above) / 2.0, (below + centre) / 2.0)
+        peers = np.where(values == centre, (below + above) / 2.0, peers)
+    middles = (middle - 1 + n % 2, middle)
+    size = np.partition(np.abs(values), middles, axis=1)[:, middles].mean(axis=1)
+    deviation = np.abs(values - peers)
+    mad = np.partition(deviation, middles, axis=1)[:, middles].mean(axis=1)
+    return median, size, peers, deviation, mad
+
+
+def _partial_rows(values: np.ndarray, finite: np.ndarray, count: np.ndarray) -> tuple[np.ndarray, ...]:
+    """peer_stats of rows with missing or non-finite values: sorted rows, per-row order statistics."""
+    clean = np.where(finite, values, np.nan)
+    order = np.argsort(clean, axis=1, kind="stable")  # NaN last
+    ranked = np.take_along_axis(clean, order, axis=1)
+    position = np.empty_like(order)
+    np.put_along_axis(position, order, np.broadcast_to(np.arange(values.shape[1]), order.shape), axis=1)
+    median = _order_stat(ranked, count)
+    # the median of the count - 1 others: indices into the sorted row with this rank's entry removed
+    last = values.shape[1] - 1
+    low, high = ((count[:, None] - 2) // 2), ((count[:, None] - 1) // 2)
+    low = np.clip(low + (low >= position), 0, last)
+    high = np.clip(high + (high >= position), 0, last)
+    peers = (np.take_along_axis(ranked, low, axis=1) + np.take_along_axis(ranked, high, axis=1)) / 2.0
+    peers = np.where(finite, peers, median[:, None])
+    deviation = np.where(finite, np.abs(values - peers), np.nan)
+    size = _order_stat(np.sort(np.abs(clean), axis=1), count)
+    mad = _order_stat(np.sort(deviation, axis=1), count)
+    return median, size, peers, deviation, mad
+
+
+@dataclass
+class Prepared:
+    """One Table sorted by step, with run-wide tensor labels and micro-step indices (0: none)."""
+
+    column: int
+    ops: tuple[str, ...]
+    labels: np.ndarray
+    micro: np.ndarray | int
+    steps: np.ndarray
+    values: np.ndarray
+
+
+def _prepare(column: int, table: Table, label_ids: dict[tuple[int, str], int]) -> Prepared:
+    low, high = int(table.vpp.min()), int(table.vpp.max())
+    pair = table.codes if low == high else (table.vpp.astype(np.int64) - low) * len(table.names) + table.codes
+    lut = np.zeros((high - low + 1) * len(table.names), dtype=np.int32)
+    for index in np.flatnonzero(np.bincount(pair, minlength=len(lut))):
+        vpp, code = divmod(int(index), len(table.names))
+        lut[index] = label_ids.setdefault((vpp + low, table.names[code]), len(label_ids))
+    micro: np.ndarray | int = table.micro + 1 if table.micro is not None else 0
+    labels, steps, values = lut[pair], table.steps, table.values
+    if np.any(steps[1:] < steps[:-1]):
+        order = np.argsort(steps, kind="stable")
+        labels, steps, values = labels[order], steps[order], values[order]
+        micro = micro[order] if isinstance(micro, np.ndarray) else 0
+    return Prepared(column, table.ops, labels, micro, steps, values)
+
+
+class _Columns:
+    """Parallel arrays appended block by block."""
+
+    def __init__(self) -> None:
+        self.parts: dict[str, list[np.ndarray]] = {}
+
+    def add(self, **arrays: np.ndarray) -> None:
+        for name, array in arrays.items():
+            self.parts.setdefault(name, []).append(array)
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        parts = self.parts.get(name)
+        return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+
+
+@dataclass
+class Outliers:
+    """The outliers of a run as parallel arrays (see ``columns``), the labels they index, the count judged.
+
+    Columns: type, step, micro (-1: none), label, op, rank, value, peers (median of the other
+    ranks), scale, score (|value - peers| / scale; inf for NaN/Inf values). ``only_ops`` restricts
+    the ops compared; ``only_steps`` the steps reported and counted (the pooled MAD uses all steps).
+    """
+
+    k_mad: float
+    only_ops: tuple[str, ...] | None = None
+    only_steps: frozenset[int] | None = None
+    types: list[str] = field(default_factory=list)
+    labels: list[list[tuple[int, str]]] = field(default_factory=list)
+    ops: list[str] = field(default_factory=list)
+    ranks: dict[str, list[int]] = field(default_factory=dict)
+    columns: _Columns = field(default_factory=_Columns)
+    judged: int = 0
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self.columns[name]
+
+
+def compare_type(prefix: str, per_rank: dict[int, list[Table]], out: Outliers) -> None:
+    """Flag the outliers of one data type across the ranks that hold it (empties ``per_rank``)."""
+    ranks = np.array(sorted(per_rank), dtype=np.int64)
+    label_ids: dict[tuple[int, str], int] = {}
+    prepared = [
+        _prepare(c, table, label_ids) for c, rank in enumerate(ranks) for table in per_rank[int(rank)]
+    ]
+    per_rank.clear()  # the prepared arrays replace the tables
+    out.types.append(prefix)
+    out.labels.append(list(label_ids))
+    out.ranks[prefix] = ranks.tolist()
+    steps = np.unique(np.concatenate([p.steps[np.r_[True, p.steps[1:] != p.steps[:-1]]] for p in prepared]))
+    n_micro, n_labels = 1 + max(int(np.max(p.micro, initial=0)) for p in prepared), len(label_ids)
+    per_step = n_micro * n_labels
+    chunk = max(1, BLOCK // (per_step * len(ranks)))
+    rows, candidates = _Columns(), _Columns()
+    for op in dict.fromkeys(op for p in prepared for op in p.ops):
+        if out.only_ops is not None and op not in out.only_ops:
+            continue
+        if op not in out.ops:
+            out.ops.append(op)
+        holders = [(p, p.ops.index(op)) for p in prepared if op in p.ops]
+        for first in range(0, len(steps), chunk):
+            window = steps[first : first + chunk]
+            # filled rank by rank (contiguous writes), then one transposition to rows x ranks
+            values = np.full((len(ranks), len(window) * per_step), np.nan)
+            present = np.zeros(values.shape, dtype=bool)
+            for p, op_column in holders:
+                lo, hi = np.searchsorted(p.steps, window[0]), np.searchsorted(p.steps, window[-1], "right")
+                micro = p.micro[lo:hi] if isinstance(p.micro, np.ndarray) else 0
+                key = (np.searchsorted(window, p.steps[lo:hi]) * n_micro + micro) * n_labels + p.labels[lo:hi]
+                values[p.column, key] = p.values[lo:hi, op_column]
+                present[p.column, key] = True
+            values, present = np.ascontiguousarray(values.T), np.ascontiguousarray(present.T)
+            keys = np.flatnonzero(present.sum(axis=1) >= MIN_RANKS)
+            if len(keys) < len(values):
+                values, present = values[keys], present[keys]
+            labels = (keys % n_labels, window[keys // per_step], (keys % per_step) // n_labels - 1)
+            judged = _block(values, present, labels, out.ops.index(op), out.k_mad, rows, candidates)
+            out.judged += int((judged & _chosen(labels[1], out.only_steps)).sum())
+    _judge(rows, candidates, ranks, out)
+
+
+def _chosen(steps: np.ndarray, only: frozenset[int] | None) -> np.ndarray:
+    return np.ones(len(steps), dtype=bool) if only is None else np.isin(steps, list(only))
+
+
+def _block(
+    values: np.ndarray,
+    present: np.ndarray,
+    labels: tuple[np.ndarray, np.ndarray, np.ndarray],
+    op: int,
+    k_mad: float,
+    rows: _Columns,
+    candidates: _Columns,
+) -> np.ndarray:
+    """First pass over one block: per-row statistics, and the values that may be outliers.
+
+    ``labels`` are the rows' (tensor label, step, micro-step); returns which rows were judged.
+    """
+    stats = peer_stats(values, present)
+    judged = stats.count >= MIN_RANKS
+    floor = np.maximum(np.maximum(stats.mad, REL_FLOOR * stats.size), _TINY)
+    with np.errstate(invalid="ignore"):
+        maybe = judged[:, None] & present & (~stats.finite | (stats.deviation > k_mad * floor[:, None]))
+    label, step, micro = labels
+    rows.add(label=label, op=np.full(len(label), op), size=stats.size, mad=stats.mad, judged=judged)
+    row, column = np.nonzero(maybe)
+    candidates.add(
+        step=step[row],
+        micro=micro[row],
+        label=label[row],
+        op=np.full(len(row), op),
+        column=column,
+        value=values[row, column],
+        peers=stats.peers[row, column],
+        deviation=stats.deviation[row, column],
+        size=stats.size[row],
+        mad=stats.mad[row],
+    )
+    return judged
+
+
+def _judge(rows: _Columns, candidates: _Columns, ranks: np.ndarray, out: Outliers) -> None:
+    """Second pass: pool the MADs over the run and keep the candidates beyond k_mad scales."""
+    judged = rows["judged"]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = pd.Series((rows["mad"] / rows["size"])[judged]).replace([np.inf, -np.inf], np.nan)
+    op = rows["op"][judged]
+    per_tensor = ratio.groupby(rows["label"][judged] * len(out.ops) + op).median()
+    per_op = ratio.groupby(op).median()
+    tensor = per_tensor.reindex(candidates["label"] * len(out.ops) + candidates["op"]).to_numpy(np.float64)
+    typical = np.fmax(tensor, per_op.reindex(candidates["op"]).to_numpy(np.float64))
+    typical = np.nan_to_num(typical, nan=0.0)
+    size = candidates["size"]
+    scale = np.maximum.reduce([candidates["mad"], typical * size, REL_FLOOR * size])
+    scale = np.where(scale > 0, scale, _TINY)
+    deviation = candidates["deviation"]
+    finite = np.isfinite(candidates["value"])
+    with np.errstate(over="ignore", invalid="ignore"):
+        keep = (~finite | (deviation > out.k_mad * scale)) & _chosen(candidates["step"], out.only_steps)
+        score = np.where(finite, deviation / scale, np.inf)
+    out.columns.add(
+        type=np.full(int(keep.sum()), len(out.types) - 1),
+        step=candidates["step"][keep],
+        micro=candidates["micro"][keep],
+        label=candidates["label"][keep],
+        op=candidates["op"][keep],
+        rank=ranks[candidates["column"][keep]],
+        value=candidates["value"][keep],
+        peers=candidates["peers"][keep],
+        scale=scale[keep],
+        score=score[keep],
+    )

@@ -1,0 +1,218 @@
+"""Reading one run's per-rank CSV outputs as arrays (for the cross-rank analysis).
+
+A run's output root holds ``{time}-rank{R}-{id}/`` directories with ``{prefix}_{a}-{b}.csv`` files
+(``.{n}.csv`` when an appended run had other columns), header ``vpp_stage,name,step[,micro_step],
+<ops>`` (spec §5.2; msprobe's ``shape``/``dtype`` columns are ignored). All files of one data type
+and header on a rank are parsed with one pandas call. A file being written is read up to its last
+complete line; a row with a wrong field count or a cell that is not a number is dropped and
+counted, never guessed. Symlinked files and directories are not followed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import io
+import os
+import re
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass
+from itertools import repeat
+
+import numpy as np
+import pandas as pd
+
+from monitor.files import RANK_DIR_PATTERN
+
+CSV_NAME = re.compile(r"^(?P<prefix>[A-Za-z0-9_]+?)_(?P<start>\d+)-(?P<end>\d+)(?:\.(?P<part>\d+))?\.csv$")
+LABELS = ("vpp_stage", "name", "step", "micro_step")
+IGNORED_COLUMNS = ("shape", "dtype")
+NAN_TEXT = ("nan", "-nan", "+nan", "NaN")
+MAX_JOBS = 8
+#: CSV bytes above which ranks are read in worker processes.
+PARALLEL_BYTES = 32 * 2**20
+
+
+class DuplicateRankError(ValueError):
+    """A rank has several output directories under one root (several runs)."""
+
+
+@dataclass
+class Table:
+    """The rows of one data type and header on one rank.
+
+    Attributes:
+        ops: statistic columns in header order.
+        names: distinct names; ``codes`` index it.
+        codes: int32 (n,) name index of each row.
+        vpp: int32 (n,) vpp stage of each row.
+        micro: int64 (n,) micro-step of each row, or None without a micro_step column.
+        steps: int64 (n,).
+        values: float64 (n, len(ops)); NaN/Inf as written.
+    """
+
+    ops: tuple[str, ...]
+    names: list[str]
+    codes: np.ndarray
+    vpp: np.ndarray
+    micro: np.ndarray | None
+    steps: np.ndarray
+    values: np.ndarray
+
+
+def find_rank_dirs(root: str, ranks: frozenset[int] | None = None) -> dict[int, str]:
+    """rank -> its directory under root, in rank order (only ``ranks`` unless None).
+
+    Raises:
+        DuplicateRankError: a rank has more than one directory (the root holds several runs).
+    """
+    found: dict[int, list[str]] = {}
+    with os.scandir(root) as entries:
+        for entry in entries:
+            match = RANK_DIR_PATTERN.match(entry.name)
+            if match and entry.is_dir(follow_symlinks=False):
+                rank = int(match.group(2))
+                if ranks is None or rank in ranks:
+                    found.setdefault(rank, []).append(entry.path)
+    for rank, paths in sorted(found.items()):
+        if len(paths) > 1:
+            names = ", ".join(sorted(os.path.basename(p) for p in paths))
+            raise DuplicateRankError(f"rank {rank} has {len(paths)} output directories ({names})")
+    return {rank: paths[0] for rank, paths in sorted(found.items())}
+
+
+def list_type_files(rank_dir: str, types: tuple[str, ...] | None = None) -> dict[str, list[str]]:
+    """prefix -> its CSV files in step-window order, for the prefixes in ``types`` (None: all)."""
+    found: dict[str, list[tuple[int, int, str]]] = {}
+    with os.scandir(rank_dir) as entries:
+        for entry in entries:
+            match = CSV_NAME.match(entry.name)
+            if (
+                match
+                and (types is None or match.group("prefix") in types)
+                and entry.is_file(follow_symlinks=False)
+            ):
+                key = (int(match.group("start")), int(match.group("part") or 0), entry.path)
+                found.setdefault(match.group("prefix"), []).append(key)
+    return {prefix: [path for *_, path in sorted(files)] for prefix, files in found.items()}
+
+
+def _complete_lines(path: str) -> bytes:
+    with open(path, "rb") as handle:
+        data = handle.read()
+    return data[: data.rfind(b"\n") + 1]
+
+
+def parse_rows(header: bytes, body: bytes, steps: frozenset[int] | None = None) -> tuple[Table | None, int]:
+    """Rows under one header as a Table (None: not a monitor header) and the count dropped as malformed."""
+    columns = next(csv.reader([header.decode("utf-8", "replace")]))
+    if columns[:3] != ["vpp_stage", "name", "step"]:
+        return None, 0
+    labels = list(LABELS[: 4 if len(columns) > 3 and columns[3] == "micro_step" else 3])
+    ops = tuple(c for c in columns[len(labels) :] if c not in IGNORED_COLUMNS)
+    data = header + b"\n" + body
+    common = {"usecols": labels + list(ops), "keep_default_na": False, "encoding_errors": "replace"}
+    dtypes = {**dict.fromkeys(ops, np.float64), **dict.fromkeys(labels, np.int64), "name": "category"}
+    na_values = dict.fromkeys(ops, NAN_TEXT)  # a tensor may be called "nan"
+    try:
+        frame, dropped = pd.read_csv(io.BytesIO(data), dtype=dtypes, na_values=na_values, **common), 0
+    except (ValueError, pd.errors.ParserError):
+        frame, dropped = _parse_leniently(data, labels, ops, common)
+    if steps is not None:
+        frame = frame[frame["step"].isin(steps)]
+    names = frame["name"].astype("category").cat
+    table = Table(
+        ops,
+        [str(name) for name in names.categories],
+        names.codes.to_numpy(np.int32),
+        frame["vpp_stage"].to_numpy(np.int32),
+        frame["micro_step"].to_numpy(np.int64) if "micro_step" in labels else None,
+        frame["step"].to_numpy(np.int64),
+        frame[list(ops)].to_numpy(np.float64).reshape(len(frame), len(ops)),
+    )
+    return table, dropped
+
+
+def _parse_leniently(
+    data: bytes, labels: list[str], ops: tuple[str, ...], common: dict
+) -> tuple[pd.DataFrame, int]:
+    """Drop rows with a wrong field count, a non-integer label or a value cell that is not a number."""
+    frame = pd.read_csv(io.BytesIO(data), dtype=str, on_bad_lines="skip", **common)
+    good = np.ones(len(frame), dtype=bool)
+    for column in [c for c in labels if c != "name"] + list(ops):
+        text = frame[column].fillna("")
+        number = pd.to_numeric(text, errors="coerce")
+        if column in ops:
+            good &= ~(number.isna() & ~text.isin(NAN_TEXT)).to_numpy()
+        else:
+            good &= (number.notna() & (number % 1 == 0)).to_numpy()
+        frame[column] = number
+    frame = frame[good].astype(dict.fromkeys((c for c in labels if c != "name"), np.int64))
+    return frame, data.count(b"\n") - 1 - len(frame)
+
+
+def load_rank(
+    rank_dir: str, types: tuple[str, ...], steps: frozenset[int] | None = None
+) -> tuple[dict[str, list[Table]], list[str]]:
+    """prefix -> Tables of one rank directory, and warnings (unreadable files, dropped rows)."""
+    tables: dict[str, list[Table]] = {}
+    warnings: list[str] = []
+    for prefix, paths in list_type_files(rank_dir, types).items():
+        groups: dict[bytes, list[bytes]] = {}
+        for path in paths:
+            try:
+                data = _complete_lines(path)
+            except OSError as exc:
+                warnings.append(f"skipping {path}: {exc.strerror or exc}")
+                continue
+            if data:
+                end = data.index(b"\n")
+                groups.setdefault(data[:end].rstrip(b"\r"), []).append(data[end + 1 :])
+        for header, bodies in groups.items():
+            table, dropped = parse_rows(header, b"".join(bodies), steps)
+            if table is None:
+                warnings.append(f"skipping {prefix} files in {rank_dir}: not a monitor CSV header")
+            elif len(table.steps):
+                tables.setdefault(prefix, []).append(table)
+            if dropped:
+                warnings.append(f"{rank_dir}: dropped {dropped} malformed {prefix} row(s)")
+    return tables, warnings
+
+
+def _cpu_count() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def _total_size(rank_dirs: list[str], types: tuple[str, ...]) -> int:
+    total = 0
+    for rank_dir in rank_dirs:
+        for paths in list_type_files(rank_dir, types).values():
+            for path in paths:
+                with contextlib.suppress(OSError):
+                    total += os.path.getsize(path)
+    return total
+
+
+def load_ranks(
+    rank_dirs: list[str], types: tuple[str, ...], steps: frozenset[int] | None = None, jobs: int | None = None
+) -> list[tuple[dict[str, list[Table]], list[str]]]:
+    """load_rank for every directory, in order.
+
+    jobs=None decides: worker processes (up to the cores, at most MAX_JOBS) for more than
+    PARALLEL_BYTES of CSV, else this process. A pool that cannot start falls back to serial.
+    """
+    if jobs is None:
+        big = len(rank_dirs) > 1 and _total_size(rank_dirs, types) > PARALLEL_BYTES
+        jobs = min(_cpu_count(), MAX_JOBS) if big else 1
+    jobs = max(1, min(jobs, len(rank_dirs)))
+    if jobs > 1:
+        try:
+            with ProcessPoolExecutor(max_workers=jobs) as pool:
+                return list(pool.map(load_rank, rank_dirs, repeat(types), repeat(steps)))
+        except (OSError, BrokenProcessPool):
+            pass  # no usable process pool here (e.g. no /dev/shm): read in this process
+    return [load_rank(path, types, steps) for path in rank_dirs]

@@ -1,0 +1,467 @@
+"""Turbulence semantics (1.2.2 and later), two-sided deviation, z-score false positives, state round trip.
+
+Every verdict is checked against an independent plain-Python re-implementation written from the
+spec (§9.2), never against the code under test.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import pickle
+
+import numpy as np
+import pytest
+
+from monitor.anomaly.detector import Detector
+from monitor.anomaly.rules import (
+    AnomalyNan,
+    AnomalyTurbulence,
+    AnomalyZScore,
+    RunningMeanTurbulence,
+    build_rules,
+)
+from monitor.config import ConfigError, load_config
+from monitor.record import RowSet
+
+
+def _tag(name: str) -> str:
+    return f"0:{name}/rank0/post_grad"
+
+
+def _drive(detector, make_record, series, names=("w",), ops=("norm",), start=0):
+    """Feed ``series`` (steps x rows x ops) from step ``start``; return every anomaly found."""
+    series = np.asarray(series, dtype=np.float64).reshape(-1, len(names), len(ops))
+    rows = RowSet.build([0] * len(names), list(names), 0, "post_grad")
+    found = []
+    for offset, values in enumerate(series):
+        record = make_record("grad_reduced", start + offset, names, values, ops, rows=rows)
+        found += detector.evaluate(record)
+    return found
+
+
+def _hits(found):
+    return [(a.step, a.tag_name, a.op) for a in found]
+
+
+def _signed_series(rng, steps, rows, ops, nonfinite=True):
+    """Signed, heavy-tailed values with spikes, zeros and (optionally) NaN/Inf sprinkled in."""
+    signs = rng.choice([-1.0, 1.0], size=(steps, rows, ops))
+    series = signs * rng.lognormal(0.0, 0.4, size=(steps, rows, ops))
+    series[rng.random(series.shape) < 0.03] *= 8.0
+    series[rng.random(series.shape) < 0.01] = 0.0
+    if nonfinite:
+        series[rng.random(series.shape) < 0.004] = math.nan
+        series[rng.random(series.shape) < 0.002] = math.inf
+        series[rng.random(series.shape) < 0.002] = -math.inf
+    return series
+
+
+# --------------------------------------------------------------------------- independent references
+
+
+def _reference_122(series: list[float], threshold: float) -> list[tuple[bool, float]]:
+    """msprobe 1.2.2 (spec §9.2): running arithmetic mean, one-sided bound; (flag, mean) per value."""
+    out, avg = [], None
+    for count, cur in enumerate(series):
+        if avg is None:
+            avg = cur
+        baseline = avg
+        bound = baseline + baseline * threshold
+        out.append((cur > bound if baseline > 0 else cur < bound, baseline))
+        avg = (avg * count + cur) / (count + 1)
+    return out
+
+
+def _reference_later(series: list[float], threshold: float, two_sided=False, skip_nonfinite=True):
+    """Later msprobe EMA of |value| (beta 0.99), with the opt-in two-sided test and NaN/Inf skipping."""
+    out, ema = [], None
+    for cur in series:
+        magnitude = abs(cur)
+        if ema is None:
+            flag = False
+        elif two_sided:
+            flag = abs(magnitude - ema) > threshold * ema
+        else:
+            flag = magnitude > ema * (1 + threshold)
+        out.append(flag)
+        if skip_nonfinite and not math.isfinite(magnitude):
+            continue
+        ema = magnitude if ema is None else 0.99 * ema + 0.01 * magnitude
+    return out
+
+
+def _reference_zscore(series, threshold=6.0, warmup=10, beta=0.9, min_ratio=5.0, floor=0.05):
+    """EWMA mean/variance of log|x| with the variance bias-corrected; flags before folding in."""
+    out, mean, var, count = [], 0.0, 0.0, 0
+    for x in series:
+        finite = math.isfinite(x) and x != 0
+        log = math.log(abs(x)) if finite else math.nan
+        flag = False
+        if finite and count >= warmup:
+            corrected = var / (1 - beta ** (count - 1)) if count > 1 else 0.0
+            sigma = max(math.sqrt(corrected), floor)
+            deviation = abs(log - mean)
+            flag = deviation > threshold * sigma and deviation > math.log(min_ratio)
+        out.append(flag)
+        if not finite:
+            continue
+        if count == 0:
+            mean, var = log, 0.0
+        else:
+            delta = log - mean
+            mean += (1 - beta) * delta
+            var = beta * (var + (1 - beta) * delta * delta)
+        count += 1
+    return out
+
+
+def _expected(series, names, ops, judged_ops, flags_of):
+    expected = set()
+    for r, name in enumerate(names):
+        for c, op in enumerate(ops):
+            if op in judged_ops:
+                flags = flags_of(series[:, r, c].tolist())
+                expected |= {(step, _tag(name), op) for step, flag in enumerate(flags) if flag}
+    return expected
+
+
+# --------------------------------------------------------------------------- 1.2.2 semantics
+
+
+def _rule_from_config(args):
+    config = load_config({"alert": {"rules": [{"rule_name": "AnomalyTurbulence", "args": args}]}})
+    (rule,) = build_rules(config.alert.rules)
+    return rule
+
+
+def test_semantics_1_2_2_in_the_config_selects_the_running_mean_rule():
+    rule = _rule_from_config({"threshold": 0.5, "semantics": "1.2.2"})
+    assert isinstance(rule, RunningMeanTurbulence)
+    assert (rule.threshold, rule.ops, rule.warmup, rule.skip_nonfinite) == (0.5, None, 1, False)
+
+
+def test_default_semantics_is_the_later_ema_rule():
+    rule = _rule_from_config({"threshold": 0.5})
+    assert isinstance(rule, AnomalyTurbulence)
+    assert (rule.ops, rule.two_sided, rule.skip_nonfinite) == (("norm", "mean"), False, True)
+    explicit = _rule_from_config({"threshold": 0.5, "semantics": "later"})
+    assert isinstance(explicit, AnomalyTurbulence)
+
+
+@pytest.mark.parametrize("threshold", [0.0, 0.5, 2.0])
+def test_1_2_2_matches_the_reference_on_every_op_with_nan_and_inf(make_record, threshold):
+    rng = np.random.default_rng(122)
+    names, ops = ("a", "b", "c"), ("norm", "min", "mean", "nans")
+    series = _signed_series(rng, 300, len(names), len(ops))
+    found = _drive(
+        Detector([_rule_from_config({"threshold": threshold, "semantics": "1.2.2"})], rank=0),
+        make_record,
+        series,
+        names,
+        ops,
+    )
+
+    expected, baselines = set(), {}
+    for r, name in enumerate(names):
+        for c, op in enumerate(ops):
+            for step, (flag, mean) in enumerate(_reference_122(series[:, r, c].tolist(), threshold)):
+                if flag:
+                    expected.add((step, _tag(name), op))
+                    baselines[(step, _tag(name), op)] = mean
+    assert set(_hits(found)) == expected
+    assert len(found) == len(expected)
+    assert {op for _, _, op in expected} == set(ops)  # every op is judged, min and nans included
+    assert all(a.baseline == baselines[(a.step, a.tag_name, a.op)] for a in found)  # bit-identical
+
+
+def test_1_2_2_one_nan_silences_the_tag_forever(make_record):
+    series = [1.0, 1.0, math.nan, 1.0, 50.0, 500.0]
+    rule = RunningMeanTurbulence(threshold=0.5)
+    assert _drive(Detector([rule], rank=0), make_record, series) == []
+
+
+def test_1_2_2_skip_nonfinite_keeps_the_mean_alive(make_record):
+    series = [1.0, 1.0, math.nan, 1.0, 50.0]
+    rule = _rule_from_config({"threshold": 0.5, "semantics": "1.2.2", "skip_nonfinite": True})
+    assert _hits(_drive(Detector([rule], rank=0), make_record, series)) == [(4, _tag("w"), "norm")]
+
+
+def test_1_2_2_never_flags_a_drop_but_flags_growth_away_from_zero(make_record):
+    # positive mean: a drop to 0.01 is silent; negative mean: -5 is "growth"; zero mean: any negative
+    series = np.array([[[1.0], [-1.0], [0.0]], [[0.01], [-5.0], [-0.001]]])
+    found = _drive(Detector([RunningMeanTurbulence(0.5)], rank=0), make_record, series, names=("p", "n", "z"))
+    assert _hits(found) == [(1, _tag("n"), "norm"), (1, _tag("z"), "norm")]
+
+
+def test_1_2_2_warmup_delays_the_first_verdict(make_record):
+    series = [1.0, 9.0, 1.0, 9.0]
+    found = _drive(Detector([RunningMeanTurbulence(0.5, warmup=3)], rank=0), make_record, series)
+    assert _hits(found) == [(3, _tag("w"), "norm")]
+
+
+# --------------------------------------------------------------------------- later semantics
+
+
+def test_later_without_nonfinite_skipping_is_the_reference_exactly(make_record):
+    rng = np.random.default_rng(8)
+    names, ops = ("a", "b"), ("norm", "mean", "max")
+    series = _signed_series(rng, 300, len(names), len(ops))
+    rule = _rule_from_config({"threshold": 0.5, "skip_nonfinite": False})
+    found = _drive(Detector([rule], rank=0), make_record, series, names, ops)
+    expected = _expected(
+        series, names, ops, ("norm", "mean"), lambda s: _reference_later(s, 0.5, skip_nonfinite=False)
+    )
+    assert set(_hits(found)) == expected
+    assert len(found) == len(expected) > 10
+
+
+def test_later_exact_reference_is_poisoned_by_nan(make_record):
+    series = [1.0, math.nan, 1.0, 40.0]
+    poisoned = AnomalyTurbulence(0.5, skip_nonfinite=False)
+    assert _drive(Detector([poisoned], rank=0), make_record, series) == []
+    assert _hits(_drive(Detector([AnomalyTurbulence(0.5)], rank=0), make_record, series)) == [
+        (3, _tag("w"), "norm")
+    ]
+
+
+def test_two_sided_matches_the_reference_with_nan_and_inf(make_record):
+    rng = np.random.default_rng(21)
+    names, ops = ("a", "b", "c"), ("norm", "mean")
+    series = _signed_series(rng, 300, len(names), len(ops))
+    rule = _rule_from_config({"threshold": 0.6, "two_sided": True})
+    found = _drive(Detector([rule], rank=0), make_record, series, names, ops)
+    expected = _expected(series, names, ops, ops, lambda s: _reference_later(s, 0.6, two_sided=True))
+    assert set(_hits(found)) == expected
+    assert len(found) == len(expected) > 10
+
+
+def test_two_sided_flags_a_drop_at_its_step_and_one_sided_does_not(make_record):
+    series = [1.0] * 20
+    series[12] = 0.1
+    two = _drive(Detector([AnomalyTurbulence(0.5, two_sided=True)], rank=0), make_record, series)
+    one = _drive(Detector([AnomalyTurbulence(0.5)], rank=0), make_record, series)
+    assert _hits(two) == [(12, _tag("w"), "norm")]
+    assert one == []
+
+
+def test_two_sided_flags_a_spike_at_its_step(make_record):
+    series = [2.0] * 20
+    series[15] = 10.0
+    found = _drive(Detector([AnomalyTurbulence(0.5, two_sided=True)], rank=0), make_record, series)
+    assert _hits(found) == [(15, _tag("w"), "norm")]
+
+
+def test_two_sided_warmup_suppresses_early_verdicts(make_record):
+    series = [1.0, 0.1, 1.0, 1.0, 0.1]
+    found = _drive(Detector([AnomalyTurbulence(0.5, warmup=4, two_sided=True)], rank=0), make_record, series)
+    assert _hits(found) == [(4, _tag("w"), "norm")]
+
+
+@pytest.mark.parametrize(
+    ("args", "key", "needle"),
+    [
+        ({"threshold": 0.5, "semantics": "1.3"}, "semantics", "'later', '1.2.2'"),
+        ({"threshold": 0.5, "semantics": 122}, "semantics", "122"),
+        ({"threshold": 0.5, "two_sided": "yes"}, "two_sided", "true or false"),
+        ({"threshold": 0.5, "skip_nonfinite": 1}, "skip_nonfinite", "true or false"),
+        ({"threshold": 0.5, "semantics": "1.2.2", "two_sided": True}, "two_sided", "one-sided"),
+    ],
+)
+def test_bad_turbulence_args_name_the_key(args, key, needle):
+    with pytest.raises(ConfigError, match=rf"alert\.rules\[0\]\.args\.{key}: .*{needle}"):
+        _rule_from_config(args)
+
+
+def test_turbulence_args_survive_the_config_round_trip():
+    args = {"threshold": 0.5, "semantics": "1.2.2", "ops": ["min"], "warmup": 2, "skip_nonfinite": True}
+    config = load_config({"alert": {"rules": [{"rule_name": "AnomalyTurbulence", "args": args}]}})
+    again = load_config(config.to_dict())
+    assert again == config
+    (rule,) = build_rules(again.alert.rules)
+    assert isinstance(rule, RunningMeanTurbulence)
+    assert (rule.ops, rule.warmup, rule.skip_nonfinite) == (("min",), 2, True)
+
+
+# --------------------------------------------------------------------------- z-score
+
+
+def test_zscore_matches_the_reference_with_bias_corrected_variance(make_record):
+    rng = np.random.default_rng(5)
+    names = ("a", "b", "c", "d")
+    series = rng.lognormal(0.0, 0.5, size=(400, len(names), 1))
+    series[rng.random(series.shape) < 0.01] *= 30.0
+    series[rng.random(series.shape) < 0.005] = 0.0
+    series[rng.random(series.shape) < 0.005] = math.nan
+    args = {"threshold": 3.0, "min_ratio": 1.5, "beta": 0.95, "warmup": 3}
+    found = _drive(Detector([AnomalyZScore(**args)], rank=0), make_record, series, names)
+    expected = _expected(series, names, ("norm",), ("norm",), lambda s: _reference_zscore(s, **args))
+    assert set(_hits(found)) == expected
+    assert len(found) == len(expected) > 10
+
+
+def _false_positive_rate(make_record, rule, series):
+    """Flagged / judged values (judged: the rule's warm-up is over)."""
+    steps, tags = series.shape[:2]
+    names = tuple(f"t{i}" for i in range(tags))
+    found = _drive(Detector([rule], rank=0), make_record, series, names)
+    return len(found) / (tags * (steps - rule.warmup))
+
+
+# documented in AnomalyZScore's docstring (100 tags x 10,000 steps, seed 0): 1.0e-3 and 1.0e-5
+def test_zscore_false_positive_rate_with_a_lower_threshold_is_as_documented(make_record):
+    series = np.random.default_rng(2).lognormal(0.0, 0.5, size=(3000, 100, 1))
+    rate = _false_positive_rate(make_record, AnomalyZScore(threshold=4.0, min_ratio=1.0), series)
+    assert 0.5e-3 < rate < 2.0e-3
+
+
+def test_zscore_false_positive_rate_with_defaults_is_as_documented(make_record):
+    series = np.random.default_rng(3).lognormal(0.0, 0.5, size=(3000, 100, 1))
+    assert _false_positive_rate(make_record, AnomalyZScore(), series) < 5e-5
+    quiet = np.random.default_rng(4).lognormal(0.0, 0.1, size=(3000, 100, 1))
+    assert _false_positive_rate(make_record, AnomalyZScore(), quiet) == 0.0
+
+
+def test_zscore_bias_correction_keeps_a_slow_beta_quiet_after_warmup(make_record):
+    # uncorrected, the variance of beta 0.99 starts near zero and 10 values later still alarms often
+    series = np.random.default_rng(6).lognormal(0.0, 0.5, size=(100, 100, 1))
+    assert (
+        _false_positive_rate(make_record, AnomalyZScore(threshold=6.0, min_ratio=1.0, beta=0.99), series)
+        == 0.0
+    )
+
+
+# --------------------------------------------------------------------------- state round trip
+
+
+def _rules():
+    return [
+        AnomalyNan(),
+        AnomalyZScore(threshold=4.0, min_ratio=2.0, warmup=5),
+        AnomalyTurbulence(0.5, two_sided=True, warmup=3),
+        RunningMeanTurbulence(0.3),
+    ]
+
+
+def _feed(detector, make_record, steps):
+    """Two data types; tags of 'late' appear at step 40, so the tag tables grow mid-run."""
+    found = []
+    for step in steps:
+        rng = np.random.default_rng(step)
+        early = ("a", "b", "c")
+        names = early + (("late",) if step >= 40 else ())
+        values = rng.lognormal(0.0, 0.5, size=(len(names), 2))
+        if step % 17 == 0:
+            values[0, 0] = math.nan
+        if step % 23 == 0:
+            values[1, 1] *= 40.0
+        found += detector.evaluate(make_record("grad_reduced", step, names, values, ("norm", "min")))
+        found += detector.evaluate(make_record("exp_avg", step, early, values[:3, :1] * 3.0, ("norm",)))
+    return [json.dumps(a.to_json(), sort_keys=True) for a in found]
+
+
+@pytest.mark.parametrize("transport", ["none", "json", "pickle"])
+def test_state_round_trip_continues_exactly_like_an_uninterrupted_run(make_record, transport):
+    whole = Detector(_rules(), rank=0)
+    expected = _feed(whole, make_record, range(100))
+
+    first = Detector(_rules(), rank=0)
+    before = _feed(first, make_record, range(60))
+    state = first.state_dict()
+    if transport == "json":
+        state = json.loads(json.dumps(state))
+    elif transport == "pickle":
+        state = pickle.loads(pickle.dumps(state))
+    resumed = Detector(_rules(), rank=0)
+    resumed.load_state_dict(state)
+    after = _feed(resumed, make_record, range(60, 100))
+
+    assert before + after == expected
+    assert len(expected) > 20
+    assert json.dumps(resumed.state_dict(), sort_keys=True) == json.dumps(whole.state_dict(), sort_keys=True)
+
+
+def test_state_holds_tag_tables_and_per_rule_arrays(make_record):
+    detector = Detector([AnomalyTurbulence(0.5)], rank=0)
+    _drive(detector, make_record, [[2.0, -4.0], [4.0, -8.0]], names=("x",), ops=("norm", "min"))
+    state = detector.state_dict()
+    assert state["tags"] == {"grad_reduced": [_tag("x")]}
+    (entry,) = state["baselines"]
+    assert (entry["prefix"], entry["ops"]) == ("grad_reduced", ["norm", "min"])
+    assert entry["states"] == [
+        {"ema": [[0.99 * 2.0 + 0.01 * 4.0, 0.99 * 4.0 + 0.01 * 8.0]], "count": [[2.0, 2.0]]}
+    ]
+    assert state["rules"] == [
+        {
+            "rule": "AnomalyTurbulence",
+            "args": {
+                "ops": ["norm", "mean"],
+                "skip_nonfinite": True,
+                "threshold": 0.5,
+                "two_sided": False,
+                "warmup": 1,
+            },
+        }
+    ]
+
+
+def test_state_of_a_fresh_detector_loads(make_record):
+    fresh = Detector(_rules(), rank=0)
+    other = Detector(_rules(), rank=0)
+    other.load_state_dict(fresh.state_dict())
+    assert _feed(other, make_record, range(30)) == _feed(Detector(_rules(), rank=0), make_record, range(30))
+
+
+@pytest.mark.parametrize(
+    "configured",
+    [
+        [
+            AnomalyNan(),
+            AnomalyZScore(threshold=4.0, min_ratio=2.0, warmup=5),
+            AnomalyTurbulence(0.5, warmup=3),
+            RunningMeanTurbulence(0.3),
+        ],  # two_sided differs
+        _rules()[:3],  # a rule fewer
+        [
+            AnomalyNan(),
+            AnomalyZScore(threshold=4.0, min_ratio=2.0, warmup=5),
+            AnomalyTurbulence(0.5, two_sided=True, warmup=3),
+            AnomalyTurbulence(0.3),
+        ],  # later vs 1.2.2
+    ],
+)
+def test_loading_a_state_saved_with_other_rules_is_refused(make_record, configured):
+    saved = Detector(_rules(), rank=0)
+    _feed(saved, make_record, range(5))
+    target = Detector(configured, rank=0)
+    _feed(target, make_record, range(3))
+    before = json.dumps(target.state_dict(), sort_keys=True)
+    with pytest.raises(ValueError, match="saved with other anomaly rules"):
+        target.load_state_dict(saved.state_dict())
+    assert json.dumps(target.state_dict(), sort_keys=True) == before
+
+
+@pytest.mark.parametrize(
+    ("mutate", "needle"),
+    [
+        (lambda s: s.update(version=99), "version 1"),
+        (lambda s: s.pop("tags"), "malformed"),
+        (lambda s: s["baselines"][0]["states"][1].pop("var"), "fields"),
+        (lambda s: s["baselines"][0]["states"][1]["var"].append([1.0, 1.0]), "shape"),
+        (lambda s: s["baselines"][0].update(ops=["norm"]), "shape"),
+    ],
+)
+def test_a_malformed_state_is_refused_and_changes_nothing(make_record, mutate, needle):
+    saved = Detector(_rules(), rank=0)
+    _feed(saved, make_record, range(5))
+    state = json.loads(json.dumps(saved.state_dict()))
+    mutate(state)
+    target = Detector(_rules(), rank=0)
+    with pytest.raises(ValueError, match=needle):
+        target.load_state_dict(state)
+    assert target.state_dict()["tags"] == {}
+
+
+def test_a_non_mapping_state_is_refused():
+    with pytest.raises(ValueError, match="expected a mapping"):
+        Detector(_rules(), rank=0).load_state_dict([1, 2])

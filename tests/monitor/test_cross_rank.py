@@ -1,0 +1,384 @@
+"""Cross-rank outliers: statistics against a plain-Python reference, runs written by our CsvWriter, the CLI.
+
+The reference re-implements the documented rule (monitor.anomaly.peers) with ``statistics.median``
+on values read back with the csv module, independently of the code under test.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import statistics
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from monitor.anomaly import analyse, cross_rank, peers, rank_csv
+from monitor.anomaly.detector import Anomaly
+from monitor.anomaly.dump import AnomalyDump
+from monitor.cli import main as trainmon
+from monitor.files import rank_dir_name
+from monitor.record import RowSet, StepRecord
+from monitor.writers.csv import CsvWriter
+
+NAMES = (
+    "embed.weight",
+    "layers.0.fc1.weight",
+    "layers.0.fc1.bias",
+    "layers.1.fc2.weight",
+    "head.weight",
+    "norm.weight",
+)
+OPS = ("norm", "min", "max", "mean", "zeros", "nans")
+COMPARED = ("norm", "min", "max", "zeros", "nans")  # cross_rank.DEFAULT_OPS
+
+
+# ----------------------------------------------------------------------------------------- writing runs
+
+
+def write_run(
+    root: Path,
+    ranks: int = 4,
+    steps: int = 12,
+    scaled: tuple[int, int, float] | None = None,
+    prefix: str = "grad_unreduced",
+    micro_steps: int | None = None,
+    seed: int = 0,
+    per_record: int = 5,
+) -> None:
+    """A run in our CSV format: per (tensor, step) a common level, per rank 5% noise.
+
+    ``scaled=(rank, step, factor)`` multiplies that rank's norm/min/max/mean at that step (every
+    micro-step, or only the last one with micro_steps).
+    """
+    rng = np.random.default_rng(seed)
+    names = [n for n in NAMES for _ in range(micro_steps or 1)]
+    micro = [m for _ in NAMES for m in range(micro_steps)] if micro_steps else None
+    level = rng.lognormal(0.0, 0.5, size=(steps, len(names)))
+    for rank in range(ranks):
+        directory = root / rank_dir_name(rank)
+        directory.mkdir(parents=True)
+        writer = CsvWriter(directory, step_count_per_record=per_record)
+        rows = RowSet.build([0] * len(names), names, rank, "acc_grad", micro_steps=micro)
+        for step in range(steps):
+            noise = rng.lognormal(0.0, 0.05, size=(len(names), 3))
+            values = np.column_stack(
+                [
+                    level[step] * noise[:, 0],
+                    -0.1 * level[step] * noise[:, 1],
+                    0.1 * level[step] * noise[:, 2],
+                    1e-3 * level[step] * rng.normal(size=len(names)),
+                    np.zeros(len(names)),
+                    np.zeros(len(names)),
+                ]
+            )
+            if scaled is not None and scaled[:2] == (rank, step):
+                target = slice(None) if micro is None else np.array(micro) == micro_steps - 1
+                values[target, :4] *= scaled[2]
+            writer.write(StepRecord(prefix, step, OPS, rows, values))
+        writer.close()
+
+
+def read_back(root: Path, prefix: str) -> dict[tuple, dict[int, float]]:
+    """(vpp, name, micro, step, op) -> {rank: value}, read with the csv module."""
+    found: dict[tuple, dict[int, float]] = {}
+    for directory in sorted(root.iterdir()):
+        match = rank_csv.RANK_DIR_PATTERN.match(directory.name)
+        if not match:
+            continue
+        for path in sorted(directory.glob(f"{prefix}_*.csv")):
+            with open(path, newline="") as handle:
+                for row in csv.DictReader(handle):
+                    micro = int(row["micro_step"]) if "micro_step" in row else -1
+                    for op in OPS:
+                        key = (int(row["vpp_stage"]), row["name"], micro, int(row["step"]), op)
+                        found.setdefault(key, {})[int(match.group(2))] = float(row[op])
+    return found
+
+
+def reference_outliers(data: dict[tuple, dict[int, float]], k_mad: float, ops=COMPARED) -> dict[tuple, float]:
+    """(rank, step, micro, name, op) -> deviation in scales, by the documented rule, in plain Python."""
+    per_series: dict[tuple, list[tuple]] = {}
+    for (vpp, name, micro, step, op), by_rank in data.items():
+        if op not in ops:
+            continue
+        finite = {r: v for r, v in by_rank.items() if math.isfinite(v)}
+        if len(finite) < 3:
+            continue
+        size = statistics.median(abs(v) for v in finite.values())
+        peer = {r: statistics.median([v for o, v in finite.items() if o != r]) for r in finite}
+        deviation = {r: abs(finite[r] - peer[r]) for r in finite}
+        mad = statistics.median(deviation.values())
+        per_series.setdefault((vpp, name, op), []).append((micro, step, by_rank, size, deviation, mad))
+
+    def typical(entries):
+        ratios = [mad / size for *_, size, _, mad in entries if size != 0]
+        return statistics.median(ratios) if ratios else 0.0
+
+    per_op: dict[str, list[tuple]] = {}
+    for (_, _, op), entries in per_series.items():
+        per_op.setdefault(op, []).extend(entries)
+    flagged = {}
+    for (_, name, op), entries in per_series.items():
+        pooled = max(typical(entries), typical(per_op[op]))
+        for micro, step, by_rank, size, deviation, mad in entries:
+            scale = max(mad, pooled * size, 1e-3 * size) or np.finfo(float).tiny
+            for rank, value in by_rank.items():
+                if not math.isfinite(value):
+                    flagged[(rank, step, micro, name, op)] = math.inf
+                elif deviation[rank] > k_mad * scale:
+                    flagged[(rank, step, micro, name, op)] = deviation[rank] / scale
+    return flagged
+
+
+def run_cli(*argv: str) -> int:
+    return trainmon(["anomaly-analyse", "--cross-rank", *argv])
+
+
+def load(path: Path) -> dict:
+    def refuse(constant):
+        raise ValueError(f"non-standard JSON constant {constant}")
+
+    return json.loads(path.read_text(), parse_constant=refuse)
+
+
+def found_keys(document: dict) -> dict[tuple, float]:
+    return {
+        (o["rank"], o["step"], -1 if o["micro_step"] is None else o["micro_step"], o["name"], o["op"]): (
+            math.inf if o["deviation_mads"] == "inf" else o["deviation_mads"]
+        )
+        for o in document["outliers"]
+    }
+
+
+# ----------------------------------------------------------------------------------------- the spec'd case
+
+
+def test_one_rank_scaled_at_step_7_is_exactly_what_is_reported(tmp_path, capsys):
+    write_run(tmp_path, scaled=(2, 7, 3.0))
+    assert run_cli("-d", str(tmp_path)) == 0
+    document = load(tmp_path / cross_rank.OUTPUT_NAME)
+    found = found_keys(document)
+    assert {(rank, step) for rank, step, *_ in found} == {(2, 7)}
+    assert {(name, op) for *_, name, op in found} >= {(n, op) for n in NAMES for op in ("norm", "min", "max")}
+    assert document["by_rank"] == [
+        {"rank": 2, "outliers": len(found), "first_step": 7, "most_step": 7, "most": len(found)}
+    ]
+    assert document["judged"] == 12 * len(NAMES) * len(COMPARED)
+    assert document["ranks"] == {"grad_unreduced": [0, 1, 2, 3]}
+    printed = capsys.readouterr().out
+    assert "Cross-rank outliers (grad_unreduced over ranks 0-3)" in printed
+    assert f"rank 2: {len(found)} outliers, first at step 7, most at step 7 ({len(found)})" in printed
+
+
+def test_outliers_and_their_numbers_match_the_reference(tmp_path):
+    write_run(tmp_path, scaled=(1, 4, 1.6), seed=3)
+    assert run_cli("-d", str(tmp_path), "--k-mad", "5", "--ops", ",".join(OPS)) == 0
+    document = load(tmp_path / cross_rank.OUTPUT_NAME)
+    expected = reference_outliers(read_back(tmp_path, "grad_unreduced"), 5.0, OPS)
+    found = found_keys(document)
+    assert found.keys() == expected.keys()
+    assert (1, 4, -1, NAMES[0], "norm") in found
+    for key, score in found.items():
+        assert score == pytest.approx(expected[key], rel=1e-9)
+    data = read_back(tmp_path, "grad_unreduced")
+    for outlier in document["outliers"]:
+        values = data[(0, outlier["name"], -1, outlier["step"], outlier["op"])]
+        assert outlier["value"] == values[outlier["rank"]]
+        others = [v for r, v in values.items() if r != outlier["rank"]]
+        assert outlier["peers_median"] == pytest.approx(statistics.median(others), rel=1e-12)
+
+
+def test_unscaled_run_reports_nothing(tmp_path, capsys):
+    write_run(tmp_path, seed=11)
+    assert run_cli("-d", str(tmp_path)) == 0
+    document = load(tmp_path / cross_rank.OUTPUT_NAME)
+    assert document["outliers"] == []
+    assert document["outliers_total"] == 0
+    assert document["judged"] == 12 * len(NAMES) * len(COMPARED)
+    assert "0 outliers" in capsys.readouterr().out
+
+
+def test_micro_steps_are_compared_separately(tmp_path):
+    write_run(tmp_path, scaled=(1, 3, 4.0), prefix="actv", micro_steps=2, seed=5)
+    assert run_cli("-d", str(tmp_path), "--types", "actv") == 0
+    found = found_keys(load(tmp_path / cross_rank.OUTPUT_NAME))
+    assert found
+    assert {(rank, step, micro) for rank, step, micro, *_ in found} == {(1, 3, 1)}
+    assert found.keys() == reference_outliers(read_back(tmp_path, "actv"), cross_rank.DEFAULT_K_MAD).keys()
+
+
+def test_step_and_rank_filters(tmp_path):
+    write_run(tmp_path, scaled=(2, 7, 3.0))
+    assert run_cli("-d", str(tmp_path), "-s", "[1, 2, 3]") == 0
+    document = load(tmp_path / cross_rank.OUTPUT_NAME)
+    assert (document["outliers_total"], document["judged"]) == (0, 3 * len(NAMES) * len(COMPARED))
+    assert run_cli("-d", str(tmp_path), "--ranks", "[0, 1, 3]") == 0
+    document = load(tmp_path / cross_rank.OUTPUT_NAME)
+    assert document["outliers_total"] == 0
+    assert document["ranks"] == {"grad_unreduced": [0, 1, 3]}
+
+
+# ----------------------------------------------------------------------------------------- statistics
+
+
+def _loop_stats(values: np.ndarray, present: np.ndarray):
+    """Median, median |x|, peer medians, MAD per row with statistics.median over the finite present values."""
+    median, size, peer, mad = [], [], np.full(values.shape, np.nan), []
+    for i, row in enumerate(values):
+        finite = [j for j in range(len(row)) if present[i, j] and math.isfinite(row[j])]
+        if not finite:
+            median.append(math.nan)
+            size.append(math.nan)
+            mad.append(math.nan)
+            continue
+        median.append(statistics.median(row[j] for j in finite))
+        size.append(statistics.median(abs(row[j]) for j in finite))
+        deviations = []
+        for j in finite:
+            others = [row[o] for o in finite if o != j]
+            peer[i, j] = statistics.median(others) if others else math.nan
+            deviations.append(abs(row[j] - peer[i, j]))
+        mad.append(statistics.median(deviations))
+    return np.array(median), np.array(size), peer, np.array(mad)
+
+
+@pytest.mark.parametrize("ranks", [3, 4, 5, 8])
+def test_peer_stats_match_a_loop_with_missing_nan_and_ties(ranks):
+    rng = np.random.default_rng(ranks)
+    values = rng.normal(size=(400, ranks)).round(1)  # rounding makes ties
+    present = rng.random(values.shape) > 0.15
+    present[:200] = True  # the fast path: every rank finite
+    values[rng.random(values.shape) < 0.05] = np.nan
+    values[:100] = values[:100].round(0)
+    values[150:200] = np.nan_to_num(values[150:200])
+    stats = peers.peer_stats(values, present)
+    median, size, peer, mad = _loop_stats(values, present)
+    np.testing.assert_allclose(stats.median, median, rtol=0, atol=1e-12, equal_nan=True)
+    np.testing.assert_allclose(stats.size, size, rtol=0, atol=1e-12, equal_nan=True)
+    np.testing.assert_allclose(np.where(stats.finite, stats.peers, np.nan), peer, atol=1e-12, equal_nan=True)
+    np.testing.assert_allclose(stats.mad, mad, atol=1e-12, equal_nan=True)
+
+
+def _run_from(tmp_path: Path, by_rank: dict[int, list[float]], op: str = "norm") -> dict:
+    """A one-tensor run from explicit per-rank series; returns the document."""
+    for rank, series in by_rank.items():
+        directory = tmp_path / rank_dir_name(rank)
+        directory.mkdir()
+        writer = CsvWriter(directory)
+        rows = RowSet.build([0], ["w"], rank, "acc_grad")
+        for step, value in enumerate(series):
+            writer.write(StepRecord("grad_unreduced", step, (op,), rows, np.array([[value]])))
+        writer.close()
+    assert run_cli("-d", str(tmp_path)) == 0
+    return load(tmp_path / cross_rank.OUTPUT_NAME)
+
+
+def test_identical_ranks_use_the_floor_and_flag_a_one_percent_departure(tmp_path):
+    document = _run_from(
+        tmp_path, {0: [2.0, 2.0, 2.0], 1: [2.0, 2.0, 2.0], 2: [2.0, 2.02, 2.0], 3: [2.0, 2.0, 2.0]}
+    )
+    assert [(o["rank"], o["step"]) for o in document["outliers"]] == [(2, 1)]
+    assert document["outliers"][0]["scale"] == pytest.approx(2e-3)  # 1e-3 * median |value|
+
+
+def test_a_nonzero_nan_count_among_zeros_is_an_outlier(tmp_path):
+    document = _run_from(tmp_path, {0: [0, 0], 1: [0, 3], 2: [0, 0], 3: [0, 0]}, op="nans")
+    assert [(o["rank"], o["step"], o["value"]) for o in document["outliers"]] == [(1, 1, 3.0)]
+
+
+def test_a_nan_value_is_an_outlier_with_infinite_deviation(tmp_path):
+    document = _run_from(tmp_path, {0: [1.0, 1.1], 1: [1.05, math.nan], 2: [0.98, 1.0], 3: [1.0, 1.02]})
+    (outlier,) = document["outliers"]
+    assert (outlier["rank"], outlier["step"], outlier["value"], outlier["deviation_mads"]) == (
+        1,
+        1,
+        "nan",
+        "inf",
+    )
+
+
+def test_two_ranks_get_no_verdict(tmp_path):
+    document = _run_from(tmp_path, {0: [1.0, 1.0], 1: [1.0, 100.0]})
+    assert (document["judged"], document["outliers_total"]) == (0, 0)
+
+
+# ----------------------------------------------------------------------------------------- input and output
+
+
+def test_no_csv_files_exit_2_with_a_clear_message(tmp_path, capsys):
+    assert run_cli("-d", str(tmp_path)) == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1
+    assert "no per-rank output directories found" in error
+    assert "MONITOR_OUTPUT_DIR" in error
+    write_run(tmp_path, prefix="exp_avg")
+    assert run_cli("-d", str(tmp_path)) == 2
+    error = capsys.readouterr().err
+    assert "no CSV files of type grad_unreduced" in error
+    assert "types found: exp_avg" in error
+    assert not (tmp_path / cross_rank.OUTPUT_NAME).exists()
+
+
+@pytest.mark.parametrize(
+    ("argv", "text"),
+    [
+        (["--k-mad", "0"], "--k-mad must be a number > 0"),
+        (["--k-mad", "nan"], "--k-mad must be a number > 0"),
+        (["--types", "grad unreduced"], "--types: expected comma-separated names"),
+        (["--ops", "norm,median"], "--ops: expected comma-separated names drawn from min, max"),
+        (["--ranks", "[0, 'a']"], "--ranks: expected a Python list of integers"),
+        (["-k", "0"], "top k must be at least 1"),
+    ],
+)
+def test_bad_arguments_exit_2(tmp_path, capsys, argv, text):
+    write_run(tmp_path, ranks=3, steps=2)
+    assert run_cli("-d", str(tmp_path), *argv) == 2
+    assert text in capsys.readouterr().err
+
+
+def test_two_runs_in_one_root_are_refused(tmp_path, capsys):
+    write_run(tmp_path, ranks=3, steps=2)
+    (tmp_path / "Jan01_00-00-00-rank1-0000abcd").mkdir()
+    assert run_cli("-d", str(tmp_path)) == 2
+    assert "rank 1 has 2 output directories" in capsys.readouterr().err
+
+
+def test_malformed_rows_and_a_truncated_line_are_dropped_with_a_warning(tmp_path, capsys):
+    write_run(tmp_path, scaled=(2, 7, 3.0), per_record=20)
+    (path,) = next(tmp_path.glob("*-rank0-*")).glob("grad_unreduced_*.csv")
+    text = path.read_text()
+    path.write_text(text + "0,extra.weight,12,oops,1,1,1,0,0\n0,half.weight,12,1.5,")
+    assert run_cli("-d", str(tmp_path)) == 0
+    assert "dropped 1 malformed grad_unreduced row(s)" in capsys.readouterr().err
+    found = found_keys(load(tmp_path / cross_rank.OUTPUT_NAME))
+    assert {(rank, step) for rank, step, *_ in found} == {(2, 7)}
+
+
+def test_the_anomaly_ranking_comes_first_in_the_same_report(tmp_path, capsys):
+    write_run(tmp_path, scaled=(2, 7, 3.0))
+    dump = AnomalyDump(tmp_path, rank=2)
+    tag = "0:layers.0.fc1.weight/rank2/acc_grad"
+    message = f"Rule AnomalyZScore reports anomaly signal in ('{tag}', 'norm') at step 7."
+    dump.add([Anomaly(2, 7, 0, 0, 0, 3, tag, "norm", 9.0, 1.0, "AnomalyZScore", message, [2])])
+    dump.end_step(7)
+    out = tmp_path / "report"
+    assert run_cli("-d", str(tmp_path), "-o", str(out)) == 0
+    printed = capsys.readouterr().out
+    assert printed.index("Top 1 of 1 anomalies") < printed.index("Cross-rank outliers")
+    assert sorted(os.listdir(out)) == [analyse.OUTPUT_NAME, cross_rank.OUTPUT_NAME]
+
+
+def test_reading_in_worker_processes_matches_this_process(tmp_path):
+    write_run(tmp_path, scaled=(2, 7, 3.0), ranks=5)
+    dirs = list(rank_csv.find_rank_dirs(str(tmp_path)).values())
+    serial = rank_csv.load_ranks(dirs, ("grad_unreduced",), jobs=1)
+    parallel = rank_csv.load_ranks(dirs, ("grad_unreduced",), jobs=2)
+    for (one, _), (two, _) in zip(serial, parallel, strict=True):
+        (a,), (b,) = one["grad_unreduced"], two["grad_unreduced"]
+        assert a.names == b.names
+        np.testing.assert_array_equal(a.values, b.values)
+        np.testing.assert_array_equal(a.steps, b.steps)
