@@ -115,12 +115,23 @@ def _add_anomaly_analyse(sub: argparse._SubParsersAction) -> None:
     parser.set_defaults(run=analyse.run)
 
 
+def _add_converters(sub: argparse._SubParsersAction) -> None:
+    """csv2tb and csv2db (dashboards/convert; heavy imports happen only when one runs)."""
+    from dashboards.convert.commands import COMMANDS
+
+    for name, (text, add_arguments, run) in COMMANDS.items():
+        command = sub.add_parser(name, help=text, description=text)
+        add_arguments(command)
+        command.set_defaults(run=run)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="trainmon", description="Training-state monitor tools.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     _add_demo(sub)
     _add_anomaly_analyse(sub)
+    _add_converters(sub)
     return parser
 
 

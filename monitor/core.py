@@ -58,6 +58,10 @@ class MonitorCore:
             self.output_dir = output_dir or self._rank_dir()
             self.file_writer = self._file_writer()
             sinks.append(self.file_writer)
+            if config.format == "tensorboard":
+                from monitor.writers.custom_scalars import CustomScalarsSink
+
+                sinks.append(CustomScalarsSink(self.output_dir))
         if config.alert.rules:
             dump = AnomalyDump(self.root, rank, keep=output_dir is not None) if config.alert.dump else None
             self.detector = Detector(build_rules(config.alert.rules), rank, pp_stage, group_mates)

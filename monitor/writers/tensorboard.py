@@ -3,7 +3,8 @@
 One Event per StepRecord: ``step`` = monitor step, one scalar ``"{tag}_{op}"`` per (row, op), the
 reference's tag spelling. Two things make it fast: the Event is built once per RowSet and only its
 values are set per step, and the record checksum (CRC32C, which tensorboard computes byte by byte
-in Python) comes from google-crc32c's C code.
+in Python) comes from google-crc32c's C code. Histograms (``write_histogram``) are HistogramProto
+values, which TensorBoard's Histograms and Distributions tabs read.
 
 Records are framed by tensorboard's RecordWriter into an in-memory buffer that goes to the file
 with ``os.write`` only between records (at ``end_step``, on close, or past a size limit), so a
@@ -24,6 +25,7 @@ from collections.abc import Sequence
 import google_crc32c
 import numpy as np
 from tensorboard.compat.proto.event_pb2 import Event
+from tensorboard.compat.proto.summary_pb2 import HistogramProto
 from tensorboard.summary.writer.record_writer import RecordWriter
 
 from monitor.files import FILE_MODE, create_exclusive
@@ -86,13 +88,18 @@ class _WholeRecordFile:
             os.close(self._fd)
 
 
+def frame_record(data: bytes) -> bytes:
+    """One TFRecord: length, masked CRC of the length, data, masked CRC of the data."""
+    header = struct.pack("<Q", len(data))
+    crcs = (struct.pack("<I", masked_crc32c(header)), struct.pack("<I", masked_crc32c(data)))
+    return b"".join((header, crcs[0], data, crcs[1]))
+
+
 class _FastRecordWriter(RecordWriter):
     """RecordWriter with a C CRC32C; same framing, one write call per record."""
 
     def write(self, data: bytes) -> None:
-        header = struct.pack("<Q", len(data))
-        crcs = (struct.pack("<I", masked_crc32c(header)), struct.pack("<I", masked_crc32c(data)))
-        self._writer.write(b"".join((header, crcs[0], data, crcs[1])))
+        self._writer.write(frame_record(data))
 
 
 class TensorBoardWriter:
@@ -150,6 +157,62 @@ class TensorBoardWriter:
         add = event.summary.value.add
         for tag, number in zip(tags, numbers):
             add(tag=tag, simple_value=number)
+        with self._lock:
+            self._check_open()
+            self._records.write(event.SerializeToString())
+
+    def write_histogram(
+        self,
+        step: int,
+        tag: str,
+        bucket_limits: Sequence[float] | np.ndarray,
+        counts: Sequence[float] | np.ndarray,
+        *,
+        value_sum: float = 0.0,
+        value_sum_squares: float = 0.0,
+        nan_count: float | None = None,
+        inf_count: float | None = None,
+    ) -> None:
+        """Append one Event with a histogram at ``step`` (TensorBoard's Histograms/Distributions tabs).
+
+        Args:
+            step: the monitor step.
+            tag: the histogram's tag, e.g. ``"0:layers.0.fc1.weight/rank0/adam_update"``.
+            bucket_limits: the k + 1 increasing, finite bucket edges (numpy.histogram's ``bins``):
+                bucket i holds the values in [edges[i], edges[i + 1]).
+            counts: the k finite, non-negative bucket counts.
+            value_sum, value_sum_squares: sum and sum of squares of the counted values, when known.
+            nan_count, inf_count: when given, written in the same Event as the scalars
+                ``"{tag}_nans"`` and ``"{tag}_infs"`` (values no bucket can hold).
+
+        Raises:
+            ValueError: edges or counts of the wrong length, non-finite, decreasing or negative.
+        """
+        edges = np.asarray(bucket_limits, dtype=np.float64).ravel()
+        numbers = np.asarray(counts, dtype=np.float64).ravel()
+        if numbers.size == 0 or edges.size != numbers.size + 1:
+            raise ValueError(
+                f"histogram {tag!r}: expected k >= 1 counts and k + 1 bucket edges, "
+                f"got {numbers.size} counts and {edges.size} edges"
+            )
+        if not (np.all(np.isfinite(edges)) and np.all(np.diff(edges) > 0)):
+            raise ValueError(f"histogram {tag!r}: bucket edges must be finite and increasing, got {edges}")
+        if not (np.all(np.isfinite(numbers)) and np.all(numbers >= 0)):
+            raise ValueError(f"histogram {tag!r}: counts must be finite and >= 0, got {numbers}")
+        histogram = HistogramProto(
+            min=float(edges[0]),
+            max=float(edges[-1]),
+            num=float(numbers.sum()),
+            sum=float(value_sum),
+            sum_squares=float(value_sum_squares),
+            bucket_limit=edges[1:].tolist(),
+            bucket=numbers.tolist(),
+        )
+        event = Event(wall_time=time.time(), step=step)
+        event.summary.value.add(tag=tag, histo=histogram)
+        for suffix, count in (("nans", nan_count), ("infs", inf_count)):
+            if count is not None:
+                event.summary.value.add(tag=f"{tag}_{suffix}", simple_value=float(count))
         with self._lock:
             self._check_open()
             self._records.write(event.SerializeToString())

@@ -1,0 +1,145 @@
+"""``trainmon csv2tb`` and ``trainmon csv2db``: their options and entry points.
+
+This module is light on purpose (argparse only): the converters themselves import pandas and
+TensorBoard, which ``trainmon --help`` and ``trainmon demo`` should not pay for, so they are
+imported when a command runs. ``COMMANDS`` maps each sub-command to (description,
+add_arguments(parser), run(args) -> exit status); exit status 0 done, 2 bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from monitor.datatypes import PREFIX_TASKS
+from monitor.files import TIME_FORMAT
+
+#: data types the converters accept (msprobe 1.2.2 also wrote ``param``).
+DATA_TYPES = (*PREFIX_TASKS, "param")
+#: worker processes a converter may use.
+MAX_PROCESSES = 128
+
+
+def _jobs(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if not 1 <= value <= MAX_PROCESSES:
+        raise argparse.ArgumentTypeError(f"expected an integer in [1, {MAX_PROCESSES}], got {text!r}")
+    return value
+
+
+def _types(text: str) -> list[str]:
+    types = [t.strip() for t in text.split(",") if t.strip()]
+    unknown = [t for t in types if t not in DATA_TYPES]
+    if not types or unknown:
+        raise argparse.ArgumentTypeError(
+            f"expected a comma-separated list of {', '.join(DATA_TYPES)}; got {text!r}"
+        )
+    return types
+
+
+def _add_selection(parser: argparse.ArgumentParser) -> None:
+    """The converters' common options: -d, --start, --end, --types, -j, --no-progress."""
+    parser.add_argument(
+        "-d",
+        "--monitor-path",
+        dest="monitor_path",
+        required=True,
+        help="the monitor's output directory (MONITOR_OUTPUT_DIR) holding {time}-rank{R}-{id} directories",
+    )
+    example = TIME_FORMAT.replace("%", "%%")  # argparse %-formats help texts
+    parser.add_argument(
+        "--start", default=None, help=f"first time tag to include, e.g. Dec03_21-34-40 ({example})"
+    )
+    parser.add_argument("--end", default=None, help="last time tag to include (inclusive)")
+    parser.add_argument(
+        "--types",
+        type=_types,
+        default=None,
+        help="comma-separated data types (default: every one found), e.g. grad_reduced,exp_avg",
+    )
+    parser.add_argument("-j", "--jobs", type=_jobs, default=1, help="worker processes (default 1)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def add_csv2tb_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``trainmon csv2tb``."""
+    _add_selection(parser)
+    parser.add_argument(
+        "-o",
+        "--output",
+        default=None,
+        help="output directory (default MONITOR_PATH/{time}-csv2tensorboard_by_step)",
+    )
+
+
+def run_csv2tb(args: argparse.Namespace) -> int:
+    """``trainmon csv2tb``."""
+    from dashboards.convert.csv2tb import csv2tensorboard_by_step
+    from dashboards.convert.runs import ConvertError
+
+    try:
+        out = csv2tensorboard_by_step(
+            args.monitor_path,
+            args.start,
+            args.end,
+            args.jobs,
+            args.types,
+            args.output,
+            progress=not args.no_progress,
+        )
+    except ConvertError as exc:
+        print(f"trainmon csv2tb: {exc}", file=sys.stderr)
+        return 2
+    print(f"Written:     {out}")
+    print(f"Look at it:  tensorboard --logdir {out}")
+    return 0
+
+
+def add_csv2db_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``trainmon csv2db``."""
+    _add_selection(parser)
+    parser.add_argument(
+        "-o",
+        "--output",
+        default=None,
+        help="database file (default MONITOR_PATH/{time}-csv2db/monitor_metrics.db)",
+    )
+
+
+def run_csv2db(args: argparse.Namespace) -> int:
+    """``trainmon csv2db``."""
+    from dashboards.convert.csv2db import csv2db
+    from dashboards.convert.runs import ConvertError
+
+    try:
+        path = csv2db(
+            args.monitor_path,
+            args.start,
+            args.end,
+            args.jobs,
+            args.types,
+            args.output,
+            progress=not args.no_progress,
+        )
+    except ConvertError as exc:
+        print(f"trainmon csv2db: {exc}", file=sys.stderr)
+        return 2
+    print(f"Written:     {path}")
+    return 0
+
+
+COMMANDS = {
+    "csv2tb": (
+        "convert the monitor's CSV outputs into TensorBoard event files (one run per rank and data type)",
+        add_csv2tb_arguments,
+        run_csv2tb,
+    ),
+    "csv2db": (
+        "write the monitor's CSV outputs into one SQLite file (schema: dashboards/convert/csv2db.py)",
+        add_csv2db_arguments,
+        run_csv2db,
+    ),
+}

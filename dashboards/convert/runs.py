@@ -1,0 +1,160 @@
+"""What the converters share: choosing rank directories, checking arguments, reading one data type.
+
+Fixes of the reference's converters (spec W35): a directory whose name looks like a rank
+directory but is not one (bad time tag, a file, a symlink) is skipped with a warning instead of
+aborting everything; when several directories of one rank are in the time range (a restarted job),
+all are read in time order instead of whichever the file system listed last; a (row, step) written
+twice keeps the later value and is counted, instead of abandoning the remaining files or crashing.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from dashboards.convert.commands import DATA_TYPES, MAX_PROCESSES
+from dashboards.csvfiles import list_csv_files, read_csv_file
+from monitor.datatypes import RowKey
+from monitor.files import RANK_DIR_PATTERN, TIME_FORMAT, parse_time_tag
+
+logger = logging.getLogger("trainmon")
+
+
+class ConvertError(ValueError):
+    """A bad argument of a converter (the message names it, its value and what was expected)."""
+
+
+def check_processes(process_num: object) -> int:
+    if type(process_num) is not int or not 1 <= process_num <= MAX_PROCESSES:
+        raise ConvertError(f"process_num: expected an integer in [1, {MAX_PROCESSES}], got {process_num!r}")
+    return process_num
+
+
+def check_types(data_type_list: object) -> tuple[str, ...] | None:
+    """None (every data type found) or the requested data types, checked."""
+    if data_type_list is None:
+        return None
+    if isinstance(data_type_list, str) or not isinstance(data_type_list, (list, tuple)) or not data_type_list:
+        raise ConvertError(f"data_type_list: expected a non-empty list of data types, got {data_type_list!r}")
+    unknown = [t for t in data_type_list if t not in DATA_TYPES]
+    if unknown:
+        raise ConvertError(
+            f"data_type_list: unknown data type(s) {unknown}; expected some of {list(DATA_TYPES)}"
+        )
+    return tuple(dict.fromkeys(data_type_list))
+
+
+def _bound(name: str, text: str | None) -> _dt.datetime | None:
+    if text is None:
+        return None
+    stamp = parse_time_tag(text) if isinstance(text, str) else None
+    if stamp is None:
+        raise ConvertError(f"{name}: expected a time like 'Dec03_21-34-40' ({TIME_FORMAT}), got {text!r}")
+    return stamp
+
+
+def select_rank_dirs(
+    monitor_path: str, time_start: str | None = None, time_end: str | None = None
+) -> dict[int, list[str]]:
+    """rank -> its directories under ``monitor_path`` with a time tag in [start, end], oldest first."""
+    if not isinstance(monitor_path, (str, os.PathLike)) or not os.path.isdir(monitor_path):
+        raise ConvertError(f"monitor_path: expected an existing directory, got {monitor_path!r}")
+    low, high = _bound("time_start", time_start), _bound("time_end", time_end)
+    if low is not None and high is not None and low > high:
+        raise ConvertError(f"time_start {time_start!r} is after time_end {time_end!r}")
+    found: dict[int, list[tuple[_dt.datetime, str]]] = {}
+    for entry in sorted(os.scandir(monitor_path), key=lambda e: e.name):
+        match = RANK_DIR_PATTERN.match(entry.name)
+        if match is None:
+            continue
+        stamp = parse_time_tag(match.group(1))
+        if stamp is None or not entry.is_dir(follow_symlinks=False):
+            logger.warning("trainmon: skipping %s: not a rank directory with a valid time tag", entry.path)
+            continue
+        if (low is None or stamp >= low) and (high is None or stamp <= high):
+            found.setdefault(int(match.group(2)), []).append((stamp, entry.path))
+    return {rank: [path for _, path in sorted(items)] for rank, items in sorted(found.items())}
+
+
+def found_types(dirs: Sequence[str]) -> list[str]:
+    """The data types with CSV files in any of ``dirs``."""
+    types: dict[str, None] = {}
+    for path in dirs:
+        types.update(dict.fromkeys(list_csv_files(path)))
+    return list(types)
+
+
+@dataclass
+class Series:
+    """One data type of one rank, deduplicated: entry i is row ``rows[ids[i]]`` at ``steps[i]``.
+
+    Entries are sorted by (step, first appearance of the row); ``present[i, j]`` says whether op j
+    was written for entry i (files of one data type normally all have the same ops).
+    """
+
+    ops: tuple[str, ...]
+    rows: list[RowKey]
+    has_micro: bool
+    ids: np.ndarray
+    steps: np.ndarray
+    values: np.ndarray
+    present: np.ndarray
+    duplicates: int = 0
+    skipped: int = 0
+
+
+def read_series(dirs: Sequence[str], prefix: str) -> Series | None:
+    """All rows of ``prefix`` in ``dirs`` (in order; later files win on a repeated (row, step))."""
+    tables = []
+    for path in dirs:
+        for item in list_csv_files(path).get(prefix, []):
+            tables.append(read_csv_file(item.path))
+    skipped = sum(t.skipped for t in tables)
+    tables = [t for t in tables if len(t)]
+    if not tables:
+        return None
+    ops = tuple(dict.fromkeys(op for t in tables for op in t.ops))
+    number: dict[RowKey, int] = {}
+    ids, steps, values, present = [], [], [], []
+    for table in tables:
+        micro = table.micro_steps if table.micro_steps is not None else [-1] * len(table)
+        ids.append(
+            np.fromiter(
+                (
+                    number.setdefault(RowKey(int(v), n, int(m)), len(number))
+                    for v, n, m in zip(table.vpp_stages, table.names, micro)
+                ),
+                dtype=np.int64,
+                count=len(table),
+            )
+        )
+        steps.append(table.steps)
+        block = np.full((len(table), len(ops)), np.nan)
+        mask = np.zeros((len(table), len(ops)), dtype=bool)
+        columns = [ops.index(op) for op in table.ops]
+        block[:, columns] = table.values
+        mask[:, columns] = True
+        values.append(block)
+        present.append(mask)
+    all_ids, all_steps = np.concatenate(ids), np.concatenate(steps)
+    # the last occurrence of each (row, step) wins; then sort by step, rows in first-seen order
+    order = np.lexsort((-np.arange(len(all_ids)), all_ids, all_steps))
+    keep = np.ones(len(order), dtype=bool)
+    keep[1:] = (all_steps[order][1:] != all_steps[order][:-1]) | (all_ids[order][1:] != all_ids[order][:-1])
+    chosen = order[keep]
+    return Series(
+        ops,
+        list(number),
+        any(t.micro_steps is not None for t in tables),
+        all_ids[chosen],
+        all_steps[chosen],
+        np.concatenate(values)[chosen],
+        np.concatenate(present)[chosen],
+        duplicates=int(len(order) - len(chosen)),
+        skipped=skipped,
+    )

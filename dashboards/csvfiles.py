@@ -1,0 +1,295 @@
+"""Reading the monitor's CSV files: ``{prefix}_{a}-{b}.csv`` in a rank directory (spec §5.2).
+
+Header ``vpp_stage,name,step[,micro_step],<ops...>``. Files being written are read up to their last
+complete line. A row that does not parse (wrong field count, a value that is not a number) is
+skipped and counted, never guessed; the msprobe columns ``shape`` and ``dtype`` are ignored.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import os
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+import pandas as pd
+
+from monitor.writers.eventfile import open_regular
+
+#: ``{prefix}_{a}-{b}.csv``; ``.{n}.csv`` when an appended run had other columns (monitor.writers.csv).
+CSV_NAME = re.compile(r"^(?P<prefix>[A-Za-z0-9_]+?)_(?P<start>\d+)-(?P<end>\d+)(?:\.(?P<part>\d+))?\.csv$")
+#: header columns that are labels, not statistics.
+LABEL_COLUMNS = ("vpp_stage", "name", "step", "micro_step")
+#: msprobe columns that hold no number.
+IGNORED_COLUMNS = ("shape", "dtype")
+
+
+class CsvFile(NamedTuple):
+    """One CSV file of a rank directory, with the step window from its name."""
+
+    path: str
+    prefix: str
+    start: int
+    end: int
+    part: int
+
+
+def list_csv_files(rank_dir: str | os.PathLike) -> dict[str, list[CsvFile]]:
+    """The CSV files of a rank directory by data type, in step order (regular files only)."""
+    found: dict[str, list[CsvFile]] = {}
+    for entry in os.scandir(rank_dir):
+        match = CSV_NAME.match(entry.name)
+        if match is None or not entry.is_file(follow_symlinks=False):
+            continue
+        prefix = match.group("prefix")
+        part = int(match.group("part") or 0)
+        found.setdefault(prefix, []).append(
+            CsvFile(entry.path, prefix, int(match.group("start")), int(match.group("end")), part)
+        )
+    for files in found.values():
+        files.sort(key=lambda f: (f.start, f.part, f.end))
+    return found
+
+
+@dataclass
+class CsvTable:
+    """The rows of one CSV file as arrays.
+
+    Attributes:
+        ops: statistic columns, in header order.
+        vpp_stages: int64 (n,).
+        names: the name of each row (n,).
+        micro_steps: int64 (n,), or None when the file has no micro_step column.
+        steps: int64 (n,).
+        values: float64 (n, len(ops)); ``nan``/``inf`` as written.
+        skipped: rows that did not parse and were left out.
+    """
+
+    ops: tuple[str, ...]
+    vpp_stages: np.ndarray
+    names: list[str]
+    micro_steps: np.ndarray | None
+    steps: np.ndarray
+    values: np.ndarray
+    skipped: int = 0
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def slice(self, start: int, stop: int) -> CsvTable:
+        """Rows [start, stop), as copies (a slice does not keep the whole table alive)."""
+        micro = None if self.micro_steps is None else self.micro_steps[start:stop].copy()
+        return CsvTable(
+            self.ops,
+            self.vpp_stages[start:stop].copy(),
+            self.names[start:stop],
+            micro,
+            self.steps[start:stop].copy(),
+            self.values[start:stop].copy(),
+        )
+
+    @property
+    def nbytes(self) -> int:
+        """Approximate memory held (for cache accounting)."""
+        names = sum(len(n) + 56 for n in self.names)
+        micro = 0 if self.micro_steps is None else self.micro_steps.nbytes
+        return self.values.nbytes + self.steps.nbytes + self.vpp_stages.nbytes + micro + names
+
+
+class CsvBounds(NamedTuple):
+    """The statistics of a CSV file and the steps of its first and last complete rows."""
+
+    ops: tuple[str, ...]
+    first_step: int
+    last_step: int
+
+
+def _step_of(line: bytes) -> int:
+    fields = next(csv.reader([line.decode("utf-8", errors="replace")]))
+    return int(fields[2])
+
+
+def csv_bounds(path: str | os.PathLike, probe: int = 65536) -> CsvBounds | None:
+    """Ops and first/last step of a CSV file from its first and last lines only; None when it has
+    no complete data row (or they do not parse)."""
+    fd = open_regular(path)
+    try:
+        size = os.fstat(fd).st_size
+        head = os.pread(fd, probe, 0)
+        tail = os.pread(fd, probe, max(0, size - probe))
+    finally:
+        os.close(fd)
+    lines = head.split(b"\n")
+    if len(lines) < 3:  # header, one data row, then what follows the last newline
+        return None
+    end = tail.rfind(b"\n")
+    start = tail.rfind(b"\n", 0, end) + 1
+    try:
+        _, ops = _columns(lines[0].decode("utf-8", errors="replace"))
+        return CsvBounds(ops, _step_of(lines[1]), _step_of(tail[start:end]))
+    except (ValueError, IndexError, StopIteration):
+        return None
+
+
+def header_ops(path: str | os.PathLike) -> tuple[str, ...]:
+    """The statistic columns named in a CSV file's header (empty when there is no header line)."""
+    fd = open_regular(path)
+    try:
+        head = os.pread(fd, 65536, 0)
+    finally:
+        os.close(fd)
+    if b"\n" not in head:
+        return ()
+    try:
+        return _columns(head[: head.index(b"\n")].decode("utf-8", errors="replace"))[1]
+    except (ValueError, StopIteration):
+        return ()
+
+
+def _complete_text(path: str | os.PathLike) -> bytes:
+    fd = open_regular(path)
+    try:
+        with os.fdopen(fd, "rb", closefd=False) as handle:
+            data = handle.read()
+    finally:
+        os.close(fd)
+    end = data.rfind(b"\n")
+    return data if end == len(data) - 1 else data[: end + 1]  # no copy when the last line is whole
+
+
+def _columns(header: str) -> tuple[bool, tuple[str, ...]]:
+    fields = next(csv.reader([header]))
+    if fields[:3] != ["vpp_stage", "name", "step"]:
+        raise ValueError(f"not a monitor CSV header: {header.strip()[:200]!r}")
+    has_micro = len(fields) > 3 and fields[3] == "micro_step"
+    ops = tuple(f for f in fields[4 if has_micro else 3 :] if f not in IGNORED_COLUMNS)
+    return has_micro, ops
+
+
+def read_csv_file(path: str | os.PathLike) -> CsvTable:
+    """Parse one monitor CSV file (complete lines only).
+
+    Raises:
+        ValueError: the first line is not a monitor CSV header.
+        OSError: the path is not a regular file (symlinks are refused).
+    """
+    return _table(_complete_text(path))
+
+
+def read_csv_files(paths: Sequence[str | os.PathLike]) -> list[CsvTable]:
+    """``read_csv_file`` of each path, with files that share a header parsed in one pass.
+
+    Many small files (one step each) cost mostly per-parse overhead, so their bodies are joined and
+    parsed once, then split by line counts. Files whose body has a quote (a name that could hold a
+    line break) or that do not parse cleanly are read one by one.
+    """
+    texts = [_complete_text(path) for path in paths]
+    tables: list[CsvTable | None] = [None] * len(texts)
+    groups: dict[bytes, list[int]] = {}
+    for index, text in enumerate(texts):
+        header_end = text.find(b"\n") + 1
+        if header_end and b'"' not in text:
+            groups.setdefault(text[:header_end], []).append(index)
+    for header, members in groups.items():
+        if len(members) < 2:
+            continue
+        try:
+            has_micro, ops = _columns(header.decode("utf-8", errors="replace"))
+        except ValueError:
+            continue  # not monitor files: read_csv_file says so for each
+        skip = len(header)
+        counts = [texts[i].count(b"\n", skip) for i in members]
+        joined = _parse(b"".join([header, *(memoryview(texts[i])[skip:] for i in members)]), has_micro, ops)
+        if joined is None or len(joined) != sum(counts):
+            continue
+        start = 0
+        for index, count in zip(members, counts):
+            stop = start + count
+            tables[index] = joined.slice(start, stop)
+            start = stop
+    return [table if table is not None else _table(text) for table, text in zip(tables, texts)]
+
+
+def _table(data: bytes) -> CsvTable:
+    if not data:
+        return _empty(())
+    header = data[: data.index(b"\n")].decode("utf-8", errors="replace")
+    has_micro, ops = _columns(header)
+    return _parse(data, has_micro, ops) or _read_slowly(data, has_micro, ops)
+
+
+def _parse(data: bytes, has_micro: bool, ops: tuple[str, ...]) -> CsvTable | None:
+    """The fast path (pandas' C parser); None when any row does not parse."""
+    labels = ["vpp_stage", "name", "step", *(["micro_step"] if has_micro else [])]
+    dtypes = {"vpp_stage": np.int64, "name": object, "step": np.int64, "micro_step": np.int64}
+    dtypes.update(dict.fromkeys(ops, np.float64))
+    header = data[: data.index(b"\n")]
+    try:
+        frame = pd.read_csv(
+            io.BytesIO(data),
+            usecols=[*labels, *ops] if len(ops) + len(labels) != header.count(b",") + 1 else None,
+            dtype=dtypes,
+            keep_default_na=False,
+            na_values=["nan", "NaN", "-nan"],
+            encoding_errors="replace",
+            float_precision="round_trip",
+        )
+    except (ValueError, pd.errors.ParserError):
+        return None
+    if frame["name"].isna().any():  # a name that reads as NaN: the slow path keeps it as text
+        return None
+    return CsvTable(
+        ops,
+        frame["vpp_stage"].to_numpy(np.int64),
+        frame["name"].tolist(),
+        frame["micro_step"].to_numpy(np.int64) if has_micro else None,
+        frame["step"].to_numpy(np.int64),
+        frame[list(ops)].to_numpy(np.float64).reshape(len(frame), len(ops)),
+    )
+
+
+def _empty(ops: tuple[str, ...], micro: bool = False) -> CsvTable:
+    ints = np.zeros(0, np.int64)
+    return CsvTable(ops, ints, [], ints.copy() if micro else None, ints.copy(), np.zeros((0, len(ops))))
+
+
+def _read_slowly(data: bytes, has_micro: bool, ops: tuple[str, ...]) -> CsvTable:
+    """Row by row, skipping (and counting) rows that do not parse."""
+    lines = io.StringIO(data.decode("utf-8", errors="replace"))
+    reader = csv.reader(lines)
+    header = next(reader)
+    index = {name: i for i, name in enumerate(header)}
+    columns = [index[op] for op in ops]
+    vpp, names, micro, steps, values, skipped = [], [], [], [], [], 0
+    for fields in reader:
+        if len(fields) != len(header):
+            skipped += 1
+            continue
+        try:
+            row = [float(fields[c]) for c in columns]  # nan/inf in any case; raises on text
+            head = (int(fields[0]), int(fields[2]), int(fields[3]) if has_micro else -1)
+        except ValueError:
+            skipped += 1
+            continue
+        vpp.append(head[0])
+        names.append(fields[1])
+        steps.append(head[1])
+        micro.append(head[2])
+        values.append(row)
+    if not names:
+        table = _empty(ops, has_micro)
+        table.skipped = skipped
+        return table
+    return CsvTable(
+        ops,
+        np.array(vpp, np.int64),
+        names,
+        np.array(micro, np.int64) if has_micro else None,
+        np.array(steps, np.int64),
+        np.array(values, np.float64).reshape(len(names), len(ops)),
+        skipped,
+    )

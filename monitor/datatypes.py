@@ -1,0 +1,103 @@
+"""Data types (CSV file prefixes) and the tag tasks written for them; rows of a data type.
+
+The CSV writer names files after the data type (``grad_reduced_0-9.csv``) while tags (TensorBoard
+scalars, anomaly records) end in a task (``.../rank0/post_grad``). The dashboards show data types,
+so a tag's task is mapped back to its data type here, in one place.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from monitor.naming import split_tag
+
+#: data type -> the tasks its tags end in (spec §4.4; grad_unreduced is pre_grad with main_grad).
+PREFIX_TASKS: dict[str, tuple[str, ...]] = {
+    "actv": ("actv",),
+    "actv_grad": ("actv_grad",),
+    "grad_unreduced": ("acc_grad", "pre_grad"),
+    "grad_reduced": ("post_grad",),
+    "exp_avg": ("exp_avg",),
+    "exp_avg_sq": ("exp_avg_sq",),
+    "param_origin": ("param_origin",),
+    "param_updated": ("param_updated",),
+    "other": ("mg_direction",),
+}
+TASK_PREFIX: dict[str, str] = {task: prefix for prefix, tasks in PREFIX_TASKS.items() for task in tasks}
+#: order in which data types are offered (and preferred for the landing view on a tie).
+PREFIX_ORDER: tuple[str, ...] = (
+    "grad_reduced",
+    "grad_unreduced",
+    "actv",
+    "actv_grad",
+    "exp_avg",
+    "exp_avg_sq",
+    "param_updated",
+    "param_origin",
+    "other",
+)
+#: data types whose rows come in backward order -> data types whose rows are in model order.
+ROW_ORDER_FROM: dict[str, tuple[str, ...]] = {
+    "grad_unreduced": ("param_origin", "param_updated", "grad_reduced", "exp_avg", "exp_avg_sq", "other"),
+    "actv_grad": ("actv",),
+}
+#: ops offered first (and preferred for the landing view).
+OP_ORDER: tuple[str, ...] = ("norm", "max", "min", "mean", "zeros", "nans", "id")
+
+
+def prefix_of_task(task: str) -> str:
+    """The data type of a tag task; an unknown task is its own data type."""
+    return TASK_PREFIX.get(task, task)
+
+
+def tasks_of_prefix(prefix: str) -> tuple[str, ...]:
+    """The tasks written for a data type; an unknown data type is its own task."""
+    return PREFIX_TASKS.get(prefix, (prefix,))
+
+
+def order_key(name: str, order: tuple[str, ...]) -> tuple[int, str]:
+    """Sort key: known names in ``order`` first, then the others alphabetically."""
+    return (order.index(name), "") if name in order else (len(order), name)
+
+
+class RowKey(NamedTuple):
+    """One row of a data type: virtual-pipeline chunk, name, micro-step (-1: none)."""
+
+    vpp_stage: int
+    name: str
+    micro_step: int
+
+    def label(self, show_vpp: bool) -> str:
+        """``[N:]name[:m]``: the chunk prefix only when the run has several chunks."""
+        text = f"{self.vpp_stage}:{self.name}" if show_vpp else self.name
+        return text if self.micro_step < 0 else f"{text}:{self.micro_step}"
+
+
+class ParsedTag(NamedTuple):
+    """A scalar or anomaly tag split into data type, row and op."""
+
+    prefix: str
+    row: RowKey
+    rank: int | None
+
+
+def parse_tag(tag: str) -> ParsedTag | None:
+    """``N:name[:m]/rankR/task`` -> (data type, row, rank); None for a tag without a task."""
+    _, sep, rest = tag.partition("/")
+    if not sep or not rest:
+        return None
+    vpp, name, micro, task = split_tag(tag)
+    rank = None
+    middle = rest.rsplit("/", 1)[0] if "/" in rest else ""
+    if middle.startswith("rank") and middle[4:].isdigit():
+        rank = int(middle[4:])
+    return ParsedTag(prefix_of_task(task), RowKey(vpp, name, -1 if micro is None else micro), rank)
+
+
+def parse_scalar_tag(tag: str) -> tuple[ParsedTag, str] | None:
+    """A trainmon scalar tag ``"{tag}_{op}"`` -> (parsed tag, op); None for any other tag."""
+    base, sep, op = tag.rpartition("_")
+    if not sep or not op:
+        return None
+    parsed = parse_tag(base)
+    return None if parsed is None else (parsed, op)

@@ -1,0 +1,150 @@
+"""Shared runs for the dashboard tests: real ``trainmon demo`` outputs and small generated runs.
+
+The demo runs once per session for each format (both at once, in two processes). Generated runs
+go through the monitor's own writers (CsvWriter, TensorBoardWriter, AnomalyDump), so their files are
+exactly what a training run leaves; expected numbers are always read back from those files by the
+tests' own readers (the csv module, TensorBoard's EventAccumulator), never from the code under test.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from monitor.anomaly.detector import Anomaly
+from monitor.anomaly.dump import AnomalyDump
+from monitor.files import make_private_dir
+from monitor.record import RowSet, StepRecord
+from monitor.writers.csv import CsvWriter
+from monitor.writers.tensorboard import TensorBoardWriter
+
+#: the demo: 14 steps, spike at 11 (the demo's z-score rule needs 10 steps of history first).
+DEMO_STEPS, DEMO_SPIKE = 14, 11
+OPS = ("norm", "min", "max", "nans")
+TASKS = {"grad_reduced": "post_grad", "grad_unreduced": "acc_grad", "exp_avg": "exp_avg"}
+
+
+@pytest.fixture(scope="session")
+def demo_runs(tmp_path_factory) -> dict[str, Path]:
+    """``{"csv": root, "tensorboard": root}``: two ``trainmon demo`` output roots in one logdir."""
+    pytest.importorskip("torch")
+    logdir = tmp_path_factory.mktemp("demo_logdir")
+    processes = {}
+    for fmt in ("csv", "tensorboard"):
+        args = [sys.executable, "-m", "monitor.cli", "demo", "--steps", str(DEMO_STEPS)]
+        args += ["--spike-step", str(DEMO_SPIKE), "--format", fmt, "--output", str(logdir / f"demo_{fmt}")]
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        processes[fmt] = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    for process in processes.values():
+        output, _ = process.communicate(timeout=300)
+        assert process.returncode == 0, output.decode(errors="replace")
+    return {fmt: logdir / f"demo_{fmt}" for fmt in processes}
+
+
+def rank_dir(root: Path, rank: int = 0) -> Path:
+    (found,) = [p for p in root.iterdir() if f"-rank{rank}-" in p.name]
+    return found
+
+
+def read_csv_rows(directory: Path, prefix: str) -> list[dict]:
+    """Every row of ``{prefix}_*.csv`` with the csv module; values as Python floats of the text."""
+    pattern = re.compile(rf"^{re.escape(prefix)}_(\d+)-\d+\.csv$")
+    files = [(int(m.group(1)), p) for p in directory.iterdir() if (m := pattern.match(p.name))]
+    rows = []
+    for _, path in sorted(files):
+        with open(path, newline="", encoding="utf-8") as handle:
+            for record in csv.DictReader(handle):
+                rows.append(
+                    {
+                        "vpp": int(record.pop("vpp_stage")),
+                        "name": record.pop("name"),
+                        "step": int(record.pop("step")),
+                        "micro": int(record.pop("micro_step", -1)),
+                        "values": {op: float(text) for op, text in record.items()},
+                    }
+                )
+    return rows
+
+
+def same(a: float, b: float) -> bool:
+    """Equal, NaN equal to NaN."""
+    return (np.isnan(a) and np.isnan(b)) or a == b
+
+
+def write_run(
+    root: Path,
+    *,
+    ranks: Sequence[int] = (0,),
+    steps: Sequence[int] = range(6),
+    names: Sequence[str] = ("embedding.weight", "layers.0.fc1.weight", "layers.0.fc2.weight", "head.weight"),
+    fmt: str = "csv",
+    window: int = 1,
+    prefixes: Sequence[str] = ("grad_reduced",),
+    special: dict | None = None,
+    skip: dict | None = None,
+    anomalies: Sequence[tuple] = (),
+    stamp: str = "Jan02_03-04-05",
+) -> dict[int, Path]:
+    """A run of generated values written by the monitor's writers; returns rank -> directory.
+
+    ``special`` maps (rank, prefix, step, row, op) to a value (NaN, Inf, ...); ``skip`` maps
+    (rank, prefix, step) to row indices left out of that step. ``anomalies`` are
+    (rank, prefix, step, row, op) written to anomaly_detected/rank{R}/anomaly.json.
+    """
+    special, skip = special or {}, skip or {}
+    dirs = {}
+    for rank in ranks:
+        path = root / f"{stamp}-rank{rank}-{rank:08x}"
+        make_private_dir(path)
+        dirs[rank] = path
+        writer = CsvWriter(path, 6, window) if fmt == "csv" else TensorBoardWriter(path)
+        rowsets = {p: RowSet.build([0] * len(names), names, rank, TASKS[p]) for p in prefixes}
+        for step in steps:
+            for p_index, prefix in enumerate(prefixes):
+                values = np.array(
+                    [
+                        [
+                            (1 + r) * 10.0 ** (p_index - o) * (1 + 0.01 * step + 0.1 * rank)
+                            for o in range(len(OPS))
+                        ]
+                        for r in range(len(names))
+                    ]
+                )
+                values[:, OPS.index("nans")] = 0
+                for (s_rank, s_prefix, s_step, row, op), value in special.items():
+                    if (s_rank, s_prefix, s_step) == (rank, prefix, step):
+                        values[row, OPS.index(op)] = value
+                keep = [r for r in range(len(names)) if r not in skip.get((rank, prefix, step), ())]
+                rows = rowsets[prefix] if len(keep) == len(names) else rowsets[prefix].take(keep)
+                writer.write(StepRecord(prefix, step, OPS, rows, values[keep]))
+            writer.end_step(step)
+        writer.close()
+    by_rank: dict[int, list[Anomaly]] = {}
+    for call, (rank, prefix, step, row, op) in enumerate(anomalies):
+        tag = f"0:{names[row]}/rank{rank}/{TASKS[prefix]}"
+        message = f"Rule AnomalyNan reports anomaly signal in ('{tag}', '{op}') at step {step}."
+        by_rank.setdefault(rank, []).append(
+            Anomaly(rank, step, 0, 0, 0, call, tag, op, float("nan"), 1.0, "AnomalyNan", message, [rank])
+        )
+    for rank, found in by_rank.items():
+        dump = AnomalyDump(root, rank)
+        dump.add(found)
+        dump.close()
+    return dirs
+
+
+def anomaly_records(root: Path) -> list[dict]:
+    """All records of root/anomaly_detected/*/anomaly.json, read with json."""
+    records = []
+    for path in sorted((root / "anomaly_detected").glob("*/anomaly.json")):
+        records.extend(json.loads(path.read_text()).values())
+    return records

@@ -1,0 +1,212 @@
+"""csv2tb and csv2db: every CSV value comes back, W35's defects stay fixed, arguments are checked."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sqlite3
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import SCALARS, EventAccumulator
+
+from dashboards.convert.commands import COMMANDS
+from dashboards.convert.csv2db import csv2db
+from dashboards.convert.csv2tb import csv2tensorboard_by_step
+from dashboards.convert.runs import ConvertError
+from tests.dashboards.conftest import rank_dir, read_csv_rows, same, write_run
+
+PREFIXES = ("grad_reduced", "exp_avg")
+
+
+def _restarted_run(root):
+    """Two ranks; rank 1 restarted: a second directory repeats steps 3-4 with other values and goes on."""
+    special = {(0, "grad_reduced", 2, 1, "norm"): float("nan"), (1, "exp_avg", 1, 0, "max"): float("-inf")}
+    write_run(root, ranks=(0, 1), steps=range(5), prefixes=PREFIXES, window=2, special=special)
+    later = {(1, "grad_reduced", s, 2, "min"): 7.0 + s for s in range(3, 7)}
+    write_run(root, ranks=(1,), steps=range(3, 7), prefixes=PREFIXES, stamp="Jan02_03-05-00", special=later)
+
+
+def _expected(root, rank: int, prefix: str) -> dict[tuple[str, int], dict]:
+    """(name, step) -> values, reading every directory of the rank in time order (later wins)."""
+    found = {}
+    for directory in sorted(root.glob(f"*-rank{rank}-*")):
+        for row in read_csv_rows(directory, prefix):
+            found[(row["name"], row["step"])] = row["values"]
+    return found
+
+
+def test_csv2tb_round_trip_with_restarts_nan_and_inf(tmp_path, caplog):
+    _restarted_run(tmp_path / "run")
+    out = tmp_path / "tb"
+    with caplog.at_level(logging.WARNING, logger="trainmon"):
+        result = csv2tensorboard_by_step(
+            str(tmp_path / "run"), process_num=2, output_dirpath=str(out), progress=False
+        )
+    assert result == str(out)
+    assert sorted(p.relative_to(out).as_posix() for p in out.glob("rank*/*")) == [
+        f"rank{r}/{p}" for r in (0, 1) for p in sorted(PREFIXES)
+    ]
+    assert "rank1/grad_reduced: 8 rows written twice" in caplog.text  # 2 steps x 4 rows, later kept
+    for rank in (0, 1):
+        for prefix in PREFIXES:
+            expected = _expected(tmp_path / "run", rank, prefix)
+            accumulator = EventAccumulator(str(out / f"rank{rank}" / prefix), size_guidance={SCALARS: 0})
+            accumulator.Reload()
+            tags = set(accumulator.Tags()["scalars"])
+            names = {name for name, _ in expected}
+            assert tags == {f"vp0:{n}/{op}" for n in names for op in ("norm", "min", "max", "nans")}
+            for tag in tags:
+                name, op = tag[4:].rsplit("/", 1)
+                events = accumulator.Scalars(tag)
+                steps = sorted(step for n, step in expected if n == name)
+                assert [e.step for e in events] == steps
+                for event in events:
+                    want = np.float32(expected[(name, event.step)][op])
+                    assert same(np.float32(event.value), want), (tag, event.step)
+            assert accumulator.Tensors("custom_scalars__config__")  # a layout per output directory
+    accumulator = EventAccumulator(str(out / "rank1" / "grad_reduced"), size_guidance={SCALARS: 0})
+    accumulator.Reload()
+    repeated = {e.step: e.value for e in accumulator.Scalars("vp0:layers.0.fc2.weight/min")}
+    assert (repeated[3], repeated[4], repeated[6]) == (10.0, 11.0, 13.0)  # the restarted directory's values
+
+
+def test_csv2tb_names_micro_steps_like_the_reference(tmp_path):
+    from monitor.record import RowSet, StepRecord
+    from monitor.writers.csv import CsvWriter
+
+    directory = tmp_path / "Jan02_03-04-05-rank0-00000000"
+    directory.mkdir()
+    writer = CsvWriter(directory)
+    rows = RowSet.build([0, 0, 1], ["fc1.input", "fc1.input", "fc2.output"], 0, "actv", micro_steps=[0, 1, 0])
+    writer.write(StepRecord("actv", 0, ("norm",), rows, np.array([[1.0], [2.0], [3.0]])))
+    writer.close()
+    csv2tensorboard_by_step(str(tmp_path), output_dirpath=str(tmp_path / "out"), progress=False)
+    accumulator = EventAccumulator(str(tmp_path / "out" / "rank0" / "actv"))
+    accumulator.Reload()
+    got = {tag: accumulator.Scalars(tag)[0].value for tag in accumulator.Tags()["scalars"]}
+    assert got == {
+        "vp0:fc1.input:micro0/norm": 1.0,
+        "vp0:fc1.input:micro1/norm": 2.0,
+        "vp1:fc2.output:micro0/norm": 3.0,
+    }
+
+
+def test_csv2tb_skips_lookalike_directories_and_selects_by_time(tmp_path, caplog):
+    write_run(tmp_path, stamp="Jan02_03-04-05")
+    write_run(tmp_path, stamp="Jan03_03-04-05", ranks=(1,))
+    (tmp_path / "Foo99_99-99-99-rank2-0000abcd").mkdir()  # matches the pattern, bad time tag
+    (tmp_path / "Jan02_03-04-05-rank3-0000abcd").write_text("a file, not a directory")
+    with caplog.at_level(logging.WARNING, logger="trainmon"):
+        out = csv2tensorboard_by_step(str(tmp_path), time_end="Jan02_23-59-59", progress=False)
+    assert "Foo99_99-99-99-rank2-0000abcd" in caplog.text and "rank3" in caplog.text
+    assert out.startswith(str(tmp_path)) and out.endswith("-csv2tensorboard_by_step")
+    assert sorted(p.name for p in (tmp_path / out).iterdir()) == ["rank0"]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "words"),
+    [
+        ({"process_num": 0}, "process_num: expected an integer in [1, 128], got 0"),
+        ({"process_num": "2"}, "process_num"),
+        ({"process_num": True}, "process_num"),
+        ({"data_type_list": "grad_reduced"}, "data_type_list: expected a non-empty list"),
+        ({"data_type_list": ["grad_reduced", "weights"]}, "unknown data type(s) ['weights']"),
+        ({"time_start": "yesterday"}, "time_start: expected a time like"),
+        ({"time_start": "Feb02_00-00-00", "time_end": "Jan02_00-00-00"}, "is after time_end"),
+        ({"time_start": "Dec31_00-00-00"}, "no {time}-rank{R}-{id} directory in range"),
+    ],
+)
+@pytest.mark.parametrize("convert", [csv2tensorboard_by_step, csv2db])
+def test_bad_arguments_are_refused_up_front(tmp_path, convert, kwargs, words):
+    write_run(tmp_path)
+    with pytest.raises(ConvertError) as info:
+        convert(str(tmp_path), progress=False, **kwargs)
+    assert words in str(info.value)
+    assert not any(p.name.endswith(("-csv2tensorboard_by_step", "-csv2db")) for p in tmp_path.iterdir())
+
+
+def test_missing_monitor_path_is_refused(tmp_path):
+    with pytest.raises(ConvertError, match="monitor_path: expected an existing directory"):
+        csv2db(str(tmp_path / "nowhere"))
+
+
+def test_csv2db_round_trip(tmp_path):
+    _restarted_run(tmp_path / "run")
+    path = csv2db(str(tmp_path / "run"), process_num=2, output_path=str(tmp_path / "m.db"), progress=False)
+    db = sqlite3.connect(path)
+    ops = dict(db.execute("SELECT name, op_id FROM ops"))
+    assert set(ops) == {"norm", "min", "max", "nans"}
+    assert dict(db.execute("SELECT key, value FROM meta"))["schema_version"] == "1"
+    assert sorted(db.execute("SELECT rank, dir FROM rank_dirs")) == sorted(
+        (int(p.name.split("-rank")[1].split("-")[0]), p.name) for p in (tmp_path / "run").glob("*-rank*")
+    )
+    query = (
+        "SELECT t.name, s.step, s.nan_mask, " + ", ".join(f's."{op}"' for op in ops) + " FROM stats s "
+        "JOIN targets t USING (target_id) JOIN data_types d USING (data_type_id) WHERE d.name=? AND s.rank=?"
+    )
+    for rank in (0, 1):
+        for prefix in PREFIXES:
+            expected = _expected(tmp_path / "run", rank, prefix)
+            got = {
+                (name, step): (mask, values)
+                for name, step, mask, *values in db.execute(query, (prefix, rank))
+            }
+            assert set(got) == set(expected)
+            for key, want in expected.items():
+                mask, values = got[key]
+                for op, op_id in ops.items():
+                    value = values[list(ops).index(op)]
+                    if np.isnan(want[op]):
+                        assert value is None and mask >> op_id & 1
+                    else:
+                        assert value == want[op] and not mask >> op_id & 1
+    order = db.execute(
+        "SELECT t.name FROM target_order o JOIN targets t USING (target_id) "
+        "JOIN data_types d USING (data_type_id) WHERE d.name='grad_reduced' AND o.rank=0 ORDER BY o.position"
+    ).fetchall()
+    assert [n for (n,) in order] == list(
+        dict.fromkeys(r["name"] for r in read_csv_rows(rank_dir(tmp_path / "run"), "grad_reduced"))
+    )
+
+
+def test_csv2db_on_the_demo_output(demo_runs, tmp_path):
+    path = csv2db(str(demo_runs["csv"]), output_path=str(tmp_path / "demo.db"), progress=False)
+    db = sqlite3.connect(path)
+    rows = read_csv_rows(rank_dir(demo_runs["csv"]), "exp_avg_sq")
+    got = dict(
+        db.execute(
+            "SELECT t.name || '@' || s.step, s.norm FROM stats s JOIN targets t USING (target_id) "
+            "JOIN data_types d USING (data_type_id) WHERE d.name='exp_avg_sq'"
+        )
+    )
+    assert got == {f"{r['name']}@{r['step']}": r["values"]["norm"] for r in rows}
+
+
+@pytest.mark.parametrize("name", ["csv2tb", "csv2db"])
+def test_command_lines(tmp_path, capsys, name):
+    write_run(tmp_path)
+    description, add_arguments, run = COMMANDS[name]
+    parser = argparse.ArgumentParser(description=description)
+    add_arguments(parser)
+    assert "--monitor-path" in parser.format_help() and "%b%d_%H-%M-%S" in parser.format_help()
+    target = str(tmp_path / ("out.db" if name == "csv2db" else "out"))
+    args = parser.parse_args(["-d", str(tmp_path), "--types", "grad_reduced", "-j", "1", "-o", target])
+    assert run(args) == 0
+    captured = capsys.readouterr()
+    assert f"Written:     {target}" in captured.out
+    assert "1/1" in captured.err and "rank0/grad_reduced" in captured.err  # the progress line (tqdm or plain)
+    assert run(parser.parse_args(["-d", str(tmp_path / "nowhere")])) == 2
+    assert "expected an existing directory" in capsys.readouterr().err
+    for bad in (["-d", "x", "-j", "0"], ["-d", "x", "--types", "grad,exp_avg"]):
+        with pytest.raises(SystemExit):
+            parser.parse_args(bad)
+
+
+def test_the_command_module_does_not_import_the_converters():
+    heavy = ("pandas", "dashboards.convert.csv2tb", "dashboards.convert.runs")
+    code = f"import sys, dashboards.convert.commands; print(sorted(m for m in {heavy} if m in sys.modules))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]"

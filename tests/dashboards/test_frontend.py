@@ -1,0 +1,216 @@
+"""The trainmon tab in a real TensorBoard server, and in real headless Chromium.
+
+TensorBoard finds the plugin through the ``tensorboard_plugins`` entry point of the installed
+package (``pip install -e .`` registers it). The browser tests need the Debian packages chromium
+and chromium-driver and are skipped, saying so, where they are missing. Screenshots go to
+``test-artifacts/dashboards/`` (or $TRAINMON_TEST_ARTIFACTS).
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import shutil
+import urllib.parse
+from importlib.metadata import entry_points
+from pathlib import Path
+
+import pytest
+
+from tests.dashboards.browser import browser, http_get, missing_browser, tensorboard
+from tests.dashboards.conftest import (
+    DEMO_SPIKE,
+    DEMO_STEPS,
+    anomaly_records,
+    rank_dir,
+    read_csv_rows,
+    write_run,
+)
+
+ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts" / "dashboards"
+READY = "const a = document.querySelector('.tm-app'); return a && a.dataset.ready === '1';"
+
+
+def artifacts() -> Path:
+    path = Path(os.environ.get("TRAINMON_TEST_ARTIFACTS") or ARTIFACTS)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(demo_runs, tmp_path_factory):
+    """TensorBoard on a logdir with copies of both demo runs and a small generated run ("live")."""
+    names = [e.name for e in entry_points(group="tensorboard_plugins")]
+    assert "trainmon" in names, "the trainmon entry point is not installed: run `pip install -e .` again"
+    logdir = tmp_path_factory.mktemp("tb_logdir")
+    for root in demo_runs.values():
+        shutil.copytree(root, logdir / root.name)
+    write_run(logdir / "live", fmt="tensorboard", steps=range(4))
+    with tensorboard(str(logdir), str(logdir.parent / "tensorboard.log")) as base:
+        yield base, logdir
+
+
+def _json(base: str, path: str):
+    status, body = http_get(base + path)
+    assert status == 200, body[:300]
+    return json.loads(body)
+
+
+def test_tensorboard_lists_the_trainmon_tab(server):
+    base, _ = server
+    listing = _json(base, "/data/plugins_listing")["trainmon"]
+    assert listing["enabled"] and listing["tab_name"] == "trainmon"
+    assert listing["loading_mechanism"] == {"type": "IFRAME", "module_path": "/data/plugin/trainmon/index.js"}
+
+
+def test_custom_scalars_tab_gets_the_layout_and_every_layer(server):
+    base, logdir = server
+    layout = _json(base, "/data/plugin/custom_scalars/layout")
+    charts = {c["title"]: [ch["multiline"]["tag"][0] for ch in c["chart"]] for c in layout["category"]}
+    # written by the monitor itself (format tensorboard), one category per data type of the demo
+    assert {"grad_unreduced", "grad_reduced", "exp_avg", "exp_avg_sq", "param_origin"} <= set(charts)
+    run = f"demo_tensorboard/{rank_dir(logdir / 'demo_tensorboard').name}"
+    query = urllib.parse.urlencode({"run": run, "tag": charts["grad_reduced"][0]})
+    answer = _json(base, f"/data/plugin/custom_scalars/scalars?{query}")
+    names = {row["name"] for row in read_csv_rows(rank_dir(logdir / "demo_csv"), "grad_reduced")}
+    series = answer["tag_to_events"]
+    assert answer["regex_valid"] and len(series) == len(names) > 10  # every parameter, one series each
+    assert all(tag.endswith("/post_grad_norm") for tag in series)
+    assert all(len(points) == DEMO_STEPS for points in series.values())
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/data/plugin/trainmon/../../../../../../etc/passwd",
+        "/data/plugin/trainmon/%2e%2e/%2e%2e/%2e%2e/%2e%2e/etc/passwd",
+        "/data/plugin/trainmon/..%2f..%2f..%2f..%2fetc%2fpasswd",
+        "/data/plugin/trainmon/index.js/../../../../etc/passwd",
+        "/data/plugin/trainmon/heatmap?run=..%2F..%2F..%2Fetc&prefix=passwd&op=norm",
+    ],
+)
+def test_raw_path_traversal_is_refused_by_the_server(server, path):
+    base, _ = server
+    host, port = urllib.parse.urlparse(base).netloc.split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=10)
+    connection.putrequest("GET", path, skip_accept_encoding=True)  # sent as is, not normalised
+    connection.endheaders()
+    response = connection.getresponse()
+    body = response.read()
+    connection.close()
+    assert response.status in (400, 404) and b"root:" not in body
+
+
+@pytest.fixture(scope="module")
+def page(server):
+    reason = missing_browser()
+    if reason:
+        pytest.skip(reason)
+    base, logdir = server
+    with browser(str(logdir.parent)) as session:
+        session.open(f"{base}/#trainmon")
+        session.enter_frame("iframe")
+        session.wait_for(READY, 60, "the trainmon tab")
+        yield session, base, logdir
+
+
+def _state(session) -> dict:
+    return session.script(
+        """const c = document.querySelector('.tm-canvas');
+        const active = document.querySelector('.tm-anomaly.tm-active');
+        const chart = document.querySelector('.tm-chart');
+        return {rows: +c.dataset.rows, cols: +c.dataset.cols, cells: +c.dataset.anomalyCells,
+          selected: c.dataset.selected || '', title: document.querySelector('.tm-heat-title').textContent,
+          items: [...document.querySelectorAll('.tm-anomaly')].map((li) => li.textContent),
+          active: active ? +active.dataset.index : null, run: document.querySelector('select').value,
+          chart: chart.hidden ? null : {ranks: +document.querySelector('.tm-chart-canvas').dataset.ranks,
+            points: +document.querySelector('.tm-chart-canvas').dataset.points,
+            title: document.querySelector('.tm-chart-title').textContent}};"""
+    )
+
+
+def _heatmap_rows(base: str, run_id: str, prefix: str, op: str) -> list[str]:
+    from struct import unpack_from
+
+    query = urllib.parse.urlencode({"run": run_id, "prefix": prefix, "op": op, "rank": 0})
+    status, body = http_get(f"{base}/data/plugin/trainmon/heatmap?{query}")
+    assert status == 200
+    (length,) = unpack_from("<I", body)
+    return json.loads(body[4 : 4 + length])["rows"]
+
+
+def test_tab_opens_on_the_first_anomaly_with_heatmap_and_list(page):
+    session, base, logdir = page
+    records = anomaly_records(logdir / "demo_csv")
+    state = _state(session)
+    runs = {r["name"]: r for r in _json(base, "/data/plugin/trainmon/runs")["runs"]}
+    assert state["run"] == runs["demo_csv"]["id"]  # the first run with an anomaly
+    names = {row["name"] for row in read_csv_rows(rank_dir(logdir / "demo_csv"), "grad_unreduced")}
+    assert state["rows"] == len(names) and state["cols"] == DEMO_STEPS
+    assert state["cells"] > 0 and state["active"] == 0
+    assert len(state["items"]) == min(500, len(records)) and f"step {DEMO_SPIKE}" in state["items"][0]
+    first = _json(base, f"/data/plugin/trainmon/anomalies?run={urllib.parse.quote(state['run'])}&limit=3")[
+        "items"
+    ]
+    rows = _heatmap_rows(base, state["run"], first[0]["prefix"], first[0]["op"])
+    assert state["selected"] == f"{rows.index(first[0]['row'][1])},{DEMO_SPIKE}"
+    assert first[0]["tag"] in state["items"][0]
+    session.leave_frames()
+    session.screenshot(str(artifacts() / "trainmon-tab-csv.png"))
+    session.enter_frame("iframe")
+
+
+def test_clicking_an_anomaly_and_a_cell(page):
+    session, base, _ = page
+    run = _state(session)["run"]
+    third = _json(base, f"/data/plugin/trainmon/anomalies?run={urllib.parse.quote(run)}&limit=3")["items"][2]
+    session.script("document.querySelectorAll('.tm-anomaly')[2].click();")
+    rows = _heatmap_rows(base, run, third["prefix"], third["op"])
+    wanted = f"{rows.index(third['row'][1])},{third['step']}"
+    session.wait_for(
+        f"return document.querySelector('.tm-canvas').dataset.selected === '{wanted}';", 20, "jump"
+    )
+    assert _state(session)["active"] == 2
+    session.script(
+        """const c = document.querySelector('.tm-canvas'), r = c.getBoundingClientRect();
+        const at = {clientX: r.right - 5, clientY: r.top + 30, bubbles: true};
+        c.dispatchEvent(new MouseEvent('click', at));"""
+    )
+    session.wait_for("return !document.querySelector('.tm-chart').hidden;", 20, "line chart")
+    chart = _state(session)["chart"]
+    assert chart["ranks"] == 1 and chart["points"] == DEMO_STEPS and third["prefix"] in chart["title"]
+    session.leave_frames()
+    session.screenshot(str(artifacts() / "trainmon-tab-chart.png"))
+    session.enter_frame("iframe")
+
+
+def test_other_runs_render_and_new_steps_appear_live(page):
+    session, base, logdir = page
+    runs = {r["name"]: r for r in _json(base, "/data/plugin/trainmon/runs")["runs"]}
+    for name in ("demo_tensorboard", "live"):
+        session.script(
+            "const s = document.querySelector('select'); s.value = arguments[0];"
+            "s.dispatchEvent(new Event('change'));",
+            runs[name]["id"],
+        )
+        session.wait_for(
+            f"const t = document.querySelector('.tm-heat-title').textContent; return t.includes('rows') && "
+            f"document.querySelector('select').value === {json.dumps(runs[name]['id'])};",
+            30,
+            name,
+        )
+    assert _state(session)["cols"] == 4
+    write_run(
+        logdir / "live", fmt="tensorboard", steps=range(4, 6), stamp="Jan02_03-04-05"
+    )  # the same rank dir
+    session.wait_for("return +document.querySelector('.tm-canvas').dataset.cols === 6;", 30, "live update")
+    session.leave_frames()
+    session.screenshot(str(artifacts() / "trainmon-tab-live.png"))
+    session.enter_frame("iframe")
+
+
+def test_no_script_errors_in_the_console(page):
+    session, _, _ = page
+    errors = [m for m in session.console_errors() if "/data/plugin/trainmon/" in m or "Uncaught" in m]
+    assert errors == []

@@ -1,0 +1,364 @@
+"""The trainmon plugin's JSON and binary routes on real run directories (no browser).
+
+The plugin object is the one TensorBoard builds; its WSGI routes are called with werkzeug's test
+client. Expected values come from the files themselves, read here with the csv module or
+TensorBoard's EventAccumulator.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+
+import numpy as np
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import SCALARS, EventAccumulator
+from tensorboard.plugins import base_plugin
+from werkzeug.test import Client
+from werkzeug.wrappers import Response
+
+import dashboards.plugin.sources as sources_module
+import dashboards.plugin.store as store_module
+from dashboards.plugin.plugin import TrainmonPlugin
+from monitor.anomaly.analyse import main as analyse_main
+from monitor.record import RowSet, StepRecord
+from monitor.writers.tensorboard import TensorBoardWriter
+from tests.dashboards.conftest import (
+    DEMO_SPIKE,
+    DEMO_STEPS,
+    anomaly_records,
+    rank_dir,
+    read_csv_rows,
+    same,
+    write_run,
+)
+
+
+class Api:
+    """The plugin's routes, called as TensorBoard would."""
+
+    def __init__(self, logdir) -> None:
+        self.plugin = TrainmonPlugin(base_plugin.TBContext(logdir=str(logdir)))
+        self.apps = self.plugin.get_plugin_apps()
+
+    def get(self, route: str, **query):
+        return Client(self.apps[route], Response).get(route, query_string=query)
+
+    def json(self, route: str, **query):
+        response = self.get(route, **query)
+        assert response.status_code == 200, response.get_data(as_text=True)
+        return response.get_json()
+
+    def runs(self) -> dict[str, dict]:
+        return {run["name"]: run for run in self.json("/runs")["runs"]}
+
+    def heatmap(self, **query) -> dict:
+        """The binary answer decoded by its documented layout (u32 length, JSON, float64, uint8)."""
+        response = self.get("/heatmap", **query)
+        assert response.status_code == 200, response.get_data(as_text=True)
+        body = response.get_data()
+        (length,) = struct.unpack_from("<I", body)
+        header = json.loads(body[4 : 4 + length])
+        shape = (len(header["rows"]), len(header["steps"]))
+        cells = shape[0] * shape[1]
+        header["values"] = np.frombuffer(body, "<f8", cells, 4 + length).reshape(shape)
+        header["present"] = np.frombuffer(body, np.uint8, cells, 4 + length + 8 * cells).reshape(shape) == 0
+        assert len(body) == 4 + length + 9 * cells
+        return header
+
+
+@pytest.fixture
+def fresh(monkeypatch):
+    """No waiting between directory scans (live-update tests)."""
+    monkeypatch.setattr(sources_module, "REFRESH_SECONDS", 0.0)
+    monkeypatch.setattr(store_module, "DISCOVERY_SECONDS", 0.0)
+
+
+# -- the demo's outputs ---------------------------------------------------------------------------
+
+
+def test_runs_lists_both_demo_formats_with_their_data_types(demo_runs):
+    runs = Api(demo_runs["csv"].parent).runs()
+    assert set(runs) == {"demo_csv", "demo_tensorboard"}
+    assert runs["demo_csv"]["format"] == "csv" and runs["demo_tensorboard"]["format"] == "tensorboard"
+    csv_dir = rank_dir(demo_runs["csv"])
+    prefixes = {p.name.rsplit("_", 1)[0] for p in csv_dir.glob("*.csv")}
+    for run in runs.values():
+        assert set(run["prefixes"]) == prefixes
+        assert run["ranks"] == [0]
+        for entry in run["prefixes"].values():
+            assert entry["first_step"] == 0 and entry["last_step"] == DEMO_STEPS - 1
+            assert {"norm", "min", "max"} <= set(entry["ops"])
+
+
+def test_landing_is_the_first_anomaly_and_anomalies_follow_the_analysis_cli(demo_runs, tmp_path):
+    api = Api(demo_runs["csv"].parent)
+    run = api.runs()["demo_csv"]
+    listed = api.json("/anomalies", run=run["id"])
+    records = anomaly_records(demo_runs["csv"])
+    assert listed["total"] == len(records) > 0 and run["anomalies"] == len(records)
+    assert (
+        analyse_main(["-d", str(demo_runs["csv"] / "anomaly_detected"), "-k", "100000", "-o", str(tmp_path)])
+        == 0
+    )
+    cli = list(json.loads((tmp_path / "anomaly_analyse.json").read_text()).values())
+    assert [(a["tag"], a["op"], a["step"], a["rank"]) for a in listed["items"]] == [
+        (r["tag_name"], r["op"], r["step"], r["rank"]) for r in cli
+    ]
+    first = listed["items"][0]
+    assert first["step"] == DEMO_SPIKE
+    assert run["landing"] == {"prefix": first["prefix"], "op": first["op"], "rank": 0, "anomaly": 0}
+
+
+@pytest.mark.parametrize("prefix", ["grad_reduced", "grad_unreduced", "exp_avg_sq"])
+def test_csv_heatmap_holds_every_csv_value_in_model_order(demo_runs, prefix):
+    api = Api(demo_runs["csv"].parent)
+    run = api.runs()["demo_csv"]
+    rows = read_csv_rows(rank_dir(demo_runs["csv"]), prefix)
+    model_order = list(
+        dict.fromkeys(r["name"] for r in read_csv_rows(rank_dir(demo_runs["csv"]), "param_origin"))
+    )
+    for op in ("norm", "min"):
+        view = api.heatmap(run=run["id"], prefix=prefix, op=op, rank=0, cols=100)
+        assert view["steps"] == list(range(DEMO_STEPS)) and not view["sampled"]
+        assert (
+            view["rows"] == model_order
+        )  # grad_unreduced is written in backward order; shown in model order
+        assert view["present"].all()
+        for row in rows:
+            got = view["values"][view["rows"].index(row["name"]), view["steps"].index(row["step"])]
+            assert same(got, row["values"][op]), (row, op)
+
+
+def test_tensorboard_heatmap_equals_what_tensorboard_reads(demo_runs):
+    api = Api(demo_runs["csv"].parent)
+    run = api.runs()["demo_tensorboard"]
+    accumulator = EventAccumulator(str(rank_dir(demo_runs["tensorboard"])), size_guidance={SCALARS: 0})
+    accumulator.Reload()
+    view = api.heatmap(run=run["id"], prefix="grad_reduced", op="max", rank=0)
+    assert view["present"].all() and view["steps"] == list(range(DEMO_STEPS))
+    checked = 0
+    for tag in accumulator.Tags()["scalars"]:
+        if not tag.endswith("/post_grad_max"):
+            continue
+        name = tag.split("/")[0].split(":", 1)[1]
+        for event in accumulator.Scalars(tag):
+            got = view["values"][view["rows"].index(name), view["steps"].index(event.step)]
+            assert np.float32(got) == np.float32(event.value)
+            checked += 1
+    assert checked == len(view["rows"]) * DEMO_STEPS > 0
+
+
+def test_series_and_tag_view_match_the_csv(demo_runs):
+    api = Api(demo_runs["csv"].parent)
+    run = api.runs()["demo_csv"]
+    rows = [
+        r for r in read_csv_rows(rank_dir(demo_runs["csv"]), "exp_avg") if r["name"] == "layers.1.proj.weight"
+    ]
+    query = dict(run=run["id"], prefix="exp_avg", op="norm", vpp=0, name="layers.1.proj.weight", micro=-1)
+    series = api.json("/series", **query)
+    assert series["ranks"] == [0] and series["steps"] == [r["step"] for r in rows]
+    assert series["values"] == [[r["values"]["norm"] for r in rows]]
+    tag_view = api.heatmap(mode="tag", **query)
+    assert tag_view["rows"] == ["rank 0"] and tag_view["values"][0].tolist() == series["values"][0]
+
+
+# -- generated runs -------------------------------------------------------------------------------
+
+
+def test_nan_inf_and_missing_cells_are_told_apart(tmp_path):
+    special = {
+        (0, "grad_reduced", 2, 1, "norm"): float("nan"),
+        (0, "grad_reduced", 3, 2, "norm"): float("inf"),
+        (0, "grad_reduced", 4, 0, "norm"): float("-inf"),
+    }
+    write_run(tmp_path, special=special, skip={(0, "grad_reduced", 5): [3]})
+    api = Api(tmp_path)
+    (run,) = api.runs().values()
+    view = api.heatmap(run=run["id"], prefix="grad_reduced", op="norm", rank=0)
+    rows = read_csv_rows(next(tmp_path.glob("*-rank0-*")), "grad_reduced")
+    assert len(rows) == 4 * 6 - 1
+    for row in rows:
+        got = view["values"][view["rows"].index(row["name"]), row["step"]]
+        assert same(got, row["values"]["norm"])
+    values, present = view["values"], view["present"]
+    assert math.isnan(values[1, 2]) and values[2, 3] == math.inf and values[0, 4] == -math.inf
+    assert present[1, 2] and present[2, 3] and present[0, 4]
+    assert not present[3, 5] and present.sum() == len(rows)
+
+
+def test_sampling_keeps_first_last_and_anomaly_steps(tmp_path):
+    write_run(tmp_path, steps=range(200), anomalies=[(0, "grad_reduced", 137, 2, "norm")])
+    api = Api(tmp_path)
+    (run,) = api.runs().values()
+    view = api.heatmap(run=run["id"], prefix="grad_reduced", op="norm", rank=0, cols=20)
+    assert view["sampled"] and len(view["steps"]) <= 20
+    assert view["steps"][0] == 0 and view["steps"][-1] == 199 and 137 in view["steps"]
+    assert view["anomaly_cells"] == [[2, view["steps"].index(137), 0]]
+    full = api.heatmap(run=run["id"], prefix="grad_reduced", op="norm", rank=0, lo=130, hi=149, cols=50)
+    assert full["steps"] == list(range(130, 150)) and not full["sampled"]
+
+
+def test_many_anomalies_do_not_blow_the_column_budget(tmp_path):
+    flagged = [(0, "grad_reduced", step, 1, "norm") for step in range(50, 200)]
+    write_run(tmp_path, steps=range(200), anomalies=flagged)
+    api = Api(tmp_path)
+    (run,) = api.runs().values()
+    view = api.heatmap(run=run["id"], prefix="grad_reduced", op="norm", rank=0, cols=20)
+    assert len(view["steps"]) <= 20 and {50, 51, 52, 53, 54} <= set(view["steps"])  # the earliest ones
+    assert len(view["anomaly_cells"]) == len(set(view["steps"]) & set(range(50, 200)))
+
+
+def test_tag_view_puts_ranks_in_rows(tmp_path):
+    write_run(tmp_path, ranks=(0, 1, 2), fmt="tensorboard", prefixes=("grad_reduced", "exp_avg"))
+    api = Api(tmp_path)
+    (run,) = api.runs().values()
+    assert run["ranks"] == [0, 1, 2] and run["format"] == "tensorboard"
+    query = dict(run=run["id"], prefix="exp_avg", op="min", vpp=0, name="layers.0.fc2.weight", micro=-1)
+    view = api.heatmap(mode="tag", **query)
+    assert view["rows"] == ["rank 0", "rank 1", "rank 2"]
+    for rank in range(3):
+        accumulator = EventAccumulator(
+            str(next(tmp_path.glob(f"*-rank{rank}-*"))), size_guidance={SCALARS: 0}
+        )
+        accumulator.Reload()
+        events = accumulator.Scalars(f"0:layers.0.fc2.weight/rank{rank}/exp_avg_min")
+        assert [e.step for e in events] == view["steps"]
+        assert [np.float32(e.value) for e in events] == [np.float32(v) for v in view["values"][rank]]
+
+
+def test_anomaly_filters_by_rank_and_data_type(tmp_path):
+    found = [(0, "grad_reduced", 3, 1, "norm"), (1, "exp_avg", 2, 0, "max"), (1, "grad_reduced", 1, 3, "min")]
+    write_run(tmp_path, ranks=(0, 1), prefixes=("grad_reduced", "exp_avg"), anomalies=found)
+    api = Api(tmp_path)
+    (run,) = api.runs().values()
+    everything = api.json("/anomalies", run=run["id"])
+    assert [(a["rank"], a["step"]) for a in everything["items"]] == [(1, 1), (1, 2), (0, 3)]  # step first
+    assert everything["counts"] == {"rank": [[0, 1], [1, 2]], "prefix": [["exp_avg", 1], ["grad_reduced", 2]]}
+    by_rank = api.json("/anomalies", run=run["id"], rank=1)
+    assert [(a["rank"], a["prefix"]) for a in by_rank["items"]] == [(1, "grad_reduced"), (1, "exp_avg")]
+    both = api.json("/anomalies", run=run["id"], rank=1, prefix="exp_avg")
+    assert [(a["step"], a["op"], a["row"]) for a in both["items"]] == [
+        (2, "max", [0, "embedding.weight", -1])
+    ]
+    assert both["matching"] == 1 and both["total"] == 3
+    assert run["landing"] == {"prefix": "grad_reduced", "op": "min", "rank": 1, "anomaly": 0}
+
+
+def test_landing_without_anomalies_opens_the_newest_data(tmp_path):
+    write_run(tmp_path, prefixes=("exp_avg",), steps=range(3))
+    write_run(tmp_path, prefixes=("grad_reduced",), steps=range(5), stamp="Jan02_03-04-06", ranks=(1,))
+    (run,) = Api(tmp_path).runs().values()
+    assert run["landing"] == {"prefix": "grad_reduced", "op": "norm", "rank": 1, "anomaly": None}
+
+
+@pytest.mark.parametrize("fmt", ["csv", "tensorboard"])
+def test_new_steps_appear_while_the_run_goes_on(tmp_path, fresh, fmt):
+    dirs = write_run(tmp_path, fmt=fmt, steps=range(3), window=10)
+    api = Api(tmp_path)
+    (run,) = api.runs().values()
+    before = api.heatmap(run=run["id"], prefix="grad_reduced", op="norm", rank=0)
+    assert before["steps"] == [0, 1, 2]
+    names = ["embedding.weight", "layers.0.fc1.weight", "layers.0.fc2.weight", "head.weight"]
+    rows = RowSet.build([0] * 4, names, 0, "post_grad")
+    values = np.arange(16, dtype=float).reshape(4, 4) + 1000.0
+    if fmt == "csv":  # the same file grows (window of 10 steps): size and mtime change
+        from monitor.writers.csv import CsvWriter
+
+        writer = CsvWriter(dirs[0], 6, 10)
+    else:
+        writer = TensorBoardWriter(dirs[0])
+    writer.write(StepRecord("grad_reduced", 3, ("norm", "min", "max", "nans"), rows, values))
+    writer.close()
+    (after_run,) = api.runs().values()
+    assert after_run["version"] != run["version"]
+    assert after_run["prefixes"]["grad_reduced"]["last_step"] == 3
+    after = api.heatmap(run=run["id"], prefix="grad_reduced", op="norm", rank=0)
+    assert after["steps"] == [0, 1, 2, 3]
+    assert after["values"][:, 3].tolist() == [1000.0, 1004.0, 1008.0, 1012.0]
+    assert np.array_equal(after["values"][:, :3], before["values"])
+
+
+@pytest.mark.parametrize("fmt", ["csv", "tensorboard"])
+def test_unreadable_files_are_skipped_not_fatal(tmp_path, fmt):
+    directory = write_run(tmp_path, fmt=fmt, steps=range(4))[0]
+    if fmt == "csv":
+        (directory / "grad_reduced_2-2.csv").write_text("something,else\n1,2\n")  # not a monitor file
+    else:
+        (event_file,) = directory.glob("events.out.tfevents.*")
+        data = bytearray(event_file.read_bytes())
+        data[-10] ^= 0xFF  # inside the last record's data: its checksum no longer matches
+        event_file.write_bytes(bytes(data))
+    api = Api(tmp_path)
+    (run,) = api.runs().values()
+    view = api.heatmap(run=run["id"], prefix="grad_reduced", op="norm", rank=0)
+    assert view["steps"] == ([0, 1, 3] if fmt == "csv" else [0, 1, 2]) and view["skipped"] == 1
+    assert view["present"].all()
+
+
+# -- requests that must be refused ----------------------------------------------------------------
+
+
+def test_path_traversal_and_links_out_of_the_logdir_are_refused(tmp_path):
+    outside = tmp_path / "outside"
+    secret = write_run(outside, anomalies=[(0, "grad_reduced", 1, 0, "norm")])[0]
+    logdir = tmp_path / "logdir"
+    write_run(logdir / "real")
+    (logdir / "linked_root").symlink_to(outside, target_is_directory=True)  # a root behind a link
+    (logdir / "real" / "Jan02_03-04-05-rank5-00000005").symlink_to(secret, target_is_directory=True)
+    real_rank = next((logdir / "real").glob("*-rank0-*"))
+    (real_rank / "exp_avg_0-0.csv").symlink_to(next(secret.glob("grad_reduced_0-0.csv")))
+    api = Api(logdir)
+    runs = api.runs()
+    assert list(runs) == ["real"]
+    assert runs["real"]["ranks"] == [0] and set(runs["real"]["prefixes"]) == {"grad_reduced"}
+    for run_id in ("../outside", "linked_root", "/etc", "../../../../etc/passwd", "linked_root#x", "real#x"):
+        response = api.get("/heatmap", run=run_id, prefix="grad_reduced", op="norm", rank=0)
+        assert response.status_code == 404 and "no run" in response.get_json()["error"]
+    response = api.get("/anomalies", run="linked_root")
+    assert response.status_code == 404
+    response = api.get("/heatmap", run=runs["real"]["id"], prefix="exp_avg", op="norm", rank=0)
+    assert response.status_code == 404  # the symlinked CSV file is not read
+
+
+@pytest.mark.parametrize(
+    ("query", "code", "words"),
+    [
+        ({}, 400, "run: required"),
+        ({"prefix": "nope", "op": "norm"}, 404, "prefix"),
+        ({"prefix": "grad_reduced", "op": "entropy"}, 404, "op"),
+        ({"prefix": "grad_reduced", "op": "norm", "cols": "0"}, 400, "cols"),
+        ({"prefix": "grad_reduced", "op": "norm", "lo": "5", "hi": "2"}, 400, "hi"),
+        ({"prefix": "grad_reduced", "op": "norm", "rank": "x"}, 400, "rank: expected an integer"),
+        ({"prefix": "grad_reduced", "op": "norm", "rank": "7"}, 404, "rank: 7"),
+        ({"prefix": "grad_reduced", "op": "norm", "mode": "tag"}, 400, "name: required"),
+    ],
+)
+def test_bad_parameters_get_a_clear_error(tmp_path, query, code, words):
+    write_run(tmp_path)
+    api = Api(tmp_path)
+    if query:
+        query = {"run": next(iter(api.runs().values()))["id"], **query}
+    response = api.get("/heatmap", **query)
+    assert response.status_code == code and words in response.get_json()["error"]
+
+
+def test_static_files_are_a_fixed_list(tmp_path):
+    api = Api(tmp_path)
+    assert not api.plugin.is_active()  # nothing under the logdir yet
+    for name in ("index.js", "heatmap.js", "chart.js", "style.css"):
+        response = api.get(f"/{name}")
+        assert response.status_code == 200 and len(response.get_data()) > 500
+    assert set(api.apps) == {
+        "/index.js",
+        "/heatmap.js",
+        "/chart.js",
+        "/style.css",
+        "/runs",
+        "/anomalies",
+        "/heatmap",
+        "/series",
+    }
+    assert os.path.basename(api.plugin.frontend_metadata().es_module_path) == "index.js"
