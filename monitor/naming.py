@@ -6,7 +6,7 @@ Everything here runs at attach time; hooks only look up precomputed strings.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Hashable, Iterable, Sequence
 
 #: separator between the virtual-pipeline chunk index and a name, as in "0:layers.0.fc1".
 CHUNK_SEP = ":"
@@ -116,3 +116,36 @@ def is_selected(keys: Iterable[str], candidates: Iterable[str]) -> bool:
         return True
     candidates = tuple(candidates)
     return any(key_selects(k, c) for k in keys for c in candidates)
+
+
+def select_names(
+    named: Iterable[tuple[int, str]],
+    targets: Iterable[str],
+    squash: bool,
+    identities: Sequence[Hashable] | None = None,
+) -> list[tuple[int, str]]:
+    """The monitored ones among ``(vpp_stage, raw_name)`` pairs, with their display names.
+
+    Returns ``(position, display_name)`` for every pair that ``targets`` selects (all of them
+    when there are no targets), in input order. When squashing makes two names of one chunk
+    collide, the later one keeps its raw name. With ``identities`` (one per pair, e.g. ``id()``
+    of the parameter), an object already selected under another name is skipped: a parameter
+    shared by several chunks is monitored once, under its first selected name.
+    """
+    keys = tuple(targets)
+    chosen: list[tuple[int, str]] = []
+    taken: set[str] = set()
+    seen: set[Hashable] = set()
+    for position, (vpp, raw) in enumerate(named):
+        if identities is not None and identities[position] in seen:
+            continue
+        if not is_selected(keys, name_candidates(vpp, raw, squash_name(raw))):
+            continue
+        name = display_name(raw, squash)
+        if chunk_name(vpp, name) in taken:
+            name = raw
+        taken.add(chunk_name(vpp, name))
+        if identities is not None:
+            seen.add(identities[position])
+        chosen.append((position, name))
+    return chosen

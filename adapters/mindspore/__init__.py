@@ -1,0 +1,1 @@
+"""The MindSpore (PyNative) adapter: Cell and optimizer hooks turned into StepRecords."""

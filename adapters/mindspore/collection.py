@@ -1,0 +1,270 @@
+"""Everything collected under one config on a MindSpore model: hooks, statistics, outputs.
+
+A Collection lives from the step it starts at until ``collect_times`` collected steps or stop();
+the MindSporeSession (which owns the optimizer Cell's hooks and the step counter) creates and
+removes it. Every part is guarded: a failure is logged once with its cause and switches that
+data type off while the rest goes on.
+
+Where each data type comes from (PyNative):
+
+* ``grad_unreduced``: Parameter tensor hooks during ``value_and_grad`` (see grads.py).
+* ``grad_reduced``: the gradient tuple passed to the optimizer Cell's call, i.e. after the
+  user's DistributedGradReducer when the loop has one (the same as unreduced without one).
+* ``param_origin`` / ``param_updated``: the Parameters before / after the optimizer's call.
+* ``exp_avg`` / ``exp_avg_sq``: the optimizer's moment ParameterTuples after its call.
+* ``other`` (mg_direction): gradient at the call against exp_avg before the update.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import mindspore as ms
+import numpy as np
+from mindspore import mint, ops
+
+from adapters.mindspore.dist import rank_in_group
+from adapters.mindspore.grads import UnreducedGrads
+from adapters.mindspore.optim import OptimizerView
+from adapters.mindspore.params import ParamRegistry
+from adapters.mindspore.stats import StatEngine
+from monitor.config import MonitorConfig
+from monitor.core import MonitorCore
+from monitor.param_rows import param_row_tables, reduced_index, unreduced_rows
+from monitor.record import RowSet, StepRecord
+from monitor.schedule import Schedule
+
+logger = logging.getLogger("trainmon")
+
+#: config switches the MindSpore adapter does not implement yet; reported, not ignored silently.
+NOT_YET = (
+    "xy_distribution",
+    "print_struct",
+    "stack_info",
+    "ur_distribution",
+    "recording_l2_features",
+)
+
+
+class Collection:
+    """The hooks and statistics of one config, from ``first_step`` on."""
+
+    def __init__(
+        self,
+        *,
+        config: MonitorConfig,
+        chunks: Sequence[ms.nn.Cell],
+        view: OptimizerView,
+        rank: int,
+        pp_stage: int,
+        group_mates: list[int],
+        grad_acc_steps: int,
+        dp_group: Any,
+        first_step: int,
+        output_dir: str | None = None,
+    ) -> None:
+        self.config = config
+        self.view = view
+        self.rank = rank
+        self.ops = config.ops
+        self.engine = StatEngine(config.ops, config.eps)
+        self.schedule = Schedule.from_config(config)
+        self.schedule.start_step = max(self.schedule.start_step, first_step)
+        self.collect = False
+        self._failed: set[str] = set()
+        self._call_id = 0
+        self._step = first_step
+        for key in NOT_YET:
+            if getattr(config, key):
+                logger.warning(
+                    "trainmon: %s is not supported yet by the MindSpore adapter and is ignored", key
+                )
+        if config.cc_distribution.enable:
+            logger.warning(
+                "trainmon: cc_distribution is not supported yet by the MindSpore adapter and is ignored"
+            )
+        if config.mv_distribution and view.moment_problem:
+            logger.warning("trainmon: mv_distribution: %s; no exp_avg/exp_avg_sq rows", view.moment_problem)
+        self.registry = ParamRegistry(chunks, config)
+        self.core = MonitorCore(config, rank, pp_stage, group_mates, output_dir=output_dir)
+        params = self.registry.params
+        self._positions = [view.position(p.param) for p in params]
+        self._rows = param_row_tables(
+            [p.vpp_stage for p in params],
+            [p.name for p in params],
+            rank,
+            # MindSpore parameters carry no tensor-parallel marker: tp_group does not filter rows.
+            reduced_index([False] * len(params), rank_in_group(dp_group), None),
+        )
+        self._handles: list = []
+        self.grads: UnreducedGrads | None = None
+        if config.wg_distribution:
+            self.grads = UnreducedGrads(
+                self.registry, grad_acc_steps, self.engine, config.monitor_mbs_grad, self.fail
+            )
+            self._handles += self.grads.register()
+        self.set_step(first_step)
+
+    # -- the step ----------------------------------------------------------------------------
+
+    @property
+    def finished(self) -> bool:
+        return self.schedule.finished
+
+    def set_step(self, step: int) -> None:
+        """Decide, before the step's forward, whether it is collected; every hook reads this flag."""
+        self._step = step
+        self._call_id = 0
+        collect = self.collect = self.schedule.wants(step)
+        if self.grads is not None:
+            self.grads.reset()
+            self.grads.collect = collect and "grad_unreduced" not in self._failed
+
+    def before_update(self, grads: Sequence[ms.Tensor] | None) -> None:
+        """Optimizer Cell pre-call: gradients, mg_direction and parameters before the update."""
+        if not self.collect:
+            return
+        cfg = self.config
+        if self._wanted("grad_unreduced", cfg.wg_distribution):
+            self._guard("grad_unreduced", self._submit_unreduced)
+        if (cfg.wg_distribution or cfg.mg_direction) and (
+            grads is None or len(grads) != len(self.view.parameters)
+        ):
+            problem = ValueError(
+                f"the optimizer was called with {'no' if grads is None else len(grads)} gradients "
+                f"for {len(self.view.parameters)} parameters"
+            )
+            for part, switch in (("grad_reduced", cfg.wg_distribution), ("other", cfg.mg_direction)):
+                if switch:
+                    self.fail(part, problem)
+            grads = None
+        if grads is not None and self._wanted("grad_reduced", cfg.wg_distribution):
+            self._guard("grad_reduced", self._submit_tensors, "grad_reduced", self._grad_of(grads))
+        if grads is not None and self._wanted("other", cfg.mg_direction):
+            self._guard("other", self._submit_mg_direction, grads)
+        if self._wanted("param_origin", cfg.param_distribution):
+            self._guard("param_origin", self._submit_tensors, "param_origin", lambda i: self._param(i))
+
+    def after_update(self) -> None:
+        """Optimizer Cell post-call: moments and parameters after the update; the step is written."""
+        if not self.collect:
+            return
+        cfg = self.config
+        for key in ("exp_avg", "exp_avg_sq"):
+            if self._wanted(key, cfg.mv_distribution) and key in self.view.moments:
+                self._guard(key, self._submit_tensors, key, self._moment_of(key))
+        if self._wanted("param_updated", cfg.param_distribution):
+            self._guard("param_updated", self._submit_tensors, "param_updated", lambda i: self._param(i))
+        self.core.end_step(self._step)
+        self.schedule.mark_collected()
+
+    # -- where each tensor is ----------------------------------------------------------------
+
+    def _param(self, i: int) -> ms.Parameter:
+        return self.registry.params[i].param
+
+    def _grad_of(self, grads: Sequence[ms.Tensor]) -> Callable[[int], ms.Tensor | None]:
+        def grad(i: int) -> ms.Tensor | None:
+            position = self._positions[i]
+            return None if position is None else grads[position]
+
+        return grad
+
+    def _moment_of(self, key: str) -> Callable[[int], ms.Tensor | None]:
+        return lambda i: self.view.moment(self._param(i), key)
+
+    # -- statistics --------------------------------------------------------------------------
+
+    def _submit(self, prefix: str, rows: RowSet, matrix: ms.Tensor) -> None:
+        values = matrix.asnumpy()  # the one device-to-host copy of this data type and step
+        n = len(rows)
+        call_ids = np.arange(self._call_id, self._call_id + n)
+        self._call_id += n
+        self.core.submit(StepRecord(prefix, self._step, self.ops, rows, values, call_ids))
+
+    def _submit_tensors(self, prefix: str, tensor_of: Callable[[int], ms.Tensor | None]) -> None:
+        """Statistics of one tensor per monitored parameter (skipping parameters without one)."""
+        index, rows = self._rows[prefix]
+        tensors, present = [], []
+        for position, i in enumerate(index):
+            tensor = tensor_of(i)
+            if tensor is not None:
+                tensors.append(tensor)
+                present.append(position)
+        if len(present) != len(index):
+            rows = rows.take(present)
+        self._submit(prefix, rows, self.engine.matrix(tensors))
+
+    def _submit_unreduced(self) -> None:
+        index, micro, matrix = self.grads.take()
+        _, base = self._rows["grad_unreduced"]
+        self._submit("grad_unreduced", unreduced_rows(base, index, micro, self.rank), matrix)
+
+    def _submit_mg_direction(self, grads: Sequence[ms.Tensor]) -> None:
+        """Share of gradient signs agreeing with exp_avg before this update (1.0 before the first)."""
+        index, rows = self._rows["other"]
+        grad_of = self._grad_of(grads)
+        present, pairs, constant = [], [], []
+        for position, i in enumerate(index):
+            grad = grad_of(i)
+            if grad is None:
+                continue
+            moment = self.view.moment(self._param(i), "exp_avg")
+            if moment is None:
+                constant.append((len(present), 1.0))  # no moments: as torch before the first step
+            elif tuple(moment.shape) != tuple(grad.shape) or moment.size == 0:
+                constant.append((len(present), float("nan")))
+            else:
+                pairs.append((len(present), grad, moment))
+            present.append(position)
+        if len(present) != len(index):
+            rows = rows.take(present)
+        parts, order = [], []
+        if pairs:
+            share = self.engine.sign_agreement([g for _, g, _ in pairs], [m for _, _, m in pairs])
+            parts.append(mint.where(self.view.not_updated_yet(), ms.Tensor(1.0, ms.float64), share))
+            order += [slot for slot, _, _ in pairs]
+        if constant:
+            parts.append(ms.Tensor(np.array([value for _, value in constant], dtype=np.float64)))
+            order += [slot for slot, _ in constant]
+        if not parts:
+            self._submit("other", rows, self.engine.matrix(()))
+            return
+        values = parts[0] if len(parts) == 1 else ops.concat(parts)
+        if order != sorted(order):
+            values = ops.gather(values, ms.Tensor(np.argsort(np.array(order)).astype(np.int32)), 0)
+        self._submit("other", rows, self.engine.scalar_matrix(values))
+
+    # -- failures and removal ----------------------------------------------------------------
+
+    def _wanted(self, part: str, switch: bool) -> bool:
+        return switch and part not in self._failed
+
+    def _guard(self, part: str, fn: Callable, *args: Any) -> None:
+        try:
+            fn(*args)
+        except Exception as exc:
+            self.fail(part, exc)
+
+    def fail(self, part: str, exc: BaseException) -> None:
+        """Log a failure once with its cause and switch that part off; the training goes on."""
+        if part in self._failed:
+            return
+        self._failed.add(part)
+        if part == "grad_unreduced" and self.grads is not None:
+            self.grads.collect = False
+        logger.error(
+            "trainmon: %s failed and is switched off (%r); training continues", part, exc, exc_info=exc
+        )
+
+    def remove(self) -> None:
+        """Remove every hook of this collection and close its outputs (idempotent)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self.collect = False
+        if self.grads is not None:
+            self.grads.collect = False
+        self.core.close()

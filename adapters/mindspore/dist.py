@@ -1,0 +1,47 @@
+"""mindspore.communication facts the monitor needs: rank, pipeline stage, group membership.
+
+MindSpore names its communication groups with strings; ``process_group``, ``tp_group`` and
+``dp_group`` are such names (None: the world group, or no group).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mindspore.communication import (
+    GlobalComm,
+    get_group_rank_from_world_rank,
+    get_group_size,
+    get_process_group_ranks,
+    get_rank,
+)
+
+
+def initialized() -> bool:
+    """True once ``mindspore.communication.init()`` has run in this process."""
+    return bool(GlobalComm.INITED)
+
+
+def global_rank() -> int:
+    return get_rank(GlobalComm.WORLD_COMM_GROUP) if initialized() else 0
+
+
+def pipeline_info(process_group: Any) -> tuple[int, list[int]]:
+    """``(pp_stage, group_mates)`` of this rank in ``process_group`` (the world group when not a name)."""
+    if not initialized():
+        return 0, [0]
+    world = GlobalComm.WORLD_COMM_GROUP
+    if not isinstance(process_group, str) or process_group == world:
+        return global_rank(), list(range(get_group_size(world)))
+    return get_group_rank_from_world_rank(global_rank(), process_group), list(
+        get_process_group_ranks(process_group)
+    )
+
+
+def rank_in_group(group: Any) -> int | None:
+    """This rank's index in the named ``group``, or None when there is no usable group."""
+    if not isinstance(group, str) or not initialized():
+        return None
+    if group == GlobalComm.WORLD_COMM_GROUP:
+        return global_rank()
+    return get_group_rank_from_world_rank(global_rank(), group)

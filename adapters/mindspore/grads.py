@@ -1,0 +1,129 @@
+"""Unreduced weight gradients: each rank's own gradient, before any data-parallel reduction.
+
+A MindSpore Parameter has no ``.grad``; its gradient exists only as an element of the tuple
+that ``value_and_grad`` returns, which the user's loop then passes through a
+``DistributedGradReducer`` (or its own AllReduce) to the optimizer. A tensor hook on every
+monitored Parameter (``Parameter.register_hook``) sees the gradient of each backward pass while
+``value_and_grad`` computes it, so necessarily before any reduction the loop applies, wherever
+and however it does it. The hook returns the gradient unchanged (MindSpore requires a return
+value; returning the same tensor changes nothing).
+
+Statistics are taken once per backward pass, for all gradients of that pass at once (one
+batched StatEngine call when the last monitored parameter's hook has fired; a pass that leaves
+some parameters out is completed at the optimizer's call), so gradients are held only until
+the end of their own backward pass.
+
+Per step (default): with ``grad_acc_steps`` 1 each pass's gradients are described. With more
+micro-batches the hook keeps the running sum of this step's micro-batch gradients (one
+gradient-sized tensor per parameter, on collected steps only -- the analogue of torch's
+``.grad`` accumulation) and describes the sum at the last micro-batch.
+
+Per micro-batch (``monitor_mbs_grad``): each pass's gradients with their micro-step index.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import mindspore as ms
+import numpy as np
+from mindspore import ops
+
+from adapters.mindspore.params import ParamRegistry
+from adapters.mindspore.stats import StatEngine
+
+
+class UnreducedGrads:
+    """Parameter hooks that turn local gradients into statistics on collected steps only."""
+
+    def __init__(
+        self,
+        registry: ParamRegistry,
+        grad_acc_steps: int,
+        engine: StatEngine,
+        per_micro_batch: bool,
+        on_error: Callable[[str, BaseException], None],
+    ) -> None:
+        self.registry = registry
+        self.grad_acc_steps = grad_acc_steps
+        self.engine = engine
+        self.per_micro_batch = per_micro_batch
+        self.on_error = on_error
+        #: set by the collection before each step's forward: the hooks do nothing when False.
+        self.collect = False
+        self._micro = [0] * len(registry)
+        self._sums: dict[int, ms.Tensor] = {}
+        self._fired = 0
+        self._pending: list[tuple[tuple[int, int], ms.Tensor]] = []
+        self._blocks: list[tuple[list[tuple[int, int]], ms.Tensor]] = []
+
+    def register(self) -> list:
+        """Register one hook per monitored parameter; returns the removable handles."""
+        return [entry.param.register_hook(self._hook(i)) for i, entry in enumerate(self.registry.params)]
+
+    def _hook(self, index: int) -> Callable[[ms.Tensor], ms.Tensor]:
+        def hook(grad: ms.Tensor) -> ms.Tensor:
+            if self.collect:
+                try:
+                    self._observe(index, grad)
+                except Exception as exc:
+                    self.collect = False
+                    self.on_error("grad_unreduced", exc)
+            return grad
+
+        return hook
+
+    def _observe(self, index: int, grad: ms.Tensor) -> None:
+        micro = self._micro[index]
+        self._micro[index] = micro + 1
+        if self.per_micro_batch:
+            self._pending.append(((index, micro), grad))
+        elif self.grad_acc_steps == 1:
+            self._pending.append(((index, 0), grad))
+        else:
+            total = grad if micro % self.grad_acc_steps == 0 else ops.add(self._sums.pop(index), grad)
+            if (micro + 1) % self.grad_acc_steps:
+                self._sums[index] = total
+            else:
+                self._pending.append(((index, 0), total))
+        self._fired += 1
+        if self._fired >= len(self.registry):
+            self._flush()
+
+    def _flush(self) -> None:
+        """Statistics of the gradients held so far, in one batch; the gradients are let go."""
+        self._fired = 0
+        if self._pending:
+            keys = [key for key, _ in self._pending]
+            self._blocks.append((keys, self.engine.matrix([grad for _, grad in self._pending])))
+            self._pending = []
+
+    def take(self) -> tuple[list[int], list[int] | None, ms.Tensor]:
+        """This step's rows in firing order: parameter indices, micro-steps (or None), statistics.
+
+        A parameter seen twice for one micro-step (a repeated backward pass) keeps the latest.
+        """
+        self._flush()
+        blocks = self._blocks
+        self.reset()
+        if not blocks:
+            return [], [] if self.per_micro_batch else None, self.engine.matrix(())
+        keys = [key for block_keys, _ in blocks for key in block_keys]
+        matrix = blocks[0][1] if len(blocks) == 1 else ops.concat([m for _, m in blocks])
+        latest: dict[tuple[int, int], int] = {}
+        for position, key in enumerate(keys):
+            latest.pop(key, None)
+            latest[key] = position
+        if len(latest) != len(keys):
+            matrix = ops.gather(matrix, ms.Tensor(np.array(list(latest.values()), dtype=np.int32)), 0)
+        index = [key[0] for key in latest]
+        micro = [key[1] for key in latest] if self.per_micro_batch else None
+        return index, micro, matrix
+
+    def reset(self) -> None:
+        """Forget the step: micro-batch counters, running sums, held gradients and statistics."""
+        self._micro = [0] * len(self.registry)
+        self._sums.clear()
+        self._fired = 0
+        self._pending = []
+        self._blocks = []

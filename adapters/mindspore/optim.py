@@ -1,0 +1,90 @@
+"""MindSpore optimizer Cells: which one to hook, and where its moments and update count are.
+
+A MindSpore optimizer is a Cell called with the gradient tuple, aligned with its
+``parameters``. Its moments are ParameterTuples aligned the same way, under attribute names
+that depend on the optimizer family (picked by class name, subclasses included). The alignment
+is checked once, by the moments' names (``<prefix>.<parameter name>``), never guessed from
+substrings.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mindspore as ms
+
+#: optimizer class name -> attributes holding (exp_avg, exp_avg_sq).
+MOMENT_ATTRIBUTES: dict[str, tuple[str, str]] = {
+    "Adam": ("moment1", "moment2"),
+    "AdamWeightDecay": ("moments1", "moments2"),
+    "Lamb": ("moments1", "moments2"),
+}
+MOMENT_KEYS = ("exp_avg", "exp_avg_sq")
+
+
+def hookable_optimizer(optimizer: Any) -> ms.nn.Optimizer:
+    """The mindspore.nn.Optimizer to hook: the object itself or the one it wraps (``.optimizer``).
+
+    Raises:
+        TypeError: nothing in the chain is a MindSpore optimizer.
+    """
+    current, seen = optimizer, 0
+    while current is not None and seen < 4:
+        if isinstance(current, ms.nn.Optimizer):
+            return current
+        current, seen = getattr(current, "optimizer", None), seen + 1
+    raise TypeError(
+        f"set_monitor: optimizer: expected a mindspore.nn.Optimizer (or a wrapper with .optimizer), "
+        f"got {type(optimizer).__name__}"
+    )
+
+
+def _moment_attributes(optimizer: ms.nn.Optimizer) -> tuple[str, str] | None:
+    for cls in type(optimizer).__mro__:
+        if cls.__name__ in MOMENT_ATTRIBUTES:
+            return MOMENT_ATTRIBUTES[cls.__name__]
+    return None
+
+
+class OptimizerView:
+    """Per optimizer position: the parameter, its moments; plus the optimizer's update count."""
+
+    def __init__(self, optimizer: ms.nn.Optimizer) -> None:
+        self.optimizer = optimizer
+        self.parameters = tuple(optimizer.parameters)
+        self._position = {id(p): j for j, p in enumerate(self.parameters)}
+        self.moments: dict[str, tuple[ms.Parameter, ...]] = {}
+        self.moment_problem: str | None = None
+        attributes = _moment_attributes(optimizer)
+        if attributes is None:
+            self.moment_problem = f"{type(optimizer).__name__} keeps no Adam moments known to trainmon"
+            return
+        for key, attribute in zip(MOMENT_KEYS, attributes):
+            moments = tuple(getattr(optimizer, attribute, ()))
+            problem = self._check_alignment(attribute, moments)
+            if problem:
+                self.moment_problem, self.moments = problem, {}
+                return
+            self.moments[key] = moments
+
+    def _check_alignment(self, attribute: str, moments: tuple) -> str | None:
+        if len(moments) != len(self.parameters):
+            return f"{attribute} has {len(moments)} entries for {len(self.parameters)} parameters"
+        for param, moment in zip(self.parameters, moments):
+            if not moment.name.endswith("." + param.name) or tuple(moment.shape) != tuple(param.shape):
+                return f"{attribute} entry {moment.name!r} does not belong to parameter {param.name!r}"
+        return None
+
+    def position(self, param: ms.Parameter) -> int | None:
+        """The parameter's index in the optimizer's gradient tuple (None: not optimized here)."""
+        return self._position.get(id(param))
+
+    def moment(self, param: ms.Parameter, key: str) -> ms.Parameter | None:
+        """``exp_avg`` / ``exp_avg_sq`` of a parameter, or None when the optimizer has none."""
+        position = self._position.get(id(param))
+        moments = self.moments.get(key)
+        return None if position is None or moments is None else moments[position]
+
+    def not_updated_yet(self) -> ms.Tensor:
+        """0-d bool Tensor on the device: the optimizer has not made an update yet (no sync)."""
+        return (self.optimizer.global_step == 0).reshape(())

@@ -1,0 +1,52 @@
+"""The monitored parameters of MindSpore Cells: selection by targets, display names.
+
+Built once per collection. Names are the Cells' ``parameters_and_names()`` names (relative to
+each model chunk, as torch's ``named_parameters()``); nothing is written onto the parameters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import mindspore as ms
+
+from monitor.config import MonitorConfig
+from monitor.naming import select_names
+
+
+@dataclass(frozen=True)
+class MonitoredParam:
+    """One selected parameter: its chunk, its display name and the Parameter itself."""
+
+    vpp_stage: int
+    name: str
+    raw_name: str
+    param: ms.Parameter
+
+
+class ParamRegistry:
+    """Selected trainable parameters (``requires_grad``) of every model chunk, in model order.
+
+    A parameter shared by several chunks is monitored once, in the first chunk that selects it.
+    """
+
+    def __init__(self, chunks: Sequence[ms.nn.Cell], config: MonitorConfig) -> None:
+        trainable = [
+            (vpp, raw, param)
+            for vpp, chunk in enumerate(chunks)
+            for raw, param in chunk.parameters_and_names()
+            if param.requires_grad
+        ]
+        chosen = select_names(
+            [(vpp, raw) for vpp, raw, _ in trainable],
+            config.targets,
+            config.squash_name,
+            identities=[id(param) for _, _, param in trainable],
+        )
+        self.params = [
+            MonitoredParam(trainable[i][0], name, trainable[i][1], trainable[i][2]) for i, name in chosen
+        ]
+
+    def __len__(self) -> int:
+        return len(self.params)

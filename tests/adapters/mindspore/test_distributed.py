@@ -1,0 +1,158 @@
+"""A real 2-process MindSpore data-parallel job (msrun, mccl on CPU) with a DistributedGradReducer."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("mindspore", reason="MindSpore is not installed here (pip install -e '.[mindspore]')")
+
+import glob
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pandas as pd
+
+from tests.reference_stats import assert_stats_close
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dp_worker.py")
+RANKS = 2
+#: seconds a rank waits for the other before the job fails (small, so a broken run ends fast).
+CLUSTER_TIME_OUT = 60
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _tail(path: str) -> str:
+    with open(path, encoding="utf-8", errors="replace") as handle:
+        return f"--- {path}\n{handle.read()[-3000:]}"
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    """Run the job once; return each rank's result, its numpy copies and its CSV rows."""
+    workdir = tmp_path_factory.mktemp("msrun")
+    env = {
+        **os.environ,
+        "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""),
+        "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        "MONITOR_OUTPUT_DIR": str(workdir / "monitor_output"),
+    }
+    command = [
+        sys.executable,
+        "-c",
+        "import sys; from mindspore.parallel.cluster.run import main; sys.exit(main())",
+        f"--worker_num={RANKS}",
+        f"--local_worker_num={RANKS}",
+        "--master_addr=127.0.0.1",
+        f"--master_port={_free_port()}",
+        f"--log_dir={workdir / 'logs'}",
+        "--join=True",
+        f"--cluster_time_out={CLUSTER_TIME_OUT}",
+        WORKER,
+        str(workdir),
+    ]
+    done = subprocess.run(command, cwd=workdir, env=env, capture_output=True, text=True, timeout=240)
+    logs = "".join(_tail(path) for path in sorted(glob.glob(str(workdir / "logs" / "worker_*.log"))))
+    assert done.returncode == 0, f"msrun exit {done.returncode}\n{done.stdout[-2000:]}\n{logs}"
+    ranks = []
+    for rank in range(RANKS):
+        with open(workdir / f"result{rank}.json", encoding="utf-8") as handle:
+            result = json.load(handle)
+        copies = dict(np.load(workdir / f"result{rank}.npz"))
+        frames = {
+            prefix: pd.concat(
+                pd.read_csv(path)
+                for path in sorted(glob.glob(os.path.join(result["output_dir"], f"{prefix}_[0-9]*.csv")))
+            )
+            for prefix in (
+                "grad_unreduced",
+                "grad_reduced",
+                "param_origin",
+                "param_updated",
+                "exp_avg",
+                "other",
+            )
+        }
+        ranks.append({**result, "copies": copies, "frames": frames, "workdir": workdir})
+    return ranks
+
+
+def _row(frame: pd.DataFrame, name: str, step: int) -> dict[str, float]:
+    (row,) = frame[(frame["name"] == name) & (frame["step"] == step)].to_dict("records")
+    return row
+
+
+def test_every_rank_writes_its_own_complete_outputs(job):
+    assert [r["rank"] for r in job] == [0, 1] and {r["size"] for r in job} == {RANKS}
+    assert job[0]["output_dir"] != job[1]["output_dir"]
+    for result in job:
+        rank = result["rank"]
+        assert f"-rank{rank}-" in os.path.basename(result["output_dir"])
+        files = sorted(os.listdir(result["output_dir"]))
+        prefixes = (
+            "grad_unreduced",
+            "grad_reduced",
+            "param_origin",
+            "param_updated",
+            "exp_avg",
+            "exp_avg_sq",
+        )
+        expected = sorted(f"{p}_{s}-{s}.csv" for p in (*prefixes, "other") for s in range(result["steps"]))
+        assert files == expected
+        for frame in result["frames"].values():
+            assert len(frame) == len(result["names"]) * result["steps"]
+        assert os.path.isdir(
+            os.path.join(os.path.dirname(result["output_dir"]), "anomaly_detected", f"rank{rank}")
+        )
+
+
+def test_unreduced_gradients_are_each_ranks_own_and_reduced_the_mean(job):
+    for result in job:
+        copies, frames = result["copies"], result["frames"]
+        for step in range(result["steps"]):
+            for j, name in enumerate(result["names"]):
+                local = copies[f"local/{step}/{j}"]
+                reduced = copies[f"reduced/{step}/{j}"]
+                mean = np.mean([r["copies"][f"local/{step}/{j}"].astype(np.float64) for r in job], axis=0)
+                np.testing.assert_allclose(reduced, mean, rtol=1e-5, atol=1e-7)  # the reducer reduced
+                what = f"rank {result['rank']} step {step} {name}"
+                unreduced_row = _row(frames["grad_unreduced"], name, step)
+                reduced_row = _row(frames["grad_reduced"], name, step)
+                assert_stats_close(unreduced_row, local, what=f"{what} unreduced")
+                assert_stats_close(reduced_row, reduced, what=f"{what} reduced")
+                assert unreduced_row["norm"] != reduced_row["norm"]
+    for step in range(job[0]["steps"]):
+        first, second = (r["frames"]["grad_unreduced"] for r in job)
+        assert not np.allclose(
+            first[first["step"] == step].sort_values("name")["norm"],
+            second[second["step"] == step].sort_values("name")["norm"],
+        )
+
+
+def test_parameters_and_moments_match_numpy_on_every_rank(job):
+    for result in job:
+        copies, frames = result["copies"], result["frames"]
+        for step in range(result["steps"]):
+            for j, name in enumerate(result["names"]):
+                what = f"rank {result['rank']} step {step} {name}"
+                for prefix in ("param_origin", "param_updated", "exp_avg"):
+                    got = _row(frames[prefix], name, step)
+                    assert_stats_close(got, copies[f"{prefix}/{step}/{j}"], what=f"{what} {prefix}")
+                    if prefix != "exp_avg":
+                        continue
+                mg = _row(frames["other"], name, step)["mean"]
+                if step == 0:
+                    assert mg == 1.0
+                else:
+                    g = np.sign(copies[f"reduced/{step}/{j}"].astype(np.float64))
+                    m = np.sign(copies[f"exp_avg/{step - 1}/{j}"].astype(np.float64))
+                    assert mg == pytest.approx(((g * m).sum() / m.size + 1) / 2, rel=1e-5)

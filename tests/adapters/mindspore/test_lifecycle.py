@@ -1,0 +1,272 @@
+"""Attaching, scheduling, stopping on MindSpore: the training is unchanged and the hooks go away."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("mindspore", reason="MindSpore is not installed here (pip install -e '.[mindspore]')")
+
+import logging
+import os
+
+import mindspore as ms
+import numpy as np
+import pandas as pd
+from mindspore import nn
+
+from adapters.mindspore.grads import UnreducedGrads
+from monitor import TrainerMon
+from tests.adapters.mindspore.helpers import OPTIMIZERS, Net, make_batches, train
+from tests.reference_stats import ALL_OPS
+
+DATA_TYPES = {
+    "wg": {"wg_distribution": True},
+    "wg_mbs": {"wg_distribution": True, "monitor_mbs_grad": True},
+    "mv": {"mv_distribution": True},
+    "param": {"param_distribution": True},
+    "mg": {"mg_direction": True},
+    "all": {
+        "wg_distribution": True,
+        "mv_distribution": True,
+        "param_distribution": True,
+        "mg_direction": True,
+    },
+}
+
+
+def _fresh(kind: str = "AdamWeightDecay", sizes=(6, 16, 12, 4)):
+    net = Net(sizes)
+    return net, OPTIMIZERS[kind](net.trainable_params())
+
+
+@pytest.fixture
+def hook_calls(monkeypatch):
+    """Every call of a monitor parameter hook, recorded (to prove the hooks are really gone)."""
+    calls: list[int] = []
+    original = UnreducedGrads._hook
+
+    def counting(self, index):
+        hook = original(self, index)
+
+        def wrapper(grad):
+            calls.append(index)
+            return hook(grad)
+
+        return wrapper
+
+    monkeypatch.setattr(UnreducedGrads, "_hook", counting)
+    return calls
+
+
+def _optimizer_hooks(optimizer) -> int:
+    return len(optimizer._forward_pre_hook) + len(optimizer._forward_hook)
+
+
+@pytest.mark.parametrize("kind", sorted(DATA_TYPES))
+def test_training_is_bit_identical_with_the_monitor(kind):
+    net, optimizer = _fresh()
+    plain_losses = train(net, optimizer, make_batches(4, 2))
+    plain = [p.asnumpy().copy() for p in optimizer.parameters]
+
+    net, optimizer = _fresh()
+    mon = TrainerMon({**DATA_TYPES[kind], "ops": [*ALL_OPS, "id"], "format": "csv"})
+    mon.set_monitor(net, grad_acc_steps=2, optimizer=optimizer)
+    monitored_losses = train(net, optimizer, make_batches(4, 2))
+    mon.stop()
+    assert monitored_losses == plain_losses
+    for before, after in zip(plain, optimizer.parameters):
+        np.testing.assert_array_equal(before, after.asnumpy())
+
+
+def test_stop_removes_every_hook(hook_calls):
+    net, optimizer = _fresh()
+    mon = TrainerMon(DATA_TYPES["all"])
+    mon.set_monitor(net, grad_acc_steps=1, optimizer=optimizer)
+    assert _optimizer_hooks(optimizer) == 2
+    train(net, optimizer, make_batches(2, 1))
+    assert len(hook_calls) == 2 * len(optimizer.parameters)
+    mon.stop()
+    assert _optimizer_hooks(optimizer) == 0
+    train(net, optimizer, make_batches(2, 1))
+    assert len(hook_calls) == 2 * len(optimizer.parameters)
+    mon.stop()  # idempotent
+    assert not mon.monitoring
+
+
+def test_collect_times_removes_the_parameter_hooks_and_training_goes_on(hook_calls):
+    net, optimizer = _fresh()
+    mon = TrainerMon({**DATA_TYPES["all"], "collect_times": 3})
+    mon.set_monitor(net, grad_acc_steps=2, optimizer=optimizer)
+    train(net, optimizer, make_batches(6, 2))
+    assert not mon.monitoring
+    assert len(hook_calls) == 3 * 2 * len(optimizer.parameters)
+    files = sorted(os.listdir(mon.output_dir))
+    assert "grad_reduced_2-2.csv" in files and "grad_reduced_3-3.csv" not in files
+    # MindSpore iterates a Cell's hook dict during the call: the two optimizer hooks stay, inert,
+    # until stop() removes them.
+    assert _optimizer_hooks(optimizer) == 2
+    mon.stop()
+    assert _optimizer_hooks(optimizer) == 0
+
+
+def test_schedule_start_step_interval_and_collect_times():
+    net, optimizer = _fresh()
+    mon = TrainerMon({"wg_distribution": True, "start_step": 2, "step_interval": 3, "collect_times": 2})
+    mon.set_monitor(net, grad_acc_steps=1, optimizer=optimizer)
+    train(net, optimizer, make_batches(9, 1))
+    mon.stop()
+    steps = sorted(
+        int(f.split("_")[-1].split("-")[0])
+        for f in os.listdir(mon.output_dir)
+        if f.startswith("grad_reduced")
+    )
+    assert steps == [2, 5]
+
+
+def test_start_iteration_offsets_the_step_counter():
+    net, optimizer = _fresh()
+    mon = TrainerMon({"wg_distribution": True, "start_step": 100})
+    mon.set_monitor(net, grad_acc_steps=1, optimizer=optimizer, start_iteration=99)
+    train(net, optimizer, make_batches(3, 1))
+    mon.stop()
+    frame = pd.concat(
+        pd.read_csv(os.path.join(mon.output_dir, f)) for f in sorted(os.listdir(mon.output_dir))
+    )
+    assert sorted(set(frame["step"])) == [100, 101]
+    assert mon.step == 102
+
+
+def test_targets_select_on_name_boundaries():
+    net, optimizer = _fresh("Adam", sizes=(6,) * 12 + (4,))  # layers.0 .. layers.10
+    mon = TrainerMon(
+        {"targets": {"layers.1": {}}, "wg_distribution": True, "mv_distribution": True, "format": "api"}
+    )
+    mon.set_monitor(net, grad_acc_steps=1, optimizer=optimizer)
+    train(net, optimizer, make_batches(1, 1))
+    reduced, unreduced = mon.generate_wgrad_metrics()
+    want = {"0:layers.1.weight", "0:layers.1.bias"}
+    assert {tag.split("/")[0] for tag in reduced} == want
+    assert {tag.split("/")[0] for tag in unreduced} == want
+    assert {tag.split("/")[0] for tag in mon.generate_mv_metrics()} == want
+    mon.stop()
+
+
+@pytest.mark.parametrize("ranks", [[1], ["1"]])
+def test_a_rank_outside_module_ranks_attaches_nothing(ranks, hook_calls):
+    net, optimizer = _fresh()
+    mon = TrainerMon({**DATA_TYPES["all"], "module_ranks": ranks})
+    mon.set_monitor(net, grad_acc_steps=1, optimizer=optimizer)
+    train(net, optimizer, make_batches(1, 1))
+    assert mon.output_dir is None and not mon.monitoring and not hook_calls
+    assert _optimizer_hooks(optimizer) == 0
+    mon.stop()
+
+
+def test_module_ranks_as_strings_select_this_rank():
+    net, optimizer = _fresh()
+    mon = TrainerMon({"wg_distribution": True, "module_ranks": ["0"], "format": "api"})
+    mon.set_monitor(net, grad_acc_steps=1, optimizer=optimizer)
+    train(net, optimizer, make_batches(1, 1))
+    assert mon.generate_wgrad_metrics()[0]
+    mon.stop()
+
+
+def test_a_wrapper_with_optimizer_attribute_is_unwrapped():
+    net, optimizer = _fresh()
+    wrapper = nn.TrainOneStepCell(nn.WithLossCell(net, nn.MSELoss()), optimizer)
+    mon = TrainerMon({"param_distribution": True, "format": "api"})
+    mon.set_monitor(net, grad_acc_steps=1, optimizer=wrapper)
+    train(net, optimizer, make_batches(1, 1))
+    assert mon.generate_param_metrics()
+    mon.stop()
+
+
+def test_bad_arguments_are_refused_at_the_door():
+    net, optimizer = _fresh()
+    with pytest.raises(TypeError, match=r"set_monitor: model\[1\]: expected a mindspore.nn.Cell, got int"):
+        TrainerMon({}).set_monitor([net, 3], grad_acc_steps=1, optimizer=optimizer)
+    with pytest.raises(TypeError, match=r"optimizer: expected a mindspore.nn.Optimizer .* got Net"):
+        TrainerMon({}).set_monitor(net, grad_acc_steps=1, optimizer=net)
+    with pytest.raises(ValueError, match="optimizer: required"):
+        TrainerMon({}).set_monitor(net, grad_acc_steps=1)
+
+
+def test_graph_mode_is_refused_with_a_clear_error():
+    net, optimizer = _fresh()
+    ms.set_context(mode=ms.GRAPH_MODE)
+    try:
+        with pytest.raises(ValueError, match="PyNative mode only"):
+            TrainerMon({}).set_monitor(net, grad_acc_steps=1, optimizer=optimizer)
+    finally:
+        ms.set_context(mode=ms.PYNATIVE_MODE)
+
+
+def test_a_failing_part_is_logged_once_and_the_rest_goes_on(monkeypatch, caplog):
+    from adapters.mindspore import collection
+
+    def broken(self, key):
+        def moment(i):
+            raise RuntimeError(f"{key} read failed")
+
+        return moment
+
+    net, optimizer = _fresh()
+    plain = train(net, optimizer, make_batches(3, 1))
+    net, optimizer = _fresh()
+    monkeypatch.setattr(collection.Collection, "_moment_of", broken)
+    mon = TrainerMon({**DATA_TYPES["all"], "format": "api"})
+    mon.set_monitor(net, grad_acc_steps=1, optimizer=optimizer)
+    with caplog.at_level(logging.ERROR, logger="trainmon"):
+        assert train(net, optimizer, make_batches(3, 1)) == plain
+    failures = sorted(r.getMessage().split()[1] for r in caplog.records if "switched off" in r.getMessage())
+    assert failures == ["exp_avg", "exp_avg_sq"]
+    assert mon.generate_wgrad_metrics()[0] and mon.generate_param_metrics()
+    assert not mon.generate_mv_metrics()
+    mon.stop()
+
+
+def test_a_restarted_collection_continues_in_the_same_directory(hook_calls):
+    """The session's start()/stop() (what live control drives) work on MindSpore too."""
+    net, optimizer = _fresh()
+    mon = TrainerMon({"wg_distribution": True})
+    mon.set_monitor(net, grad_acc_steps=1, optimizer=optimizer)
+    train(net, optimizer, make_batches(2, 1))
+    first_dir = mon.output_dir
+    session = mon._session
+    session.stop()
+    assert _optimizer_hooks(optimizer) == 0
+    session.start()
+    train(net, optimizer, make_batches(1, 1))
+    session.stop()
+    assert mon.output_dir == first_dir and _optimizer_hooks(optimizer) == 0
+    files = os.listdir(first_dir)
+    assert sorted(int(f.split("_")[-1].split("-")[0]) for f in files if f.startswith("grad_reduced")) == [
+        0,
+        1,
+        2,
+    ]
+    assert len(hook_calls) == 3 * len(optimizer.parameters)
+
+
+def test_a_list_of_cells_gives_chunk_prefixed_names():
+    first, second = Net(seed=0), Net(sizes=(4, 6, 4), seed=1)
+
+    class Both(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.first, self.second = first, second
+
+        def construct(self, x):
+            return self.second(self.first(x))
+
+    both = Both()
+    optimizer = OPTIMIZERS["Adam"](both.trainable_params())
+    mon = TrainerMon({"wg_distribution": True, "mv_distribution": True, "format": "api"})
+    mon.set_monitor([first, second], grad_acc_steps=1, optimizer=optimizer)
+    train(both, optimizer, make_batches(1, 1))
+    reduced, _ = mon.generate_wgrad_metrics()
+    heads = {tag.split("/")[0] for tag in reduced}
+    assert {"0:layers.2.weight", "0:norm.gamma", "1:layers.1.weight", "1:norm.beta"} <= heads
+    assert len(heads) == len(optimizer.parameters) == 14
+    assert {tag.split("/")[0] for tag in mon.generate_mv_metrics()} == heads
+    mon.stop()

@@ -1,0 +1,142 @@
+"""Every statistic of every data type equals numpy's on a copy made by the test (one process)."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("mindspore", reason="MindSpore is not installed here (pip install -e '.[mindspore]')")
+
+import mindspore as ms
+import numpy as np
+
+from monitor import TrainerMon
+from tests.adapters.mindspore.helpers import MOMENTS, OPTIMIZERS, Net, make_batches, train
+from tests.reference_stats import ALL_OPS, assert_stats_close
+
+STEPS = 3
+
+
+def _config(**extra):
+    return {
+        "wg_distribution": True,
+        "mv_distribution": True,
+        "param_distribution": True,
+        "mg_direction": True,
+        "ops": [*ALL_OPS, "id"],
+        "format": "api",
+        **extra,
+    }
+
+
+def _run(kind: str, grad_acc: int, **config):
+    """Train with the monitor; per step, the test's copies and what the monitor reported."""
+    net = Net()
+    optimizer = OPTIMIZERS[kind](net.trainable_params())
+    mon = TrainerMon(_config(**config))
+    mon.set_monitor(net, grad_acc_steps=grad_acc, optimizer=optimizer)
+    names = [p.name for p in optimizer.parameters]
+    results = []
+
+    class Recorder(list):
+        def append(self, record):  # called right after each optimizer call
+            reduced, unreduced = mon.generate_wgrad_metrics()
+            record["reported"] = {
+                "reduced": reduced,
+                "unreduced": unreduced,
+                "mv": mon.generate_mv_metrics(),
+                "params": mon.generate_param_metrics(),
+                "other": mon._core.latest.latest("other"),
+            }
+            super().append(record)
+
+    capture = Recorder()
+    train(net, optimizer, make_batches(STEPS, grad_acc), capture, MOMENTS[kind])
+    results.extend(capture)
+    mon.stop()
+    return names, results
+
+
+@pytest.mark.parametrize("grad_acc", [1, 2])
+@pytest.mark.parametrize("kind", ["Adam", "AdamWeightDecay"])
+def test_every_statistic_matches_numpy(kind, grad_acc):
+    names, results = _run(kind, grad_acc)
+    assert names[0] == "layers.0.weight" and names[-1] == "norm.beta"
+    for step, record in enumerate(results):
+        got = record["reported"]
+        assert len(got["unreduced"]) == len(got["reduced"]) == len(names)
+        for j, name in enumerate(names):
+            head, what = f"0:{name}/rank0", f"{kind} step {step} {name}"
+            local = np.sum([micro[j].astype(np.float64) for micro in record["micro"]], axis=0)
+            assert_stats_close(got["unreduced"][f"{head}/acc_grad"], local, what=f"{what} unreduced")
+            assert_stats_close(
+                got["reduced"][f"{head}/post_grad"], record["grads"][j], what=f"{what} reduced"
+            )
+            for key in ("param_origin", "param_updated"):
+                assert_stats_close(got["params"][f"{head}/{key}"], record[key][j], what=f"{what} {key}")
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert_stats_close(got["mv"][f"{head}/{key}"], record[key][j], what=f"{what} {key}")
+            for prefix, key in (("reduced", "post_grad"), ("params", "param_origin"), ("mv", "exp_avg")):
+                row = got[prefix][f"{head}/{key}"]
+                expected = record[key if key != "post_grad" else "grads"][j]
+                assert np.isnan(row["id"]) if expected.size > 1 else row["id"] == expected.item()
+
+
+@pytest.mark.parametrize("kind", ["Adam", "AdamWeightDecay"])
+def test_mg_direction_matches_sign_agreement_with_previous_moment(kind):
+    names, results = _run(kind, 1, ops=["min", "max", "norm", "mean"])
+    changed = False
+    for step, record in enumerate(results):
+        for j, name in enumerate(names):
+            if step == 0:
+                expected = 1.0  # no update yet: no history to agree with
+            else:
+                g, m = np.sign(record["grads"][j].astype(np.float64)), np.sign(record["exp_avg_before"][j])
+                expected = ((g * m).sum() / m.size + 1) / 2
+                changed |= expected != 1.0
+            row = record["reported"]["other"][f"0:{name}/rank0/mg_direction"]
+            assert row["mean"] == pytest.approx(expected, abs=1e-12), f"step {step} {name}"
+            assert row["min"] == row["max"] == pytest.approx(expected, abs=1e-12)
+            assert row["norm"] == pytest.approx(abs(expected), abs=1e-12)
+    assert changed
+
+
+def test_lamb_moments_are_mapped_by_position_and_checked_by_name():
+    """nn.Lamb cannot step on CPU (its kernel is Ascend/GPU only), so the mapping itself is checked."""
+    net = Net()
+    optimizer = OPTIMIZERS["Lamb"](net.trainable_params())
+    mon = TrainerMon(_config())
+    mon.set_monitor(net, grad_acc_steps=1, optimizer=optimizer)
+    view = mon._session.view
+    for j, param in enumerate(optimizer.parameters):
+        assert view.moment(param, "exp_avg") is optimizer.moments1[j]
+        assert view.moment(param, "exp_avg_sq") is optimizer.moments2[j]
+    mon.stop()
+
+
+def test_misaligned_moments_are_refused_not_guessed(caplog):
+    net = Net()
+    optimizer = OPTIMIZERS["Adam"](net.trainable_params())
+    optimizer.moment1 = ms.ParameterTuple(tuple(reversed(optimizer.moment1)))
+    mon = TrainerMon(_config())
+    mon.set_monitor(net, grad_acc_steps=1, optimizer=optimizer)  # (Adam itself could not step now)
+    assert mon._session.view.moments == {}
+    assert "moment1 entry 'moment1.norm.beta' does not belong to parameter 'layers.0.weight'" in caplog.text
+    mon.stop()
+
+
+def test_per_micro_batch_gradients_match_each_micro_batch():
+    names, results = _run("Adam", 2, monitor_mbs_grad=True, mv_distribution=False, mg_direction=False)
+    for record in results:
+        unreduced = record["reported"]["unreduced"]
+        assert len(unreduced) == 2 * len(names)
+        for micro, grads in enumerate(record["micro"]):
+            for j, name in enumerate(names):
+                got = unreduced[f"0:{name}:{micro}/rank0/acc_grad"]
+                assert_stats_close(got, grads[j], what=f"{name} micro {micro}")
+
+
+def test_metrics_are_plain_floats():
+    _, results = _run("Adam", 1)
+    for metrics in results[-1]["reported"].values():
+        assert metrics
+        assert all(type(v) is float for ops in metrics.values() for v in ops.values())
