@@ -224,7 +224,7 @@ def validate_config(raw: Mapping[str, Any]) -> MonitorConfig:
     if "format" in raw:
         fmt = raw["format"]
         if not isinstance(fmt, str) or fmt.lower() not in FORMATS:
-            raise ConfigError(f"format: expected one of {', '.join(FORMATS)}, got {fmt!r}")
+            raise ConfigError(f"format: expected one of {', '.join(FORMATS)}, got {_describe(fmt)}")
         values["format"] = fmt.lower()
     if "ops" in raw:
         values["ops"] = _ops(raw["ops"])
@@ -244,7 +244,7 @@ def validate_config(raw: Mapping[str, Any]) -> MonitorConfig:
         order = raw["sa_order"]
         normalised = order.replace(" ", "") if isinstance(order, str) else None
         if normalised not in ("s,b,h,d", "b,s,h,d"):
-            raise ConfigError(f"sa_order: expected 's,b,h,d' or 'b,s,h,d', got {order!r}")
+            raise ConfigError(f"sa_order: expected 's,b,h,d' or 'b,s,h,d', got {_describe(order)}")
         values["sa_order"] = normalised
     if values.get("shard_reduce") and values.get("module_ranks"):
         raise ConfigError(
@@ -267,8 +267,10 @@ def _warn_unknown(key: str, known: tuple[str, ...], path: str) -> None:
 def _describe(value: Any) -> str:
     try:
         text = repr(value)
-    except ValueError:  # an integer beyond Python's digit limit for str()
-        return f"an integer of about {value.bit_length() * 0.30103:.0f} digits"
+    except ValueError:  # an integer beyond Python's digit limit for str(), or a container holding one
+        if isinstance(value, int):
+            return f"an integer of about {value.bit_length() * 0.30103:.0f} digits"
+        return f"a {type(value).__name__} holding an integer too long to print"
     return text if len(text) <= 80 else text[:77] + "..."
 
 
@@ -285,7 +287,7 @@ def _int(value: Any, path: str, low: int | None = None, high: int | None = None)
         else:
             raise ConfigError(f"{path}: expected an integer{_range_text(low, high)}, got {_describe(value)}")
     if (low is not None and value < low) or (high is not None and value > high):
-        raise ConfigError(f"{path}: expected an integer{_range_text(low, high)}, got {value}")
+        raise ConfigError(f"{path}: expected an integer{_range_text(low, high)}, got {_describe(value)}")
     return value
 
 
@@ -386,6 +388,8 @@ def _alert(value: Any) -> AlertConfig:
     if not isinstance(value, dict):
         raise ConfigError(f"alert: expected an object with 'rules' and 'dump', got {_describe(value)}")
     for key in value:
+        if not isinstance(key, str):
+            raise ConfigError(f"alert: keys must be strings, got {_describe(key)}")
         if key not in ("rules", "dump"):
             _warn_unknown(key, ("rules", "dump"), "alert.")
     rules_raw = value.get("rules", [])

@@ -80,7 +80,7 @@ class MonitorCore:
                     self.rank,
                     self.root,
                 )
-        return make_private_dir(path or os.path.join(self.root, rank_dir_name(self.rank)))
+        return make_private_dir(path or os.path.join(self.root, rank_dir_name(self.rank)), under=self.root)
 
     def _file_writer(self):
         if self.config.format == "tensorboard":

@@ -27,13 +27,35 @@ def output_root() -> str:
     return os.path.abspath(os.environ.get(OUTPUT_ENV) or "monitor_output")
 
 
-def make_private_dir(path: str | os.PathLike) -> str:
-    """Create a directory (and parents) with mode 0750; refuse a symlink at any created level."""
-    path = os.fspath(path)
-    if os.path.islink(path):
-        raise OSError(f"trainmon: refusing to use {path!r}: it is a symbolic link")
-    os.makedirs(path, mode=DIR_MODE, exist_ok=True)
-    if not os.path.isdir(path):
+def make_private_dir(path: str | os.PathLike, under: str | os.PathLike | None = None) -> str:
+    """Create a directory and its missing parents, each with exactly mode 0750; return the path.
+
+    A symlink is refused, never followed: at ``path`` and, when ``under`` is given, at every level
+    between ``under`` (the output root, which the user may place anywhere) and ``path``.
+    """
+    path = os.path.abspath(os.fspath(path))
+    levels = [path]
+    if under is not None:
+        root = os.path.abspath(os.fspath(under))
+        parts = os.path.relpath(path, root).split(os.sep)
+        if parts[0] == os.pardir:
+            raise OSError(f"trainmon: {path!r} is not inside {root!r}")
+        levels = [os.path.join(root, *parts[: i + 1]) for i in range(len(parts)) if parts[i] != os.curdir]
+    for level in levels:
+        if os.path.islink(level):
+            raise OSError(f"trainmon: refusing to use {level!r}: it is a symbolic link")
+    missing = []
+    current = path
+    while not os.path.lexists(current):
+        missing.append(current)
+        current = os.path.dirname(current)
+    for level in reversed(missing):
+        try:
+            os.mkdir(level, DIR_MODE)
+        except FileExistsError:  # another rank made it meanwhile
+            continue
+        os.chmod(level, DIR_MODE)  # exact, whatever the umask
+    if os.path.islink(path) or not os.path.isdir(path):
         raise OSError(f"trainmon: {path!r} exists and is not a directory")
     return path
 

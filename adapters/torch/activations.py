@@ -19,39 +19,20 @@ gradient hooks that reentrant checkpointing needs.
 from __future__ import annotations
 
 import dataclasses
-import logging
-import re
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from adapters.torch.stats import stat_matrix
 from monitor.config import MonitorConfig
-from monitor.naming import display_name, is_selected_exactly, name_candidates, squash_name
+from monitor.module_io import call_name, direction_tensors, row_names
+from monitor.module_io import select_modules as select_module_names
 from monitor.record import RowSet
 
-logger = logging.getLogger("trainmon")
 
-_TUPLE_FORMAT = re.compile(r"^tuple\[(\d+)\](?::(\d+))?$")
-_MAX_DEPTH = 4
-
-
-def flatten_tensors(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
-    """Every tensor in an argument or output: tuples, lists, dicts, ModelOutput-like and dataclass objects."""
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif depth >= _MAX_DEPTH or obj is None or isinstance(obj, (str, bytes, int, float, bool)):
-        return
-    elif isinstance(obj, (tuple, list)):
-        for item in obj:
-            yield from flatten_tensors(item, depth + 1)
-    elif isinstance(obj, Mapping):
-        for item in obj.values():
-            yield from flatten_tensors(item, depth + 1)
-    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        for item in dataclasses.fields(obj):
-            yield from flatten_tensors(getattr(obj, item.name), depth + 1)
+def _is_tensor(obj: Any) -> bool:
+    return isinstance(obj, torch.Tensor)
 
 
 @dataclasses.dataclass
@@ -67,51 +48,18 @@ class HookedModule:
 
 def _select(entry: HookedModule, direction: str, obj: Any) -> list[torch.Tensor]:
     """The tensors of one direction: per the 1.2.2 format string if given and it fits, else all of them."""
-    fmt = entry.formats.get(direction)
-    if fmt:
-        if fmt.startswith("tensor"):
-            if isinstance(obj, torch.Tensor):
-                return [obj]
-            if isinstance(obj, tuple) and len(obj) == 1 and isinstance(obj[0], torch.Tensor):
-                return [obj[0]]
-        else:
-            match = _TUPLE_FORMAT.match(fmt)
-            if match and isinstance(obj, (tuple, list)) and len(obj) == int(match.group(1)):
-                item = obj[int(match.group(2) or 0)]
-                if isinstance(item, torch.Tensor):
-                    return [item]
-        if direction not in entry.warned:  # a structure that changed is handled, never an IndexError
-            entry.warned.add(direction)
-            logger.warning(
-                "trainmon: %s.%s does not match its format %r; monitoring all its tensors instead",
-                entry.name,
-                direction,
-                fmt,
-            )
-    return list(flatten_tensors(obj))
+    return direction_tensors(entry.name, entry.formats, entry.warned, direction, obj, _is_tensor)
 
 
 def select_modules(
     chunks: Sequence[torch.nn.Module], config: MonitorConfig, every: bool
 ) -> list[HookedModule]:
     """Modules to hook: every submodule with all_xy (or ``every``), else those named exactly in targets."""
-    keys = tuple(config.targets)
-    selected = []
-    taken: set[tuple[int, str]] = set()
-    for vpp, chunk in enumerate(chunks):
-        for raw, module in chunk.named_modules():
-            candidates = name_candidates(vpp, raw, squash_name(raw))
-            formats: Mapping[str, str] = {}
-            for key in keys:
-                if key in candidates:
-                    formats = config.targets[key]
-            if every or config.all_xy or not keys or is_selected_exactly(keys, candidates):
-                name = display_name(raw, config.squash_name)
-                if (vpp, name) in taken:  # squashing collided: keep the full name (spec W24)
-                    name = raw
-                taken.add((vpp, name))
-                selected.append(HookedModule(vpp, name, module, formats))
-    return selected
+    named = [(vpp, raw, module) for vpp, chunk in enumerate(chunks) for raw, module in chunk.named_modules()]
+    return [
+        HookedModule(m.vpp_stage, m.name, named[m.position][2], m.formats)
+        for m in select_module_names([(vpp, raw) for vpp, raw, _ in named], config, every)
+    ]
 
 
 class Activations:
@@ -165,9 +113,8 @@ class Activations:
 
         A recompute replays the forward's calls in order, so it counts its own calls.
         """
-        name = self.modules[index].name
         call = (self._recomputed if recompute else self._calls).get((index, micro), 0)
-        return name if call == 0 else f"{name}[{call}]"
+        return call_name(self.modules[index].name, call)
 
     def _before(self, index: int) -> Callable:
         def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
@@ -215,16 +162,14 @@ class Activations:
         if not tensors:
             return
         matrix = stat_matrix([t.detach() for t in tensors], self.ops, self.eps)
-        names = [name] if len(tensors) == 1 else [f"{name}_{i}" for i in range(len(tensors))]
-        self._rows[prefix].extend((vpp, n, micro) for n in names)
+        self._rows[prefix].extend((vpp, n, micro) for n in row_names(name, len(tensors)))
         self._stats[prefix].append(matrix)
 
     def _watch(self, vpp: int, name: str, micro: int, tensors: list[torch.Tensor]) -> None:
         """Register gradient hooks on the tensors that take part in autograd."""
-        several = len(tensors) > 1
-        for i, tensor in enumerate(tensors):
+        for tensor, row in zip(tensors, row_names(name, len(tensors))):
             if tensor.requires_grad:
-                tensor.register_hook(self._grad_hook(vpp, f"{name}_{i}" if several else name, micro))
+                tensor.register_hook(self._grad_hook(vpp, row, micro))
 
     def _grad_hook(self, vpp: int, name: str, micro: int) -> Callable:
         def hook(grad: torch.Tensor) -> None:

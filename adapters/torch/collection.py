@@ -17,21 +17,23 @@ import torch
 
 from adapters.torch.activations import Activations, select_modules
 from adapters.torch.dist import rank_in_group
-from adapters.torch.grads import UnreducedGrads
+from adapters.torch.grads import unreduced_source
 from adapters.torch.params import ParamRegistry
 from adapters.torch.shards import SHARD_COLUMNS, shard_reduce
 from adapters.torch.stats import stat_matrix
 from adapters.torch.structure import StackRecorder, StructureRecorder
+from adapters.torch.update_ratio import EDGES, KINDS, update_histograms
 from monitor.config import MonitorConfig
 from monitor.core import MonitorCore
 from monitor.errors import StructurePrinted
+from monitor.naming import build_tag
 from monitor.record import RowSet, StepRecord
 from monitor.schedule import Schedule
 
 logger = logging.getLogger("trainmon")
 
 #: config switches that later versions implement; until then they are reported, not ignored silently.
-_NOT_YET = ("ur_distribution", "recording_l2_features")
+_NOT_YET = ("recording_l2_features",)
 
 
 def to_host(matrix: torch.Tensor) -> tuple[np.ndarray | None, Any]:
@@ -85,21 +87,31 @@ class Collection:
         for key in _NOT_YET:
             if getattr(config, key):
                 logger.warning("trainmon: %s is not supported yet by this version and is ignored", key)
+        self.update_ratio = config.ur_distribution and not backend.sharded
+        if config.ur_distribution and config.format != "tensorboard":
+            logger.warning(
+                "trainmon: ur_distribution writes TensorBoard histograms; with format %s it is off",
+                config.format,
+            )
+            self.update_ratio = False
+        elif config.ur_distribution and backend.sharded:
+            logger.warning("trainmon: ur_distribution is not supported with sharded optimizers; it is off")
         self.registry = ParamRegistry(chunks, config, main_grad)
         backend.prepare([entry.param for entry in self.registry.params], self.registry.grad)
         self.core = MonitorCore(config, rank, pp_stage, group_mates, output_dir=output_dir)
+        self.grads: Any = None  # UnreducedGrads, or BucketGrads for Megatron (grads.unreduced_source)
+        if config.wg_distribution:
+            self.grads = unreduced_source(
+                chunks, self.registry, grad_acc_steps, self.ops, self.eps, config.monitor_mbs_grad, self.fail
+            )
         self._rows = self._build_rows(tp_group, dp_group)
         self._handles: list = []
-        self.grads: UnreducedGrads | None = None
         self.activations: Activations | None = None
         self.structure: StructureRecorder | None = None
         self.stacks: StackRecorder | None = None
         self._stack_handles: list = []
         self.collectives = collectives
-        if config.wg_distribution:
-            self.grads = UnreducedGrads(
-                self.registry, grad_acc_steps, self.ops, self.eps, config.monitor_mbs_grad, self.fail
-            )
+        if self.grads is not None:
             self._handles += self.grads.register()
         if config.xy_distribution:
             modules = select_modules(chunks, config, every=False)
@@ -122,7 +134,9 @@ class Collection:
     def _build_rows(self, tp_group: Any, dp_group: Any) -> dict[str, tuple[list[int], RowSet]]:
         """Parameter index lists and row labels per data type, computed once."""
         everything = list(range(len(self.registry)))
-        dp_rank, tp_rank = rank_in_group(dp_group), rank_in_group(tp_group)
+        # sharded optimizers: every data-parallel rank holds its own pieces, none is a duplicate (W17)
+        dp_rank = None if self.backend.sharded else rank_in_group(dp_group)
+        tp_rank = rank_in_group(tp_group)
         reduced = [
             i
             for i in everything
@@ -138,7 +152,7 @@ class Collection:
             "exp_avg": (everything, "exp_avg"),
             "exp_avg_sq": (everything, "exp_avg_sq"),
             "other": (everything, "mg_direction"),
-            "grad_unreduced": (everything, "pre_grad" if self.registry.main_grad else "acc_grad"),
+            "grad_unreduced": (everything, self.grads.task if self.grads is not None else "acc_grad"),
         }
         return {
             prefix: (index, self.registry.rows(self.rank, task, index))
@@ -167,8 +181,8 @@ class Collection:
 
     def before_update(self) -> None:
         """Optimizer pre-step: activations, gradients, mg_direction, parameters before the update."""
-        if self.structure is not None and self.structure.structure:
-            self._print_structure()
+        if self.structure is not None and self.structure.structure and "print_struct" not in self._failed:
+            self._guard("print_struct", self._print_structure)  # StructurePrinted still stops the run
         if not self.collect:
             return
         cfg = self.config
@@ -194,6 +208,8 @@ class Collection:
                 self._guard(prefix, self._submit_tensors, prefix, lambda p, k=prefix: moment(p, k))
         if self._wanted("param_updated", cfg.param_distribution):
             self._guard("param_updated", self._submit_tensors, "param_updated", self.backend.value)
+        if self._wanted("ur", self.update_ratio):
+            self._guard("ur", self._submit_update_histograms)
         if self.collectives is not None:
             self._guard("comm", self._submit_collectives)
         if self.stacks is not None:
@@ -267,6 +283,16 @@ class Collection:
             rows = RowSet.build(vpp, [base.names[i] for i in index], self.rank, task, micro)
         self._submit("grad_unreduced", rows, matrix)
 
+    def _submit_update_histograms(self) -> None:
+        found = update_histograms(self.backend.optimizer, [e.param for e in self.registry.params])
+        if found is None:
+            return
+        positions, counts = found
+        params = self.registry.params
+        for kind_index, kind in enumerate(KINDS):
+            tags = [build_tag(params[i].vpp_stage, params[i].name, self.rank, kind) for i in positions]
+            self.core.submit_histograms(self._step, tags, EDGES, counts[:, kind_index])
+
     def _submit_activations(self) -> None:
         for prefix, rows, matrix in self.activations.take(self.rank):
             self._submit(prefix, rows, matrix)
@@ -276,12 +302,16 @@ class Collection:
             self._submit("comm", rows, values, ops)
 
     def _submit_mg_direction(self) -> None:
-        """Share of gradient signs agreeing with exp_avg before this update (1.0 without state)."""
+        """Share of gradient signs agreeing with exp_avg before this update (1.0 without state).
+
+        Sharded back-ends: the share of this rank's piece, written with the piece's element count
+        (the count-weighted mean of the pieces' shares is the whole tensor's share), or merged.
+        """
         index, rows = self._rows["other"]
         values, present = [], []
         for position, i in enumerate(index):
             param = self.registry.params[i].param
-            grad = self.registry.grad(param)
+            grad = self.backend.grad(param)
             if grad is None:
                 continue
             moment = self.backend.moment(param, "exp_avg")
@@ -292,10 +322,36 @@ class Collection:
             else:
                 agreement = (torch.sign(grad.detach()) * torch.sign(moment)).sum(dtype=torch.float64)
                 values.append((agreement / moment.numel() + 1.0) / 2.0)
-            present.append(position)
+            present.append((position, grad.numel()))
+        if self.backend.sharded:
+            self._submit_shares(index, rows, values, present)
+            return
         if len(present) != len(index):
-            rows = rows.take(present)
+            rows = rows.take([position for position, _ in present])
         self._submit("other", rows, stat_matrix(values, self.ops, self.eps))
+
+    def _submit_shares(
+        self, index: list[int], rows: RowSet, values: list[torch.Tensor], present: list[tuple[int, int]]
+    ) -> None:
+        """mg_direction of pieces: each share with its count, or (shard_reduce) the merged share."""
+        ops = (*self.ops, *SHARD_COLUMNS)
+        positions = [position for position, _ in present]
+        counts = np.array([count for _, count in present], dtype=np.float64)
+        if not self.config.shard_reduce:
+            whole = np.array([self.backend.numel(self.registry.params[index[p]].param) for p in positions])
+            shares = stat_matrix(values, self.ops, self.eps).cpu().numpy()
+            extra = np.stack([counts, (counts < whole).astype(np.float64)], axis=1).reshape(-1, 2)
+            self._submit("other", rows.take(positions), np.concatenate([shares, extra], axis=1), ops)
+            return
+        device = values[0].device if values else torch.device("cpu")
+        shares = torch.full((len(index), 1), float("nan"), dtype=torch.float64, device=device)
+        all_counts = torch.zeros(len(index), dtype=torch.float64, device=device)
+        if values:
+            shares[positions, 0] = torch.stack(values)
+            all_counts[positions] = torch.from_numpy(counts).to(device)
+        merged = shard_reduce(shares, all_counts, ("mean",), self.backend.shard_group)
+        whole = stat_matrix(list(torch.from_numpy(merged[:, 0])), self.ops, self.eps).numpy()
+        self._submit("other", rows, np.concatenate([whole, merged[:, 1:]], axis=1), ops)
 
     def _print_structure(self) -> None:
         """print_struct: write the structure and stop the run, as the user asked."""

@@ -17,7 +17,7 @@ after that step was written is dropped and counted (one warning), never folded i
 Rows: ``{op}.{pre|post}_{k}`` (k: index of the tensor-like argument; a list of tensors or of
 P2POps is one argument, its statistics taken over all its tensors together), with
 ``@{file}[{line}]`` of the matching call site appended when ``cc_codeline`` is set; the merge
-rules are in ``cc_totals``. Each call costs one stat_matrix and one host copy of its result.
+rules are in ``monitor.cc_totals``. Each call costs one stat_matrix and one host copy of its result.
 
 ``cc_log_only`` measures nothing: every distinct (op, call stack) is logged once with dtypes,
 shapes and group size, and the first optimizer step raises ``CollectivesLogged``.
@@ -35,9 +35,9 @@ import torch
 import torch.distributed as dist
 
 from adapters.torch.cc_callsite import CallSites
-from adapters.torch.cc_totals import StepTotals, stat_ops_for, summarise
 from adapters.torch.cc_wrap import REGISTRY, CallInfo
 from adapters.torch.stats import stat_matrix
+from monitor.cc_totals import StepTotals, row_name, stat_ops_for, summarise
 from monitor.config import MonitorConfig
 from monitor.errors import CollectivesLogged
 from monitor.record import RowSet
@@ -317,8 +317,7 @@ class CollectiveMonitor:
     def _name(self, key: tuple) -> str:
         name = self._names.get(key)
         if name is None:
-            op, phase, k, site = key
-            name = self._names[key] = f"{op}.{phase}_{k}" + (f"@{site}" if site else "")
+            name = self._names[key] = row_name(*key)
         return name
 
     def _log_call(self, call: CallInfo, frames: tuple) -> None:

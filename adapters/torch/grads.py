@@ -14,7 +14,8 @@ No gradient is copied or kept; only small statistic vectors are, until the step 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -46,6 +47,11 @@ class UnreducedGrads:
         self.collect = False
         self._micro = [0] * len(registry)
         self._stats: dict[tuple[int, int], torch.Tensor] = {}
+
+    @property
+    def task(self) -> str:
+        """The task of the rows' tags."""
+        return "pre_grad" if self.registry.main_grad else "acc_grad"
 
     def register(self) -> list:
         """Register one hook per monitored parameter; returns the removable handles."""
@@ -105,3 +111,26 @@ class UnreducedGrads:
         """Forget the step: micro-batch counters and pending statistics."""
         self._micro = [0] * len(self.registry)
         self._stats.clear()
+
+
+def unreduced_source(
+    chunks: Sequence[torch.nn.Module],
+    registry: ParamRegistry,
+    grad_acc_steps: int,
+    ops: tuple[str, ...],
+    eps: float,
+    per_micro_batch: bool,
+    on_error: Callable[[str, BaseException], None],
+) -> Any:
+    """The one source of grad_unreduced (never two, spec W21).
+
+    Megatron DistributedDataParallel chunks: their bucket reductions (adapters.torch.megatron_grads),
+    unless per-micro-batch gradients are asked for; every other model: per-parameter hooks.
+    """
+    if not per_micro_batch and any(type(c).__module__.startswith("megatron.") for c in chunks):
+        from adapters.torch.megatron_grads import BucketGrads, bucket_groups
+
+        groups = bucket_groups(chunks)
+        if groups:
+            return BucketGrads(groups, registry, ops, eps, on_error)
+    return UnreducedGrads(registry, grad_acc_steps, ops, eps, per_micro_batch, on_error)

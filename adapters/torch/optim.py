@@ -15,6 +15,8 @@ The generic back-end serves every torch.optim optimizer whose state uses the key
 
 from __future__ import annotations
 
+import importlib
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -26,7 +28,10 @@ def unwrap_chain(optimizer: Any, depth: int = 4) -> list[Any]:
     chain, current = [], optimizer
     while current is not None and len(chain) < depth and all(current is not c for c in chain):
         chain.append(current)
-        current = getattr(current, "optimizer", None)
+        try:
+            current = getattr(current, "optimizer", None)
+        except Exception:  # a property that refuses, e.g. Megatron's ChainedOptimizer over several
+            current = None
     return chain
 
 
@@ -102,9 +107,24 @@ class TorchBackend:
 BACKENDS: dict[str, type] = {}
 
 
+#: top-level package of an optimizer class -> the module that registers its back-ends (lazily imported).
+BACKEND_MODULES = {"megatron": "adapters.torch.megatron", "deepspeed": "adapters.torch.deepspeed"}
+
+
 def optimizer_backend(optimizer: Any) -> TorchBackend:
-    """The back-end registered for a class name in the optimizer's wrapper chain, else the generic one."""
-    for current in unwrap_chain(optimizer):
+    """The back-end registered for a class name in the optimizer's wrapper chain, else the generic one.
+
+    Once the application has imported DeepSpeed, a torch optimizer inside a DeepSpeed wrapper
+    (``engine.optimizer.optimizer``) stands for that wrapper.
+    """
+    if "deepspeed" in sys.modules:
+        optimizer = importlib.import_module("adapters.torch.deepspeed").deepspeed_owner(optimizer)
+    chain = unwrap_chain(optimizer)
+    for current in chain:
+        module = BACKEND_MODULES.get(type(current).__module__.split(".", 1)[0])
+        if module is not None:
+            importlib.import_module(module)
+    for current in chain:
         for cls in type(current).__mro__:
             backend = BACKENDS.get(cls.__name__)
             if backend is not None:

@@ -39,9 +39,10 @@ class ParamRegistry:
         self.main_grad = main_grad
         self.params: list[MonitoredParam] = []
         taken: set[str] = set()
+        seen: set[int] = set()  # a parameter shared by several chunks is registered once, in the first
         for vpp, chunk in enumerate(chunks):
             for raw, param in chunk.named_parameters():
-                if not param.requires_grad:
+                if not param.requires_grad or id(param) in seen:
                     continue
                 if not is_selected(keys, name_candidates(vpp, raw, squash_name(raw))):
                     continue
@@ -49,6 +50,7 @@ class ParamRegistry:
                 if chunk_name(vpp, name) in taken:  # squashing collided: keep the full name
                     name = raw
                 taken.add(chunk_name(vpp, name))
+                seen.add(id(param))
                 self.params.append(MonitoredParam(vpp, name, raw, param))
         self._warned_main_grad = False
 

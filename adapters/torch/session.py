@@ -26,6 +26,15 @@ from monitor.schedule import rank_enabled
 logger = logging.getLogger("trainmon")
 
 
+def _uncompiled(chunk: torch.nn.Module) -> torch.nn.Module:
+    """The module that torch.compile wrapped (OptimizedModule keeps it as ``_orig_mod``), so that
+    names and hooks are those of the eager model."""
+    inner = getattr(chunk, "_orig_mod", None)
+    if type(chunk).__name__ == "OptimizedModule" and isinstance(inner, torch.nn.Module):
+        return inner
+    return chunk
+
+
 class TorchSession:
     """Hooks of one TrainerMon on one PyTorch model and optimizer."""
 
@@ -54,7 +63,8 @@ class TorchSession:
         if optimizer is None:
             raise ValueError("set_monitor: optimizer: required (its step marks the end of a training step)")
         self.config = config
-        self.chunks = chunks
+        self.chunks = [_uncompiled(chunk) for chunk in chunks]
+        self.compiled = any(a is not b for a, b in zip(chunks, self.chunks))
         self.backend = optimizer_backend(optimizer)
         self.optimizer = self.backend.optimizer
         self.rank = global_rank()
@@ -123,6 +133,13 @@ class TorchSession:
             collectives=self.collectives if self.config.cc_distribution.enable else None,
         )
         self._output_dir = self.collection.core.output_dir
+        if self.compiled and self.config.xy_distribution:
+            logger.warning(
+                "trainmon: xy_distribution: the model is compiled with torch.compile; its activations are "
+                "recorded only if set_monitor ran before the compiled model's first call (module hooks "
+                "added later are never run by compiled code). Gradients, parameters, moments, mg_direction "
+                "and collectives are recorded as in eager mode."
+            )
         kinds = [
             k
             for k in (

@@ -63,9 +63,11 @@ def shard_reduce(matrix: torch.Tensor, counts: torch.Tensor, ops: Sequence[str],
     """
     packed = torch.cat([matrix, counts.to(matrix.dtype).unsqueeze(1)], dim=1).contiguous()
     world = dist.get_world_size(group)
-    gathered = torch.empty((world, *packed.shape), dtype=packed.dtype, device=packed.device)
+    # the concatenated output form: gloo accepts only this one (NCCL accepts both)
+    rows, columns = packed.shape
+    gathered = torch.empty((world * rows, columns), dtype=packed.dtype, device=packed.device)
     dist.all_gather_into_tensor(gathered, packed, group=group)
-    host = gathered.cpu().numpy()
+    host = gathered.cpu().numpy().reshape(world, *packed.shape)
     merged = merge_pieces(host[:, :, :-1], host[:, :, -1], ops)
     total = host[:, :, -1].sum(axis=0)
     return np.concatenate([merged, total[:, None], np.zeros((len(total), 1))], axis=1)

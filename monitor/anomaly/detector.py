@@ -261,9 +261,21 @@ class AnomalySink:
         if self._unprinted:
             logger.warning("> ... and %d more anomalies at step %d (see anomaly.json)", self._unprinted, step)
         self._printed = self._unprinted = 0
-        if self.dump is not None:
-            self.dump.end_step(step)
+        self._to_dump("end_step", step)
 
     def close(self) -> None:
-        if self.dump is not None:
-            self.dump.close()
+        self._to_dump("close")
+
+    def _to_dump(self, method: str, *args: int) -> None:
+        """anomaly.json is an output of its own: when writing it fails, only the dump is switched off."""
+        if self.dump is None:
+            return
+        try:
+            getattr(self.dump, method)(*args)
+        except Exception as exc:
+            self.dump = None
+            logger.error(
+                "trainmon: writing anomaly.json failed (%r); the anomaly dump is switched off, "
+                "detection goes on",
+                exc,
+            )

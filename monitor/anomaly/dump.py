@@ -24,7 +24,7 @@ class AnomalyDump:
         self.path = os.path.join(self.directory, "anomaly.json")
         self._records: dict[str, dict] = {}
         self._dirty = False
-        make_private_dir(self.directory)
+        make_private_dir(self.directory, under=root)
         if keep and os.path.isfile(self.path) and not os.path.islink(self.path):
             self._records = self._read_existing()
             return

@@ -24,6 +24,8 @@ logger = logging.getLogger("trainmon")
 DEFAULT_QUEUE_SIZE = 256
 #: how long the training thread waits for room in a full queue before dropping a record.
 PUT_TIMEOUT_S = 60.0
+#: how long the end of a collected step waits for it to be written (crash safety).
+STEP_WAIT_S = 10.0
 
 
 class Writer(Protocol):
@@ -38,10 +40,11 @@ class Writer(Protocol):
 
 
 class _StepEnd:
-    __slots__ = ("step",)
+    __slots__ = ("done", "step")
 
     def __init__(self, step: int) -> None:
         self.step = step
+        self.done = threading.Event()
 
 
 _STOP = object()
@@ -60,6 +63,7 @@ class WriterThread:
         self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
         self._closed = False
         self._dropped = 0
+        self._wait_for_steps = True
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
         self._atexit = _weak_close(self)
@@ -74,8 +78,21 @@ class WriterThread:
         self._put(record)
 
     def end_step(self, step: int) -> None:
-        """Mark the end of a collected step: sinks flush whole rows / replace their JSON."""
-        self._put(_StepEnd(step))
+        """End a collected step: sinks flush whole rows / replace their JSON, and this call returns
+        when they have, so a step that has ended survives a crash (the issue's promise: every step
+        before the one a kill interrupts). A writer more than STEP_WAIT_S behind is reported once
+        and no longer waited for."""
+        marker = _StepEnd(step)
+        if not self._put(marker) or not self._wait_for_steps:
+            return
+        if not marker.done.wait(STEP_WAIT_S):
+            self._wait_for_steps = False
+            logger.warning(
+                "trainmon: the writer is more than %.0f s behind at step %d; training no longer waits for "
+                "it (a crash may lose the last steps written)",
+                STEP_WAIT_S,
+                step,
+            )
 
     def call(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` on the writer thread, in order with the records."""
@@ -103,13 +120,16 @@ class WriterThread:
                 "trainmon: %d records were dropped because the writer could not keep up", self._dropped
             )
 
-    def _put(self, item: object) -> None:
+    def _put(self, item: object) -> bool:
+        """Queue an item; False when it was not queued (closed, or the queue stayed full)."""
         if self._closed:
-            return
+            return False
         try:
             self._queue.put(item, timeout=PUT_TIMEOUT_S)
         except queue.Full:
             self._dropped += 1
+            return False
+        return True
 
     def _run(self) -> None:
         while True:
@@ -120,6 +140,7 @@ class WriterThread:
                 self._each_sink("write", item)
             elif isinstance(item, _StepEnd):
                 self._each_sink("end_step", item.step)
+                item.done.set()
             else:
                 try:
                     item()

@@ -7,9 +7,9 @@ merges are exact, as if the statistic were taken over the concatenation of all t
 weighted by element counts, ``nans`` summed, ``id`` the value when the whole row holds exactly
 one element (else NaN), and ``calls`` the number of calls. NaN and Inf propagate as numpy
 propagates them over the concatenated data; empty data gives NaN for min/max/mean/zeros/id and
-0 for norm/nans (the convention of ``adapters.torch.stats``).
+0 for norm/nans (the convention of the adapters' statistics).
 
-Nothing here imports a framework, so a MindSpore adapter can reuse it.
+Framework-free: the torch and MindSpore adapters both merge and name their ``comm`` rows here.
 """
 
 from __future__ import annotations
@@ -26,6 +26,11 @@ _EMPTY = np.array([0.0, 0.0, 0.0, 0.0, 0.0, 0.0, np.inf, -np.inf])
 #: the per-tensor statistic (from stat_matrix) each output op is merged from.
 _NEEDS = {"norm": "norm", "min": "min", "max": "max", "mean": "mean", "zeros": "zeros", "nans": "nans"}
 _NEEDS["id"] = "mean"  # a row of exactly one element: its mean is its value
+
+
+def row_name(op: str, phase: str, k: int, site: str | None) -> str:
+    """Name of a ``comm`` row: ``{op}.{pre|post}_{k}``, with ``@{file}[{line}]`` of its call site if any."""
+    return f"{op}.{phase}_{k}" + (f"@{site}" if site else "")
 
 
 def stat_ops_for(ops: Sequence[str]) -> tuple[str, ...]:

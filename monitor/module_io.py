@@ -1,0 +1,138 @@
+"""Which modules' inputs and outputs are monitored, which tensors of a call count, and their row names.
+
+Framework-free: the adapters (torch modules, MindSpore Cells) hand in names and a predicate that
+tells their tensors apart, and get back the same selection and the same row names, so that the
+``actv`` / ``actv_grad`` rows of every framework are spelled alike:
+
+* ``{module}.input`` / ``{module}.output`` (``_grad`` for the gradients), with ``_0``, ``_1``, ...
+  when a direction holds several tensors;
+* ``{module}[k]`` for the k-th extra call of a module within one micro-step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
+
+from monitor.config import MonitorConfig
+from monitor.naming import display_name, is_selected_exactly, name_candidates, squash_name
+
+logger = logging.getLogger("trainmon")
+
+_TUPLE_FORMAT = re.compile(r"^tuple\[(\d+)\](?::(\d+))?$")
+_MAX_DEPTH = 4
+
+IsTensor = Callable[[Any], bool]
+
+
+@dataclasses.dataclass(frozen=True)
+class SelectedModule:
+    """One module to hook: its position in the input, chunk, display name and 1.2.2 formats (if any)."""
+
+    position: int
+    vpp_stage: int
+    name: str
+    formats: Mapping[str, str]
+
+
+def select_modules(
+    named: Iterable[tuple[int, str]], config: MonitorConfig, every: bool = False
+) -> list[SelectedModule]:
+    """The modules among ``(vpp_stage, raw_name)`` pairs whose inputs/outputs are monitored.
+
+    Every module with ``all_xy`` (or ``every``) or without targets, else those a targets key
+    names exactly (raw, squashed or ``N:``-prefixed). When squashing makes two names of one chunk
+    collide, the later module keeps its raw name (spec W24).
+    """
+    keys = tuple(config.targets)
+    selected = []
+    taken: set[tuple[int, str]] = set()
+    for position, (vpp, raw) in enumerate(named):
+        candidates = name_candidates(vpp, raw, squash_name(raw))
+        formats: Mapping[str, str] = {}
+        for key in keys:
+            if key in candidates:
+                formats = config.targets[key]
+        if every or config.all_xy or not keys or is_selected_exactly(keys, candidates):
+            name = display_name(raw, config.squash_name)
+            if (vpp, name) in taken:
+                name = raw
+            taken.add((vpp, name))
+            selected.append(SelectedModule(position, vpp, name, formats))
+    return selected
+
+
+def flatten(obj: Any, is_tensor: IsTensor, depth: int = 0) -> Iterator[Any]:
+    """Every tensor in an argument or output: tuples, lists, dicts, ModelOutput-like and dataclass objects."""
+    if is_tensor(obj):
+        yield obj
+    elif depth >= _MAX_DEPTH or obj is None or isinstance(obj, (str, bytes, int, float, bool)):
+        return
+    elif isinstance(obj, (tuple, list)):
+        for item in obj:
+            yield from flatten(item, is_tensor, depth + 1)
+    elif isinstance(obj, Mapping):
+        for item in obj.values():
+            yield from flatten(item, is_tensor, depth + 1)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for item in dataclasses.fields(obj):
+            yield from flatten(getattr(obj, item.name), is_tensor, depth + 1)
+
+
+def _by_format(fmt: str, obj: Any, is_tensor: IsTensor) -> list[Any] | None:
+    """The tensor a 1.2.2 format (``tensor``, ``tuple[N]``, ``tuple[N]:i``) picks; None if it does not fit."""
+    if fmt.startswith("tensor"):
+        if is_tensor(obj):
+            return [obj]
+        if isinstance(obj, tuple) and len(obj) == 1 and is_tensor(obj[0]):
+            return [obj[0]]
+        return None
+    match = _TUPLE_FORMAT.match(fmt)
+    if match and isinstance(obj, (tuple, list)) and len(obj) == int(match.group(1)):
+        item = obj[int(match.group(2) or 0)]
+        if is_tensor(item):
+            return [item]
+    return None
+
+
+def direction_tensors(
+    name: str,
+    formats: Mapping[str, str],
+    warned: set[str],
+    direction: str,
+    obj: Any,
+    is_tensor: IsTensor,
+) -> list[Any]:
+    """The tensors of one direction of a call: per the module's format string if given and it fits, else all.
+
+    A structure that does not fit its format (it changed between calls) is handled, never an
+    IndexError: all tensors are taken and a warning says so once per module and direction
+    (``warned`` keeps track).
+    """
+    fmt = formats.get(direction)
+    if fmt:
+        picked = _by_format(fmt, obj, is_tensor)
+        if picked is not None:
+            return picked
+        if direction not in warned:
+            warned.add(direction)
+            logger.warning(
+                "trainmon: %s.%s does not match its format %r; monitoring all its tensors instead",
+                name,
+                direction,
+                fmt,
+            )
+    return list(flatten(obj, is_tensor))
+
+
+def call_name(name: str, call: int) -> str:
+    """The module name of its ``call``-th call within a micro-step: ``name``, then ``name[1]``, ..."""
+    return name if call == 0 else f"{name}[{call}]"
+
+
+def row_names(name: str, count: int) -> list[str]:
+    """Row names of the ``count`` tensors of one direction: ``name``, or ``name_0``, ``name_1``, ..."""
+    return [name] if count == 1 else [f"{name}_{i}" for i in range(count)]

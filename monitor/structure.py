@@ -1,0 +1,82 @@
+"""print_struct and stack_info outputs, framework-free: structure records, call stacks, their files.
+
+The adapters record on each module's first call (what it received and returned, where it was
+called from) and hand the results here, so that ``module_struct.json`` and ``stack_info.csv``
+are written alike for every framework. Stacks are kept as (file, line, function) frames; their
+source lines are read once, when the file is written (spec W3), never per call.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import linecache
+import os
+from collections.abc import Callable
+from types import FrameType
+from typing import Any
+
+from monitor.files import atomic_write_text, make_private_dir
+
+Frame = tuple[str, int, str]
+
+
+def describe(obj: Any, is_tensor: Callable[[Any], bool], tensor_text: Callable[[Any], str]) -> dict[str, Any]:
+    """The reference's structure record of one object (spec §5.6).
+
+    ``tensor_text(t)`` renders a tensor as ``size=(...), dtype=...``.
+    """
+
+    def item(value: Any) -> str:
+        return tensor_text(value) if is_tensor(value) else str(type(value))
+
+    if is_tensor(obj):
+        return {"config": "tensor", "tensor": tensor_text(obj)}
+    if isinstance(obj, (tuple, list)):
+        kind = "tuple" if isinstance(obj, tuple) else "list"
+        return {"config": f"{kind}[{len(obj)}]", **{str(i): item(v) for i, v in enumerate(obj)}}
+    if isinstance(obj, dict):
+        return {"config": f"dict[{len(obj)}]", **{str(k): item(v) for k, v in obj.items()}}
+    return {"config": str(type(obj))}
+
+
+def record_grad(entry: dict[str, Any], direction: str, index: int, count: int, text: str) -> None:
+    """Note the gradient of the ``index``-th of ``count`` tensors of ``direction`` (``input_grad``...)."""
+    entry.setdefault(direction, {"config": f"tuple[{count}]"})[str(index)] = text
+
+
+def write_structure(root: str, rank: int, structure: dict[str, dict[str, Any]]) -> str:
+    """Write ``module_struct/rank{R}/module_struct.json`` under root atomically; returns its path."""
+    directory = make_private_dir(os.path.join(root, "module_struct", f"rank{rank}"), under=root)
+    path = os.path.join(directory, "module_struct.json")
+    atomic_write_text(path, json.dumps(structure, indent=2))
+    return path
+
+
+def stack_frames(frame: FrameType | None) -> list[Frame]:
+    """(file, line, function) of ``frame`` and every frame that called it, innermost first."""
+    frames = []
+    while frame is not None:
+        frames.append((frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name))
+        frame = frame.f_back
+    return frames
+
+
+def write_stacks(directory: str, stacks: dict[str, list[Frame]]) -> str | None:
+    """Write ``stack_info.csv`` (``module_name,stack_info``) only if absent; returns its path or None."""
+    path = os.path.join(directory, "stack_info.csv")
+    if os.path.exists(path):
+        return None
+    buffer = io.StringIO()
+    writer = csv.writer(buffer)
+    writer.writerow(["module_name", "stack_info"])
+    for name, frames in stacks.items():
+        blocks = []
+        for filename, line, function in frames:
+            code = linecache.getline(filename, line).strip()
+            if code:
+                blocks.append(f"File {filename}, line {line}, in {function}, \n {code} \n")
+        writer.writerow([name, "".join(blocks)])
+    atomic_write_text(path, buffer.getvalue())
+    return path

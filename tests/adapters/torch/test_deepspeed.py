@@ -1,0 +1,321 @@
+"""DeepSpeed ZeRO stages 0-3 on two real gloo ranks: every statistic against DeepSpeed's own tensors.
+
+Each case trains a small model (odd sizes, two parameter groups, so that parameters straddle
+partitions and ZeRO-3's last partition is padded) for a few steps under three monitors at once:
+whole values (``shard_reduce``, attached with the engine), pieces with element counts (attached
+with ``engine.optimizer``) and a ``targets`` selection (attached with the torch optimizer inside).
+The references are full tensors from DeepSpeed (``safe_get_full_grad`` / ``_fp32_param`` /
+``_optimizer_state`` on every rank; stage 0 keeps whole tensors, read directly) and, for the
+unreduced gradient, a replica of the model run on the rank's own batch. The pieces are merged
+here with numpy. A second run without monitors must end with bit-identical parameters.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import importlib
+import importlib.util
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from tests.adapters.torch.distributed import run_ranks, save_result
+from tests.adapters.torch.helpers import ALL_OPS, MLP, assert_stats_close
+
+if importlib.util.find_spec("deepspeed") is None:  # not imported here: the test process stays DeepSpeed-free
+    pytest.skip("deepspeed is not installed (pip install trainmon[deepspeed])", allow_module_level=True)
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+STEPS, MICRO = 3, 2
+SIZES = (6, 15, 12, 5)  # odd element counts: ZeRO-3 pads the last rank's partition
+TARGETS = ("layers.1.weight", "norm.bias")  # layers.1.weight straddles the ZeRO-1/2 partitions
+PREFIXES = {
+    "grad_reduced": "post_grad",
+    "param_origin": "param_origin",
+    "param_updated": "param_updated",
+    "exp_avg": "exp_avg",
+    "exp_avg_sq": "exp_avg_sq",
+    "other": "mg_direction",
+    "grad_unreduced": "acc_grad",
+}
+#: (stage, precision): precision "bf16acc" is bf16 with fp32 gradient accumulation (BF16_Optimizer).
+CASES = {
+    0: [(0, "fp32"), (0, "bf16")],
+    1: [(1, "fp32"), (1, "bf16"), (1, "bf16acc")],
+    2: [(2, "fp32"), (2, "bf16")],
+    3: [(3, "fp32"), (3, "bf16")],
+}
+BACKENDS = {
+    (0, "fp32"): "TorchBackend",
+    (0, "bf16"): "UnfusedBackend",
+    (1, "bf16acc"): "FragmentBackend",
+    (3, "fp32"): "Stage3Backend",
+    (3, "bf16"): "Stage3Backend",
+}
+
+
+# -- the ranks -------------------------------------------------------------------------------
+
+
+def _engine(stage: int, precision: str):
+    import deepspeed
+
+    torch.manual_seed(0)
+    model = MLP(SIZES)
+    replica = copy.deepcopy(model)
+    weights = [p for n, p in model.named_parameters() if n.endswith("weight") and "norm" not in n]
+    others = [p for n, p in model.named_parameters() if all(p is not w for w in weights)]
+    optimizer = torch.optim.AdamW(
+        [{"params": weights, "weight_decay": 0.1}, {"params": others, "weight_decay": 0.0}], lr=0.05
+    )
+    config = {
+        "train_batch_size": 2 * MICRO,
+        "train_micro_batch_size_per_gpu": MICRO,
+        "zero_optimization": {"stage": stage},
+    }
+    if precision != "fp32":
+        config["bf16"] = {"enabled": True}
+    if precision == "bf16acc":
+        config["data_types"] = {"grad_accum_dtype": "fp32"}
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    dtype = torch.float32 if precision == "fp32" else torch.bfloat16
+    return engine, replica.to(dtype), dtype
+
+
+def _batch(rank: int, step: int, dtype: torch.dtype) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(MICRO, SIZES[0], generator=generator).to(dtype)
+
+
+def _full(engine, param, kind: str) -> np.ndarray | None:
+    """The whole tensor (flattened) as DeepSpeed holds it: kind 'grad', 'param' or a moment key."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad, safe_get_full_optimizer_state
+
+    if hasattr(param, "ds_id") or hasattr(param, "_hp_mapping"):  # ZeRO 1-3 and BF16_Optimizer
+        if kind == "grad":
+            tensor = safe_get_full_grad(param)
+        elif kind == "param":
+            tensor = safe_get_full_fp32_param(param)
+        else:
+            tensor = safe_get_full_optimizer_state(param, kind)
+    else:  # stage 0: whole tensors on every rank (fp32: the torch optimizer; bf16: an fp32 copy)
+        wrapper = engine.optimizer
+        master = param
+        if hasattr(wrapper, "fp32_groups"):
+            pairs = zip(wrapper.fp16_groups, wrapper.fp32_groups)
+            master = next(c for lp, hp in pairs for p, c in zip(lp, hp) if p is param)
+        inner = getattr(wrapper, "optimizer", wrapper)
+        if kind == "grad":
+            tensor = param.grad
+        elif kind == "param":
+            tensor = master
+        else:
+            tensor = inner.state[master][kind]
+    return tensor.detach().float().numpy().ravel().copy()
+
+
+def _relink_moments(engine) -> None:
+    """DeepSpeed's ZeRO-1/2 links each parameter to its moments once, after the first group's first
+    update, when later groups have no state yet, so its safe_get_full_optimizer_state fails for
+    them; link again with DeepSpeed's own code (a map only: the training is not touched)."""
+    wrapper = engine.optimizer
+    if type(wrapper).__name__ == "DeepSpeedZeroOptimizer":
+        wrapper._hp_optimizer_states_linked = False
+        wrapper._lazy_init_hp_params_optimizer_state()
+
+
+def _clip_like_the_engine(engine, grads: dict[str, list]) -> None:
+    """In stage 0 with fp32 the engine clips the gradients (DeepSpeed's default gradient_clipping is
+    1.0) and then calls the torch optimizer, whose pre-step hook sees the clipped gradients."""
+    total = np.sqrt(sum((np.asarray(g, dtype=np.float64) ** 2).sum() for g in grads.values()))
+    coefficient = min(1.0, engine.gradient_clipping() / (total + 1e-6))
+    for name, grad in grads.items():
+        grads[name] = (np.asarray(grad) * coefficient).tolist()
+
+
+def _agreement(grad: np.ndarray, moment: np.ndarray | None) -> float:
+    if moment is None:
+        return 1.0
+    return float(((np.sign(grad.astype(np.float64)) * np.sign(moment)).sum() / moment.size + 1) / 2)
+
+
+def _monitors(engine):
+    from monitor import TrainerMon
+
+    config = {
+        "wg_distribution": True,
+        "mv_distribution": True,
+        "param_distribution": True,
+        "mg_direction": True,
+        "ops": ALL_OPS,
+        "format": "api",
+    }
+    inner = getattr(engine.optimizer, "optimizer", engine.optimizer)  # the torch optimizer
+    return {
+        "merged": TrainerMon({**config, "shard_reduce": True}).set_monitor(engine.module, 1, engine),
+        "pieces": TrainerMon(config).set_monitor(engine.module, 1, engine.optimizer),
+        "targets": TrainerMon({**config, "targets": {t: {} for t in TARGETS}}).set_monitor(
+            engine.module, 1, inner
+        ),
+    }
+
+
+def _final_params(engine) -> list[np.ndarray]:
+    return [_full(engine, p, "param") for p in engine.module.parameters()]
+
+
+def _case(rank: int, stage: int, precision: str) -> dict:
+    engine, replica, dtype = _engine(stage, precision)
+    monitors = _monitors(engine)
+    backends = {key: type(mon._session.backend).__name__ for key, mon in monitors.items()}
+    named = list(engine.module.named_parameters())
+    steps = []
+    for step in range(STEPS):
+        x = _batch(rank, step, dtype)
+        engine.backward(engine(x).float().pow(2).mean())
+        ref = {"grad_reduced": {}, "param_origin": {}, "other": {}, "grad_unreduced": {}}
+        for name, p in named:
+            grad, origin = _full(engine, p, "grad"), _full(engine, p, "param")
+            ref["grad_reduced"][name], ref["param_origin"][name] = (
+                grad.ravel().tolist(),
+                origin.ravel().tolist(),
+            )
+            moment = _full(engine, p, "exp_avg") if step or (stage == 0 and precision != "fp32") else None
+            ref["other"][name] = _agreement(grad, moment)
+        if isinstance(engine.optimizer, torch.optim.Optimizer):  # stage 0 fp32: the generic back-end
+            _clip_like_the_engine(engine, ref["grad_reduced"])
+        with torch.no_grad():
+            for (name, p), q in zip(named, replica.parameters()):  # the weights the forward used
+                lp = p if p.numel() else torch.tensor(ref["param_origin"][name])  # ZeRO-3: fp32 master
+                q.copy_(lp.detach().reshape(q.shape).to(dtype))
+        replica.zero_grad()
+        replica(x).float().pow(2).mean().backward()
+        for (name, _), q in zip(named, replica.parameters()):
+            ref["grad_unreduced"][name] = q.grad.float().numpy().ravel().tolist()
+        engine.step()
+        _relink_moments(engine)
+        for kind, prefix in (
+            ("param", "param_updated"),
+            ("exp_avg", "exp_avg"),
+            ("exp_avg_sq", "exp_avg_sq"),
+        ):
+            ref[prefix] = {name: _full(engine, p, kind).tolist() for name, p in named}
+        got = {key: {prefix: mon._latest(prefix) for prefix in PREFIXES} for key, mon in monitors.items()}
+        steps.append({"ref": ref, "got": got})
+    trained = _final_params(engine)
+    for mon in monitors.values():
+        mon.stop()
+    inner = getattr(engine.optimizer, "optimizer", engine.optimizer)
+    restored = "step" not in vars(engine.optimizer) and "step" not in vars(inner)
+    plain, _, dtype = _engine(stage, precision)
+    for step in range(STEPS):
+        plain.backward(plain(_batch(rank, step, dtype)).float().pow(2).mean())
+        plain.step()
+    identical = all(np.array_equal(a, b) for a, b in zip(trained, _final_params(plain)))
+    return {"steps": steps, "backends": backends, "identical": identical, "restored": restored}
+
+
+def _worker(rank: int, world_size: int, workdir: str, cases: list) -> None:
+    os.environ.update(LOCAL_RANK=str(rank), DS_ACCELERATOR="cpu")
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None  # skip a JIT compile
+    save_result(workdir, rank, {f"{s}-{p}": _case(rank, s, p) for s, p in cases})
+
+
+# -- the checks ------------------------------------------------------------------------------
+
+
+def _rows(got: dict, prefix: str) -> dict[str, dict[str, float]]:
+    """{parameter name: row} of one rank's latest record of ``prefix``."""
+    return {tag.split("/")[0].split(":", 1)[1]: row for tag, row in got[prefix].items()}
+
+
+def _merge(rows: list[dict[str, float]]) -> dict[str, float]:
+    """The whole tensor's statistics from pieces written with their element counts."""
+    n = np.array([r["numel"] for r in rows])
+    column = {op: np.array([r[op] for r in rows]) for op in ALL_OPS}
+    return {
+        "min": column["min"].min(),
+        "max": column["max"].max(),
+        "norm": np.sqrt((column["norm"] ** 2).sum()),
+        "mean": (column["mean"] * n).sum() / n.sum(),
+        "zeros": (column["zeros"] * n).sum() / n.sum(),
+        "nans": column["nans"].sum(),
+        "numel": n.sum(),
+    }
+
+
+def _check_case(key: str, per_rank: list[dict], sharded: bool) -> None:
+    for result in per_rank:
+        assert result["identical"], f"{key}: training changed by the monitors"
+        assert result["restored"], f"{key}: the optimizer's step was not restored"
+    for step in range(STEPS):
+        ref = per_rank[0]["steps"][step]["ref"]
+        names = list(ref["param_origin"])
+        for prefix in PREFIXES:
+            pieces = [_rows(r["steps"][step]["got"]["pieces"], prefix) for r in per_rank]
+            for rank, result in enumerate(per_rank):
+                got = result["steps"][step]["got"]
+                merged, targets = _rows(got["merged"], prefix), _rows(got["targets"], prefix)
+                what = f"{key} step {step} rank {rank} {prefix}"
+                selected = {name for name in TARGETS if name in pieces[rank]}  # held on this rank
+                assert set(targets) == selected, f"{what}: targets rows {sorted(targets)}"
+                for name in selected:  # a selection gives the same numbers as the full run
+                    assert targets[name] == pieces[rank][name], f"{what} {name}: targets differ"
+                if prefix == "grad_unreduced":  # each rank's own gradient, whole
+                    own = result["steps"][step]["ref"]["grad_unreduced"]
+                    for name in names:
+                        want = np.array(own[name])
+                        assert_stats_close(merged[name], want, what=f"{what} {name}")
+                        assert_stats_close(pieces[rank][name], want, what=f"{what} {name}")
+                    continue
+                assert set(merged) == set(names), f"{what}: rows {sorted(merged)}"
+                for name in names:
+                    if prefix == "other":
+                        assert merged[name]["mean"] == pytest.approx(ref["other"][name], abs=1e-12), what
+                        continue
+                    want = np.array(ref[prefix][name])
+                    assert_stats_close(merged[name], want, what=f"{what} {name} merged")
+                    if sharded:
+                        assert merged[name]["numel"] == want.size and merged[name]["partial"] == 0, what
+            if prefix == "grad_unreduced":
+                continue
+            for name in names:
+                rows = [p[name] for p in pieces if name in p]
+                what = f"{key} step {step} {prefix} {name} pieces"
+                if not sharded:
+                    assert len(rows) == len(per_rank), what
+                    rows = rows[:1]
+                else:
+                    size = len(ref["param_origin"][name])
+                    assert all(r["partial"] == (r["numel"] < size) for r in rows), f"{what}: {rows}"
+                whole = _merge(rows) if sharded else rows[0]
+                if prefix == "other":
+                    want = ref["other"][name]
+                    if sharded:
+                        n = np.array([r["numel"] for r in rows])
+                        got_share = (np.array([r["mean"] for r in rows]) * n).sum() / n.sum()
+                    else:
+                        got_share = whole["mean"]
+                    assert got_share == pytest.approx(want, abs=1e-12), what
+                    continue
+                want = np.array(ref[prefix][name])
+                if sharded:
+                    assert whole["numel"] == want.size, what
+                assert_stats_close(whole, want, what=what)
+
+
+@pytest.mark.parametrize("stage", sorted(CASES))
+def test_every_statistic_equals_deepspeeds_full_tensors(tmp_path, stage):
+    cases = CASES[stage]
+    per_rank = run_ranks(functools.partial(_worker, cases=cases), 2, str(tmp_path))
+    for case in cases:
+        key = f"{case[0]}-{case[1]}"
+        results = [r[key] for r in per_rank]
+        expected = BACKENDS.get(case, "FragmentBackend")
+        for result in results:
+            assert set(result["backends"].values()) == {expected}, f"{key}: {result['backends']}"
+        _check_case(key, results, sharded=expected not in ("TorchBackend", "UnfusedBackend"))

@@ -1,0 +1,162 @@
+"""Promise 7: under torch.compile the monitor records what eager records, or says at attach time
+what it cannot see; it never silently records nothing.
+
+The model (an MLP: no dropout, whose random masks differ between eager and compiled code) is
+compiled with ``torch.compile`` and monitored; every data type's rows (tags) and values are
+compared with an eager run from the same seeds. The ``aot_eager`` backend runs the same kernels as
+eager, so values agree to rounding; one test runs the default CPU backend (inductor, which
+generates and compiles C++: about 15-30 s here) and compares within float32 tolerance.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from monitor import TrainerMon
+from tests.reliability.training import MLP, make_batches
+
+BACKEND = "aot_eager"
+STEPS = 4
+GRAD_ACC = 2
+OPS = ["min", "max", "norm", "mean"]
+KINDS = {
+    "wg": ({"wg_distribution": True}, ["grad_unreduced", "grad_reduced"]),
+    "param": ({"param_distribution": True}, ["param_origin", "param_updated"]),
+    "mv": ({"mv_distribution": True}, ["exp_avg", "exp_avg_sq"]),
+    "mg_direction": ({"mg_direction": True}, ["other"]),
+    "xy": ({"xy_distribution": True, "all_xy": True}, ["actv", "actv_grad"]),
+}
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    """Compiled code and counters of one test never leak into the next."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+def _monitored(config: dict, compiled: str | None, backend: str = BACKEND, log=None) -> dict:
+    """Per step, per data type: ``{tag: {op: value}}``; plus the warnings logged by set_monitor.
+
+    compiled: None (eager), "before" (set_monitor on the compiled model before its first call, the
+    usual order) or "after" (the compiled model has already run a step when set_monitor is called).
+    """
+    torch.manual_seed(0)
+    model = MLP()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    target = model if compiled is None else torch.compile(model, backend=backend)
+    if compiled == "after":
+        target(torch.ones(5, 6)).pow(2).mean().backward()
+        optimizer.zero_grad()
+    mon = TrainerMon({"format": "api", "ops": OPS, **config})
+    seen = len(log.records) if log is not None else 0
+    mon.set_monitor(target, grad_acc_steps=GRAD_ACC, optimizer=optimizer)
+    attach_warnings = [r.getMessage() for r in log.records[seen:] if r.levelname == "WARNING"] if log else []
+    prefixes = {p for _, ps in KINDS.values() for p in ps}
+    steps = []
+    for batches in make_batches(STEPS, GRAD_ACC, seed=3):
+        for x in batches:
+            target(x).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        steps.append({p: mon._core.latest.latest(p) for p in prefixes})
+    mon.stop()
+    return {"steps": steps, "attach_warnings": attach_warnings}
+
+
+def _assert_same(eager: dict, compiled: dict, prefixes: list[str], rel: float) -> None:
+    for step, (want, got) in enumerate(zip(eager["steps"], compiled["steps"], strict=True)):
+        for prefix in prefixes:
+            assert want[prefix], f"eager recorded no {prefix}"
+            assert sorted(got[prefix]) == sorted(want[prefix]), f"step {step} {prefix}: other rows"
+            for tag, row in want[prefix].items():
+                scale = rel * abs(row["norm"]) + 1e-12  # rounding is relative to the tensor's size
+                for op, value in row.items():
+                    assert got[prefix][tag][op] == pytest.approx(value, rel=rel, abs=scale), (step, tag, op)
+
+
+@pytest.mark.parametrize("kind", ["wg", "param", "mv", "mg_direction"])
+def test_a_compiled_model_gives_the_eager_rows_and_values(kind):
+    config, prefixes = KINDS[kind]
+    _assert_same(_monitored(config, None), _monitored(config, "before"), prefixes, rel=1e-6)
+
+
+def test_a_compiled_model_keeps_the_eager_names_unsquashed():
+    config = {"wg_distribution": True, "squash_name": False}
+    _assert_same(_monitored(config, None), _monitored(config, "before"), ["grad_reduced"], rel=1e-6)
+
+
+def test_activations_of_a_compiled_model_match_eager_or_are_announced(trainmon_log):
+    config, prefixes = KINDS["xy"]
+    compiled = _monitored(config, "before", log=trainmon_log)
+    if any("xy_distribution" in w and "compile" in w for w in compiled["attach_warnings"]):
+        return  # said clearly at attach time
+    _assert_same(_monitored(config, None), compiled, prefixes, rel=1e-6)
+
+
+def test_attaching_to_an_already_compiled_model_never_silently_records_nothing(trainmon_log):
+    config, prefixes = KINDS["xy"]
+    compiled = _monitored(config, "after", log=trainmon_log)
+    if any("xy_distribution" in w and "compile" in w for w in compiled["attach_warnings"]):
+        return
+    _assert_same(_monitored(config, None), compiled, prefixes, rel=1e-6)
+
+
+def _compiled_graphs_per_step(config: dict) -> tuple[list[int], list[int]]:
+    """Per step of a compiled, monitored model: dynamo's count of compiled graphs so far, and how
+    many times compiled graphs ran in that step (a backend that counts its calls)."""
+    from torch._dynamo.backends.registry import lookup_backend
+
+    runs = {"n": 0}
+
+    def counting_backend(graph, example_inputs):
+        compiled = lookup_backend(BACKEND)(graph, example_inputs)
+
+        def run(*args):
+            runs["n"] += 1
+            return compiled(*args)
+
+        return run
+
+    torch.manual_seed(0)
+    model = MLP()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    compiled = torch.compile(model, backend=counting_backend)
+    mon = TrainerMon({"format": "api", "ops": OPS, **config})
+    mon.set_monitor(compiled, grad_acc_steps=GRAD_ACC, optimizer=optimizer)
+    graphs, ran = [], []
+    for batches in make_batches(6, GRAD_ACC, seed=3):
+        before = runs["n"]
+        for x in batches:
+            compiled(x).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+        ran.append(runs["n"] - before)
+    mon.stop()
+    return graphs, ran
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_the_monitor_does_not_make_the_compiled_model_recompile_or_fall_back(kind):
+    graphs, ran = _compiled_graphs_per_step(KINDS[kind][0])
+    assert graphs[1] == graphs[-1], f"compiled graphs after each step: {graphs}"  # no recompiles
+    assert all(n >= GRAD_ACC for n in ran), f"compiled graphs run per step: {ran}"  # still compiled
+
+
+@pytest.mark.slow
+def test_the_default_cpu_backend_gives_the_eager_values():
+    """inductor (C++ code generated and compiled here); float32 kernels differ in rounding only."""
+    config = {
+        "wg_distribution": True,
+        "param_distribution": True,
+        "mv_distribution": True,
+        "mg_direction": True,
+    }
+    prefixes = [p for kind in ("wg", "param", "mv", "mg_direction") for p in KINDS[kind][1]]
+    eager = _monitored(config, None)
+    compiled = _monitored(config, "before", backend="inductor")
+    _assert_same(eager, compiled, prefixes, rel=1e-3)
