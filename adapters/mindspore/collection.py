@@ -13,6 +13,9 @@ Where each data type comes from (PyNative):
 * ``param_origin`` / ``param_updated``: the Parameters before / after the optimizer's call.
 * ``exp_avg`` / ``exp_avg_sq``: the optimizer's moment ParameterTuples after its call.
 * ``other`` (mg_direction): gradient at the call against exp_avg before the update.
+* ``actv`` / ``actv_grad``: Cell hooks and tensor hooks on the Cells' inputs and outputs
+  (see activations.py), written at the optimizer's call.
+* ``comm``: the collective primitives' calls of the step (see collectives.py).
 """
 
 from __future__ import annotations
@@ -25,13 +28,17 @@ import mindspore as ms
 import numpy as np
 from mindspore import mint, ops
 
+from adapters.mindspore.activations import Activations, select_cells
+from adapters.mindspore.collectives import CollectiveMonitor
 from adapters.mindspore.dist import rank_in_group
 from adapters.mindspore.grads import UnreducedGrads
 from adapters.mindspore.optim import OptimizerView
 from adapters.mindspore.params import ParamRegistry
 from adapters.mindspore.stats import StatEngine
+from adapters.mindspore.structure import StackRecorder, StructureRecorder
 from monitor.config import MonitorConfig
 from monitor.core import MonitorCore
+from monitor.errors import StructurePrinted
 from monitor.param_rows import param_row_tables, reduced_index, unreduced_rows
 from monitor.record import RowSet, StepRecord
 from monitor.schedule import Schedule
@@ -39,13 +46,7 @@ from monitor.schedule import Schedule
 logger = logging.getLogger("trainmon")
 
 #: config switches the MindSpore adapter does not implement yet; reported, not ignored silently.
-NOT_YET = (
-    "xy_distribution",
-    "print_struct",
-    "stack_info",
-    "ur_distribution",
-    "recording_l2_features",
-)
+NOT_YET = ("ur_distribution", "recording_l2_features")
 
 
 class Collection:
@@ -81,10 +82,6 @@ class Collection:
                 logger.warning(
                     "trainmon: %s is not supported yet by the MindSpore adapter and is ignored", key
                 )
-        if config.cc_distribution.enable:
-            logger.warning(
-                "trainmon: cc_distribution is not supported yet by the MindSpore adapter and is ignored"
-            )
         if config.mv_distribution and view.moment_problem:
             logger.warning("trainmon: mv_distribution: %s; no exp_avg/exp_avg_sq rows", view.moment_problem)
         self.registry = ParamRegistry(chunks, config)
@@ -105,6 +102,25 @@ class Collection:
                 self.registry, grad_acc_steps, self.engine, config.monitor_mbs_grad, self.fail
             )
             self._handles += self.grads.register()
+        self.activations: Activations | None = None
+        if config.xy_distribution:
+            forward, backward = not config.backward_only, not config.forward_only
+            cells = select_cells(chunks, config)
+            self.activations = Activations(chunks, cells, self.engine, forward, backward, self.fail)
+            self._handles += self.activations.register()
+        self.structure: StructureRecorder | None = None
+        if config.print_struct:
+            self.structure = StructureRecorder(chunks, config.squash_name)
+            self._handles += self.structure.register()
+        self.stacks: StackRecorder | None = None
+        self._stack_handles: list = []
+        if config.stack_info:
+            self.stacks = StackRecorder(chunks, config.squash_name)
+            self._stack_handles = self.stacks.register()
+        self.collectives: CollectiveMonitor | None = None
+        if config.cc_distribution.enable:
+            self.collectives = CollectiveMonitor(config, self.fail)
+            self.collectives.install()
         self.set_step(first_step)
 
     # -- the step ----------------------------------------------------------------------------
@@ -121,12 +137,25 @@ class Collection:
         if self.grads is not None:
             self.grads.reset()
             self.grads.collect = collect and "grad_unreduced" not in self._failed
+        if self.activations is not None:
+            self.activations.reset()
+            self.activations.collect = collect and not {"actv", "actv_grad"} & self._failed
+        if self.collectives is not None:
+            self.collectives.begin_step(step, collect and "comm" not in self._failed)
 
     def before_update(self, grads: Sequence[ms.Tensor] | None) -> None:
-        """Optimizer Cell pre-call: gradients, mg_direction and parameters before the update."""
+        """Optimizer Cell pre-call: activations, gradients, mg_direction, parameters before the update.
+
+        Raises:
+            StructurePrinted: print_struct wrote the structure; the run stops as the user asked.
+        """
+        if self.structure is not None and self.structure.structure:
+            self._print_structure()
         if not self.collect:
             return
         cfg = self.config
+        if self.activations is not None:
+            self._guard("actv", self._submit_activations)
         if self._wanted("grad_unreduced", cfg.wg_distribution):
             self._guard("grad_unreduced", self._submit_unreduced)
         if (cfg.wg_distribution or cfg.mg_direction) and (
@@ -157,6 +186,10 @@ class Collection:
                 self._guard(key, self._submit_tensors, key, self._moment_of(key))
         if self._wanted("param_updated", cfg.param_distribution):
             self._guard("param_updated", self._submit_tensors, "param_updated", lambda i: self._param(i))
+        if self.collectives is not None:
+            self._guard("comm", self._submit_collectives)
+        if self.stacks is not None:
+            self._guard("stack_info", self._write_stacks)
         self.core.end_step(self._step)
         self.schedule.mark_collected()
 
@@ -177,12 +210,15 @@ class Collection:
 
     # -- statistics --------------------------------------------------------------------------
 
-    def _submit(self, prefix: str, rows: RowSet, matrix: ms.Tensor) -> None:
-        values = matrix.asnumpy()  # the one device-to-host copy of this data type and step
+    def _submit(
+        self, prefix: str, rows: RowSet, matrix: ms.Tensor | np.ndarray, ops: tuple[str, ...] | None = None
+    ) -> None:
+        # the one device-to-host copy of this data type and step
+        values = matrix.asnumpy() if isinstance(matrix, ms.Tensor) else np.asarray(matrix)
         n = len(rows)
         call_ids = np.arange(self._call_id, self._call_id + n)
         self._call_id += n
-        self.core.submit(StepRecord(prefix, self._step, self.ops, rows, values, call_ids))
+        self.core.submit(StepRecord(prefix, self._step, ops or self.ops, rows, values, call_ids))
 
     def _submit_tensors(self, prefix: str, tensor_of: Callable[[int], ms.Tensor | None]) -> None:
         """Statistics of one tensor per monitored parameter (skipping parameters without one)."""
@@ -196,6 +232,14 @@ class Collection:
         if len(present) != len(index):
             rows = rows.take(present)
         self._submit(prefix, rows, self.engine.matrix(tensors))
+
+    def _submit_activations(self) -> None:
+        for prefix, rows, matrix in self.activations.take(self.rank):
+            self._submit(prefix, rows, matrix)
+
+    def _submit_collectives(self) -> None:
+        for rows, ops_, values in self.collectives.take(self.rank):
+            self._submit("comm", rows, values, ops_)
 
     def _submit_unreduced(self) -> None:
         index, micro, matrix = self.grads.take()
@@ -237,6 +281,33 @@ class Collection:
             values = ops.gather(values, ms.Tensor(np.argsort(np.array(order)).astype(np.int32)), 0)
         self._submit("other", rows, self.engine.scalar_matrix(values))
 
+    # -- print_struct and stack_info --------------------------------------------------------
+
+    def _print_structure(self) -> None:
+        """print_struct: write the structure and stop the run, as the user asked.
+
+        A failure to write is logged and switches print_struct off; the run goes on.
+        """
+        recorder, self.structure = self.structure, None
+        try:
+            path = recorder.write(self.core.root, self.rank)
+        except Exception as exc:
+            self.fail("print_struct", exc)
+            return
+        logger.info("trainmon: module structure written to %s; stopping as print_struct asks", path)
+        raise StructurePrinted(path)
+
+    def _write_stacks(self) -> None:
+        """stack_info: write stack_info.csv once, at the first collected step, then unhook."""
+        stacks, handles = self.stacks, self._stack_handles
+        self.stacks, self._stack_handles = None, []
+        for handle in handles:
+            handle.remove()
+        if self.core.output_dir is not None:
+            path = stacks.write(self.core.output_dir)
+            if path:
+                logger.info("trainmon: module call stacks written to %s", path)
+
     # -- failures and removal ----------------------------------------------------------------
 
     def _wanted(self, part: str, switch: bool) -> bool:
@@ -255,16 +326,22 @@ class Collection:
         self._failed.add(part)
         if part == "grad_unreduced" and self.grads is not None:
             self.grads.collect = False
+        if part in ("actv", "actv_grad") and self.activations is not None:
+            self.activations.collect = False
         logger.error(
             "trainmon: %s failed and is switched off (%r); training continues", part, exc, exc_info=exc
         )
 
     def remove(self) -> None:
         """Remove every hook of this collection and close its outputs (idempotent)."""
-        for handle in self._handles:
+        for handle in self._handles + self._stack_handles:
             handle.remove()
-        self._handles = []
+        self._handles, self._stack_handles = [], []
         self.collect = False
         if self.grads is not None:
             self.grads.collect = False
+        if self.activations is not None:
+            self.activations.collect = False
+        if self.collectives is not None:
+            self.collectives.remove()
         self.core.close()

@@ -85,6 +85,13 @@ class OptimizerView:
         moments = self.moments.get(key)
         return None if position is None or moments is None else moments[position]
 
+    def step_count(self) -> int | None:
+        """The optimizer's count of updates (``global_step``; one host copy), None if it has none."""
+        global_step = getattr(self.optimizer, "global_step", None)
+        if global_step is None:
+            return None
+        return int(global_step.asnumpy().reshape(-1)[0])
+
     def not_updated_yet(self) -> ms.Tensor:
         """0-d bool Tensor on the device: the optimizer has not made an update yet (no sync)."""
         return (self.optimizer.global_step == 0).reshape(())

@@ -9,9 +9,9 @@ whole life, while what is collected under a config lives in a Collection that ca
 stopped and replaced (``start()``, ``stop()``, live control through ``on_step_end``).
 
 MindSpore iterates a Cell's hook dict while it calls the hooks, so a hook cannot be removed
-from inside that Cell's call. When ``collect_times`` ends the collection inside the optimizer's
-forward hook, the collection's parameter hooks are removed at once and the two optimizer hooks
-stay, doing nothing, until ``stop()``.
+from inside that Cell's call. When ``collect_times`` (or print_struct) ends the collection inside
+the optimizer's hooks, the collection's parameter and Cell hooks are removed at once and the two
+optimizer hooks stay, doing nothing, until ``stop()``.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from adapters.mindspore.collection import Collection
 from adapters.mindspore.dist import global_rank, pipeline_info
 from adapters.mindspore.optim import OptimizerView, hookable_optimizer
 from monitor.config import MonitorConfig
+from monitor.errors import CollectivesLogged, StructurePrinted
 from monitor.schedule import rank_enabled
 
 logger = logging.getLogger("trainmon")
@@ -77,9 +78,11 @@ class MindSporeSession:
         self._output_dir: str | None = None
         self._core: Any = None
         self._hooks: list = []
+        self._steps_at_stop: int | None = None
         if not rank_enabled(config, self.rank):
             logger.info("trainmon: rank %d is not in module_ranks; nothing is monitored here", self.rank)
             return
+        self._attach_optimizer_hooks()  # also when dormant: live control runs at the end of each step
         if not dormant:
             self.start(config)
 
@@ -101,10 +104,7 @@ class MindSporeSession:
         self._end_collection()
         self.config = config or self.config
         if not self._hooks:
-            self._hooks = [
-                self.optimizer.register_forward_pre_hook(self._before_update, with_kwargs=True),
-                self.optimizer.register_forward_hook(self._after_update),
-            ]
+            self._attach_optimizer_hooks()
         self.collection = Collection(
             config=self.config,
             chunks=self.chunks,
@@ -120,7 +120,13 @@ class MindSporeSession:
         self._output_dir = self.collection.core.output_dir
         kinds = [
             k
-            for k in ("wg_distribution", "mv_distribution", "param_distribution", "mg_direction")
+            for k in (
+                "wg_distribution",
+                "mv_distribution",
+                "param_distribution",
+                "mg_direction",
+                "xy_distribution",
+            )
             if getattr(self.config, k)
         ]
         logger.info(
@@ -135,17 +141,38 @@ class MindSporeSession:
     def stop(self) -> None:
         """Remove every hook and close the outputs (idempotent; not from inside the optimizer's call)."""
         self._end_collection()
+        if self._hooks:
+            self._steps_at_stop = self.view.step_count()
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
 
+    def resume_step_count(self, step: int | None) -> None:
+        """After stop() no hook counts steps: go on from ``step``, else from the optimizer's global_step."""
+        if step is not None:
+            self.step = step
+        elif self._steps_at_stop is not None:
+            now = self.view.step_count()
+            if now is not None:
+                self.step += now - self._steps_at_stop
+        self._steps_at_stop = None
+
     # -- optimizer Cell hooks ----------------------------------------------------------------
+
+    def _attach_optimizer_hooks(self) -> None:
+        self._hooks = [
+            self.optimizer.register_forward_pre_hook(self._before_update, with_kwargs=True),
+            self.optimizer.register_forward_hook(self._after_update),
+        ]
 
     def _before_update(self, cell: Any, args: tuple, kwargs: dict) -> None:
         if self.collection is not None:
             grads = args[0] if args else kwargs.get("gradients")
             try:
                 self.collection.before_update(grads if isinstance(grads, (tuple, list)) else None)
+            except StructurePrinted:  # the only exception that leaves a hook: the user asked for it
+                self._end_collection()
+                raise
             except Exception as exc:
                 self.collection.fail("step start", exc)
 
@@ -166,7 +193,11 @@ class MindSporeSession:
                     )
                     self._end_collection()
                 else:
-                    self.collection.set_step(self.step)
+                    try:
+                        self.collection.set_step(self.step)
+                    except CollectivesLogged:  # cc_log_only: the user asked the run to stop here
+                        self._end_collection()
+                        raise
             if self.on_step_end is not None:
                 try:
                     self.on_step_end(self.step)

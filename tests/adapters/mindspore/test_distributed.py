@@ -1,4 +1,8 @@
-"""A real 2-process MindSpore data-parallel job (msrun, mccl on CPU) with a DistributedGradReducer."""
+"""A real 2-process MindSpore data-parallel job (msrun, mccl on CPU) with a DistributedGradReducer.
+
+The job also makes PyNative AllReduce / Broadcast / AllGather calls of its own, whose ``comm``
+statistics are checked against numpy. (MindSpore has no CPU kernel for ReduceScatter.)
+"""
 
 from __future__ import annotations
 
@@ -80,6 +84,7 @@ def job(tmp_path_factory):
                 "param_updated",
                 "exp_avg",
                 "other",
+                "comm",
             )
         }
         ranks.append({**result, "copies": copies, "frames": frames, "workdir": workdir})
@@ -106,10 +111,13 @@ def test_every_rank_writes_its_own_complete_outputs(job):
             "exp_avg",
             "exp_avg_sq",
         )
-        expected = sorted(f"{p}_{s}-{s}.csv" for p in (*prefixes, "other") for s in range(result["steps"]))
+        expected = sorted(
+            f"{p}_{s}-{s}.csv" for p in (*prefixes, "other", "comm") for s in range(result["steps"])
+        )
         assert files == expected
-        for frame in result["frames"].values():
-            assert len(frame) == len(result["names"]) * result["steps"]
+        for prefix, frame in result["frames"].items():
+            if prefix != "comm":
+                assert len(frame) == len(result["names"]) * result["steps"]
         assert os.path.isdir(
             os.path.join(os.path.dirname(result["output_dir"]), "anomaly_detected", f"rank{rank}")
         )
@@ -156,3 +164,77 @@ def test_parameters_and_moments_match_numpy_on_every_rank(job):
                     g = np.sign(copies[f"reduced/{step}/{j}"].astype(np.float64))
                     m = np.sign(copies[f"exp_avg/{step - 1}/{j}"].astype(np.float64))
                     assert mg == pytest.approx(((g * m).sum() / m.size + 1) / 2, rel=1e-5)
+
+
+#: the job's own collective calls per step: op -> indices of its calls (see dp_worker.py).
+CALLS = {"AllReduce": [0, 1], "Broadcast": [2], "AllGather": [3]}
+
+
+def _call_data(copies: dict, io: str, calls: list[int], op: str, step: int) -> np.ndarray:
+    """All tensors of the given calls' inputs or outputs at one step, concatenated (float64)."""
+    arrays = [
+        copies[key].astype(np.float64).ravel()
+        for i in calls
+        for key in sorted(k for k in copies if k.startswith(f"cc_{io}_{i}_{op}/{step}/"))
+    ]
+    return np.concatenate(arrays)
+
+
+def test_collective_statistics_match_numpy_over_each_steps_calls(job):
+    ops = ["min", "max", "norm", "mean", "zeros", "nans"]
+    for result in job:
+        copies, frame = result["copies"], result["frames"]["comm"]
+        assert list(frame.columns) == ["vpp_stage", "name", "step", *ops, "calls"]
+        for step in range(result["steps"]):
+            names = set(frame[frame["step"] == step]["name"])
+            # the AllGather primitive was created after set_monitor: wrapped from the second step on
+            seen = [op for op in CALLS if op != "AllGather" or step > 0]
+            assert names == {f"{op}.{phase}_0" for op in seen for phase in ("pre", "post")}
+            for op in seen:
+                for phase, io in (("pre", "in"), ("post", "out")):
+                    row = _row(frame, f"{op}.{phase}_0", step)
+                    data = _call_data(copies, io, CALLS[op], op, step)
+                    assert_stats_close(row, data, ops, what=f"rank {result['rank']} step {step} {op} {phase}")
+                    assert row["calls"] == len(CALLS[op])
+    for result in job:  # wrapped per instance while monitored, their own class again after stop()
+        assert result["wrapped"] == [True] * 4  # the reducer's AllReduce too (it still reduced: above)
+        assert result["restored"] == [True] * 4
+    for step in range(job[0]["steps"]):  # the collectives really ran: AllReduce summed the ranks' inputs
+        for result in job:
+            summed = sum(_call_data(r["copies"], "in", [1], "AllReduce", step) for r in job)
+            np.testing.assert_allclose(
+                _call_data(result["copies"], "out", [1], "AllReduce", step), summed, rtol=1e-5, atol=1e-7
+            )
+
+
+def _line_of(text: str) -> int:
+    with open(WORKER, encoding="utf-8") as handle:
+        (line,) = [i for i, source in enumerate(handle, start=1) if text in source]
+    return line
+
+
+def test_cc_codeline_keeps_only_the_matching_call_site(job):
+    site = f"dp_worker.py[{_line_of('return all_reduce(loss.reshape(1))')}]"
+    ops = ["min", "max", "norm", "mean", "zeros", "nans"]
+    for result in job:
+        rank = result["rank"]
+        assert len(result["codeline"]) == result["steps"]
+        for step, latest in enumerate(result["codeline"]):
+            tag = f"0:AllReduce.post_0@{site}/rank{rank}/comm"
+            assert set(latest) == {tag}  # the other AllReduce, Broadcast and AllGather calls are left out
+            data = _call_data(result["copies"], "out", [0], "AllReduce", step)
+            assert_stats_close(latest[tag], data, ops, what=f"rank {rank} step {step}")
+            assert latest[tag]["calls"] == 1
+
+
+def test_cc_log_only_logs_each_call_once_and_stops_after_the_first_step(job):
+    site = f"dp_worker.py[{_line_of('return all_reduce(loss.reshape(1))')}]"
+    for result in job:
+        log = result["log_only"]
+        assert log["stopped_at"] == 0
+        all_gather, all_reduce = sorted(log["messages"])
+        assert all_reduce.startswith("trainmon: collective AllReduce (group size 2; Float32[1]) called from:")
+        assert f"{site}   _summed_loss" in all_reduce
+        assert all_gather.startswith("trainmon: collective AllGather (group size 2; Float32[12, 16]) called")
+        for left_out in ("mindspore/nn/cell.py", "adapters/mindspore/cc_wrap.py"):  # frames not shown
+            assert left_out not in all_reduce + all_gather

@@ -84,6 +84,30 @@ def test_csv_files_headers_and_rows_are_the_torch_adapters(tmp_path, monkeypatch
     theirs.stop()
 
 
+def test_activation_csv_files_are_the_torch_adapters(tmp_path, monkeypatch):
+    config = {
+        "xy_distribution": True,
+        "targets": {"layers.0": {}, "norm": {}},
+        "ops": CONFIG["ops"],
+        "format": "csv",
+    }
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "ms"))
+    ours = _mindspore_run(config)
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "torch"))
+    theirs = _torch_run(config)
+    ours_layout, theirs_layout = _csv_layout(ours.output_dir), _csv_layout(theirs.output_dir)
+    assert (
+        list(ours_layout)
+        == list(theirs_layout)
+        == [f"{prefix}_{step}-{step}.csv" for prefix in ("actv", "actv_grad") for step in (0, 1)]
+    )
+    for name, (header, rows) in ours_layout.items():
+        assert header == theirs_layout[name][0] == "vpp_stage,name,step,micro_step," + ",".join(CONFIG["ops"])
+        assert rows == theirs_layout[name][1], name
+    ours.stop()
+    theirs.stop()
+
+
 def test_tensorboard_tags_are_the_torch_adapters_and_values_the_api_ones(tmp_path, monkeypatch):
     from tensorboard.backend.event_processing.event_accumulator import SCALARS, EventAccumulator
 

@@ -1,0 +1,245 @@
+"""Cell activations: statistics of inputs/outputs (``actv``) and their gradients (``actv_grad``).
+
+The design and the row names are the torch adapter's (``monitor.module_io``): a forward pre-hook
+takes a Cell's inputs and a forward hook its outputs; tensor hooks registered on those same
+tensors (``Tensor.register_hook``, PyNative) receive dL/d(output) and dL/d(input) while
+``value_and_grad`` runs, so ``input_grad`` is the gradient of the loss with respect to the
+tensor the Cell received, as with torch. Cell backward hooks are not used: MindSpore implements
+them by routing the Cell's inputs and outputs through extra hook operations on every call,
+collected or not, and their firings would have to be matched to calls by order.
+
+Micro-steps are counted by a pre-hook on each model chunk's root Cell (one call per
+micro-batch). A Cell call is recorded when it runs inside a call of its chunk's root and is a
+training call: the Cell is in training mode (``set_train()``) or runs under ``value_and_grad``
+/ ``grad`` -- MindSpore Cells start in eval mode and many PyNative loops never call
+``set_train()``. Calls outside the root's call are not recorded, which leaves out MindSpore's
+recompute pass (``Cell.recompute()`` runs the forward again during the backward).
+
+PyNative runs every operation separately, so statistics are not taken call by call: the
+tensors of a chunk's forward are described together when the root's call ends, gradients when
+the next forward starts or the optimizer is called (and earlier whenever the held tensors
+exceed ``HOLD_MAX`` elements). Held forward tensors are mostly those autograd keeps for the
+backward anyway; a tensor changed in place later in the same forward is described as it is at
+the end of that forward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import mindspore as ms
+import numpy as np
+from mindspore import ops
+from mindspore.graph.api import _pynative_executor
+
+from adapters.mindspore.stats import StatEngine
+from monitor.config import MonitorConfig
+from monitor.module_io import call_name, direction_tensors, row_names, select_modules
+from monitor.record import RowSet
+
+#: held tensor elements (per direction) above which their statistics are taken at once.
+HOLD_MAX = 1 << 24
+PREFIXES = ("actv", "actv_grad")
+
+
+def is_tensor(obj: Any) -> bool:
+    return isinstance(obj, ms.Tensor)
+
+
+def grad_active() -> bool:
+    """True while ``value_and_grad`` / ``grad`` records operations for the backward (PyNative)."""
+    return bool(_pynative_executor.requires_grad())
+
+
+def takes_part_in_grad(tensor: ms.Tensor) -> bool:
+    """True when a gradient will flow to ``tensor`` (a tensor hook can be registered on it)."""
+    has_auto_grad = getattr(tensor, "_has_auto_grad", None)
+    return bool(has_auto_grad()) if has_auto_grad is not None else True
+
+
+def is_training_call(cell: ms.nn.Cell) -> bool:
+    """A call that training makes: the Cell is in training mode or runs under a gradient computation."""
+    return bool(cell.training) or grad_active()
+
+
+@dataclasses.dataclass
+class HookedCell:
+    """A monitored Cell: its chunk, display name, and 1.2.2 per-direction formats (if any)."""
+
+    vpp_stage: int
+    name: str
+    cell: ms.nn.Cell
+    formats: Mapping[str, str]
+    warned: set[str] = dataclasses.field(default_factory=set)
+
+
+def select_cells(chunks: Sequence[ms.nn.Cell], config: MonitorConfig) -> list[HookedCell]:
+    """Cells to hook: every Cell with all_xy (or no targets), else those named exactly in targets."""
+    named = [(vpp, raw, cell) for vpp, chunk in enumerate(chunks) for raw, cell in chunk.cells_and_names()]
+    return [
+        HookedCell(m.vpp_stage, m.name, named[m.position][2], m.formats)
+        for m in select_modules([(vpp, raw) for vpp, raw, _ in named], config)
+    ]
+
+
+class _Held:
+    """Tensors of one direction waiting for their statistics, with their row labels."""
+
+    def __init__(self) -> None:
+        self.rows: list[tuple[int, str, int]] = []
+        self.tensors: list[ms.Tensor] = []
+        self.numel = 0
+        #: statistics already taken this step: (rows, float64 matrix on the device).
+        self.blocks: list[tuple[list[tuple[int, str, int]], ms.Tensor]] = []
+
+    def add(self, vpp: int, names: list[str], micro: int, tensors: list[ms.Tensor]) -> None:
+        self.rows.extend((vpp, name, micro) for name in names)
+        self.tensors.extend(tensors)
+        self.numel += sum(int(np.prod(t.shape, dtype=np.int64)) for t in tensors)
+
+    def describe(self, engine: StatEngine) -> None:
+        if self.tensors:
+            self.blocks.append((self.rows, engine.matrix(self.tensors)))
+            self.rows, self.tensors, self.numel = [], [], 0
+
+
+class Activations:
+    """Hooks on selected Cells; statistics taken in batches, kept on the device until the step is written."""
+
+    def __init__(
+        self,
+        chunks: Sequence[ms.nn.Cell],
+        cells: list[HookedCell],
+        engine: StatEngine,
+        forward: bool,
+        backward: bool,
+        on_error: Callable[[str, BaseException], None],
+    ) -> None:
+        self.chunks = list(chunks)
+        self.cells = cells
+        self.engine = engine
+        self.forward = forward
+        self.backward = backward
+        self.on_error = on_error
+        #: set by the collection before each step's forward: the hooks do nothing when False.
+        self.collect = False
+        self._micro = [-1] * len(self.chunks)
+        self._running = [0] * len(self.chunks)
+        self._calls: dict[tuple[int, int], int] = {}
+        self._held = {prefix: _Held() for prefix in PREFIXES}
+
+    def register(self) -> list:
+        """Register the hooks; returns removable handles.
+
+        Per chunk root: the micro-step counter first (prepended) and the end of its call last
+        (after the Cells' own hooks, also when the forward raises).
+        """
+        handles = []
+        for vpp, chunk in enumerate(self.chunks):
+            handles.append(chunk.register_forward_pre_hook(self._root_starts(vpp), prepend=True))
+        for index, entry in enumerate(self.cells):
+            handles.append(entry.cell.register_forward_pre_hook(self._before(index), with_kwargs=True))
+            handles.append(entry.cell.register_forward_hook(self._after(index), with_kwargs=True))
+        for vpp, chunk in enumerate(self.chunks):
+            handles.append(chunk.register_forward_hook(self._root_ends(vpp), always_call=True))
+        return handles
+
+    # -- hooks -------------------------------------------------------------------------------
+
+    def _root_starts(self, vpp: int) -> Callable:
+        def hook(cell: ms.nn.Cell, args: Any) -> None:
+            self._running[vpp] += 1
+            if self.collect and self._running[vpp] == 1 and is_training_call(cell):
+                self._micro[vpp] += 1
+                self._guard("actv_grad", self._held["actv_grad"].describe, self.engine)
+
+        return hook
+
+    def _root_ends(self, vpp: int) -> Callable:
+        def hook(cell: ms.nn.Cell, args: Any, output: Any) -> None:
+            self._running[vpp] = max(self._running[vpp] - 1, 0)
+            if self.collect and self._running[vpp] == 0:
+                self._guard("actv", self._held["actv"].describe, self.engine)
+
+        return hook
+
+    def _recorded(self, entry: HookedCell) -> bool:
+        return self._running[entry.vpp_stage] > 0 and is_training_call(entry.cell)
+
+    def _before(self, index: int) -> Callable:
+        def hook(cell: ms.nn.Cell, args: tuple, kwargs: dict) -> None:
+            entry = self.cells[index]
+            if self.collect and self._recorded(entry):
+                inputs = (*args, *kwargs.values()) if kwargs else args
+                self._guard("actv", self._observe, index, "input", inputs, False)
+
+        return hook
+
+    def _after(self, index: int) -> Callable:
+        def hook(cell: ms.nn.Cell, args: tuple, kwargs: dict, output: Any) -> None:
+            entry = self.cells[index]
+            if self.collect and self._recorded(entry):
+                self._guard("actv", self._observe, index, "output", output, True)
+
+        return hook
+
+    def _observe(self, index: int, direction: str, obj: Any, call_done: bool) -> None:
+        entry = self.cells[index]
+        micro = max(self._micro[entry.vpp_stage], 0)
+        tensors = direction_tensors(entry.name, entry.formats, entry.warned, direction, obj, is_tensor)
+        name = f"{call_name(entry.name, self._calls.get((index, micro), 0))}.{direction}"
+        if tensors and self.forward:
+            self._hold("actv", entry.vpp_stage, row_names(name, len(tensors)), micro, tensors)
+        if tensors and self.backward and grad_active():
+            for tensor, row in zip(tensors, row_names(f"{name}_grad", len(tensors))):
+                if takes_part_in_grad(tensor):
+                    tensor.register_hook(self._grad_hook(entry.vpp_stage, row, micro))
+        if call_done:
+            self._calls[(index, micro)] = self._calls.get((index, micro), 0) + 1
+
+    def _grad_hook(self, vpp: int, name: str, micro: int) -> Callable[[ms.Tensor], ms.Tensor]:
+        def hook(grad: ms.Tensor) -> ms.Tensor:
+            if self.collect:
+                self._guard("actv_grad", self._hold, "actv_grad", vpp, [name], micro, [grad])
+            return grad  # MindSpore wants the gradient back; the same tensor changes nothing
+
+        return hook
+
+    def _hold(self, prefix: str, vpp: int, names: list[str], micro: int, tensors: list[ms.Tensor]) -> None:
+        held = self._held[prefix]
+        held.add(vpp, names, micro, tensors)
+        if held.numel > HOLD_MAX:
+            held.describe(self.engine)
+
+    def _guard(self, part: str, fn: Callable, *args: Any) -> None:
+        try:
+            fn(*args)
+        except Exception as exc:
+            self.collect = False
+            self.on_error(part, exc)
+
+    # -- the step ----------------------------------------------------------------------------
+
+    def take(self, rank: int) -> list[tuple[str, RowSet, ms.Tensor]]:
+        """This step's records: ``(prefix, rows, statistics)`` for actv and actv_grad; resets."""
+        out = []
+        for prefix in PREFIXES:
+            held = self._held[prefix]
+            held.describe(self.engine)
+            if held.blocks:
+                rows = [row for block_rows, _ in held.blocks for row in block_rows]
+                matrices = [matrix for _, matrix in held.blocks]
+                vpp, names, micro = zip(*rows)
+                matrix = matrices[0] if len(matrices) == 1 else ops.concat(matrices)
+                out.append((prefix, RowSet.build(vpp, names, rank, prefix, micro), matrix))
+        self.reset()
+        return out
+
+    def reset(self) -> None:
+        """Forget the step (W16: a Cell that does not run in a step has no row for it)."""
+        self._micro = [-1] * len(self.chunks)
+        self._running = [0] * len(self.chunks)
+        self._calls.clear()
+        self._held = {prefix: _Held() for prefix in PREFIXES}

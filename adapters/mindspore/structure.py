@@ -1,0 +1,95 @@
+"""print_struct and stack_info on MindSpore Cells: what each Cell receives and returns, and from where.
+
+Both record on a Cell's first training call only (see ``activations.is_training_call``); the
+records, the stack capture and the files are the torch adapter's (``monitor.structure``), so
+``module_struct.json`` and ``stack_info.csv`` have the same layout. Tensors are described as
+``size=(5, 4), dtype=Float32`` (MindSpore's dtype names).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import mindspore as ms
+
+from adapters.mindspore.activations import grad_active, is_tensor, is_training_call, takes_part_in_grad
+from monitor.naming import chunk_name, display_name
+from monitor.structure import Frame, describe, record_grad, stack_frames, write_stacks, write_structure
+
+
+def _tensor_text(t: ms.Tensor) -> str:
+    return f"size={tuple(t.shape)}, dtype={t.dtype}"
+
+
+def _cell_names(chunks: Sequence[ms.nn.Cell], squash: bool) -> list[tuple[str, ms.nn.Cell]]:
+    return [
+        (chunk_name(vpp, display_name(raw, squash)), cell)
+        for vpp, chunk in enumerate(chunks)
+        for raw, cell in chunk.cells_and_names()
+    ]
+
+
+class StructureRecorder:
+    """Records every Cell's input/output (and their gradients') structure on its first training call."""
+
+    def __init__(self, chunks: Sequence[ms.nn.Cell], squash: bool) -> None:
+        self.cells = _cell_names(chunks, squash)
+        self.structure: dict[str, dict[str, Any]] = {}
+
+    def register(self) -> list:
+        return [cell.register_forward_hook(self._hook(name), with_kwargs=True) for name, cell in self.cells]
+
+    def _hook(self, name: str) -> Callable:
+        def hook(cell: ms.nn.Cell, args: tuple, kwargs: dict, output: Any) -> None:
+            if name in self.structure or not is_training_call(cell):
+                return
+            inputs = (*args, *kwargs.values())
+            entry = self.structure[name] = {
+                "input": describe(inputs, is_tensor, _tensor_text),
+                "output": describe(output, is_tensor, _tensor_text),
+            }
+            if not grad_active():
+                return
+            for direction, obj in (("input_grad", inputs), ("output_grad", output)):
+                tensors = [t for t in (obj if isinstance(obj, (tuple, list)) else (obj,)) if is_tensor(t)]
+                for i, tensor in enumerate(tensors):
+                    if takes_part_in_grad(tensor):
+                        tensor.register_hook(self._grad_hook(entry, direction, i, len(tensors)))
+
+        return hook
+
+    @staticmethod
+    def _grad_hook(entry: dict, direction: str, index: int, count: int) -> Callable:
+        def hook(grad: ms.Tensor) -> ms.Tensor:
+            record_grad(entry, direction, index, count, _tensor_text(grad))
+            return grad
+
+        return hook
+
+    def write(self, root: str, rank: int) -> str:
+        """Write ``module_struct/rank{R}/module_struct.json`` under root; returns its path."""
+        return write_structure(root, rank, self.structure)
+
+
+class StackRecorder:
+    """Records, per Cell, the call stack of its first forward (frames only; source read at write)."""
+
+    def __init__(self, chunks: Sequence[ms.nn.Cell], squash: bool) -> None:
+        self.cells = _cell_names(chunks, squash)
+        self.stacks: dict[str, list[Frame]] = {}
+
+    def register(self) -> list:
+        return [cell.register_forward_pre_hook(self._hook(name)) for name, cell in self.cells]
+
+    def _hook(self, name: str) -> Callable:
+        def hook(cell: ms.nn.Cell, args: Any) -> None:
+            if name not in self.stacks:
+                self.stacks[name] = stack_frames(sys._getframe(2))
+
+        return hook
+
+    def write(self, directory: str) -> str | None:
+        """Write ``stack_info.csv`` (only if absent); returns its path or None."""
+        return write_stacks(directory, self.stacks)

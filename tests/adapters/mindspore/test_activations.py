@@ -1,0 +1,184 @@
+"""Cell activations on MindSpore: every row against numpy, names, micro-steps, what is left out."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("mindspore", reason="MindSpore is not installed here (pip install -e '.[mindspore]')")
+
+import mindspore as ms
+import numpy as np
+from mindspore import nn
+
+from adapters.mindspore import activations
+from monitor import TrainerMon
+from tests.adapters.mindspore.helpers import OPTIMIZERS, Net, make_batches, train
+from tests.reference_stats import ALL_OPS, assert_stats_close
+
+#: MindSpore's nn.LayerNorm default epsilon.
+LAYER_NORM_EPS = 1e-7
+
+
+def _forward_backward(weights: dict[str, np.ndarray], x: np.ndarray):
+    """The test's own float64 forward and backward of Net for loss = mean(out ** 2).
+
+    Returns ``(values, grads)``: each Cell call's input/output and the loss's gradient with
+    respect to each of them, under the names the monitor must use.
+    """
+    x = x.astype(np.float64)
+    values, pre = {".input": x, "layers.0.input": x}, {}
+    h = x
+    for i in range(3):
+        h = h @ weights[f"layers.{i}.weight"].T + weights[f"layers.{i}.bias"]
+        values[f"layers.{i}.output"] = h
+        if i < 2:
+            act = "act" if i == 0 else "act[1]"
+            pre[act] = h
+            values[f"{act}.input"] = h
+            h = np.maximum(h, 0.0)
+            values[f"{act}.output"] = h
+        values[f"layers.{i + 1}.input" if i < 2 else "norm.input"] = h
+    mu = h.mean(axis=-1, keepdims=True)
+    rstd = 1.0 / np.sqrt(((h - mu) ** 2).mean(axis=-1, keepdims=True) + LAYER_NORM_EPS)
+    xhat = (h - mu) * rstd
+    out = xhat * weights["norm.gamma"] + weights["norm.beta"]
+    values["norm.output"] = values[".output"] = out
+    grads = {}
+    dout = 2.0 * out / out.size
+    grads[".output_grad"] = grads["norm.output_grad"] = dout
+    dxhat = dout * weights["norm.gamma"]
+    n = h.shape[-1]
+    dh = rstd / n * (n * dxhat - dxhat.sum(-1, keepdims=True) - xhat * (dxhat * xhat).sum(-1, keepdims=True))
+    grads["norm.input_grad"] = grads["layers.2.output_grad"] = dh
+    for i in (2, 1):
+        act = "act" if i == 1 else "act[1]"
+        dh = dh @ weights[f"layers.{i}.weight"]
+        grads[f"layers.{i}.input_grad"] = grads[f"{act}.output_grad"] = dh
+        dh = dh * (pre[act] > 0)
+        grads[f"{act}.input_grad"] = grads[f"layers.{i - 1}.output_grad"] = dh
+    return values, grads
+
+
+def _run(config: dict, steps: int = 2, micro: int = 2, net=None):
+    """Train Net with the monitor; per step the test's copies and the api dictionaries of actv/actv_grad."""
+    net = net or Net()
+    optimizer = OPTIMIZERS["Adam"](net.trainable_params())
+    mon = TrainerMon({"xy_distribution": True, "format": "api", **config})
+    mon.set_monitor(net, grad_acc_steps=micro, optimizer=optimizer)
+
+    class Recorder(list):
+        def append(self, record):  # called right after each optimizer call
+            latest = mon._core.latest
+            record["actv"], record["actv_grad"] = latest.latest("actv"), latest.latest("actv_grad")
+            super().append(record)
+
+    capture = Recorder()
+    batches = make_batches(steps, micro)
+    train(net, optimizer, batches, capture)
+    mon.stop()
+    return [p.name for p in optimizer.parameters], batches, list(capture)
+
+
+@pytest.mark.parametrize("hold_max", [None, 200], ids=["batched", "described-early"])
+def test_every_activation_row_matches_numpy(hold_max, monkeypatch):
+    if hold_max is not None:  # held tensors above the bound are described at once: same rows, same values
+        monkeypatch.setattr(activations, "HOLD_MAX", hold_max)
+    names, batches, steps = _run({"all_xy": True, "ops": ALL_OPS})
+    for step, (record, step_batches) in enumerate(zip(steps, batches)):
+        weights = {name: w.astype(np.float64) for name, w in zip(names, record["param_origin"])}
+        want_actv, want_grads = set(), set()
+        for micro, x in enumerate(step_batches):
+            values, grads = _forward_backward(weights, x)
+            for key, array in values.items():
+                tag = f"0:{key}:{micro}/rank0/actv"
+                want_actv.add(tag)
+                assert_stats_close(record["actv"][tag], array, what=f"step {step} {tag}")
+            for key, array in grads.items():
+                tag = f"0:{key}:{micro}/rank0/actv_grad"
+                want_grads.add(tag)
+                assert_stats_close(record["actv_grad"][tag], array, what=f"step {step} {tag}")
+        # the CellList container never runs; the network input takes no gradient
+        assert set(record["actv"]) == want_actv
+        assert set(record["actv_grad"]) == want_grads
+
+
+def test_targets_name_cells_exactly_and_1_2_2_formats_are_accepted():
+    targets = {"layers.1": {}, "norm": {"input": "tuple[1]:0", "output": "tensor"}, "layers.2.weight": {}}
+    _, _, steps = _run({"targets": targets, "ops": ["norm"]}, steps=1, micro=1)
+    heads = {tag.split(":0/")[0] for tag in steps[0]["actv"]}
+    assert heads == {"0:layers.1.input", "0:layers.1.output", "0:norm.input", "0:norm.output"}
+    assert {tag.split(":0/")[0] for tag in steps[0]["actv_grad"]} == {
+        "0:layers.1.input_grad",
+        "0:layers.1.output_grad",
+        "0:norm.input_grad",
+        "0:norm.output_grad",
+    }
+
+
+@pytest.mark.parametrize(
+    ("flag", "present", "absent"),
+    [("forward_only", "actv", "actv_grad"), ("backward_only", "actv_grad", "actv")],
+)
+def test_forward_only_and_backward_only(flag, present, absent):
+    _, _, steps = _run({"all_xy": True, flag: True, "ops": ["norm"]}, steps=1, micro=1)
+    assert steps[0][present] and not steps[0][absent]
+
+
+class Gated(nn.Cell):
+    def __init__(self) -> None:
+        super().__init__()
+        self.always = nn.Dense(2, 2)
+        self.sometimes = nn.Dense(2, 2)
+
+    def construct(self, x, use: bool):
+        x = self.always(x)
+        return self.sometimes(x) if use else x
+
+
+def test_a_cell_that_did_not_run_has_no_row_for_that_step():
+    net = Gated()
+    optimizer = nn.SGD(net.trainable_params(), learning_rate=0.1)
+    mon = TrainerMon({"xy_distribution": True, "all_xy": True, "ops": ["norm"], "format": "api"})
+    mon.set_monitor(net, grad_acc_steps=1, optimizer=optimizer)
+    seen = []
+    for use in (True, False):
+        grad_fn = ms.value_and_grad(lambda x, u=use: net(x, u).sum(), None, optimizer.parameters)
+        _, grads = grad_fn(ms.Tensor(np.ones((1, 2), np.float32)))
+        optimizer(grads)
+        seen.append({tag for tag in mon._core.latest.latest("actv") if "sometimes" in tag})
+    mon.stop()
+    assert seen[0] and not seen[1]
+
+
+def test_eval_forwards_outside_gradients_are_not_recorded_and_set_train_is_not_needed():
+    net = Net()
+    optimizer = OPTIMIZERS["Adam"](net.trainable_params())
+    mon = TrainerMon({"xy_distribution": True, "ops": ["norm"], "format": "api", "targets": {"norm": {}}})
+    mon.set_monitor(net, grad_acc_steps=1, optimizer=optimizer)
+    x = ms.Tensor(make_batches(1, 1)[0][0])
+    assert not net.training  # MindSpore's default: this loop never calls set_train()
+    net(x)  # an evaluation forward: no gradient, eval mode
+    grad_fn = ms.value_and_grad(lambda x: net(x).square().mean(), None, optimizer.parameters)
+    _, grads = grad_fn(x)
+    net(x)
+    optimizer(grads)
+    tags = set(mon._core.latest.latest("actv"))
+    mon.stop()
+    assert tags == {"0:norm.input:0/rank0/actv", "0:norm.output:0/rank0/actv"}
+
+
+def test_stop_removes_every_cell_hook_and_training_is_unchanged():
+    net = Net()
+    optimizer = OPTIMIZERS["AdamWeightDecay"](net.trainable_params())
+    plain = train(net, optimizer, make_batches(2, 2))
+    plain_params = [p.asnumpy().copy() for p in optimizer.parameters]
+    net = Net()
+    optimizer = OPTIMIZERS["AdamWeightDecay"](net.trainable_params())
+    mon = TrainerMon({"xy_distribution": True, "all_xy": True, "stack_info": True})
+    mon.set_monitor(net, grad_acc_steps=2, optimizer=optimizer)
+    assert train(net, optimizer, make_batches(2, 2)) == plain
+    for before, after in zip(plain_params, optimizer.parameters):
+        np.testing.assert_array_equal(before, after.asnumpy())
+    mon.stop()
+    for _, cell in net.cells_and_names():
+        assert not cell._forward_pre_hook and not cell._forward_hook
