@@ -111,8 +111,6 @@ def _replaced(config, path, value):
     return copy
 
 
-
-
 def _assert_loads_or_names(raw, key: str) -> None:
     """load_config(raw) loads, or raises ConfigError naming ``key``; any other exception fails."""
     try:
