@@ -200,6 +200,8 @@ def test_other_runs_render_and_new_steps_appear_live(page):
             30,
             name,
         )
+    # the heatmap of the run switched to last (4 steps) replaces the previous one asynchronously
+    session.wait_for("return +document.querySelector('.tm-canvas').dataset.cols === 4;", 30, "live run")
     assert _state(session)["cols"] == 4
     write_run(
         logdir / "live", fmt="tensorboard", steps=range(4, 6), stamp="Jan02_03-04-05"
