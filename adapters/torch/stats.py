@@ -1,109 +1,252 @@
 """Statistics of many tensors at once, on their device, stacked for one host copy.
 
 ``stat_matrix(tensors, ops, eps)`` returns a float64 tensor (len(tensors), len(ops)) on the
-tensors' device. Norms use torch._foreach_norm over the whole list (fp32 accumulation for
-half types); min and max come from one aminmax pass per tensor; sums accumulate in fp32 (fp64
-for fp64 inputs); no whole-tensor float64 copy is ever made. Element counts (``zeros``,
-``nans``) are taken in chunks so their boolean temporaries stay small.
+tensors' device. No whole-tensor float64 (or, for half types, float32) copy is ever made.
+
+CPU: floating tensors go through one pass of monitor.fused_stats (min, max, sum, sum of squares
+and the zero count together; numba) when min, max or zeros are asked for; half types are upcast
+to fp32 in cache-sized chunks (CPU_CHUNK elements) into a reused buffer first. Without numba,
+and for integer types, each chunk gets one library call per statistic while it is in cache.
+Sums accumulate in fp32 per chunk (fp64 for fp64 inputs) and chunks combine in float64. NaNs
+are counted only in tensors whose sum of squares (or sum, or min/max) came out non-finite: a
+finite one proves there is no NaN, and on the CPU reading that verdict costs nothing.
+
+Accelerators: ``torch._foreach_norm`` over the list, one aminmax per tensor, fp32 sums, counts
+in COUNT_CHUNK pieces so their temporaries stay bounded; no host synchronisation.
 
 NaN/Inf policy: min, max, norm and mean propagate NaN/Inf exactly as numpy does on the same
 data; ``nans`` counts NaN elements; empty tensors give NaN for min/max/mean/zeros and 0 for
-norm/nans. Nothing here raises on non-finite values.
+norm/nans. Nothing here raises on non-finite values. ``zeros`` compares |x| with eps in fp32
+(fp64 for fp64 inputs), so an eps below the half types' range still counts their zeros.
 """
 
 from __future__ import annotations
 
+import math
+import threading
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
-#: elements per chunk for the counting ops (bounds their temporaries to 16 MiB of bools).
+from monitor import fused_stats
+
+#: accelerators: elements per chunk for the counting ops (bounds their temporaries).
 COUNT_CHUNK = 1 << 24
-_HALF_TYPES = (torch.float16, torch.bfloat16)
+#: CPU: elements per cache-resident chunk (512 KiB of fp32).
+CPU_CHUNK = 1 << 17
+_F64 = torch.float64
+_EMPTY_VALUE = {"norm": 0.0, "nans": 0.0}
+_BUFFERS = threading.local()
 
 
 def _accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _chunks(t: torch.Tensor) -> Sequence[torch.Tensor]:
+def _id_column(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    return torch.stack(
+        [
+            t.reshape(()).to(_F64) if t.numel() == 1 else t.new_full((), float("nan"), dtype=_F64)
+            for t in tensors
+        ]
+    )
+
+
+def _count_nans(t: torch.Tensor, chunk: int) -> torch.Tensor:
     flat = t.reshape(-1)
-    if flat.numel() <= COUNT_CHUNK:
-        return (flat,)
-    return flat.split(COUNT_CHUNK)
+    parts = [torch.count_nonzero(torch.isnan(piece)) for piece in flat.split(chunk)]
+    return parts[0] if len(parts) == 1 else torch.stack(parts).sum()
 
 
-def _count(t: torch.Tensor, eps: float, kind: str) -> torch.Tensor:
-    total = None
-    for chunk in _chunks(t):
-        if kind == "nans":
-            part = torch.isnan(chunk).sum()
-        else:
-            part = torch.count_nonzero((chunk < eps) & (chunk > -eps))
-        total = part if total is None else total + part
-    return total
+def _scratch(dtype: torch.dtype, numel: int, slot: int) -> torch.Tensor:
+    """A reused per-thread buffer of at least ``numel`` elements (no page faults per call)."""
+    buffers = _BUFFERS.__dict__.setdefault("by_key", {})
+    buffer = buffers.get((dtype, slot))
+    if buffer is None or buffer.numel() < numel:
+        buffer = buffers[(dtype, slot)] = torch.empty(max(numel, 1024), dtype=dtype)
+    return buffer[:numel]
 
 
-def _group_columns(tensors: Sequence[torch.Tensor], ops: Sequence[str], eps: float) -> list[torch.Tensor]:
-    """Columns (one 1-D tensor per op) for non-empty tensors that share a dtype and device."""
+def _cpu_block(tensors: Sequence[torch.Tensor], ops: tuple[str, ...], eps: float) -> torch.Tensor:
+    """CPU tensors of one dtype: each read once (fused kernel) or chunk by chunk while in cache."""
+    floating = tensors[0].is_floating_point()
+    minmax = "min" in ops or "max" in ops
+    # the fused pass pays off where the library needs several passes (min/max, the zero count)
+    if floating and (minmax or "zeros" in ops) and fused_stats.available():
+        parts = _fused_parts(tensors, eps)
+    else:
+        parts = _library_parts(tensors, ops, eps)
+    identity = _id_column(tensors).tolist() if "id" in ops else None
+    rows = []
+    for i, (t, (low, high, total, squares, small, nans)) in enumerate(zip(tensors, parts)):
+        numel = t.numel()
+        if nans is None and "nans" in ops:
+            nans = float(_count_nans(t, CPU_CHUNK)) if floating and _may_hold_nan(ops, parts[i]) else 0.0
+        value = {
+            "min": low,
+            "max": high,
+            "mean": total / numel,
+            "norm": math.sqrt(squares),
+            "zeros": small / numel,
+            "nans": nans,
+            "id": identity[i] if identity else None,
+        }
+        rows.append([value[op] for op in ops])
+    return torch.tensor(rows, dtype=_F64)
+
+
+def _may_hold_nan(ops: tuple[str, ...], part: tuple) -> bool:
+    """False when a computed statistic proves the tensor NaN-free (a NaN makes each of them NaN)."""
+    low, high, total, squares, _, _ = part
+    if "norm" in ops or not ({"min", "max", "mean"} & set(ops)):
+        return not math.isfinite(squares)
+    if "mean" in ops:
+        return not math.isfinite(total)
+    return not math.isfinite(low + high)
+
+
+def _fused_parts(tensors: Sequence[torch.Tensor], eps: float) -> list[tuple]:
+    """(min, max, sum, sum of squares, zero count, NaN count) per tensor from the one-pass kernel.
+
+    fp32/fp64 tensors are read in place; half types are upcast chunk by chunk into a reused
+    fp32 buffer (so the comparison with eps happens in fp32, where a small eps still exists).
+    """
+    first = tensors[0]
+    acc = _accumulate_dtype(first.dtype)
+    native = first.dtype == acc
+    upcast = None if native else _scratch(acc, min(CPU_CHUNK, max(t.numel() for t in tensors)), 0)
+    parts = []
+    for t in tensors:
+        flat = t.detach().contiguous().view(-1)  # numpy views need no autograd and one stride
+        if native:
+            parts.append(fused_stats.stats(flat.numpy(), eps))
+            continue
+        pieces = [
+            fused_stats.stats(upcast[: chunk.numel()].copy_(chunk).numpy(), eps)
+            for chunk in flat.split(CPU_CHUNK)
+        ]
+        parts.append(pieces[0] if len(pieces) == 1 else _fold(pieces))
+    return parts
+
+
+def _fold(pieces: list[tuple]) -> tuple:
+    """One tensor's statistics from those of its chunks (NaN, once in a chunk, stays)."""
+    lows, highs, totals, squares, smalls, nans = zip(*pieces)
+    return (float(np.min(lows)), float(np.max(highs)), sum(totals), sum(squares), sum(smalls), sum(nans))
+
+
+def _library_parts(tensors: Sequence[torch.Tensor], ops: tuple[str, ...], eps: float) -> list[tuple]:
+    """The same per-tensor statistics from library calls, chunk by chunk while each is in cache:
+    without the C extension, and for integer types. NaNs are left to the caller (None)."""
+    first = tensors[0]
+    floating = first.is_floating_point()
+    minmax = "min" in ops or "max" in ops
+    sums = "mean" in ops
+    squares = "norm" in ops or ("nans" in ops and floating and not (minmax or sums))
+    zeros = "zeros" in ops
+    acc = _accumulate_dtype(first.dtype)
+    size = min(CPU_CHUNK, max(t.numel() for t in tensors))
+    wanted = minmax or sums or squares or zeros
+    upcast = None if first.dtype == acc or not wanted else _scratch(acc, size, 0)
+    absolute = _scratch(acc, size, 1) if zeros else None
+    parts = []
+    for t in tensors:
+        flat = t.detach().contiguous().view(-1)
+        lows, highs = [], []
+        total = squared = small = 0.0
+        for chunk in (flat,) if flat.numel() <= CPU_CHUNK else flat.split(CPU_CHUNK):
+            values = chunk if upcast is None else upcast[: chunk.numel()].copy_(chunk)
+            if minmax:
+                if floating:  # numpy's min/max are vectorised; NaN propagates as in numpy
+                    array = values.numpy()
+                    lows.append(array.min())
+                    highs.append(array.max())
+                else:  # integers: exact, whatever their size
+                    pair = torch.aminmax(chunk if chunk.dtype != torch.bool else values)
+                    lows.append(pair.min.item())
+                    highs.append(pair.max.item())
+            if sums:
+                total += values.sum().item()
+            if squares:
+                squared += torch.dot(values, values).item()
+            if zeros:
+                part = absolute[: chunk.numel()]
+                torch.abs(values, out=part)
+                small += part.lt_(eps).sum().item()  # 0/1 in acc: exact below 2**24 per chunk
+        low = float(np.min(lows)) if lows else 0.0
+        high = float(np.max(highs)) if highs else 0.0
+        parts.append((low, high, total, squared, small, None))
+    return parts
+
+
+def _device_block(tensors: Sequence[torch.Tensor], ops: tuple[str, ...], eps: float) -> torch.Tensor:
+    """Accelerator tensors of one dtype and device: fused multi-tensor reductions, no host sync."""
     acc = _accumulate_dtype(tensors[0].dtype)
     floating = tensors[0].is_floating_point()
+    device = tensors[0].device
     columns: dict[str, torch.Tensor] = {}
     if "norm" in ops:
         if floating:
             norms = torch._foreach_norm(list(tensors), 2, dtype=acc)
         else:
             norms = [torch.linalg.vector_norm(t.to(acc)) for t in tensors]
-        columns["norm"] = torch.stack(norms).to(torch.float64)
+        columns["norm"] = torch.stack(norms).to(_F64)
     if "min" in ops or "max" in ops:
         pairs = [torch.aminmax(t) for t in tensors]
-        columns["min"] = torch.stack([p.min for p in pairs]).to(torch.float64)
-        columns["max"] = torch.stack([p.max for p in pairs]).to(torch.float64)
-    numel = None
-    if "mean" in ops or "zeros" in ops:
-        numel = torch.tensor([t.numel() for t in tensors], dtype=torch.float64, device=tensors[0].device)
+        columns["min"] = torch.stack([p.min for p in pairs]).to(_F64)
+        columns["max"] = torch.stack([p.max for p in pairs]).to(_F64)
+    numel = torch.tensor([t.numel() for t in tensors], dtype=_F64, device=device)
     if "mean" in ops:
-        sums = torch.stack([t.sum(dtype=acc) for t in tensors]).to(torch.float64)
-        columns["mean"] = sums / numel
+        columns["mean"] = torch.stack([t.sum(dtype=acc) for t in tensors]).to(_F64) / numel
     if "zeros" in ops:
-        columns["zeros"] = torch.stack([_count(t, eps, "zeros") for t in tensors]).to(torch.float64) / numel
+        counts = []
+        for t in tensors:
+            pieces = t.reshape(-1).split(COUNT_CHUNK)
+            # compared in acc precision: an eps below the half types' range must not round to 0
+            found = [
+                torch.count_nonzero((p.abs() if p.dtype == acc else p.to(acc).abs_()) < eps) for p in pieces
+            ]
+            counts.append(found[0] if len(found) == 1 else torch.stack(found).sum())
+        columns["zeros"] = torch.stack(counts).to(_F64) / numel
     if "nans" in ops:
         if floating:
-            columns["nans"] = torch.stack([_count(t, eps, "nans") for t in tensors]).to(torch.float64)
+            columns["nans"] = torch.stack([_count_nans(t, COUNT_CHUNK) for t in tensors]).to(_F64)
         else:
-            columns["nans"] = torch.zeros(len(tensors), dtype=torch.float64, device=tensors[0].device)
+            columns["nans"] = torch.zeros(len(tensors), dtype=_F64, device=device)
     if "id" in ops:
-        columns["id"] = torch.stack(
-            [
-                t.reshape(()).to(torch.float64)
-                if t.numel() == 1
-                else t.new_full((), float("nan"), dtype=torch.float64)
-                for t in tensors
-            ]
-        )
-    return [columns[op] for op in ops]
+        columns["id"] = _id_column(tensors)
+    return torch.stack([columns[op] for op in ops], dim=1)
 
 
-_EMPTY_VALUE = {"norm": 0.0, "nans": 0.0}
+def _group_columns(tensors: Sequence[torch.Tensor], ops: tuple[str, ...], eps: float) -> torch.Tensor:
+    """The (len(tensors), len(ops)) block of non-empty tensors that share a dtype and device."""
+    if tensors[0].device.type == "cpu":
+        return _cpu_block(tensors, ops, eps)
+    return _device_block(tensors, ops, eps)
 
 
 def stat_matrix(tensors: Sequence[torch.Tensor], ops: Sequence[str], eps: float = 1e-8) -> torch.Tensor:
     """Statistics (rows: tensors, columns: ops) as one float64 tensor on the tensors' device."""
     ops = tuple(ops)
     if not tensors:
-        return torch.empty((0, len(ops)), dtype=torch.float64)
-    device = tensors[0].device
-    out = torch.empty((len(tensors), len(ops)), dtype=torch.float64, device=device)
+        return torch.empty((0, len(ops)), dtype=_F64)
     groups: dict[tuple[torch.dtype, torch.device], list[int]] = {}
+    empty = []
     for i, t in enumerate(tensors):
         if t.numel() == 0:
-            out[i] = torch.tensor([_EMPTY_VALUE.get(op, float("nan")) for op in ops], dtype=torch.float64)
-            continue
-        groups.setdefault((t.dtype, t.device), []).append(i)
+            empty.append(i)
+        else:
+            groups.setdefault((t.dtype, t.device), []).append(i)
+    if not empty and len(groups) == 1:  # the common case: one dtype, one device, nothing empty
+        return _group_columns(tensors, ops, eps)
+    device = tensors[0].device
+    out = torch.empty((len(tensors), len(ops)), dtype=_F64, device=device)
+    for i in empty:
+        out[i] = torch.tensor([_EMPTY_VALUE.get(op, float("nan")) for op in ops], dtype=_F64)
     for index in groups.values():
-        block = torch.stack(_group_columns([tensors[i] for i in index], ops, eps), dim=1)
-        rows = torch.tensor(index, device=device)
-        out.index_copy_(0, rows, block.to(device))
+        block = _group_columns([tensors[i] for i in index], ops, eps)
+        out.index_copy_(0, torch.tensor(index, device=device), block.to(device))
     return out
 
 

@@ -1,4 +1,8 @@
-"""The fused statistics kernel against numpy, including non-finite values and odd inputs."""
+"""CPU statistics against numpy, including non-finite values and odd inputs.
+
+Every test runs twice: through the one-pass kernel (monitor.fused_stats, a C extension) and
+through the library-call path used where the extension was not built.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +11,18 @@ import pytest
 import torch
 
 import adapters.torch.stats as stats
+from monitor import fused_stats
 from tests.adapters.torch.helpers import ALL_OPS, numpy_stats
+
+
+@pytest.fixture(autouse=True, params=["fused", "library"])
+def path(request, monkeypatch):
+    """Which CPU path computes the statistics."""
+    if request.param == "fused":
+        assert fused_stats.available(), "monitor._fused_stats was not built (pip install -e .)"
+    else:
+        monkeypatch.setattr(fused_stats, "available", lambda: False)
+    return request.param
 
 
 def _stats(tensors, ops=ALL_OPS, eps=1e-8):
@@ -104,3 +119,35 @@ def test_only_requested_ops_in_requested_order():
 
 def test_no_tensors_gives_an_empty_matrix():
     assert stats.stat_matrix([], ALL_OPS).shape == (0, len(ALL_OPS))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_zeros_of_half_types_with_an_eps_below_their_range(dtype):
+    # 1e-8 rounds to 0 in fp16: a comparison in the tensor's own type would count nothing
+    tensor = torch.tensor([0.0, 0.0, -0.0, 1.0, -2.0, 0.5, 0.0, 3.0], dtype=dtype)
+    (got,) = _stats([tensor], ["zeros"], eps=1e-8)
+    assert got["zeros"] == 0.5
+
+
+def test_large_float32_tensor_keeps_seven_digits():
+    # torch._foreach_norm / vector_norm lose ~3 digits over millions of float32 elements
+    generator = torch.Generator().manual_seed(3)
+    tensor = torch.randn(6_000_000, generator=generator) * 0.01 + 0.003
+    (got,) = _stats([tensor], ["norm", "mean"])
+    wide = tensor.numpy().astype(np.float64)
+    assert got["norm"] == pytest.approx(np.sqrt(np.sum(wide * wide)), rel=1e-6)
+    assert got["mean"] == pytest.approx(np.mean(wide), rel=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_tensors_of_many_chunks_fold_exactly(monkeypatch, dtype):
+    monkeypatch.setattr(stats, "CPU_CHUNK", 1000)
+    generator = torch.Generator().manual_seed(4)
+    tensors = [torch.randn(4321, generator=generator).to(dtype) for _ in range(3)]
+    tensors[0][::5] = 0.0
+    tensors[1][3000] = float("nan")  # in a later chunk
+    tensors[2][4000] = float("-inf")
+    for tensor, got in zip(tensors, _stats(tensors)):
+        want = numpy_stats(tensor.to(torch.float64).numpy())
+        for op in ALL_OPS:
+            _same(got[op], want[op], rel=1e-5)

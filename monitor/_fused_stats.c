@@ -1,0 +1,151 @@
+/* One pass over a float32/float64 buffer: min, max, sum, sum of squares, count of |x| < eps,
+ * and (only when the sum of squares is not finite) the NaN count.
+ *
+ * Built by setup.py as the optional extension monitor._fused_stats; monitor/fused_stats.py
+ * falls back to library calls when it is missing. Plain C, no fast-math: the loops keep LANES
+ * independent accumulators so the compiler vectorises them without reassociating anything
+ * itself. Min and max run on order-preserving integer keys of the bit patterns (integer
+ * min/max vectorise; IEEE min/max with NaN rules do not), which also makes them exact for
+ * signed zeros and infinities. Sums accumulate in the buffer's precision within blocks of
+ * BLOCK elements and in double across blocks. The GIL is released while the loop runs.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define LANES 32
+#define BLOCK 16384
+
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
+/* a baseline build plus AVX-512 and AVX2 clones, picked when the module loads: never an
+ * instruction the machine lacks (environments are often built on one node, run on another) */
+#define CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define CLONES
+#endif
+
+typedef struct {
+    double low, high, total, squares;
+    long long small, nans;
+} Result;
+
+#define DEFINE_KERNEL(NAME, FLOAT, INT, SIGN_SHIFT, MAGNITUDE)                                 \
+    static inline INT NAME##_key(FLOAT v) {                                                   \
+        INT bits;                                                                             \
+        memcpy(&bits, &v, sizeof bits);                                                       \
+        return bits ^ ((bits >> SIGN_SHIFT) & MAGNITUDE);                                     \
+    }                                                                                         \
+    static inline FLOAT NAME##_value(INT key) {                                               \
+        INT bits = key ^ ((key >> SIGN_SHIFT) & MAGNITUDE);                                   \
+        FLOAT v;                                                                              \
+        memcpy(&v, &bits, sizeof v);                                                          \
+        return v;                                                                             \
+    }                                                                                         \
+    CLONES static void NAME(const FLOAT *restrict a, Py_ssize_t n, FLOAT eps, Result *out) {  \
+        INT low[LANES], high[LANES];                                                          \
+        long long small = 0;                                                                  \
+        double total = 0.0, squares = 0.0;                                                    \
+        INT first = NAME##_key(a[0]);                                                         \
+        for (int j = 0; j < LANES; j++) {                                                     \
+            low[j] = first;                                                                   \
+            high[j] = first;                                                                  \
+        }                                                                                     \
+        for (Py_ssize_t start = 0; start < n; start += BLOCK) {                               \
+            Py_ssize_t stop = start + BLOCK < n ? start + BLOCK : n;                          \
+            Py_ssize_t full = start + (stop - start) / LANES * LANES;                         \
+            FLOAT s[LANES] = {0}, q[LANES] = {0};                                             \
+            INT z[LANES] = {0};                                                               \
+            for (Py_ssize_t i = start; i < full; i += LANES) {                                \
+                for (int j = 0; j < LANES; j++) {                                             \
+                    FLOAT v = a[i + j];                                                       \
+                    INT key = NAME##_key(v);                                                  \
+                    low[j] = key < low[j] ? key : low[j];                                     \
+                    high[j] = key > high[j] ? key : high[j];                                  \
+                    s[j] += v;                                                                \
+                    q[j] += v * v;                                                            \
+                    z[j] += (v < eps) & (v > -eps);                                           \
+                }                                                                             \
+            }                                                                                 \
+            for (Py_ssize_t i = full; i < stop; i++) {                                        \
+                FLOAT v = a[i];                                                               \
+                INT key = NAME##_key(v);                                                      \
+                low[0] = key < low[0] ? key : low[0];                                         \
+                high[0] = key > high[0] ? key : high[0];                                      \
+                s[0] += v;                                                                    \
+                q[0] += v * v;                                                                \
+                z[0] += (v < eps) & (v > -eps);                                               \
+            }                                                                                 \
+            for (int j = 0; j < LANES; j++) {                                                 \
+                total += (double)s[j];                                                        \
+                squares += (double)q[j];                                                      \
+                small += z[j];                                                                \
+            }                                                                                 \
+        }                                                                                     \
+        INT lowest = low[0], highest = high[0];                                               \
+        for (int j = 1; j < LANES; j++) {                                                     \
+            lowest = low[j] < lowest ? low[j] : lowest;                                       \
+            highest = high[j] > highest ? high[j] : highest;                                  \
+        }                                                                                     \
+        out->low = NAME##_value(lowest);                                                      \
+        out->high = NAME##_value(highest);                                                    \
+        out->total = total;                                                                   \
+        out->squares = squares;                                                               \
+        out->small = small;                                                                   \
+        out->nans = 0;                                                                        \
+        if (!isfinite(squares)) { /* only then can the buffer hold a NaN */                   \
+            long long nans = 0;                                                               \
+            for (Py_ssize_t i = 0; i < n; i++) nans += a[i] != a[i];                          \
+            out->nans = nans;                                                                 \
+            if (nans) out->low = out->high = NAN;                                             \
+        }                                                                                     \
+    }
+
+DEFINE_KERNEL(stats_f32, float, int32_t, 31, INT32_C(0x7FFFFFFF))
+DEFINE_KERNEL(stats_f64, double, int64_t, 63, INT64_C(0x7FFFFFFFFFFFFFFF))
+
+static PyObject *stats(PyObject *self, PyObject *args) {
+    PyObject *source;
+    double eps;
+    if (!PyArg_ParseTuple(args, "Od", &source, &eps)) return NULL;
+    Py_buffer view;
+    if (PyObject_GetBuffer(source, &view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) return NULL;
+    const char *format = view.format ? view.format : "B";
+    if (*format == '<' || *format == '=' || *format == '@') format++;
+    int is_f32 = strcmp(format, "f") == 0 && view.itemsize == 4;
+    int is_f64 = strcmp(format, "d") == 0 && view.itemsize == 8;
+    Py_ssize_t n = view.itemsize ? view.len / view.itemsize : 0;
+    if (!(is_f32 || is_f64) || n == 0) {
+        PyErr_Format(PyExc_TypeError, "stats: expected a non-empty contiguous float32/float64 buffer, got "
+                     "format '%s' with %zd elements", view.format ? view.format : "B", n);
+        PyBuffer_Release(&view);
+        return NULL;
+    }
+    Result out;
+    Py_BEGIN_ALLOW_THREADS
+    if (is_f32)
+        stats_f32((const float *)view.buf, n, (float)eps, &out);
+    else
+        stats_f64((const double *)view.buf, n, eps, &out);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&view);
+    return Py_BuildValue("(ddddLL)", out.low, out.high, out.total, out.squares, out.small, out.nans);
+}
+
+static PyMethodDef methods[] = {
+    {"stats", stats, METH_VARARGS,
+     "stats(buffer, eps) -> (min, max, sum, sum of squares, count of |x| < eps, NaN count)"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_fused_stats", NULL, -1, methods};
+
+PyMODINIT_FUNC PyInit__fused_stats(void) {
+    PyObject *m = PyModule_Create(&module);
+    if (m && (PyModule_AddIntConstant(m, "BLOCK", BLOCK) < 0 || PyModule_AddIntConstant(m, "LANES", LANES) < 0)) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -1,0 +1,122 @@
+"""The one-pass statistics kernel (the C extension) against numpy in float64, on copies.
+
+The README's install builds the extension: its absence fails here instead of testing nothing.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from monitor import fused_stats
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _kernel_compiled():
+    assert fused_stats.available(), "monitor._fused_stats was not built (pip install -e . with a C compiler)"
+
+
+def _reference(array: np.ndarray, eps: float) -> tuple:
+    wide = array.astype(np.float64)
+    with np.errstate(invalid="ignore", over="ignore"):
+        return (
+            wide.min(),
+            wide.max(),
+            wide.sum(),
+            float(np.sum(wide * wide)),
+            int(np.count_nonzero(np.abs(array) < array.dtype.type(eps))),
+            int(np.isnan(array).sum()),
+        )
+
+
+def _check(array: np.ndarray, eps: float = 1e-8, rel: float = 1e-6) -> None:
+    got = fused_stats.stats(array, eps)
+    want = _reference(array, eps)
+    for name, g, w in zip(("min", "max", "sum", "squares", "zeros", "nans"), got, want):
+        if np.isnan(w):
+            assert np.isnan(g), name
+        elif name in ("min", "max", "zeros", "nans"):
+            assert g == w, name  # exact
+        else:
+            assert g == pytest.approx(w, rel=rel, abs=1e-9), name
+
+
+BLOCK = 16384  # the kernel's block of elements between float64 folds (_fused_stats.BLOCK)
+LANES = 32
+
+
+def test_block_and_lanes_are_what_the_edge_cases_assume():
+    from monitor import _fused_stats
+
+    assert (_fused_stats.BLOCK, _fused_stats.LANES) == (BLOCK, LANES)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("size", [1, 2, LANES - 1, LANES + 1, BLOCK - 1, BLOCK, BLOCK + 1, 3 * BLOCK + 5])
+def test_sizes_around_the_block_edges(dtype, size):
+    rng = np.random.default_rng(size)
+    array = rng.normal(size=size).astype(dtype)
+    array[:: max(1, size // 7)] = 0.0
+    _check(array)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_min_and_max_are_exact_for_signs_zeros_and_infinities(dtype):
+    cases = [
+        [-0.0, 0.0],
+        [-1.5, -0.25, -7.0],
+        [np.inf, 1.0],
+        [-np.inf, 1.0, np.inf],
+        [np.finfo(dtype).tiny / 4, -np.finfo(dtype).tiny / 4],  # subnormals
+        [np.finfo(dtype).max, -np.finfo(dtype).max],
+    ]
+    for values in cases:
+        array = np.array(values, dtype=dtype)
+        low, high, *_ = fused_stats.stats(array, 1e-8)
+        assert (low, high) == (array.min(), array.max()), values
+
+
+def test_nan_anywhere_gives_nan_min_max_and_its_count():
+    array = np.random.default_rng(0).normal(size=2 * BLOCK + 3).astype(np.float32)
+    array[[5, BLOCK + 1, -1]] = np.nan
+    _check(array)
+    low, high, total, squares, _, nans = fused_stats.stats(array, 1e-8)
+    assert np.isnan(low) and np.isnan(high) and np.isnan(total) and np.isnan(squares) and nans == 3
+
+
+def test_infinities_without_nan_count_no_nan():
+    array = np.array([1.0, np.inf, -np.inf, 2.0], dtype=np.float32)
+    low, high, _, squares, _, nans = fused_stats.stats(array, 1e-8)
+    assert (low, high, squares, nans) == (-np.inf, np.inf, np.inf, 0)
+
+
+def test_eps_is_a_strict_bound():
+    eps = np.float32(1e-3)
+    array = np.array([0.0, eps, -eps, np.nextafter(eps, np.float32(0)), 1.0], dtype=np.float32)
+    assert fused_stats.stats(array, float(eps))[4] == 2
+
+
+def test_large_float32_sums_keep_seven_digits():
+    # one float32 accumulator over 6M elements would lose ~3 digits here
+    array = (np.random.default_rng(1).normal(size=6_000_000) * 0.01 + 0.003).astype(np.float32)
+    _check(array, rel=1e-6)
+
+
+def test_any_shape_of_contiguous_buffer_is_read_flat():
+    array = np.arange(24, dtype=np.float32).reshape(2, 3, 4) - 7
+    _check(array)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [np.zeros(3, np.int32), np.zeros(0, np.float32), np.zeros(4, np.float16)],
+    ids=["int32", "empty", "float16"],
+)
+def test_other_buffers_are_refused_with_a_clear_error(bad):
+    with pytest.raises(TypeError, match="float32/float64"):
+        fused_stats.stats(bad, 1e-8)
+
+
+def test_non_contiguous_buffers_are_refused():
+    with pytest.raises(ValueError, match="contiguous"):
+        fused_stats.stats(np.zeros((4, 4), np.float32)[:, 1], 1e-8)
