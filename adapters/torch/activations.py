@@ -19,6 +19,7 @@ gradient hooks that reentrant checkpointing needs.
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -90,6 +91,10 @@ class Activations:
         self._recomputed: dict[tuple[int, int], int] = {}
         self._rows: dict[str, list[tuple[int, str, int]]] = {"actv": [], "actv_grad": []}
         self._stats: dict[str, list[torch.Tensor]] = {"actv": [], "actv_grad": []}
+        #: this step's measured tensors: id -> (weak reference, version, statistics row). A tensor
+        #: that is one module's output and the next one's input (or its gradient, seen by both
+        #: modules' hooks) is measured once.
+        self._seen: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}
 
     def register(self) -> list:
         """Register the hooks; returns removable handles."""
@@ -161,9 +166,26 @@ class Activations:
     def _measure(self, prefix: str, vpp: int, name: str, micro: int, tensors: list[torch.Tensor]) -> None:
         if not tensors:
             return
-        matrix = stat_matrix([t.detach() for t in tensors], self.ops, self.eps)
+        seen = self._seen
+        rows: list[torch.Tensor | None] = []
+        fresh = []
+        for t in tensors:
+            hit = seen.get(id(t))
+            if hit is not None and hit[0]() is t and hit[1] == t._version:
+                rows.append(hit[2])
+            else:
+                rows.append(None)
+                fresh.append(t)
+        if fresh:
+            matrix = stat_matrix([t.detach() for t in fresh], self.ops, self.eps)
+            k = 0
+            for i, t in enumerate(tensors):
+                if rows[i] is None:
+                    rows[i] = matrix[k : k + 1]
+                    seen[id(t)] = (weakref.ref(t), t._version, rows[i])
+                    k += 1
         self._rows[prefix].extend((vpp, n, micro) for n in row_names(name, len(tensors)))
-        self._stats[prefix].append(matrix)
+        self._stats[prefix].extend(rows)
 
     def _watch(self, vpp: int, name: str, micro: int, tensors: list[torch.Tensor]) -> None:
         """Register gradient hooks on the tensors that take part in autograd."""
@@ -200,6 +222,7 @@ class Activations:
         self._micro = [-1] * len(self.chunks)
         self._calls.clear()
         self._recomputed.clear()
+        self._seen.clear()
         for prefix in self._rows:
             self._rows[prefix] = []
             self._stats[prefix] = []
