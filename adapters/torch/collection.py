@@ -18,6 +18,7 @@ import torch
 from adapters.torch.activations import Activations, select_modules
 from adapters.torch.dist import rank_in_group
 from adapters.torch.grads import unreduced_source
+from adapters.torch.optim import TorchBackend
 from adapters.torch.params import ParamRegistry
 from adapters.torch.shards import SHARD_COLUMNS, shard_reduce
 from adapters.torch.stats import stat_matrix
@@ -191,7 +192,8 @@ class Collection:
         if self._wanted("grad_unreduced", cfg.wg_distribution):
             self._guard("grad_unreduced", self._submit_unreduced)
         if self._wanted("grad_reduced", cfg.wg_distribution):
-            self._guard("grad_reduced", self._submit_tensors, "grad_reduced", self.backend.grad)
+            reuse = self._reusable()
+            self._guard("grad_reduced", self._submit_tensors, "grad_reduced", self.backend.grad, reuse)
         if self._wanted("other", cfg.mg_direction):
             self._guard("other", self._submit_mg_direction)
         if self._wanted("param_origin", cfg.param_distribution):
@@ -228,21 +230,55 @@ class Collection:
         self._call_id += n
         self.core.submit(StepRecord(prefix, self._step, ops or self.ops, rows, values, call_ids, fetch))
 
-    def _submit_tensors(self, prefix: str, tensor_of: Callable[[torch.nn.Parameter], Any]) -> None:
-        """Statistics of one tensor per monitored parameter (skipping parameters without one)."""
+    def _reusable(self) -> dict:
+        """Unreduced-gradient rows the reduced pass may reuse.
+
+        Only where nothing can have changed a gradient without bumping its version: one process
+        (no reduction), torch's own optimizers and ``.grad`` (Megatron's and DeepSpeed's kernels
+        write gradients in place without telling autograd).
+        """
+        if self.grads is None or type(self.backend) is not TorchBackend or self.registry.main_grad:
+            return {}
+        dist = torch.distributed
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            return {}
+        return getattr(self.grads, "reusable", {})
+
+    def _submit_tensors(
+        self, prefix: str, tensor_of: Callable[[torch.nn.Parameter], Any], reuse: dict | None = None
+    ) -> None:
+        """Statistics of one tensor per monitored parameter (skipping parameters without one).
+
+        ``reuse``: parameter index -> (weak reference, version, statistics row) of a tensor
+        measured earlier this step; the row is reused when the very same tensor is unchanged.
+        """
         index, rows = self._rows[prefix]
-        tensors, present = [], []
+        tensors, present, known = [], [], []
         for position, i in enumerate(index):
             tensor = tensor_of(self.registry.params[i].param)
             if tensor is not None:
-                tensors.append(tensor.detach())
+                hit = reuse.get(i) if reuse else None
+                if hit is not None and hit[0]() is tensor and hit[1] == tensor._version:
+                    known.append((len(present), hit[2]))
+                else:
+                    tensors.append(tensor.detach())
                 present.append(position)
         if self.backend.sharded:
             self._submit_pieces(prefix, index, rows, tensors, present)
             return
         if len(present) != len(index):
             rows = rows.take(present)
-        self._submit(prefix, rows, stat_matrix(tensors, self.ops, self.eps))
+        matrix = stat_matrix(tensors, self.ops, self.eps)
+        if known:  # rows measured earlier this step, merged in parameter order
+            full = torch.empty((len(present), len(self.ops)), dtype=torch.float64, device=matrix.device)
+            fresh = torch.ones(len(present), dtype=torch.bool)
+            for k, row in known:
+                full[k] = row
+                fresh[k] = False
+            if tensors:
+                full[fresh] = matrix
+            matrix = full
+        self._submit(prefix, rows, matrix)
 
     def _submit_pieces(
         self, prefix: str, index: list[int], rows: RowSet, tensors: list[torch.Tensor], present: list[int]

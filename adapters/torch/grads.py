@@ -14,6 +14,7 @@ No gradient is copied or kept; only small statistic vectors are, until the step 
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -47,6 +48,10 @@ class UnreducedGrads:
         self.collect = False
         self._micro = [0] * len(registry)
         self._stats: dict[tuple[int, int], torch.Tensor] = {}
+        self._sources: dict[int, tuple[weakref.ref, int]] = {}
+        #: after take(): parameter index -> (gradient, its version, statistics row), for a
+        #: reduced-gradient pass that finds the very same, unchanged gradient (no reduction ran).
+        self.reusable: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}
 
     @property
     def task(self) -> str:
@@ -76,6 +81,7 @@ class UnreducedGrads:
                 if grad is not None:
                     self._stats.pop((index, 0), None)  # a repeat keeps the latest, in firing order
                     self._stats[(index, 0)] = tensor_stats(grad.detach(), self.ops, self.eps)
+                    self._sources[index] = (weakref.ref(grad), grad._version)
             except Exception as exc:
                 self.collect = False
                 self.on_error("grad_unreduced", exc)
@@ -100,17 +106,23 @@ class UnreducedGrads:
     def take(self) -> tuple[list[int], list[int] | None, torch.Tensor]:
         """This step's rows in firing order: parameter indices, micro-steps (or None), statistics."""
         items = list(self._stats.items())
+        sources = self._sources
         self.reset()
         index = [key[0] for key, _ in items]
         micro = [key[1] for key, _ in items] if self.per_micro_batch else None
         if not items:
             return index, micro, stat_matrix((), self.ops, self.eps)
-        return index, micro, torch.stack([value for _, value in items])
+        matrix = torch.stack([value for _, value in items])
+        if not self.per_micro_batch:
+            self.reusable = {i: (*sources[i], matrix[k]) for k, i in enumerate(index) if i in sources}
+        return index, micro, matrix
 
     def reset(self) -> None:
         """Forget the step: micro-batch counters and pending statistics."""
         self._micro = [0] * len(self.registry)
         self._stats.clear()
+        self._sources = {}
+        self.reusable = {}
 
 
 def unreduced_source(
