@@ -80,6 +80,8 @@ class Detector:
         index = np.fromiter(
             (table.setdefault(tag, len(table)) for tag in rows.tags), dtype=np.int64, count=len(rows)
         )
+        if len(index) == len(table) and np.array_equal(index, np.arange(len(index))):
+            index = None  # every tag of the table, in table order: the state arrays are used as they are
         self._index_cache[prefix] = (rows, index)
         return index
 
@@ -89,21 +91,39 @@ class Detector:
             return []
         values = record.resolve()
         index = self._index(record.prefix, record.rows)
+        if index is None and len(self._rows[record.prefix]) != len(record.rows):
+            index = np.arange(len(record.rows))  # the table grew since: no longer the whole state
         states = self._grown_states(record.prefix, record.ops)
-        reported = np.zeros(values.shape, dtype=bool)
+        reported = None
         found: list[Anomaly] = []
         for rule, state in zip(self.rules, states):
-            rows = {name: array[index] for name, array in state.items()}
-            mask, baseline = rule.apply(values, rows, record.ops)
-            mask &= ~reported
+            # a rule sees only the columns it judges (AnomalyZScore: norm alone, 1 of 6)
+            cols = _columns(rule, record.ops)
+            ops = record.ops if cols is None else tuple(record.ops[c] for c in cols)
+            view = values if cols is None else values[:, cols]
+            if index is None:
+                rows = state if cols is None else {name: array[:, cols] for name, array in state.items()}
+            else:
+                where = index if cols is None else np.ix_(index, cols)
+                rows = {name: array[where] for name, array in state.items()}
+            mask, baseline = rule.apply(view, rows, ops)
+            if reported is not None:
+                mask &= ~(reported if cols is None else reported[:, cols])
             if mask.any():
-                reported |= mask
+                if reported is None:
+                    reported = np.zeros(values.shape, dtype=bool)
                 for row, col in zip(*np.nonzero(mask)):
-                    found.append(
-                        self._anomaly(record, int(row), int(col), rule.name, float(baseline[row, col]))
-                    )
-            for name, array in rule.update(values, rows).items():
-                state[name][index] = array
+                    column = int(col) if cols is None else int(cols[col])
+                    reported[row, column] = True
+                    base = float(baseline[row, col])
+                    found.append(self._anomaly(record, int(row), column, rule.name, base))
+            for name, array in rule.update(view, rows).items():
+                if index is None and cols is None:
+                    state[name] = array
+                elif index is None:
+                    state[name][:, cols] = array
+                else:
+                    state[name][where] = array
         return found
 
     def _grown_states(self, prefix: str, ops: tuple[str, ...]) -> list[dict[str, np.ndarray]]:
@@ -199,6 +219,14 @@ class Detector:
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ValueError(f"detector state: malformed ({type(exc).__name__}: {exc})") from None
         self._rows, self._states, self._index_cache = rows, states, {}
+
+
+def _columns(rule: Any, ops: tuple[str, ...]) -> np.ndarray | None:
+    """The columns a rule judges (its ``ops``), or None for all of them."""
+    judged = getattr(rule, "ops", None)
+    if judged is None or all(op in judged for op in ops):
+        return None
+    return np.array([i for i, op in enumerate(ops) if op in judged], dtype=np.int64)
 
 
 def rule_identities(rules: list) -> list[dict[str, Any]]:

@@ -388,9 +388,8 @@ def test_state_holds_tag_tables_and_per_rule_arrays(make_record):
     assert state["tags"] == {"grad_reduced": [_tag("x")]}
     (entry,) = state["baselines"]
     assert (entry["prefix"], entry["ops"]) == ("grad_reduced", ["norm", "min"])
-    assert entry["states"] == [
-        {"ema": [[0.99 * 2.0 + 0.01 * 4.0, 0.99 * 4.0 + 0.01 * 8.0]], "count": [[2.0, 2.0]]}
-    ]
+    # the rule judges norm and mean only: the min column keeps no history
+    assert entry["states"] == [{"ema": [[0.99 * 2.0 + 0.01 * 4.0, 0.0]], "count": [[2.0, 0.0]]}]
     assert state["rules"] == [
         {
             "rule": "AnomalyTurbulence",
