@@ -5,18 +5,27 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 
 from monitor.anomaly.detector import Anomaly
 from monitor.files import atomic_write_text, make_private_dir
 
 logger = logging.getLogger("trainmon")
 
+#: a rewrite slower than this (a file of tens of thousands of records) makes the next one wait
+SLOW_REWRITE_S = 0.05
+#: ... for this many times its duration: rewriting then costs at most ~5% of the writer's time
+REWRITE_PAUSE_FACTOR = 20.0
+
 
 class AnomalyDump:
     """Keeps every anomaly of the run and rewrites anomaly.json at the end of a step with news.
 
     The file is written to a temporary name, fsynced and renamed, so a reader or a crash only
-    ever sees a complete JSON document.
+    ever sees a complete JSON document. The reference rewrites it in full at every step, which
+    at 100,000 records costs over a second a step; here a slow rewrite (SLOW_REWRITE_S) defers
+    the next one by REWRITE_PAUSE_FACTOR times its duration, and ``close`` always writes the
+    rest. Small files (the usual case) are still rewritten at every step with news.
     """
 
     def __init__(self, root: str | os.PathLike, rank: int, keep: bool = False) -> None:
@@ -24,6 +33,7 @@ class AnomalyDump:
         self.path = os.path.join(self.directory, "anomaly.json")
         self._records: dict[str, dict] = {}
         self._dirty = False
+        self._next_rewrite = 0.0  # time.monotonic() before which a step's news wait
         make_private_dir(self.directory, under=root)
         if keep and os.path.isfile(self.path) and not os.path.islink(self.path):
             self._records = self._read_existing()
@@ -51,9 +61,16 @@ class AnomalyDump:
         self._dirty = self._dirty or bool(anomalies)
 
     def end_step(self, step: int) -> None:
-        if self._dirty:
-            atomic_write_text(self.path, json.dumps(self._records, indent=1))
-            self._dirty = False
+        if self._dirty and time.monotonic() >= self._next_rewrite:
+            self._rewrite()
 
     def close(self) -> None:
-        self.end_step(-1)
+        if self._dirty:
+            self._rewrite()
+
+    def _rewrite(self) -> None:
+        started = time.monotonic()
+        atomic_write_text(self.path, json.dumps(self._records, indent=1))
+        self._dirty = False
+        took = time.monotonic() - started
+        self._next_rewrite = started + took * (1 + REWRITE_PAUSE_FACTOR) if took > SLOW_REWRITE_S else 0.0

@@ -435,6 +435,37 @@ def test_dump_replaces_the_file_by_rename(tmp_path, make_record):
     assert len(_read_json(dump.path)) == 2
 
 
+def test_a_slow_rewrite_defers_the_next_and_close_writes_the_rest(tmp_path, make_record, monkeypatch):
+    import monitor.anomaly.dump as dump_module
+
+    clock = [100.0]
+    monkeypatch.setattr(dump_module.time, "monotonic", lambda: clock[0])
+    real_write = dump_module.atomic_write_text
+
+    def slow_write(path, text):  # a rewrite that takes 1 s of the (fake) clock
+        clock[0] += 1.0
+        real_write(path, text)
+
+    dump = AnomalyDump(tmp_path, rank=0)
+    monkeypatch.setattr(dump_module, "atomic_write_text", slow_write)
+    dump.add(_flagged(make_record, 0, [[math.nan]]))
+    dump.end_step(0)  # written; took 1 s, so the next rewrite waits REWRITE_PAUSE_FACTOR s
+    assert len(_read_json(dump.path)) == 1
+    clock[0] += 5.0
+    dump.add(_flagged(make_record, 1, [[math.nan]]))
+    dump.end_step(1)
+    assert len(_read_json(dump.path)) == 1  # deferred
+    clock[0] += dump_module.REWRITE_PAUSE_FACTOR
+    dump.add(_flagged(make_record, 2, [[math.nan]]))
+    dump.end_step(2)
+    assert len(_read_json(dump.path)) == 3  # the pause is over: everything so far
+    dump.add(_flagged(make_record, 3, [[math.nan]]))
+    dump.end_step(3)
+    assert len(_read_json(dump.path)) == 3
+    dump.close()
+    assert len(_read_json(dump.path)) == 4  # nothing is lost at the end
+
+
 def test_dump_does_not_rewrite_without_new_records(tmp_path, make_record):
     dump = AnomalyDump(tmp_path, rank=0)
     dump.add(_flagged(make_record, 0, [[math.nan]]))
