@@ -16,6 +16,13 @@ Peak RSS: the process's peak after the first (unmonitored) block is the baseline
 is the peak at the end minus that baseline. The monitor's modules are imported before the
 baseline, so a one-off import is not counted as per-step memory.
 
+Every scenario computes the six statistics (``--ops`` to change). "all" is wg, mv, param,
+mg_direction and xy with all_xy, plus the alert rules of config_templates/everything_alerts.yaml
+with the anomaly dump on. ``idle`` (attached, nothing selected) shows the method's noise floor:
+on a busy 2-core machine single pairs scatter by +-30%, so ratios near 1.0 are resolved to a
+few percent only. ``--quick`` runs the single-rank scenarios in one process (their peak RSS is
+then not their own) and exits non-zero when the monitor logs an error or writes nothing.
+
     python benchmarks/overhead.py                       # the 6.9M model, every scenario (~20 min)
     python benchmarks/overhead.py --model small --scenarios all-csv,all-tb
     python benchmarks/overhead.py --quick               # a tiny model, every scenario, < 60 s (CI)
