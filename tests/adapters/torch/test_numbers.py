@@ -172,3 +172,27 @@ def test_unreduced_gradient_is_read_at_the_last_micro_batch_only():
     for name, grad in total.items():
         assert_stats_close(unreduced[f"0:{name}/rank0/acc_grad"], grad, what=name)
     mon.stop()
+
+
+def test_reduced_gradient_after_in_place_clipping_is_measured_again():
+    """grad_reduced may reuse grad_unreduced's row only for an unchanged gradient: clipping
+    between backward and step changes .grad in place, and the reduced row must show it."""
+    torch.manual_seed(0)
+    model = MLP()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+    mon = TrainerMon(_config())
+    mon.set_monitor(model, grad_acc_steps=1, optimizer=optimizer)
+    for (x,) in make_batches(2, 1):
+        model(x).pow(2).mean().backward()
+        raw = {n: p.grad.detach().numpy().copy() for n, p in _named(model).items()}
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1e-3)
+        clipped = {n: p.grad.detach().numpy().copy() for n, p in _named(model).items()}
+        optimizer.step()
+        optimizer.zero_grad()
+        reduced, unreduced = mon.generate_wgrad_metrics()
+        for name in raw:
+            head = f"0:{name}/rank0"
+            assert_stats_close(unreduced[f"{head}/acc_grad"], raw[name], what=f"{name} unreduced")
+            assert_stats_close(reduced[f"{head}/post_grad"], clipped[name], what=f"{name} reduced")
+            assert not np.allclose(raw[name], clipped[name])
+    mon.stop()
