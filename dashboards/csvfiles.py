@@ -1,8 +1,9 @@
-"""Reading the monitor's CSV files: ``{prefix}_{a}-{b}.csv`` in a rank directory (spec §5.2).
+"""Reading the monitor's CSV files as tables, one per file, for the dashboards (spec §5.2).
 
-Header ``vpp_stage,name,step[,micro_step],<ops...>``. Files being written are read up to their last
-complete line. A row that does not parse (wrong field count, a value that is not a number) is
-skipped and counted, never guessed; the msprobe columns ``shape`` and ``dtype`` are ignored.
+The layout (file names, header, complete lines only) is monitor.anomaly.rank_csv's, the one place
+that knows it; ``list_csv_files`` is re-exported from there. A row that does not parse (wrong field
+count, a value that is not a number) is skipped and counted, never guessed; the msprobe columns
+``shape`` and ``dtype`` are ignored.
 """
 
 from __future__ import annotations
@@ -10,7 +11,6 @@ from __future__ import annotations
 import csv
 import io
 import os
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -18,41 +18,18 @@ from typing import NamedTuple
 import numpy as np
 import pandas as pd
 
+from monitor.anomaly.rank_csv import NAN_TEXT, header_columns, list_csv_files, read_complete_lines
 from monitor.writers.eventfile import open_regular
 
-#: ``{prefix}_{a}-{b}.csv``; ``.{n}.csv`` when an appended run had other columns (monitor.writers.csv).
-CSV_NAME = re.compile(r"^(?P<prefix>[A-Za-z0-9_]+?)_(?P<start>\d+)-(?P<end>\d+)(?:\.(?P<part>\d+))?\.csv$")
-#: header columns that are labels, not statistics.
-LABEL_COLUMNS = ("vpp_stage", "name", "step", "micro_step")
-#: msprobe columns that hold no number.
-IGNORED_COLUMNS = ("shape", "dtype")
-
-
-class CsvFile(NamedTuple):
-    """One CSV file of a rank directory, with the step window from its name."""
-
-    path: str
-    prefix: str
-    start: int
-    end: int
-    part: int
-
-
-def list_csv_files(rank_dir: str | os.PathLike) -> dict[str, list[CsvFile]]:
-    """The CSV files of a rank directory by data type, in step order (regular files only)."""
-    found: dict[str, list[CsvFile]] = {}
-    for entry in os.scandir(rank_dir):
-        match = CSV_NAME.match(entry.name)
-        if match is None or not entry.is_file(follow_symlinks=False):
-            continue
-        prefix = match.group("prefix")
-        part = int(match.group("part") or 0)
-        found.setdefault(prefix, []).append(
-            CsvFile(entry.path, prefix, int(match.group("start")), int(match.group("end")), part)
-        )
-    for files in found.values():
-        files.sort(key=lambda f: (f.start, f.part, f.end))
-    return found
+__all__ = [
+    "CsvBounds",
+    "CsvTable",
+    "csv_bounds",
+    "header_ops",
+    "list_csv_files",
+    "read_csv_file",
+    "read_csv_files",
+]
 
 
 @dataclass
@@ -129,7 +106,7 @@ def csv_bounds(path: str | os.PathLike, probe: int = 65536) -> CsvBounds | None:
     end = tail.rfind(b"\n")
     start = tail.rfind(b"\n", 0, end) + 1
     try:
-        _, ops = _columns(lines[0].decode("utf-8", errors="replace"))
+        _, ops = header_columns(lines[0].decode("utf-8", errors="replace"))
         return CsvBounds(ops, _step_of(lines[1]), _step_of(tail[start:end]))
     except (ValueError, IndexError, StopIteration):
         return None
@@ -145,29 +122,9 @@ def header_ops(path: str | os.PathLike) -> tuple[str, ...]:
     if b"\n" not in head:
         return ()
     try:
-        return _columns(head[: head.index(b"\n")].decode("utf-8", errors="replace"))[1]
+        return header_columns(head[: head.index(b"\n")].decode("utf-8", errors="replace"))[1]
     except (ValueError, StopIteration):
         return ()
-
-
-def _complete_text(path: str | os.PathLike) -> bytes:
-    fd = open_regular(path)
-    try:
-        with os.fdopen(fd, "rb", closefd=False) as handle:
-            data = handle.read()
-    finally:
-        os.close(fd)
-    end = data.rfind(b"\n")
-    return data if end == len(data) - 1 else data[: end + 1]  # no copy when the last line is whole
-
-
-def _columns(header: str) -> tuple[bool, tuple[str, ...]]:
-    fields = next(csv.reader([header]))
-    if fields[:3] != ["vpp_stage", "name", "step"]:
-        raise ValueError(f"not a monitor CSV header: {header.strip()[:200]!r}")
-    has_micro = len(fields) > 3 and fields[3] == "micro_step"
-    ops = tuple(f for f in fields[4 if has_micro else 3 :] if f not in IGNORED_COLUMNS)
-    return has_micro, ops
 
 
 def read_csv_file(path: str | os.PathLike) -> CsvTable:
@@ -177,7 +134,7 @@ def read_csv_file(path: str | os.PathLike) -> CsvTable:
         ValueError: the first line is not a monitor CSV header.
         OSError: the path is not a regular file (symlinks are refused).
     """
-    return _table(_complete_text(path))
+    return _table(read_complete_lines(path))
 
 
 def read_csv_files(paths: Sequence[str | os.PathLike]) -> list[CsvTable]:
@@ -187,7 +144,7 @@ def read_csv_files(paths: Sequence[str | os.PathLike]) -> list[CsvTable]:
     parsed once, then split by line counts. Files whose body has a quote (a name that could hold a
     line break) or that do not parse cleanly are read one by one.
     """
-    texts = [_complete_text(path) for path in paths]
+    texts = [read_complete_lines(path) for path in paths]
     tables: list[CsvTable | None] = [None] * len(texts)
     groups: dict[bytes, list[int]] = {}
     for index, text in enumerate(texts):
@@ -198,7 +155,7 @@ def read_csv_files(paths: Sequence[str | os.PathLike]) -> list[CsvTable]:
         if len(members) < 2:
             continue
         try:
-            has_micro, ops = _columns(header.decode("utf-8", errors="replace"))
+            has_micro, ops = header_columns(header.decode("utf-8", errors="replace"))
         except ValueError:
             continue  # not monitor files: read_csv_file says so for each
         skip = len(header)
@@ -218,7 +175,7 @@ def _table(data: bytes) -> CsvTable:
     if not data:
         return _empty(())
     header = data[: data.index(b"\n")].decode("utf-8", errors="replace")
-    has_micro, ops = _columns(header)
+    has_micro, ops = header_columns(header)
     return _parse(data, has_micro, ops) or _read_slowly(data, has_micro, ops)
 
 
@@ -234,7 +191,7 @@ def _parse(data: bytes, has_micro: bool, ops: tuple[str, ...]) -> CsvTable | Non
             usecols=[*labels, *ops] if len(ops) + len(labels) != header.count(b",") + 1 else None,
             dtype=dtypes,
             keep_default_na=False,
-            na_values=["nan", "NaN", "-nan"],
+            na_values=list(NAN_TEXT),
             encoding_errors="replace",
             float_precision="round_trip",
         )

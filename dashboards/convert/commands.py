@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 
 from monitor.datatypes import PREFIX_TASKS
 from monitor.files import TIME_FORMAT
@@ -64,71 +65,57 @@ def _add_selection(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
+def _add_options(parser: argparse.ArgumentParser, output_help: str) -> None:
+    """The common options and ``-o/--output`` (what it names differs per converter)."""
+    _add_selection(parser)
+    parser.add_argument("-o", "--output", default=None, help=output_help)
+
+
+def _convert(command: str, convert: Callable[..., str], args: argparse.Namespace, *hints: str) -> int:
+    """Run a converter on parsed options; print what it wrote and ``hints`` (``{out}``: that path)."""
+    from dashboards.convert.runs import ConvertError
+
+    try:
+        out = convert(
+            args.monitor_path,
+            args.start,
+            args.end,
+            args.jobs,
+            args.types,
+            args.output,
+            progress=not args.no_progress,
+        )
+    except ConvertError as exc:
+        print(f"trainmon {command}: {exc}", file=sys.stderr)
+        return 2
+    print(f"Written:     {out}")
+    for hint in hints:
+        print(hint.format(out=out))
+    return 0
+
+
 def add_csv2tb_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``trainmon csv2tb``."""
-    _add_selection(parser)
-    parser.add_argument(
-        "-o",
-        "--output",
-        default=None,
-        help="output directory (default MONITOR_PATH/{time}-csv2tensorboard_by_step)",
-    )
+    _add_options(parser, "output directory (default MONITOR_PATH/{time}-csv2tensorboard_by_step)")
 
 
 def run_csv2tb(args: argparse.Namespace) -> int:
     """``trainmon csv2tb``."""
     from dashboards.convert.csv2tb import csv2tensorboard_by_step
-    from dashboards.convert.runs import ConvertError
 
-    try:
-        out = csv2tensorboard_by_step(
-            args.monitor_path,
-            args.start,
-            args.end,
-            args.jobs,
-            args.types,
-            args.output,
-            progress=not args.no_progress,
-        )
-    except ConvertError as exc:
-        print(f"trainmon csv2tb: {exc}", file=sys.stderr)
-        return 2
-    print(f"Written:     {out}")
-    print(f"Look at it:  tensorboard --logdir {out}")
-    return 0
+    return _convert("csv2tb", csv2tensorboard_by_step, args, "Look at it:  tensorboard --logdir {out}")
 
 
 def add_csv2db_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``trainmon csv2db``."""
-    _add_selection(parser)
-    parser.add_argument(
-        "-o",
-        "--output",
-        default=None,
-        help="database file (default MONITOR_PATH/{time}-csv2db/monitor_metrics.db)",
-    )
+    _add_options(parser, "database file (default MONITOR_PATH/{time}-csv2db/monitor_metrics.db)")
 
 
 def run_csv2db(args: argparse.Namespace) -> int:
     """``trainmon csv2db``."""
     from dashboards.convert.csv2db import csv2db
-    from dashboards.convert.runs import ConvertError
 
-    try:
-        path = csv2db(
-            args.monitor_path,
-            args.start,
-            args.end,
-            args.jobs,
-            args.types,
-            args.output,
-            progress=not args.no_progress,
-        )
-    except ConvertError as exc:
-        print(f"trainmon csv2db: {exc}", file=sys.stderr)
-        return 2
-    print(f"Written:     {path}")
-    return 0
+    return _convert("csv2db", csv2db, args)
 
 
 COMMANDS = {

@@ -33,15 +33,7 @@ import tempfile
 import numpy as np
 
 from dashboards.convert.progress import run_jobs
-from dashboards.convert.runs import (
-    ConvertError,
-    Series,
-    check_processes,
-    check_types,
-    found_types,
-    read_series,
-    select_rank_dirs,
-)
+from dashboards.convert.runs import ConvertError, Series, job_label, read_series, select_jobs
 from dashboards.csvfiles import header_ops, list_csv_files
 from monitor import __version__
 from monitor.datatypes import OP_ORDER, order_key
@@ -167,26 +159,19 @@ def csv2db(
     Raises:
         ConvertError: a bad argument, or no rank directory in the time range.
     """
-    processes = check_processes(process_num)
-    types = check_types(data_type_list)
-    ranks = select_rank_dirs(monitor_path, time_start, time_end)
-    if not ranks:
-        raise ConvertError(
-            f"monitor_path: no {{time}}-rank{{R}}-{{id}} directory in range under {monitor_path!r}"
-        )
+    selection = select_jobs(monitor_path, time_start, time_end, process_num, data_type_list)
     if output_path is None:
         stamp = _dt.datetime.now().astimezone().strftime(TIME_FORMAT)
         output_path = os.path.join(monitor_path, stamp + OUTPUT_SUFFIX, OUTPUT_NAME)
     directory = os.path.dirname(os.path.abspath(output_path))
     os.makedirs(directory, mode=0o750, exist_ok=True)
-    jobs = [(rank, dirs, prefix) for rank, dirs in ranks.items() for prefix in (types or found_types(dirs))]
     fd, temporary = tempfile.mkstemp(prefix=".csv2db-", suffix=".db", dir=directory)
     os.close(fd)
     database = None
     try:
-        database = _Database(temporary, _ops(jobs))
+        database = _Database(temporary, _ops(selection.jobs))
         for (rank, _, prefix), series in run_jobs(
-            _read, jobs, processes, "csv2db", lambda j: f"rank{j[0]}/{j[2]}", progress
+            _read, selection.jobs, selection.processes, "csv2db", job_label, progress
         ):
             if series is None:
                 continue
@@ -200,7 +185,7 @@ def csv2db(
                 )
         database.db.executemany(
             "INSERT INTO rank_dirs VALUES (?, ?)",
-            [(rank, os.path.basename(d)) for rank, dirs in ranks.items() for d in dirs],
+            [(rank, os.path.basename(d)) for rank, dirs in selection.ranks.items() for d in dirs],
         )
         meta = {
             "schema_version": str(SCHEMA_VERSION),

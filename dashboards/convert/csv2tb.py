@@ -23,14 +23,7 @@ import re
 import numpy as np
 
 from dashboards.convert.progress import run_jobs
-from dashboards.convert.runs import (
-    ConvertError,
-    check_processes,
-    check_types,
-    found_types,
-    read_series,
-    select_rank_dirs,
-)
+from dashboards.convert.runs import job_label, read_series, select_jobs
 from monitor.files import TIME_FORMAT, make_private_dir
 from monitor.writers.custom_scalars import write_layout
 from monitor.writers.tensorboard import TensorBoardWriter
@@ -121,22 +114,14 @@ def csv2tensorboard_by_step(
     Raises:
         ConvertError: a bad argument, or no rank directory in the time range.
     """
-    processes = check_processes(process_num)
-    types = check_types(data_type_list)
-    ranks = select_rank_dirs(monitor_path, time_start, time_end)
-    if not ranks:
-        raise ConvertError(
-            f"monitor_path: no {{time}}-rank{{R}}-{{id}} directory in range under {monitor_path!r}"
-        )
+    selection = select_jobs(monitor_path, time_start, time_end, process_num, data_type_list)
     out = output_dirpath or os.path.join(
         monitor_path, _dt.datetime.now().astimezone().strftime(TIME_FORMAT) + OUTPUT_SUFFIX
     )
-    jobs = [
-        (rank, dirs, prefix, out) for rank, dirs in ranks.items() for prefix in (types or found_types(dirs))
-    ]
+    jobs = [(*job, out) for job in selection.jobs]
     make_private_dir(out)
     for (rank, _, prefix, _), result in run_jobs(
-        convert_one, jobs, processes, "csv2tb", lambda job: f"rank{job[0]}/{job[2]}", progress
+        convert_one, jobs, selection.processes, "csv2tb", job_label, progress
     ):
         if result["duplicates"]:
             logger.warning(

@@ -90,6 +90,49 @@ def found_types(dirs: Sequence[str]) -> list[str]:
 
 
 @dataclass
+class Selection:
+    """What a converter was asked to convert: one job ``(rank, its directories, data type)`` each.
+
+    Attributes:
+        processes: worker processes to use.
+        ranks: rank -> its directories in the time range, oldest first.
+        jobs: one per rank and data type, in rank order.
+    """
+
+    processes: int
+    ranks: dict[int, list[str]]
+    jobs: list[tuple[int, list[str], str]]
+
+
+def select_jobs(
+    monitor_path: str,
+    time_start: str | None,
+    time_end: str | None,
+    process_num: int,
+    data_type_list: list[str] | None,
+) -> Selection:
+    """Check a converter's common arguments and list its jobs (data types: the requested, or every one found).
+
+    Raises:
+        ConvertError: a bad argument, or no rank directory in the time range.
+    """
+    processes = check_processes(process_num)
+    types = check_types(data_type_list)
+    ranks = select_rank_dirs(monitor_path, time_start, time_end)
+    if not ranks:
+        raise ConvertError(
+            f"monitor_path: no {{time}}-rank{{R}}-{{id}} directory in range under {monitor_path!r}"
+        )
+    jobs = [(rank, dirs, prefix) for rank, dirs in ranks.items() for prefix in (types or found_types(dirs))]
+    return Selection(processes, ranks, jobs)
+
+
+def job_label(job: tuple) -> str:
+    """``rank{R}/{data type}`` of a job (for the progress bar)."""
+    return f"rank{job[0]}/{job[2]}"
+
+
+@dataclass
 class Series:
     """One data type of one rank, deduplicated: entry i is row ``rows[ids[i]]`` at ``steps[i]``.
 

@@ -3,14 +3,9 @@
 Reads every ``DIR/<sub-directory>/anomaly.json`` (normally ``DIR/rank{R}/anomaly.json``; point DIR at
 the run's ``anomaly_detected`` directory), keeps the requested steps, selects the k earliest records
 by the ordering of :mod:`monitor.anomaly.ordering`, writes them to ``OUT/anomaly_analyse.json``
-atomically and prints them as a table.
-
-Both record formats are read: trainmon's (key ``{tag}_{op}_step_{step}_call_{call_id}``, records with
-``op``/``value``/``baseline``/``rule``) and msprobe's (key ``{tag}_step_{step}_call_{call_id}``, no
-op/value; the op and rule, and in later versions value and history mean, are parsed from the
-message). Required fields: rank, step, tag_name, message; a record without them or with a mistyped
-field is skipped and counted, a file that cannot be read as a UTF-8 JSON object is skipped with one
-warning and counted.
+atomically and prints them as a table. Reading (both record formats, what is skipped) is
+:mod:`monitor.anomaly.anomaly_files`; the document and table are :mod:`monitor.anomaly.report`.
+Their public names are importable from here too.
 
 ``call_id`` is the order in which the monitor computed the rows within one step **on one rank**;
 it is only comparable within a rank (across ranks it is a heuristic, see the ordering module).
@@ -23,26 +18,72 @@ from __future__ import annotations
 import argparse
 import ast
 import contextlib
-import gc
 import json
-import math
 import os
 import sys
-import tempfile
-from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
-from dataclasses import dataclass
-from itertools import repeat
+from collections.abc import Iterator
 
-from monitor.anomaly.ordering import STAGE_NAMES, AnomalyRecord, TopK, select_records, stage_of
+from monitor.anomaly.anomaly_files import (
+    INPUT_NAME,
+    PARALLEL_BYTES,
+    PARALLEL_MAX_K,
+    FileResult,
+    FileSkipped,
+    Summary,
+    _warn,
+    collect,
+    find_anomaly_files,
+    load_anomaly_file,
+    scan_file,
+    scan_files,
+)
+from monitor.anomaly.report import (
+    MESSAGE_WIDTH,
+    _clean,
+    format_table,
+    record_key,
+    record_to_json,
+    to_document,
+    write_atomic,
+)
+from monitor.anomaly.workers import MAX_JOBS
+
+__all__ = [
+    "DESCRIPTION",
+    "EPILOG",
+    "INPUT_NAME",
+    "MAX_JOBS",
+    "MESSAGE_WIDTH",
+    "OUTPUT_NAME",
+    "PARALLEL_BYTES",
+    "PARALLEL_MAX_K",
+    "FileResult",
+    "FileSkipped",
+    "Summary",
+    "UsageError",
+    "_clean",  # the cross-rank report shares the table's text cleaning and the warning line
+    "_warn",
+    "add_arguments",
+    "check_common",
+    "collect",
+    "find_anomaly_files",
+    "format_table",
+    "load_anomaly_file",
+    "main",
+    "make_out_dir",
+    "parse_step_list",
+    "record_key",
+    "record_to_json",
+    "report_anomalies",
+    "run",
+    "scan_file",
+    "scan_files",
+    "stdout_guard",
+    "to_document",
+    "write_atomic",
+]
 
 OUTPUT_NAME = "anomaly_analyse.json"
-INPUT_NAME = "anomaly.json"
-MESSAGE_WIDTH = 60
-PARALLEL_BYTES = 32 * 2**20
-PARALLEL_MAX_K = 256
-MAX_JOBS = 8
 
 DESCRIPTION = "Rank the anomalies recorded in DIR/rank*/anomaly.json by when they happened in the step."
 EPILOG = """\
@@ -51,283 +92,9 @@ ordering: step, micro_step, stage (forward < backward < optimizer < unknown task
 call_id is the collection order within one step on ONE rank; it is only comparable within a rank.
 exit status: 0 done, 1 output not written, 2 bad input."""
 
-_CONTROL = {c: "?" for c in range(32)} | {127: "?"}
-
 
 class UsageError(Exception):
     """Bad input: reported as one line on stderr with exit status 2."""
-
-
-class FileSkipped(Exception):
-    """An anomaly file that cannot be used at all."""
-
-
-@dataclass
-class Summary:
-    """Counts reported in the summary line."""
-
-    files_read: int = 0
-    files_skipped: int = 0
-    records_read: int = 0
-    records_skipped: int = 0
-    records_selected: int = 0
-
-    def line(self) -> str:
-        return (
-            f"{self.records_read} records from {self.files_read} files; "
-            f"skipped {self.files_skipped} files, {self.records_skipped} records"
-        )
-
-
-# ----------------------------------------------------------------------------------------- reading
-
-
-def load_anomaly_file(path: str) -> dict:
-    """The decoded JSON object of one anomaly.json.
-
-    Raises FileSkipped when the file is unreadable, not UTF-8, not JSON or not a JSON object.
-    """
-    try:
-        with open(path, encoding="utf-8-sig") as handle:
-            data = json.load(handle)
-    except UnicodeDecodeError as exc:
-        raise FileSkipped(f"not UTF-8 text ({exc.reason} at byte {exc.start})") from None
-    except json.JSONDecodeError as exc:
-        raise FileSkipped(f"not valid JSON (truncated?): {exc.msg} at line {exc.lineno}") from None
-    except (OSError, ValueError, RecursionError) as exc:
-        raise FileSkipped(f"cannot be read: {exc}") from None
-    if type(data) is not dict:
-        raise FileSkipped(f"not a JSON object but {type(data).__name__}")
-    return data
-
-
-def find_anomaly_files(data_dir: str) -> list[str]:
-    """``DIR/*/anomaly.json`` files one level below data_dir, sorted by path."""
-    found = []
-    with os.scandir(data_dir) as entries:
-        for entry in entries:
-            try:
-                is_dir = entry.is_dir()
-            except OSError:
-                continue
-            path = os.path.join(entry.path, INPUT_NAME)
-            if is_dir and os.path.isfile(path):
-                found.append(path)
-    return sorted(found)
-
-
-@dataclass
-class FileResult:
-    """What one anomaly file contributes: its k earliest selected records and its counts."""
-
-    records: list[AnomalyRecord]
-    read: int = 0
-    bad: int = 0
-    selected: int = 0
-    warning: str | None = None
-    skipped: bool = False
-
-
-@contextlib.contextmanager
-def _gc_paused() -> Iterator[None]:
-    """Reading builds millions of acyclic objects that the cyclic GC would only rescan (2x slower)."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
-
-
-def scan_file(path: str, k: int, steps: frozenset[int] | None = None) -> FileResult:
-    """Read one anomaly file and keep its k earliest records in the selected steps (None: all)."""
-    try:
-        with _gc_paused():
-            selection = select_records(load_anomaly_file(path), k, steps)
-    except FileSkipped as exc:
-        return FileResult([], warning=f"skipping {path}: {exc}", skipped=True)
-    bad, warning = selection.bad_keys, None
-    if bad:
-        warning = (
-            f"{path}: skipped {len(bad)} malformed record(s) (missing or mistyped rank/step/"
-            f"tag_name/message or other field), first key {bad[0]!r}"
-        )
-    return FileResult(selection.records, selection.valid, len(bad), selection.selected, warning)
-
-
-def _cpu_count() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
-def _total_size(paths: list[str]) -> int:
-    total = 0
-    for path in paths:
-        with contextlib.suppress(OSError):
-            total += os.path.getsize(path)
-    return total
-
-
-def scan_files(
-    paths: list[str], k: int, steps: frozenset[int] | None, jobs: int | None = None
-) -> list[FileResult]:
-    """scan_file over paths, in path order; in worker processes when the input is large.
-
-    jobs=None decides automatically: parallel for more than PARALLEL_BYTES of input and k <= PARALLEL_MAX_K
-    (each worker ships back at most k records per file). A pool that cannot start falls back to serial.
-    """
-    if jobs is None:
-        big = k <= PARALLEL_MAX_K and len(paths) > 1 and _total_size(paths) > PARALLEL_BYTES
-        jobs = min(_cpu_count(), MAX_JOBS) if big else 1
-    jobs = max(1, min(jobs, len(paths)))
-    if jobs > 1:
-        chunk = max(1, len(paths) // (jobs * 8))
-        try:
-            with ProcessPoolExecutor(max_workers=jobs) as pool:
-                return list(pool.map(scan_file, paths, repeat(k), repeat(steps), chunksize=chunk))
-        except (OSError, BrokenProcessPool):
-            pass  # no usable process pool here (e.g. no /dev/shm): do it in this process
-    return [scan_file(path, k, steps) for path in paths]
-
-
-def collect(
-    paths: list[str],
-    k: int,
-    steps: frozenset[int] | None = None,
-    warn: Callable[[str], None] | None = None,
-    jobs: int | None = None,
-) -> tuple[list[AnomalyRecord], Summary]:
-    """The k earliest records of the given files (restricted to steps unless None) and the counts."""
-    warn = warn or _warn
-    selected, summary = TopK(k), Summary()
-    with _gc_paused():
-        for result in scan_files(paths, k, steps, jobs):
-            if result.warning:
-                warn(result.warning)
-            if result.skipped:
-                summary.files_skipped += 1
-                continue
-            summary.files_read += 1
-            summary.records_read += result.read
-            summary.records_skipped += result.bad
-            summary.records_selected += result.selected
-            selected.extend(result.records)
-        return selected.result(), summary
-
-
-# ----------------------------------------------------------------------------------------- writing
-
-
-def record_key(record: AnomalyRecord) -> str:
-    """trainmon's anomaly.json key; without the op segment when the op is unknown."""
-    op = f"_{record.op}" if record.op else ""
-    return f"{record.tag_name}{op}_step_{record.step}_call_{record.call_id}"
-
-
-def _json_number(value: float | None) -> float | str | None:
-    return value if value is None or math.isfinite(value) else str(value)
-
-
-_JSON_FIELDS = ("rank", "step", "micro_step", "pp_stage", "vpp_stage", "call_id", "tag_name", "op")
-
-
-def record_to_json(record: AnomalyRecord) -> dict[str, object]:
-    """The record as trainmon's writer lays it out (non-finite numbers as strings)."""
-    document: dict[str, object] = {name: getattr(record, name) for name in _JSON_FIELDS}
-    document["value"] = _json_number(record.value)
-    document["baseline"] = _json_number(record.baseline)
-    document["rule"] = record.rule
-    document["message"] = record.message
-    document["group_mates"] = list(record.group_mates)
-    return document
-
-
-def to_document(records: Iterable[AnomalyRecord]) -> dict[str, dict[str, object]]:
-    """key -> record in ranking order; a key seen twice gets ``_rank{R}`` and then ``_{n}`` appended."""
-    document: dict[str, dict[str, object]] = {}
-    for record in records:
-        key = record_key(record)
-        if key in document:
-            key = f"{key}_rank{record.rank}"
-        base, n = key, 1
-        while key in document:
-            n += 1
-            key = f"{base}_{n}"
-        document[key] = record_to_json(record)
-    return document
-
-
-def write_atomic(path: str, text: str) -> None:
-    """Write text to path via a fsynced temporary file in the same directory and os.replace."""
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    with contextlib.suppress(OSError):  # make the rename durable where the platform allows it
-        dir_fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
-
-
-def _clean(text: str) -> str:
-    return text.translate(_CONTROL)
-
-
-def _value_text(value: float | None) -> str:
-    return "-" if value is None else f"{value:.6g}"
-
-
-def format_table(records: list[AnomalyRecord], message_width: int = MESSAGE_WIDTH) -> str:
-    """An aligned text table of ranked records."""
-    header = ("#", "rank", "step", "micro_step", "stage", "tag", "op", "value", "message")
-    rows = []
-    for index, r in enumerate(records, 1):
-        message = _clean(r.message)
-        if len(message) > message_width:
-            message = message[: message_width - 3] + "..."
-        rows.append(
-            (
-                str(index),
-                str(r.rank),
-                str(r.step),
-                str(r.micro_step),
-                STAGE_NAMES[stage_of(r)],
-                _clean(r.tag_name),
-                _clean(r.op) or "-",
-                _value_text(r.value),
-                message,
-            )
-        )
-    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
-    numeric = {0, 1, 2, 3, 7}
-    lines = []
-    for row in [header, *rows]:
-        cells = [
-            c.rjust(w) if i in numeric else c.ljust(w)
-            for i, (c, w) in enumerate(zip(row, widths, strict=True))
-        ]
-        lines.append("  ".join(cells).rstrip())
-    return "\n".join(lines)
-
-
-# ------------------------------------------------------------------------------------------- CLI
-
-
-def _warn(text: str) -> None:
-    print(f"anomaly-analyse: warning: {text}", file=sys.stderr)
 
 
 def parse_step_list(text: str | list[int] | None) -> frozenset[int] | None:

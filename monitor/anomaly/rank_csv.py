@@ -1,41 +1,55 @@
-"""Reading one run's per-rank CSV outputs as arrays (for the cross-rank analysis).
+"""Reading one run's per-rank CSV outputs: the one place that knows their layout.
 
 A run's output root holds ``{time}-rank{R}-{id}/`` directories with ``{prefix}_{a}-{b}.csv`` files
 (``.{n}.csv`` when an appended run had other columns), header ``vpp_stage,name,step[,micro_step],
-<ops>`` (spec §5.2; msprobe's ``shape``/``dtype`` columns are ignored). All files of one data type
-and header on a rank are parsed with one pandas call. A file being written is read up to its last
-complete line; a row with a wrong field count or a cell that is not a number is dropped and
-counted, never guessed. Symlinked files and directories are not followed.
+<ops>`` (spec §5.2; msprobe's ``shape``/``dtype`` columns are ignored). The listing, header and
+complete-line helpers here also serve the dashboards' reader (dashboards.csvfiles); the arrays are
+for the cross-rank analysis. All files of one data type and header on a rank are parsed with one
+pandas call. A file being written is read up to its last complete line; a row with a wrong field
+count or a cell that is not a number is dropped and counted, never guessed. Symlinked files and
+directories are not followed.
 """
 
 from __future__ import annotations
 
-import contextlib
 import csv
 import io
 import os
 import re
-from concurrent.futures import ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
-from itertools import repeat
+from typing import NamedTuple
 
 import numpy as np
 import pandas as pd
 
+from monitor.anomaly.workers import map_in_workers, max_workers, total_size
 from monitor.files import RANK_DIR_PATTERN
+from monitor.writers.eventfile import open_regular
 
+#: ``{prefix}_{a}-{b}.csv``; ``.{n}.csv`` when an appended run had other columns (monitor.writers.csv).
 CSV_NAME = re.compile(r"^(?P<prefix>[A-Za-z0-9_]+?)_(?P<start>\d+)-(?P<end>\d+)(?:\.(?P<part>\d+))?\.csv$")
+#: header columns that are labels, not statistics.
 LABELS = ("vpp_stage", "name", "step", "micro_step")
+#: msprobe columns that hold no number.
 IGNORED_COLUMNS = ("shape", "dtype")
+#: how a NaN value is written.
 NAN_TEXT = ("nan", "-nan", "+nan", "NaN")
-MAX_JOBS = 8
 #: CSV bytes above which ranks are read in worker processes.
 PARALLEL_BYTES = 32 * 2**20
 
 
 class DuplicateRankError(ValueError):
     """A rank has several output directories under one root (several runs)."""
+
+
+class CsvFile(NamedTuple):
+    """One CSV file of a rank directory, with the step window from its name."""
+
+    path: str
+    prefix: str
+    start: int
+    end: int
+    part: int
 
 
 @dataclass
@@ -82,9 +96,14 @@ def find_rank_dirs(root: str, ranks: frozenset[int] | None = None) -> dict[int, 
     return {rank: paths[0] for rank, paths in sorted(found.items())}
 
 
-def list_type_files(rank_dir: str, types: tuple[str, ...] | None = None) -> dict[str, list[str]]:
-    """prefix -> its CSV files in step-window order, for the prefixes in ``types`` (None: all)."""
-    found: dict[str, list[tuple[int, int, str]]] = {}
+def list_csv_files(
+    rank_dir: str | os.PathLike, types: tuple[str, ...] | None = None
+) -> dict[str, list[CsvFile]]:
+    """prefix -> its CSV files in step-window order, for the prefixes in ``types`` (None: all).
+
+    Regular files only.
+    """
+    found: dict[str, list[CsvFile]] = {}
     with os.scandir(rank_dir) as entries:
         for entry in entries:
             match = CSV_NAME.match(entry.name)
@@ -93,24 +112,57 @@ def list_type_files(rank_dir: str, types: tuple[str, ...] | None = None) -> dict
                 and (types is None or match.group("prefix") in types)
                 and entry.is_file(follow_symlinks=False)
             ):
-                key = (int(match.group("start")), int(match.group("part") or 0), entry.path)
-                found.setdefault(match.group("prefix"), []).append(key)
-    return {prefix: [path for *_, path in sorted(files)] for prefix, files in found.items()}
+                prefix, part = match.group("prefix"), int(match.group("part") or 0)
+                found.setdefault(prefix, []).append(
+                    CsvFile(entry.path, prefix, int(match.group("start")), int(match.group("end")), part)
+                )
+    for files in found.values():
+        files.sort(key=lambda f: (f.start, f.part, f.end))
+    return found
 
 
-def _complete_lines(path: str) -> bytes:
-    with open(path, "rb") as handle:
-        data = handle.read()
-    return data[: data.rfind(b"\n") + 1]
+def list_type_files(rank_dir: str, types: tuple[str, ...] | None = None) -> dict[str, list[str]]:
+    """prefix -> the paths of its CSV files, as list_csv_files orders them."""
+    return {prefix: [f.path for f in files] for prefix, files in list_csv_files(rank_dir, types).items()}
+
+
+def header_columns(header: str) -> tuple[bool, tuple[str, ...]]:
+    """Whether a monitor CSV header has a micro_step column, and its statistic columns.
+
+    Raises:
+        ValueError: not a monitor CSV header.
+    """
+    fields = next(csv.reader([header]))
+    if fields[:3] != list(LABELS[:3]):
+        raise ValueError(f"not a monitor CSV header: {header.strip()[:200]!r}")
+    has_micro = len(fields) > 3 and fields[3] == LABELS[3]
+    ops = tuple(f for f in fields[4 if has_micro else 3 :] if f not in IGNORED_COLUMNS)
+    return has_micro, ops
+
+
+def read_complete_lines(path: str | os.PathLike) -> bytes:
+    """A file's bytes up to its last line break (a file being written may end mid-line).
+
+    Raises:
+        OSError: unreadable, or not a regular file (symlinks are refused).
+    """
+    fd = open_regular(path)
+    try:
+        with os.fdopen(fd, "rb", closefd=False) as handle:
+            data = handle.read()
+    finally:
+        os.close(fd)
+    end = data.rfind(b"\n")
+    return data if end == len(data) - 1 else data[: end + 1]  # no copy when the last line is whole
 
 
 def parse_rows(header: bytes, body: bytes, steps: frozenset[int] | None = None) -> tuple[Table | None, int]:
     """Rows under one header as a Table (None: not a monitor header) and the count dropped as malformed."""
-    columns = next(csv.reader([header.decode("utf-8", "replace")]))
-    if columns[:3] != ["vpp_stage", "name", "step"]:
+    try:
+        has_micro, ops = header_columns(header.decode("utf-8", "replace"))
+    except ValueError:
         return None, 0
-    labels = list(LABELS[: 4 if len(columns) > 3 and columns[3] == "micro_step" else 3])
-    ops = tuple(c for c in columns[len(labels) :] if c not in IGNORED_COLUMNS)
+    labels = list(LABELS[: 4 if has_micro else 3])
     data = header + b"\n" + body
     common = {"usecols": labels + list(ops), "keep_default_na": False, "encoding_errors": "replace"}
     dtypes = {**dict.fromkeys(ops, np.float64), **dict.fromkeys(labels, np.int64), "name": "category"}
@@ -162,7 +214,7 @@ def load_rank(
         groups: dict[bytes, list[bytes]] = {}
         for path in paths:
             try:
-                data = _complete_lines(path)
+                data = read_complete_lines(path)
             except OSError as exc:
                 warnings.append(f"skipping {path}: {exc.strerror or exc}")
                 continue
@@ -180,39 +232,19 @@ def load_rank(
     return tables, warnings
 
 
-def _cpu_count() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
-def _total_size(rank_dirs: list[str], types: tuple[str, ...]) -> int:
-    total = 0
-    for rank_dir in rank_dirs:
-        for paths in list_type_files(rank_dir, types).values():
-            for path in paths:
-                with contextlib.suppress(OSError):
-                    total += os.path.getsize(path)
-    return total
-
-
 def load_ranks(
     rank_dirs: list[str], types: tuple[str, ...], steps: frozenset[int] | None = None, jobs: int | None = None
 ) -> list[tuple[dict[str, list[Table]], list[str]]]:
     """load_rank for every directory, in order.
 
-    jobs=None decides: worker processes (up to the cores, at most MAX_JOBS) for more than
+    jobs=None decides: worker processes (up to the cores, at most workers.MAX_JOBS) for more than
     PARALLEL_BYTES of CSV, else this process. A pool that cannot start falls back to serial.
     """
     if jobs is None:
-        big = len(rank_dirs) > 1 and _total_size(rank_dirs, types) > PARALLEL_BYTES
-        jobs = min(_cpu_count(), MAX_JOBS) if big else 1
-    jobs = max(1, min(jobs, len(rank_dirs)))
-    if jobs > 1:
-        try:
-            with ProcessPoolExecutor(max_workers=jobs) as pool:
-                return list(pool.map(load_rank, rank_dirs, repeat(types), repeat(steps)))
-        except (OSError, BrokenProcessPool):
-            pass  # no usable process pool here (e.g. no /dev/shm): read in this process
-    return [load_rank(path, types, steps) for path in rank_dirs]
+        big = len(rank_dirs) > 1 and total_size(_csv_paths(rank_dirs, types)) > PARALLEL_BYTES
+        jobs = max_workers() if big else 1
+    return map_in_workers(load_rank, rank_dirs, jobs, types, steps)
+
+
+def _csv_paths(rank_dirs: list[str], types: tuple[str, ...]) -> list[str]:
+    return [path for d in rank_dirs for paths in list_type_files(d, types).values() for path in paths]

@@ -1,0 +1,121 @@
+"""The ranked anomaly records as output: the anomaly_analyse.json document and the printed table.
+
+The document lays records out as trainmon's anomaly writer does (non-finite numbers as strings);
+it is written atomically so that a reader never sees half a file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import tempfile
+from collections.abc import Iterable
+
+from monitor.anomaly.ordering import STAGE_NAMES, AnomalyRecord, stage_of
+
+MESSAGE_WIDTH = 60
+
+_CONTROL = {c: "?" for c in range(32)} | {127: "?"}
+
+
+def record_key(record: AnomalyRecord) -> str:
+    """trainmon's anomaly.json key; without the op segment when the op is unknown."""
+    op = f"_{record.op}" if record.op else ""
+    return f"{record.tag_name}{op}_step_{record.step}_call_{record.call_id}"
+
+
+def _json_number(value: float | None) -> float | str | None:
+    return value if value is None or math.isfinite(value) else str(value)
+
+
+_JSON_FIELDS = ("rank", "step", "micro_step", "pp_stage", "vpp_stage", "call_id", "tag_name", "op")
+
+
+def record_to_json(record: AnomalyRecord) -> dict[str, object]:
+    """The record as trainmon's writer lays it out (non-finite numbers as strings)."""
+    document: dict[str, object] = {name: getattr(record, name) for name in _JSON_FIELDS}
+    document["value"] = _json_number(record.value)
+    document["baseline"] = _json_number(record.baseline)
+    document["rule"] = record.rule
+    document["message"] = record.message
+    document["group_mates"] = list(record.group_mates)
+    return document
+
+
+def to_document(records: Iterable[AnomalyRecord]) -> dict[str, dict[str, object]]:
+    """key -> record in ranking order; a key seen twice gets ``_rank{R}`` and then ``_{n}`` appended."""
+    document: dict[str, dict[str, object]] = {}
+    for record in records:
+        key = record_key(record)
+        if key in document:
+            key = f"{key}_rank{record.rank}"
+        base, n = key, 1
+        while key in document:
+            n += 1
+            key = f"{base}_{n}"
+        document[key] = record_to_json(record)
+    return document
+
+
+def write_atomic(path: str, text: str) -> None:
+    """Write text to path via a fsynced temporary file in the same directory and os.replace."""
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    with contextlib.suppress(OSError):  # make the rename durable where the platform allows it
+        dir_fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+
+
+def _clean(text: str) -> str:
+    return text.translate(_CONTROL)
+
+
+def _value_text(value: float | None) -> str:
+    return "-" if value is None else f"{value:.6g}"
+
+
+def format_table(records: list[AnomalyRecord], message_width: int = MESSAGE_WIDTH) -> str:
+    """An aligned text table of ranked records."""
+    header = ("#", "rank", "step", "micro_step", "stage", "tag", "op", "value", "message")
+    rows = []
+    for index, r in enumerate(records, 1):
+        message = _clean(r.message)
+        if len(message) > message_width:
+            message = message[: message_width - 3] + "..."
+        rows.append(
+            (
+                str(index),
+                str(r.rank),
+                str(r.step),
+                str(r.micro_step),
+                STAGE_NAMES[stage_of(r)],
+                _clean(r.tag_name),
+                _clean(r.op) or "-",
+                _value_text(r.value),
+                message,
+            )
+        )
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+    numeric = {0, 1, 2, 3, 7}
+    lines = []
+    for row in [header, *rows]:
+        cells = [
+            c.rjust(w) if i in numeric else c.ljust(w)
+            for i, (c, w) in enumerate(zip(row, widths, strict=True))
+        ]
+        lines.append("  ".join(cells).rstrip())
+    return "\n".join(lines)
