@@ -12,9 +12,11 @@ from monitor.files import atomic_write_text, make_private_dir
 
 logger = logging.getLogger("trainmon")
 
-#: a rewrite slower than this (a file of tens of thousands of records) makes the next one wait
-SLOW_REWRITE_S = 0.05
-#: ... for this many times its duration: rewriting then costs at most ~5% of the writer's time
+#: up to this many records the file is rewritten at every step with news (a crash loses nothing
+#: of an ended step); a rewrite then costs ~0.1 s at most
+THROTTLE_ABOVE_RECORDS = 10_000
+#: beyond it, the next rewrite waits this many times the last one's duration (<= ~5% of the
+#: writer's time; the reference spends over a second a step at 100,000 records)
 REWRITE_PAUSE_FACTOR = 20.0
 
 
@@ -22,10 +24,10 @@ class AnomalyDump:
     """Keeps every anomaly of the run and rewrites anomaly.json at the end of a step with news.
 
     The file is written to a temporary name, fsynced and renamed, so a reader or a crash only
-    ever sees a complete JSON document. The reference rewrites it in full at every step, which
-    at 100,000 records costs over a second a step; here a slow rewrite (SLOW_REWRITE_S) defers
-    the next one by REWRITE_PAUSE_FACTOR times its duration, and ``close`` always writes the
-    rest. Small files (the usual case) are still rewritten at every step with news.
+    ever sees a complete JSON document, and up to THROTTLE_ABOVE_RECORDS records it is rewritten
+    at every step with news. Beyond that (a run flooded with anomalies) the next rewrite waits
+    REWRITE_PAUSE_FACTOR times the last one's duration, so the file may lag a few steps behind
+    until ``close``, which always writes the rest.
     """
 
     def __init__(self, root: str | os.PathLike, rank: int, keep: bool = False) -> None:
@@ -73,4 +75,5 @@ class AnomalyDump:
         atomic_write_text(self.path, json.dumps(self._records, indent=1))
         self._dirty = False
         took = time.monotonic() - started
-        self._next_rewrite = started + took * (1 + REWRITE_PAUSE_FACTOR) if took > SLOW_REWRITE_S else 0.0
+        large = len(self._records) > THROTTLE_ABOVE_RECORDS
+        self._next_rewrite = started + took * (1 + REWRITE_PAUSE_FACTOR) if large else 0.0

@@ -435,8 +435,10 @@ def test_dump_replaces_the_file_by_rename(tmp_path, make_record):
     assert len(_read_json(dump.path)) == 2
 
 
-def test_a_slow_rewrite_defers_the_next_and_close_writes_the_rest(tmp_path, make_record, monkeypatch):
+def test_a_large_file_defers_its_next_rewrite_and_close_writes_the_rest(tmp_path, make_record, monkeypatch):
     import monitor.anomaly.dump as dump_module
+
+    monkeypatch.setattr(dump_module, "THROTTLE_ABOVE_RECORDS", 0)  # every file counts as large
 
     clock = [100.0]
     monkeypatch.setattr(dump_module.time, "monotonic", lambda: clock[0])
@@ -464,6 +466,26 @@ def test_a_slow_rewrite_defers_the_next_and_close_writes_the_rest(tmp_path, make
     assert len(_read_json(dump.path)) == 3
     dump.close()
     assert len(_read_json(dump.path)) == 4  # nothing is lost at the end
+
+
+def test_a_small_file_is_rewritten_at_every_step_however_slow(tmp_path, make_record, monkeypatch):
+    """Crash safety: below THROTTLE_ABOVE_RECORDS every ended step is in the file."""
+    import monitor.anomaly.dump as dump_module
+
+    clock = [0.0]
+    monkeypatch.setattr(dump_module.time, "monotonic", lambda: clock[0])
+    real_write = dump_module.atomic_write_text
+
+    def slow_write(path, text):  # a loaded machine: every rewrite takes 5 s
+        clock[0] += 5.0
+        real_write(path, text)
+
+    monkeypatch.setattr(dump_module, "atomic_write_text", slow_write)
+    dump = AnomalyDump(tmp_path, rank=0)
+    for step in range(3):
+        dump.add(_flagged(make_record, step, [[math.nan]]))
+        dump.end_step(step)
+        assert len(_read_json(dump.path)) == step + 1
 
 
 def test_dump_does_not_rewrite_without_new_records(tmp_path, make_record):
