@@ -4,17 +4,19 @@ In PyNative mode a collective is a primitive *instance* (``ops.AllReduce()``, us
 once in a Cell's ``__init__`` and called in ``construct``); calling it runs
 ``Primitive.__call__``. MindSpore looks special methods up on the class, so an instance is
 wrapped by giving it a subclass of its own class (same name and module) whose ``__call__``
-tells the monitors and calls the original ``__call__`` with the caller's arguments, returning
-its result unchanged. Nothing is changed on MindSpore's classes or modules; ``isinstance``
-checks keep working; ``type(p) is ops.AllReduce`` is False while ``p`` is wrapped.
+tells the monitors (as a ``PrimitiveCall``) and calls the original ``__call__`` with the
+caller's arguments, returning its result unchanged. Nothing is changed on MindSpore's classes or
+modules; ``isinstance`` checks keep working; ``type(p) is ops.AllReduce`` is False while ``p``
+is wrapped.
 
 The instances are found by a scan of the live objects (``gc.get_objects()``, tens of
 milliseconds, at install and once more at the start of the second step, when the training
 loop's own objects exist). Instances created later (``ops.AllReduce()(x)`` written inline makes
 a new one per call) are not seen.
 
-One process-wide ``REGISTRY`` owns the wrapping: the first subscriber wraps, the last one to
-leave gives every instance its own class back; monitors in between only subscribe.
+One process-wide ``REGISTRY`` owns the wrapping (``monitor.cc_registry``): the first subscriber
+wraps, the last one to leave gives every instance its own class back; monitors in between only
+subscribe.
 
 Calls made inside a ``jit``-compiled Cell (``nn.DistributedGradReducer`` is one) run in the
 compiled graph and never reach ``__call__``: they are not seen.
@@ -22,13 +24,14 @@ compiled graph and never reach ``__call__``: they are not seen.
 
 from __future__ import annotations
 
+import functools
 import gc
 import logging
-import threading
 import weakref
-from typing import Any, Protocol
 
 from mindspore import ops
+
+from monitor.cc_registry import WrapperRegistry
 
 logger = logging.getLogger("trainmon")
 
@@ -36,27 +39,20 @@ logger = logging.getLogger("trainmon")
 COLLECTIVES: tuple[type, ...] = (ops.AllReduce, ops.AllGather, ops.Broadcast)
 
 
-class Subscriber(Protocol):
-    """What a monitor offers the wrappers (see CollectiveMonitor)."""
+class PrimitiveCall:
+    """One call of a wrapped primitive, as the monitors see it."""
 
-    listening: bool
+    __slots__ = ("args", "name", "primitive")
 
-    def before(self, primitive: Any, name: str, args: tuple) -> Any: ...
-
-    def after(self, token: Any, result: Any) -> None: ...
-
-
-class _Nesting(threading.local):
-    depth = 0
+    def __init__(self, name: str, args: tuple, kwargs: dict) -> None:
+        self.name, self.primitive, self.args = name, args[0], args[1:]
 
 
-class WrapRegistry:
-    """The process-wide owner of the wrapped instances: subscribe wraps, the last unsubscribe restores."""
+class WrapRegistry(WrapperRegistry):
+    """The wrapped primitive instances: subscribe wraps, the last unsubscribe gives them their class back."""
 
     def __init__(self) -> None:
-        self.subscribers: tuple[Subscriber, ...] = ()
-        self._lock = threading.Lock()
-        self._nesting = _Nesting()
+        super().__init__()
         self._subclasses: dict[type, type] = {}
         #: id -> (weak reference to the instance, its own class) of every wrapped instance.
         self._wrapped: dict[int, tuple[weakref.ref, type]] = {}
@@ -66,30 +62,14 @@ class WrapRegistry:
         """``AllReduce`` ... of the live wrapped instances, sorted."""
         return sorted(original.__name__ for ref, original in self._wrapped.values() if ref() is not None)
 
-    def subscribe(self, monitor: Subscriber) -> None:
-        """Add a monitor; the first one wraps the instances alive now."""
-        with self._lock:
-            if monitor not in self.subscribers:
-                self.subscribers = (*self.subscribers, monitor)
-                if len(self.subscribers) == 1:
-                    self._wrap_live()
-
-    def unsubscribe(self, monitor: Subscriber) -> None:
-        """Remove a monitor; the last one gives every wrapped instance its own class back."""
-        with self._lock:
-            if monitor not in self.subscribers:
-                return
-            self.subscribers = tuple(m for m in self.subscribers if m is not monitor)
-            if not self.subscribers:
-                self._restore_all()
-
     def rescan(self) -> None:
         """Wrap the instances created since the last scan (while anyone subscribes)."""
         with self._lock:
             if self.subscribers:
-                self._wrap_live()
+                self._wrap()
 
-    def _wrap_live(self) -> None:
+    def _wrap(self) -> None:
+        """Wrap the instances alive now."""
         self._wrapped = {key: entry for key, entry in self._wrapped.items() if entry[0]() is not None}
         new = [obj for obj in gc.get_objects() if type(obj) in COLLECTIVES]  # wrapped ones have our class
         for obj in new:
@@ -103,7 +83,7 @@ class WrapRegistry:
                 ", ".join(sorted({type(obj).__name__ for obj in new})),
             )
 
-    def _restore_all(self) -> None:
+    def _restore(self) -> None:
         for ref, original in self._wrapped.values():
             obj = ref()
             if obj is not None and type(obj) is self._subclasses.get(original):
@@ -117,32 +97,14 @@ class WrapRegistry:
                 original.__name__,
                 (original,),
                 {
-                    "__call__": self._wrapper(original),
+                    "__call__": self.observed(
+                        original.__call__, functools.partial(PrimitiveCall, original.__name__)
+                    ),
                     "__module__": original.__module__,
                     "__qualname__": original.__qualname__,
                 },
             )
         return subclass
-
-    def _wrapper(self, original: type) -> Any:
-        call, name, nesting = original.__call__, original.__name__, self._nesting
-
-        def __call__(primitive: Any, *args: Any) -> Any:
-            subscribers = self.subscribers
-            if nesting.depth or not subscribers:
-                return call(primitive, *args)
-            tokens = [(m, m.before(primitive, name, args)) for m in subscribers if m.listening]
-            nesting.depth += 1
-            try:
-                result = call(primitive, *args)
-            finally:
-                nesting.depth -= 1
-            for monitor, token in tokens:
-                if token is not None:
-                    monitor.after(token, result)
-            return result
-
-        return __call__
 
 
 #: the one registry of this process.

@@ -7,11 +7,11 @@ are replaced, on ``torch.distributed`` and on ``torch.distributed.distributed_c1
 module whose functions call each other by global name); ``Work.wait`` and every other part of
 torch.distributed are left alone.
 
-A wrapper always calls the original with the caller's arguments and returns its result
-unchanged. A call made while another wrapped call runs on the same thread (``send`` calls
-``isend``, ``all_gather_into_tensor`` calls ``all_gather_single``, ``batch_isend_irecv`` calls
-``isend``/``irecv``) goes straight to the original, so each user call is seen once, under the
-name the user called.
+A wrapper (built by ``monitor.cc_registry``) always calls the original with the caller's
+arguments and returns its result unchanged. A call made while another wrapped call runs on the
+same thread (``send`` calls ``isend``, ``all_gather_into_tensor`` calls ``all_gather_single``,
+``batch_isend_irecv`` calls ``isend``/``irecv``) goes straight to the original, so each user
+call is seen once, under the name the user called.
 """
 
 from __future__ import annotations
@@ -19,12 +19,13 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-import threading
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from monitor.cc_registry import WrapperRegistry
 
 logger = logging.getLogger("trainmon")
 
@@ -51,16 +52,6 @@ COLLECTIVES = (
 )
 
 _MISSING = object()
-
-
-class Subscriber(Protocol):
-    """What a monitor offers the wrappers (see CollectiveMonitor)."""
-
-    listening: bool
-
-    def before(self, call: CallInfo) -> Any: ...
-
-    def after(self, token: Any, result: Any) -> None: ...
 
 
 def _tensors_of(value: Any) -> list[torch.Tensor] | None:
@@ -141,17 +132,11 @@ class CallInfo:
             return -1
 
 
-class _Nesting(threading.local):
-    depth = 0
-
-
-class WrapRegistry:
-    """The process-wide owner of the wrappers: subscribe wraps, the last unsubscribe restores."""
+class WrapRegistry(WrapperRegistry):
+    """The wrappers of the torch.distributed collectives: subscribe wraps, the last unsubscribe restores."""
 
     def __init__(self) -> None:
-        self.subscribers: tuple[Subscriber, ...] = ()
-        self._lock = threading.Lock()
-        self._nesting = _Nesting()
+        super().__init__()
         #: (module, name, original, wrapper) of every replaced attribute.
         self._patched: list[tuple[Any, str, Callable, Callable]] = []
 
@@ -160,25 +145,7 @@ class WrapRegistry:
         """Names of the wrapped functions (empty when nothing is wrapped)."""
         return list(dict.fromkeys(name for _, name, _, _ in self._patched))
 
-    def subscribe(self, monitor: Subscriber) -> list[str]:
-        """Add a monitor; the first one wraps. Returns the wrapped names."""
-        with self._lock:
-            if monitor not in self.subscribers:
-                if not self.subscribers:
-                    self._wrap_all()
-                self.subscribers = (*self.subscribers, monitor)
-            return self.wrapped
-
-    def unsubscribe(self, monitor: Subscriber) -> None:
-        """Remove a monitor; the last one restores the original functions."""
-        with self._lock:
-            if monitor not in self.subscribers:
-                return
-            self.subscribers = tuple(m for m in self.subscribers if m is not monitor)
-            if not self.subscribers:
-                self._restore_all()
-
-    def _wrap_all(self) -> None:
+    def _wrap(self) -> None:
         if not dist.is_available():
             logger.warning("trainmon: torch.distributed is not available; collectives are not monitored")
             return
@@ -200,7 +167,7 @@ class WrapRegistry:
             ", ".join(self.wrapped),
         )
 
-    def _restore_all(self) -> None:
+    def _restore(self) -> None:
         kept = []
         for module, name, original, wrapper in self._patched:
             if getattr(module, name, None) is wrapper:
@@ -220,26 +187,7 @@ class WrapRegistry:
             params = tuple(inspect.signature(original).parameters)
         except (TypeError, ValueError):
             params = ()
-        nesting = self._nesting
-
-        @functools.wraps(original)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            subscribers = self.subscribers
-            if nesting.depth or not subscribers:
-                return original(*args, **kwargs)
-            call = CallInfo(name, params, args, kwargs)
-            tokens = [(m, m.before(call)) for m in subscribers if m.listening]
-            nesting.depth += 1
-            try:
-                result = original(*args, **kwargs)
-            finally:
-                nesting.depth -= 1
-            for monitor, token in tokens:
-                if token is not None:
-                    monitor.after(token, result)
-            return result
-
-        return wrapper
+        return functools.wraps(original)(self.observed(original, functools.partial(CallInfo, name, params)))
 
 
 #: the one registry of this process.

@@ -21,12 +21,12 @@ rules are in ``monitor.cc_totals``. Each call costs one stat_matrix and one host
 
 ``cc_log_only`` measures nothing: every distinct (op, call stack) is logged once with dtypes,
 shapes and group size, and the first optimizer step raises ``CollectivesLogged``.
+What both adapters share (listening, cc_log_only, cc_codeline, row labels) is ``monitor.cc_monitor``.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -37,17 +37,15 @@ import torch.distributed as dist
 from adapters.torch.cc_callsite import CallSites
 from adapters.torch.cc_wrap import REGISTRY, CallInfo
 from adapters.torch.stats import stat_matrix
-from monitor.cc_totals import StepTotals, row_name, stat_ops_for, summarise
+from monitor.cc_monitor import CollectiveMonitorBase
+from monitor.cc_totals import StepTotals
 from monitor.config import MonitorConfig
-from monitor.errors import CollectivesLogged
 from monitor.record import RowSet
 
 logger = logging.getLogger("trainmon")
 
 #: asynchronous calls followed at once per monitor; further ones are dropped (and counted).
 MAX_PENDING = 1024
-#: what the rows of this monitor are submitted as.
-TASK = "comm"
 
 Groups = list[tuple[int, list[torch.Tensor]]]
 
@@ -70,7 +68,8 @@ def _works(result: Any) -> list | None:
     return None
 
 
-def _describe(groups: Groups) -> str:
+def _describe_groups(groups: Groups) -> str:
+    """Dtypes and shapes of a call's tensors, per argument (the first four of each)."""
     parts = []
     for k, tensors in groups:
         shapes = ", ".join(f"{t.dtype}{list(t.shape)}".replace("torch.", "") for t in tensors[:4])
@@ -79,7 +78,7 @@ def _describe(groups: Groups) -> str:
     return "; ".join(parts) or "no tensors"
 
 
-class CollectiveMonitor:
+class CollectiveMonitor(CollectiveMonitorBase):
     """Per-step statistics of the collectives of one TrainerMon.
 
     Args:
@@ -92,55 +91,17 @@ class CollectiveMonitor:
     def __init__(
         self, config: MonitorConfig, on_error: Callable[[str, BaseException], None] | None = None
     ) -> None:
-        cc = config.cc_distribution
-        self.config = config
-        self.on_error = on_error
-        self.out_ops: tuple[str, ...] = (*config.ops, "calls")
-        self._ops = tuple(config.ops)
-        self._stat_ops = stat_ops_for(self._ops)
+        super().__init__(config, REGISTRY, CallSites, on_error)
         self._eps = config.eps
-        self._pre = cc.cc_pre_hook
-        self._log_only = cc.cc_log_only
-        self._sites = CallSites(cc.cc_codeline) if (cc.cc_codeline or cc.cc_log_only) else None
-        self._filtered = bool(cc.cc_codeline)
-        #: read by the wrappers on every call: False makes a call cost one attribute check.
-        self.listening = False
-        self._installed = False
-        self._failed = False
-        self._collect = False
         self._step = 0
-        self._first_step: int | None = None
-        self._lock = threading.Lock()
         self._totals: dict[int, StepTotals] = {}
         self._closed_below = 0  # completions of steps below this are late
         self._pending = 0
         self._polled: list[tuple[_Call, list]] = []
         self._counts = {"late": 0, "dropped": 0}
-        self._logged: set[tuple[str, str]] = set()
         self._skipped: set[torch.dtype] = set()
-        self._names: dict[tuple, str] = {}
-        self._rows: tuple[tuple, int, RowSet] | None = None
 
     # -- the contract with the session -------------------------------------------------------
-
-    def install(self) -> list[str]:
-        """Subscribe to the wrappers (the first subscriber in the process wraps); idempotent."""
-        if not self._installed:
-            self._installed = True
-            self._first_step = None
-            REGISTRY.subscribe(self)
-            self._update_listening()
-        return REGISTRY.wrapped
-
-    def remove(self) -> None:
-        """Unsubscribe (the last subscriber restores the original functions); idempotent."""
-        if self._installed:
-            self._installed = False
-            self.listening = False
-            REGISTRY.unsubscribe(self)
-            with self._lock:
-                self._totals.clear()
-                self._polled.clear()
 
     def begin_step(self, step: int, collect: bool) -> None:
         """Before a step's forward: attribute calls to ``step``; measure them only when ``collect``.
@@ -148,14 +109,7 @@ class CollectiveMonitor:
         Raises:
             CollectivesLogged: with cc_log_only, at the first step after the one it started in.
         """
-        if self._log_only and self._installed:
-            if self._first_step is None:
-                self._first_step = step
-            elif step != self._first_step:
-                raise CollectivesLogged(
-                    f"cc_log_only: {len(self._logged)} distinct collective calls were logged during step "
-                    f"{self._first_step}; the run stops here as configured"
-                )
+        self._check_log_only(step)
         with self._lock:
             self._step, self._collect = step, collect
             self._closed_below = max(self._closed_below, step)
@@ -176,37 +130,25 @@ class CollectiveMonitor:
 
     # -- called by the wrappers (never raise) ------------------------------------------------
 
-    def before(self, call: CallInfo) -> _Call | None:
-        """Before the original runs: filter, log or measure the inputs; a token for ``after``."""
-        try:
-            if self._polled:
-                self._poll()
-            site = None
-            if self._sites is not None:
-                frames = self._sites.frames()
-                if self._log_only:
-                    self._log_call(call, frames)
-                    return None
-                site = self._sites.site(frames) if self._filtered else None
-                if self._filtered and site is None:
-                    return None
-            groups = call.tensor_groups()
-            if call.skipped - self._skipped:
-                self._skipped |= call.skipped
-                logger.info(
-                    "trainmon: %s: tensors of dtype %s are not measured",
-                    call.name,
-                    ", ".join(sorted(str(d) for d in call.skipped)),
-                )
-            if not groups:
-                return None
-            token = _Call(self._step, call.name, site, groups)
-            if self._pre:
-                self._measure(token, "pre")
-            return token
-        except Exception as exc:
-            self._fail(exc)
+    def _catch_up(self) -> None:
+        if self._polled:
+            self._poll()
+
+    def _start(self, call: CallInfo, site: str | None) -> _Call | None:
+        groups = call.tensor_groups()
+        if call.skipped - self._skipped:
+            self._skipped |= call.skipped
+            logger.info(
+                "trainmon: %s: tensors of dtype %s are not measured",
+                call.name,
+                ", ".join(sorted(str(d) for d in call.skipped)),
+            )
+        if not groups:
             return None
+        token = _Call(self._step, call.name, site, groups)
+        if self._pre:
+            self._measure(token, "pre")
+        return token
 
     def after(self, token: _Call, result: Any) -> None:
         """After the original returned: measure now (synchronous) or when the work completes."""
@@ -219,6 +161,11 @@ class CollectiveMonitor:
         except Exception as exc:
             self._fail(exc)
 
+    def _forget_steps(self) -> None:
+        with self._lock:
+            self._totals.clear()
+            self._polled.clear()
+
     # -- measuring ---------------------------------------------------------------------------
 
     def _measure(self, token: _Call, phase: str) -> None:
@@ -226,13 +173,10 @@ class CollectiveMonitor:
         flat = [t for _, tensors in token.groups for t in tensors]
         stats = stat_matrix(flat, self._stat_ops, self._eps).cpu().numpy() if flat else None
         numel = np.fromiter((t.numel() for t in flat), dtype=np.float64, count=len(flat))
-        parts, start = [], 0
-        for k, tensors in token.groups:
-            end = start + len(tensors)
-            if end > start:
-                key = (token.name, phase, k, token.site)
-                parts.append((key, summarise(stats[start:end], numel[start:end], self._stat_ops)))
-            start = end
+        parts = [
+            ((token.name, phase, k, token.site), part)
+            for k, part in self._summaries(token.groups, stats, numel)
+        ]
         with self._lock:
             if token.step < self._closed_below:
                 self._late(1)
@@ -303,51 +247,7 @@ class CollectiveMonitor:
                 "statistics are dropped (never counted in a later step)"
             )
 
-    # -- rows, logging, failures -------------------------------------------------------------
+    # -- cc_log_only -------------------------------------------------------------------------
 
-    def _rowset(self, keys: tuple, rank: int) -> RowSet:
-        """Row labels for the step's keys, reused while the keys stay the same."""
-        if self._rows is not None and self._rows[0] == keys and self._rows[1] == rank:
-            return self._rows[2]
-        names = [self._name(key) for key in keys]
-        rows = RowSet.build([0] * len(names), names, rank, TASK)
-        self._rows = (keys, rank, rows)
-        return rows
-
-    def _name(self, key: tuple) -> str:
-        name = self._names.get(key)
-        if name is None:
-            name = self._names[key] = row_name(*key)
-        return name
-
-    def _log_call(self, call: CallInfo, frames: tuple) -> None:
-        stack = self._sites.stack(frames)
-        if (call.name, stack) in self._logged:
-            return
-        self._logged.add((call.name, stack))
-        logger.info(
-            "trainmon: collective %s (group size %d; %s) called from:\n  %s",
-            call.name,
-            call.group_size(),
-            _describe(call.tensor_groups()),
-            "\n  ".join(self._sites.render(f) for f in frames) or "?",
-        )
-
-    def _update_listening(self) -> None:
-        self.listening = self._installed and not self._failed and (self._collect or self._log_only)
-
-    def _fail(self, exc: BaseException) -> None:
-        """Stop measuring after a failure of our own code; report it once."""
-        with self._lock:
-            if self._failed:
-                return
-            self._failed = True
-        self.listening = False
-        if self.on_error is not None:
-            self.on_error(TASK, exc)
-        else:
-            logger.error(
-                "trainmon: collective statistics failed and are switched off (%r); training continues",
-                exc,
-                exc_info=exc,
-            )
+    def _describe(self, call: CallInfo) -> tuple[int, str]:
+        return call.group_size(), _describe_groups(call.tensor_groups())
