@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
+
+from tests.log_capture import LogRecords, trainmon_records
 
 
 @pytest.fixture(autouse=True)
@@ -12,3 +16,10 @@ def _output_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(out))
     monkeypatch.delenv("DYNAMIC_MONITOR", raising=False)
     return out
+
+
+@pytest.fixture
+def trainmon_log() -> Iterator[LogRecords]:
+    """Every record of the "trainmon" logger during the test, captured by our own handler."""
+    with trainmon_records() as handler:
+        yield handler

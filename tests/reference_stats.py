@@ -38,3 +38,44 @@ def assert_stats_close(
             assert g == pytest.approx(w, rel=1e-5, abs=1e-6 * scale + 1e-12), f"{what} {op}"
         else:
             assert g == pytest.approx(w, rel=1e-5, abs=1e-12), f"{what} {op}: got {g}, numpy {w}"
+
+
+#: non-finite and near-zero inputs whose statistics must follow numpy's, by test id
+NON_FINITE_VALUES = {
+    "nan": [1.0, float("nan"), -3.0, 0.0],
+    "inf": [1.0, float("inf"), -3.0],
+    "-inf": [1.0, float("-inf"), 2.0],
+    "inf-inf": [float("inf"), float("-inf")],
+    "all-nan": [float("nan")] * 4,
+    "zeros": [0.0, 0.0, 1e-9, -1e-9, 2.0],
+}
+
+
+def assert_same_number(got: float, want: float, rel: float = 1e-6) -> None:
+    """``got`` equals numpy's ``want``: NaN for NaN, the same infinity, else within ``rel``."""
+    if np.isnan(want):
+        assert np.isnan(got)
+    elif np.isinf(want):
+        assert got == want
+    else:
+        assert got == pytest.approx(want, rel=rel, abs=1e-12)
+
+
+def sign_agreement(grad: np.ndarray, moment: np.ndarray) -> float:
+    """The mg_direction reference: the share of elements where gradient and moment agree in sign."""
+    g = np.sign(np.asarray(grad, dtype=np.float64))
+    m = np.sign(np.asarray(moment, dtype=np.float64))
+    return ((g * m).sum() / m.size + 1) / 2
+
+
+def assert_mg_direction_row(row: dict[str, float], expected: float, what: str = "") -> None:
+    """An mg_direction row describes one number: its mean, min and max are it, its norm is its size."""
+    assert row["mean"] == pytest.approx(expected, abs=1e-12), what
+    assert row["min"] == row["max"] == pytest.approx(expected, abs=1e-12)
+    assert row["norm"] == pytest.approx(abs(expected), abs=1e-12)
+
+
+def assert_plain_floats(metrics: dict[str, dict[str, float]]) -> None:
+    """Metrics are there and every value is a built-in float (not a numpy or framework scalar)."""
+    assert metrics
+    assert all(type(v) is float for ops in metrics.values() for v in ops.values())

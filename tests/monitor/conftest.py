@@ -1,44 +1,13 @@
-"""Shared fixtures for the core (framework-free) tests: record factories and log capture."""
+"""Shared fixtures for the core (framework-free) tests: record factories."""
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Sequence
 
 import numpy as np
 import pytest
 
 from monitor.record import RowSet, StepRecord
-
-
-class ListHandler(logging.Handler):
-    """Keeps every record emitted on the logger it is attached to."""
-
-    def __init__(self) -> None:
-        super().__init__(level=logging.DEBUG)
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
-
-    def at(self, level: int) -> list[str]:
-        """Messages of the records emitted at exactly ``level``."""
-        return [r.getMessage() for r in self.records if r.levelno == level]
-
-
-@pytest.fixture
-def trainmon_log():
-    """A handler attached to the "trainmon" logger itself (it may not propagate to the root)."""
-    logger = logging.getLogger("trainmon")
-    handler = ListHandler()
-    previous_level = logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.DEBUG)
-    try:
-        yield handler
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(previous_level)
 
 
 def build_record(

@@ -1,28 +1,14 @@
-"""Fixtures of the reliability suite: one torch thread, the trainmon log, a clean process afterwards."""
+"""Fixtures of the reliability suite: one torch thread and the shared two-rank job.
+
+The trainmon log fixture (``trainmon_log``) is tests/conftest.py's; LogRecords stays importable here.
+"""
 
 from __future__ import annotations
-
-import logging
 
 import pytest
 import torch
 
-
-class LogRecords(logging.Handler):
-    """Keeps every record emitted on the "trainmon" logger (which may not propagate to the root)."""
-
-    def __init__(self) -> None:
-        super().__init__(level=logging.DEBUG)
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
-
-    def errors(self) -> list[logging.LogRecord]:
-        return [r for r in self.records if r.levelno >= logging.ERROR]
-
-    def warnings(self) -> list[str]:
-        return [r.getMessage() for r in self.records if r.levelno == logging.WARNING]
+from tests.log_capture import LogRecords as LogRecords  # re-exported for tests.reliability.test_bad_input
 
 
 @pytest.fixture(autouse=True)
@@ -32,21 +18,6 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(previous)
-
-
-@pytest.fixture
-def trainmon_log():
-    """Every record of the "trainmon" logger during the test, captured by our own handler."""
-    logger = logging.getLogger("trainmon")
-    handler = LogRecords()
-    previous = logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.DEBUG)
-    try:
-        yield handler
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(previous)
 
 
 @pytest.fixture(scope="session")

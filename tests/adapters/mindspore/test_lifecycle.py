@@ -11,27 +11,14 @@ import os
 
 import mindspore as ms
 import numpy as np
-import pandas as pd
 from mindspore import nn
 
 from adapters.mindspore.grads import UnreducedGrads
 from monitor import TrainerMon
 from tests.adapters.mindspore.helpers import OPTIMIZERS, Net, make_batches, train
 from tests.reference_stats import ALL_OPS
-
-DATA_TYPES = {
-    "wg": {"wg_distribution": True},
-    "wg_mbs": {"wg_distribution": True, "monitor_mbs_grad": True},
-    "mv": {"mv_distribution": True},
-    "param": {"param_distribution": True},
-    "mg": {"mg_direction": True},
-    "all": {
-        "wg_distribution": True,
-        "mv_distribution": True,
-        "param_distribution": True,
-        "mg_direction": True,
-    },
-}
+from tests.shared_configs import DATA_TYPES
+from tests.shared_outputs import collected_steps, window_starts
 
 
 def _fresh(kind: str = "AdamWeightDecay", sizes=(6, 16, 12, 4)):
@@ -115,12 +102,7 @@ def test_schedule_start_step_interval_and_collect_times():
     mon.set_monitor(net, grad_acc_steps=1, optimizer=optimizer)
     train(net, optimizer, make_batches(9, 1))
     mon.stop()
-    steps = sorted(
-        int(f.split("_")[-1].split("-")[0])
-        for f in os.listdir(mon.output_dir)
-        if f.startswith("grad_reduced")
-    )
-    assert steps == [2, 5]
+    assert window_starts(mon.output_dir) == [2, 5]
 
 
 def test_start_iteration_offsets_the_step_counter():
@@ -129,10 +111,7 @@ def test_start_iteration_offsets_the_step_counter():
     mon.set_monitor(net, grad_acc_steps=1, optimizer=optimizer, start_iteration=99)
     train(net, optimizer, make_batches(3, 1))
     mon.stop()
-    frame = pd.concat(
-        pd.read_csv(os.path.join(mon.output_dir, f)) for f in sorted(os.listdir(mon.output_dir))
-    )
-    assert sorted(set(frame["step"])) == [100, 101]
+    assert collected_steps(mon.output_dir, prefix="") == [100, 101]
     assert mon.step == 102
 
 
@@ -239,12 +218,7 @@ def test_a_restarted_collection_continues_in_the_same_directory(hook_calls):
     train(net, optimizer, make_batches(1, 1))
     session.stop()
     assert mon.output_dir == first_dir and _optimizer_hooks(optimizer) == 0
-    files = os.listdir(first_dir)
-    assert sorted(int(f.split("_")[-1].split("-")[0]) for f in files if f.startswith("grad_reduced")) == [
-        0,
-        1,
-        2,
-    ]
+    assert window_starts(first_dir) == [0, 1, 2]
     assert len(hook_calls) == 3 * len(optimizer.parameters)
 
 

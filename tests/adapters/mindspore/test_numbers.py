@@ -11,21 +11,20 @@ import numpy as np
 
 from monitor import TrainerMon
 from tests.adapters.mindspore.helpers import MOMENTS, OPTIMIZERS, Net, make_batches, train
-from tests.reference_stats import ALL_OPS, assert_stats_close
+from tests.reference_stats import (
+    ALL_OPS,
+    assert_mg_direction_row,
+    assert_plain_floats,
+    assert_stats_close,
+    sign_agreement,
+)
+from tests.shared_configs import DATA_TYPES
 
 STEPS = 3
 
 
 def _config(**extra):
-    return {
-        "wg_distribution": True,
-        "mv_distribution": True,
-        "param_distribution": True,
-        "mg_direction": True,
-        "ops": [*ALL_OPS, "id"],
-        "format": "api",
-        **extra,
-    }
+    return {**DATA_TYPES["all"], "ops": [*ALL_OPS, "id"], "format": "api", **extra}
 
 
 def _run(kind: str, grad_acc: int, **config):
@@ -90,13 +89,10 @@ def test_mg_direction_matches_sign_agreement_with_previous_moment(kind):
             if step == 0:
                 expected = 1.0  # no update yet: no history to agree with
             else:
-                g, m = np.sign(record["grads"][j].astype(np.float64)), np.sign(record["exp_avg_before"][j])
-                expected = ((g * m).sum() / m.size + 1) / 2
+                expected = sign_agreement(record["grads"][j], record["exp_avg_before"][j])
                 changed |= expected != 1.0
             row = record["reported"]["other"][f"0:{name}/rank0/mg_direction"]
-            assert row["mean"] == pytest.approx(expected, abs=1e-12), f"step {step} {name}"
-            assert row["min"] == row["max"] == pytest.approx(expected, abs=1e-12)
-            assert row["norm"] == pytest.approx(abs(expected), abs=1e-12)
+            assert_mg_direction_row(row, expected, what=f"step {step} {name}")
     assert changed
 
 
@@ -138,5 +134,4 @@ def test_per_micro_batch_gradients_match_each_micro_batch():
 def test_metrics_are_plain_floats():
     _, results = _run("Adam", 1)
     for metrics in results[-1]["reported"].values():
-        assert metrics
-        assert all(type(v) is float for ops in metrics.values() for v in ops.values())
+        assert_plain_floats(metrics)

@@ -10,9 +10,17 @@ import mindspore as ms
 import numpy as np
 
 import adapters.mindspore.stats as stats
-from tests.reference_stats import ALL_OPS, numpy_stats
+from tests.reference_stats import ALL_OPS, NON_FINITE_VALUES, assert_same_number, numpy_stats, sign_agreement
 
 OPS = [*ALL_OPS, "id"]
+#: the shared non-finite cases, plus single values and float32's largest number next to an infinity
+CASES = {
+    **NON_FINITE_VALUES,
+    "one-nan": [float("nan")],
+    "all-inf": [float("inf")] * 2,
+    "all--inf": [float("-inf")],
+    "max-inf": [np.finfo(np.float32).max, float("inf")],
+}
 
 
 def _stats(arrays, dtypes=None, ops=OPS, eps=1e-8):
@@ -29,31 +37,7 @@ def _want(array: np.ndarray) -> dict[str, float]:
     return want
 
 
-def _same(got: float, want: float, rel: float = 1e-6) -> None:
-    if np.isnan(want):
-        assert np.isnan(got)
-    elif np.isinf(want):
-        assert got == want
-    else:
-        assert got == pytest.approx(want, rel=rel, abs=1e-12)
-
-
-@pytest.mark.parametrize(
-    "values",
-    [
-        [1.0, float("nan"), -3.0, 0.0],
-        [1.0, float("inf"), -3.0],
-        [1.0, float("-inf"), 2.0],
-        [float("inf"), float("-inf")],
-        [float("nan")] * 4,
-        [0.0, 0.0, 1e-9, -1e-9, 2.0],
-        [float("nan")],
-        [float("inf")] * 2,
-        [float("-inf")],
-        [np.finfo(np.float32).max, float("inf")],
-    ],
-    ids=["nan", "inf", "-inf", "inf-inf", "all-nan", "zeros", "one-nan", "all-inf", "all--inf", "max-inf"],
-)
+@pytest.mark.parametrize("values", list(CASES.values()), ids=list(CASES))
 @pytest.mark.parametrize("packed", [True, False], ids=["packed", "alone"])
 def test_non_finite_values_follow_numpy(values, packed, monkeypatch):
     if not packed:
@@ -62,8 +46,8 @@ def test_non_finite_values_follow_numpy(values, packed, monkeypatch):
     neighbour = np.array([5.0, -7.0], dtype=np.float32)  # shares the pack: must stay unaffected
     got, other = _stats([array, neighbour])
     for op in OPS:
-        _same(got[op], _want(array)[op])
-        _same(other[op], _want(neighbour)[op])
+        assert_same_number(got[op], _want(array)[op])
+        assert_same_number(other[op], _want(neighbour)[op])
 
 
 def test_many_tensors_of_mixed_dtypes_shapes_and_empties_keep_their_order():
@@ -84,7 +68,7 @@ def test_many_tensors_of_mixed_dtypes_shapes_and_empties_keep_their_order():
         reference = ms.Tensor(array, dtype).astype(ms.float64).asnumpy() if dtype else array
         want = _want(reference)
         for op in OPS:
-            _same(got[op], want[op], rel=1e-5)
+            assert_same_number(got[op], want[op], rel=1e-5)
 
 
 def test_empty_tensor_gives_nan_not_an_error():
@@ -110,7 +94,7 @@ def test_packs_and_pieces_give_the_same_numbers(monkeypatch, pack_max, group, ch
     for array, got in zip(arrays, rows):
         want = _want(array)
         for op in OPS:
-            _same(got[op], want[op], rel=1e-5)
+            assert_same_number(got[op], want[op], rel=1e-5)
 
 
 def test_sign_agreement_matches_numpy_across_packs_and_pieces(monkeypatch):
@@ -122,7 +106,7 @@ def test_sign_agreement_matches_numpy_across_packs_and_pieces(monkeypatch):
     moments[0][1] = 0.0
     engine = stats.StatEngine(["norm"], 1e-8)
     got = engine.sign_agreement([ms.Tensor(g) for g in grads], [ms.Tensor(m) for m in moments]).asnumpy()
-    want = [((np.sign(g) * np.sign(m)).sum() / g.size + 1) / 2 for g, m in zip(grads, moments)]
+    want = [sign_agreement(g, m) for g, m in zip(grads, moments)]
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-12)
 
 

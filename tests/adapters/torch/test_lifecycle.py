@@ -12,21 +12,10 @@ import torch
 
 from monitor import TrainerMon
 from tests.adapters.torch.helpers import ALL_OPS, MLP, make_batches
+from tests.shared_configs import DATA_TYPES as SHARED_DATA_TYPES
+from tests.shared_outputs import collected_steps, window_starts
 
-DATA_TYPES = {
-    "wg": {"wg_distribution": True},
-    "wg_mbs": {"wg_distribution": True, "monitor_mbs_grad": True},
-    "mv": {"mv_distribution": True},
-    "param": {"param_distribution": True},
-    "mg": {"mg_direction": True},
-    "all": {
-        "wg_distribution": True,
-        "mv_distribution": True,
-        "param_distribution": True,
-        "mg_direction": True,
-    },
-    "xy": {"xy_distribution": True, "all_xy": True},
-}
+DATA_TYPES = {**SHARED_DATA_TYPES, "xy": {"xy_distribution": True, "all_xy": True}}
 
 
 def _train(model, optimizer, steps: int, grad_acc: int = 2, seed: int = 1) -> list[float]:
@@ -125,12 +114,7 @@ def test_schedule_start_step_interval_and_collect_times():
     mon.set_monitor(model, grad_acc_steps=2, optimizer=optimizer)
     _train(model, optimizer, 10)
     mon.stop()
-    steps = sorted(
-        int(f.split("_")[-1].split("-")[0])
-        for f in os.listdir(mon.output_dir)
-        if f.startswith("grad_reduced")
-    )
-    assert steps == [2, 5]
+    assert window_starts(mon.output_dir) == [2, 5]
 
 
 def test_start_iteration_offsets_the_step_counter():
@@ -139,10 +123,7 @@ def test_start_iteration_offsets_the_step_counter():
     mon.set_monitor(model, grad_acc_steps=2, optimizer=optimizer, start_iteration=99)
     _train(model, optimizer, 3)
     mon.stop()
-    frame = pd.concat(
-        pd.read_csv(os.path.join(mon.output_dir, f)) for f in sorted(os.listdir(mon.output_dir))
-    )
-    assert sorted(set(frame["step"])) == [100, 101]
+    assert collected_steps(mon.output_dir, prefix="") == [100, 101]
 
 
 def test_targets_select_on_name_boundaries():

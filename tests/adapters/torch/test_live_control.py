@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import json
-import logging
 import os
 
 import pandas as pd
@@ -13,20 +12,13 @@ import torch
 
 from monitor import ConfigError, TrainerMon
 from tests.adapters.torch.helpers import MLP, make_batches
-
-
-def _collected_steps(output_dir: str, prefix: str = "grad_reduced") -> list[int]:
-    frames = [
-        pd.read_csv(os.path.join(output_dir, f)) for f in os.listdir(output_dir) if f.startswith(prefix)
-    ]
-    return sorted(set(pd.concat(frames)["step"])) if frames else []
-
-
-def _write(path, text: str) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as handle:
-        handle.write(text)
-    os.replace(tmp, path)  # a new inode: the edit is seen even within the file system's mtime granularity
+from tests.shared_live_control import (
+    DYNAMIC_CONFIG,
+    assert_the_edits_were_followed,
+    replace_file,
+    train_while_editing,
+)
+from tests.shared_outputs import collected_steps
 
 
 def _fresh():
@@ -42,43 +34,15 @@ def _step(model, optimizer, seed: int) -> None:
     optimizer.zero_grad()
 
 
-class _Errors(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.ERROR)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
 def test_dynamic_mode_starts_on_edit_stops_after_collect_times_and_writes_back(tmp_path, monkeypatch):
     monkeypatch.setenv("DYNAMIC_MONITOR", "true")
     path = tmp_path / "monitor.json"
-    original = '{\n  "wg_distribution": true,\n\n  "dynamic_on": false,   "collect_times": 2\n}\n'
-    _write(path, original)
+    replace_file(path, DYNAMIC_CONFIG)
     model, optimizer = _fresh()
     mon = TrainerMon(str(path))
     mon.set_monitor(model, 1, optimizer)
-    errors = _Errors()
-    logging.getLogger("trainmon").addHandler(errors)
-    try:
-        for step in range(12):
-            if step == 2:
-                _write(path, original.replace('"dynamic_on": false', '"dynamic_on": true'))
-            if step == 7:
-                _write(path, "{ broken")
-            if step == 8:
-                _write(
-                    path, original.replace('"dynamic_on": false', '"dynamic_on": true').replace("2\n", "1\n")
-                )
-            _step(model, optimizer, step)
-    finally:
-        logging.getLogger("trainmon").removeHandler(errors)
-    # the edit made during step 2 is seen at its end: steps 3 and 4 are collected (collect_times 2)
-    # the broken edit is reported once; the edit during step 8 collects step 9 only
-    assert _collected_steps(mon.output_dir) == [3, 4, 9]
-    assert path.read_text() == original.replace("2\n", "1\n")  # dynamic_on written back, nothing else changed
-    assert len([m for m in errors.messages if "not valid" in m]) == 1
+    log = train_while_editing(path, lambda step: _step(model, optimizer, step), steps=12)
+    assert_the_edits_were_followed(mon.output_dir, path, log)
     mon.stop()
 
 
@@ -91,7 +55,7 @@ def test_dynamic_mode_with_dynamic_on_at_start_collects_from_the_first_step(tmp_
     mon.set_monitor(model, 1, optimizer)
     for step in range(5):
         _step(model, optimizer, step)
-    assert _collected_steps(mon.output_dir) == [0, 1, 2]
+    assert collected_steps(mon.output_dir) == [0, 1, 2]
     assert json.loads(path.read_text())["dynamic_on"] is False
     mon.stop()
 
@@ -112,7 +76,7 @@ def test_start_and_stop_switch_collection_from_python(optimizer_class):
             mon.start() if optimizer_class is torch.optim.AdamW else mon.start(step=4)
         _step(model, optimizer, step)
     mon.stop()
-    assert _collected_steps(mon.output_dir) == [0, 1, 4, 5]
+    assert collected_steps(mon.output_dir) == [0, 1, 4, 5]
     assert len([d for d in os.listdir(os.path.dirname(mon.output_dir)) if "-rank0-" in d]) == 1
 
 

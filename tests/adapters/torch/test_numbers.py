@@ -3,26 +3,19 @@
 from __future__ import annotations
 
 import numpy as np
-import pytest
 import torch
 
 from monitor import TrainerMon
 from tests.adapters.torch.helpers import ALL_OPS, MLP, assert_stats_close, make_batches
+from tests.reference_stats import assert_mg_direction_row, assert_plain_floats, sign_agreement
+from tests.shared_configs import DATA_TYPES
 
 GRAD_ACC = 2
 STEPS = 4
 
 
 def _config(**extra):
-    return {
-        "wg_distribution": True,
-        "mv_distribution": True,
-        "param_distribution": True,
-        "mg_direction": True,
-        "ops": ALL_OPS,
-        "format": "api",
-        **extra,
-    }
+    return {**DATA_TYPES["all"], "ops": ALL_OPS, "format": "api", **extra}
 
 
 def _named(model):
@@ -96,9 +89,7 @@ def test_mg_direction_matches_sign_agreement_with_previous_moment():
         expected = {}
         for name, p in _named(model).items():
             if p in optimizer.state:
-                g = np.sign(p.grad.numpy().astype(np.float64))
-                m = np.sign(optimizer.state[p]["exp_avg"].numpy().astype(np.float64))
-                expected[name] = ((g * m).sum() / m.size + 1) / 2
+                expected[name] = sign_agreement(p.grad.numpy(), optimizer.state[p]["exp_avg"].numpy())
             else:
                 expected[name] = 1.0
         optimizer.step()
@@ -108,10 +99,7 @@ def test_mg_direction_matches_sign_agreement_with_previous_moment():
     assert any(v != 1.0 for expected, _ in values[1:] for v in expected.values())
     for expected, got in values:
         for name, value in expected.items():
-            row = got[f"0:{name}/rank0/mg_direction"]
-            assert row["mean"] == pytest.approx(value, abs=1e-12)
-            assert row["min"] == row["max"] == pytest.approx(value, abs=1e-12)
-            assert row["norm"] == pytest.approx(abs(value), abs=1e-12)
+            assert_mg_direction_row(got[f"0:{name}/rank0/mg_direction"], value)
 
 
 def test_per_micro_batch_gradients_match_each_micro_batch():
@@ -152,8 +140,7 @@ def test_metrics_are_plain_floats():
     optimizer.step()
     reduced, unreduced = mon.generate_wgrad_metrics()
     for metrics in (reduced, unreduced, mon.generate_mv_metrics(), mon.generate_param_metrics()):
-        assert metrics
-        assert all(type(v) is float for ops in metrics.values() for v in ops.values())
+        assert_plain_floats(metrics)
     mon.stop()
 
 

@@ -13,6 +13,7 @@ import torch
 import adapters.torch.stats as stats
 from monitor import fused_stats
 from tests.adapters.torch.helpers import ALL_OPS, numpy_stats
+from tests.reference_stats import NON_FINITE_VALUES, assert_same_number
 
 
 @pytest.fixture(autouse=True, params=["fused", "library"])
@@ -31,33 +32,13 @@ def _stats(tensors, ops=ALL_OPS, eps=1e-8):
     return [dict(zip(ops, row)) for row in matrix.tolist()]
 
 
-def _same(got: float, want: float, rel: float = 1e-6) -> None:
-    if np.isnan(want):
-        assert np.isnan(got)
-    elif np.isinf(want):
-        assert got == want
-    else:
-        assert got == pytest.approx(want, rel=rel, abs=1e-12)
-
-
-@pytest.mark.parametrize(
-    "values",
-    [
-        [1.0, float("nan"), -3.0, 0.0],
-        [1.0, float("inf"), -3.0],
-        [1.0, float("-inf"), 2.0],
-        [float("inf"), float("-inf")],
-        [float("nan")] * 4,
-        [0.0, 0.0, 1e-9, -1e-9, 2.0],
-    ],
-    ids=["nan", "inf", "-inf", "inf-inf", "all-nan", "zeros"],
-)
+@pytest.mark.parametrize("values", list(NON_FINITE_VALUES.values()), ids=list(NON_FINITE_VALUES))
 def test_non_finite_values_follow_numpy(values):
     array = np.array(values, dtype=np.float32)
     (got,) = _stats([torch.from_numpy(array.copy())])
     want = numpy_stats(array)
     for op in ALL_OPS:
-        _same(got[op], want[op])
+        assert_same_number(got[op], want[op])
 
 
 def test_many_tensors_of_mixed_dtypes_and_shapes():
@@ -73,7 +54,7 @@ def test_many_tensors_of_mixed_dtypes_and_shapes():
     for tensor, got in zip(tensors, rows):
         want = numpy_stats(tensor.to(torch.float64).numpy())
         for op in ALL_OPS:
-            _same(got[op], want[op], rel=1e-5)
+            assert_same_number(got[op], want[op], rel=1e-5)
 
 
 def test_empty_tensor_gives_nan_not_an_error():
@@ -87,7 +68,7 @@ def test_integer_tensor_statistics():
     (got,) = _stats([tensor])
     want = numpy_stats(tensor.numpy())
     for op in ALL_OPS:
-        _same(got[op], want[op])
+        assert_same_number(got[op], want[op])
 
 
 def test_counts_are_exact_when_taken_in_chunks(monkeypatch):
@@ -150,4 +131,4 @@ def test_tensors_of_many_chunks_fold_exactly(monkeypatch, dtype):
     for tensor, got in zip(tensors, _stats(tensors)):
         want = numpy_stats(tensor.to(torch.float64).numpy())
         for op in ALL_OPS:
-            _same(got[op], want[op], rel=1e-5)
+            assert_same_number(got[op], want[op], rel=1e-5)
