@@ -36,12 +36,11 @@ from adapters.mindspore.optim import OptimizerView
 from adapters.mindspore.params import ParamRegistry
 from adapters.mindspore.stats import StatEngine
 from adapters.mindspore.structure import StackRecorder, StructureRecorder
+from monitor.collection import BaseCollection
 from monitor.config import MonitorConfig
 from monitor.core import MonitorCore
-from monitor.errors import StructurePrinted
-from monitor.param_rows import param_row_tables, reduced_index, unreduced_rows
-from monitor.record import RowSet, StepRecord
-from monitor.schedule import Schedule
+from monitor.param_rows import param_row_tables, reduced_index
+from monitor.record import RowSet
 
 logger = logging.getLogger("trainmon")
 
@@ -49,8 +48,14 @@ logger = logging.getLogger("trainmon")
 NOT_YET = ("ur_distribution", "recording_l2_features")
 
 
-class Collection:
+class Collection(BaseCollection):
     """The hooks and statistics of one config, from ``first_step`` on."""
+
+    grads: UnreducedGrads | None
+    activations: Activations | None
+    structure: StructureRecorder | None
+    stacks: StackRecorder | None
+    collectives: CollectiveMonitor | None
 
     def __init__(
         self,
@@ -66,17 +71,9 @@ class Collection:
         first_step: int,
         output_dir: str | None = None,
     ) -> None:
-        self.config = config
+        super().__init__(config, rank, first_step)
         self.view = view
-        self.rank = rank
-        self.ops = config.ops
         self.engine = StatEngine(config.ops, config.eps)
-        self.schedule = Schedule.from_config(config)
-        self.schedule.start_step = max(self.schedule.start_step, first_step)
-        self.collect = False
-        self._failed: set[str] = set()
-        self._call_id = 0
-        self._step = first_step
         for key in NOT_YET:
             if getattr(config, key):
                 logger.warning(
@@ -95,29 +92,17 @@ class Collection:
             # MindSpore parameters carry no tensor-parallel marker: tp_group does not filter rows.
             reduced_index([False] * len(params), rank_in_group(dp_group), None),
         )
-        self._handles: list = []
-        self.grads: UnreducedGrads | None = None
         if config.wg_distribution:
             self.grads = UnreducedGrads(
                 self.registry, grad_acc_steps, self.engine, config.monitor_mbs_grad, self.fail
             )
             self._handles += self.grads.register()
-        self.activations: Activations | None = None
         if config.xy_distribution:
             forward, backward = not config.backward_only, not config.forward_only
             cells = select_cells(chunks, config)
             self.activations = Activations(chunks, cells, self.engine, forward, backward, self.fail)
             self._handles += self.activations.register()
-        self.structure: StructureRecorder | None = None
-        if config.print_struct:
-            self.structure = StructureRecorder(chunks, config.squash_name)
-            self._handles += self.structure.register()
-        self.stacks: StackRecorder | None = None
-        self._stack_handles: list = []
-        if config.stack_info:
-            self.stacks = StackRecorder(chunks, config.squash_name)
-            self._stack_handles = self.stacks.register()
-        self.collectives: CollectiveMonitor | None = None
+        self._register_recorders(chunks, StructureRecorder, StackRecorder)
         if config.cc_distribution.enable:
             self.collectives = CollectiveMonitor(config, self.fail)
             self.collectives.install()
@@ -125,39 +110,15 @@ class Collection:
 
     # -- the step ----------------------------------------------------------------------------
 
-    @property
-    def finished(self) -> bool:
-        return self.schedule.finished
-
-    def set_step(self, step: int) -> None:
-        """Decide, before the step's forward, whether it is collected; every hook reads this flag."""
-        self._step = step
-        self._call_id = 0
-        collect = self.collect = self.schedule.wants(step)
-        if self.grads is not None:
-            self.grads.reset()
-            self.grads.collect = collect and "grad_unreduced" not in self._failed
-        if self.activations is not None:
-            self.activations.reset()
-            self.activations.collect = collect and not {"actv", "actv_grad"} & self._failed
-        if self.collectives is not None:
-            self.collectives.begin_step(step, collect and "comm" not in self._failed)
-
     def before_update(self, grads: Sequence[ms.Tensor] | None) -> None:
         """Optimizer Cell pre-call: activations, gradients, mg_direction, parameters before the update.
 
         Raises:
             StructurePrinted: print_struct wrote the structure; the run stops as the user asked.
         """
-        if self.structure is not None and self.structure.structure:
-            self._print_structure()
-        if not self.collect:
+        if not self._start_update():
             return
         cfg = self.config
-        if self.activations is not None:
-            self._guard("actv", self._submit_activations)
-        if self._wanted("grad_unreduced", cfg.wg_distribution):
-            self._guard("grad_unreduced", self._submit_unreduced)
         if (cfg.wg_distribution or cfg.mg_direction) and (
             grads is None or len(grads) != len(self.view.parameters)
         ):
@@ -186,12 +147,7 @@ class Collection:
                 self._guard(key, self._submit_tensors, key, self._moment_of(key))
         if self._wanted("param_updated", cfg.param_distribution):
             self._guard("param_updated", self._submit_tensors, "param_updated", lambda i: self._param(i))
-        if self.collectives is not None:
-            self._guard("comm", self._submit_collectives)
-        if self.stacks is not None:
-            self._guard("stack_info", self._write_stacks)
-        self.core.end_step(self._step)
-        self.schedule.mark_collected()
+        self._end_step()
 
     # -- where each tensor is ----------------------------------------------------------------
 
@@ -215,10 +171,7 @@ class Collection:
     ) -> None:
         # the one device-to-host copy of this data type and step
         values = matrix.asnumpy() if isinstance(matrix, ms.Tensor) else np.asarray(matrix)
-        n = len(rows)
-        call_ids = np.arange(self._call_id, self._call_id + n)
-        self._call_id += n
-        self.core.submit(StepRecord(prefix, self._step, ops or self.ops, rows, values, call_ids))
+        self._record(prefix, rows, values, ops)
 
     def _submit_tensors(self, prefix: str, tensor_of: Callable[[int], ms.Tensor | None]) -> None:
         """Statistics of one tensor per monitored parameter (skipping parameters without one)."""
@@ -233,18 +186,9 @@ class Collection:
             rows = rows.take(present)
         self._submit(prefix, rows, self.engine.matrix(tensors))
 
-    def _submit_activations(self) -> None:
-        for prefix, rows, matrix in self.activations.take(self.rank):
-            self._submit(prefix, rows, matrix)
-
     def _submit_collectives(self) -> None:
         for rows, ops_, values in self.collectives.take(self.rank):
             self._submit("comm", rows, values, ops_)
-
-    def _submit_unreduced(self) -> None:
-        index, micro, matrix = self.grads.take()
-        _, base = self._rows["grad_unreduced"]
-        self._submit("grad_unreduced", unreduced_rows(base, index, micro, self.rank), matrix)
 
     def _submit_mg_direction(self, grads: Sequence[ms.Tensor]) -> None:
         """Share of gradient signs agreeing with exp_avg before this update (1.0 before the first)."""
@@ -281,21 +225,7 @@ class Collection:
             values = ops.gather(values, ms.Tensor(np.argsort(np.array(order)).astype(np.int32)), 0)
         self._submit("other", rows, self.engine.scalar_matrix(values))
 
-    # -- print_struct and stack_info --------------------------------------------------------
-
-    def _print_structure(self) -> None:
-        """print_struct: write the structure and stop the run, as the user asked.
-
-        A failure to write is logged and switches print_struct off; the run goes on.
-        """
-        recorder, self.structure = self.structure, None
-        try:
-            path = recorder.write(self.core.root, self.rank)
-        except Exception as exc:
-            self.fail("print_struct", exc)
-            return
-        logger.info("trainmon: module structure written to %s; stopping as print_struct asks", path)
-        raise StructurePrinted(path)
+    # -- stack_info --------------------------------------------------------------------------
 
     def _write_stacks(self) -> None:
         """stack_info: write stack_info.csv once, at the first collected step, then unhook."""
@@ -307,41 +237,3 @@ class Collection:
             path = stacks.write(self.core.output_dir)
             if path:
                 logger.info("trainmon: module call stacks written to %s", path)
-
-    # -- failures and removal ----------------------------------------------------------------
-
-    def _wanted(self, part: str, switch: bool) -> bool:
-        return switch and part not in self._failed
-
-    def _guard(self, part: str, fn: Callable, *args: Any) -> None:
-        try:
-            fn(*args)
-        except Exception as exc:
-            self.fail(part, exc)
-
-    def fail(self, part: str, exc: BaseException) -> None:
-        """Log a failure once with its cause and switch that part off; the training goes on."""
-        if part in self._failed:
-            return
-        self._failed.add(part)
-        if part == "grad_unreduced" and self.grads is not None:
-            self.grads.collect = False
-        if part in ("actv", "actv_grad") and self.activations is not None:
-            self.activations.collect = False
-        logger.error(
-            "trainmon: %s failed and is switched off (%r); training continues", part, exc, exc_info=exc
-        )
-
-    def remove(self) -> None:
-        """Remove every hook of this collection and close its outputs (idempotent)."""
-        for handle in self._handles + self._stack_handles:
-            handle.remove()
-        self._handles, self._stack_handles = [], []
-        self.collect = False
-        if self.grads is not None:
-            self.grads.collect = False
-        if self.activations is not None:
-            self.activations.collect = False
-        if self.collectives is not None:
-            self.collectives.remove()
-        self.core.close()

@@ -26,14 +26,16 @@ from adapters.mindspore.collection import Collection
 from adapters.mindspore.dist import global_rank, pipeline_info
 from adapters.mindspore.optim import OptimizerView, hookable_optimizer
 from monitor.config import MonitorConfig
-from monitor.errors import CollectivesLogged, StructurePrinted
-from monitor.schedule import rank_enabled
+from monitor.lifecycle import SessionLifecycle, model_chunks
 
 logger = logging.getLogger("trainmon")
 
 
-class MindSporeSession:
+class MindSporeSession(SessionLifecycle):
     """Hooks of one TrainerMon on one MindSpore model (Cell or list of Cells) and optimizer Cell."""
+
+    monitored = "MindSpore parameters"
+    collection: Collection | None
 
     def __init__(
         self,
@@ -50,12 +52,7 @@ class MindSporeSession:
         dormant: bool = False,
         on_step_end: Callable[[int], None] | None = None,
     ) -> None:
-        chunks = list(model) if isinstance(model, (list, tuple)) else [model]
-        for i, chunk in enumerate(chunks):
-            if not isinstance(chunk, ms.nn.Cell):
-                raise TypeError(
-                    f"set_monitor: model[{i}]: expected a mindspore.nn.Cell, got {type(chunk).__name__}"
-                )
+        chunks = model_chunks(model, ms.nn.Cell, "mindspore.nn.Cell")
         if optimizer is None:
             raise ValueError("set_monitor: optimizer: required (its call marks the end of a training step)")
         if ms.get_context("mode") != ms.PYNATIVE_MODE:
@@ -64,48 +61,31 @@ class MindSporeSession:
             logger.warning(
                 "trainmon: params_have_main_grad is ignored: MindSpore parameters have no main_grad"
             )
-        self.config = config
         self.chunks = chunks
         self.optimizer = hookable_optimizer(optimizer)
         self.view = OptimizerView(self.optimizer)
-        self.rank = global_rank()
+        super().__init__(config, global_rank(), start_iteration, on_step_end)
         self.pp_stage, self.group_mates = pipeline_info(process_group)
         self.grad_acc_steps = grad_acc_steps
         self.dp_group = dp_group
-        self.step = start_iteration
-        self.on_step_end = on_step_end
-        self.collection: Collection | None = None
-        self._output_dir: str | None = None
-        self._core: Any = None
-        self._hooks: list = []
-        self._steps_at_stop: int | None = None
-        if not rank_enabled(config, self.rank):
-            logger.info("trainmon: rank %d is not in module_ranks; nothing is monitored here", self.rank)
-            return
-        self._attach_optimizer_hooks()  # also when dormant: live control runs at the end of each step
-        if not dormant:
-            self.start(config)
+        self._attach(dormant)
 
     # -- public control ----------------------------------------------------------------------
 
-    @property
-    def active(self) -> bool:
-        return self.collection is not None
+    def resume_step_count(self, step: int | None) -> None:
+        """After stop() no hook counts steps: go on from ``step``, else from the optimizer's global_step."""
+        if step is not None:
+            self.step = step
+        elif self._steps_at_stop is not None:
+            now = self._optimizer_step_count()
+            if now is not None:
+                self.step += now - self._steps_at_stop
+        self._steps_at_stop = None
 
-    @property
-    def core(self) -> Any:
-        """The outputs of the current (or last) collection; None when nothing was ever collected."""
-        return self.collection.core if self.collection is not None else self._core
+    # -- the collection of one config --------------------------------------------------------
 
-    def start(self, config: MonitorConfig | None = None) -> None:
-        """Collect with ``config`` (default: the current one) from the current step on."""
-        if not rank_enabled(config or self.config, self.rank):
-            return
-        self._end_collection()
-        self.config = config or self.config
-        if not self._hooks:
-            self._attach_optimizer_hooks()
-        self.collection = Collection(
+    def _new_collection(self) -> Collection:
+        return Collection(
             config=self.config,
             chunks=self.chunks,
             view=self.view,
@@ -117,45 +97,6 @@ class MindSporeSession:
             first_step=self.step,
             output_dir=self._output_dir,
         )
-        self._output_dir = self.collection.core.output_dir
-        kinds = [
-            k
-            for k in (
-                "wg_distribution",
-                "mv_distribution",
-                "param_distribution",
-                "mg_direction",
-                "xy_distribution",
-            )
-            if getattr(self.config, k)
-        ]
-        logger.info(
-            "trainmon: monitoring %d MindSpore parameters (%s) on rank %d from step %d, output %s",
-            len(self.collection.registry),
-            ", ".join(kinds) or "nothing selected",
-            self.rank,
-            self.step,
-            self.collection.core.output_dir or "in memory (format api)",
-        )
-
-    def stop(self) -> None:
-        """Remove every hook and close the outputs (idempotent; not from inside the optimizer's call)."""
-        self._end_collection()
-        if self._hooks:
-            self._steps_at_stop = self.view.step_count()
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks = []
-
-    def resume_step_count(self, step: int | None) -> None:
-        """After stop() no hook counts steps: go on from ``step``, else from the optimizer's global_step."""
-        if step is not None:
-            self.step = step
-        elif self._steps_at_stop is not None:
-            now = self.view.step_count()
-            if now is not None:
-                self.step += now - self._steps_at_stop
-        self._steps_at_stop = None
 
     # -- optimizer Cell hooks ----------------------------------------------------------------
 
@@ -165,47 +106,13 @@ class MindSporeSession:
             self.optimizer.register_forward_hook(self._after_update),
         ]
 
+    def _optimizer_step_count(self) -> int | None:
+        return self.view.step_count()
+
+    def _detach_after_this_step(self) -> None:
+        """Monitoring ended inside the optimizer Cell's call, which iterates the hooks: they stay,
+        doing nothing, until stop()."""
+
     def _before_update(self, cell: Any, args: tuple, kwargs: dict) -> None:
-        if self.collection is not None:
-            grads = args[0] if args else kwargs.get("gradients")
-            try:
-                self.collection.before_update(grads if isinstance(grads, (tuple, list)) else None)
-            except StructurePrinted:  # the only exception that leaves a hook: the user asked for it
-                self._end_collection()
-                raise
-            except Exception as exc:
-                self.collection.fail("step start", exc)
-
-    def _after_update(self, cell: Any, args: tuple, output: Any) -> None:
-        try:
-            if self.collection is not None:
-                try:
-                    self.collection.after_update()
-                except Exception as exc:
-                    self.collection.fail("step end", exc)
-        finally:
-            self.step += 1
-            if self.collection is not None:
-                if self.collection.finished:
-                    logger.info(
-                        "trainmon: collect_times reached (%d steps); monitoring stopped",
-                        self.collection.schedule.collected,
-                    )
-                    self._end_collection()
-                else:
-                    try:
-                        self.collection.set_step(self.step)
-                    except CollectivesLogged:  # cc_log_only: the user asked the run to stop here
-                        self._end_collection()
-                        raise
-            if self.on_step_end is not None:
-                try:
-                    self.on_step_end(self.step)
-                except Exception as exc:  # live control must never stop the training
-                    logger.error("trainmon: live control failed (%r); monitoring state unchanged", exc)
-
-    def _end_collection(self) -> None:
-        if self.collection is not None:
-            self._core = self.collection.core
-            self.collection.remove()
-            self.collection = None
+        grads = args[0] if args else kwargs.get("gradients")
+        self._begin_update(grads if isinstance(grads, (tuple, list)) else None)

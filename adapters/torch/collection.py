@@ -24,12 +24,11 @@ from adapters.torch.shards import SHARD_COLUMNS, shard_reduce
 from adapters.torch.stats import stat_matrix
 from adapters.torch.structure import StackRecorder, StructureRecorder
 from adapters.torch.update_ratio import EDGES, KINDS, update_histograms
+from monitor.collection import BaseCollection
 from monitor.config import MonitorConfig
 from monitor.core import MonitorCore
-from monitor.errors import StructurePrinted
 from monitor.naming import build_tag
-from monitor.record import RowSet, StepRecord
-from monitor.schedule import Schedule
+from monitor.record import RowSet
 
 logger = logging.getLogger("trainmon")
 
@@ -55,8 +54,12 @@ def to_host(matrix: torch.Tensor) -> tuple[np.ndarray | None, Any]:
     return matrix.cpu().numpy(), None
 
 
-class Collection:
+class Collection(BaseCollection):
     """The hooks and statistics of one config, from ``first_step`` on."""
+
+    activations: Activations | None
+    structure: StructureRecorder | None
+    stacks: StackRecorder | None
 
     def __init__(
         self,
@@ -75,16 +78,9 @@ class Collection:
         output_dir: str | None = None,
         collectives: Any = None,
     ) -> None:
-        self.config = config
+        super().__init__(config, rank, first_step)
         self.backend = backend
-        self.rank = rank
-        self.ops, self.eps = config.ops, config.eps
-        self.schedule = Schedule.from_config(config)
-        self.schedule.start_step = max(self.schedule.start_step, first_step)
-        self.collect = False
-        self._failed: set[str] = set()
-        self._call_id = 0
-        self._step = first_step
+        self.eps = config.eps
         for key in _NOT_YET:
             if getattr(config, key):
                 logger.warning("trainmon: %s is not supported yet by this version and is ignored", key)
@@ -100,17 +96,11 @@ class Collection:
         self.registry = ParamRegistry(chunks, config, main_grad)
         backend.prepare([entry.param for entry in self.registry.params], self.registry.grad)
         self.core = MonitorCore(config, rank, pp_stage, group_mates, output_dir=output_dir)
-        self.grads: Any = None  # UnreducedGrads, or BucketGrads for Megatron (grads.unreduced_source)
-        if config.wg_distribution:
+        if config.wg_distribution:  # UnreducedGrads, or BucketGrads for Megatron
             self.grads = unreduced_source(
                 chunks, self.registry, grad_acc_steps, self.ops, self.eps, config.monitor_mbs_grad, self.fail
             )
         self._rows = self._build_rows(tp_group, dp_group)
-        self._handles: list = []
-        self.activations: Activations | None = None
-        self.structure: StructureRecorder | None = None
-        self.stacks: StackRecorder | None = None
-        self._stack_handles: list = []
         self.collectives = collectives
         if self.grads is not None:
             self._handles += self.grads.register()
@@ -119,12 +109,7 @@ class Collection:
             forward, backward = not config.backward_only, not config.forward_only
             self.activations = Activations(chunks, modules, self.ops, self.eps, forward, backward, self.fail)
             self._handles += self.activations.register()
-        if config.print_struct:
-            self.structure = StructureRecorder(chunks, config.squash_name)
-            self._handles += self.structure.register()
-        if config.stack_info:
-            self.stacks = StackRecorder(chunks, config.squash_name)
-            self._stack_handles = self.stacks.register()
+        self._register_recorders(chunks, StructureRecorder, StackRecorder)
         if collectives is not None:
             collectives.on_error = self.fail
             collectives.install()
@@ -162,35 +147,11 @@ class Collection:
 
     # -- the step ----------------------------------------------------------------------------
 
-    @property
-    def finished(self) -> bool:
-        return self.schedule.finished
-
-    def set_step(self, step: int) -> None:
-        """Decide, before the step's forward, whether it is collected; every hook reads this flag."""
-        self._step = step
-        self._call_id = 0
-        collect = self.collect = self.schedule.wants(step)
-        if self.grads is not None:
-            self.grads.reset()
-            self.grads.collect = collect and "grad_unreduced" not in self._failed
-        if self.activations is not None:
-            self.activations.reset()
-            self.activations.collect = collect and not {"actv", "actv_grad"} & self._failed
-        if self.collectives is not None:
-            self.collectives.begin_step(step, collect and "comm" not in self._failed)
-
     def before_update(self) -> None:
         """Optimizer pre-step: activations, gradients, mg_direction, parameters before the update."""
-        if self.structure is not None and self.structure.structure and "print_struct" not in self._failed:
-            self._guard("print_struct", self._print_structure)  # StructurePrinted still stops the run
-        if not self.collect:
+        if not self._start_update():  # raises StructurePrinted when print_struct stops the run
             return
         cfg = self.config
-        if self.activations is not None:
-            self._guard("actv", self._submit_activations)
-        if self._wanted("grad_unreduced", cfg.wg_distribution):
-            self._guard("grad_unreduced", self._submit_unreduced)
         if self._wanted("grad_reduced", cfg.wg_distribution):
             reuse = self._reusable()
             self._guard("grad_reduced", self._submit_tensors, "grad_reduced", self.backend.grad, reuse)
@@ -212,12 +173,7 @@ class Collection:
             self._guard("param_updated", self._submit_tensors, "param_updated", self.backend.value)
         if self._wanted("ur", self.update_ratio):
             self._guard("ur", self._submit_update_histograms)
-        if self.collectives is not None:
-            self._guard("comm", self._submit_collectives)
-        if self.stacks is not None:
-            self._guard("stack_info", self._write_stacks)
-        self.core.end_step(self._step)
-        self.schedule.mark_collected()
+        self._end_step()
 
     # -- statistics --------------------------------------------------------------------------
 
@@ -225,10 +181,7 @@ class Collection:
         self, prefix: str, rows: RowSet, matrix: torch.Tensor | np.ndarray, ops: tuple[str, ...] | None = None
     ) -> None:
         values, fetch = to_host(matrix) if isinstance(matrix, torch.Tensor) else (np.asarray(matrix), None)
-        n = len(rows)
-        call_ids = np.arange(self._call_id, self._call_id + n)
-        self._call_id += n
-        self.core.submit(StepRecord(prefix, self._step, ops or self.ops, rows, values, call_ids, fetch))
+        self._record(prefix, rows, values, ops, fetch)
 
     def _reusable(self) -> dict:
         """Unreduced-gradient rows the reduced pass may reuse.
@@ -308,17 +261,6 @@ class Collection:
         extra = torch.stack([counts, (counts < whole).to(torch.float64)], dim=1).to(pieces.device)
         self._submit(prefix, rows.take(present), torch.cat([pieces, extra], dim=1), ops)
 
-    def _submit_unreduced(self) -> None:
-        index, micro, matrix = self.grads.take()
-        _, base = self._rows["grad_unreduced"]
-        if micro is None:
-            rows = base.take(index)
-        else:
-            task = base.tags[0].rsplit("/", 1)[-1] if len(base) else "acc_grad"
-            vpp = [base.vpp_stages[i] for i in index]
-            rows = RowSet.build(vpp, [base.names[i] for i in index], self.rank, task, micro)
-        self._submit("grad_unreduced", rows, matrix)
-
     def _submit_update_histograms(self) -> None:
         found = update_histograms(self.backend.optimizer, [e.param for e in self.registry.params])
         if found is None:
@@ -328,10 +270,6 @@ class Collection:
         for kind_index, kind in enumerate(KINDS):
             tags = [build_tag(params[i].vpp_stage, params[i].name, self.rank, kind) for i in positions]
             self.core.submit_histograms(self._step, tags, EDGES, counts[:, kind_index])
-
-    def _submit_activations(self) -> None:
-        for prefix, rows, matrix in self.activations.take(self.rank):
-            self._submit(prefix, rows, matrix)
 
     def _submit_collectives(self) -> None:
         for rows, ops, values in self.collectives.take(self._step, self.rank):
@@ -389,12 +327,6 @@ class Collection:
         whole = stat_matrix(list(torch.from_numpy(merged[:, 0])), self.ops, self.eps).numpy()
         self._submit("other", rows, np.concatenate([whole, merged[:, 1:]], axis=1), ops)
 
-    def _print_structure(self) -> None:
-        """print_struct: write the structure and stop the run, as the user asked."""
-        path = self.structure.write(self.core.root, self.rank)
-        logger.info("trainmon: module structure written to %s; stopping as print_struct asks", path)
-        raise StructurePrinted(path)
-
     def _write_stacks(self) -> None:
         """stack_info: write stack_info.csv once, at the first collected step, then unhook."""
         if self.core.output_dir is not None:
@@ -404,43 +336,3 @@ class Collection:
         for handle in self._stack_handles:
             handle.remove()
         self._stack_handles, self.stacks = [], None
-
-    # -- failures and removal ----------------------------------------------------------------
-
-    def _wanted(self, part: str, switch: bool) -> bool:
-        return switch and part not in self._failed
-
-    def _guard(self, part: str, fn: Callable, *args: Any) -> None:
-        try:
-            fn(*args)
-        except StructurePrinted:
-            raise
-        except Exception as exc:
-            self.fail(part, exc)
-
-    def fail(self, part: str, exc: BaseException) -> None:
-        """Log a failure once with its cause and switch that part off; the training goes on."""
-        if part in self._failed:
-            return
-        self._failed.add(part)
-        if part == "grad_unreduced" and self.grads is not None:
-            self.grads.collect = False
-        if part in ("actv", "actv_grad") and self.activations is not None:
-            self.activations.collect = False
-        logger.error(
-            "trainmon: %s failed and is switched off (%r); training continues", part, exc, exc_info=exc
-        )
-
-    def remove(self) -> None:
-        """Remove every hook of this collection and close its outputs (idempotent)."""
-        for handle in self._handles + self._stack_handles:
-            handle.remove()
-        self._handles, self._stack_handles = [], []
-        if self.collectives is not None:
-            self.collectives.remove()
-        self.collect = False
-        if self.grads is not None:
-            self.grads.collect = False
-        if self.activations is not None:
-            self.activations.collect = False
-        self.core.close()

@@ -1,0 +1,214 @@
+"""What every adapter's Collection shares: the step flag, row numbering and guarded parts.
+
+A Collection holds the hooks and statistics of one config. The framework-specific parts (where
+each tensor is, how statistics are computed and copied to the host) live in the adapters; the
+bookkeeping around them is the same for every framework and lives here, so that a failure is
+contained, logged and switched off in one way only.
+"""
+
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from monitor.config import MonitorConfig
+from monitor.core import MonitorCore
+from monitor.errors import StructurePrinted
+from monitor.param_rows import unreduced_rows
+from monitor.record import RowSet, StepRecord
+from monitor.schedule import Schedule
+
+logger = logging.getLogger("trainmon")
+
+
+class BaseCollection(ABC):
+    """Schedule, step flag, call ids, failures and removal of one config's collection.
+
+    Adapters set the parts they build (``grads``, ``activations``, ``structure``, ``stacks``,
+    ``collectives``, ``core``, ``_rows``) and implement ``_submit``, ``_submit_collectives`` and
+    ``_write_stacks``. Every part keeps the same small interface across frameworks: ``reset()``
+    and a ``collect`` flag for gradients and activations, ``begin_step``/``remove`` for
+    collectives.
+    """
+
+    core: MonitorCore
+    registry: Any
+    _rows: dict[str, tuple[list[int], RowSet]]
+
+    def __init__(self, config: MonitorConfig, rank: int, first_step: int) -> None:
+        self.config = config
+        self.rank = rank
+        self.ops = config.ops
+        self.schedule = Schedule.from_config(config)
+        self.schedule.start_step = max(self.schedule.start_step, first_step)
+        self.collect = False
+        self._failed: set[str] = set()
+        self._call_id = 0
+        self._step = first_step
+        self._handles: list = []
+        self._stack_handles: list = []
+        self.grads: Any = None
+        self.activations: Any = None
+        self.structure: Any = None
+        self.stacks: Any = None
+        self.collectives: Any = None
+
+    # -- the step ----------------------------------------------------------------------------
+
+    @property
+    def finished(self) -> bool:
+        return self.schedule.finished
+
+    def set_step(self, step: int) -> None:
+        """Decide, before the step's forward, whether it is collected; every hook reads this flag."""
+        self._step = step
+        self._call_id = 0
+        collect = self.collect = self.schedule.wants(step)
+        if self.grads is not None:
+            self.grads.reset()
+            self.grads.collect = collect and "grad_unreduced" not in self._failed
+        if self.activations is not None:
+            self.activations.reset()
+            self.activations.collect = collect and not {"actv", "actv_grad"} & self._failed
+        if self.collectives is not None:
+            self.collectives.begin_step(step, collect and "comm" not in self._failed)
+
+    def _start_update(self) -> bool:
+        """Optimizer pre-step, the part every adapter shares: print_struct, then (on a collected
+        step) activations and unreduced gradients. Returns whether the step is collected.
+
+        Raises:
+            StructurePrinted: print_struct wrote the structure; the run stops as the user asked.
+        """
+        self._print_structure()
+        if not self.collect:
+            return False
+        if self.activations is not None:
+            self._guard("actv", self._submit_activations)
+        if self._wanted("grad_unreduced", self.config.wg_distribution):
+            self._guard("grad_unreduced", self._submit_unreduced)
+        return True
+
+    @abstractmethod
+    def after_update(self) -> None:
+        """Optimizer post-step: the statistics after the update, ending with ``_end_step()``."""
+
+    def _end_step(self) -> None:
+        """Last of the optimizer's post-step: collectives and call stacks, then the step is written."""
+        if self.collectives is not None:
+            self._guard("comm", self._submit_collectives)
+        if self.stacks is not None:
+            self._guard("stack_info", self._write_stacks)
+        self.core.end_step(self._step)
+        self.schedule.mark_collected()
+
+    # -- statistics --------------------------------------------------------------------------
+
+    @abstractmethod
+    def _submit(self, prefix: str, rows: RowSet, matrix: Any, ops: tuple[str, ...] | None = None) -> None:
+        """Hand one data type's statistics (a framework tensor or an array) to the core."""
+
+    @abstractmethod
+    def _submit_collectives(self) -> None:
+        """The collective calls of the step, one record per kind of call."""
+
+    @abstractmethod
+    def _write_stacks(self) -> None:
+        """stack_info: write the module call stacks once, then unhook."""
+
+    def _record(
+        self,
+        prefix: str,
+        rows: RowSet,
+        values: np.ndarray | None,
+        ops: tuple[str, ...] | None = None,
+        fetch: Callable[[], np.ndarray] | None = None,
+    ) -> None:
+        """Submit host values (or a pending copy, ``fetch``), numbering the rows in call order."""
+        n = len(rows)
+        call_ids = np.arange(self._call_id, self._call_id + n)
+        self._call_id += n
+        self.core.submit(StepRecord(prefix, self._step, ops or self.ops, rows, values, call_ids, fetch))
+
+    def _submit_activations(self) -> None:
+        for prefix, rows, matrix in self.activations.take(self.rank):
+            self._submit(prefix, rows, matrix)
+
+    def _submit_unreduced(self) -> None:
+        index, micro, matrix = self.grads.take()
+        _, base = self._rows["grad_unreduced"]
+        self._submit("grad_unreduced", unreduced_rows(base, index, micro, self.rank), matrix)
+
+    # -- print_struct and stack_info ---------------------------------------------------------
+
+    def _register_recorders(
+        self, chunks: Sequence[Any], structure_recorder: type, stack_recorder: type
+    ) -> None:
+        """print_struct / stack_info: hook the adapter's recorders of the structure and call stacks."""
+        if self.config.print_struct:
+            self.structure = structure_recorder(chunks, self.config.squash_name)
+            self._handles += self.structure.register()
+        if self.config.stack_info:
+            self.stacks = stack_recorder(chunks, self.config.squash_name)
+            self._stack_handles = self.stacks.register()
+
+    def _print_structure(self) -> None:
+        """print_struct: once the structure is recorded, write it and stop the run, as the user asked.
+
+        A failure to write is logged and switches print_struct off; the run goes on.
+
+        Raises:
+            StructurePrinted: the structure was written.
+        """
+        if self.structure is None or not self.structure.structure:
+            return
+        recorder, self.structure = self.structure, None
+        try:
+            path = recorder.write(self.core.root, self.rank)
+        except Exception as exc:
+            self.fail("print_struct", exc)
+            return
+        logger.info("trainmon: module structure written to %s; stopping as print_struct asks", path)
+        raise StructurePrinted(path)
+
+    # -- failures and removal ----------------------------------------------------------------
+
+    def _wanted(self, part: str, switch: bool) -> bool:
+        return switch and part not in self._failed
+
+    def _guard(self, part: str, fn: Callable, *args: Any) -> None:
+        try:
+            fn(*args)
+        except Exception as exc:
+            self.fail(part, exc)
+
+    def fail(self, part: str, exc: BaseException) -> None:
+        """Log a failure once with its cause and switch that part off; the training goes on."""
+        if part in self._failed:
+            return
+        self._failed.add(part)
+        if part == "grad_unreduced" and self.grads is not None:
+            self.grads.collect = False
+        if part in ("actv", "actv_grad") and self.activations is not None:
+            self.activations.collect = False
+        logger.error(
+            "trainmon: %s failed and is switched off (%r); training continues", part, exc, exc_info=exc
+        )
+
+    def remove(self) -> None:
+        """Remove every hook of this collection and close its outputs (idempotent)."""
+        for handle in self._handles + self._stack_handles:
+            handle.remove()
+        self._handles, self._stack_handles = [], []
+        self.collect = False
+        if self.grads is not None:
+            self.grads.collect = False
+        if self.activations is not None:
+            self.activations.collect = False
+        if self.collectives is not None:
+            self.collectives.remove()
+        self.core.close()

@@ -1,0 +1,195 @@
+"""What every adapter's session shares: starting, stopping and ending steps of collections.
+
+A session is one attached TrainerMon: it owns the step counter and the optimizer's two hooks
+(before and after the update) for its whole life, while what is collected under a config lives
+in a Collection that can be started, stopped and replaced while the run goes on (``start()``,
+``stop()``, live control through ``on_step_end``). How the hooks are attached and what a
+Collection is made of differ by framework; the order of what happens around them does not, and
+lives here.
+"""
+
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import Any
+
+from monitor.collection import BaseCollection
+from monitor.config import MonitorConfig
+from monitor.errors import CollectivesLogged, StructurePrinted
+from monitor.schedule import rank_enabled
+
+logger = logging.getLogger("trainmon")
+
+#: config switches named in the "monitoring ..." line when they are on.
+_KINDS = ("wg_distribution", "mv_distribution", "param_distribution", "mg_direction", "xy_distribution")
+
+
+def model_chunks(model: Any, chunk_type: type, type_name: str) -> list:
+    """The model as set_monitor takes it (one module, or a list of pipeline chunks) as a list.
+
+    Raises:
+        TypeError: a chunk is not a ``chunk_type`` (called ``type_name`` in the message).
+    """
+    chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+    for i, chunk in enumerate(chunks):
+        if not isinstance(chunk, chunk_type):
+            raise TypeError(f"set_monitor: model[{i}]: expected a {type_name}, got {type(chunk).__name__}")
+    return chunks
+
+
+class SessionLifecycle(ABC):
+    """Step counter, optimizer hooks and the current Collection of one attached TrainerMon.
+
+    Adapters implement ``_attach_optimizer_hooks``, ``_optimizer_step_count``,
+    ``_new_collection`` and ``_detach_after_this_step``, and call ``_attach(dormant)`` at the
+    end of their ``__init__``.
+    """
+
+    #: what the "monitoring N ..." line counts.
+    monitored = "parameters"
+
+    def __init__(
+        self, config: MonitorConfig, rank: int, step: int, on_step_end: Callable[[int], None] | None
+    ) -> None:
+        self.config = config
+        self.rank = rank
+        self.step = step
+        self.on_step_end = on_step_end
+        self.collection: BaseCollection | None = None
+        self._output_dir: str | None = None
+        self._core: Any = None
+        self._hooks: list = []
+        self._steps_at_stop: int | None = None
+
+    def _attach(self, dormant: bool) -> None:
+        """Hook the optimizer (also when dormant: live control runs at the end of each step) and,
+        unless dormant, start collecting; nothing on a rank outside module_ranks."""
+        if not rank_enabled(self.config, self.rank):
+            logger.info("trainmon: rank %d is not in module_ranks; nothing is monitored here", self.rank)
+            return
+        self._attach_optimizer_hooks()
+        if not dormant:
+            self.start(self.config)
+
+    # -- public control ----------------------------------------------------------------------
+
+    @property
+    def active(self) -> bool:
+        return self.collection is not None
+
+    @property
+    def core(self) -> Any:
+        """The outputs of the current (or last) collection; None when nothing was ever collected."""
+        return self.collection.core if self.collection is not None else self._core
+
+    def start(self, config: MonitorConfig | None = None) -> None:
+        """Collect with ``config`` (default: the current one) from the current step on."""
+        if not rank_enabled(config or self.config, self.rank):
+            return
+        self._end_collection()
+        self.config = config or self.config
+        if not self._hooks:
+            self._attach_optimizer_hooks()
+        self.collection = self._new_collection()
+        self._output_dir = self.collection.core.output_dir
+        kinds = [k for k in _KINDS if getattr(self.config, k)]
+        logger.info(
+            "trainmon: monitoring %d %s (%s) on rank %d from step %d, output %s",
+            len(self.collection.registry),
+            self.monitored,
+            ", ".join(kinds) or "nothing selected",
+            self.rank,
+            self.step,
+            self.collection.core.output_dir or "in memory (format api)",
+        )
+
+    def stop(self) -> None:
+        """Remove every hook and close the outputs (idempotent)."""
+        self._end_collection()
+        if self._hooks:
+            self._steps_at_stop = self._optimizer_step_count()
+        self._detach_optimizer_hooks()
+
+    # -- what each framework provides --------------------------------------------------------
+
+    @abstractmethod
+    def _attach_optimizer_hooks(self) -> None:
+        """Register the optimizer's hooks that call ``_before_update`` and ``_after_update``."""
+
+    @abstractmethod
+    def _optimizer_step_count(self) -> int | None:
+        """The optimizer's own count of updates, None if it keeps none."""
+
+    @abstractmethod
+    def _new_collection(self) -> BaseCollection:
+        """A Collection of ``self.config`` from ``self.step`` on, writing to ``self._output_dir``."""
+
+    def _detach_optimizer_hooks(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+
+    @abstractmethod
+    def _detach_after_this_step(self) -> None:
+        """Monitoring ended inside the optimizer's hooks: see that they go, or stay inert."""
+
+    # -- the optimizer's step ----------------------------------------------------------------
+
+    def _begin_update(self, *collection_args: Any) -> None:
+        """Optimizer pre-hook: collect what comes before the update. Our failures are contained;
+        only print_struct's StructurePrinted leaves the hook (the user asked the run to stop)."""
+        if self.collection is None:
+            return
+        try:
+            self.collection.before_update(*collection_args)
+        except StructurePrinted:
+            self._stop_as_asked()
+            raise
+        except Exception as exc:
+            self.collection.fail("step start", exc)
+
+    # -- the end of a step -------------------------------------------------------------------
+
+    def _after_update(self, *hook_args: Any) -> None:
+        """Optimizer post-hook: finish the step's collection, count the step, run live control."""
+        try:
+            if self.collection is not None:
+                try:
+                    self.collection.after_update()
+                except Exception as exc:
+                    self.collection.fail("step end", exc)
+        finally:
+            self.step += 1
+            if self.collection is not None:
+                if self.collection.finished:
+                    logger.info(
+                        "trainmon: collect_times reached (%d steps); monitoring stopped",
+                        self.collection.schedule.collected,
+                    )
+                    self._end_collection()
+                else:
+                    try:
+                        self.collection.set_step(self.step)
+                    except CollectivesLogged:  # cc_log_only: the user asked the run to stop here
+                        self._stop_as_asked()
+                        raise
+            if self.on_step_end is not None:
+                try:
+                    self.on_step_end(self.step)
+                except Exception as exc:  # live control must never stop the training
+                    logger.error("trainmon: live control failed (%r); monitoring state unchanged", exc)
+            if self.collection is None and self.on_step_end is None:
+                self._detach_after_this_step()
+
+    def _stop_as_asked(self) -> None:
+        """print_struct or cc_log_only stops the run inside an optimizer hook: end monitoring."""
+        self._end_collection()
+        self._detach_after_this_step()
+
+    def _end_collection(self) -> None:
+        if self.collection is not None:
+            self._core = self.collection.core
+            self.collection.remove()
+            self.collection = None
