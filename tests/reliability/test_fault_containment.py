@@ -226,6 +226,17 @@ def test_a_hook_that_raises_is_contained(hook, monkeypatch, trainmon_log):
     assert _spike_reported(outcome)
 
 
+def test_an_unexpected_error_at_the_start_of_the_optimizer_step_is_contained(monkeypatch, trainmon_log):
+    """Not one part failing (those are guarded one by one) but the pre-step hook itself."""
+
+    def inject(mon):
+        collection = type(mon._session.collection)
+        monkeypatch.setattr(collection, "before_update", _raising(collection.before_update))
+
+    _faulted_run(ALL_CONFIG, inject)  # same losses and parameters as an unmonitored run
+    _the_one_error(trainmon_log, "step start", "injected: hook failed")
+
+
 # -- the writer thread and the file system ----------------------------------------------------
 
 
