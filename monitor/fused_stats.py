@@ -33,7 +33,10 @@ def available() -> bool:
     return _fused_stats is not None and not _SWITCHED_OFF
 
 
-def stats(array: np.ndarray, eps: float) -> tuple[float, float, float, float, int, int]:
+def stats(
+    array: np.ndarray, eps: float, bfloat16: bool = False
+) -> tuple[float, float, float, float, int, int]:
     """(min, max, sum, sum of squares, count of |x| < eps, NaN count) of a non-empty C-contiguous
-    float32/float64 array (any shape). Requires ``available()``."""
-    return _fused_stats.stats(array, eps)
+    float32/float64 array (any shape), or with ``bfloat16`` of an int16 array holding bfloat16
+    bit patterns (numpy has no bfloat16). Requires ``available()``."""
+    return _fused_stats.stats(array, eps, bfloat16)

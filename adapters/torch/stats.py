@@ -73,7 +73,9 @@ def _cpu_block(tensors: Sequence[torch.Tensor], ops: tuple[str, ...], eps: float
     floating = tensors[0].is_floating_point()
     minmax = "min" in ops or "max" in ops
     # the fused pass pays off where the library needs several passes (min/max, the zero count)
-    if floating and (minmax or "zeros" in ops) and fused_stats.available():
+    # or a widening copy (bf16, which the kernel widens in registers)
+    several = minmax or "zeros" in ops or tensors[0].dtype == torch.bfloat16
+    if floating and several and fused_stats.available():
         parts = _fused_parts(tensors, eps)
     else:
         parts = _library_parts(tensors, ops, eps)
@@ -109,18 +111,23 @@ def _may_hold_nan(ops: tuple[str, ...], part: tuple) -> bool:
 def _fused_parts(tensors: Sequence[torch.Tensor], eps: float) -> list[tuple]:
     """(min, max, sum, sum of squares, zero count, NaN count) per tensor from the one-pass kernel.
 
-    fp32/fp64 tensors are read in place; half types are upcast chunk by chunk into a reused
-    fp32 buffer (so the comparison with eps happens in fp32, where a small eps still exists).
+    fp32/fp64 and bf16 tensors are read in place (bf16 is widened in registers); fp16 is upcast
+    chunk by chunk into a reused fp32 buffer. Either way the comparison with eps happens in fp32,
+    where a small eps still exists.
     """
     first = tensors[0]
     acc = _accumulate_dtype(first.dtype)
     native = first.dtype == acc
-    upcast = None if native else _scratch(acc, min(CPU_CHUNK, max(t.numel() for t in tensors)), 0)
+    bfloat16 = first.dtype == torch.bfloat16  # widened inside the kernel: no copy at all
+    upcast = None if native or bfloat16 else _scratch(acc, min(CPU_CHUNK, max(t.numel() for t in tensors)), 0)
     parts = []
     for t in tensors:
         flat = t.detach().contiguous().view(-1)  # numpy views need no autograd and one stride
         if native:
             parts.append(fused_stats.stats(flat.numpy(), eps))
+            continue
+        if bfloat16:
+            parts.append(fused_stats.stats(flat.view(torch.int16).numpy(), eps, bfloat16=True))
             continue
         pieces = [
             fused_stats.stats(upcast[: chunk.numel()].copy_(chunk).numpy(), eps)
@@ -147,8 +154,10 @@ def _library_parts(tensors: Sequence[torch.Tensor], ops: tuple[str, ...], eps: f
     zeros = "zeros" in ops
     acc = _accumulate_dtype(first.dtype)
     size = min(CPU_CHUNK, max(t.numel() for t in tensors))
-    wanted = minmax or sums or squares or zeros
-    upcast = None if first.dtype == acc or not wanted else _scratch(acc, size, 0)
+    # half types are read as they are where the library accumulates in fp32 by itself (sum and
+    # norm); an upcast copy is made only for the element-wise comparisons and for integers
+    copied = minmax or zeros or (not floating and (sums or squares))
+    upcast = None if first.dtype == acc or not copied else _scratch(acc, size, 0)
     absolute = _scratch(acc, size, 1) if zeros else None
     parts = []
     for t in tensors:
@@ -167,9 +176,12 @@ def _library_parts(tensors: Sequence[torch.Tensor], ops: tuple[str, ...], eps: f
                     lows.append(pair.min.item())
                     highs.append(pair.max.item())
             if sums:
-                total += values.sum().item()
+                total += values.sum(dtype=acc).item()
             if squares:
-                squared += torch.dot(values, values).item()
+                if values.dtype == acc:
+                    squared += torch.dot(values, values).item()
+                else:
+                    squared += torch.linalg.vector_norm(values, dtype=acc).item() ** 2
             if zeros:
                 part = absolute[: chunk.numel()]
                 torch.abs(values, out=part)

@@ -120,3 +120,32 @@ def test_other_buffers_are_refused_with_a_clear_error(bad):
 def test_non_contiguous_buffers_are_refused():
     with pytest.raises(ValueError, match="contiguous"):
         fused_stats.stats(np.zeros((4, 4), np.float32)[:, 1], 1e-8)
+
+
+def test_bfloat16_bit_patterns_are_widened_exactly():
+    rng = np.random.default_rng(7)
+    wide = rng.normal(size=3 * BLOCK + 11).astype(np.float32)
+    wide[::9] = 0.0
+    wide[5], wide[6] = -np.inf, np.float32(np.finfo(np.float32).tiny / 8)  # infinity, subnormal
+    bits = (wide.view(np.uint32) >> 16).astype(np.uint16)  # bfloat16: the upper half of a float32
+    values = (bits.astype(np.uint32) << 16).view(np.float32)  # what those bits mean, independently
+    got = fused_stats.stats(bits.view(np.int16), 1e-8, bfloat16=True)
+    want = _reference(values, 1e-8)
+    assert got[0] == want[0] and got[1] == want[1] and got[4:] == want[4:]
+    assert np.isnan(got[2]) == np.isnan(want[2])  # -inf: the sum is -inf, squares inf
+    assert got[3] == want[3] == np.inf
+
+
+def test_bfloat16_needs_16_bit_integers():
+    with pytest.raises(TypeError, match="bfloat16"):
+        fused_stats.stats(np.zeros(4, np.float32), 1e-8, bfloat16=True)
+
+
+def test_bfloat16_sums_match_numpy():
+    wide = np.random.default_rng(8).normal(size=2 * BLOCK + 3).astype(np.float32) * 0.01 + 0.003
+    bits = (wide.view(np.uint32) >> 16).astype(np.uint16)
+    values = (bits.astype(np.uint32) << 16).view(np.float32)
+    got = fused_stats.stats(bits.view(np.int16), 1e-8, bfloat16=True)
+    want = _reference(values, 1e-8)
+    assert got[2] == pytest.approx(want[2], rel=1e-6)
+    assert got[3] == pytest.approx(want[3], rel=1e-6)
