@@ -104,7 +104,8 @@ def open_append(path: str | os.PathLike, file_mode: int = FILE_MODE) -> tuple[Te
 
 
 def atomic_write_text(path: str | os.PathLike, text: str, file_mode: int = FILE_MODE) -> None:
-    """Replace ``path`` with ``text``: temporary file in the same directory, fsync, rename."""
+    """Replace ``path`` with ``text``: temporary file in the same directory, fsync, rename, then
+    fsync the directory where the platform allows it (so the rename itself survives a crash)."""
     path = os.fspath(path)
     if os.path.islink(path):
         raise OSError(f"trainmon: refusing to replace {path!r}: it is a symbolic link")
@@ -123,6 +124,16 @@ def atomic_write_text(path: str | os.PathLike, text: str, file_mode: int = FILE_
         except OSError:
             pass
         raise
+    try:
+        directory_fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(directory_fd)
+    except OSError:
+        pass
+    finally:
+        os.close(directory_fd)
 
 
 def parse_time_tag(text: str) -> _dt.datetime | None:

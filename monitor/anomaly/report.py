@@ -6,13 +6,11 @@ it is written atomically so that a reader never sees half a file.
 
 from __future__ import annotations
 
-import contextlib
 import math
-import os
-import tempfile
 from collections.abc import Iterable
 
 from monitor.anomaly.ordering import STAGE_NAMES, AnomalyRecord, stage_of
+from monitor.files import atomic_write_text
 
 MESSAGE_WIDTH = 60
 
@@ -58,26 +56,8 @@ def to_document(records: Iterable[AnomalyRecord]) -> dict[str, dict[str, object]
     return document
 
 
-def write_atomic(path: str, text: str) -> None:
-    """Write text to path via a fsynced temporary file in the same directory and os.replace."""
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    with contextlib.suppress(OSError):  # make the rename durable where the platform allows it
-        dir_fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+#: the analysis output is replaced like every file trainmon writes (fsync, rename, no symlinks)
+write_atomic = atomic_write_text
 
 
 def _clean(text: str) -> str:
