@@ -18,7 +18,7 @@ from adapters.mindspore.cc_wrap import WrapRegistry
 class _Subscriber:
     listening = False
 
-    def before(self, primitive, name, args):
+    def before(self, call):
         raise AssertionError("no collective is called here")
 
     def after(self, token, result):
