@@ -8,10 +8,8 @@ warning naming the closest known key.
 
 from __future__ import annotations
 
-import difflib
 import json
 import logging
-import math
 import os
 import re
 from collections.abc import Mapping
@@ -19,6 +17,15 @@ from dataclasses import dataclass, field, fields
 from types import MappingProxyType
 from typing import Any
 
+from monitor.config_values import (
+    ConfigError,
+    as_bool,
+    as_int,
+    as_number,
+    as_str_list,
+    describe,
+    warn_unknown,
+)
 from monitor.files import parse_time_tag
 
 logger = logging.getLogger("trainmon")
@@ -33,10 +40,6 @@ KNOWN_RULES = ("AnomalyTurbulence", "AnomalyNan", "AnomalyZScore")
 CC_KEYS = ("enable", "cc_codeline", "cc_pre_hook", "cc_log_only")
 L2_HOOK_KEYS = ("linear_hook", "attention_hook")
 DEFAULT_COLLECT_TIMES = 100_000_000
-
-
-class ConfigError(ValueError):
-    """A config value is missing, of the wrong type or out of range."""
 
 
 @dataclass(frozen=True)
@@ -205,16 +208,16 @@ def validate_config(raw: Mapping[str, Any]) -> MonitorConfig:
         if not isinstance(key, str):
             raise ConfigError(f"config: keys must be strings, got {key!r}")
         if key not in _TOP_LEVEL_KEYS and key not in ("is_select", "opt_ty"):
-            _warn_unknown(key, _TOP_LEVEL_KEYS, "")
+            warn_unknown(key, _TOP_LEVEL_KEYS, "")
     values: dict[str, Any] = {}
     for key in _BOOL_KEYS:
         if key in raw:
-            values[key] = _bool(raw[key], key)
+            values[key] = as_bool(raw[key], key)
     if raw.get("targets") is not None:  # an empty YAML key loads as None: the default
         values["targets"] = _targets(raw["targets"])
     for key, low in (("start_step", 0), ("collect_times", 1), ("step_interval", 1)):
         if key in raw:
-            values[key] = _int(raw[key], key, low)
+            values[key] = as_int(raw[key], key, low)
     if "module_ranks" in raw:
         values["module_ranks"] = _module_ranks(raw["module_ranks"])
     if "cc_distribution" in raw:
@@ -224,16 +227,16 @@ def validate_config(raw: Mapping[str, Any]) -> MonitorConfig:
     if "format" in raw:
         fmt = raw["format"]
         if not isinstance(fmt, str) or fmt.lower() not in FORMATS:
-            raise ConfigError(f"format: expected one of {', '.join(FORMATS)}, got {_describe(fmt)}")
+            raise ConfigError(f"format: expected one of {', '.join(FORMATS)}, got {describe(fmt)}")
         values["format"] = fmt.lower()
     if "ops" in raw:
         values["ops"] = _ops(raw["ops"])
     if "eps" in raw:
-        values["eps"] = _number(raw["eps"], "eps", positive=True)
+        values["eps"] = as_number(raw["eps"], "eps", positive=True)
     if "ndigits" in raw:
-        values["ndigits"] = _int(raw["ndigits"], "ndigits", 1, 17)
+        values["ndigits"] = as_int(raw["ndigits"], "ndigits", 1, 17)
     if "step_count_per_record" in raw:
-        values["step_count_per_record"] = _int(
+        values["step_count_per_record"] = as_int(
             raw["step_count_per_record"], "step_count_per_record", 1, 1_000_000
         )
     if "append_output" in raw:
@@ -244,7 +247,7 @@ def validate_config(raw: Mapping[str, Any]) -> MonitorConfig:
         order = raw["sa_order"]
         normalised = order.replace(" ", "") if isinstance(order, str) else None
         if normalised not in ("s,b,h,d", "b,s,h,d"):
-            raise ConfigError(f"sa_order: expected 's,b,h,d' or 'b,s,h,d', got {_describe(order)}")
+            raise ConfigError(f"sa_order: expected 's,b,h,d' or 'b,s,h,d', got {describe(order)}")
         values["sa_order"] = normalised
     if values.get("shard_reduce") and values.get("module_ranks"):
         raise ConfigError(
@@ -258,82 +261,21 @@ def validate_config(raw: Mapping[str, Any]) -> MonitorConfig:
     return MonitorConfig(**values)
 
 
-def _warn_unknown(key: str, known: tuple[str, ...], path: str) -> None:
-    close = difflib.get_close_matches(key, known, n=1)
-    hint = f"; did you mean {close[0]!r}?" if close else ""
-    logger.warning("trainmon config: unknown key %r ignored%s", f"{path}{key}", hint)
-
-
-def _describe(value: Any) -> str:
-    try:
-        text = repr(value)
-    except ValueError:  # an integer beyond Python's digit limit for str(), or a container holding one
-        if isinstance(value, int):
-            return f"an integer of about {value.bit_length() * 0.30103:.0f} digits"
-        return f"a {type(value).__name__} holding an integer too long to print"
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
-def _bool(value: Any, path: str) -> bool:
-    if not isinstance(value, bool):
-        raise ConfigError(f"{path}: expected true or false, got {_describe(value)}")
-    return value
-
-
-def _int(value: Any, path: str, low: int | None = None, high: int | None = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        if isinstance(value, float) and value.is_integer() and math.isfinite(value):
-            value = int(value)
-        else:
-            raise ConfigError(f"{path}: expected an integer{_range_text(low, high)}, got {_describe(value)}")
-    if (low is not None and value < low) or (high is not None and value > high):
-        raise ConfigError(f"{path}: expected an integer{_range_text(low, high)}, got {_describe(value)}")
-    return value
-
-
-def _range_text(low: int | None, high: int | None) -> str:
-    if low is not None and high is not None:
-        return f" in [{low}, {high}]"
-    if low is not None:
-        return f" >= {low}"
-    return ""
-
-
-def _number(value: Any, path: str, positive: bool = False) -> float:
-    try:
-        finite = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
-    except OverflowError:  # an integer too large for a float
-        finite = False
-    if not finite:
-        raise ConfigError(f"{path}: expected a finite number, got {_describe(value)}")
-    if positive and value <= 0:
-        raise ConfigError(f"{path}: expected a number > 0, got {value}")
-    if value < 0:
-        raise ConfigError(f"{path}: expected a number >= 0, got {value}")
-    return float(value)
-
-
-def _str_list(value: Any, path: str) -> tuple[str, ...]:
-    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        raise ConfigError(f"{path}: expected a list of strings, got {_describe(value)}")
-    return tuple(value)
-
-
 def _targets(value: Any) -> Mapping[str, Mapping[str, Any]]:
     if isinstance(value, list):  # a plain list of names is accepted as {name: {}}
-        value = {name: {} for name in _str_list(value, "targets")}
+        value = {name: {} for name in as_str_list(value, "targets")}
     if not isinstance(value, dict):
         raise ConfigError(
-            f"targets: expected an object mapping module names to objects, got {_describe(value)}"
+            f"targets: expected an object mapping module names to objects, got {describe(value)}"
         )
     result = {}
     for name, spec in value.items():
         if not isinstance(name, str):
-            raise ConfigError(f"targets: expected string keys, got {_describe(name)}")
+            raise ConfigError(f"targets: expected string keys, got {describe(name)}")
         if spec is None:
             spec = {}
         if not isinstance(spec, dict):
-            raise ConfigError(f"targets.{name}: expected an object (use {{}}), got {_describe(spec)}")
+            raise ConfigError(f"targets.{name}: expected an object (use {{}}), got {describe(spec)}")
         for direction, fmt in spec.items():
             if direction not in ("input", "output", "input_grad", "output_grad"):
                 raise ConfigError(
@@ -341,7 +283,7 @@ def _targets(value: Any) -> Mapping[str, Mapping[str, Any]]:
                 )
             if not isinstance(fmt, str):
                 raise ConfigError(
-                    f"targets.{name}.{direction}: expected a format string, got {_describe(fmt)}"
+                    f"targets.{name}.{direction}: expected a format string, got {describe(fmt)}"
                 )
         result[name] = MappingProxyType(dict(spec))
     return MappingProxyType(result)
@@ -349,31 +291,31 @@ def _targets(value: Any) -> Mapping[str, Mapping[str, Any]]:
 
 def _module_ranks(value: Any) -> tuple[int, ...]:
     if not isinstance(value, list):
-        raise ConfigError(f"module_ranks: expected a list of integer ranks, got {_describe(value)}")
+        raise ConfigError(f"module_ranks: expected a list of integer ranks, got {describe(value)}")
     ranks = []
     for i, rank in enumerate(value):
         if isinstance(rank, str) and rank.strip().isascii() and rank.strip().isdigit():  # MindSpore 1.2.2
             rank = int(rank)
-        ranks.append(_int(rank, f"module_ranks[{i}]", 0))
+        ranks.append(as_int(rank, f"module_ranks[{i}]", 0))
     return tuple(sorted(set(ranks)))
 
 
 def _cc(value: Any) -> CCConfig:
     if not isinstance(value, dict):
-        raise ConfigError(f"cc_distribution: expected an object, got {_describe(value)}")
+        raise ConfigError(f"cc_distribution: expected an object, got {describe(value)}")
     for key in value:
         if key not in CC_KEYS:
             raise ConfigError(f"cc_distribution.{key}: unknown key; expected one of {', '.join(CC_KEYS)}")
     return CCConfig(
-        enable=_bool(value.get("enable", False), "cc_distribution.enable"),
+        enable=as_bool(value.get("enable", False), "cc_distribution.enable"),
         cc_codeline=_codelines(value.get("cc_codeline", [])),
-        cc_pre_hook=_bool(value.get("cc_pre_hook", False), "cc_distribution.cc_pre_hook"),
-        cc_log_only=_bool(value.get("cc_log_only", False), "cc_distribution.cc_log_only"),
+        cc_pre_hook=as_bool(value.get("cc_pre_hook", False), "cc_distribution.cc_pre_hook"),
+        cc_log_only=as_bool(value.get("cc_log_only", False), "cc_distribution.cc_log_only"),
     )
 
 
 def _codelines(value: Any) -> tuple[str, ...]:
-    lines = _str_list(value, "cc_distribution.cc_codeline")
+    lines = as_str_list(value, "cc_distribution.cc_codeline")
     for i, pattern in enumerate(lines):
         try:
             re.compile(pattern)
@@ -386,37 +328,35 @@ def _codelines(value: Any) -> tuple[str, ...]:
 
 def _alert(value: Any) -> AlertConfig:
     if not isinstance(value, dict):
-        raise ConfigError(f"alert: expected an object with 'rules' and 'dump', got {_describe(value)}")
+        raise ConfigError(f"alert: expected an object with 'rules' and 'dump', got {describe(value)}")
     for key in value:
         if not isinstance(key, str):
-            raise ConfigError(f"alert: keys must be strings, got {_describe(key)}")
+            raise ConfigError(f"alert: keys must be strings, got {describe(key)}")
         if key not in ("rules", "dump"):
-            _warn_unknown(key, ("rules", "dump"), "alert.")
+            warn_unknown(key, ("rules", "dump"), "alert.")
     rules_raw = value.get("rules", [])
     if not isinstance(rules_raw, list):
-        raise ConfigError(f"alert.rules: expected a list of rules, got {_describe(rules_raw)}")
+        raise ConfigError(f"alert.rules: expected a list of rules, got {describe(rules_raw)}")
     rules = tuple(_rule(spec, f"alert.rules[{i}]") for i, spec in enumerate(rules_raw))
-    return AlertConfig(rules=rules, dump=_bool(value.get("dump", False), "alert.dump"))
+    return AlertConfig(rules=rules, dump=as_bool(value.get("dump", False), "alert.dump"))
 
 
 def _rule(spec: Any, path: str) -> RuleSpec:
     from monitor.anomaly.rules import validate_rule_args
 
     if not isinstance(spec, dict):
-        raise ConfigError(f"{path}: expected an object with 'rule_name' and 'args', got {_describe(spec)}")
+        raise ConfigError(f"{path}: expected an object with 'rule_name' and 'args', got {describe(spec)}")
     name = spec.get("rule_name")
     if name not in KNOWN_RULES:
-        raise ConfigError(
-            f"{path}.rule_name: expected one of {', '.join(KNOWN_RULES)}, got {_describe(name)}"
-        )
+        raise ConfigError(f"{path}.rule_name: expected one of {', '.join(KNOWN_RULES)}, got {describe(name)}")
     args = spec.get("args") or {}
     if not isinstance(args, dict):
-        raise ConfigError(f"{path}.args: expected an object, got {_describe(args)}")
+        raise ConfigError(f"{path}.args: expected an object, got {describe(args)}")
     return RuleSpec(name, MappingProxyType(validate_rule_args(name, args, f"{path}.args")))
 
 
 def _ops(value: Any) -> tuple[str, ...]:
-    ops = _str_list(value, "ops")
+    ops = as_str_list(value, "ops")
     chosen = []
     for i, op in enumerate(ops):
         if op in IGNORED_OPS:
@@ -430,10 +370,10 @@ def _ops(value: Any) -> tuple[str, ...]:
 
 
 def _append_output(value: Any) -> tuple[str, ...]:
-    times = _str_list(value, "append_output")
+    times = as_str_list(value, "append_output")
     if len(times) not in (0, 2):
         raise ConfigError(
-            f"append_output: expected [] or two time strings like 'Dec03_21-34-40', got {_describe(value)}"
+            f"append_output: expected [] or two time strings like 'Dec03_21-34-40', got {describe(value)}"
         )
     for i, text in enumerate(times):
         if parse_time_tag(text) is None:
@@ -445,10 +385,10 @@ def _append_output(value: Any) -> tuple[str, ...]:
 
 def _l2_targets(value: Any) -> Mapping[str, tuple[str, ...]]:
     if not isinstance(value, dict):
-        raise ConfigError(f"l2_targets: expected an object, got {_describe(value)}")
+        raise ConfigError(f"l2_targets: expected an object, got {describe(value)}")
     result = {}
     for key, names in value.items():
         if key not in L2_HOOK_KEYS:
             raise ConfigError(f"l2_targets.{key}: expected one of {', '.join(L2_HOOK_KEYS)}")
-        result[key] = _str_list(names, f"l2_targets.{key}")
+        result[key] = as_str_list(names, f"l2_targets.{key}")
     return MappingProxyType(result)

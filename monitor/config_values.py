@@ -1,0 +1,85 @@
+"""Checks of single config values: each returns the value in its canonical type or raises
+ConfigError naming the key path, the bad value and what was expected.
+
+monitor.config uses them for every key; they know nothing about which keys exist.
+"""
+
+from __future__ import annotations
+
+import difflib
+import logging
+import math
+from typing import Any
+
+logger = logging.getLogger("trainmon")
+
+
+class ConfigError(ValueError):
+    """A config value is missing, of the wrong type or out of range."""
+
+
+def warn_unknown(key: str, known: tuple[str, ...], path: str) -> None:
+    """One warning for an unknown key, naming the closest known one."""
+    close = difflib.get_close_matches(key, known, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    logger.warning("trainmon config: unknown key %r ignored%s", f"{path}{key}", hint)
+
+
+def describe(value: Any) -> str:
+    """The value as an error message shows it: its repr, cut to 80 characters."""
+    try:
+        text = repr(value)
+    except ValueError:  # an integer beyond Python's digit limit for str(), or a container holding one
+        if isinstance(value, int):
+            return f"an integer of about {value.bit_length() * 0.30103:.0f} digits"
+        return f"a {type(value).__name__} holding an integer too long to print"
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def as_bool(value: Any, path: str) -> bool:
+    """true or false, nothing else (1 and "yes" are refused)."""
+    if not isinstance(value, bool):
+        raise ConfigError(f"{path}: expected true or false, got {describe(value)}")
+    return value
+
+
+def as_int(value: Any, path: str, low: int | None = None, high: int | None = None) -> int:
+    """An integer (a whole float such as 2.0 is accepted) in [low, high]."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        if isinstance(value, float) and value.is_integer() and math.isfinite(value):
+            value = int(value)
+        else:
+            raise ConfigError(f"{path}: expected an integer{range_text(low, high)}, got {describe(value)}")
+    if (low is not None and value < low) or (high is not None and value > high):
+        raise ConfigError(f"{path}: expected an integer{range_text(low, high)}, got {describe(value)}")
+    return value
+
+
+def range_text(low: int | None, high: int | None) -> str:
+    if low is not None and high is not None:
+        return f" in [{low}, {high}]"
+    if low is not None:
+        return f" >= {low}"
+    return ""
+
+
+def as_number(value: Any, path: str, positive: bool = False) -> float:
+    """A finite number >= 0 (> 0 with ``positive``)."""
+    try:
+        finite = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+    except OverflowError:  # an integer too large for a float
+        finite = False
+    if not finite:
+        raise ConfigError(f"{path}: expected a finite number, got {describe(value)}")
+    if positive and value <= 0:
+        raise ConfigError(f"{path}: expected a number > 0, got {value}")
+    if value < 0:
+        raise ConfigError(f"{path}: expected a number >= 0, got {value}")
+    return float(value)
+
+
+def as_str_list(value: Any, path: str) -> tuple[str, ...]:
+    """A list of strings, as a tuple."""
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ConfigError(f"{path}: expected a list of strings, got {describe(value)}")
+    return tuple(value)
