@@ -83,8 +83,6 @@ def _cpu_block(tensors: Sequence[torch.Tensor], ops: tuple[str, ...], eps: float
     rows = []
     for i, (t, (low, high, total, squares, small, nans)) in enumerate(zip(tensors, parts)):
         numel = t.numel()
-        if nans is None and "nans" in ops:
-            nans = float(_count_nans(t, CPU_CHUNK)) if floating and _may_hold_nan(ops, parts[i]) else 0.0
         value = {
             "min": low,
             "max": high,
@@ -96,16 +94,6 @@ def _cpu_block(tensors: Sequence[torch.Tensor], ops: tuple[str, ...], eps: float
         }
         rows.append([value[op] for op in ops])
     return torch.tensor(rows, dtype=_F64)
-
-
-def _may_hold_nan(ops: tuple[str, ...], part: tuple) -> bool:
-    """False when a computed statistic proves the tensor NaN-free (a NaN makes each of them NaN)."""
-    low, high, total, squares, _, _ = part
-    if "norm" in ops or not ({"min", "max", "mean"} & set(ops)):
-        return not math.isfinite(squares)
-    if "mean" in ops:
-        return not math.isfinite(total)
-    return not math.isfinite(low + high)
 
 
 def _fused_parts(tensors: Sequence[torch.Tensor], eps: float) -> list[tuple]:
@@ -145,7 +133,8 @@ def _fold(pieces: list[tuple]) -> tuple:
 
 def _library_parts(tensors: Sequence[torch.Tensor], ops: tuple[str, ...], eps: float) -> list[tuple]:
     """The same per-tensor statistics from library calls, chunk by chunk while each is in cache:
-    without the C extension, and for integer types. NaNs are left to the caller (None)."""
+    without the C extension, and for integer types. NaNs are counted only where the statistic
+    that proves their absence (sum of squares, else sum, else min + max) is not finite."""
     first = tensors[0]
     floating = first.is_floating_point()
     minmax = "min" in ops or "max" in ops
@@ -188,7 +177,12 @@ def _library_parts(tensors: Sequence[torch.Tensor], ops: tuple[str, ...], eps: f
                 small += part.lt_(eps).sum().item()  # 0/1 in acc: exact below 2**24 per chunk
         low = float(np.min(lows)) if lows else 0.0
         high = float(np.max(highs)) if highs else 0.0
-        parts.append((low, high, total, squared, small, None))
+        nans = 0.0
+        if "nans" in ops and floating:
+            witness = squared if squares else total if sums else low + high
+            if not math.isfinite(witness):
+                nans = float(_count_nans(t, CPU_CHUNK))
+        parts.append((low, high, total, squared, small, nans))
     return parts
 
 
