@@ -47,6 +47,7 @@ class BaseCollection(ABC):
         self.schedule.start_step = max(self.schedule.start_step, first_step)
         self.collect = False
         self._failed: set[str] = set()
+        self._told: set[str] = set()
         self._call_id = 0
         self._step = first_step
         self._handles: list = []
@@ -140,8 +141,38 @@ class BaseCollection(ABC):
 
     def _submit_unreduced(self) -> None:
         index, micro, matrix = self.grads.take()
+        self._report_micro_batches(*getattr(self.grads, "counted", (0, 0)))
         _, base = self._rows["grad_unreduced"]
         self._submit("grad_unreduced", unreduced_rows(base, index, micro, self.rank), matrix)
+
+    def _report_micro_batches(self, micro_batches: int, missing: int) -> None:
+        """Say once when a step had another number of micro-batches than ``grad_acc_steps`` (a
+        shorter last step of an epoch), and once when some of its gradient rows are missing."""
+        expected = getattr(self.grads, "grad_acc_steps", None)
+        unexpected = micro_batches and expected and micro_batches != expected
+        if missing and "missing micro-batch rows" not in self._told:
+            self._told.add("missing micro-batch rows")
+            logger.warning(
+                "trainmon: grad_unreduced: step %d ended after %d micro-batch(es), grad_acc_steps is %s, and "
+                "the gradients of %d parameters changed before the optimizer step (clipping or a reduction), "
+                "so their rows are missing at this step; from now on every micro-batch's accumulated "
+                "gradient is measured. Attach through a trainer callback or use DDP's no_sync for the "
+                "micro-batches before the last, so that the last one is known when it runs.",
+                self._step,
+                micro_batches,
+                expected,
+                missing,
+            )
+        elif unexpected and "micro-batch count" not in self._told:
+            self._told.add("micro-batch count")
+            logger.info(
+                "trainmon: step %d had %d micro-batch(es), grad_acc_steps is %d; grad_unreduced describes "
+                "the gradient accumulated over the %d it had (said once)",
+                self._step,
+                micro_batches,
+                expected,
+                micro_batches,
+            )
 
     # -- print_struct and stack_info ---------------------------------------------------------
 

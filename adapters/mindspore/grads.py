@@ -16,7 +16,9 @@ the end of their own backward pass.
 Per step (default): with ``grad_acc_steps`` 1 each pass's gradients are described. With more
 micro-batches the hook keeps the running sum of this step's micro-batch gradients (one
 gradient-sized tensor per parameter, on collected steps only -- the analogue of torch's
-``.grad`` accumulation) and describes the sum at the last micro-batch.
+``.grad`` accumulation) and describes it from the ``grad_acc_steps``-th micro-batch on. The
+number of micro-batches is counted, not assumed: a step that ends earlier (a shorter last step
+of an epoch) gets the sum of the micro-batches it had, described at the optimizer's call.
 
 Per micro-batch (``monitor_mbs_grad``): each pass's gradients with their micro-step index.
 """
@@ -53,6 +55,9 @@ class UnreducedGrads:
         self.collect = False
         self._micro = [0] * len(registry)
         self._sums: dict[int, ms.Tensor] = {}
+        self._described: set[int] = set()
+        #: after take(): (micro-batches of the step, rows missing from it).
+        self.counted: tuple[int, int] = (0, 0)
         self._fired = 0
         self._pending: list[tuple[tuple[int, int], ms.Tensor]] = []
         self._blocks: list[tuple[list[tuple[int, int]], ms.Tensor]] = []
@@ -81,10 +86,10 @@ class UnreducedGrads:
         elif self.grad_acc_steps == 1:
             self._pending.append(((index, 0), grad))
         else:
-            total = grad if micro % self.grad_acc_steps == 0 else ops.add(self._sums.pop(index), grad)
-            if (micro + 1) % self.grad_acc_steps:
-                self._sums[index] = total
-            else:
+            total = ops.add(self._sums[index], grad) if index in self._sums else grad
+            self._sums[index] = total  # kept: a step may have more micro-batches than grad_acc_steps
+            if micro + 1 >= self.grad_acc_steps:
+                self._described.add(index)
                 self._pending.append(((index, 0), total))
         self._fired += 1
         if self._fired >= len(self.registry):
@@ -102,7 +107,10 @@ class UnreducedGrads:
         """This step's rows in firing order: parameter indices, micro-steps (or None), statistics.
 
         A parameter seen twice for one micro-step (a repeated backward pass) keeps the latest.
+        Also sets ``counted``: the step's number of micro-batches and the rows missing (none here).
         """
+        self._pending += [((i, 0), total) for i, total in self._sums.items() if i not in self._described]
+        self.counted = (max(self._micro, default=0), 0)
         self._flush()
         blocks = self._blocks
         self.reset()
@@ -124,6 +132,7 @@ class UnreducedGrads:
         """Forget the step: micro-batch counters, running sums, held gradients and statistics."""
         self._micro = [0] * len(self.registry)
         self._sums.clear()
+        self._described = set()
         self._fired = 0
         self._pending = []
         self._blocks = []

@@ -77,6 +77,7 @@ class Collection(BaseCollection):
         first_step: int,
         output_dir: str | None = None,
         collectives: Any = None,
+        last_micro_batch: Callable[[], bool] | None = None,
     ) -> None:
         super().__init__(config, rank, first_step)
         self.backend = backend
@@ -98,7 +99,14 @@ class Collection(BaseCollection):
         self.core = MonitorCore(config, rank, pp_stage, group_mates, output_dir=output_dir)
         if config.wg_distribution:  # UnreducedGrads, or BucketGrads for Megatron
             self.grads = unreduced_source(
-                chunks, self.registry, grad_acc_steps, self.ops, self.eps, config.monitor_mbs_grad, self.fail
+                chunks,
+                self.registry,
+                grad_acc_steps,
+                self.ops,
+                self.eps,
+                config.monitor_mbs_grad,
+                self.fail,
+                last_micro_batch,
             )
         self._rows = self._build_rows(tp_group, dp_group)
         self.collectives = collectives

@@ -1,9 +1,16 @@
 """Unreduced weight gradients: each rank's own gradient, before any data-parallel reduction.
 
 Per step (default): a post-accumulate-grad hook on every monitored parameter counts the
-backward passes of the step and, at the last micro-batch (``grad_acc_steps``), reduces the
-accumulated local gradient to statistics right away. The hook runs before DDP's reducer sees
-the gradient, so under DDP it is really this rank's gradient.
+backward passes of the step and, at its last micro-batch, reduces the accumulated local gradient
+to statistics right away. The hook runs before DDP's reducer sees the gradient, so under DDP it
+is really this rank's gradient.
+
+Which micro-batch is the last is counted, not assumed: the ``grad_acc_steps``-th, or an earlier
+one that ``last_micro_batch`` names (DDP synchronising it, accelerate's sync flag, a backward
+running inside the optimizer's closure). A parameter whose step ends before either is measured
+at the optimizer step when its gradient is provably unchanged since (same tensor, same version);
+otherwise that step's row is missing, this is said once, and from then on every micro-batch's
+accumulated gradient is measured.
 
 Per micro-batch (``monitor_mbs_grad``): a tensor hook sees each micro-batch's own gradient
 before it is accumulated, with its micro-step index.
@@ -37,6 +44,7 @@ class UnreducedGrads:
         eps: float,
         per_micro_batch: bool,
         on_error: Callable[[str, BaseException], None],
+        last_micro_batch: Callable[[], bool] | None = None,
     ) -> None:
         self.registry = registry
         self.grad_acc_steps = grad_acc_steps
@@ -49,6 +57,13 @@ class UnreducedGrads:
         self._micro = [0] * len(registry)
         self._stats: dict[tuple[int, int], torch.Tensor] = {}
         self._sources: dict[int, tuple[weakref.ref, int]] = {}
+        self._last_micro_batch = last_micro_batch or (lambda: False)
+        #: parameters whose latest micro-batch may have been the step's last: gradient and version.
+        self._waiting: dict[int, tuple[weakref.ref, int]] = {}
+        #: after a short step whose gradients changed before the optimizer step: measure every pass.
+        self._every_micro_batch = False
+        #: after take(): (micro-batches of the step, parameters whose row is missing).
+        self.counted: tuple[int, int] = (0, 0)
         #: after take(): parameter index -> (gradient, its version, statistics row), for a
         #: reduced-gradient pass that finds the very same, unchanged gradient (no reduction ran).
         self.reusable: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}
@@ -75,18 +90,40 @@ class UnreducedGrads:
             try:
                 count = self._micro[index] + 1
                 self._micro[index] = count
-                if count % self.grad_acc_steps:
-                    return
                 grad = self.registry.grad(param)
-                if grad is not None:
-                    self._stats.pop((index, 0), None)  # a repeat keeps the latest, in firing order
-                    self._stats[(index, 0)] = tensor_stats(grad.detach(), self.ops, self.eps)
-                    self._sources[index] = (weakref.ref(grad), grad._version)
+                if grad is None:
+                    return
+                if count < self.grad_acc_steps and not (self._every_micro_batch or self._last_micro_batch()):
+                    self._stats.pop((index, 0), None)
+                    self._waiting[index] = (weakref.ref(grad), grad._version)
+                    return
+                self._waiting.pop(index, None)
+                self._measure(index, grad)
             except Exception as exc:
                 self.collect = False
                 self.on_error("grad_unreduced", exc)
 
         return hook
+
+    def _measure(self, index: int, grad: torch.Tensor) -> None:
+        self._stats.pop((index, 0), None)  # a repeat keeps the latest, in firing order
+        self._stats[(index, 0)] = tensor_stats(grad.detach(), self.ops, self.eps)
+        self._sources[index] = (weakref.ref(grad), grad._version)
+
+    def _measure_waiting(self) -> int:
+        """At the optimizer step: measure the parameters whose step ended early, where their
+        gradient is unchanged since their last micro-batch; returns how many could not be."""
+        missing = 0
+        for index, (source, version) in self._waiting.items():
+            grad = self.registry.grad(self.registry.params[index].param)
+            if grad is not None and source() is grad and grad._version == version:
+                self._measure(index, grad)
+            else:
+                missing += 1
+        self._waiting = {}
+        if missing:
+            self._every_micro_batch = True
+        return missing
 
     def _micro_batch_hook(self, index: int) -> Callable[[torch.Tensor], None]:
         def hook(grad: torch.Tensor) -> None:
@@ -104,7 +141,12 @@ class UnreducedGrads:
         return hook
 
     def take(self) -> tuple[list[int], list[int] | None, torch.Tensor]:
-        """This step's rows in firing order: parameter indices, micro-steps (or None), statistics."""
+        """This step's rows in firing order: parameter indices, micro-steps (or None), statistics.
+
+        Also sets ``counted``: the step's number of micro-batches and the rows missing from it.
+        """
+        missing = self._measure_waiting()
+        self.counted = (max(self._micro, default=0), missing)
         items = list(self._stats.items())
         sources = self._sources
         self.reset()
@@ -122,6 +164,7 @@ class UnreducedGrads:
         self._micro = [0] * len(self.registry)
         self._stats.clear()
         self._sources = {}
+        self._waiting = {}
         self.reusable = {}
 
 
@@ -133,6 +176,7 @@ def unreduced_source(
     eps: float,
     per_micro_batch: bool,
     on_error: Callable[[str, BaseException], None],
+    last_micro_batch: Callable[[], bool] | None = None,
 ) -> Any:
     """The one source of grad_unreduced (never two, spec W21).
 
@@ -145,4 +189,4 @@ def unreduced_source(
         groups = bucket_groups(chunks)
         if groups:
             return BucketGrads(groups, registry, ops, eps, on_error)
-    return UnreducedGrads(registry, grad_acc_steps, ops, eps, per_micro_batch, on_error)
+    return UnreducedGrads(registry, grad_acc_steps, ops, eps, per_micro_batch, on_error, last_micro_batch)

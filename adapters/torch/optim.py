@@ -22,32 +22,70 @@ from typing import Any
 
 import torch
 
+#: wrappers that hold the optimizer that really steps and only forward to it, by class name ->
+#: the attribute holding it. accelerate's AcceleratedOptimizer subclasses torch.optim.Optimizer
+#: without running its ``__init__`` (so it has no hook dicts of its own); Lightning's
+#: LightningOptimizer is no torch optimizer at all. Both are unwrapped by what they are.
+FORWARDING_WRAPPERS = {"AcceleratedOptimizer": "optimizer", "LightningOptimizer": "_optimizer"}
+
+
+def _wrapped(obj: Any) -> Any:
+    """The object ``obj`` wraps (``.optimizer``, or a known wrapper's own attribute), else None."""
+    attribute = FORWARDING_WRAPPERS.get(type(obj).__name__, "optimizer")
+    try:
+        return getattr(obj, attribute, None)
+    except Exception:  # a property that refuses, e.g. Megatron's ChainedOptimizer over several
+        return None
+
 
 def unwrap_chain(optimizer: Any, depth: int = 4) -> list[Any]:
-    """The optimizer and the objects it wraps through ``.optimizer`` (outermost first)."""
+    """The optimizer and the objects it wraps (outermost first)."""
     chain, current = [], optimizer
     while current is not None and len(chain) < depth and all(current is not c for c in chain):
         chain.append(current)
-        try:
-            current = getattr(current, "optimizer", None)
-        except Exception:  # a property that refuses, e.g. Megatron's ChainedOptimizer over several
-            current = None
+        current = _wrapped(current)
     return chain
 
 
+def _steps_itself(obj: Any) -> bool:
+    """A torch optimizer whose own ``__init__`` ran, so that its step hooks exist and fire."""
+    return (
+        isinstance(obj, torch.optim.Optimizer)
+        and type(obj).__name__ not in FORWARDING_WRAPPERS
+        and "_optimizer_step_pre_hooks" in vars(obj)
+    )
+
+
 def hookable_optimizer(optimizer: Any) -> torch.optim.Optimizer:
-    """The torch.optim.Optimizer to hook: the object itself or the one it wraps (``.optimizer``).
+    """The torch.optim.Optimizer to hook: the object itself or the one it wraps.
 
     Raises:
-        TypeError: nothing in the chain is a torch optimizer.
+        TypeError: nothing in the wrapper chain is a torch optimizer that steps itself; the
+            message names every class of the chain.
+    """
+    chain = unwrap_chain(optimizer)
+    for current in chain:
+        if _steps_itself(current):
+            return current
+    names = " -> ".join(type(c).__name__ for c in chain)
+    raise TypeError(
+        f"set_monitor: optimizer: expected a torch.optim.Optimizer or a wrapper holding one in .optimizer, "
+        f"got {names}, where none is a torch optimizer that runs its own step"
+    )
+
+
+def accumulation_boundary(optimizer: Any) -> Callable[[], bool] | None:
+    """A wrapper's own word on whether the running micro-batch is the last of its step, if any.
+
+    accelerate keeps it in ``GradientState.sync_gradients`` (the Hugging Face Trainer sets it for
+    every micro-batch, True on the last one, also on a shorter last step of an epoch).
     """
     for current in unwrap_chain(optimizer):
-        if isinstance(current, torch.optim.Optimizer):
-            return current
-    raise TypeError(
-        f"set_monitor: optimizer: expected a torch.optim.Optimizer (or a wrapper with .optimizer), "
-        f"got {type(optimizer).__name__}"
-    )
+        if type(current).__name__ == "AcceleratedOptimizer":
+            state = getattr(current, "gradient_state", None)
+            if state is not None and hasattr(state, "sync_gradients"):
+                return lambda: bool(state.sync_gradients)
+    return None
 
 
 def optimizer_step_count(optimizer: torch.optim.Optimizer) -> int | None:

@@ -18,7 +18,7 @@ import torch
 
 from adapters.torch.collection import Collection
 from adapters.torch.dist import global_rank, pipeline_info
-from adapters.torch.optim import optimizer_backend
+from adapters.torch.optim import accumulation_boundary, optimizer_backend
 from monitor.config import MonitorConfig
 from monitor.lifecycle import SessionLifecycle, model_chunks
 
@@ -69,7 +69,26 @@ class TorchSession(SessionLifecycle):
         self.groups = (tp_group, dp_group)
         self.collectives = early_collectives
         self._cleanup: list = []
+        #: the optimizer step's closure is running (Lightning, LBFGS-style steps).
+        self._in_closure = False
+        #: the optimizer was called with a closure whose end has not been seen yet.
+        self._closure_pending = False
+        self._boundaries = self._micro_batch_boundaries(optimizer)
         self._attach(dormant)
+
+    def _micro_batch_boundaries(self, optimizer: Any) -> list[Callable[[], bool]]:
+        """What can tell, while a backward pass runs, that its micro-batch is the step's last."""
+        boundaries: list[Callable[[], bool]] = [lambda: self._in_closure]
+        wrapper = accumulation_boundary(optimizer)
+        if wrapper is not None:
+            boundaries.append(wrapper)
+        for chunk in self.chunks:  # DDP synchronises the last micro-batch only, when no_sync is used
+            if isinstance(chunk, torch.nn.parallel.DistributedDataParallel):
+                boundaries.append(lambda chunk=chunk: bool(chunk.require_backward_grad_sync))
+        return boundaries
+
+    def _last_micro_batch(self) -> bool:
+        return any(boundary() for boundary in self._boundaries)
 
     # -- public control ----------------------------------------------------------------------
 
@@ -108,6 +127,7 @@ class TorchSession(SessionLifecycle):
             first_step=self.step,
             output_dir=self._output_dir,
             collectives=self.collectives if self.config.cc_distribution.enable else None,
+            last_micro_batch=self._last_micro_batch,
         )
         if self.compiled and self.config.xy_distribution:
             logger.warning(
@@ -129,7 +149,7 @@ class TorchSession(SessionLifecycle):
     # -- optimizer hooks ---------------------------------------------------------------------
 
     def _attach_optimizer_hooks(self) -> None:
-        self._hooks = self.backend.register_step_hooks(self._before_update, self._after_update)
+        self._hooks = self.backend.register_step_hooks(self._before_update, self._after_step)
 
     def _optimizer_step_count(self) -> int | None:
         return self.backend.step_count()
@@ -139,8 +159,43 @@ class TorchSession(SessionLifecycle):
             handle.remove()
         self._hooks, self._cleanup = [], []
 
-    def _before_update(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        self._begin_update()
+    def _before_update(self, optimizer: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        """Optimizer pre-hook. A step called with a closure (Lightning, LBFGS) runs the last
+        micro-batch's forward and backward, and the clipping, inside the closure: the closure is
+        wrapped so that the step is collected when it returns; its result passes through unchanged."""
+        torch_hook = bool(args) and args[0] is optimizer  # not a back-end's wrapped step: args replaceable
+        closure = kwargs.get("closure") if "closure" in kwargs else (args[1] if len(args) > 1 else None)
+        if closure is None or not torch_hook or self.collection is None:
+            self._begin_update()
+            return None
+        self._closure_pending = True
+        wrapped = self._collect_after(closure)
+        if "closure" in kwargs:
+            return args, {**kwargs, "closure": wrapped}
+        return (args[0], wrapped, *args[2:]), kwargs
+
+    def _collect_after(self, closure: Callable[..., Any]) -> Callable[..., Any]:
+        def run_closure(*args: Any, **kwargs: Any) -> Any:
+            if not self._closure_pending:  # a later evaluation (LBFGS's line search)
+                return closure(*args, **kwargs)
+            self._in_closure = True
+            try:
+                result = closure(*args, **kwargs)
+            finally:
+                self._in_closure = False
+            self._closure_pending = False
+            with torch.no_grad():
+                self._begin_update()
+            return result
+
+        return run_closure
+
+    def _after_step(self, optimizer: Any, args: tuple, kwargs: dict) -> None:
+        """Optimizer post-hook; an optimizer that never called its closure is collected here."""
+        if self._closure_pending:
+            self._closure_pending = False
+            self._begin_update()
+        self._after_update()
 
     def _detach_after_this_step(self) -> None:
         """Monitoring ended inside the optimizer's post-hook loop.

@@ -27,8 +27,9 @@ def _config(**extra):
     return {**DATA_TYPES["all"], "ops": [*ALL_OPS, "id"], "format": "api", **extra}
 
 
-def _run(kind: str, grad_acc: int, **config):
-    """Train with the monitor; per step, the test's copies and what the monitor reported."""
+def _run(kind: str, grad_acc: int, batches=None, **config):
+    """Train with the monitor (on ``batches``, default STEPS steps of ``grad_acc`` micro-batches);
+    per step, the test's copies and what the monitor reported."""
     net = Net()
     optimizer = OPTIMIZERS[kind](net.trainable_params())
     mon = TrainerMon(_config(**config))
@@ -49,7 +50,7 @@ def _run(kind: str, grad_acc: int, **config):
             super().append(record)
 
     capture = Recorder()
-    train(net, optimizer, make_batches(STEPS, grad_acc), capture, MOMENTS[kind])
+    train(net, optimizer, batches or make_batches(STEPS, grad_acc), capture, MOMENTS[kind])
     results.extend(capture)
     mon.stop()
     return names, results
@@ -118,6 +119,23 @@ def test_misaligned_moments_are_refused_not_guessed(caplog):
     assert mon._session.view.moments == {}
     assert "moment1 entry 'moment1.norm.beta' does not belong to parameter 'layers.0.weight'" in caplog.text
     mon.stop()
+
+
+def test_steps_with_fewer_or_more_micro_batches_are_counted_not_assumed(trainmon_log):
+    """grad_acc_steps 2, steps of 2, 1, 3 and 2 micro-batches (a short last step of an epoch, or
+    one more): each step's row describes the sum of the micro-batches it really had."""
+    counts = [2, 1, 3, 2]
+    batches = [step[:n] for step, n in zip(make_batches(len(counts), max(counts)), counts)]
+    names, results = _run("Adam", 2, batches, mv_distribution=False, mg_direction=False)
+    assert [len(record["micro"]) for record in results] == counts
+    for step, record in enumerate(results):
+        unreduced = record["reported"]["unreduced"]
+        assert len(unreduced) == len(names)
+        for j, name in enumerate(names):
+            local = np.sum([micro[j].astype(np.float64) for micro in record["micro"]], axis=0)
+            assert_stats_close(unreduced[f"0:{name}/rank0/acc_grad"], local, what=f"step {step} {name}")
+    said = [r.getMessage() for r in trainmon_log.records if "micro-batch" in r.getMessage()]
+    assert len(said) == 1 and "step 1 had 1 micro-batch(es)" in said[0], said
 
 
 def test_per_micro_batch_gradients_match_each_micro_batch():

@@ -1,4 +1,5 @@
-"""Two real gloo ranks under torch DDP, fed different data.
+"""Two real gloo ranks under torch DDP, fed different data, with ``no_sync`` on all micro-batches
+of a step but the last; one step is shorter than grad_acc_steps.
 
 The unreduced gradient must be each rank's own (it differs between ranks and equals a
 single-process replica trained on that rank's data); the reduced gradient is DDP's average,
@@ -21,6 +22,8 @@ from tests.adapters.torch.helpers import ALL_OPS, MLP, assert_stats_close, make_
 pytestmark = pytest.mark.distributed
 
 STEPS, GRAD_ACC = 3, 2
+#: micro-batches per step: the second is a short last step of an epoch, synchronised at once.
+MICRO_BATCHES = (2, 1, 2)
 
 
 def _worker(rank: int, world_size: int, workdir: str) -> None:
@@ -45,11 +48,11 @@ def _worker(rank: int, world_size: int, workdir: str) -> None:
     )
     mon.set_monitor(ddp, grad_acc_steps=GRAD_ACC, optimizer=optimizer)
     result = {"unreduced_norm": [], "reduced_norm": []}
-    for step_batches in make_batches(STEPS, GRAD_ACC, seed=100 + rank):
+    for step_batches, count in zip(make_batches(STEPS, GRAD_ACC, seed=100 + rank), MICRO_BATCHES):
         replica.load_state_dict(model.state_dict())
         replica.zero_grad()
-        for micro, x in enumerate(step_batches):
-            sync = contextlib.nullcontext() if micro == GRAD_ACC - 1 else ddp.no_sync()
+        for micro, x in enumerate(step_batches[:count]):
+            sync = contextlib.nullcontext() if micro == count - 1 else ddp.no_sync()
             with sync:
                 ddp(x).pow(2).mean().backward()
             replica(x).pow(2).mean().backward()

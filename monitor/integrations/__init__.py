@@ -1,0 +1,64 @@
+"""Thin callbacks that attach a TrainerMon from inside a trainer: Hugging Face and Lightning.
+
+``monitor.integrations.hf`` and ``monitor.integrations.lightning`` are the only modules of
+``monitor`` that import a trainer package (transformers, lightning), and only when the user
+imports them; ``import monitor`` never does. Each is a few lines over TrainerMon: the trainer
+knows the model, the optimizer, the number of micro-batches per step and its own step counter,
+so the user does not have to pass them.
+
+Nothing these callbacks do may end the user's run from inside the trainer: a failure to attach
+is logged with its cause and the run goes on unmonitored. A bad config still fails at the door,
+when the callback is built, before training starts.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from monitor.config import MonitorConfig
+from monitor.trainer import TrainerMon
+
+logger = logging.getLogger("trainmon")
+
+#: what a callback accepts as its config: what TrainerMon accepts, or a TrainerMon already built.
+MonitorSource = str | os.PathLike | Mapping[str, Any] | MonitorConfig | TrainerMon
+
+
+def as_monitor(source: MonitorSource, **trainer_mon_kwargs: Any) -> TrainerMon:
+    """A TrainerMon from a config (validated now) or the one given.
+
+    Raises:
+        ConfigError: the config cannot be read or a value is invalid.
+    """
+    if isinstance(source, TrainerMon):
+        return source
+    return TrainerMon(source, **trainer_mon_kwargs)
+
+
+def attach_or_report(monitor: TrainerMon, trainer: str, **set_monitor_kwargs: Any) -> bool:
+    """``monitor.set_monitor(**set_monitor_kwargs)``; a failure is logged, never raised.
+
+    Returns whether the monitor is attached.
+    """
+    try:
+        monitor.set_monitor(**set_monitor_kwargs)
+    except Exception as exc:
+        logger.error(
+            "trainmon: could not attach to the %s run (%r); training continues unmonitored",
+            trainer,
+            exc,
+            exc_info=exc,
+        )
+        return False
+    return True
+
+
+def detach(monitor: TrainerMon) -> None:
+    """Remove the hooks and close the outputs at the end of training; a failure is only logged."""
+    try:
+        monitor.stop()
+    except Exception as exc:
+        logger.error("trainmon: closing the outputs failed (%r)", exc, exc_info=exc)

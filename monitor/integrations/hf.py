@@ -1,0 +1,54 @@
+"""TrainmonCallback for the Hugging Face Trainer (transformers, on accelerate).
+
+    from monitor.integrations.hf import TrainmonCallback
+    trainer = Trainer(model=model, args=args, train_dataset=data,
+                      callbacks=[TrainmonCallback("monitor_config.json")])
+
+At ``on_train_begin`` the callback attaches to the Trainer's model and its optimizer (accelerate's
+``AcceleratedOptimizer``, whose ``GradientState`` tells which micro-batch ends a step, also the
+shorter last step of an epoch) with ``gradient_accumulation_steps``; at ``on_train_end`` it
+closes the outputs.
+
+Step numbers: the Trainer logs the loss of an update under ``global_step`` after that update
+(the first update is logged as step 1), so the monitor's steps are numbered the same way: the
+statistics of the update the Trainer logs as step ``s`` are written as step ``s``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from transformers import TrainerCallback
+
+from monitor.integrations import MonitorSource, as_monitor, attach_or_report, detach
+
+
+class TrainmonCallback(TrainerCallback):
+    """Attach trainmon to a Hugging Face Trainer run.
+
+    Args:
+        config: a config file path, a dict, a MonitorConfig, or a TrainerMon already built.
+        **trainer_mon_kwargs: passed to TrainerMon (e.g. ``params_have_main_grad``).
+
+    Raises:
+        ConfigError: the config is invalid (raised here, before training starts).
+    """
+
+    def __init__(self, config: MonitorSource, **trainer_mon_kwargs: Any) -> None:
+        self.monitor = as_monitor(config, **trainer_mon_kwargs)
+        self.attached = False
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.attached = attach_or_report(
+            self.monitor,
+            "Hugging Face Trainer",
+            model=kwargs.get("model"),
+            grad_acc_steps=args.gradient_accumulation_steps,
+            optimizer=kwargs.get("optimizer"),
+            start_iteration=state.global_step + 1,
+        )
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.attached:
+            detach(self.monitor)
+            self.attached = False

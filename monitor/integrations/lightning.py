@@ -1,0 +1,64 @@
+"""TrainmonCallback for PyTorch Lightning (the ``lightning`` package, or ``pytorch_lightning``).
+
+    from monitor.integrations.lightning import TrainmonCallback
+    trainer = L.Trainer(callbacks=[TrainmonCallback("monitor_config.json")], ...)
+
+At ``on_train_start`` the callback attaches to the LightningModule and the trainer's optimizer
+with ``accumulate_grad_batches``; at ``on_train_end`` it closes the outputs. Lightning runs the
+last micro-batch's forward, backward and gradient clipping inside ``optimizer.step(closure)``;
+the monitor collects the step when that closure returns, so gradients are those the optimizer
+uses (and the unreduced ones those before clipping). One optimizer is monitored: the first.
+
+Step numbers: the monitor's step ``s`` is the update made when ``trainer.global_step`` was ``s``,
+the number Lightning logs with the metrics that ``training_step`` logs for that update.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+try:
+    from lightning.pytorch.callbacks import Callback
+except ImportError:  # the older package name
+    from pytorch_lightning.callbacks import Callback
+
+from monitor.integrations import MonitorSource, as_monitor, attach_or_report, detach
+
+logger = logging.getLogger("trainmon")
+
+
+class TrainmonCallback(Callback):
+    """Attach trainmon to a Lightning run.
+
+    Args:
+        config: a config file path, a dict, a MonitorConfig, or a TrainerMon already built.
+        **trainer_mon_kwargs: passed to TrainerMon (e.g. ``params_have_main_grad``).
+
+    Raises:
+        ConfigError: the config is invalid (raised here, before training starts).
+    """
+
+    def __init__(self, config: MonitorSource, **trainer_mon_kwargs: Any) -> None:
+        self.monitor = as_monitor(config, **trainer_mon_kwargs)
+        self.attached = False
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        optimizers = list(trainer.optimizers)
+        if len(optimizers) > 1:
+            logger.warning(
+                "trainmon: the run has %d optimizers; only the first is monitored", len(optimizers)
+            )
+        self.attached = attach_or_report(
+            self.monitor,
+            "Lightning",
+            model=pl_module,
+            grad_acc_steps=trainer.accumulate_grad_batches,
+            optimizer=optimizers[0] if optimizers else None,
+            start_iteration=trainer.global_step,
+        )
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        if self.attached:
+            detach(self.monitor)
+            self.attached = False

@@ -1,0 +1,176 @@
+"""Which gradient a step records when the loop is not the textbook one: steps with fewer or more
+micro-batches than grad_acc_steps, and steps whose last micro-batch runs inside
+``optimizer.step(closure)``. Every number is checked against the test's own copies."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from monitor import TrainerMon
+from tests.adapters.torch.helpers import ALL_OPS, MLP, assert_stats_close, make_batches
+
+CONFIG = {"wg_distribution": True, "ops": ALL_OPS, "format": "api"}
+
+
+def _loss(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return model(x).pow(2).mean()
+
+
+def _copies(model: torch.nn.Module) -> dict[str, np.ndarray]:
+    return {n: p.grad.detach().numpy().copy() for n, p in model.named_parameters()}
+
+
+def _assert_rows(metrics: dict, grads: dict[str, np.ndarray], task: str, what: str) -> None:
+    assert len(metrics) == len(grads), f"{what}: {len(metrics)} rows for {len(grads)} parameters"
+    for name, grad in grads.items():
+        assert_stats_close(metrics[f"0:{name}/rank0/{task}"], grad, what=f"{what} {name}")
+
+
+def test_steps_with_fewer_or_more_micro_batches_are_counted_not_assumed(trainmon_log):
+    """grad_acc_steps 3, steps of 3, 1, 2 and 4 micro-batches, no clipping: each row describes
+    the gradient accumulated over the micro-batches the step really had."""
+    torch.manual_seed(0)
+    model = MLP()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = TrainerMon(CONFIG)
+    mon.set_monitor(model, grad_acc_steps=3, optimizer=optimizer)
+    counts = [3, 1, 2, 4]
+    for step, (batches, count) in enumerate(zip(make_batches(len(counts), 4), counts)):
+        for x in batches[:count]:
+            _loss(model, x).backward()
+        accumulated = _copies(model)
+        optimizer.step()
+        optimizer.zero_grad()
+        _assert_rows(mon.generate_wgrad_metrics()[1], accumulated, "acc_grad", f"step {step}")
+    mon.stop()
+    said = [r.getMessage() for r in trainmon_log.records if "micro-batch" in r.getMessage()]
+    assert len(said) == 1 and "step 1 had 1 micro-batch(es)" in said[0], said
+
+
+def test_a_short_step_clipped_before_the_update_is_said_once_then_every_micro_batch_is_measured(
+    trainmon_log,
+):
+    """Without a signal for the last micro-batch and with clipping in between, the short step's
+    unreduced gradient is gone by the optimizer step: its rows are missing (never the clipped
+    values under the unreduced name), a warning says so once, and later short steps are right."""
+    torch.manual_seed(0)
+    model = MLP()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = TrainerMon(CONFIG)
+    mon.set_monitor(model, grad_acc_steps=2, optimizer=optimizer)
+    unreduced_rows = []
+    for step, batches in enumerate(make_batches(4, 2)):
+        for x in batches[: 1 if step in (1, 2) else 2]:
+            _loss(model, x).backward()
+        accumulated = _copies(model)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1e-3)
+        optimizer.step()
+        optimizer.zero_grad()
+        _, unreduced = mon.generate_wgrad_metrics()
+        unreduced_rows.append(len(unreduced))
+        if step != 1:
+            _assert_rows(unreduced, accumulated, "acc_grad", f"step {step}")
+    mon.stop()
+    assert unreduced_rows[1] == 0
+    warned = [r.getMessage() for r in trainmon_log.records if r.levelname == "WARNING"]
+    assert len(warned) == 1 and "step 1 ended after 1 micro-batch(es)" in warned[0], warned
+
+
+def test_a_closure_step_is_collected_after_its_closure_ran():
+    """``optimizer.step(closure)`` with forward, backward and clipping inside the closure (what
+    Lightning does): the unreduced row is the gradient before clipping, the reduced row the one
+    the optimizer used, and the training is the same as without the monitor."""
+    torch.manual_seed(0)
+    model, twin = MLP(), MLP()
+    twin.load_state_dict(model.state_dict())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+    twin_optimizer = torch.optim.AdamW(twin.parameters(), lr=0.05)
+    mon = TrainerMon({**CONFIG, "param_distribution": True})
+    mon.set_monitor(model, grad_acc_steps=1, optimizer=optimizer)
+    for step, (x,) in enumerate(make_batches(3, 1)):
+        seen = {}
+
+        def closure(net=model, opt=optimizer, seen=seen, x=x):
+            opt.zero_grad()
+            loss = _loss(net, x)
+            loss.backward()
+            seen["raw"] = _copies(net)
+            torch.nn.utils.clip_grad_norm_(net.parameters(), max_norm=1e-3)
+            seen["clipped"] = _copies(net)
+            seen["origin"] = {n: p.detach().numpy().copy() for n, p in net.named_parameters()}
+            return loss
+
+        loss = optimizer.step(closure)
+        twin_loss = twin_optimizer.step(lambda x=x: closure(twin, twin_optimizer, {}, x))
+        assert torch.equal(loss, twin_loss)
+        reduced, unreduced = mon.generate_wgrad_metrics()
+        _assert_rows(unreduced, seen["raw"], "acc_grad", f"step {step} unreduced")
+        _assert_rows(reduced, seen["clipped"], "post_grad", f"step {step} reduced")
+        origin = {k: v for k, v in mon.generate_param_metrics().items() if k.endswith("param_origin")}
+        for name, value in seen["origin"].items():
+            assert_stats_close(origin[f"0:{name}/rank0/param_origin"], value, what=f"{name} origin")
+    mon.stop()
+    for a, b in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_an_optimizer_that_calls_its_closure_several_times_records_the_first_evaluation():
+    """LBFGS evaluates the closure again in its line search; the step records the gradient of
+    the first evaluation, from which the update starts, and the training is unchanged."""
+    torch.manual_seed(0)
+    model, twin = MLP(), MLP()
+    twin.load_state_dict(model.state_dict())
+    optimizer = torch.optim.LBFGS(model.parameters(), lr=0.1, max_iter=4)
+    twin_optimizer = torch.optim.LBFGS(twin.parameters(), lr=0.1, max_iter=4)
+    mon = TrainerMon(CONFIG)
+    mon.set_monitor(model, grad_acc_steps=1, optimizer=optimizer)
+    (x,) = make_batches(1, 1)[0]
+    evaluations = []
+
+    def closure(net=model, opt=optimizer, keep=evaluations):
+        opt.zero_grad()
+        loss = _loss(net, x)
+        loss.backward()
+        keep.append(_copies(net))
+        return loss
+
+    optimizer.step(closure)
+    twin_optimizer.step(lambda: closure(twin, twin_optimizer, []))
+    reduced, unreduced = mon.generate_wgrad_metrics()
+    mon.stop()
+    assert len(evaluations) > 1
+    _assert_rows(reduced, evaluations[0], "post_grad", "reduced")
+    _assert_rows(unreduced, evaluations[0], "acc_grad", "unreduced")
+    for a, b in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(a, b)
+
+
+class IgnoresItsClosure(torch.optim.Optimizer):
+    """Plain SGD that takes a closure argument and never calls it."""
+
+    def __init__(self, params, lr: float) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for param in group["params"]:
+                param.add_(param.grad, alpha=-group["lr"])
+
+
+def test_an_optimizer_that_never_calls_its_closure_is_collected_at_its_end():
+    torch.manual_seed(0)
+    model = MLP()
+    optimizer = IgnoresItsClosure(model.parameters(), lr=0.1)
+    mon = TrainerMon(CONFIG)
+    mon.set_monitor(model, grad_acc_steps=1, optimizer=optimizer)
+    for step, (x,) in enumerate(make_batches(2, 1)):
+        _loss(model, x).backward()
+        grads = _copies(model)
+        optimizer.step(closure=lambda: None)
+        optimizer.zero_grad()
+        _, unreduced = mon.generate_wgrad_metrics()
+        _assert_rows(unreduced, grads, "acc_grad", f"step {step}")
+    assert mon.step == 2
+    mon.stop()

@@ -1,0 +1,79 @@
+"""One Lightning run of a small GPT-like model with TrainmonCallback and the test's own reads.
+
+Shared by the one-process test and the 2-rank DDP worker. 11 batches per epoch and gradient
+accumulation 2 (or 1) give each epoch a last step of one micro-batch; clipping at 0.05 is
+active on every step. Lightning runs the last micro-batch's forward, backward and clipping
+inside ``optimizer.step(closure)``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import lightning as L
+import torch
+
+from monitor.integrations.lightning import TrainmonCallback
+from tests.integrations.reads import CONFIG, StepReads
+
+BATCHES, EPOCHS, MAX_NORM = 11, 2, 0.05
+
+
+class TinyGPT(L.LightningModule):
+    """Embedding, one transformer encoder layer with a causal mask, a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(64, 16)
+        self.block = torch.nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+        self.head = torch.nn.Linear(16, 64)
+        self.reads: StepReads | None = None
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        mask = torch.nn.Transformer.generate_square_subsequent_mask(batch.shape[1] - 1)
+        logits = self.head(self.block(self.embed(batch[:, :-1]), src_mask=mask, is_causal=True))
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 64), batch[:, 1:].reshape(-1))
+        self.log("loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
+        self.reads.before_update(self.trainer.global_step)  # the gradient the optimizer will use
+
+    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None):
+        super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+        self.reads.after_update(self.trainer.global_step, optimizer.optimizer)
+
+
+def train(workdir: str, grad_acc: int, monitor_config: dict | None = None):
+    """Train 2 epochs; returns the test's reads, the callback and the trainer."""
+    torch.manual_seed(0)
+    module = TinyGPT()
+    module.reads = reads = StepReads(module)
+    rank = int(os.environ.get("RANK", "0"))
+    generator = torch.Generator().manual_seed(rank)
+    tokens = torch.randint(0, 64, (BATCHES * 2, 9), generator=generator)
+    data = torch.utils.data.DataLoader(tokens, batch_size=2)
+    callback = TrainmonCallback(monitor_config or CONFIG)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    trainer = L.Trainer(
+        max_epochs=EPOCHS,
+        accumulate_grad_batches=grad_acc,
+        gradient_clip_val=MAX_NORM,
+        callbacks=[callback],
+        accelerator="cpu",
+        devices=world,
+        strategy="ddp" if world > 1 else "auto",
+        logger=L.pytorch.loggers.CSVLogger(os.path.join(workdir, "logs")),
+        log_every_n_steps=1,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+    )
+    trainer.fit(module, data)
+    reads.remove()
+    return reads, callback, trainer

@@ -1,0 +1,106 @@
+"""What the integration tests compare: the test's own reads of each step, and the CSV rows written.
+
+The reads are independent of the monitor: the test's own post-accumulate-grad hooks copy each
+parameter's accumulated gradient as backward leaves it (before clipping and before any step),
+the trainer's own hooks give the gradient the optimizer uses (after clipping) and the
+parameters before the update, and ``optimizer.state`` after it. Numbers are compared with
+numpy's on those copies (tests.reference_stats).
+"""
+
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+
+import numpy as np
+import pandas as pd
+import torch
+
+from tests.reference_stats import ALL_OPS, assert_stats_close
+
+#: the six data types compared, with the CSV file prefix each is written under.
+DATA_TYPES = ("grad_unreduced", "grad_reduced", "param_origin", "param_updated", "exp_avg", "exp_avg_sq")
+
+CONFIG = {
+    "wg_distribution": True,
+    "mv_distribution": True,
+    "param_distribution": True,
+    "ops": ALL_OPS,
+    "format": "csv",
+    "ndigits": 15,
+    "squash_name": False,  # rows named as the model names its parameters
+}
+
+
+class StepReads:
+    """Per step (the trainer's logged step number): every data type's tensors, copied to numpy."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.steps: dict[int, dict[str, dict[str, np.ndarray]]] = defaultdict(dict)
+        self._accumulated: dict[str, np.ndarray] = {}
+        self.micro_batches: list[int] = []
+        self._count = 0
+        self._handles = [
+            param.register_post_accumulate_grad_hook(self._copier(name))
+            for name, param in self.named_parameters()
+        ]
+
+    def named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
+        """Each parameter once (a tied weight under its first name, as the model lists it)."""
+        return list(self.model.named_parameters())
+
+    def _copier(self, name: str):
+        def copy(param: torch.Tensor) -> None:
+            self._accumulated[name] = param.grad.detach().numpy().copy()
+            self._count += 1
+
+        return copy
+
+    def before_update(self, step: int) -> None:
+        """At the optimizer's step, after clipping: the gradient it uses and the parameters."""
+        params = self.named_parameters()
+        self.steps[step]["grad_unreduced"] = dict(self._accumulated)
+        self.steps[step]["grad_reduced"] = {n: p.grad.detach().numpy().copy() for n, p in params}
+        self.steps[step]["param_origin"] = {n: p.detach().numpy().copy() for n, p in params}
+        self.micro_batches.append(self._count // max(len(params), 1))
+        self._accumulated, self._count = {}, 0
+
+    def after_update(self, step: int, optimizer: torch.optim.Optimizer) -> None:
+        """After the update: the parameters and Adam's moments, from ``optimizer.state``."""
+        params = self.named_parameters()
+        self.steps[step]["param_updated"] = {n: p.detach().numpy().copy() for n, p in params}
+        for key in ("exp_avg", "exp_avg_sq"):
+            self.steps[step][key] = {n: optimizer.state[p][key].numpy().copy() for n, p in params}
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+
+def written_rows(output_dir: str) -> dict[tuple[str, str, int], dict[str, float]]:
+    """Every CSV row of a rank directory: (data type, parameter name, step) -> {op: value}."""
+    rows = {}
+    for file in os.listdir(output_dir):
+        if not file.endswith(".csv"):
+            continue
+        prefix = file.rsplit("_", 1)[0]
+        for record in pd.read_csv(os.path.join(output_dir, file)).to_dict("records"):
+            rows[(prefix, record["name"], int(record["step"]))] = {op: float(record[op]) for op in ALL_OPS}
+    return rows
+
+
+def compare(reads: dict[int, dict[str, dict[str, np.ndarray]]], rows: dict, what: str = "") -> int:
+    """Assert that every read tensor has its row with numpy's statistics; returns the values compared."""
+    compared = 0
+    for step, kinds in sorted(reads.items()):
+        for kind in DATA_TYPES:
+            assert kind in kinds, f"{what} step {step}: the test read no {kind}"
+            for name, array in kinds[kind].items():
+                key = (kind, name, step)
+                assert key in rows, f"{what}: no {kind} row for {name} at step {step}"
+                assert_stats_close(rows[key], array, what=f"{what} {kind} {name} step {step}")
+                compared += len(ALL_OPS)
+    steps = {step for _, _, step in rows}
+    assert steps == set(reads), f"{what}: rows for steps {sorted(steps)}, the trainer stepped {sorted(reads)}"
+    return compared

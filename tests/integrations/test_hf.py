@@ -1,0 +1,85 @@
+"""The Hugging Face Trainer with TrainmonCallback: right numbers for every data type, ragged
+last steps and clipping included, in one process and on 2 gloo ranks; never a crash."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from tests.adapters.torch.distributed import run_ranks, save_result
+from tests.integrations.reads import CONFIG, compare, written_rows
+
+
+def test_every_data_type_matches_the_trainers_tensors(tmp_path):
+    from tests.integrations.hf_run import GRAD_ACC, train
+
+    reads, callback, trainer = train(str(tmp_path))
+    rows = written_rows(callback.monitor.output_dir)
+    compared = compare(reads.steps, rows, "hf")
+    assert compared == len(reads.steps) * 6 * len(reads.named_parameters()) * 6
+    assert 1 in reads.micro_batches and GRAD_ACC in reads.micro_batches  # ragged last steps were run
+    logged = {entry["step"] for entry in trainer.state.log_history if "loss" in entry}
+    assert logged == set(reads.steps)  # the monitor's steps are the Trainer's logged step numbers
+
+
+def test_a_step_shorter_than_grad_acc_steps_is_said_once(tmp_path, trainmon_log):
+    from tests.integrations.hf_run import train
+
+    train(str(tmp_path))
+    said = [r.getMessage() for r in trainmon_log.records if "micro-batch" in r.getMessage()]
+    assert len(said) == 1 and "had 1 micro-batch(es)" in said[0], said
+
+
+def test_a_failure_to_attach_is_reported_and_training_goes_on(tmp_path, trainmon_log, monkeypatch):
+    from monitor.trainer import TrainerMon
+    from tests.integrations.hf_run import train
+
+    def refuse(self, *args, **kwargs):
+        raise RuntimeError("simulated attach failure")
+
+    monkeypatch.setattr(TrainerMon, "set_monitor", refuse)
+    reads, callback, trainer = train(str(tmp_path))
+    assert trainer.state.global_step == len(reads.steps) > 0
+    assert not callback.attached
+    assert any("training continues unmonitored" in r.getMessage() for r in trainmon_log.records)
+
+
+def test_a_bad_config_fails_when_the_callback_is_built():
+    from monitor import ConfigError
+    from monitor.integrations.hf import TrainmonCallback
+
+    with pytest.raises(ConfigError, match="ops"):
+        TrainmonCallback({**CONFIG, "ops": ["nrom"]})
+
+
+def _ddp_worker(rank: int, world_size: int, workdir: str) -> None:
+    from tests.integrations.hf_run import train
+
+    os.environ.update(LOCAL_RANK=str(rank), MONITOR_OUTPUT_DIR=os.path.join(workdir, "out"))
+    reads, callback, trainer = train(os.path.join(workdir, f"run{rank}"))
+    rows = written_rows(callback.monitor.output_dir)
+    compared = compare(reads.steps, rows, f"hf rank {rank}")
+    unreduced = {k: v for k, v in rows.items() if k[0] == "grad_unreduced"}
+    save_result(
+        workdir,
+        rank,
+        {
+            "compared": compared,
+            "steps": sorted(reads.steps),
+            "ddp": type(trainer.model_wrapped).__name__,
+            "norms": {f"{n}@{s}": v["norm"] for (_, n, s), v in sorted(unreduced.items())},
+        },
+    )
+
+
+@pytest.mark.distributed
+def test_two_ddp_ranks_each_record_their_own_gradients(tmp_path):
+    results = run_ranks(_ddp_worker, 2, str(tmp_path))
+    assert all(r["ddp"] == "DistributedDataParallel" for r in results)
+    assert results[0]["steps"] == results[1]["steps"]
+    assert all(r["compared"] > 0 for r in results)
+    differing = [k for k, v in results[0]["norms"].items() if v != results[1]["norms"][k]]
+    assert differing, "each rank's unreduced gradient is its own, so they differ"
