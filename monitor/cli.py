@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections import Counter
 from importlib import resources
 
 DEMO_TEMPLATE = "everything_alerts.yaml"
@@ -65,6 +64,7 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
 
 def _run_demo(args: argparse.Namespace) -> int:
     from adapters.torch.demo import run_demo
+    from monitor.anomaly.incidents import describe_root
 
     config = args.config or template_path(DEMO_TEMPLATE)
     spike_step = None if args.no_spike else args.spike_step
@@ -83,20 +83,21 @@ def _run_demo(args: argparse.Namespace) -> int:
     print(f"Anomalies:   {os.path.join(summary['root'], 'anomaly_detected')}")
     if spike_step is not None:
         print(f"Injected:    a x1000 loss (gradient) spike at step {spike_step}")
-    if anomalies:
-        steps = Counter(a.step for a in anomalies)
-        first = min(steps)
-        print(
-            f"Detected:    {len(anomalies)} anomalies; first at step {first}; by step: "
-            + ", ".join(f"step {s}: {n}" for s, n in sorted(steps.items()))
-        )
-        for anomaly in sorted(anomalies, key=lambda a: (a.step, a.call_id))[:5]:
+    incidents = summary["incidents"]
+    if incidents:
+        print(f"Detected:    {len(incidents)} incident(s), {len(anomalies)} anomaly record(s)")
+        for incident in incidents[:5]:
             print(
-                f"  step {anomaly.step:>3}  {anomaly.tag_name}  {anomaly.op}={anomaly.value:.4g} "
-                f"(history {anomaly.baseline:.4g}, {anomaly.rule})"
+                f"  incident {incident.id} at step {incident.onset_step}: {describe_root(incident.root)}; "
+                f"{incident.tensors} tensor(s), {incident.state}"
             )
+            for line in incident.evidence:
+                print(f"    - {line}")
     else:
         print("Detected:    no anomalies")
+    anomaly_dir = os.path.join(summary["root"], "anomaly_detected")
+    if os.path.isdir(anomaly_dir):
+        print(f"Next:        trainmon anomaly-analyse -d {anomaly_dir}")
     print(f"Look at it:  tensorboard --logdir {summary['root']}")
     return 0
 

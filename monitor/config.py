@@ -39,6 +39,7 @@ FORMATS = ("csv", "tensorboard", "api")
 KNOWN_RULES = ("AnomalyTurbulence", "AnomalyNan", "AnomalyZScore")
 CC_KEYS = ("enable", "cc_codeline", "cc_pre_hook", "cc_log_only")
 L2_HOOK_KEYS = ("linear_hook", "attention_hook")
+ALERT_KEYS = ("rules", "dump", "non_finite")
 DEFAULT_COLLECT_TIMES = 100_000_000
 
 
@@ -52,10 +53,12 @@ class RuleSpec:
 
 @dataclass(frozen=True)
 class AlertConfig:
-    """``alert``: anomaly rules and whether anomalies are dumped to anomaly.json."""
+    """``alert``: anomaly rules, whether anomalies are dumped to the anomaly files, and whether a
+    NaN/Inf statistic is an anomaly whatever the rules (``non_finite``, default true)."""
 
     rules: tuple[RuleSpec, ...] = ()
     dump: bool = False
+    non_finite: bool = True
 
 
 @dataclass(frozen=True)
@@ -332,13 +335,17 @@ def _alert(value: Any) -> AlertConfig:
     for key in value:
         if not isinstance(key, str):
             raise ConfigError(f"alert: keys must be strings, got {describe(key)}")
-        if key not in ("rules", "dump"):
-            warn_unknown(key, ("rules", "dump"), "alert.")
+        if key not in ALERT_KEYS:
+            warn_unknown(key, ALERT_KEYS, "alert.")
     rules_raw = value.get("rules", [])
     if not isinstance(rules_raw, list):
         raise ConfigError(f"alert.rules: expected a list of rules, got {describe(rules_raw)}")
     rules = tuple(_rule(spec, f"alert.rules[{i}]") for i, spec in enumerate(rules_raw))
-    return AlertConfig(rules=rules, dump=as_bool(value.get("dump", False), "alert.dump"))
+    return AlertConfig(
+        rules=rules,
+        dump=as_bool(value.get("dump", False), "alert.dump"),
+        non_finite=as_bool(value.get("non_finite", True), "alert.non_finite"),
+    )
 
 
 def _rule(spec: Any, path: str) -> RuleSpec:

@@ -10,8 +10,9 @@ from __future__ import annotations
 import logging
 import os
 
-from monitor.anomaly.detector import Anomaly, AnomalySink, Detector
+from monitor.anomaly.detector import Anomaly, Detector
 from monitor.anomaly.dump import AnomalyDump
+from monitor.anomaly.incidents import AnomalySink
 from monitor.anomaly.rules import build_rules
 from monitor.config import MonitorConfig
 from monitor.files import find_rank_dir, make_private_dir, output_root, rank_dir_name
@@ -53,6 +54,7 @@ class MonitorCore:
         self.output_dir: str | None = None
         self.file_writer = None
         self.detector: Detector | None = None
+        self._anomaly_sink: AnomalySink | None = None
         sinks: list = []
         if config.format != "api":
             self.output_dir = output_dir or self._rank_dir()
@@ -62,10 +64,13 @@ class MonitorCore:
                 from monitor.writers.custom_scalars import CustomScalarsSink
 
                 sinks.append(CustomScalarsSink(self.output_dir))
-        if config.alert.rules:
+        if config.alert.rules or config.alert.non_finite:
             dump = AnomalyDump(self.root, rank, keep=output_dir is not None) if config.alert.dump else None
-            self.detector = Detector(build_rules(config.alert.rules), rank, pp_stage, group_mates)
-            sinks.append(AnomalySink(self.detector, dump, keep=self.anomalies))
+            self.detector = Detector(
+                build_rules(config.alert.rules), rank, pp_stage, group_mates, config.alert.non_finite
+            )
+            self._anomaly_sink = AnomalySink(self.detector, dump, keep=self.anomalies)
+            sinks.append(self._anomaly_sink)
         self._writer = WriterThread(sinks)
 
     def _rank_dir(self) -> str:
@@ -88,6 +93,11 @@ class MonitorCore:
 
             return TensorBoardWriter(self.output_dir)
         return CsvWriter(self.output_dir, self.config.ndigits, self.config.step_count_per_record)
+
+    @property
+    def incidents(self) -> list:
+        """This session's incidents so far (after the writer has processed them; see ``flush``)."""
+        return list(self._anomaly_sink.tracker.incidents) if self._anomaly_sink is not None else []
 
     def submit(self, record: StepRecord) -> None:
         """Hand one data type's statistics of a collected step to the outputs (training thread)."""

@@ -27,12 +27,29 @@ _SQUASH_PATTERNS = tuple(
 )
 
 
+#: name segments that wrappers insert and no model names itself: torch.compile, FSDP1, checkpointing.
+_WRAPPER_SEGMENTS = frozenset({"_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
+
+
+def unwrapped_name(name: str) -> str:
+    """The name without what wrappers add: leading ``module.`` (DDP, DeepSpeed, Megatron's
+    Float16Module) and the segments of torch.compile, FSDP1 and activation checkpointing."""
+    while name.startswith("module."):
+        name = name[len("module.") :]
+    if "_" in name:
+        name = ".".join(part for part in name.split(".") if part not in _WRAPPER_SEGMENTS)
+    return name
+
+
 def squash_name(name: str) -> str:
     """Shorten a module or parameter name the way msprobe's later versions do.
 
     ``module.decoder.layers.3.mlp.weight`` -> ``layers.3.mlp.weight``;
-    ``module.language_model.output_layer.weight`` -> ``output_layer.weight``.
+    ``module.language_model.output_layer.weight`` -> ``output_layer.weight``. Unlike msprobe,
+    what wrappers add is dropped first, so that ``module.lm_head.weight`` (no keyword) becomes
+    ``lm_head.weight`` like its neighbours instead of keeping DDP's prefix alone among them.
     """
+    name = unwrapped_name(name)
     dotted = "." + name
     for pattern in _SQUASH_PATTERNS:
         match = pattern.fullmatch(dotted)

@@ -233,8 +233,15 @@ class TrainerMon:
 
     @property
     def anomalies(self) -> list:
-        """Anomalies detected so far (after the writer has processed them; see ``flush``)."""
+        """Anomaly records so far, one per tag when it turns abnormal (after the writer has
+        processed them; see ``flush``)."""
         return list(self._core.anomalies) if self._core is not None else []
+
+    @property
+    def incidents(self) -> list:
+        """Incidents so far: anomalies that started together, each with its onset, root and
+        evidence (``monitor.anomaly.incidents.Incident``); after ``flush`` for the latest."""
+        return self._core.incidents if self._core is not None else []
 
     @property
     def output_dir(self) -> str | None:

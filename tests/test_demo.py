@@ -33,7 +33,9 @@ def test_demo_reports_the_injected_spike_at_its_step(tmp_path):
     out = tmp_path / "run"
     done = _demo("--steps", "40", "--spike-step", "25", "--output", str(out), cwd=tmp_path)
     assert done.returncode == 0, done.stderr
-    assert "first at step 25" in done.stdout
+    assert "incident 1 at step 25:" in done.stdout
+    assert "Detected:    1 incident(s)" in done.stdout
+    assert "trainmon anomaly-analyse -d" in done.stdout
     assert f"tensorboard --logdir {out}" in done.stdout
     assert _anomaly_steps(out) == {25}
     (rank_dir,) = [d for d in os.listdir(out) if "-rank0-" in d]

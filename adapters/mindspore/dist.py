@@ -27,9 +27,14 @@ def global_rank() -> int:
 
 
 def pipeline_info(process_group: Any) -> tuple[int, list[int]]:
-    """``(pp_stage, group_mates)`` of this rank in ``process_group`` (the world group when not a name)."""
+    """``(pp_stage, group_mates)`` of this rank in the pipeline group ``process_group`` (a name).
+
+    Without one the rank is its own pipeline: stage 0, mates [rank], as on torch.
+    """
     if not initialized():
         return 0, [0]
+    if process_group is None:
+        return 0, [global_rank()]
     world = GlobalComm.WORLD_COMM_GROUP
     if not isinstance(process_group, str) or process_group == world:
         return global_rank(), list(range(get_group_size(world)))

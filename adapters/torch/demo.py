@@ -123,7 +123,7 @@ def run_demo(
             if spike_step is not None and step == spike_step:
                 loss = loss * spike_scale  # the injected gradient spike
             loss.backward()
-            total += float(loss)
+            total += loss.detach().item()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(total)
@@ -133,6 +133,7 @@ def run_demo(
         "output_dir": monitor.output_dir,
         "root": os.path.dirname(monitor.output_dir) if monitor.output_dir else None,
         "anomalies": monitor.anomalies,
+        "incidents": monitor.incidents,
         "losses": losses,
         "seconds": elapsed,
         "parameters": sum(p.numel() for p in model.parameters()),

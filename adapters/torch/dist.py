@@ -16,9 +16,16 @@ def global_rank() -> int:
 
 
 def pipeline_info(process_group: Any) -> tuple[int, list[int]]:
-    """``(pp_stage, group_mates)`` of this rank in ``process_group`` (WORLD when not a group)."""
+    """``(pp_stage, group_mates)`` of this rank in the pipeline group ``process_group``.
+
+    Without one the rank is its own pipeline: stage 0, mates [rank] (msprobe's later releases use
+    stage 0 too; 1.2.2 used the global rank, which ordered data-parallel replicas as if they were
+    pipeline stages, the last rank first in backward).
+    """
     if not initialized():
         return 0, [0]
+    if process_group is None:
+        return 0, [dist.get_rank()]
     group = process_group if isinstance(process_group, dist.ProcessGroup) else dist.group.WORLD
     return dist.get_group_rank(group, dist.get_rank()), list(dist.get_process_group_ranks(group))
 

@@ -1,10 +1,13 @@
-"""Rank the anomalies of a run: which flagged value came first? (spec §9.6, drop-in CLI).
+"""Rank the anomalies of a run: which incident came first, its root, and the first records.
 
 Reads every ``DIR/<sub-directory>/anomaly.json`` (normally ``DIR/rank{R}/anomaly.json``; point DIR at
-the run's ``anomaly_detected`` directory), keeps the requested steps, selects the k earliest records
-by the ordering of :mod:`monitor.anomaly.ordering`, writes them to ``OUT/anomaly_analyse.json``
-atomically and prints them as a table. Reading (both record formats, what is skipped) is
-:mod:`monitor.anomaly.anomaly_files`; the document and table are :mod:`monitor.anomaly.report`.
+the run's ``anomaly_detected`` directory) and the ``incidents.json`` beside it. The incidents of all
+ranks are merged (:mod:`monitor.anomaly.incident_files`) and written to
+``OUT/incidents_analyse.json``; of the records, the requested steps are kept, the k earliest selected
+by the ordering of :mod:`monitor.anomaly.ordering` and written to ``OUT/anomaly_analyse.json``
+(msprobe's layout). Both files are replaced atomically and printed as tables, incidents first.
+Reading (both record formats, what is skipped) is :mod:`monitor.anomaly.anomaly_files`; the
+document and table are :mod:`monitor.anomaly.report`.
 Their public names are importable from here too.
 
 ``call_id`` is the order in which the monitor computed the rows within one step **on one rank**;
@@ -23,6 +26,7 @@ import os
 import sys
 from collections.abc import Iterator
 
+from monitor.anomaly import incident_files
 from monitor.anomaly.anomaly_files import (
     INPUT_NAME,
     PARALLEL_BYTES,
@@ -152,24 +156,45 @@ def run(args: argparse.Namespace) -> int:
 
 
 def report_anomalies(paths: list[str], k: int, steps: frozenset[int] | None, out_dir: str) -> int:
-    """Rank the records of the anomaly files, write OUT/anomaly_analyse.json, print the table; exit status."""
+    """Merge the ranks' incidents and rank the records of the anomaly files; write
+    OUT/incidents_analyse.json and OUT/anomaly_analyse.json, print both tables; exit status."""
+    incidents, with_incidents = _merged_incidents(paths, steps)
     records, summary = collect(paths, k, steps)
     out_file = os.path.join(out_dir, OUTPUT_NAME)
+    incidents_file = os.path.join(out_dir, incident_files.OUTPUT_NAME)
     status = 0
     try:
         write_atomic(out_file, json.dumps(to_document(records), indent=1))
+        if with_incidents:
+            document = {"incidents": [item.to_json(number) for number, item in enumerate(incidents, 1)]}
+            write_atomic(incidents_file, json.dumps(document, indent=1))
     except OSError as exc:
-        print(f"anomaly-analyse: error: cannot write {out_file}: {exc}", file=sys.stderr)
+        print(f"anomaly-analyse: error: cannot write {exc.filename or out_dir}: {exc}", file=sys.stderr)
         status = 1
     scope = "all steps" if steps is None else f"steps {sorted(steps)}"
     with stdout_guard():
+        if incidents:
+            print(f"{len(incidents)} incident(s) ({scope}), first first:")
+            print(incident_files.format_incidents(incidents))
+            print()
         print(f"Top {len(records)} of {summary.records_selected} anomalies ({scope}):")
         if records:
             print(format_table(records))
         if status == 0:
-            print(f"written to {out_file}")
+            print(f"written to {out_file}" + (f" and {incidents_file}" if with_incidents else ""))
         print(summary.line())
     return status
+
+
+def _merged_incidents(paths: list[str], steps: frozenset[int] | None) -> tuple[list, bool]:
+    """The incidents next to the anomaly files, merged across ranks (onsets within ``steps``), and
+    whether there were incident files at all (msprobe's runs have none)."""
+    found = [os.path.join(os.path.dirname(p), incident_files.INCIDENTS_NAME) for p in paths]
+    found = [p for p in found if os.path.isfile(p)]
+    incidents = incident_files.load_incidents(found)
+    if steps is not None:
+        incidents = [i for i in incidents if i["onset_step"] in steps]
+    return incident_files.merge(incidents), bool(found)
 
 
 @contextlib.contextmanager

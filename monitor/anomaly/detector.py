@@ -1,34 +1,61 @@
-"""Vectorised anomaly detection over StepRecords, and the writer-thread sink that reports it.
+"""Vectorised anomaly detection over StepRecords: which (tag, op) cells are abnormal at a step.
 
 For each data type the detector keeps a Baseline whose rows are tags; a step's record is
-evaluated with numpy over all (tag, op) cells at once. The first rule (in config order) that
-flags a cell reports it. The history can be saved and restored (``state_dict`` /
-``load_state_dict``), so a resumed job keeps its baselines.
+evaluated with numpy over all (tag, op) cells at once. Non-finite values come first (on by
+default, whatever the rules: a NaN or Inf statistic, or a NaN count above zero, is rule
+``NonFinite``); then the first rule (in config order) that flags a cell reports it. Every
+abnormal cell of every step is returned: which of them become records, and how they group into
+incidents, is decided by :mod:`monitor.anomaly.incidents`.
+
+Besides the rules' baselines the detector keeps one level per cell (an EMA of log|value|), from
+which each anomaly gets its ``ratio`` to that level and the ``common`` ratio of its column (the
+median over every row of the data type): when clipping or loss scaling moves every gradient by
+the same factor, the one tensor that moved differently stands out (:mod:`monitor.anomaly.root`).
+The history can be saved and restored (``state_dict`` / ``load_state_dict``), so a resumed job
+keeps its baselines.
 """
 
 from __future__ import annotations
 
-import logging
+import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
 
+from monitor.anomaly.rules import COUNT_OPS
 from monitor.record import RowSet, StepRecord
 
-logger = logging.getLogger("trainmon")
-
-#: anomaly lines printed per step before the rest are only counted.
-MAX_LINES_PER_STEP = 20
-_YELLOW, _RESET = "\033[93m", "\033[0m"
 #: layout version of Detector.state_dict().
 STATE_VERSION = 1
+#: the rule name of non-finite values, reported whatever the configured rules.
+NONFINITE = "NonFinite"
+#: the fields of msprobe's anomaly record, in its order: anomaly.json holds exactly these, so
+#: msprobe's own analyser reads our files (it builds its record class from them and rejects others).
+REFERENCE_FIELDS = (
+    "rank",
+    "step",
+    "micro_step",
+    "pp_stage",
+    "vpp_stage",
+    "call_id",
+    "tag_name",
+    "message",
+    "group_mates",
+)
+#: smoothing of the per-cell level (EMA of log|value|) the ratios are measured against.
+LEVEL_BETA = 0.9
 
 
 @dataclass
 class Anomaly:
-    """One flagged value; serialises to the reference's anomaly.json record plus op/value/rule."""
+    """One abnormal value.
+
+    ``to_json`` is msprobe's anomaly.json record; ``details`` adds what that format has no room
+    for (op, value, baseline, rule, data type, ratio to the cell's level and the column's common
+    ratio) and goes to the incidents file.
+    """
 
     rank: int
     step: int
@@ -43,17 +70,27 @@ class Anomaly:
     rule: str
     message: str
     group_mates: list[int]
+    prefix: str = ""
+    ratio: float = math.nan
+    common: float = math.nan
 
     @property
     def key(self) -> str:
-        """anomaly.json key; includes the op so that no record overwrites another (spec W22)."""
+        """anomaly.json key; includes the op so that no record overwrites another (msprobe's omits it)."""
         return f"{self.tag_name}_{self.op}_step_{self.step}_call_{self.call_id}"
 
     def to_json(self) -> dict[str, Any]:
+        """msprobe's record: exactly its fields (op, rule, value and baseline are in the message)."""
         record = asdict(self)
-        for name in ("value", "baseline"):
-            if not np.isfinite(record[name]):
-                record[name] = str(record[name])  # JSON has no NaN/Inf literals
+        return {name: record[name] for name in REFERENCE_FIELDS}
+
+    def details(self) -> dict[str, Any]:
+        """Every field, non-finite numbers as strings (JSON has no NaN/Inf literals)."""
+        record = asdict(self)
+        record["key"] = self.key
+        for name in ("value", "baseline", "ratio", "common"):
+            if not math.isfinite(record[name]):
+                record[name] = str(record[name])
         return record
 
 
@@ -61,9 +98,15 @@ class Detector:
     """Rules plus per-data-type baselines; ``evaluate`` returns the anomalies of one record."""
 
     def __init__(
-        self, rules: list, rank: int, pp_stage: int = 0, group_mates: list[int] | None = None
+        self,
+        rules: list,
+        rank: int,
+        pp_stage: int = 0,
+        group_mates: list[int] | None = None,
+        non_finite: bool = True,
     ) -> None:
         self.rules = rules
+        self.non_finite = non_finite
         self.rank = rank
         self.pp_stage = pp_stage
         self.group_mates = list(group_mates) if group_mates is not None else [rank]
@@ -71,6 +114,8 @@ class Detector:
         #: per (data type, ops): one state (dict of arrays, rows = tags) per rule.
         self._states: dict[tuple[str, tuple[str, ...]], list[dict[str, np.ndarray]]] = {}
         self._index_cache: dict[str, tuple[RowSet, np.ndarray]] = {}
+        #: per (data type, ops): EMA of log|value| and how many finite values it holds, per cell.
+        self._levels: dict[tuple[str, tuple[str, ...]], tuple[np.ndarray, np.ndarray]] = {}
 
     def _index(self, prefix: str, rows: RowSet) -> np.ndarray:
         cached = self._index_cache.get(prefix)
@@ -86,16 +131,22 @@ class Detector:
         return index
 
     def evaluate(self, record: StepRecord) -> list[Anomaly]:
-        """Evaluate every rule on every (tag, op) of the record and update the baselines."""
-        if not self.rules or len(record.rows) == 0:
+        """Every abnormal cell of the record (non-finite first, then the rules); updates the baselines."""
+        if not (self.rules or self.non_finite) or len(record.rows) == 0:
             return []
         values = record.resolve()
         index = self._index(record.prefix, record.rows)
         if index is None and len(self._rows[record.prefix]) != len(record.rows):
             index = np.arange(len(record.rows))  # the table grew since: no longer the whole state
         states = self._grown_states(record.prefix, record.ops)
+        logs, level_rows = self._levels_of(record, values, index)
         reported = None
-        found: list[Anomaly] = []
+        hits: list[tuple[int, int, str, float]] = []
+        if self.non_finite:
+            counts = np.array([op in COUNT_OPS for op in record.ops], dtype=bool)[None, :]
+            with np.errstate(invalid="ignore"):
+                reported = ~np.isfinite(values) | (counts & (values > 0))
+            hits += [(int(r), int(c), NONFINITE, math.nan) for r, c in zip(*np.nonzero(reported))]
         for rule, state in zip(self.rules, states):
             # a rule sees only the columns it judges (AnomalyZScore: norm alone, 1 of 6)
             cols = _columns(rule, record.ops)
@@ -115,8 +166,7 @@ class Detector:
                 for row, col in zip(*np.nonzero(mask)):
                     column = int(col) if cols is None else int(cols[col])
                     reported[row, column] = True
-                    base = float(baseline[row, col])
-                    found.append(self._anomaly(record, int(row), column, rule.name, base))
+                    hits.append((int(row), column, rule.name, float(baseline[row, col])))
             for name, array in rule.update(view, rows).items():
                 if index is None and cols is None:
                     state[name] = array
@@ -124,7 +174,68 @@ class Detector:
                     state[name][:, cols] = array
                 else:
                     state[name][where] = array
-        return found
+        ratios = self._ratios(logs, level_rows, hits)
+        self._update_levels(record, logs, level_rows, index)
+        return [
+            self._anomaly(record, row, col, rule, base, *ratios[(row, col)]) for row, col, rule, base in hits
+        ]
+
+    # -- levels: how far each value is from where its cell was, and from its column's common move
+
+    def _levels_of(
+        self, record: StepRecord, values: np.ndarray, index: np.ndarray | None
+    ) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray]]:
+        """log|values| and the record rows' (level, count) arrays, grown to the tag table."""
+        key = (record.prefix, record.ops)
+        rows = len(self._rows[record.prefix])
+        level, count = self._levels.get(key, (np.zeros((0, len(record.ops))), np.zeros((0, len(record.ops)))))
+        if level.shape[0] < rows:
+            extra = np.zeros((rows - level.shape[0], len(record.ops)))
+            level, count = np.vstack([level, extra]), np.vstack([count, extra])
+            self._levels[key] = (level, count)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            logs = np.log(np.abs(values))
+        if index is None:
+            return logs, (level, count)
+        return logs, (level[index], count[index])
+
+    @staticmethod
+    def _ratios(
+        logs: np.ndarray, level_rows: tuple[np.ndarray, np.ndarray], hits: list
+    ) -> dict[tuple[int, int], tuple[float, float]]:
+        """(ratio to the cell's level, common ratio of its column) for each hit; NaN where unknown."""
+        if not hits:
+            return {}
+        level, count = level_rows
+        with np.errstate(invalid="ignore"):
+            moves = np.where((count > 0) & np.isfinite(logs), logs - level, np.nan)
+        common: dict[int, float] = {}
+        result = {}
+        for row, col, _, _ in hits:
+            if col not in common:
+                column = moves[:, col]
+                known = column[np.isfinite(column)]
+                common[col] = math.exp(float(np.median(known))) if known.size >= 3 else math.nan
+            move = moves[row, col]
+            result[(row, col)] = (math.exp(move) if math.isfinite(move) else math.nan, common[col])
+        return result
+
+    def _update_levels(
+        self,
+        record: StepRecord,
+        logs: np.ndarray,
+        level_rows: tuple[np.ndarray, np.ndarray],
+        index: np.ndarray | None,
+    ) -> None:
+        level, count = level_rows
+        finite = np.isfinite(logs)
+        blended = np.where(count > 0, LEVEL_BETA * level + (1.0 - LEVEL_BETA) * logs, logs)
+        new_level, new_count = np.where(finite, blended, level), count + finite
+        if index is None:
+            self._levels[(record.prefix, record.ops)] = (new_level, new_count)
+        else:
+            full_level, full_count = self._levels[(record.prefix, record.ops)]
+            full_level[index], full_count[index] = new_level, new_count
 
     def _grown_states(self, prefix: str, ops: tuple[str, ...]) -> list[dict[str, np.ndarray]]:
         """The rules' state arrays for a data type, with a row for every tag seen so far."""
@@ -140,7 +251,9 @@ class Detector:
                     state[name] = np.vstack([state[name], np.full((extra, len(ops)), fill)])
         return states
 
-    def _anomaly(self, record: StepRecord, row: int, col: int, rule: str, base: float) -> Anomaly:
+    def _anomaly(
+        self, record: StepRecord, row: int, col: int, rule: str, base: float, ratio: float, common: float
+    ) -> Anomaly:
         tag, op = record.rows.tags[row], record.ops[col]
         value = float(record.values[row, col])
         micro = record.rows.micro_steps[row] if record.rows.micro_steps is not None else 0
@@ -163,6 +276,9 @@ class Detector:
             rule=rule,
             message=message,
             group_mates=self.group_mates,
+            prefix=record.prefix,
+            ratio=ratio,
+            common=common,
         )
 
     def state_dict(self) -> dict[str, Any]:
@@ -218,7 +334,7 @@ class Detector:
                 ]
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ValueError(f"detector state: malformed ({type(exc).__name__}: {exc})") from None
-        self._rows, self._states, self._index_cache = rows, states, {}
+        self._rows, self._states, self._index_cache, self._levels = rows, states, {}, {}
 
 
 def _columns(rule: Any, ops: tuple[str, ...]) -> np.ndarray | None:
@@ -258,52 +374,3 @@ def _state_arrays(rule: Any, saved: Mapping[str, Any], tags: int, ops: int) -> d
             )
         arrays[name] = array
     return arrays
-
-
-class AnomalySink:
-    """Writer-thread sink: runs the detector, prints at most 20 lines a step, feeds the dump."""
-
-    def __init__(
-        self, detector: Detector, dump: Any | None = None, keep: list[Anomaly] | None = None
-    ) -> None:
-        self.detector = detector
-        self.dump = dump
-        self.found: list[Anomaly] = keep if keep is not None else []
-        self._printed = 0
-        self._unprinted = 0
-
-    def write(self, record: StepRecord) -> None:
-        anomalies = self.detector.evaluate(record)
-        for anomaly in anomalies:
-            if self._printed < MAX_LINES_PER_STEP:
-                logger.warning("%s> %s%s", _YELLOW, anomaly.message, _RESET)
-                self._printed += 1
-            else:
-                self._unprinted += 1
-        if anomalies:
-            self.found.extend(anomalies)
-            if self.dump is not None:
-                self.dump.add(anomalies)
-
-    def end_step(self, step: int) -> None:
-        if self._unprinted:
-            logger.warning("> ... and %d more anomalies at step %d (see anomaly.json)", self._unprinted, step)
-        self._printed = self._unprinted = 0
-        self._to_dump("end_step", step)
-
-    def close(self) -> None:
-        self._to_dump("close")
-
-    def _to_dump(self, method: str, *args: int) -> None:
-        """anomaly.json is an output of its own: when writing it fails, only the dump is switched off."""
-        if self.dump is None:
-            return
-        try:
-            getattr(self.dump, method)(*args)
-        except Exception as exc:
-            self.dump = None
-            logger.error(
-                "trainmon: writing anomaly.json failed (%r); the anomaly dump is switched off, "
-                "detection goes on",
-                exc,
-            )

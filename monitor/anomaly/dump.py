@@ -1,4 +1,14 @@
-"""anomaly_detected/rank{R}/anomaly.json: the reference's record format, replaced atomically."""
+"""The anomaly files of a rank: anomaly.json (msprobe's record format) and incidents.json.
+
+Both live in ``anomaly_detected/rank{R}/`` and are replaced atomically. anomaly.json holds one
+record per (tag, op, step) with exactly msprobe's fields, so msprobe's own analyser reads it;
+incidents.json holds the incidents, each with its root, evidence and the full details of its
+records (op, value, baseline, rule, ratios), which msprobe's format has no room for:
+
+    {"version": 1, "rank": R, "incidents": [{"id", "rank", "ranks", "onset_step",
+     "onset_micro_step", "state", "last_abnormal_step", "closed_step", "abnormal_steps",
+     "tensors", "data_types", "root", "evidence", "records"}, ...]}
+"""
 
 from __future__ import annotations
 
@@ -6,6 +16,7 @@ import json
 import logging
 import os
 import time
+from typing import Any
 
 from monitor.anomaly.detector import Anomaly
 from monitor.files import atomic_write_text, make_private_dir
@@ -18,6 +29,8 @@ THROTTLE_ABOVE_RECORDS = 10_000
 #: beyond it, the next rewrite waits this many times the last one's duration (<= ~5% of the
 #: writer's time; the reference spends over a second a step at 100,000 records)
 REWRITE_PAUSE_FACTOR = 20.0
+INCIDENTS_NAME = "incidents.json"
+INCIDENTS_VERSION = 1
 
 
 class AnomalyDump:
@@ -31,31 +44,36 @@ class AnomalyDump:
     """
 
     def __init__(self, root: str | os.PathLike, rank: int, keep: bool = False) -> None:
+        self.rank = rank
         self.directory = os.path.join(os.fspath(root), "anomaly_detected", f"rank{rank}")
         self.path = os.path.join(self.directory, "anomaly.json")
+        self.incidents_path = os.path.join(self.directory, INCIDENTS_NAME)
         self._records: dict[str, dict] = {}
+        self._earlier_incidents: list[dict] = []
+        self._incidents: list[dict] = []
         self._dirty = False
         self._next_rewrite = 0.0  # time.monotonic() before which a step's news wait
         make_private_dir(self.directory, under=root)
         if keep and os.path.isfile(self.path) and not os.path.islink(self.path):
-            self._records = self._read_existing()
+            self._records = _read_existing(self.path, dict)
+            self._earlier_incidents = _read_existing(self.incidents_path, dict).get("incidents", [])
             return
-        if os.path.lexists(self.path):
-            logger.warning("trainmon: replacing the anomaly file of an earlier run at %s", self.path)
+        for path in (self.path, self.incidents_path):
+            if os.path.lexists(path):
+                logger.warning("trainmon: replacing the anomaly file of an earlier run at %s", path)
         atomic_write_text(self.path, "{}")
+        self._write_incidents()
 
-    def _read_existing(self) -> dict[str, dict]:
-        """Records of this run written before a restart (a damaged file is kept aside, not lost)."""
-        try:
-            with open(self.path, encoding="utf-8") as handle:
-                records = json.load(handle)
-            if isinstance(records, dict):
-                return records
-        except (OSError, ValueError):
-            pass
-        os.replace(self.path, self.path + ".unreadable")
-        logger.warning("trainmon: %s was unreadable; kept as %s.unreadable", self.path, self.path)
-        return {}
+    @property
+    def next_incident_id(self) -> int:
+        """Incidents of a restarted run continue the numbering of those written before."""
+        ids = [i.get("id") for i in self._earlier_incidents if isinstance(i, dict)]
+        return max((i for i in ids if isinstance(i, int)), default=0) + 1
+
+    def set_incidents(self, incidents: list[Any]) -> None:
+        """This session's incidents (objects with ``to_json``); written with the next rewrite."""
+        self._incidents = [incident.to_json() for incident in incidents]
+        self._dirty = True
 
     def add(self, anomalies: list[Anomaly]) -> None:
         for anomaly in anomalies:
@@ -73,7 +91,33 @@ class AnomalyDump:
     def _rewrite(self) -> None:
         started = time.monotonic()
         atomic_write_text(self.path, json.dumps(self._records, indent=1))
+        self._write_incidents()
         self._dirty = False
         took = time.monotonic() - started
         large = len(self._records) > THROTTLE_ABOVE_RECORDS
         self._next_rewrite = started + took * (1 + REWRITE_PAUSE_FACTOR) if large else 0.0
+
+    def _write_incidents(self) -> None:
+        document = {
+            "version": INCIDENTS_VERSION,
+            "rank": self.rank,
+            "incidents": self._earlier_incidents + self._incidents,
+        }
+        atomic_write_text(self.incidents_path, json.dumps(document, indent=1))
+
+
+def _read_existing(path: str, kind: type) -> Any:
+    """A JSON document of this run written before a restart, or an empty ``kind()``; a damaged
+    file is kept aside as ``.unreadable``, not lost."""
+    if not os.path.isfile(path):
+        return kind()
+    try:
+        with open(path, encoding="utf-8") as handle:
+            document = json.load(handle)
+        if isinstance(document, kind):
+            return document
+    except (OSError, ValueError):
+        pass
+    os.replace(path, path + ".unreadable")
+    logger.warning("trainmon: %s was unreadable; kept as %s.unreadable", path, path)
+    return kind()

@@ -25,6 +25,11 @@ from monitor.config import ConfigError, load_config
 from monitor.record import RowSet
 
 
+def rules_only(rules, **kwargs) -> Detector:
+    """A detector with the rules alone: the non-finite check, on by default, is tested on its own."""
+    return Detector(rules, non_finite=False, **kwargs)
+
+
 def _tag(name: str) -> str:
     return f"0:{name}/rank0/post_grad"
 
@@ -155,7 +160,7 @@ def test_1_2_2_matches_the_reference_on_every_op_with_nan_and_inf(make_record, t
     names, ops = ("a", "b", "c"), ("norm", "min", "mean", "nans")
     series = _signed_series(rng, 300, len(names), len(ops))
     found = _drive(
-        Detector([_rule_from_config({"threshold": threshold, "semantics": "1.2.2"})], rank=0),
+        rules_only([_rule_from_config({"threshold": threshold, "semantics": "1.2.2"})], rank=0),
         make_record,
         series,
         names,
@@ -178,25 +183,27 @@ def test_1_2_2_matches_the_reference_on_every_op_with_nan_and_inf(make_record, t
 def test_1_2_2_one_nan_silences_the_tag_forever(make_record):
     series = [1.0, 1.0, math.nan, 1.0, 50.0, 500.0]
     rule = RunningMeanTurbulence(threshold=0.5)
-    assert _drive(Detector([rule], rank=0), make_record, series) == []
+    assert _drive(rules_only([rule], rank=0), make_record, series) == []
 
 
 def test_1_2_2_skip_nonfinite_keeps_the_mean_alive(make_record):
     series = [1.0, 1.0, math.nan, 1.0, 50.0]
     rule = _rule_from_config({"threshold": 0.5, "semantics": "1.2.2", "skip_nonfinite": True})
-    assert _hits(_drive(Detector([rule], rank=0), make_record, series)) == [(4, _tag("w"), "norm")]
+    assert _hits(_drive(rules_only([rule], rank=0), make_record, series)) == [(4, _tag("w"), "norm")]
 
 
 def test_1_2_2_never_flags_a_drop_but_flags_growth_away_from_zero(make_record):
     # positive mean: a drop to 0.01 is silent; negative mean: -5 is "growth"; zero mean: any negative
     series = np.array([[[1.0], [-1.0], [0.0]], [[0.01], [-5.0], [-0.001]]])
-    found = _drive(Detector([RunningMeanTurbulence(0.5)], rank=0), make_record, series, names=("p", "n", "z"))
+    found = _drive(
+        rules_only([RunningMeanTurbulence(0.5)], rank=0), make_record, series, names=("p", "n", "z")
+    )
     assert _hits(found) == [(1, _tag("n"), "norm"), (1, _tag("z"), "norm")]
 
 
 def test_1_2_2_warmup_delays_the_first_verdict(make_record):
     series = [1.0, 9.0, 1.0, 9.0]
-    found = _drive(Detector([RunningMeanTurbulence(0.5, warmup=3)], rank=0), make_record, series)
+    found = _drive(rules_only([RunningMeanTurbulence(0.5, warmup=3)], rank=0), make_record, series)
     assert _hits(found) == [(3, _tag("w"), "norm")]
 
 
@@ -208,7 +215,7 @@ def test_later_without_nonfinite_skipping_is_the_reference_exactly(make_record):
     names, ops = ("a", "b"), ("norm", "mean", "max")
     series = _signed_series(rng, 300, len(names), len(ops))
     rule = _rule_from_config({"threshold": 0.5, "skip_nonfinite": False})
-    found = _drive(Detector([rule], rank=0), make_record, series, names, ops)
+    found = _drive(rules_only([rule], rank=0), make_record, series, names, ops)
     expected = _expected(
         series, names, ops, ("norm", "mean"), lambda s: _reference_later(s, 0.5, skip_nonfinite=False)
     )
@@ -219,8 +226,8 @@ def test_later_without_nonfinite_skipping_is_the_reference_exactly(make_record):
 def test_later_exact_reference_is_poisoned_by_nan(make_record):
     series = [1.0, math.nan, 1.0, 40.0]
     poisoned = AnomalyTurbulence(0.5, skip_nonfinite=False)
-    assert _drive(Detector([poisoned], rank=0), make_record, series) == []
-    assert _hits(_drive(Detector([AnomalyTurbulence(0.5)], rank=0), make_record, series)) == [
+    assert _drive(rules_only([poisoned], rank=0), make_record, series) == []
+    assert _hits(_drive(rules_only([AnomalyTurbulence(0.5)], rank=0), make_record, series)) == [
         (3, _tag("w"), "norm")
     ]
 
@@ -230,7 +237,7 @@ def test_two_sided_matches_the_reference_with_nan_and_inf(make_record):
     names, ops = ("a", "b", "c"), ("norm", "mean")
     series = _signed_series(rng, 300, len(names), len(ops))
     rule = _rule_from_config({"threshold": 0.6, "two_sided": True})
-    found = _drive(Detector([rule], rank=0), make_record, series, names, ops)
+    found = _drive(rules_only([rule], rank=0), make_record, series, names, ops)
     expected = _expected(series, names, ops, ops, lambda s: _reference_later(s, 0.6, two_sided=True))
     assert set(_hits(found)) == expected
     assert len(found) == len(expected) > 10
@@ -239,8 +246,8 @@ def test_two_sided_matches_the_reference_with_nan_and_inf(make_record):
 def test_two_sided_flags_a_drop_at_its_step_and_one_sided_does_not(make_record):
     series = [1.0] * 20
     series[12] = 0.1
-    two = _drive(Detector([AnomalyTurbulence(0.5, two_sided=True)], rank=0), make_record, series)
-    one = _drive(Detector([AnomalyTurbulence(0.5)], rank=0), make_record, series)
+    two = _drive(rules_only([AnomalyTurbulence(0.5, two_sided=True)], rank=0), make_record, series)
+    one = _drive(rules_only([AnomalyTurbulence(0.5)], rank=0), make_record, series)
     assert _hits(two) == [(12, _tag("w"), "norm")]
     assert one == []
 
@@ -248,13 +255,15 @@ def test_two_sided_flags_a_drop_at_its_step_and_one_sided_does_not(make_record):
 def test_two_sided_flags_a_spike_at_its_step(make_record):
     series = [2.0] * 20
     series[15] = 10.0
-    found = _drive(Detector([AnomalyTurbulence(0.5, two_sided=True)], rank=0), make_record, series)
+    found = _drive(rules_only([AnomalyTurbulence(0.5, two_sided=True)], rank=0), make_record, series)
     assert _hits(found) == [(15, _tag("w"), "norm")]
 
 
 def test_two_sided_warmup_suppresses_early_verdicts(make_record):
     series = [1.0, 0.1, 1.0, 1.0, 0.1]
-    found = _drive(Detector([AnomalyTurbulence(0.5, warmup=4, two_sided=True)], rank=0), make_record, series)
+    found = _drive(
+        rules_only([AnomalyTurbulence(0.5, warmup=4, two_sided=True)], rank=0), make_record, series
+    )
     assert _hits(found) == [(4, _tag("w"), "norm")]
 
 
@@ -294,7 +303,7 @@ def test_zscore_matches_the_reference_with_bias_corrected_variance(make_record):
     series[rng.random(series.shape) < 0.005] = 0.0
     series[rng.random(series.shape) < 0.005] = math.nan
     args = {"threshold": 3.0, "min_ratio": 1.5, "beta": 0.95, "warmup": 3}
-    found = _drive(Detector([AnomalyZScore(**args)], rank=0), make_record, series, names)
+    found = _drive(rules_only([AnomalyZScore(**args)], rank=0), make_record, series, names)
     expected = _expected(series, names, ("norm",), ("norm",), lambda s: _reference_zscore(s, **args))
     assert set(_hits(found)) == expected
     assert len(found) == len(expected) > 10
@@ -304,7 +313,7 @@ def _false_positive_rate(make_record, rule, series):
     """Flagged / judged values (judged: the rule's warm-up is over)."""
     steps, tags = series.shape[:2]
     names = tuple(f"t{i}" for i in range(tags))
-    found = _drive(Detector([rule], rank=0), make_record, series, names)
+    found = _drive(rules_only([rule], rank=0), make_record, series, names)
     return len(found) / (tags * (steps - rule.warmup))
 
 
@@ -362,17 +371,17 @@ def _feed(detector, make_record, steps):
 
 @pytest.mark.parametrize("transport", ["none", "json", "pickle"])
 def test_state_round_trip_continues_exactly_like_an_uninterrupted_run(make_record, transport):
-    whole = Detector(_rules(), rank=0)
+    whole = rules_only(_rules(), rank=0)
     expected = _feed(whole, make_record, range(100))
 
-    first = Detector(_rules(), rank=0)
+    first = rules_only(_rules(), rank=0)
     before = _feed(first, make_record, range(60))
     state = first.state_dict()
     if transport == "json":
         state = json.loads(json.dumps(state))
     elif transport == "pickle":
         state = pickle.loads(pickle.dumps(state))
-    resumed = Detector(_rules(), rank=0)
+    resumed = rules_only(_rules(), rank=0)
     resumed.load_state_dict(state)
     after = _feed(resumed, make_record, range(60, 100))
 
@@ -382,7 +391,7 @@ def test_state_round_trip_continues_exactly_like_an_uninterrupted_run(make_recor
 
 
 def test_state_holds_tag_tables_and_per_rule_arrays(make_record):
-    detector = Detector([AnomalyTurbulence(0.5)], rank=0)
+    detector = rules_only([AnomalyTurbulence(0.5)], rank=0)
     _drive(detector, make_record, [[2.0, -4.0], [4.0, -8.0]], names=("x",), ops=("norm", "min"))
     state = detector.state_dict()
     assert state["tags"] == {"grad_reduced": [_tag("x")]}
@@ -405,10 +414,10 @@ def test_state_holds_tag_tables_and_per_rule_arrays(make_record):
 
 
 def test_state_of_a_fresh_detector_loads(make_record):
-    fresh = Detector(_rules(), rank=0)
-    other = Detector(_rules(), rank=0)
+    fresh = rules_only(_rules(), rank=0)
+    other = rules_only(_rules(), rank=0)
     other.load_state_dict(fresh.state_dict())
-    assert _feed(other, make_record, range(30)) == _feed(Detector(_rules(), rank=0), make_record, range(30))
+    assert _feed(other, make_record, range(30)) == _feed(rules_only(_rules(), rank=0), make_record, range(30))
 
 
 @pytest.mark.parametrize(
@@ -430,9 +439,9 @@ def test_state_of_a_fresh_detector_loads(make_record):
     ],
 )
 def test_loading_a_state_saved_with_other_rules_is_refused(make_record, configured):
-    saved = Detector(_rules(), rank=0)
+    saved = rules_only(_rules(), rank=0)
     _feed(saved, make_record, range(5))
-    target = Detector(configured, rank=0)
+    target = rules_only(configured, rank=0)
     _feed(target, make_record, range(3))
     before = json.dumps(target.state_dict(), sort_keys=True)
     with pytest.raises(ValueError, match="saved with other anomaly rules"):
@@ -451,11 +460,11 @@ def test_loading_a_state_saved_with_other_rules_is_refused(make_record, configur
     ],
 )
 def test_a_malformed_state_is_refused_and_changes_nothing(make_record, mutate, needle):
-    saved = Detector(_rules(), rank=0)
+    saved = rules_only(_rules(), rank=0)
     _feed(saved, make_record, range(5))
     state = json.loads(json.dumps(saved.state_dict()))
     mutate(state)
-    target = Detector(_rules(), rank=0)
+    target = rules_only(_rules(), rank=0)
     with pytest.raises(ValueError, match=needle):
         target.load_state_dict(state)
     assert target.state_dict()["tags"] == {}
@@ -463,4 +472,4 @@ def test_a_malformed_state_is_refused_and_changes_nothing(make_record, mutate, n
 
 def test_a_non_mapping_state_is_refused():
     with pytest.raises(ValueError, match="expected a mapping"):
-        Detector(_rules(), rank=0).load_state_dict([1, 2])
+        rules_only(_rules(), rank=0).load_state_dict([1, 2])

@@ -17,6 +17,11 @@ from monitor.anomaly.rules import AnomalyNan, AnomalyTurbulence, AnomalyZScore
 from monitor.record import RowSet
 
 
+def rules_only(rules, **kwargs) -> Detector:
+    """A detector with the rules alone: the non-finite check, on by default, is tested on its own."""
+    return Detector(rules, non_finite=False, **kwargs)
+
+
 def _tag(name: str) -> str:
     return f"0:{name}/rank0/post_grad"
 
@@ -50,7 +55,7 @@ def _flat_with_spike(length: int, at: int, spike: float, base: float = 1.0) -> l
 
 
 def test_turbulence_detects_a_spike_exactly_at_its_step(make_record):
-    detector = Detector([AnomalyTurbulence(threshold=0.5)], rank=0)
+    detector = rules_only([AnomalyTurbulence(threshold=0.5)], rank=0)
     assert _drive(detector, make_record, _flat_with_spike(30, 17, 5.0)) == [(17, _tag("w"), "norm")]
 
 
@@ -58,12 +63,12 @@ def test_zscore_detects_a_spike_exactly_at_its_step(make_record):
     rng = np.random.default_rng(1)
     series = rng.lognormal(0.0, 0.1, 200)
     series[150] *= 10.0
-    detector = Detector([AnomalyZScore()], rank=0)
+    detector = rules_only([AnomalyZScore()], rank=0)
     assert _drive(detector, make_record, series) == [(150, _tag("w"), "norm")]
 
 
 def test_nan_rule_detects_a_nan_exactly_at_its_step(make_record):
-    detector = Detector([AnomalyNan()], rank=0)
+    detector = rules_only([AnomalyNan()], rank=0)
     assert _drive(detector, make_record, _flat_with_spike(30, 4, math.nan)) == [(4, _tag("w"), "norm")]
 
 
@@ -71,12 +76,12 @@ def test_spike_on_one_tag_is_reported_for_that_tag_only(make_record):
     names = ("a", "b", "c")
     series = np.ones((20, 3, 1))
     series[12, 1, 0] = 40.0
-    detector = Detector([AnomalyTurbulence(threshold=0.5)], rank=0)
+    detector = rules_only([AnomalyTurbulence(threshold=0.5)], rank=0)
     assert _drive(detector, make_record, series, names=names) == [(12, _tag("b"), "norm")]
 
 
 def test_new_rows_objects_each_step_keep_the_same_baselines(make_record):
-    detector = Detector([AnomalyTurbulence(threshold=0.5)], rank=0)
+    detector = rules_only([AnomalyTurbulence(threshold=0.5)], rank=0)
     hits = _drive(detector, make_record, _flat_with_spike(20, 9, 3.0), reuse_rows=False)
     assert hits == [(9, _tag("w"), "norm")]
 
@@ -114,7 +119,7 @@ def test_turbulence_matches_an_independent_reimplementation(make_record):
             flags = _reference_turbulence(series[:, r, c].tolist(), threshold)
             expected |= {(step, _tag(name), op) for step, flag in enumerate(flags) if flag}
 
-    detector = Detector([AnomalyTurbulence(threshold=threshold, ops=configured)], rank=0)
+    detector = rules_only([AnomalyTurbulence(threshold=threshold, ops=configured)], rank=0)
     hits = _drive(detector, make_record, series, names=names, ops=ops)
     assert len(hits) == len(set(hits))
     assert set(hits) == expected
@@ -124,14 +129,14 @@ def test_turbulence_matches_an_independent_reimplementation(make_record):
 def test_turbulence_only_flags_configured_ops(make_record):
     series = np.ones((10, 1, 3))
     series[5] = 50.0  # every op jumps
-    detector = Detector([AnomalyTurbulence(threshold=0.5, ops=("max",))], rank=0)
+    detector = rules_only([AnomalyTurbulence(threshold=0.5, ops=("max",))], rank=0)
     assert _drive(detector, make_record, series, ops=("norm", "max", "mean")) == [(5, _tag("w"), "max")]
 
 
 def test_turbulence_default_ops_are_norm_and_mean(make_record):
     series = np.ones((10, 1, 3))
     series[5] = 50.0
-    detector = Detector([AnomalyTurbulence(threshold=0.5)], rank=0)
+    detector = rules_only([AnomalyTurbulence(threshold=0.5)], rank=0)
     hits = _drive(detector, make_record, series, ops=("norm", "max", "mean"))
     assert hits == [(5, _tag("w"), "norm"), (5, _tag("w"), "mean")]
 
@@ -141,7 +146,7 @@ def test_turbulence_reports_the_ema_before_the_update_as_baseline(make_record):
     ema = 2.0
     for value in series[1:3]:
         ema = 0.99 * ema + 0.01 * value
-    detector = Detector([AnomalyTurbulence(threshold=1.0)], rank=0)
+    detector = rules_only([AnomalyTurbulence(threshold=1.0)], rank=0)
     found = []
     for step, value in enumerate(series):
         found += detector.evaluate(_rec(make_record, step, ["w"], [[value]], ("norm",)))
@@ -155,7 +160,7 @@ def test_turbulence_reports_the_ema_before_the_update_as_baseline(make_record):
 
 
 def test_nan_rule_flags_nan_and_both_infinities(make_record):
-    detector = Detector([AnomalyNan()], rank=0)
+    detector = rules_only([AnomalyNan()], rank=0)
     names = ("finite", "nan", "pinf", "ninf")
     record = _rec(make_record, 0, names, [[1.0], [math.nan], [math.inf], [-math.inf]], ("norm",))
     found = detector.evaluate(record)
@@ -164,14 +169,14 @@ def test_nan_rule_flags_nan_and_both_infinities(make_record):
 
 
 def test_nan_rule_flags_a_positive_nan_count(make_record):
-    detector = Detector([AnomalyNan()], rank=0)
+    detector = rules_only([AnomalyNan()], rank=0)
     record = _rec(make_record, 0, ("clean", "dirty"), [[3.0, 0.0], [3.0, 2.0]], ("norm", "nans"))
     found = detector.evaluate(record)
     assert [(a.tag_name, a.op, a.value) for a in found] == [(_tag("dirty"), "nans", 2.0)]
 
 
 def test_nan_rule_threshold_flags_large_magnitudes_but_not_counts(make_record):
-    detector = Detector([AnomalyNan(threshold=100.0)], rank=0)
+    detector = rules_only([AnomalyNan(threshold=100.0)], rank=0)
     values = [[50.0, -150.0, 0.0], [101.0, 10.0, 0.0]]
     record = _rec(make_record, 0, ("a", "b"), values, ("norm", "min", "nans"))
     found = detector.evaluate(record)
@@ -179,14 +184,14 @@ def test_nan_rule_threshold_flags_large_magnitudes_but_not_counts(make_record):
 
 
 def test_nan_rule_without_threshold_ignores_large_finite_values(make_record):
-    detector = Detector([AnomalyNan()], rank=0)
+    detector = rules_only([AnomalyNan()], rank=0)
     assert _drive(detector, make_record, [1.0, 1e30, -1e30, 1.0]) == []
 
 
 def test_turbulence_baseline_is_not_poisoned_by_nan(make_record):
     # the 1.2.2 running mean becomes NaN forever after one NaN (spec W22)
     series = [1.0, 1.0, 1.0, math.nan, 1.0, 1.0, 5.0, 1.0]
-    detector = Detector([AnomalyTurbulence(threshold=0.5)], rank=0)
+    detector = rules_only([AnomalyTurbulence(threshold=0.5)], rank=0)
     assert _drive(detector, make_record, series) == [(6, _tag("w"), "norm")]
 
 
@@ -195,7 +200,7 @@ def test_turbulence_baseline_after_nan_and_inf_equals_ema_of_finite_values(make_
     ema = 1.0
     for value in (2.0, 1.5):
         ema = 0.99 * ema + 0.01 * value
-    detector = Detector([AnomalyTurbulence(threshold=0.5)], rank=0)
+    detector = rules_only([AnomalyTurbulence(threshold=0.5)], rank=0)
     found = []
     for step, value in enumerate(series):
         found += detector.evaluate(_rec(make_record, step, ["w"], [[value]], ("norm",)))
@@ -208,13 +213,13 @@ def test_zscore_baseline_is_not_poisoned_by_nan_inf_or_zero(make_record):
     series = rng.lognormal(0.0, 0.1, 120)
     series[40], series[50], series[60] = math.nan, math.inf, 0.0
     series[100] *= 10.0
-    detector = Detector([AnomalyZScore()], rank=0)
+    detector = rules_only([AnomalyZScore()], rank=0)
     assert _drive(detector, make_record, series) == [(100, _tag("w"), "norm")]
 
 
 def test_nan_first_value_does_not_start_the_turbulence_baseline(make_record):
     series = [math.nan, 4.0, 4.2, 20.0]
-    detector = Detector([AnomalyTurbulence(threshold=0.5)], rank=0)
+    detector = rules_only([AnomalyTurbulence(threshold=0.5)], rank=0)
     assert _drive(detector, make_record, series) == [(3, _tag("w"), "norm")]
 
 
@@ -222,12 +227,12 @@ def test_nan_first_value_does_not_start_the_turbulence_baseline(make_record):
 
 
 def test_turbulence_never_flags_the_first_value(make_record):
-    detector = Detector([AnomalyTurbulence(threshold=0.0)], rank=0)
+    detector = rules_only([AnomalyTurbulence(threshold=0.0)], rank=0)
     assert _drive(detector, make_record, [1e6]) == []
 
 
 def test_turbulence_default_warmup_flags_the_second_value(make_record):
-    detector = Detector([AnomalyTurbulence(threshold=0.5)], rank=0)
+    detector = rules_only([AnomalyTurbulence(threshold=0.5)], rank=0)
     assert _drive(detector, make_record, [1.0, 10.0]) == [(1, _tag("w"), "norm")]
 
 
@@ -235,7 +240,7 @@ def test_turbulence_warmup_suppresses_verdicts_until_enough_values(make_record):
     series = np.ones((8, 2, 1))
     series[2, 0, 0] = 10.0  # third value of "early": only 2 seen before it
     series[3, 1, 0] = 10.0  # fourth value of "late": 3 seen before it
-    detector = Detector([AnomalyTurbulence(threshold=0.5, warmup=3)], rank=0)
+    detector = rules_only([AnomalyTurbulence(threshold=0.5, warmup=3)], rank=0)
     assert _drive(detector, make_record, series, names=("early", "late")) == [(3, _tag("late"), "norm")]
 
 
@@ -243,7 +248,7 @@ def test_zscore_warmup_suppresses_verdicts_until_enough_values(make_record):
     series = np.ones((15, 2, 1))
     series[9, 0, 0] = 10.0  # 9 values seen: default warmup 10 not reached
     series[10, 1, 0] = 10.0  # 10 values seen
-    detector = Detector([AnomalyZScore()], rank=0)
+    detector = rules_only([AnomalyZScore()], rank=0)
     assert _drive(detector, make_record, series, names=("early", "late")) == [(10, _tag("late"), "norm")]
 
 
@@ -254,7 +259,7 @@ def test_zscore_is_silent_on_stationary_lognormal_noise(make_record):
     rng = np.random.default_rng(12345)
     names = tuple(f"layers.{i}.weight" for i in range(8))
     series = rng.lognormal(0.0, 0.1, size=(1000, len(names), 1))
-    detector = Detector([AnomalyZScore()], rank=0)
+    detector = rules_only([AnomalyZScore()], rank=0)
     assert _drive(detector, make_record, series, names=names) == []
 
 
@@ -262,7 +267,7 @@ def test_zscore_detects_a_10x_spike_after_stationary_noise(make_record):
     rng = np.random.default_rng(54321)
     series = rng.lognormal(0.0, 0.1, 1001)
     series[1000] = 10.0 * series[999]
-    detector = Detector([AnomalyZScore()], rank=0)
+    detector = rules_only([AnomalyZScore()], rank=0)
     assert _drive(detector, make_record, series) == [(1000, _tag("w"), "norm")]
 
 
@@ -270,12 +275,12 @@ def test_zscore_detects_a_10x_drop(make_record):
     rng = np.random.default_rng(99)
     series = rng.lognormal(0.0, 0.1, 300)
     series[250] /= 10.0
-    detector = Detector([AnomalyZScore()], rank=0)
+    detector = rules_only([AnomalyZScore()], rank=0)
     assert _drive(detector, make_record, series) == [(250, _tag("w"), "norm")]
 
 
 def test_zscore_ignores_a_2x_step_below_min_ratio(make_record):
-    detector = Detector([AnomalyZScore()], rank=0)
+    detector = rules_only([AnomalyZScore()], rank=0)
     assert _drive(detector, make_record, _flat_with_spike(40, 30, 2.0)) == []
 
 
@@ -283,7 +288,7 @@ def test_zscore_ignores_a_2x_step_below_min_ratio(make_record):
 
 
 def test_first_rule_wins_nan_before_turbulence(make_record):
-    detector = Detector([AnomalyNan(), AnomalyTurbulence(threshold=0.5)], rank=0)
+    detector = rules_only([AnomalyNan(), AnomalyTurbulence(threshold=0.5)], rank=0)
     found = []
     for step, value in enumerate([1.0, math.inf]):
         found += detector.evaluate(_rec(make_record, step, ["w"], [[value]], ("norm",)))
@@ -291,7 +296,7 @@ def test_first_rule_wins_nan_before_turbulence(make_record):
 
 
 def test_first_rule_wins_turbulence_before_nan(make_record):
-    detector = Detector([AnomalyTurbulence(threshold=0.5), AnomalyNan()], rank=0)
+    detector = rules_only([AnomalyTurbulence(threshold=0.5), AnomalyNan()], rank=0)
     found = []
     for step, value in enumerate([1.0, math.inf]):
         found += detector.evaluate(_rec(make_record, step, ["w"], [[value]], ("norm",)))
@@ -299,7 +304,7 @@ def test_first_rule_wins_turbulence_before_nan(make_record):
 
 
 def test_later_rule_still_reports_cells_the_first_rule_did_not_flag(make_record):
-    detector = Detector([AnomalyNan(), AnomalyTurbulence(threshold=0.5)], rank=0)
+    detector = rules_only([AnomalyNan(), AnomalyTurbulence(threshold=0.5)], rank=0)
     found = []
     for step, values in enumerate([[[1.0], [1.0]], [[math.nan], [9.0]]]):
         found += detector.evaluate(_rec(make_record, step, ["a", "b"], values, ("norm",)))
@@ -310,7 +315,7 @@ def test_later_rule_still_reports_cells_the_first_rule_did_not_flag(make_record)
 
 
 def test_record_labels_are_carried_into_the_anomaly(make_record):
-    detector = Detector([AnomalyNan()], rank=5, pp_stage=2, group_mates=[1, 5, 9])
+    detector = rules_only([AnomalyNan()], rank=5, pp_stage=2, group_mates=[1, 5, 9])
     record = make_record(
         "actv",
         11,
@@ -335,7 +340,7 @@ def test_record_labels_are_carried_into_the_anomaly(make_record):
 
 
 def test_missing_call_ids_and_micro_steps_default_to_minus_one_and_zero(make_record):
-    detector = Detector([AnomalyNan()], rank=0)
+    detector = rules_only([AnomalyNan()], rank=0)
     (anomaly,) = detector.evaluate(_rec(make_record, 0, ["w"], [[math.nan]], ("norm",)))
     assert anomaly.call_id == -1
     assert anomaly.micro_step == 0
@@ -343,7 +348,7 @@ def test_missing_call_ids_and_micro_steps_default_to_minus_one_and_zero(make_rec
 
 
 def test_two_ops_flagged_on_one_tag_in_one_step_are_two_records(make_record):
-    detector = Detector([AnomalyNan()], rank=0)
+    detector = rules_only([AnomalyNan()], rank=0)
     record = _rec(make_record, 3, ["w"], [[math.nan, math.inf]], ("norm", "max"), call_ids=[4])
     found = detector.evaluate(record)
     assert [a.op for a in found] == ["norm", "max"]
@@ -355,7 +360,7 @@ def test_two_ops_flagged_on_one_tag_in_one_step_are_two_records(make_record):
 
 
 def test_no_rules_reports_nothing(make_record):
-    detector = Detector([], rank=0)
+    detector = rules_only([], rank=0)
     assert _drive(detector, make_record, [1.0, math.nan, 1e9]) == []
 
 
@@ -375,7 +380,7 @@ def _read_json(path):
 
 
 def _flagged(make_record, step, values, ops=("norm",), names=("w",), rules=None):
-    detector = Detector(rules or [AnomalyNan()], rank=0)
+    detector = rules_only(rules or [AnomalyNan()], rank=0)
     return detector.evaluate(_rec(make_record, step, names, values, ops, call_ids=[step] * len(names)))
 
 
@@ -398,18 +403,40 @@ def test_dump_is_valid_json_with_every_record_after_each_step(tmp_path, make_rec
     record = document[f"{_tag('b')}_norm_step_3_call_3"]
     assert record["step"] == 3
     assert record["tag_name"] == _tag("b")
-    assert record["rule"] == "AnomalyNan"
+    assert record["message"].startswith("Rule AnomalyNan reports anomaly signal in")
 
 
-def test_dump_writes_nan_and_inf_values_as_strings(tmp_path, make_record):
+#: msprobe's anomaly record: its analyser builds its record class from exactly these keys and
+#: rejects a record with any other (written out here, independently of the code under test).
+MSPROBE_RECORD_FIELDS = {
+    "rank": int,
+    "step": int,
+    "micro_step": int,
+    "pp_stage": int,
+    "vpp_stage": int,
+    "call_id": int,
+    "tag_name": str,
+    "message": str,
+    "group_mates": list,
+}
+
+
+def test_dump_records_have_exactly_msprobes_fields(tmp_path, make_record):
     dump = AnomalyDump(tmp_path, rank=0)
     dump.add(_flagged(make_record, 0, [[math.nan, -math.inf]], ops=("norm", "min")))
     dump.end_step(0)
-    document = _read_json(dump.path)
-    values = {record["op"]: record for record in document.values()}
-    assert values["norm"]["value"] == "nan"
-    assert values["min"]["value"] == "-inf"
-    assert values["norm"]["baseline"] == "nan"
+    for record in _read_json(dump.path).values():
+        assert set(record) == set(MSPROBE_RECORD_FIELDS)
+        assert all(type(record[name]) is kind for name, kind in MSPROBE_RECORD_FIELDS.items())
+
+
+def test_details_write_nan_and_inf_values_as_strings(make_record):
+    found = _flagged(make_record, 0, [[math.nan, -math.inf]], ops=("norm", "min"))
+    details = {anomaly.op: json.loads(json.dumps(anomaly.details(), allow_nan=False)) for anomaly in found}
+    assert details["norm"]["value"] == "nan"
+    assert details["min"]["value"] == "-inf"
+    assert details["norm"]["baseline"] == "nan"
+    assert details["norm"]["rule"] == "AnomalyNan"
 
 
 def test_dump_leaves_no_temporary_files(tmp_path, make_record):
@@ -417,9 +444,9 @@ def test_dump_leaves_no_temporary_files(tmp_path, make_record):
     for step in range(3):
         dump.add(_flagged(make_record, step, [[math.nan]]))
         dump.end_step(step)
-        assert os.listdir(dump.directory) == ["anomaly.json"]
+        assert sorted(os.listdir(dump.directory)) == ["anomaly.json", "incidents.json"]
     dump.close()
-    assert os.listdir(dump.directory) == ["anomaly.json"]
+    assert sorted(os.listdir(dump.directory)) == ["anomaly.json", "incidents.json"]
 
 
 def test_dump_replaces_the_file_by_rename(tmp_path, make_record):
@@ -444,8 +471,8 @@ def test_a_large_file_defers_its_next_rewrite_and_close_writes_the_rest(tmp_path
     monkeypatch.setattr(dump_module.time, "monotonic", lambda: clock[0])
     real_write = dump_module.atomic_write_text
 
-    def slow_write(path, text):  # a rewrite that takes 1 s of the (fake) clock
-        clock[0] += 1.0
+    def slow_write(path, text):  # a rewrite of anomaly.json takes 1 s of the (fake) clock
+        clock[0] += 1.0 if path.endswith("anomaly.json") else 0.0
         real_write(path, text)
 
     dump = AnomalyDump(tmp_path, rank=0)

@@ -66,7 +66,8 @@ REFERENCE_DEFAULTS = {
     "monitor_mbs_grad": False,
     "mg_direction": False,
     "cc_distribution": {"enable": False, "cc_codeline": [], "cc_pre_hook": False, "cc_log_only": False},
-    "alert": {"rules": [], "dump": False},
+    # non_finite is ours: msprobe reports a NaN only when a configured rule happens to flag it
+    "alert": {"rules": [], "dump": False, "non_finite": True},
     "format": "csv",
     "ops": ["norm"],
     "eps": 1e-8,

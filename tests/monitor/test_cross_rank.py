@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from monitor.anomaly import analyse, cross_rank, peers, rank_csv
+from monitor.anomaly import analyse, cross_rank, incident_files, peers, rank_csv
 from monitor.anomaly.detector import Anomaly
 from monitor.anomaly.dump import AnomalyDump
 from monitor.cli import main as trainmon
@@ -369,7 +369,9 @@ def test_the_anomaly_ranking_comes_first_in_the_same_report(tmp_path, capsys):
     assert run_cli("-d", str(tmp_path), "-o", str(out)) == 0
     printed = capsys.readouterr().out
     assert printed.index("Top 1 of 1 anomalies") < printed.index("Cross-rank outliers")
-    assert sorted(os.listdir(out)) == [analyse.OUTPUT_NAME, cross_rank.OUTPUT_NAME]
+    assert sorted(os.listdir(out)) == sorted(
+        [analyse.OUTPUT_NAME, cross_rank.OUTPUT_NAME, incident_files.OUTPUT_NAME]
+    )
 
 
 def test_reading_in_worker_processes_matches_this_process(tmp_path):

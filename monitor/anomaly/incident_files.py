@@ -1,0 +1,153 @@
+"""Incidents of all ranks, merged: what broke first, where, and on which rank (anomaly-analyse).
+
+Reads ``DIR/<sub-directory>/incidents.json`` (one per rank, written while training) and merges
+the incidents that start together on several ranks: a fault on one rank reaches every rank
+through the gradient reduction within the same step, so per-rank incidents whose onsets are at
+most ``MERGE_WINDOW`` steps apart (and on different ranks) are one incident. The merged root is
+chosen again (:mod:`monitor.anomaly.root`) from the first-step records of every rank, which is
+where the rank evidence comes from: the ranks that show the earliest phase while their peers do
+not. A file that cannot be read is skipped with a warning, never fatal.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+from monitor.anomaly.incidents import describe_root
+from monitor.anomaly.root import choose_root
+
+INCIDENTS_NAME = "incidents.json"
+OUTPUT_NAME = "incidents_analyse.json"
+#: per-rank incidents whose onsets are this many steps apart or less are one incident.
+MERGE_WINDOW = 1
+
+
+@dataclass
+class MergedIncident:
+    """One incident over every rank that saw it."""
+
+    onset_step: int
+    members: list[dict[str, Any]] = field(default_factory=list)
+    root: dict[str, Any] = field(default_factory=dict)
+    evidence: list[str] = field(default_factory=list)
+
+    @property
+    def ranks(self) -> list[int]:
+        return sorted({int(m["rank"]) for m in self.members})
+
+    @property
+    def state(self) -> str:
+        return "open" if any(m.get("state") == "open" for m in self.members) else "closed"
+
+    @property
+    def records(self) -> int:
+        return sum(len(m.get("records", [])) for m in self.members)
+
+    @property
+    def tensors(self) -> int:
+        return sum(int(m.get("tensors", 0)) for m in self.members)
+
+    def to_json(self, number: int) -> dict[str, Any]:
+        return {
+            "id": number,
+            "onset_step": self.onset_step,
+            "ranks": self.ranks,
+            "state": self.state,
+            "last_abnormal_step": max(
+                int(m.get("last_abnormal_step", self.onset_step)) for m in self.members
+            ),
+            "tensors": self.tensors,
+            "records": self.records,
+            "root": self.root,
+            "evidence": self.evidence,
+            "members": [{"rank": m["rank"], "id": m["id"]} for m in self.members],
+        }
+
+
+def find_incident_files(data_dir: str) -> list[str]:
+    """``DIR/*/incidents.json`` one level below data_dir, sorted by path."""
+    found = []
+    with os.scandir(data_dir) as entries:
+        for entry in entries:
+            path = os.path.join(entry.path, INCIDENTS_NAME)
+            if entry.is_dir() and os.path.isfile(path):
+                found.append(path)
+    return sorted(found)
+
+
+def load_incidents(paths: list[str]) -> list[dict[str, Any]]:
+    """Every well-formed per-rank incident of the files; unreadable files are skipped with a warning."""
+    incidents = []
+    for path in paths:
+        try:
+            with open(path, encoding="utf-8") as handle:
+                document = json.load(handle)
+            items = document["incidents"]
+            if not isinstance(items, list):
+                raise TypeError("'incidents' is not a list")
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            print(f"anomaly-analyse: warning: skipping {path}: {exc}", file=sys.stderr)
+            continue
+        incidents += [i for i in items if _well_formed(i)]
+    return incidents
+
+
+def _well_formed(incident: Any) -> bool:
+    return (
+        isinstance(incident, dict)
+        and all(type(incident.get(key)) is int for key in ("id", "rank", "onset_step"))
+        and isinstance(incident.get("records"), list)
+        and all(isinstance(r, dict) and "tag_name" in r and "rank" in r for r in incident["records"])
+    )
+
+
+def merge(incidents: list[dict[str, Any]], window: int = MERGE_WINDOW) -> list[MergedIncident]:
+    """Per-rank incidents merged across ranks, first first, each with its root chosen over all ranks."""
+    merged: list[MergedIncident] = []
+    for incident in sorted(incidents, key=lambda i: (i["onset_step"], i["rank"], i["id"])):
+        current = merged[-1] if merged else None
+        if (
+            current is not None
+            and incident["onset_step"] - current.onset_step <= window
+            and incident["rank"] not in current.ranks
+        ):
+            current.members.append(incident)
+        else:
+            merged.append(MergedIncident(onset_step=incident["onset_step"], members=[incident]))
+    for item in merged:
+        first = [r for m in item.members for r in m["records"] if r.get("step") == m["onset_step"]]
+        if first:
+            item.root, item.evidence = choose_root(first)
+        else:  # records trimmed away: keep the first member's own verdict
+            item.root, item.evidence = (
+                item.members[0].get("root", {}),
+                list(item.members[0].get("evidence", [])),
+            )
+    return merged
+
+
+def format_incidents(incidents: list[MergedIncident]) -> str:
+    """An aligned table of merged incidents with their evidence below each."""
+    header = ("#", "onset", "ranks", "state", "tensors", "records", "root")
+    rows = [
+        (
+            str(number),
+            str(item.onset_step),
+            ",".join(map(str, item.ranks)),
+            item.state,
+            str(item.tensors),
+            str(item.records),
+            describe_root(item.root).removeprefix("root ") if item.root else "-",
+        )
+        for number, item in enumerate(incidents, 1)
+    ]
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(header, widths, strict=True)).rstrip()]
+    for row, item in zip(rows, incidents, strict=True):
+        lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
+        lines += [f"{' ' * (widths[0] + 2)}- {line}" for line in item.evidence]
+    return "\n".join(lines)

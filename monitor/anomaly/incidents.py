@@ -1,0 +1,228 @@
+"""From abnormal values to what people are told about: records once per tag, incidents per cause.
+
+The detector returns every abnormal (tag, op) cell of every step. Here, on the writer thread:
+
+* **Records.** A tag becomes a record when it turns abnormal: at most one record per tag and
+  step (a NaN that makes norm, mean, min and max NaN is one record), and none while it stays
+  abnormal at consecutive collected steps. A non-finite value is tracked apart from the rules'
+  verdicts, so a tag that was already abnormal still gets a record the step it turns NaN.
+* **Incidents.** New records while no incident is open start one: its onset is that step, its
+  root and the evidence come from :mod:`monitor.anomaly.root`. While an incident is open, every
+  new record joins it (what follows a fault is mostly its echo: the optimizer's moments, the
+  next steps' activations); it stays open while any tag is abnormal and closes after
+  ``CLOSE_AFTER`` collected steps without one. A NaN that stays is one incident, open to the end.
+
+The console gets one line per new incident (warning) and one when it closes (info).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from monitor.anomaly.detector import NONFINITE, Anomaly, Detector
+from monitor.anomaly.root import choose_root, number, phase_of
+
+logger = logging.getLogger("trainmon")
+
+#: collected steps without an abnormal value after which an incident is closed.
+CLOSE_AFTER = 3
+
+
+@dataclass
+class Incident:
+    """Anomalies that started together: onset, root and evidence, what they touched, and state."""
+
+    id: int
+    rank: int
+    onset_step: int
+    onset_micro_step: int
+    root: dict[str, Any]
+    evidence: list[str]
+    records: list[dict[str, Any]] = field(default_factory=list)
+    abnormal_steps: int = 1
+    last_abnormal_step: int = -1
+    state: str = "open"
+    closed_step: int | None = None
+
+    @property
+    def tensors(self) -> int:
+        """Distinct tags with a record."""
+        return len({record["tag_name"] for record in self.records})
+
+    @property
+    def data_types(self) -> dict[str, int]:
+        """Records per data type."""
+        return dict(Counter(record.get("prefix", "") for record in self.records))
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "rank": self.rank,
+            "ranks": [self.rank],
+            "onset_step": self.onset_step,
+            "onset_micro_step": self.onset_micro_step,
+            "state": self.state,
+            "last_abnormal_step": self.last_abnormal_step,
+            "closed_step": self.closed_step,
+            "abnormal_steps": self.abnormal_steps,
+            "tensors": self.tensors,
+            "data_types": self.data_types,
+            "root": self.root,
+            "evidence": self.evidence,
+            "records": self.records,
+        }
+
+    def announcement(self) -> str:
+        """The one console line of a new incident."""
+        return (
+            f"trainmon: incident {self.id} at step {self.onset_step} on rank {self.rank}: "
+            f"{describe_root(self.root)}; {self.tensors} tensor(s) abnormal; {'; '.join(self.evidence[1:])}"
+        ).rstrip("; ")
+
+
+def describe_root(root: dict[str, Any]) -> str:
+    """``root <tag> <op> <value> (<rule>, baseline <b>)`` for console lines and tables."""
+    value, baseline = number(root.get("value")), number(root.get("baseline"))
+    base = f", baseline {baseline:.3g}" if baseline == baseline else ""
+    return f"root {root['tag_name']} {root.get('op', '')} = {value:.3g} ({root.get('rule')}{base})"
+
+
+class IncidentTracker:
+    """Turns each step's abnormal cells into records and incidents (one rank)."""
+
+    def __init__(self, rank: int, close_after: int = CLOSE_AFTER, first_id: int = 1) -> None:
+        self.rank = rank
+        self.close_after = close_after
+        self.incidents: list[Incident] = []
+        self.open: Incident | None = None
+        self._next_id = first_id
+        self._quiet = 0
+        #: (tag, kind) abnormal at the last collected step, and those abnormal at this one.
+        self._before: set[tuple[str, str]] = set()
+        self._now: set[tuple[str, str]] = set()
+        self._recorded: set[str] = set()
+        self._new: list[Anomaly] = []
+        self.changed = False
+
+    def observe(self, cells: list[Anomaly]) -> list[Anomaly]:
+        """One record's abnormal cells; returns those that become records (first per tag)."""
+        new = []
+        for cell in cells:
+            key = (cell.tag_name, NONFINITE if cell.rule == NONFINITE else "rules")
+            if key in self._now:
+                continue
+            self._now.add(key)
+            if key in self._before or cell.tag_name in self._recorded:
+                continue
+            self._recorded.add(cell.tag_name)
+            new.append(cell)
+        self._new += new
+        return new
+
+    def end_step(self, step: int) -> tuple[Incident | None, Incident | None]:
+        """Close the step: ``(incident opened, incident closed)`` at this step, either may be None."""
+        opened = closed = None
+        new, abnormal = self._new, bool(self._now)
+        self._before, self._now, self._recorded, self._new = self._now, set(), set(), []
+        if self.open is None and new:
+            opened = self.open = self._start(step, new)
+            self.incidents.append(opened)
+            self.changed = True
+            return opened, None
+        incident = self.open
+        if incident is None:
+            return None, None
+        if new:
+            incident.records += [cell.details() for cell in new]
+            self.changed = True
+        if abnormal:
+            self._quiet = 0
+            if incident.last_abnormal_step != step:
+                incident.abnormal_steps += 1
+                incident.last_abnormal_step = step
+                self.changed = True
+        else:
+            self._quiet += 1
+            if self._quiet >= self.close_after:
+                incident.state, incident.closed_step = "closed", step
+                closed, self.open, self.changed = incident, None, True
+        return None, closed
+
+    def _start(self, step: int, new: list[Anomaly]) -> Incident:
+        records = [cell.details() for cell in new]
+        root, evidence = choose_root(records)
+        micro = min((r["micro_step"] for r in records if phase_of(r) == phase_of(root)), default=0)
+        incident = Incident(
+            id=self._next_id,
+            rank=self.rank,
+            onset_step=step,
+            onset_micro_step=int(micro),
+            root=dict(root),
+            evidence=evidence,
+            records=records,
+            last_abnormal_step=step,
+        )
+        self._next_id += 1
+        self._quiet = 0
+        return incident
+
+
+class AnomalySink:
+    """Writer-thread sink: detector -> records and incidents -> console and the anomaly files.
+
+    Args:
+        detector: evaluates each record's cells.
+        dump: the rank's anomaly files (anomaly.json, incidents.json), or None without ``alert.dump``.
+        keep: list that receives every record (``TrainerMon.anomalies``).
+    """
+
+    def __init__(
+        self, detector: Detector, dump: Any | None = None, keep: list[Anomaly] | None = None
+    ) -> None:
+        self.detector = detector
+        self.tracker = IncidentTracker(detector.rank, first_id=dump.next_incident_id if dump else 1)
+        self.dump = dump
+        self.found: list[Anomaly] = keep if keep is not None else []
+
+    def write(self, record: Any) -> None:
+        new = self.tracker.observe(self.detector.evaluate(record))
+        if new:
+            self.found.extend(new)
+            if self.dump is not None:
+                self.dump.add(new)
+
+    def end_step(self, step: int) -> None:
+        opened, closed = self.tracker.end_step(step)
+        if opened is not None:
+            logger.warning("%s", opened.announcement())
+        if closed is not None:
+            logger.info(
+                "trainmon: incident %d closed at step %d (abnormal at %d step(s), %d record(s))",
+                closed.id,
+                step,
+                closed.abnormal_steps,
+                len(closed.records),
+            )
+        if self.tracker.changed:
+            self.tracker.changed = False
+            self._to_dump("set_incidents", self.tracker.incidents)
+        self._to_dump("end_step", step)
+
+    def close(self) -> None:
+        self._to_dump("close")
+
+    def _to_dump(self, method: str, *args: Any) -> None:
+        """The anomaly files are an output of their own: when writing fails, only they are switched off."""
+        if self.dump is None:
+            return
+        try:
+            getattr(self.dump, method)(*args)
+        except Exception as exc:
+            self.dump = None
+            logger.error(
+                "trainmon: writing the anomaly files failed (%r); they are switched off, detection goes on",
+                exc,
+            )

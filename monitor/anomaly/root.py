@@ -1,0 +1,199 @@
+"""Which abnormal value of an incident's first step is its root, and why.
+
+Works on anomaly records as the incidents file holds them (``Anomaly.details()``: rank, step,
+micro_step, call_id, tag_name, op, value, baseline, rule, prefix, ratio, common), from one rank
+while training or from every rank in ``anomaly-analyse``. The heuristics, in order:
+
+1. **Causal phase.** Within a step things happen in a fixed order: the parameters the step
+   starts from (``param_origin``), forward activations, activation gradients, each rank's local
+   weight gradients, collectives, reduced weight gradients, optimizer state, the update. The
+   earliest phase with an abnormal value holds the root; later ones are its consequences.
+2. **Non-finite first.** Within that phase a NaN/Inf outranks a merely large value.
+3. **The one that moved alone.** Clipping and loss scaling rescale every gradient by one factor,
+   so a single corrupted tensor drags all the others with it and they are flagged too. Each
+   record carries its ratio to its own recent level and the common ratio of its data type (the
+   median over every tensor, flagged or not); the record whose ratio differs from the common
+   one by far the most is the root.
+4. **Call order.** Otherwise the earliest in the order the monitor saw them: in forward the one
+   nearest the input, in backward the one nearest the loss.
+5. **Ranks.** With several ranks, the ranks that show the first phase while their peers do not
+   are named (a bad batch or a corrupted local gradient on one rank); with three or more ranks
+   showing the same tensor, one whose value is far from its peers' median is preferred.
+
+Where they fail: a fault that first shows in a phase the monitor does not collect is named at
+the first phase it does collect; when two faults start at one step the earlier phase wins; a
+loss spike has no module of its own (every gradient rises together; the root is then the
+tensor nearest the loss, with that evidence); the common ratio needs at least three tensors of
+the data type with a history.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from monitor.naming import split_tag
+
+Record = Mapping[str, Any]
+
+#: task (last tag component) -> causal phase within a step.
+PHASES: dict[str, int] = {
+    "param_origin": 0,
+    "actv": 1,
+    "actv_grad": 2,
+    "acc_grad": 3,
+    "pre_grad": 3,
+    "comm": 4,
+    "post_grad": 5,
+    "mg_direction": 6,
+    "exp_avg": 6,
+    "exp_avg_sq": 6,
+    "param_updated": 7,
+}
+PHASE_NAMES = {
+    0: "parameters the step started from",
+    1: "forward activations",
+    2: "activation gradients",
+    3: "local weight gradients (before reduction)",
+    4: "collectives",
+    5: "reduced weight gradients",
+    6: "optimizer state",
+    7: "parameter update",
+    8: "other values",
+}
+OTHER_PHASE = 8
+#: a tensor must have moved this many times more (or less) than its data type's common move.
+ALONE_FACTOR = 4.0
+#: with three or more ranks, a value this far from its peers' median marks its rank.
+PEER_FACTOR = 4.0
+NONFINITE = "NonFinite"
+
+
+def phase_of(record: Record) -> int:
+    """The causal phase of a record, from its tag's task."""
+    task = str(record["tag_name"]).rpartition("/")[2]
+    if task in PHASES:
+        return PHASES[task]
+    if task.startswith(("pre_", "post_")) and task.split("_", 1)[1].isdigit():
+        return PHASES["comm"]
+    return OTHER_PHASE
+
+
+def module_of(record: Record) -> str:
+    """The module or parameter name of a record's tag (without chunk prefix, micro-step, rank, task)."""
+    return split_tag(str(record["tag_name"]))[1]
+
+
+def number(value: Any) -> float:
+    """A record's number: JSON numbers, or non-finite ones written as strings; NaN when absent."""
+    if value is None:
+        return math.nan
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def _order(record: Record) -> tuple:
+    return (
+        int(record.get("micro_step", 0)),
+        int(record.get("call_id", -1)),
+        int(record["rank"]),
+        str(record["tag_name"]),
+    )
+
+
+def _moved_alone(group: Sequence[Record]) -> tuple[Record, float, float] | None:
+    """The record whose ratio to its level differs most from its data type's common ratio, when
+    it differs by ALONE_FACTOR and by that factor more than any other record; else None."""
+    scored = []
+    for record in group:
+        ratio, common = number(record.get("ratio")), number(record.get("common"))
+        if ratio > 0 and common > 0 and math.isfinite(ratio) and math.isfinite(common):
+            scored.append((abs(math.log(ratio / common)), record, ratio, common))
+    if not scored:
+        return None
+    scored.sort(key=lambda item: (-item[0], _order(item[1])))
+    best = scored[0]
+    runner_up = scored[1][0] if len(scored) > 1 else 0.0
+    if best[0] < math.log(ALONE_FACTOR) or best[0] - runner_up < math.log(ALONE_FACTOR):
+        return None
+    return best[1], best[2], best[3]
+
+
+def _peer_outlier(group: Sequence[Record], root: Record) -> tuple[Record, float] | None:
+    """With 3+ ranks showing the root's tensor: the rank whose value is far from its peers' median."""
+    name = (module_of(root), str(root["tag_name"]).rpartition("/")[2], root.get("op"))
+    same = [r for r in group if (module_of(r), str(r["tag_name"]).rpartition("/")[2], r.get("op")) == name]
+    if len({int(r["rank"]) for r in same}) < 3:
+        return None
+    best = None
+    for record in same:
+        value = abs(number(record.get("value")))
+        peers = [abs(number(r.get("value"))) for r in same if r is not record]
+        peers = [p for p in peers if math.isfinite(p)]
+        if not math.isfinite(value) or not peers:
+            continue
+        median = statistics.median(peers)
+        factor = value / median if median > 0 else math.inf
+        factor = max(factor, 1.0 / factor) if factor > 0 else math.inf
+        if factor >= PEER_FACTOR and (best is None or factor > best[1]):
+            best = (record, factor)
+    return best
+
+
+def choose_root(records: Sequence[Record]) -> tuple[Record, list[str]]:
+    """The root of an incident's first-step records and the evidence for it, in words.
+
+    Raises:
+        ValueError: no records.
+    """
+    if not records:
+        raise ValueError("choose_root: no records")
+    phase = min(phase_of(r) for r in records)
+    group = [r for r in records if phase_of(r) == phase]
+    evidence = [f"first abnormal phase of the step: {PHASE_NAMES[phase]}"]
+    all_ranks = sorted({int(r["rank"]) for r in records})
+    first_ranks = sorted({int(r["rank"]) for r in group})
+    if len(all_ranks) > 1 and len(first_ranks) < len(all_ranks):
+        others = [r for r in all_ranks if r not in first_ranks]
+        evidence.append(
+            f"only rank{'s' if len(first_ranks) > 1 else ''} {', '.join(map(str, first_ranks))} "
+            f"show{'' if len(first_ranks) > 1 else 's'} it; rank{'s' if len(others) > 1 else ''} "
+            f"{', '.join(map(str, others))} only later phases"
+        )
+    nonfinite = [r for r in group if r.get("rule") == NONFINITE]
+    if nonfinite:
+        group = nonfinite
+        evidence.append("a non-finite value (NaN/Inf) is the earliest")
+    alone = _moved_alone(group) if len(group) > 1 else None
+    if alone is not None:
+        root, ratio, common = alone
+        evidence.append(
+            f"it moved x{ratio:.3g} while its data type moved x{common:.3g} together "
+            "(clipping or loss scaling rescales every tensor alike)"
+        )
+    else:
+        root = min(group, key=_order)
+        if len(group) > 1:
+            where = "nearest the input" if phase <= 1 else "nearest the loss" if phase <= 3 else "first"
+            evidence.append(f"earliest of {len(group)} in the order they were computed ({where})")
+        common = number(root.get("common"))
+        if len(group) > 1 and common > 0 and abs(math.log(common)) >= math.log(ALONE_FACTOR):
+            evidence.append(
+                f"its data type moved x{common:.3g} as a whole: the cause is shared by all its tensors "
+                "(the loss or its scale, the batch, the learning rate)"
+            )
+    peer = _peer_outlier(group, root)
+    if peer is not None and peer[0] is not root:
+        root = peer[0]
+    if peer is not None:
+        evidence.append(f"rank {root['rank']}'s value is x{peer[1]:.3g} off its peers' median")
+    if phase == PHASES["post_grad"] and not any(phase_of(r) == PHASES["acc_grad"] for r in records):
+        evidence.append(
+            "its reduced gradient is abnormal while no local gradient was: it changed after backward "
+            "(in the reduction, or edited in place before the optimizer step)"
+        )
+    return root, evidence
