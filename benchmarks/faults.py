@@ -107,14 +107,37 @@ class Expected:
     rank: int | None  # the root's rank for one-rank faults under DDP; else None
 
 
+def check(case: Case) -> None:
+    """Raise ValueError for a case that names an unknown part or whose fault would never happen."""
+    if case.family not in TARGETS or case.optimizer not in ("adamw", "sgd"):
+        raise ValueError(f"unknown family or optimizer in {case}: expected gpt|mlp and adamw|sgd")
+    if case.grad_acc < 1 or case.ranks < 1 or case.steps < 1:
+        raise ValueError(f"grad_acc, ranks and steps must be >= 1: {case}")
+    if case.fault is not None:
+        if case.fault not in FAULTS:
+            raise ValueError(f"unknown fault {case.fault!r}: expected one of {', '.join(FAULTS)}")
+        if not 0 <= case.fault_step < case.steps or (
+            case.ranks > 1 and not 0 <= case.fault_rank < case.ranks
+        ):
+            raise ValueError(f"the fault step or rank is outside the run: {case}")
+
+
 def expected(case: Case) -> Expected | None:
-    """The expected root of ``case``'s fault; None for a clean run."""
+    """The expected root of ``case``'s fault; None for a clean run.
+
+    An activation fault's module covers its output and the gradients it causes there; a flipped
+    weight's own row or its module's output (the first place the flip shows in a step) is right.
+    """
+    check(case)
     if case.fault is None:
         return None
-    if case.fault not in FAULTS:
-        raise ValueError(f"unknown fault {case.fault!r}: expected one of {', '.join(FAULTS)}")
     target = TARGETS[case.family].get(case.fault)
-    modules = () if case.fault in NO_MODULE else (target,)
+    if case.fault in NO_MODULE:
+        modules: tuple[str, ...] = ()
+    elif case.fault == "weight_flip":
+        modules = (target, target.rsplit(".", 1)[0] + ".output")
+    else:
+        modules = (target,)
     rank = case.fault_rank if case.ranks > 1 and case.fault in ONE_RANK_FAULTS else None
     return Expected(case.fault_step, modules, rank)
 
@@ -354,6 +377,7 @@ def run_case(case: Case, config: dict, output_root: str, quiet: bool = False) ->
     monitor's warning and error counts per rank). ``quiet`` keeps the monitor's log off stderr.
     """
     started = time.perf_counter()
+    root = expected(case)  # checks the case too
     output_root = os.path.abspath(output_root)
     env = {"MONITOR_OUTPUT_DIR": output_root, "OMP_NUM_THREADS": "1"}
     if case.ranks > 1:
@@ -369,7 +393,6 @@ def run_case(case: Case, config: dict, output_root: str, quiet: bool = False) ->
                     os.environ.pop(key, None)
                 else:
                     os.environ[key] = value
-    root = expected(case)
     return {
         "losses": results[0]["losses"],
         "seconds": results[0]["seconds"],

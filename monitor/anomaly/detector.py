@@ -3,7 +3,9 @@
 For each data type the detector keeps a Baseline whose rows are tags; a step's record is
 evaluated with numpy over all (tag, op) cells at once. Non-finite values come first (on by
 default, whatever the rules: a NaN or Inf statistic, or a NaN count above zero, is rule
-``NonFinite``); then the first rule (in config order) that flags a cell reports it. Every
+``NonFinite``); then the first rule (in config order) that flags a cell reports it; then, when
+a data type's norms moved together (clipping, loss scaling) and were flagged, the one norm that
+moved against that common move is reported as ``MovedAlone``. Every
 abnormal cell of every step is returned: which of them become records, and how they group into
 incidents, is decided by :mod:`monitor.anomaly.incidents`.
 
@@ -24,13 +26,12 @@ from typing import Any
 
 import numpy as np
 
-from monitor.anomaly.rules import COUNT_OPS
+from monitor.anomaly.root import ALONE_FACTOR
+from monitor.anomaly.rules import COUNT_OPS, MOVED_ALONE, NONFINITE
 from monitor.record import RowSet, StepRecord
 
 #: layout version of Detector.state_dict().
 STATE_VERSION = 1
-#: the rule name of non-finite values, reported whatever the configured rules.
-NONFINITE = "NonFinite"
 #: the fields of msprobe's anomaly record, in its order: anomaly.json holds exactly these, so
 #: msprobe's own analyser reads our files (it builds its record class from them and rejects others).
 REFERENCE_FIELDS = (
@@ -104,9 +105,11 @@ class Detector:
         pp_stage: int = 0,
         group_mates: list[int] | None = None,
         non_finite: bool = True,
+        moved_alone: bool = True,
     ) -> None:
         self.rules = rules
         self.non_finite = non_finite
+        self.moved_alone = moved_alone
         self.rank = rank
         self.pp_stage = pp_stage
         self.group_mates = list(group_mates) if group_mates is not None else [rank]
@@ -140,6 +143,7 @@ class Detector:
             index = np.arange(len(record.rows))  # the table grew since: no longer the whole state
         states = self._grown_states(record.prefix, record.ops)
         logs, level_rows = self._levels_of(record, values, index)
+        scale = _element_scale(values, record.ops)
         reported = None
         hits: list[tuple[int, int, str, float]] = []
         if self.non_finite:
@@ -157,7 +161,10 @@ class Detector:
             else:
                 where = index if cols is None else np.ix_(index, cols)
                 rows = {name: array[where] for name, array in state.items()}
-            mask, baseline = rule.apply(view, rows, ops)
+            if getattr(rule, "uses_scale", False):
+                mask, baseline = rule.apply(view, rows, ops, scale=scale)
+            else:
+                mask, baseline = rule.apply(view, rows, ops)
             if reported is not None:
                 mask &= ~(reported if cols is None else reported[:, cols])
             if mask.any():
@@ -174,6 +181,8 @@ class Detector:
                     state[name][:, cols] = array
                 else:
                     state[name][where] = array
+        if self.moved_alone:
+            hits += _moved_alone(logs, level_rows, hits, record.ops)
         ratios = self._ratios(logs, level_rows, hits)
         self._update_levels(record, logs, level_rows, index)
         return [
@@ -335,6 +344,48 @@ class Detector:
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ValueError(f"detector state: malformed ({type(exc).__name__}: {exc})") from None
         self._rows, self._states, self._index_cache, self._levels = rows, states, {}, {}
+
+
+def _moved_alone(
+    logs: np.ndarray, level_rows: tuple[np.ndarray, np.ndarray], hits: list, ops: tuple[str, ...]
+) -> list[tuple[int, int, str, float]]:
+    """The ``norm`` cell that moved against its data type's common move, when that common move
+    (the median over every row) is at least ALONE_FACTOR and was flagged somewhere: clipping or
+    loss scaling then moved every tensor alike, and the tensor that caused it may itself look
+    ordinary (clipped back to the usual size) while every other one is flagged."""
+    if "norm" not in ops or not hits:
+        return []
+    col = ops.index("norm")
+    flagged = {row for row, c, _, _ in hits if c == col}
+    if not flagged:
+        return []
+    level, count = level_rows
+    with np.errstate(invalid="ignore"):
+        moves = np.where(
+            (count[:, col] > 0) & np.isfinite(logs[:, col]), logs[:, col] - level[:, col], np.nan
+        )
+    known = np.flatnonzero(np.isfinite(moves))
+    if known.size < 3:
+        return []
+    common = float(np.median(moves[known]))
+    limit = math.log(ALONE_FACTOR)
+    if abs(common) < limit:
+        return []
+    excess = np.abs(moves[known] - common)
+    order = np.argsort(excess)[::-1]
+    best, runner_up = excess[order[0]], excess[order[1]]
+    row = int(known[order[0]])
+    if best < limit or best - runner_up < limit or row in flagged:
+        return []
+    return [(row, col, MOVED_ALONE, math.exp(float(level[row, col])))]
+
+
+def _element_scale(values: np.ndarray, ops: tuple[str, ...]) -> np.ndarray | None:
+    """Each row's element scale ``max(|min|, |max|)`` when both ops are recorded, else None."""
+    if "min" not in ops or "max" not in ops:
+        return None
+    with np.errstate(invalid="ignore"):
+        return np.maximum(np.abs(values[:, ops.index("min")]), np.abs(values[:, ops.index("max")]))
 
 
 def _columns(rule: Any, ops: tuple[str, ...]) -> np.ndarray | None:

@@ -22,8 +22,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from monitor.anomaly.detector import NONFINITE, Anomaly, Detector
+from monitor.anomaly.detector import Anomaly, Detector
 from monitor.anomaly.root import choose_root, number, phase_of
+from monitor.anomaly.rules import NONFINITE
 
 logger = logging.getLogger("trainmon")
 

@@ -34,6 +34,7 @@ import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from monitor.anomaly.rules import NONFINITE
 from monitor.naming import split_tag
 
 Record = Mapping[str, Any]
@@ -68,7 +69,6 @@ OTHER_PHASE = 8
 ALONE_FACTOR = 4.0
 #: with three or more ranks, a value this far from its peers' median marks its rank.
 PEER_FACTOR = 4.0
-NONFINITE = "NonFinite"
 
 
 def phase_of(record: Record) -> int:

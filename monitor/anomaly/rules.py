@@ -25,6 +25,12 @@ from monitor.config import ConfigError
 
 #: ops whose value is a count of NaN elements: any count above zero is a NaN signal.
 COUNT_OPS = ("nans",)
+#: the verdicts the detector adds to the rules' own: a NaN/Inf statistic, and a tensor that moved
+#: against the common move of its data type while that common move was flagged.
+NONFINITE = "NonFinite"
+MOVED_ALONE = "MovedAlone"
+#: ops that are signed and may hover around zero, unlike norms, shares and counts.
+SIGNED_OPS = ("mean", "min", "max")
 #: ``semantics`` of AnomalyTurbulence: msprobe's later EMA rule (default) or 1.2.2's running mean.
 TURBULENCE_SEMANTICS = ("later", "1.2.2")
 #: largest integer rule argument (warm-up lengths); keeps comparisons within float range.
@@ -45,47 +51,71 @@ def _folded(values: np.ndarray, skip_nonfinite: bool) -> np.ndarray:
 class AnomalyTurbulence:
     """``|value| > ema * (1 + threshold)``, where ema is the EMA (beta 0.99) of past |values|.
 
-    msprobe's later semantics (``semantics: "later"``), initialised by the first value; the rule
-    sees the EMA before this step's update. Opt-in extras (rule args):
+    msprobe's later rule (``semantics: "later"``, the default), initialised by the first value;
+    the rule sees the EMA before this step's update. On training signals it floods: the EMA lags
+    every trend (learning-rate warm-up, Adam's moments growing from zero), gradient norms jump
+    by 50% from step to step in small batches, and means hover around zero where any change is
+    large relative to the mean itself. So by default a value must also
 
-    * ``warmup``: values folded into the EMA before any verdict (default 1, as the reference);
-    * ``ops``: the statistics judged (default norm and mean, as the reference);
-    * ``two_sided``: flag ``||value| - ema| > threshold * ema`` instead, i.e. drops below
-      ``ema * (1 - threshold)`` too (only possible for threshold < 1);
-    * ``skip_nonfinite`` (default true): NaN/Inf do not enter the EMA. False is the reference
-      exactly: one NaN makes the EMA NaN and the rule silent for that (tag, op) forever.
+    * come after ``warmup`` values (default 20; the reference: 1);
+    * leave the tag's own noise: ``|value| - ema > noise * spread`` where spread is the EMA
+      (beta 0.9) of ``||value| - ema|`` (default 6; 0 turns it off), so a steady trend or a
+      noisy signal is judged against its own variability and a spike is still a spike;
+    * for signed statistics (mean, min, max), reach ``floor`` times the tensor's element scale
+      ``max(|min|, |max|)`` of the same step (default 0.1; needs min and max among the ops),
+      so a mean that hovers near zero relative to the values around it is not judged.
 
-    Unlike the reference, a value this rule does not judge (an op outside ``ops``) is still
-    offered to the rules after it.
+    Whatever the arguments, a ``norm`` that drops to exactly zero after a non-zero history is
+    flagged (a layer whose gradients died); otherwise ``warmup: 1, noise: 0, floor: 0`` is
+    msprobe's later rule exactly. ``two_sided`` also flags drops below ``ema * (1 - threshold)``.
+
+    Other arguments: ``ops`` (default norm and mean, as the reference); ``skip_nonfinite``
+    (default true): NaN/Inf do not enter the history (false is the reference: one NaN silences
+    the cell forever). Unlike the reference, a value this rule does not judge (an op outside
+    ``ops``) is still offered to the rules after it.
     """
 
     name = "AnomalyTurbulence"
-    fields: ClassVar[dict[str, float]] = {"ema": 0.0, "count": 0.0}
+    fields: ClassVar[dict[str, float]] = {"ema": 0.0, "spread": 0.0, "count": 0.0}
     beta = 0.99
+    spread_beta = 0.9
+    #: the detector passes each row's element scale, max(|min|, |max|), as ``scale``.
+    uses_scale = True
 
     def __init__(
         self,
         threshold: float,
         ops: tuple[str, ...] = ("norm", "mean"),
-        warmup: int = 1,
+        warmup: int = 20,
         two_sided: bool = False,
         skip_nonfinite: bool = True,
+        noise: float = 6.0,
+        floor: float = 0.1,
     ) -> None:
         self.threshold = threshold
         self.ops = ops
         self.warmup = warmup
         self.two_sided = two_sided
         self.skip_nonfinite = skip_nonfinite
+        self.noise = noise
+        self.floor = floor
 
     def apply(
-        self, values: np.ndarray, state: State, op_names: tuple[str, ...]
+        self, values: np.ndarray, state: State, op_names: tuple[str, ...], scale: np.ndarray | None = None
     ) -> tuple[np.ndarray, np.ndarray]:
         ema = state["ema"]
+        magnitude = np.abs(values)
         with np.errstate(invalid="ignore", over="ignore"):
             if self.two_sided:
-                mask = np.abs(np.abs(values) - ema) > self.threshold * ema
+                mask = np.abs(magnitude - ema) > self.threshold * ema
             else:
-                mask = np.abs(values) > ema * (1.0 + self.threshold)
+                mask = magnitude > ema * (1.0 + self.threshold)
+            if self.noise:
+                mask &= np.abs(magnitude - ema) > self.noise * state["spread"]
+            if self.floor and scale is not None:
+                signed = _op_columns(SIGNED_OPS, op_names)
+                mask &= ~signed | ~(magnitude < self.floor * scale[:, None])
+            mask |= _op_columns(("norm",), op_names) & (values == 0) & (ema > 0)
         return mask & (state["count"] >= self.warmup) & _op_columns(self.ops, op_names), ema
 
     def update(self, values: np.ndarray, state: State) -> State:
@@ -94,7 +124,15 @@ class AnomalyTurbulence:
         fresh = state["count"] == 0
         with np.errstate(invalid="ignore", over="ignore"):
             blended = np.where(fresh, magnitude, self.beta * state["ema"] + (1.0 - self.beta) * magnitude)
-        return {"ema": np.where(folded, blended, state["ema"]), "count": state["count"] + folded}
+            deviation = np.abs(magnitude - state["ema"])
+            spread = np.where(
+                fresh, 0.0, self.spread_beta * state["spread"] + (1.0 - self.spread_beta) * deviation
+            )
+        return {
+            "ema": np.where(folded, blended, state["ema"]),
+            "spread": np.where(folded, spread, state["spread"]),
+            "count": state["count"] + folded,
+        }
 
 
 class RunningMeanTurbulence:
@@ -172,7 +210,8 @@ class AnomalyZScore:
     0.9; the variance is bias-corrected for its zero start, like Adam's moments) and flags a
     value whose z-score exceeds ``threshold`` (default 6) once ``warmup`` values (default 10) were
     seen, provided it also differs from the running level by at least ``min_ratio`` (default 5x)
-    in either direction. Zero, NaN and Inf never enter the history. A step that is flagged
+    in either direction. Zero, NaN and Inf never enter the history; a ``norm`` that drops to
+    exactly zero after such a history is flagged (a layer whose gradients died). A step that is flagged
     still enters it, so one spike is reported once, not at every step of its echo in the
     optimizer's moments.
 
@@ -233,8 +272,10 @@ class AnomalyZScore:
         deviation = np.abs(logs - state["mean"])
         var = state["var"] / self._correction(state["count"])
         sigma = np.maximum(np.sqrt(var), self.sigma_floor)
+        vanished = _op_columns(("norm",), op_names) & (logs == -np.inf)  # a norm dropped to zero
         with np.errstate(invalid="ignore"):
-            mask = (deviation > self.threshold * sigma) & (deviation > self.log_ratio) & np.isfinite(logs)
+            mask = (deviation > self.threshold * sigma) & (deviation > self.log_ratio)
+        mask &= np.isfinite(logs) | vanished
         mask &= (state["count"] >= self.warmup) & _op_columns(self.ops, op_names)
         return mask, np.exp(state["mean"])
 
@@ -263,6 +304,8 @@ _ARGS: dict[str, dict[str, tuple[str, float]]] = {
         "semantics": ("semantics", 0),
         "two_sided": ("bool", 0),
         "skip_nonfinite": ("bool", 0),
+        "noise": ("number", 0.0),
+        "floor": ("number", 0.0),
     },
     "AnomalyNan": {"threshold": ("number", 0.0)},
     "AnomalyZScore": {
@@ -339,6 +382,12 @@ def validate_rule_args(name: str, args: Mapping[str, Any], path: str) -> dict[st
                 f"{path}.two_sided: expected false or absent with semantics '1.2.2' (its rule is "
                 "one-sided by definition), got True"
             )
+        for key in ("noise", "floor"):
+            if result.get("semantics") == "1.2.2" and key in result:
+                raise ConfigError(
+                    f"{path}.{key}: expected absent with semantics '1.2.2' (msprobe 1.2.2's rule is kept "
+                    f"exactly and has no {key}), got {_shown(result[key])}"
+                )
     return result
 
 

@@ -25,9 +25,14 @@ from monitor.config import ConfigError, load_config
 from monitor.record import RowSet
 
 
+def msprobe_later(threshold: float, **kwargs) -> AnomalyTurbulence:
+    """msprobe's later turbulence rule exactly: no warm-up beyond the first value, no noise or floor."""
+    return AnomalyTurbulence(threshold, **{"warmup": 1, "noise": 0.0, "floor": 0.0, **kwargs})
+
+
 def rules_only(rules, **kwargs) -> Detector:
-    """A detector with the rules alone: the non-finite check, on by default, is tested on its own."""
-    return Detector(rules, non_finite=False, **kwargs)
+    """A detector with the rules alone: its own verdicts (non-finite, moved alone) are tested apart."""
+    return Detector(rules, non_finite=False, moved_alone=False, **kwargs)
 
 
 def _tag(name: str) -> str:
@@ -78,13 +83,18 @@ def _reference_122(series: list[float], threshold: float) -> list[tuple[bool, fl
     return out
 
 
-def _reference_later(series: list[float], threshold: float, two_sided=False, skip_nonfinite=True):
-    """Later msprobe EMA of |value| (beta 0.99), with the opt-in two-sided test and NaN/Inf skipping."""
+def _reference_later(
+    series: list[float], threshold: float, two_sided=False, skip_nonfinite=True, vanish=False
+):
+    """Later msprobe EMA of |value| (beta 0.99), with the opt-in two-sided test and NaN/Inf skipping;
+    ``vanish``: also a value of exactly zero after a positive EMA (what trainmon adds for norms)."""
     out, ema = [], None
     for cur in series:
         magnitude = abs(cur)
         if ema is None:
             flag = False
+        elif vanish and cur == 0 and ema > 0:
+            flag = True
         elif two_sided:
             flag = abs(magnitude - ema) > threshold * ema
         else:
@@ -102,7 +112,7 @@ def _reference_zscore(series, threshold=6.0, warmup=10, beta=0.9, min_ratio=5.0,
     for x in series:
         finite = math.isfinite(x) and x != 0
         log = math.log(abs(x)) if finite else math.nan
-        flag = False
+        flag = x == 0 and count >= warmup  # a norm that vanished after a history
         if finite and count >= warmup:
             corrected = var / (1 - beta ** (count - 1)) if count > 1 else 0.0
             sigma = max(math.sqrt(corrected), floor)
@@ -214,20 +224,21 @@ def test_later_without_nonfinite_skipping_is_the_reference_exactly(make_record):
     rng = np.random.default_rng(8)
     names, ops = ("a", "b"), ("norm", "mean", "max")
     series = _signed_series(rng, 300, len(names), len(ops))
-    rule = _rule_from_config({"threshold": 0.5, "skip_nonfinite": False})
+    exact = {"warmup": 1, "noise": 0, "floor": 0}
+    rule = _rule_from_config({"threshold": 0.5, "skip_nonfinite": False, **exact})
     found = _drive(rules_only([rule], rank=0), make_record, series, names, ops)
     expected = _expected(
-        series, names, ops, ("norm", "mean"), lambda s: _reference_later(s, 0.5, skip_nonfinite=False)
-    )
+        series, names, ops, ("norm",), lambda s: _reference_later(s, 0.5, skip_nonfinite=False, vanish=True)
+    ) | _expected(series, names, ops, ("mean",), lambda s: _reference_later(s, 0.5, skip_nonfinite=False))
     assert set(_hits(found)) == expected
     assert len(found) == len(expected) > 10
 
 
 def test_later_exact_reference_is_poisoned_by_nan(make_record):
     series = [1.0, math.nan, 1.0, 40.0]
-    poisoned = AnomalyTurbulence(0.5, skip_nonfinite=False)
+    poisoned = msprobe_later(0.5, skip_nonfinite=False)
     assert _drive(rules_only([poisoned], rank=0), make_record, series) == []
-    assert _hits(_drive(rules_only([AnomalyTurbulence(0.5)], rank=0), make_record, series)) == [
+    assert _hits(_drive(rules_only([msprobe_later(0.5)], rank=0), make_record, series)) == [
         (3, _tag("w"), "norm")
     ]
 
@@ -236,9 +247,11 @@ def test_two_sided_matches_the_reference_with_nan_and_inf(make_record):
     rng = np.random.default_rng(21)
     names, ops = ("a", "b", "c"), ("norm", "mean")
     series = _signed_series(rng, 300, len(names), len(ops))
-    rule = _rule_from_config({"threshold": 0.6, "two_sided": True})
+    rule = _rule_from_config({"threshold": 0.6, "two_sided": True, "warmup": 1, "noise": 0, "floor": 0})
     found = _drive(rules_only([rule], rank=0), make_record, series, names, ops)
-    expected = _expected(series, names, ops, ops, lambda s: _reference_later(s, 0.6, two_sided=True))
+    expected = _expected(
+        series, names, ops, ("norm",), lambda s: _reference_later(s, 0.6, two_sided=True, vanish=True)
+    ) | _expected(series, names, ops, ("mean",), lambda s: _reference_later(s, 0.6, two_sided=True))
     assert set(_hits(found)) == expected
     assert len(found) == len(expected) > 10
 
@@ -246,8 +259,8 @@ def test_two_sided_matches_the_reference_with_nan_and_inf(make_record):
 def test_two_sided_flags_a_drop_at_its_step_and_one_sided_does_not(make_record):
     series = [1.0] * 20
     series[12] = 0.1
-    two = _drive(rules_only([AnomalyTurbulence(0.5, two_sided=True)], rank=0), make_record, series)
-    one = _drive(rules_only([AnomalyTurbulence(0.5)], rank=0), make_record, series)
+    two = _drive(rules_only([msprobe_later(0.5, two_sided=True)], rank=0), make_record, series)
+    one = _drive(rules_only([msprobe_later(0.5)], rank=0), make_record, series)
     assert _hits(two) == [(12, _tag("w"), "norm")]
     assert one == []
 
@@ -255,15 +268,13 @@ def test_two_sided_flags_a_drop_at_its_step_and_one_sided_does_not(make_record):
 def test_two_sided_flags_a_spike_at_its_step(make_record):
     series = [2.0] * 20
     series[15] = 10.0
-    found = _drive(rules_only([AnomalyTurbulence(0.5, two_sided=True)], rank=0), make_record, series)
+    found = _drive(rules_only([msprobe_later(0.5, two_sided=True)], rank=0), make_record, series)
     assert _hits(found) == [(15, _tag("w"), "norm")]
 
 
 def test_two_sided_warmup_suppresses_early_verdicts(make_record):
     series = [1.0, 0.1, 1.0, 1.0, 0.1]
-    found = _drive(
-        rules_only([AnomalyTurbulence(0.5, warmup=4, two_sided=True)], rank=0), make_record, series
-    )
+    found = _drive(rules_only([msprobe_later(0.5, warmup=4, two_sided=True)], rank=0), make_record, series)
     assert _hits(found) == [(4, _tag("w"), "norm")]
 
 
@@ -347,7 +358,7 @@ def _rules():
     return [
         AnomalyNan(),
         AnomalyZScore(threshold=4.0, min_ratio=2.0, warmup=5),
-        AnomalyTurbulence(0.5, two_sided=True, warmup=3),
+        msprobe_later(0.5, two_sided=True, warmup=3),
         RunningMeanTurbulence(0.3),
     ]
 
@@ -391,18 +402,21 @@ def test_state_round_trip_continues_exactly_like_an_uninterrupted_run(make_recor
 
 
 def test_state_holds_tag_tables_and_per_rule_arrays(make_record):
-    detector = rules_only([AnomalyTurbulence(0.5)], rank=0)
+    detector = rules_only([msprobe_later(0.5)], rank=0)
     _drive(detector, make_record, [[2.0, -4.0], [4.0, -8.0]], names=("x",), ops=("norm", "min"))
     state = detector.state_dict()
     assert state["tags"] == {"grad_reduced": [_tag("x")]}
     (entry,) = state["baselines"]
     assert (entry["prefix"], entry["ops"]) == ("grad_reduced", ["norm", "min"])
     # the rule judges norm and mean only: the min column keeps no history
-    assert entry["states"] == [{"ema": [[0.99 * 2.0 + 0.01 * 4.0, 0.0]], "count": [[2.0, 0.0]]}]
+    ema, spread = [[0.99 * 2.0 + 0.01 * 4.0, 0.0]], [[(1.0 - 0.9) * abs(4.0 - 2.0), 0.0]]
+    assert entry["states"] == [{"ema": ema, "spread": spread, "count": [[2.0, 0.0]]}]
     assert state["rules"] == [
         {
             "rule": "AnomalyTurbulence",
             "args": {
+                "floor": 0.0,
+                "noise": 0.0,
                 "ops": ["norm", "mean"],
                 "skip_nonfinite": True,
                 "threshold": 0.5,
@@ -426,15 +440,15 @@ def test_state_of_a_fresh_detector_loads(make_record):
         [
             AnomalyNan(),
             AnomalyZScore(threshold=4.0, min_ratio=2.0, warmup=5),
-            AnomalyTurbulence(0.5, warmup=3),
+            msprobe_later(0.5, warmup=3),
             RunningMeanTurbulence(0.3),
         ],  # two_sided differs
         _rules()[:3],  # a rule fewer
         [
             AnomalyNan(),
             AnomalyZScore(threshold=4.0, min_ratio=2.0, warmup=5),
-            AnomalyTurbulence(0.5, two_sided=True, warmup=3),
-            AnomalyTurbulence(0.3),
+            msprobe_later(0.5, two_sided=True, warmup=3),
+            msprobe_later(0.3),
         ],  # later vs 1.2.2
     ],
 )

@@ -17,9 +17,14 @@ from monitor.anomaly.rules import AnomalyNan, AnomalyTurbulence, AnomalyZScore
 from monitor.record import RowSet
 
 
+def msprobe_later(threshold: float, **kwargs) -> AnomalyTurbulence:
+    """msprobe's later turbulence rule exactly: no warm-up beyond the first value, no noise or floor."""
+    return AnomalyTurbulence(threshold, **{"warmup": 1, "noise": 0.0, "floor": 0.0, **kwargs})
+
+
 def rules_only(rules, **kwargs) -> Detector:
-    """A detector with the rules alone: the non-finite check, on by default, is tested on its own."""
-    return Detector(rules, non_finite=False, **kwargs)
+    """A detector with the rules alone: its own verdicts (non-finite, moved alone) are tested apart."""
+    return Detector(rules, non_finite=False, moved_alone=False, **kwargs)
 
 
 def _tag(name: str) -> str:
@@ -55,7 +60,7 @@ def _flat_with_spike(length: int, at: int, spike: float, base: float = 1.0) -> l
 
 
 def test_turbulence_detects_a_spike_exactly_at_its_step(make_record):
-    detector = rules_only([AnomalyTurbulence(threshold=0.5)], rank=0)
+    detector = rules_only([msprobe_later(threshold=0.5)], rank=0)
     assert _drive(detector, make_record, _flat_with_spike(30, 17, 5.0)) == [(17, _tag("w"), "norm")]
 
 
@@ -76,12 +81,12 @@ def test_spike_on_one_tag_is_reported_for_that_tag_only(make_record):
     names = ("a", "b", "c")
     series = np.ones((20, 3, 1))
     series[12, 1, 0] = 40.0
-    detector = rules_only([AnomalyTurbulence(threshold=0.5)], rank=0)
+    detector = rules_only([msprobe_later(threshold=0.5)], rank=0)
     assert _drive(detector, make_record, series, names=names) == [(12, _tag("b"), "norm")]
 
 
 def test_new_rows_objects_each_step_keep_the_same_baselines(make_record):
-    detector = rules_only([AnomalyTurbulence(threshold=0.5)], rank=0)
+    detector = rules_only([msprobe_later(threshold=0.5)], rank=0)
     hits = _drive(detector, make_record, _flat_with_spike(20, 9, 3.0), reuse_rows=False)
     assert hits == [(9, _tag("w"), "norm")]
 
@@ -119,7 +124,7 @@ def test_turbulence_matches_an_independent_reimplementation(make_record):
             flags = _reference_turbulence(series[:, r, c].tolist(), threshold)
             expected |= {(step, _tag(name), op) for step, flag in enumerate(flags) if flag}
 
-    detector = rules_only([AnomalyTurbulence(threshold=threshold, ops=configured)], rank=0)
+    detector = rules_only([msprobe_later(threshold=threshold, ops=configured)], rank=0)
     hits = _drive(detector, make_record, series, names=names, ops=ops)
     assert len(hits) == len(set(hits))
     assert set(hits) == expected
@@ -129,14 +134,14 @@ def test_turbulence_matches_an_independent_reimplementation(make_record):
 def test_turbulence_only_flags_configured_ops(make_record):
     series = np.ones((10, 1, 3))
     series[5] = 50.0  # every op jumps
-    detector = rules_only([AnomalyTurbulence(threshold=0.5, ops=("max",))], rank=0)
+    detector = rules_only([msprobe_later(threshold=0.5, ops=("max",))], rank=0)
     assert _drive(detector, make_record, series, ops=("norm", "max", "mean")) == [(5, _tag("w"), "max")]
 
 
 def test_turbulence_default_ops_are_norm_and_mean(make_record):
     series = np.ones((10, 1, 3))
     series[5] = 50.0
-    detector = rules_only([AnomalyTurbulence(threshold=0.5)], rank=0)
+    detector = rules_only([msprobe_later(threshold=0.5)], rank=0)
     hits = _drive(detector, make_record, series, ops=("norm", "max", "mean"))
     assert hits == [(5, _tag("w"), "norm"), (5, _tag("w"), "mean")]
 
@@ -146,7 +151,7 @@ def test_turbulence_reports_the_ema_before_the_update_as_baseline(make_record):
     ema = 2.0
     for value in series[1:3]:
         ema = 0.99 * ema + 0.01 * value
-    detector = rules_only([AnomalyTurbulence(threshold=1.0)], rank=0)
+    detector = rules_only([msprobe_later(threshold=1.0)], rank=0)
     found = []
     for step, value in enumerate(series):
         found += detector.evaluate(_rec(make_record, step, ["w"], [[value]], ("norm",)))
@@ -191,7 +196,7 @@ def test_nan_rule_without_threshold_ignores_large_finite_values(make_record):
 def test_turbulence_baseline_is_not_poisoned_by_nan(make_record):
     # the 1.2.2 running mean becomes NaN forever after one NaN (spec W22)
     series = [1.0, 1.0, 1.0, math.nan, 1.0, 1.0, 5.0, 1.0]
-    detector = rules_only([AnomalyTurbulence(threshold=0.5)], rank=0)
+    detector = rules_only([msprobe_later(threshold=0.5)], rank=0)
     assert _drive(detector, make_record, series) == [(6, _tag("w"), "norm")]
 
 
@@ -200,7 +205,7 @@ def test_turbulence_baseline_after_nan_and_inf_equals_ema_of_finite_values(make_
     ema = 1.0
     for value in (2.0, 1.5):
         ema = 0.99 * ema + 0.01 * value
-    detector = rules_only([AnomalyTurbulence(threshold=0.5)], rank=0)
+    detector = rules_only([msprobe_later(threshold=0.5)], rank=0)
     found = []
     for step, value in enumerate(series):
         found += detector.evaluate(_rec(make_record, step, ["w"], [[value]], ("norm",)))
@@ -209,17 +214,19 @@ def test_turbulence_baseline_after_nan_and_inf_equals_ema_of_finite_values(make_
 
 
 def test_zscore_baseline_is_not_poisoned_by_nan_inf_or_zero(make_record):
+    """NaN and Inf are left to the non-finite check; a norm that vanishes is flagged, and none
+    of them enters the baseline, so the spike at 100 is still judged against the clean history."""
     rng = np.random.default_rng(7)
     series = rng.lognormal(0.0, 0.1, 120)
     series[40], series[50], series[60] = math.nan, math.inf, 0.0
     series[100] *= 10.0
     detector = rules_only([AnomalyZScore()], rank=0)
-    assert _drive(detector, make_record, series) == [(100, _tag("w"), "norm")]
+    assert _drive(detector, make_record, series) == [(60, _tag("w"), "norm"), (100, _tag("w"), "norm")]
 
 
 def test_nan_first_value_does_not_start_the_turbulence_baseline(make_record):
     series = [math.nan, 4.0, 4.2, 20.0]
-    detector = rules_only([AnomalyTurbulence(threshold=0.5)], rank=0)
+    detector = rules_only([msprobe_later(threshold=0.5)], rank=0)
     assert _drive(detector, make_record, series) == [(3, _tag("w"), "norm")]
 
 
@@ -227,12 +234,12 @@ def test_nan_first_value_does_not_start_the_turbulence_baseline(make_record):
 
 
 def test_turbulence_never_flags_the_first_value(make_record):
-    detector = rules_only([AnomalyTurbulence(threshold=0.0)], rank=0)
+    detector = rules_only([msprobe_later(threshold=0.0)], rank=0)
     assert _drive(detector, make_record, [1e6]) == []
 
 
 def test_turbulence_default_warmup_flags_the_second_value(make_record):
-    detector = rules_only([AnomalyTurbulence(threshold=0.5)], rank=0)
+    detector = rules_only([msprobe_later(threshold=0.5)], rank=0)
     assert _drive(detector, make_record, [1.0, 10.0]) == [(1, _tag("w"), "norm")]
 
 
@@ -240,7 +247,7 @@ def test_turbulence_warmup_suppresses_verdicts_until_enough_values(make_record):
     series = np.ones((8, 2, 1))
     series[2, 0, 0] = 10.0  # third value of "early": only 2 seen before it
     series[3, 1, 0] = 10.0  # fourth value of "late": 3 seen before it
-    detector = rules_only([AnomalyTurbulence(threshold=0.5, warmup=3)], rank=0)
+    detector = rules_only([msprobe_later(threshold=0.5, warmup=3)], rank=0)
     assert _drive(detector, make_record, series, names=("early", "late")) == [(3, _tag("late"), "norm")]
 
 
@@ -288,7 +295,7 @@ def test_zscore_ignores_a_2x_step_below_min_ratio(make_record):
 
 
 def test_first_rule_wins_nan_before_turbulence(make_record):
-    detector = rules_only([AnomalyNan(), AnomalyTurbulence(threshold=0.5)], rank=0)
+    detector = rules_only([AnomalyNan(), msprobe_later(threshold=0.5)], rank=0)
     found = []
     for step, value in enumerate([1.0, math.inf]):
         found += detector.evaluate(_rec(make_record, step, ["w"], [[value]], ("norm",)))
@@ -296,7 +303,7 @@ def test_first_rule_wins_nan_before_turbulence(make_record):
 
 
 def test_first_rule_wins_turbulence_before_nan(make_record):
-    detector = rules_only([AnomalyTurbulence(threshold=0.5), AnomalyNan()], rank=0)
+    detector = rules_only([msprobe_later(threshold=0.5), AnomalyNan()], rank=0)
     found = []
     for step, value in enumerate([1.0, math.inf]):
         found += detector.evaluate(_rec(make_record, step, ["w"], [[value]], ("norm",)))
@@ -304,7 +311,7 @@ def test_first_rule_wins_turbulence_before_nan(make_record):
 
 
 def test_later_rule_still_reports_cells_the_first_rule_did_not_flag(make_record):
-    detector = rules_only([AnomalyNan(), AnomalyTurbulence(threshold=0.5)], rank=0)
+    detector = rules_only([AnomalyNan(), msprobe_later(threshold=0.5)], rank=0)
     found = []
     for step, values in enumerate([[[1.0], [1.0]], [[math.nan], [9.0]]]):
         found += detector.evaluate(_rec(make_record, step, ["a", "b"], values, ("norm",)))

@@ -1,0 +1,165 @@
+"""Every class of fault, injected into real training, is found at its step and named at its root.
+
+A small MLP regression (AdamW, clipping 1.0) trains 50 steps with the recommended rules
+(AnomalyNan, AnomalyZScore on norms) over every data type; one fault is injected at step 40,
+after the first steps' fast changes. The first incident must start at step 40 (an LR blow-up:
+40 or 41) and its root must name the
+module the fault was injected into; one-rank faults run on 4 gloo ranks and must name the rank.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from monitor import TrainerMon
+from monitor.anomaly.incident_files import merge
+from tests.adapters.torch.distributed import run_ranks, save_result
+
+STEPS, AT = 50, 40
+CONFIG = {
+    "wg_distribution": True,
+    "mv_distribution": True,
+    "param_distribution": True,
+    "xy_distribution": True,
+    "all_xy": True,
+    "ops": ["min", "max", "norm", "mean", "zeros", "nans"],
+    "format": "api",
+    "alert": {
+        "rules": [
+            {"rule_name": "AnomalyNan"},
+            {"rule_name": "AnomalyZScore", "args": {"threshold": 6.0, "warmup": 10, "min_ratio": 5.0}},
+        ]
+    },
+}
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 32)
+        self.hidden = nn.ModuleList(nn.Linear(32, 32) for _ in range(3))
+        self.out = nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.inp(x))
+        for layer in self.hidden:
+            x = nn.functional.gelu(layer(x))
+        return self.out(x)
+
+
+@dataclass(frozen=True)
+class Fault:
+    """A fault, the module a root finder must name, and whether it happens on one rank only."""
+
+    name: str
+    module: str | None
+    one_rank: bool = False
+
+
+def _inject_forward(model: Net, fault: str, step: list[int]) -> None:
+    def hook(module, args, output):
+        if step[0] != AT:
+            return None
+        if fault == "nan_activation":
+            output = output.clone()
+            output[0, 0] = float("nan")
+            return output
+        return (output.to(torch.float16) * 6e4).to(output.dtype)  # fp16 overflows to Inf
+
+    model.hidden[1].register_forward_hook(hook)
+
+
+def _train(fault: str | None, rank: int = 0, world: int = 1, fault_rank: int = 0) -> TrainerMon:
+    torch.manual_seed(0)
+    model = Net()
+    net = DistributedDataParallel(model) if world > 1 else model
+    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    step = [0]
+    here = rank == fault_rank
+    if fault in ("nan_activation", "inf_overflow"):  # inside the module: its own output is bad
+        _inject_forward(model, fault, step)
+    mon = TrainerMon(CONFIG)
+    mon.set_monitor(net, grad_acc_steps=1, optimizer=optimizer)
+    generator = torch.Generator().manual_seed(100 + rank)
+    target = torch.randn(8, 4, generator=torch.Generator().manual_seed(7))
+    weight = model.hidden[1].weight
+    if fault == "grad_before_reduce" and here:
+        weight.register_hook(
+            lambda g: (
+                g.index_put((torch.tensor(0), torch.tensor(0)), g[0, 0] * 1e4) if step[0] == AT else None
+            )
+        )
+    if fault == "dead_layer":
+        weight.register_hook(lambda g: torch.zeros_like(g) if step[0] >= AT else None)
+    for step[0] in range(STEPS):
+        x = torch.randn(16, 8, generator=generator)
+        if fault == "bad_batch" and here and step[0] == AT:
+            x = x * 1e3
+        if fault == "weight_flip" and step[0] == AT:
+            with torch.no_grad():
+                model.hidden[2].weight[0, 0] = 1e4
+        if fault == "lr_x100" and step[0] == AT:
+            for group in optimizer.param_groups:
+                group["lr"] *= 100
+        loss = (net(x) - x @ target).pow(2).mean()
+        if fault == "loss_x1000" and step[0] == AT:
+            loss = loss * 1000
+        loss.backward()
+        if fault == "grad_after_backward" and step[0] == AT:
+            with torch.no_grad():
+                weight.grad[0, 0] *= 1e4
+        torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+    mon.stop()
+    return mon
+
+
+FAULTS = [
+    Fault("loss_x1000", None),
+    Fault("nan_activation", "hidden.1"),
+    Fault("inf_overflow", "hidden.1"),
+    Fault("grad_after_backward", "hidden.1.weight"),
+    Fault("weight_flip", "hidden.2.weight"),
+    Fault("lr_x100", None),
+    Fault("dead_layer", "hidden.1.weight"),
+]
+
+
+@pytest.mark.parametrize("fault", FAULTS, ids=lambda f: f.name)
+def test_a_fault_is_the_first_incident_at_its_step_and_its_module_is_the_root(fault):
+    incidents = _train(fault.name).incidents
+    assert incidents, f"{fault.name}: no incident"
+    first = incidents[0]
+    onsets = (AT, AT + 1) if fault.name == "lr_x100" else (AT,)
+    assert first.onset_step in onsets, f"{fault.name}: first incident at {first.onset_step}: {first.root}"
+    if fault.module is not None:
+        assert f":{fault.module}" in first.root["tag_name"], (first.root["tag_name"], first.evidence)
+
+
+def test_a_clean_run_opens_no_incident():
+    assert _train(None).incidents == []
+
+
+def _rank_worker(rank: int, world_size: int, workdir: str) -> None:
+    fault = os.environ["FAULT"]
+    mon = _train(fault, rank=rank, world=world_size, fault_rank=2)
+    save_result(workdir, rank, {"incidents": [incident.to_json() for incident in mon.incidents]})
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("fault", ["grad_before_reduce", "bad_batch"])
+def test_a_one_rank_fault_names_its_rank(tmp_path, fault):
+    results = run_ranks(_rank_worker, 4, str(tmp_path), env={"FAULT": fault})
+    merged = merge([incident for result in results for incident in result["incidents"]])
+    assert merged and merged[0].onset_step == AT, [m.to_json(1) for m in merged]
+    root = merged[0].root
+    assert root["rank"] == 2, (root, merged[0].evidence)
+    if fault == "grad_before_reduce":
+        assert ":hidden.1.weight" in root["tag_name"], (root, merged[0].evidence)

@@ -1,0 +1,209 @@
+"""Records once per tag, incidents per cause, and the root of an incident (framework-free).
+
+Steps are driven through the real Detector and IncidentTracker with hand-made records whose
+numbers say exactly what happened, so each expectation can be read off the series.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import numpy as np
+import pytest
+
+from monitor.anomaly.detector import Detector
+from monitor.anomaly.incident_files import merge
+from monitor.anomaly.incidents import CLOSE_AFTER, AnomalySink
+from monitor.anomaly.root import choose_root
+from monitor.anomaly.rules import NONFINITE, AnomalyTurbulence, AnomalyZScore
+from monitor.record import RowSet, StepRecord
+
+NAMES = ("layers.0.fc", "layers.1.fc", "layers.2.fc", "layers.3.fc")
+
+
+class Run:
+    """One rank's detector and sink, fed one dict of records per step."""
+
+    def __init__(self, rules=None, rank: int = 0) -> None:
+        self.sink = AnomalySink(Detector(rules if rules is not None else [AnomalyZScore()], rank=rank))
+        self.rank = rank
+        self._rows: dict[str, RowSet] = {}
+
+    def step(self, step: int, records: dict[str, np.ndarray], ops=("norm",)) -> None:
+        for task, values in records.items():
+            rows = self._rows.setdefault(task, RowSet.build([0] * len(NAMES), list(NAMES), self.rank, task))
+            array = np.asarray(values, dtype=np.float64).reshape(len(NAMES), len(ops))
+            self.sink.write(StepRecord(task, step, tuple(ops), rows, array, np.arange(len(NAMES))))
+        self.sink.end_step(step)
+
+    @property
+    def records(self):
+        return self.sink.found
+
+    @property
+    def incidents(self):
+        return self.sink.tracker.incidents
+
+
+def _noise(rng, scale=1.0):
+    return scale * rng.lognormal(0.0, 0.05, len(NAMES))
+
+
+def _clean(run: Run, rng, steps, tasks=("actv", "acc_grad", "post_grad")) -> None:
+    for step in steps:
+        run.step(step, {task: _noise(rng) for task in tasks})
+
+
+def test_a_nan_that_stays_is_one_incident_with_one_record_per_tag(caplog):
+    rng = np.random.default_rng(0)
+    run = Run()
+    _clean(run, rng, range(20))
+    with caplog.at_level(logging.INFO, logger="trainmon"):
+        for step in range(20, 60):  # layer 1's output is NaN from step 20 on, and everything after it
+            actv = _noise(rng)
+            actv[1:] = math.nan
+            run.step(
+                step, {"actv": actv, "acc_grad": np.full(4, math.nan), "post_grad": np.full(4, math.nan)}
+            )
+    (incident,) = run.incidents
+    assert incident.onset_step == 20 and incident.state == "open"
+    assert incident.root["tag_name"] == "0:layers.1.fc/rank0/actv" and incident.root["rule"] == NONFINITE
+    tags = [r.tag_name for r in run.records]
+    assert len(tags) == len(set(tags)) == 3 + 4 + 4
+    assert incident.abnormal_steps == 40
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "incident 1 at step 20" in warnings[0].getMessage()
+
+
+def test_a_tag_that_stays_abnormal_is_one_record_and_a_new_episode_is_another():
+    run = Run(rules=[AnomalyTurbulence(0.5, warmup=1, noise=0, floor=0)])
+    values = [1.0] * 5 + [10.0, 100.0, 1000.0] + [1.0] * 10 + [1e6] + [1.0] * 10
+    for step, value in enumerate(values):
+        run.step(step, {"post_grad": [1.0, value, 1.0, 1.0]})
+    assert [(r.step, r.tag_name) for r in run.records] == [
+        (5, "0:layers.1.fc/rank0/post_grad"),
+        (18, "0:layers.1.fc/rank0/post_grad"),
+    ]
+    first, second = run.incidents
+    assert (first.onset_step, first.state, first.closed_step) == (5, "closed", 7 + CLOSE_AFTER)
+    assert (second.onset_step, second.state) == (18, "closed")
+
+
+def test_the_first_abnormal_forward_activation_is_the_root_nearest_the_input():
+    rng = np.random.default_rng(1)
+    run = Run()
+    _clean(run, rng, range(15))
+    actv = _noise(rng)
+    actv[2:] *= 1e4  # layer 2 blows up, layer 3 follows
+    run.step(15, {"actv": actv, "acc_grad": _noise(rng, 1e4), "post_grad": _noise(rng, 1e4)})
+    (incident,) = run.incidents
+    assert incident.root["tag_name"] == "0:layers.2.fc/rank0/actv"
+    assert "forward activations" in incident.evidence[0]
+
+
+def test_under_clipping_the_tensor_that_moved_alone_is_the_root():
+    """One element of layer 1's gradient is corrupted after backward; clipping then shrinks every
+    reduced gradient by 1e-3 and all of them are flagged, but only layer 1 rose against the rest."""
+    rng = np.random.default_rng(2)
+    run = Run()
+    _clean(run, rng, range(15), tasks=("acc_grad", "post_grad"))
+    reduced = _noise(rng, 1e-3)
+    reduced[1] = 10.0
+    run.step(15, {"acc_grad": _noise(rng), "post_grad": reduced})
+    (incident,) = run.incidents
+    assert incident.root["tag_name"] == "0:layers.1.fc/rank0/post_grad"
+    assert any("moved x" in line and "together" in line for line in incident.evidence)
+    assert any("no local gradient was" in line for line in incident.evidence)
+
+
+def test_parameters_the_step_started_from_come_before_its_forward():
+    rng = np.random.default_rng(3)
+    run = Run()
+    _clean(run, rng, range(15), tasks=("param_origin", "actv"))
+    params, actv = _noise(rng), _noise(rng)
+    params[3], actv[3] = 1e4, 1e4  # a flipped weight in layer 3 and its output
+    run.step(15, {"param_origin": params, "actv": actv})
+    assert run.incidents[0].root["tag_name"] == "0:layers.3.fc/rank0/param_origin"
+
+
+def test_a_norm_that_drops_to_zero_is_an_incident():
+    rng = np.random.default_rng(4)
+    run = Run()
+    _clean(run, rng, range(15), tasks=("acc_grad",))
+    for step in range(15, 25):
+        grads = _noise(rng)
+        grads[0] = 0.0  # layer 0's gradients died
+        run.step(step, {"acc_grad": grads})
+    (incident,) = run.incidents
+    assert (incident.onset_step, incident.root["tag_name"]) == (15, "0:layers.0.fc/rank0/acc_grad")
+    assert len(run.records) == 1
+
+
+@pytest.mark.parametrize("rules", [[], [AnomalyTurbulence(0.5)]])
+def test_non_finite_is_an_anomaly_whatever_the_rules(rules):
+    run = Run(rules=rules)
+    for step in range(5):
+        run.step(step, {"acc_grad": [1.0, math.inf if step == 3 else 1.0, 1.0, 1.0]})
+    assert [(r.step, r.rule) for r in run.records] == [(3, NONFINITE)]
+
+
+def test_a_clean_noisy_run_opens_no_incident():
+    rng = np.random.default_rng(5)
+    run = Run(rules=[AnomalyZScore()])  # the recommended template
+    for step in range(500):
+        run.step(step, {"actv": rng.lognormal(0, 0.3, 4), "post_grad": rng.lognormal(0, 0.3, 4)})
+    assert run.incidents == [] and run.records == []
+
+
+def _rank_incidents(step, faulty_rank, ranks=4):
+    """Per-rank incidents as each rank writes them: the faulty rank's local gradient is abnormal
+    (and then, through the all-reduce, every rank's reduced gradient)."""
+    out = []
+    for rank in range(ranks):
+        run = Run(rank=rank)
+        rng = np.random.default_rng(10 + rank)
+        _clean(run, rng, range(15), tasks=("acc_grad", "post_grad"))
+        local = _noise(rng)
+        if rank == faulty_rank:
+            local[2] *= 1e4
+        reduced = _noise(rng)
+        reduced[2] *= 1e4 / ranks
+        run.step(step, {"acc_grad": local, "post_grad": reduced})
+        out += [incident.to_json() for incident in run.incidents]
+    return out
+
+
+def test_merged_across_ranks_the_rank_whose_local_gradient_broke_is_named():
+    (merged,) = merge(_rank_incidents(15, faulty_rank=2))
+    assert merged.ranks == [0, 1, 2, 3]
+    assert merged.root["tag_name"] == "0:layers.2.fc/rank2/acc_grad"
+    assert any("only rank 2 shows it" in line for line in merged.evidence)
+
+
+def test_choose_root_prefers_non_finite_within_the_first_phase():
+    records = [
+        {
+            "rank": 0,
+            "step": 4,
+            "micro_step": 0,
+            "call_id": 0,
+            "tag_name": "0:a/rank0/actv",
+            "rule": "X",
+            "ratio": 50.0,
+            "common": 1.0,
+        },
+        {
+            "rank": 0,
+            "step": 4,
+            "micro_step": 0,
+            "call_id": 1,
+            "tag_name": "0:b/rank0/actv",
+            "rule": NONFINITE,
+            "ratio": "nan",
+            "common": "nan",
+        },
+    ]
+    root, evidence = choose_root(records)
+    assert root["tag_name"] == "0:b/rank0/actv"
+    assert any("non-finite" in line for line in evidence)
