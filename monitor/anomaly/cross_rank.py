@@ -191,7 +191,7 @@ def format_outliers(rows: list[dict[str, object]]) -> str:
                 analyse._clean(f"{row['vpp_stage']}:{row['name']}"),
                 str(row["op"]),
                 *numbers,
-                f"{score:.1f}" if isinstance(score, float) else str(score),
+                f"{score:.3g}" if isinstance(score, float) else str(score),
             )
         )
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]

@@ -13,8 +13,10 @@ tensor are compared. Rank i's value x_i is measured against the median of the OT
   tensor's magnitude from step to step (size, not |median|, so that a signed statistic is
   measured against its spread, though across a few ranks a statistic that hovers around zero,
   such as a gradient's mean, still has no steady unit: the CLI leaves mean out by default);
-* REL_FLOOR * size: tensors identical on most ranks (MAD 0) do not alarm on rounding. When size
-  and MAD are both 0, any non-zero value is an outlier.
+* REL_FLOOR * size: tensors identical on most ranks (MAD 0) do not alarm on rounding;
+* ABS_FLOOR for shares (``zeros``): one percentage point, so that a share of 0.03 against peers
+  at exactly 0 is 3 units away, not infinitely many. Otherwise, when size and MAD are both 0,
+  any non-zero value is an outlier.
 
 A rank is flagged when |x_i - m_i| > k_mad * scale, or when its value is NaN/Inf while at least
 MIN_RANKS ranks hold finite values. Fewer than MIN_RANKS (3) finite values: no verdict (of two
@@ -36,6 +38,9 @@ from monitor.anomaly.rank_csv import Table
 MIN_RANKS = 3
 #: smallest scale, relative to the median magnitude.
 REL_FLOOR = 1e-3
+#: smallest scale of ops whose values are shares in [0, 1]: peers all at exactly 0 (a share of
+#: zeros) would otherwise leave no unit at all, and a 3% share would be 1e306 "MADs" away.
+ABS_FLOOR = {"zeros": 0.01}
 #: elements of one (rows x ranks) block.
 BLOCK = 1 << 22
 _TINY = np.finfo(np.float64).tiny
@@ -229,7 +234,16 @@ def compare_type(prefix: str, per_rank: dict[int, list[Table]], out: Outliers) -
             if len(keys) < len(values):
                 values, present = values[keys], present[keys]
             labels = (keys % n_labels, window[keys // per_step], (keys % per_step) // n_labels - 1)
-            judged = _block(values, present, labels, out.ops.index(op), out.k_mad, rows, candidates)
+            judged = _block(
+                values,
+                present,
+                labels,
+                out.ops.index(op),
+                ABS_FLOOR.get(op, 0.0),
+                out.k_mad,
+                rows,
+                candidates,
+            )
             out.judged += int((judged & _chosen(labels[1], out.only_steps)).sum())
     _judge(rows, candidates, ranks, out)
 
@@ -243,6 +257,7 @@ def _block(
     present: np.ndarray,
     labels: tuple[np.ndarray, np.ndarray, np.ndarray],
     op: int,
+    absolute_floor: float,
     k_mad: float,
     rows: _Columns,
     candidates: _Columns,
@@ -253,7 +268,8 @@ def _block(
     """
     stats = peer_stats(values, present)
     judged = stats.count >= MIN_RANKS
-    floor = np.maximum(np.maximum(stats.mad, REL_FLOOR * stats.size), _TINY)
+    floor = np.maximum.reduce([stats.mad, REL_FLOOR * stats.size, np.full(len(stats.mad), absolute_floor)])
+    floor = np.maximum(floor, _TINY)
     with np.errstate(invalid="ignore"):
         maybe = judged[:, None] & present & (~stats.finite | (stats.deviation > k_mad * floor[:, None]))
     label, step, micro = labels
@@ -286,7 +302,8 @@ def _judge(rows: _Columns, candidates: _Columns, ranks: np.ndarray, out: Outlier
     typical = np.fmax(tensor, per_op.reindex(candidates["op"]).to_numpy(np.float64))
     typical = np.nan_to_num(typical, nan=0.0)
     size = candidates["size"]
-    scale = np.maximum.reduce([candidates["mad"], typical * size, REL_FLOOR * size])
+    absolute = np.array([ABS_FLOOR.get(name, 0.0) for name in out.ops])[candidates["op"]]
+    scale = np.maximum.reduce([candidates["mad"], typical * size, REL_FLOOR * size, absolute])
     scale = np.where(scale > 0, scale, _TINY)
     deviation = candidates["deviation"]
     finite = np.isfinite(candidates["value"])

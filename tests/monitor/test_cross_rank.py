@@ -125,7 +125,8 @@ def reference_outliers(data: dict[tuple, dict[int, float]], k_mad: float, ops=CO
     for (_, name, op), entries in per_series.items():
         pooled = max(typical(entries), typical(per_op[op]))
         for micro, step, by_rank, size, deviation, mad in entries:
-            scale = max(mad, pooled * size, 1e-3 * size) or np.finfo(float).tiny
+            share_floor = 0.01 if op == "zeros" else 0.0  # a share differs by a percentage point at least
+            scale = max(mad, pooled * size, 1e-3 * size, share_floor) or np.finfo(float).tiny
             for rank, value in by_rank.items():
                 if not math.isfinite(value):
                     flagged[(rank, step, micro, name, op)] = math.inf
@@ -283,6 +284,14 @@ def test_identical_ranks_use_the_floor_and_flag_a_one_percent_departure(tmp_path
     )
     assert [(o["rank"], o["step"]) for o in document["outliers"]] == [(2, 1)]
     assert document["outliers"][0]["scale"] == pytest.approx(2e-3)  # 1e-3 * median |value|
+
+
+def test_a_small_share_of_zeros_against_peers_at_zero_is_not_an_outlier(tmp_path):
+    """Peers at exactly 0 give no MAD: shares are measured in percentage points instead."""
+    document = _run_from(tmp_path, {0: [0, 0.03, 0], 1: [0, 0, 0.5], 2: [0, 0, 0], 3: [0, 0, 0]}, op="zeros")
+    (outlier,) = document["outliers"]
+    assert (outlier["rank"], outlier["step"], outlier["scale"]) == (1, 2, 0.01)
+    assert outlier["deviation_mads"] == pytest.approx(50.0)
 
 
 def test_a_nonzero_nan_count_among_zeros_is_an_outlier(tmp_path):
