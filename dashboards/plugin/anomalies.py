@@ -1,10 +1,9 @@
-"""A run's anomalies for the dashboard, in the order of ``trainmon anomaly-analyse`` (first first).
+"""A run's anomalies for the dashboard, in the order of ``trainmon anomaly-analyse`` (earliest first).
 
 Reads ``anomaly_detected/<sub-directory>/anomaly.json`` like the analysis CLI, parses each record
-with :func:`monitor.anomaly.ordering.parse_record` and sorts with its ``sort_key`` (spec §9.5 with
-the W22 fixes), then maps each record to its heatmap cell: data type (from the tag's task), row
-and op. Malformed records and unreadable files are counted, never fatal.
-"""
+with :func:`monitor.anomaly.ordering.parse_record` and sorts with its ``sort_key`` (the order that
+module documents), then maps each record to its heatmap cell: data type (from the tag's task), row
+and op. Malformed records and unreadable files are counted, never fatal."""
 
 from __future__ import annotations
 
@@ -13,6 +12,7 @@ import os
 import threading
 from dataclasses import dataclass
 
+from dashboards.plugin.cache import FileVersions
 from monitor.anomaly.ordering import STAGE_NAMES, AnomalyRecord, parse_record, sort_key, stage_of
 from monitor.datatypes import RowKey, parse_tag
 from monitor.writers.eventfile import open_regular
@@ -20,6 +20,26 @@ from monitor.writers.eventfile import open_regular
 INPUT_NAME = "anomaly.json"
 #: anomaly files larger than this are not read (they would stall the server).
 MAX_FILE_BYTES = 512 << 20
+
+
+def record_json(record: AnomalyRecord, prefix: str, row: RowKey) -> dict:
+    """A record and its heatmap cell as JSON-ready values (non-finite floats are left to the JSON
+    encoder); the one shape of a record in /anomalies and /incidents."""
+    r = record
+    return {
+        "rank": r.rank,
+        "step": r.step,
+        "micro_step": r.micro_step,
+        "stage": STAGE_NAMES[stage_of(r)],
+        "prefix": prefix,
+        "op": r.op,
+        "tag": r.tag_name,
+        "row": [row.vpp_stage, row.name, row.micro_step],
+        "value": r.value,
+        "baseline": r.baseline,
+        "rule": r.rule,
+        "message": r.message,
+    }
 
 
 @dataclass
@@ -31,24 +51,31 @@ class AnomalyItem:
     prefix: str
     row: RowKey
 
-    def to_json(self) -> dict:
-        """The record as JSON-ready values (non-finite floats are left to the JSON encoder)."""
+    @classmethod
+    def of(cls, index: int, record: AnomalyRecord) -> AnomalyItem:
+        """The item of a record, its cell taken from the tag (data type from the task, row)."""
+        parsed = parse_tag(record.tag_name)
+        if parsed is None:
+            return cls(index, record, "", RowKey(0, record.tag_name, -1))
+        return cls(index, record, parsed.prefix, parsed.row)
+
+    def matches(self, rank: int, prefix: str, rule: str) -> bool:
+        """The list filters: a rank (-1: any), a data type and a rule ("": any)."""
         r = self.record
-        return {
-            "index": self.index,
-            "rank": r.rank,
-            "step": r.step,
-            "micro_step": r.micro_step,
-            "stage": STAGE_NAMES[stage_of(r)],
-            "prefix": self.prefix,
-            "op": r.op,
-            "tag": r.tag_name,
-            "row": [self.row.vpp_stage, self.row.name, self.row.micro_step],
-            "value": r.value,
-            "baseline": r.baseline,
-            "rule": r.rule,
-            "message": r.message,
-        }
+        return (rank < 0 or r.rank == rank) and prefix in ("", self.prefix) and rule in ("", r.rule)
+
+    def to_json(self) -> dict:
+        return {"index": self.index, **record_json(self.record, self.prefix, self.row)}
+
+
+def counts(items: list[AnomalyItem]) -> dict[str, list]:
+    """``[value, records]`` per rank, data type and rule, sorted: the choices of the list filters."""
+    found: dict[str, dict] = {"rank": {}, "prefix": {}, "rule": {}}
+    for item in items:
+        for name, value in (("rank", item.record.rank), ("prefix", item.prefix), ("rule", item.record.rule)):
+            if value is not None:
+                found[name][value] = found[name].get(value, 0) + 1
+    return {name: sorted(table.items()) for name, table in found.items()}
 
 
 @dataclass
@@ -60,8 +87,8 @@ class AnomalyList:
     skipped_files: int = 0
 
 
-def anomaly_files(anomaly_dir: str) -> list[str]:
-    """``anomaly_dir/<sub-directory>/anomaly.json`` (no symlinks at either level), sorted."""
+def anomaly_files(anomaly_dir: str, name: str = INPUT_NAME) -> list[str]:
+    """``anomaly_dir/<sub-directory>/<name>`` (no symlinks at either level), sorted."""
     found = []
     try:
         entries = list(os.scandir(anomaly_dir))
@@ -69,22 +96,27 @@ def anomaly_files(anomaly_dir: str) -> list[str]:
         return []
     for entry in entries:
         if entry.is_dir(follow_symlinks=False):
-            path = os.path.join(entry.path, INPUT_NAME)
+            path = os.path.join(entry.path, name)
             if os.path.isfile(path) and not os.path.islink(path):
                 found.append(path)
     return sorted(found)
 
 
-def _read(path: str) -> tuple[list[AnomalyRecord], int]:
-    """The valid records of one file and the number of invalid ones; raises OSError/ValueError."""
+def load_json(path: str) -> object:
+    """The JSON document of a regular file of at most MAX_FILE_BYTES; raises OSError/ValueError."""
     fd = open_regular(path)
     try:
         if os.fstat(fd).st_size > MAX_FILE_BYTES:
             raise ValueError(f"{path} is larger than {MAX_FILE_BYTES} bytes")
         with os.fdopen(fd, "rb", closefd=False) as handle:
-            document = json.loads(handle.read().decode("utf-8"))
+            return json.loads(handle.read().decode("utf-8"))
     finally:
         os.close(fd)
+
+
+def _read(path: str) -> tuple[list[AnomalyRecord], int]:
+    """The valid records of one file and the number of invalid ones; raises OSError/ValueError."""
+    document = load_json(path)
     if not isinstance(document, dict):
         raise ValueError(f"{path} is not a JSON object")
     records, bad = [], 0
@@ -101,7 +133,7 @@ class AnomalyReader:
     """Anomaly lists per anomaly directory, re-read only when a file changes (size or mtime)."""
 
     def __init__(self) -> None:
-        self._files: dict[str, tuple[tuple, list[AnomalyRecord], int]] = {}
+        self._files: FileVersions[tuple[list[AnomalyRecord], int]] = FileVersions()
         self._lists: dict[str, tuple[tuple, AnomalyList]] = {}
         self._lock = threading.Lock()
 
@@ -110,30 +142,12 @@ class AnomalyReader:
         if anomaly_dir is None:
             return AnomalyList([])
         with self._lock:
-            signature, parts, skipped_files = [], [], 0
-            for path in anomaly_files(anomaly_dir):
-                try:
-                    st = os.stat(path, follow_symlinks=False)
-                    key = (st.st_size, st.st_mtime_ns, st.st_ino)
-                    cached = self._files.get(path)
-                    if cached is None or cached[0] != key:
-                        records, bad = _read(path)
-                        cached = self._files[path] = (key, records, bad)
-                except (OSError, ValueError):
-                    skipped_files += 1
-                    continue
-                signature.append((path, cached[0]))
-                parts.append(cached)
-            signature_key = tuple(signature)
+            signature, parts, skipped_files = self._files.read(anomaly_files(anomaly_dir), _read)
             known = self._lists.get(anomaly_dir)
-            if known is not None and known[0] == signature_key:
+            if known is not None and known[0] == signature:
                 return known[1]
-            records = sorted((r for _, recs, _ in parts for r in recs), key=sort_key)
-            items = []
-            for record in records:
-                parsed = parse_tag(record.tag_name)
-                prefix, row = (parsed.prefix, parsed.row) if parsed else ("", RowKey(0, record.tag_name, -1))
-                items.append(AnomalyItem(len(items), record, prefix, row))
-            result = AnomalyList(items, sum(bad for _, _, bad in parts), skipped_files)
-            self._lists[anomaly_dir] = (signature_key, result)
+            records = sorted((r for recs, _ in parts for r in recs), key=sort_key)
+            items = [AnomalyItem.of(index, record) for index, record in enumerate(records)]
+            result = AnomalyList(items, sum(bad for _, bad in parts), skipped_files)
+            self._lists[anomaly_dir] = (signature, result)
             return result

@@ -87,3 +87,31 @@ class ByteLRU(Generic[V]):
 
     def __len__(self) -> int:
         return len(self._items)
+
+
+class FileVersions(Generic[V]):
+    """Parsed files, each parsed again only when it changes (size, mtime or inode).
+
+    ``read(paths, parse)`` gives the signature of the files' versions (equal signatures: nothing
+    changed), the parsed value of each readable file in ``paths`` order, and how many could not be
+    read or parsed (``parse`` raising OSError or ValueError): a bad file is counted, never fatal.
+    """
+
+    def __init__(self) -> None:
+        self._files: dict[str, tuple[tuple, V]] = {}
+
+    def read(self, paths: list[str], parse: Callable[[str], V]) -> tuple[tuple, list[V], int]:
+        signature, values, skipped = [], [], 0
+        for path in paths:
+            try:
+                st = os.stat(path, follow_symlinks=False)
+                version = (st.st_size, st.st_mtime_ns, st.st_ino)
+                cached = self._files.get(path)
+                if cached is None or cached[0] != version:
+                    cached = self._files[path] = (version, parse(path))
+            except (OSError, ValueError):
+                skipped += 1
+                continue
+            signature.append((path, version))
+            values.append(cached[1])
+        return tuple(signature), values, skipped

@@ -2,13 +2,17 @@
 
 Registered through the ``tensorboard_plugins`` entry point, so ``tensorboard --logdir DIR`` shows
 it with no extra step; it reads the monitor's own outputs (CSV or TensorBoard event files, and
-``anomaly_detected/*/anomaly.json``) found under the logdir.
+``anomaly_detected/*/anomaly.json`` and ``incidents.json``) found under the logdir.
 
 Routes (under ``/data/plugin/trainmon``), all GET, all read-only:
 
 * ``/runs``: the runs with their ranks, data types, ops, step ranges, a version that changes when
   data arrives, and the landing view.
-* ``/anomalies?run=&rank=&prefix=&limit=``: anomalies in analysis order, optionally filtered.
+* ``/anomalies?run=&rank=&prefix=&rule=&step_min=&step_max=&limit=``: anomalies in analysis order,
+  optionally filtered by rank, data type, rule and step range.
+* ``/incidents?run=&rank=&prefix=&rule=&step_min=&step_max=&limit=&records=``: the incidents of all
+  ranks merged, earliest first, each with its root, evidence and records (with their heatmap
+  cells); filtered by the ranks involved, the records' data type and rule, and the onset step.
 * ``/heatmap?run=&prefix=&op=&mode=rank&rank=`` or ``mode=tag&vpp=&name=&micro=``, with
   optional ``lo``, ``hi`` (step range) and ``cols``: a binary matrix (heatmap.encode).
 * ``/series?run=&prefix=&op=&vpp=&name=&micro=&lo=&hi=&cols=``: one tag on every rank, as JSON.
@@ -29,8 +33,10 @@ from tensorboard.backend import http_util
 from tensorboard.plugins import base_plugin
 from werkzeug import wrappers
 
+from dashboards.plugin.anomalies import counts
 from dashboards.plugin.discovery import Run
 from dashboards.plugin.heatmap import MAX_COLUMNS, PRESENT, Matrix, encode, rank_matrix, tag_matrix
+from dashboards.plugin.incidents import select as select_incidents
 from dashboards.plugin.store import RunStore
 from monitor.datatypes import RowKey
 
@@ -41,10 +47,14 @@ STATIC_FILES = {
     "index.js": "text/javascript",
     "heatmap.js": "text/javascript",
     "chart.js": "text/javascript",
+    "dom.js": "text/javascript",
+    "lists.js": "text/javascript",
     "style.css": "text/css",
 }
 DEFAULT_COLUMNS = 300
 ANOMALY_LIMIT = 5000
+INCIDENT_LIMIT = 1000
+RECORD_LIMIT = 5000
 MAX_NAME = 4096
 
 
@@ -67,8 +77,18 @@ def _int(args, name: str, default: int | None = None, low: int | None = None, hi
     except ValueError:
         raise BadRequest(f"{name}: expected an integer, got {text[:40]!r}") from None
     if (low is not None and value < low) or (high is not None and value > high):
-        raise BadRequest(f"{name}: expected an integer in [{low}, {high}], got {value}")
+        wanted = f"in [{low}, {high}]" if high is not None else f">= {low}"
+        raise BadRequest(f"{name}: expected an integer {wanted}, got {value}")
     return value
+
+
+def _filters(args) -> tuple[int, str, str, int | None, int | None]:
+    """The list filters: rank (-1: any), data type, rule ("": any), step range (None: open end)."""
+    rank = _int(args, "rank", -1, -1)
+    step_min, step_max = (None if not args.get(n) else _int(args, n) for n in ("step_min", "step_max"))
+    if step_min is not None and step_max is not None and step_max < step_min:
+        raise BadRequest(f"step_max: {step_max} is below step_min {step_min}")
+    return rank, args.get("prefix") or "", args.get("rule") or "", step_min, step_max
 
 
 def _choice(args, name: str, allowed, default: str | None = None) -> str:
@@ -102,6 +122,7 @@ class TrainmonPlugin(base_plugin.TBPlugin):
             {
                 "/runs": self._serve_runs,
                 "/anomalies": self._serve_anomalies,
+                "/incidents": self._serve_incidents,
                 "/heatmap": self._serve_heatmap,
                 "/series": self._serve_series,
             }
@@ -164,28 +185,47 @@ class TrainmonPlugin(base_plugin.TBPlugin):
         def build(args):
             run = self._run(args)
             listed = self._store.anomalies(run)
-            rank = _int(args, "rank", -1, -1)
-            prefix = args.get("prefix") or ""
+            rank, prefix, rule, step_min, step_max = _filters(args)
             limit = _int(args, "limit", ANOMALY_LIMIT, 1, ANOMALY_LIMIT)
             chosen = [
                 item
                 for item in listed.items
-                if (rank < 0 or item.record.rank == rank) and (not prefix or item.prefix == prefix)
+                if item.matches(rank, prefix, rule)
+                and (step_min is None or item.record.step >= step_min)
+                and (step_max is None or item.record.step <= step_max)
             ]
-            counts: dict[str, dict] = {"rank": {}, "prefix": {}}
-            for item in listed.items:
-                counts["rank"][item.record.rank] = counts["rank"].get(item.record.rank, 0) + 1
-                counts["prefix"][item.prefix] = counts["prefix"].get(item.prefix, 0) + 1
             body = {
                 "total": len(listed.items),
                 "matching": len(chosen),
                 "items": [item.to_json() for item in chosen[:limit]],
-                "counts": {
-                    "rank": sorted(counts["rank"].items()),
-                    "prefix": sorted(counts["prefix"].items()),
-                },
+                "counts": counts(listed.items),
                 "skipped_records": listed.skipped_records,
                 "skipped_files": listed.skipped_files,
+            }
+            return http_util.Respond(request, body, "application/json")
+
+        return self._answer(request, build)
+
+    @wrappers.Request.application
+    def _serve_incidents(self, request):
+        def build(args):
+            run = self._run(args)
+            listed = self._store.incidents(run)
+            chosen = select_incidents(listed.incidents, *_filters(args))
+            limit = _int(args, "limit", INCIDENT_LIMIT, 1, INCIDENT_LIMIT)
+            records = _int(args, "records", RECORD_LIMIT, 0, RECORD_LIMIT)
+            shown = []
+            for incident, items in chosen[:limit]:
+                shown.append({**incident.to_json(items[:records]), "matching_records": len(items)})
+            body = {
+                "files": listed.files,
+                "total": len(listed.incidents),
+                "matching": len(chosen),
+                "incidents": shown,
+                "counts": counts([item for incident in listed.incidents for item in incident.items]),
+                "skipped_files": listed.skipped_files,
+                "skipped_incidents": listed.skipped_incidents,
+                "skipped_records": listed.skipped_records,
             }
             return http_util.Respond(request, body, "application/json")
 

@@ -1,4 +1,4 @@
-"""What the plugin knows about the logdir: runs, their sources and anomalies, one shared cache.
+"""What the plugin knows about the logdir: runs, their sources, anomalies and incidents, one cache.
 
 Everything is read lazily and kept: discovery is repeated at most every DISCOVERY_SECONDS, each
 rank directory keeps its Source (and so its row order and file indexes) for the server's life,
@@ -16,6 +16,7 @@ from dashboards.plugin.anomalies import AnomalyItem, AnomalyList, AnomalyReader
 from dashboards.plugin.cache import ByteLRU, cache_bytes_from_env
 from dashboards.plugin.discovery import Run, discover
 from dashboards.plugin.eventsource import EventSource
+from dashboards.plugin.incidents import Incident, IncidentList, IncidentReader
 from dashboards.plugin.sources import CsvSource, PrefixInfo, Source
 from monitor.datatypes import OP_ORDER, PREFIX_ORDER, order_key
 
@@ -47,6 +48,7 @@ class RunStore:
         self.logdir = logdir
         self.cache = ByteLRU(cache_bytes or cache_bytes_from_env(), lambda block: block.nbytes)
         self.anomaly_reader = AnomalyReader()
+        self.incident_reader = IncidentReader()
         self._runs: list[Run] = []
         self._found_at = float("-inf")
         self._sources: dict[str, Source | None] = {}
@@ -81,6 +83,9 @@ class RunStore:
     def anomalies(self, run: Run) -> AnomalyList:
         return self.anomaly_reader.read(run.anomaly_dir)
 
+    def incidents(self, run: Run) -> IncidentList:
+        return self.incident_reader.read(run.anomaly_dir)
+
     def prefixes(self, sources: dict[int, Source]) -> dict[str, dict]:
         """Data type -> {ops, first_step, last_step, ranks}, over all ranks, in display order."""
         merged: dict[str, dict] = {}
@@ -103,9 +108,11 @@ class RunStore:
         """What /runs says about one run, including the landing view."""
         sources = self.sources(run)
         prefixes = self.prefixes(sources)
-        anomalies = self.anomalies(run)
+        anomalies, incidents = self.anomalies(run), self.incidents(run)
         kinds = sorted({source.kind for source in sources.values()})
-        version = repr(([(r, s.version()) for r, s in sorted(sources.items())], len(anomalies.items)))
+        merged = [i.merged for i in incidents.incidents]
+        news = (len(merged), sum(m.records for m in merged), sum(m.state == "open" for m in merged))
+        version = repr(([(r, s.version()) for r, s in sorted(sources.items())], len(anomalies.items), news))
         return {
             "id": run.id,
             "name": run.name,
@@ -113,25 +120,47 @@ class RunStore:
             "ranks": sorted(sources),
             "prefixes": prefixes,
             "anomalies": len(anomalies.items),
+            # None: no incidents file (msprobe's own monitor), the tab then lists anomalies only
+            "incidents": len(incidents.incidents) if incidents.files else None,
             "version": version,
-            "landing": landing(prefixes, anomalies.items),
+            "landing": landing(prefixes, anomalies.items, incidents.incidents),
         }
 
 
-def landing(prefixes: dict[str, dict], anomalies: Sequence[AnomalyItem]) -> dict | None:
-    """The first view: the first anomaly that has a cell, else the data type with the newest step.
+def landing(
+    prefixes: dict[str, dict], anomalies: Sequence[AnomalyItem], incidents: Sequence[Incident] = ()
+) -> dict | None:
+    """The first view: the root of the first incident that has a cell, else the first anomaly that
+    has a cell, else the data type with the newest step.
 
     Ties on the newest step go to the earlier data type in PREFIX_ORDER; the op is ``norm`` when
     there is one; the rank is the lowest that has the data type.
     """
+    for incident in incidents:
+        view = _cell_view(prefixes, incident.root)
+        if view is not None:
+            return {**view, "anomaly": None, "incident": incident.number}
     for item in anomalies:
-        entry = prefixes.get(item.prefix)
-        if entry is None or item.record.rank not in entry["ranks"]:
-            continue
-        op = item.record.op if item.record.op in entry["ops"] else preferred_op(entry["ops"])
-        return {"prefix": item.prefix, "op": op, "rank": item.record.rank, "anomaly": item.index}
+        view = _cell_view(prefixes, item)
+        if view is not None:
+            return {**view, "anomaly": item.index, "incident": None}
     if not prefixes:
         return None
     prefix = min(prefixes, key=lambda p: (-prefixes[p]["last_step"], order_key(p, PREFIX_ORDER)))
     entry = prefixes[prefix]
-    return {"prefix": prefix, "op": preferred_op(entry["ops"]), "rank": min(entry["ranks"]), "anomaly": None}
+    return {
+        "prefix": prefix,
+        "op": preferred_op(entry["ops"]),
+        "rank": min(entry["ranks"]),
+        "anomaly": None,
+        "incident": None,
+    }
+
+
+def _cell_view(prefixes: dict[str, dict], item: AnomalyItem | None) -> dict | None:
+    """The heatmap (data type, op, rank) that shows a record's cell, or None when there is none."""
+    entry = prefixes.get(item.prefix) if item is not None else None
+    if entry is None or item.record.rank not in entry["ranks"]:
+        return None
+    op = item.record.op if item.record.op in entry["ops"] else preferred_op(entry["ops"])
+    return {"prefix": item.prefix, "op": op, "rank": item.record.rank}

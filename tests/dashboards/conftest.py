@@ -1,7 +1,8 @@
 """Shared runs for the dashboard tests: real ``trainmon demo`` outputs and small generated runs.
 
 The demo runs once per session for each format (both at once, in two processes). Generated runs
-go through the monitor's own writers (CsvWriter, TensorBoardWriter, AnomalyDump), so their files are
+go through the monitor's own writers (CsvWriter, TensorBoardWriter, AnomalyDump) and, with
+``detect``, its own detector and incident tracker (Detector, AnomalySink), so their files are
 exactly what a training run leaves; expected numbers are always read back from those files by the
 tests' own readers (the csv module, TensorBoard's EventAccumulator), never from the code under test.
 """
@@ -12,6 +13,7 @@ import csv
 import json
 import os
 import re
+import struct
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -19,9 +21,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from tensorboard.plugins import base_plugin
+from werkzeug.test import Client
+from werkzeug.wrappers import Response
 
-from monitor.anomaly.detector import Anomaly
+from dashboards.plugin.plugin import TrainmonPlugin
+from monitor.anomaly.detector import Anomaly, Detector
 from monitor.anomaly.dump import AnomalyDump
+from monitor.anomaly.incidents import AnomalySink
 from monitor.files import make_private_dir
 from monitor.record import RowSet, StepRecord
 from monitor.writers.csv import CsvWriter
@@ -31,6 +38,24 @@ from monitor.writers.tensorboard import TensorBoardWriter
 DEMO_STEPS, DEMO_SPIKE = 14, 11
 OPS = ("norm", "min", "max", "nans")
 TASKS = {"grad_reduced": "post_grad", "grad_unreduced": "acc_grad", "exp_avg": "exp_avg"}
+NAMES = ("embedding.weight", "layers.0.fc1.weight", "layers.0.fc2.weight", "head.weight")
+#: write_run(..., **INCIDENT_RUN) has two incidents. The first starts at step 3 with a NaN in rank
+#: 0's local gradient of layers.0.fc1.weight (its root: the earliest phase), which reaches the
+#: reduced gradient of both ranks at that step; it stays abnormal on rank 0 at step 4 and closes.
+#: The second is an Inf in rank 1's exp_avg max of head.weight at step 9, still open at the end.
+INCIDENT_RUN = {
+    "ranks": (0, 1),
+    "steps": range(12),
+    "prefixes": ("grad_unreduced", "grad_reduced", "exp_avg"),
+    "detect": True,
+    "special": {
+        (0, "grad_unreduced", 3, 1, "norm"): float("nan"),
+        (0, "grad_reduced", 3, 1, "norm"): float("nan"),
+        (1, "grad_reduced", 3, 1, "norm"): float("nan"),
+        (0, "grad_reduced", 4, 1, "norm"): float("nan"),
+        (1, "exp_avg", 9, 3, "max"): float("inf"),
+    },
+}
 
 
 @pytest.fixture(scope="session")
@@ -85,21 +110,25 @@ def write_run(
     *,
     ranks: Sequence[int] = (0,),
     steps: Sequence[int] = range(6),
-    names: Sequence[str] = ("embedding.weight", "layers.0.fc1.weight", "layers.0.fc2.weight", "head.weight"),
+    names: Sequence[str] = NAMES,
     fmt: str = "csv",
     window: int = 1,
     prefixes: Sequence[str] = ("grad_reduced",),
     special: dict | None = None,
     skip: dict | None = None,
     anomalies: Sequence[tuple] = (),
+    detect: bool = False,
     stamp: str = "Jan02_03-04-05",
 ) -> dict[int, Path]:
     """A run of generated values written by the monitor's writers; returns rank -> directory.
 
     ``special`` maps (rank, prefix, step, row, op) to a value (NaN, Inf, ...); ``skip`` maps
     (rank, prefix, step) to row indices left out of that step. ``anomalies`` are
-    (rank, prefix, step, row, op) written to anomaly_detected/rank{R}/anomaly.json.
+    (rank, prefix, step, row, op) written to anomaly_detected/rank{R}/anomaly.json. With ``detect``
+    every record goes through the monitor's detector (non-finite values only) and incident tracker
+    instead, which write anomaly.json and incidents.json as in training.
     """
+    assert not (detect and anomalies), "detect writes the anomaly files itself"
     special, skip = special or {}, skip or {}
     dirs = {}
     for rank in ranks:
@@ -108,6 +137,7 @@ def write_run(
         dirs[rank] = path
         writer = CsvWriter(path, 6, window) if fmt == "csv" else TensorBoardWriter(path)
         rowsets = {p: RowSet.build([0] * len(names), names, rank, TASKS[p]) for p in prefixes}
+        sink = AnomalySink(Detector([], rank), AnomalyDump(root, rank)) if detect else None
         for step in steps:
             for p_index, prefix in enumerate(prefixes):
                 values = np.array(
@@ -125,9 +155,16 @@ def write_run(
                         values[row, OPS.index(op)] = value
                 keep = [r for r in range(len(names)) if r not in skip.get((rank, prefix, step), ())]
                 rows = rowsets[prefix] if len(keep) == len(names) else rowsets[prefix].take(keep)
-                writer.write(StepRecord(prefix, step, OPS, rows, values[keep]))
+                record = StepRecord(prefix, step, OPS, rows, values[keep])
+                writer.write(record)
+                if sink is not None:
+                    sink.write(record)
             writer.end_step(step)
+            if sink is not None:
+                sink.end_step(step)
         writer.close()
+        if sink is not None:
+            sink.close()
     by_rank: dict[int, list[Anomaly]] = {}
     for call, (rank, prefix, step, row, op) in enumerate(anomalies):
         tag = f"0:{names[row]}/rank{rank}/{TASKS[prefix]}"
@@ -142,9 +179,51 @@ def write_run(
     return dirs
 
 
+def incident_documents(root: Path) -> dict[int, dict]:
+    """rank -> root/anomaly_detected/rank{R}/incidents.json, read with json."""
+    found = {}
+    for path in sorted((root / "anomaly_detected").glob("rank*/incidents.json")):
+        document = json.loads(path.read_text())
+        found[document["rank"]] = document
+    return found
+
+
 def anomaly_records(root: Path) -> list[dict]:
     """All records of root/anomaly_detected/*/anomaly.json, read with json."""
     records = []
     for path in sorted((root / "anomaly_detected").glob("*/anomaly.json")):
         records.extend(json.loads(path.read_text()).values())
     return records
+
+
+class Api:
+    """The plugin's routes, called as TensorBoard would."""
+
+    def __init__(self, logdir) -> None:
+        self.plugin = TrainmonPlugin(base_plugin.TBContext(logdir=str(logdir)))
+        self.apps = self.plugin.get_plugin_apps()
+
+    def get(self, route: str, **query):
+        return Client(self.apps[route], Response).get(route, query_string=query)
+
+    def json(self, route: str, **query):
+        response = self.get(route, **query)
+        assert response.status_code == 200, response.get_data(as_text=True)
+        return response.get_json()
+
+    def runs(self) -> dict[str, dict]:
+        return {run["name"]: run for run in self.json("/runs")["runs"]}
+
+    def heatmap(self, **query) -> dict:
+        """The binary answer decoded by its documented layout (u32 length, JSON, float64, uint8)."""
+        response = self.get("/heatmap", **query)
+        assert response.status_code == 200, response.get_data(as_text=True)
+        body = response.get_data()
+        (length,) = struct.unpack_from("<I", body)
+        header = json.loads(body[4 : 4 + length])
+        shape = (len(header["rows"]), len(header["steps"]))
+        cells = shape[0] * shape[1]
+        header["values"] = np.frombuffer(body, "<f8", cells, 4 + length).reshape(shape)
+        header["present"] = np.frombuffer(body, np.uint8, cells, 4 + length + 8 * cells).reshape(shape) == 0
+        assert len(body) == 4 + length + 9 * cells
+        return header

@@ -22,12 +22,20 @@ from tests.dashboards.browser import browser, http_get, missing_browser, tensorb
 from tests.dashboards.conftest import (
     DEMO_SPIKE,
     DEMO_STEPS,
+    INCIDENT_RUN,
+    NAMES,
     anomaly_records,
+    incident_documents,
     rank_dir,
     read_csv_rows,
     write_run,
 )
 
+INCIDENT_RUN_TAGS = {
+    "0:layers.0.fc1.weight/rank0/acc_grad",
+    "0:layers.0.fc1.weight/rank0/post_grad",
+    "0:layers.0.fc1.weight/rank1/post_grad",
+}
 ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts" / "dashboards"
 READY = "const a = document.querySelector('.tm-app'); return a && a.dataset.ready === '1';"
 
@@ -40,13 +48,15 @@ def artifacts() -> Path:
 
 @pytest.fixture(scope="module")
 def server(demo_runs, tmp_path_factory):
-    """TensorBoard on a logdir with copies of both demo runs and a small generated run ("live")."""
+    """TensorBoard on a logdir with copies of both demo runs and small generated runs: "live" (no
+    anomalies, grows during the tests) and "incidents" (INCIDENT_RUN, two incidents)."""
     names = [e.name for e in entry_points(group="tensorboard_plugins")]
     assert "trainmon" in names, "the trainmon entry point is not installed: run `pip install -e .` again"
     logdir = tmp_path_factory.mktemp("tb_logdir")
     for root in demo_runs.values():
         shutil.copytree(root, logdir / root.name)
     write_run(logdir / "live", fmt="tensorboard", steps=range(4))
+    write_run(logdir / "incidents", **INCIDENT_RUN)
     with tensorboard(str(logdir), str(logdir.parent / "tensorboard.log")) as base:
         yield base, logdir
 
@@ -118,12 +128,18 @@ def page(server):
 def _state(session) -> dict:
     return session.script(
         """const c = document.querySelector('.tm-canvas');
-        const active = document.querySelector('.tm-anomaly.tm-active');
+        const active = document.querySelector('.tm-active');
+        const shown = (css) => [...document.querySelectorAll(css)].filter((n) => n.offsetParent !== null);
         const chart = document.querySelector('.tm-chart');
         return {rows: +c.dataset.rows, cols: +c.dataset.cols, cells: +c.dataset.anomalyCells,
           selected: c.dataset.selected || '', title: document.querySelector('.tm-heat-title').textContent,
           items: [...document.querySelectorAll('.tm-anomaly')].map((li) => li.textContent),
-          active: active ? +active.dataset.index : null, run: document.querySelector('select').value,
+          incidents: shown('.tm-incident').map((li) => li.textContent),
+          records: shown('.tm-record').map((li) => li.textContent),
+          anomalies_shown: shown('.tm-anomaly').length,
+          side: document.querySelector('.tm-side-title').textContent,
+          controls: [...document.querySelectorAll('.tm-controls select')].map((s) => s.value),
+          active: active ? active.dataset.key : null, run: document.querySelector('select').value,
           chart: chart.hidden ? null : {ranks: +document.querySelector('.tm-chart-canvas').dataset.ranks,
             points: +document.querySelector('.tm-chart-canvas').dataset.points,
             title: document.querySelector('.tm-chart-title').textContent}};"""
@@ -140,22 +156,29 @@ def _heatmap_rows(base: str, run_id: str, prefix: str, op: str) -> list[str]:
     return json.loads(body[4 : 4 + length])["rows"]
 
 
-def test_tab_opens_on_the_first_anomaly_with_heatmap_and_list(page):
+def test_tab_opens_on_the_first_incident_with_heatmap_and_list(page):
     session, base, logdir = page
     records = anomaly_records(logdir / "demo_csv")
+    (document,) = incident_documents(logdir / "demo_csv").values()
+    (incident,) = document["incidents"]  # the demo's one incident, at its spike
+    root = incident["root"]
     state = _state(session)
     runs = {r["name"]: r for r in _json(base, "/data/plugin/trainmon/runs")["runs"]}
     assert state["run"] == runs["demo_csv"]["id"]  # the first run with an anomaly
     names = {row["name"] for row in read_csv_rows(rank_dir(logdir / "demo_csv"), "grad_unreduced")}
     assert state["rows"] == len(names) and state["cols"] == DEMO_STEPS
-    assert state["cells"] > 0 and state["active"] == 0
+    assert state["cells"] > 0 and state["active"] == "i1:root"
+    assert state["side"] == "Incidents (earliest first): 1 of 1"
+    (entry,) = state["incidents"]
+    assert f"#1 step {DEMO_SPIKE}" in entry and root["tag_name"] in entry and incident["state"] in entry
+    assert all(line in entry for line in incident["evidence"])
+    assert state["anomalies_shown"] == 0 and state["records"] == []  # behind the toggle; collapsed
     assert len(state["items"]) == min(500, len(records)) and f"step {DEMO_SPIKE}" in state["items"][0]
-    first = _json(base, f"/data/plugin/trainmon/anomalies?run={urllib.parse.quote(state['run'])}&limit=3")[
-        "items"
-    ]
-    rows = _heatmap_rows(base, state["run"], first[0]["prefix"], first[0]["op"])
-    assert state["selected"] == f"{rows.index(first[0]['row'][1])},{DEMO_SPIKE}"
-    assert first[0]["tag"] in state["items"][0]
+    rows = _heatmap_rows(base, state["run"], root["prefix"], root["op"])
+    row_name = root["tag_name"].split("/")[0].split(":")[1]
+    assert state["selected"] == f"{rows.index(row_name)},{DEMO_SPIKE}"
+    assert state["controls"][1:3] == [root["prefix"], root["op"]]
+    assert "first first" not in session.script("return document.body.textContent;")
     session.leave_frames()
     session.screenshot(str(artifacts() / "trainmon-tab-csv.png"))
     session.enter_frame("iframe")
@@ -165,13 +188,17 @@ def test_clicking_an_anomaly_and_a_cell(page):
     session, base, _ = page
     run = _state(session)["run"]
     third = _json(base, f"/data/plugin/trainmon/anomalies?run={urllib.parse.quote(run)}&limit=3")["items"][2]
+    session.script("document.querySelector('.tm-view-anomalies').click();")
+    state = _state(session)
+    assert state["side"].startswith("Anomalies (earliest first): ") and state["incidents"] == []
+    assert state["anomalies_shown"] == len(state["items"]) > 3
     session.script("document.querySelectorAll('.tm-anomaly')[2].click();")
     rows = _heatmap_rows(base, run, third["prefix"], third["op"])
     wanted = f"{rows.index(third['row'][1])},{third['step']}"
     session.wait_for(
         f"return document.querySelector('.tm-canvas').dataset.selected === '{wanted}';", 20, "jump"
     )
-    assert _state(session)["active"] == 2
+    assert _state(session)["active"] == "a2"
     session.script(
         """const c = document.querySelector('.tm-canvas'), r = c.getBoundingClientRect();
         const at = {clientX: r.right - 5, clientY: r.top + 30, bubbles: true};
@@ -210,6 +237,65 @@ def test_other_runs_render_and_new_steps_appear_live(page):
     session.leave_frames()
     session.screenshot(str(artifacts() / "trainmon-tab-live.png"))
     session.enter_frame("iframe")
+
+
+def test_incidents_expand_into_records_that_jump_to_their_cell(page):
+    session, base, _ = page
+    runs = {r["name"]: r for r in _json(base, "/data/plugin/trainmon/runs")["runs"]}
+    session.script("document.querySelector('.tm-view-incidents').click();")
+    session.script(
+        "const s = document.querySelector('select'); s.value = arguments[0];"
+        "s.dispatchEvent(new Event('change'));",
+        runs["incidents"]["id"],
+    )
+    fc1, head = NAMES.index("layers.0.fc1.weight"), NAMES.index("head.weight")
+    # it opens on the first incident's root: rank 0's NaN local gradient of layers.0.fc1 at step 3
+    session.wait_for(
+        f"return document.querySelector('.tm-canvas').dataset.selected === '{fc1},3' && "
+        "document.querySelectorAll('.tm-incident').length === 2;",
+        30,
+        "incident run",
+    )
+    state = _state(session)
+    assert state["side"] == "Incidents (earliest first): 2 of 2" and state["active"] == "i1:root"
+    assert state["controls"][1:3] == ["grad_unreduced", "norm"] and state["controls"][4] == "0"
+    first, second = state["incidents"]
+    assert "#1 step 3" in first and "ranks 0, 1" in first and "closed" in first
+    assert "0:layers.0.fc1.weight/rank0/acc_grad" in first and "only rank 0" in first
+    assert "#2 step 9" in second and "rank 1" in second and "open" in second
+    assert "0:head.weight/rank1/exp_avg" in second and "max = +Inf" in second
+    assert state["records"] == []
+    session.script("document.querySelector('.tm-incident-head').click();")  # expand the first
+    records = _state(session)["records"]
+    assert len(records) == 3
+    assert {tag for tag in INCIDENT_RUN_TAGS if any(tag in r for r in records)} == INCIDENT_RUN_TAGS
+    session.script(
+        "[...document.querySelectorAll('.tm-record')].find((li) => "
+        "li.textContent.includes(arguments[0])).click();",
+        "0:layers.0.fc1.weight/rank1/post_grad",
+    )
+    title = "return document.querySelector('.tm-heat-title').textContent"
+    session.wait_for(f"{title}.includes('grad_reduced · norm · rank 1');", 20, "jump to rank 1's record")
+    state = _state(session)
+    assert state["selected"] == f"{fc1},3" and state["controls"][1] == "grad_reduced"
+    active = session.script("return document.querySelector('.tm-active').textContent;")
+    assert "0:layers.0.fc1.weight/rank1/post_grad" in active
+    session.leave_frames()
+    session.screenshot(str(artifacts() / "trainmon-tab-incidents.png"))
+    session.enter_frame("iframe")
+    # the step filter keeps incidents by onset; the second's root jumps to exp_avg max on rank 1
+    session.script(
+        "const i = document.querySelector('.tm-step-min'); i.value = '4';"
+        "i.dispatchEvent(new Event('change'));"
+    )
+    session.wait_for("return document.querySelectorAll('.tm-incident').length === 1;", 20, "step filter")
+    (only,) = _state(session)["incidents"]
+    assert "#2 step 9" in only
+    session.script("document.querySelector('.tm-incident-root').click();")
+    session.wait_for(
+        f"return document.querySelector('.tm-canvas').dataset.selected === '{head},9';", 20, "root jump"
+    )
+    assert "exp_avg · max · rank 1" in _state(session)["title"]
 
 
 def test_no_script_errors_in_the_console(page):

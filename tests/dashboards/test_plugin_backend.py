@@ -10,63 +10,27 @@ from __future__ import annotations
 import json
 import math
 import os
-import struct
 
 import numpy as np
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import SCALARS, EventAccumulator
-from tensorboard.plugins import base_plugin
-from werkzeug.test import Client
-from werkzeug.wrappers import Response
 
 import dashboards.plugin.sources as sources_module
 import dashboards.plugin.store as store_module
-from dashboards.plugin.plugin import TrainmonPlugin
 from monitor.anomaly.analyse import main as analyse_main
 from monitor.record import RowSet, StepRecord
 from monitor.writers.tensorboard import TensorBoardWriter
 from tests.dashboards.conftest import (
     DEMO_SPIKE,
     DEMO_STEPS,
+    Api,
     anomaly_records,
+    incident_documents,
     rank_dir,
     read_csv_rows,
     same,
     write_run,
 )
-
-
-class Api:
-    """The plugin's routes, called as TensorBoard would."""
-
-    def __init__(self, logdir) -> None:
-        self.plugin = TrainmonPlugin(base_plugin.TBContext(logdir=str(logdir)))
-        self.apps = self.plugin.get_plugin_apps()
-
-    def get(self, route: str, **query):
-        return Client(self.apps[route], Response).get(route, query_string=query)
-
-    def json(self, route: str, **query):
-        response = self.get(route, **query)
-        assert response.status_code == 200, response.get_data(as_text=True)
-        return response.get_json()
-
-    def runs(self) -> dict[str, dict]:
-        return {run["name"]: run for run in self.json("/runs")["runs"]}
-
-    def heatmap(self, **query) -> dict:
-        """The binary answer decoded by its documented layout (u32 length, JSON, float64, uint8)."""
-        response = self.get("/heatmap", **query)
-        assert response.status_code == 200, response.get_data(as_text=True)
-        body = response.get_data()
-        (length,) = struct.unpack_from("<I", body)
-        header = json.loads(body[4 : 4 + length])
-        shape = (len(header["rows"]), len(header["steps"]))
-        cells = shape[0] * shape[1]
-        header["values"] = np.frombuffer(body, "<f8", cells, 4 + length).reshape(shape)
-        header["present"] = np.frombuffer(body, np.uint8, cells, 4 + length + 8 * cells).reshape(shape) == 0
-        assert len(body) == 4 + length + 9 * cells
-        return header
 
 
 @pytest.fixture
@@ -109,7 +73,18 @@ def test_landing_is_the_first_anomaly_and_anomalies_follow_the_analysis_cli(demo
     ]
     first = listed["items"][0]
     assert first["step"] == DEMO_SPIKE
-    assert run["landing"] == {"prefix": first["prefix"], "op": first["op"], "rank": 0, "anomaly": 0}
+    # the demo's run has one incident (incidents.json): the tab opens on its root
+    (document,) = incident_documents(demo_runs["csv"]).values()
+    (incident,) = document["incidents"]
+    root = incident["root"]
+    assert incident["onset_step"] == DEMO_SPIKE and run["incidents"] == 1
+    assert run["landing"] == {
+        "prefix": root["prefix"],
+        "op": root["op"],
+        "rank": 0,
+        "anomaly": None,
+        "incident": 1,
+    }
 
 
 @pytest.mark.parametrize("prefix", ["grad_reduced", "grad_unreduced", "exp_avg_sq"])
@@ -236,7 +211,11 @@ def test_anomaly_filters_by_rank_and_data_type(tmp_path):
     (run,) = api.runs().values()
     everything = api.json("/anomalies", run=run["id"])
     assert [(a["rank"], a["step"]) for a in everything["items"]] == [(1, 1), (1, 2), (0, 3)]  # step first
-    assert everything["counts"] == {"rank": [[0, 1], [1, 2]], "prefix": [["exp_avg", 1], ["grad_reduced", 2]]}
+    assert everything["counts"] == {
+        "rank": [[0, 1], [1, 2]],
+        "prefix": [["exp_avg", 1], ["grad_reduced", 2]],
+        "rule": [["AnomalyNan", 3]],  # the rule named in write_run's messages
+    }
     by_rank = api.json("/anomalies", run=run["id"], rank=1)
     assert [(a["rank"], a["prefix"]) for a in by_rank["items"]] == [(1, "grad_reduced"), (1, "exp_avg")]
     both = api.json("/anomalies", run=run["id"], rank=1, prefix="exp_avg")
@@ -244,14 +223,29 @@ def test_anomaly_filters_by_rank_and_data_type(tmp_path):
         (2, "max", [0, "embedding.weight", -1])
     ]
     assert both["matching"] == 1 and both["total"] == 3
-    assert run["landing"] == {"prefix": "grad_reduced", "op": "min", "rank": 1, "anomaly": 0}
+    # AnomalyDump always writes incidents.json; these hand-made anomalies belong to no incident
+    assert run["incidents"] == 0
+    assert run["landing"] == {
+        "prefix": "grad_reduced",
+        "op": "min",
+        "rank": 1,
+        "anomaly": 0,
+        "incident": None,
+    }
 
 
 def test_landing_without_anomalies_opens_the_newest_data(tmp_path):
     write_run(tmp_path, prefixes=("exp_avg",), steps=range(3))
     write_run(tmp_path, prefixes=("grad_reduced",), steps=range(5), stamp="Jan02_03-04-06", ranks=(1,))
     (run,) = Api(tmp_path).runs().values()
-    assert run["landing"] == {"prefix": "grad_reduced", "op": "norm", "rank": 1, "anomaly": None}
+    assert run["landing"] == {
+        "prefix": "grad_reduced",
+        "op": "norm",
+        "rank": 1,
+        "anomaly": None,
+        "incident": None,
+    }
+    assert run["incidents"] is None  # no anomaly files at all
 
 
 @pytest.mark.parametrize("fmt", ["csv", "tensorboard"])
@@ -348,16 +342,19 @@ def test_bad_parameters_get_a_clear_error(tmp_path, query, code, words):
 def test_static_files_are_a_fixed_list(tmp_path):
     api = Api(tmp_path)
     assert not api.plugin.is_active()  # nothing under the logdir yet
-    for name in ("index.js", "heatmap.js", "chart.js", "style.css"):
+    for name in ("index.js", "heatmap.js", "chart.js", "dom.js", "lists.js", "style.css"):
         response = api.get(f"/{name}")
         assert response.status_code == 200 and len(response.get_data()) > 500
     assert set(api.apps) == {
         "/index.js",
         "/heatmap.js",
         "/chart.js",
+        "/dom.js",
+        "/lists.js",
         "/style.css",
         "/runs",
         "/anomalies",
+        "/incidents",
         "/heatmap",
         "/series",
     }

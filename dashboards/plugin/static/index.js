@@ -4,23 +4,13 @@
 
 import { COLORS, Heatmap, formatValue } from "./heatmap.js";
 import { LineChart } from "./chart.js";
+import { BASE, el, formatAny, getJSON, labelled, routeURL, setOptions } from "./dom.js";
+import { SideList } from "./lists.js";
 
-const BASE = new URL("./", import.meta.url);
 const POLL_MS = 5000;
 
-async function getJSON(route, params = {}) {
-  const url = new URL(route, BASE);
-  for (const [k, v] of Object.entries(params)) if (v !== null && v !== undefined) url.searchParams.set(k, v);
-  const response = await fetch(url);
-  const body = await response.json();
-  if (!response.ok) throw new Error(body.error || response.statusText);
-  return body;
-}
-
 async function getHeatmap(params) {
-  const url = new URL("heatmap", BASE);
-  for (const [k, v] of Object.entries(params)) if (v !== null && v !== undefined) url.searchParams.set(k, v);
-  const response = await fetch(url);
+  const response = await fetch(routeURL("heatmap", params));
   if (!response.ok) throw new Error((await response.json()).error || response.statusText);
   const buffer = await response.arrayBuffer();
   const headerLength = new DataView(buffer).getUint32(0, true);
@@ -31,35 +21,12 @@ async function getHeatmap(params) {
   return { ...header, values, status, anomalyCells: header.anomaly_cells };
 }
 
-function el(tag, className, text) {
-  const node = document.createElement(tag);
-  if (className) node.className = className;
-  if (text !== undefined) node.textContent = text;
-  return node;
-}
-
-function labelled(text, control) {
-  const wrap = el("label", "tm-field");
-  wrap.append(el("span", "tm-field-name", text), control);
-  return wrap;
-}
-
-function setOptions(select, options, value) {
-  select.replaceChildren(...options.map(([v, text]) => {
-    const option = el("option", "", text);
-    option.value = String(v);
-    return option;
-  }));
-  if (value !== undefined && options.some(([v]) => String(v) === String(value))) select.value = String(value);
-}
-
 class App {
   constructor(root) {
     this.root = root;
     this.state = { run: null, prefix: null, op: null, mode: "rank", rank: null, row: null, log: true,
       perRow: false, lo: null, hi: null, live: true };
     this.runs = [];
-    this.anomalies = [];
     this.pending = null;
   }
 
@@ -103,13 +70,8 @@ class App {
     heat.append(this.heatTitle, this.legend, holder);
     this.heatmap = new Heatmap(holder, { onCell: (cell) => this.openChart(cell), onHover: (c, e) => this.tip(c, e) });
     const side = el("aside", "tm-anomalies");
-    this.anomalyTitle = el("div", "tm-side-title", "Anomalies");
-    this.anomalyRank = el("select");
-    this.anomalyPrefix = el("select");
-    const filters = el("div", "tm-filters");
-    filters.append(labelled("rank", this.anomalyRank), labelled("data type", this.anomalyPrefix));
-    this.anomalyList = el("ol", "tm-anomaly-list");
-    side.append(this.anomalyTitle, filters, this.anomalyList);
+    this.lists = new SideList(side, (record) => this.jumpTo(record));
+    this.lists.build();
     main.append(heat, side);
     this.chartBox = el("section", "tm-chart");
     this.chartBox.hidden = true;
@@ -140,8 +102,6 @@ class App {
     this.hiInput.onchange = range;
     this.resetButton.onclick = () => { this.loInput.value = ""; this.hiInput.value = ""; range(); };
     this.liveBox.onchange = () => { this.state.live = this.liveBox.checked; };
-    this.anomalyRank.onchange = () => this.loadAnomalies();
-    this.anomalyPrefix.onchange = () => this.loadAnomalies();
     window.addEventListener("resize", () => { this.heatmap.draw(); this.chart.draw(); });
   }
 
@@ -163,7 +123,8 @@ class App {
     const label = (r) => `${r.name} (${r.format || "no data yet"}, ${r.ranks.length} rank${r.ranks.length === 1 ? "" : "s"})`;
     setOptions(this.runSelect, this.runs.map((r) => [r.id, label(r)]), this.state.run);
     if (!this.run() && this.runs.length) {
-      const first = this.runs.find((r) => r.landing && r.landing.anomaly !== null) || this.runs.find((r) => r.landing);
+      const pointed = (r) => r.landing && (r.landing.incident !== null || r.landing.anomaly !== null);
+      const first = this.runs.find(pointed) || this.runs.find((r) => r.landing);
       await this.chooseRun((first || this.runs[0]).id);
     }
   }
@@ -173,17 +134,19 @@ class App {
     this.runSelect.value = id;
     const run = this.run();
     this.version = run.version;
-    setOptions(this.anomalyRank, [["", "all"], ...run.ranks.map((r) => [r, `rank ${r}`])]);
-    setOptions(this.anomalyPrefix, [["", "all"], ...Object.keys(run.prefixes).map((p) => [p, p])]);
     setOptions(this.prefixSelect, Object.keys(run.prefixes).map((p) => [p, p]));
     const landing = run.landing;
-    await this.loadAnomalies();
+    this.chartBox.hidden = true;  // a chart of the run shown before
+    this.lists.setRun(run);
+    await this.lists.load();
     if (!landing) {
       this.heatTitle.textContent = "This run has no statistics yet.";
       return;
     }
-    if (landing.anomaly !== null && this.anomalies.length) {
-      await this.jumpTo(this.anomalies.find((a) => a.index === landing.anomaly) || this.anomalies[0]);
+    const target = this.lists.landingTarget(landing);
+    if (target) {
+      this.lists.markActive(target[1]);
+      await this.jumpTo(target[0]);
     } else {
       Object.assign(this.state, { prefix: landing.prefix, op: landing.op, rank: landing.rank, mode: "rank" });
       this.syncControls();
@@ -272,7 +235,7 @@ class App {
     if (!cell) { this.tooltip.hidden = true; return; }
     const lines = [cell.label, `step ${cell.step}`, cell.missing ? "not recorded" : `${this.data.op} = ${formatValue(cell.value)}`];
     for (const index of cell.anomalies) {
-      const a = this.anomalies.find((x) => x.index === index);
+      const a = this.lists.anomalies.find((x) => x.index === index);
       lines.push(a ? `anomaly #${index + 1}: ${a.rule || ""} (history ${formatAny(a.baseline)})` : `anomaly #${index + 1}`);
     }
     this.tooltip.textContent = lines.join("\n");
@@ -289,40 +252,17 @@ class App {
     const p = this.params();
     const series = await getJSON("series", { run: p.run, prefix: p.prefix, op: p.op, lo: p.lo, hi: p.hi, cols: p.cols,
       vpp: row.key[0], name: row.key[1], micro: row.key[2] });
-    const marks = this.anomalies.filter((a) => a.prefix === d.prefix && a.row[1] === row.key[1] &&
+    const marks = this.lists.anomalies.filter((a) => a.prefix === d.prefix && a.row[1] === row.key[1] &&
       a.row[0] === row.key[0] && a.row[2] === row.key[2]).map((a) => a.step);
     this.chartBox.hidden = false;
     this.chart.show(series, { log: this.state.log, label: row.label, marks });
     this.chartBox.scrollIntoView({ block: "nearest" });
   }
 
-  async loadAnomalies() {
-    const body = await getJSON("anomalies", { run: this.state.run, rank: this.anomalyRank.value,
-      prefix: this.anomalyPrefix.value, limit: 500 });
-    this.anomalies = body.items;
-    this.anomalyTitle.textContent = body.total === 0 ? "Anomalies: none recorded" :
-      `Anomalies: ${body.matching} of ${body.total}, first first` +
-      (body.matching > body.items.length ? ` (first ${body.items.length} shown)` : "");
-    this.anomalyList.replaceChildren(...body.items.map((a) => {
-      const item = el("li", "tm-anomaly");
-      item.dataset.index = String(a.index);
-      const head = el("div", "tm-anomaly-head", `#${a.index + 1} step ${a.step}` +
-        (a.micro_step ? ` micro ${a.micro_step}` : "") + ` · rank ${a.rank} · ${a.prefix} · ${a.op || "?"}`);
-      const tag = el("div", "tm-anomaly-tag", a.tag);
-      const what = el("div", "tm-anomaly-what", `${a.rule || "rule ?"}: ${formatAny(a.value)} (history ` +
-        `${formatAny(a.baseline)}), ${a.stage}`);
-      item.append(head, tag, what);
-      item.title = a.message;
-      item.onclick = () => this.jumpTo(a);
-      return item;
-    }));
-  }
-
   async jumpTo(a) {
     const run = this.run();
     const entry = run.prefixes[a.prefix];
     if (!entry) { this.status.textContent = `no ${a.prefix} statistics for this anomaly`; return; }
-    for (const li of this.anomalyList.children) li.classList.toggle("tm-active", li.dataset.index === String(a.index));
     const op = entry.ops.includes(a.op) ? a.op : (entry.ops.includes("norm") ? "norm" : entry.ops[0]);
     Object.assign(this.state, { prefix: a.prefix, op, mode: "rank", rank: a.rank });
     if ((this.state.lo !== null && a.step < this.state.lo) || (this.state.hi !== null && a.step > this.state.hi)) {
@@ -350,23 +290,14 @@ class App {
       if (!this.data) { await this.chooseRun(run.id); return; }  // the run had no data before
       const prefixes = Object.keys(run.prefixes);
       setOptions(this.prefixSelect, prefixes.map((p) => [p, p]), this.state.prefix);
-      setOptions(this.anomalyRank, [["", "all"], ...run.ranks.map((r) => [r, `rank ${r}`])], this.anomalyRank.value);
-      setOptions(this.anomalyPrefix, [["", "all"], ...prefixes.map((p) => [p, p])], this.anomalyPrefix.value);
+      this.lists.updateRun(run);
       if (run.prefixes[this.state.prefix]) this.fillOps();
-      await this.loadAnomalies();
+      await this.lists.load();
       if (this.state.hi === null) await this.refresh();
     } catch (error) {
       this.status.textContent = `error: ${error.message}`;
     }
   }
-}
-
-function formatAny(v) {
-  if (v === null || v === undefined) return "?";
-  if (v === "NaN") return "NaN";
-  if (v === "Infinity") return "+Inf";
-  if (v === "-Infinity") return "-Inf";
-  return formatValue(v);
 }
 
 export async function render() {
