@@ -1,4 +1,4 @@
-"""Reading the monitor's CSV files as tables, one per file, for the dashboards (spec §5.2).
+"""Reading the monitor's CSV files as tables, one per file, for the dashboards (the layout msprobe writes).
 
 The layout (file names, header, complete lines only) is monitor.anomaly.rank_csv's, the one place
 that knows it; ``list_csv_files`` is re-exported from there. A row that does not parse (wrong field

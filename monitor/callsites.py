@@ -2,7 +2,7 @@
 
 Framework-free; each adapter says which frames are left out (trainmon's own and its framework's
 internals). A frame renders as ``"{path}[{line}]   {function}"`` and frames are
-joined with ``";"``, innermost first (spec §8.3), so cc_codeline patterns written for the
+joined with ``";"``, innermost first, as msprobe joins them, so cc_codeline patterns written for the
 reference (``train.py\\[23\\]``) work unchanged.
 
 The walk uses ``sys._getframe`` and code objects only (no source lines are read); the rendering

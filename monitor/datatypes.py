@@ -11,7 +11,7 @@ from typing import NamedTuple
 
 from monitor.naming import split_tag
 
-#: data type -> the tasks its tags end in (spec §4.4; grad_unreduced is pre_grad with main_grad).
+#: data type -> the tasks its tags end in (msprobe's tag grammar; grad_unreduced is pre_grad with main_grad).
 PREFIX_TASKS: dict[str, tuple[str, ...]] = {
     "actv": ("actv",),
     "actv_grad": ("actv_grad",),

@@ -4,8 +4,8 @@ With ``DYNAMIC_MONITOR=true`` the config file is polled once per step with one `
 when its (mtime, size, inode) changed is it read, and only when its content hash changed is it
 parsed. An edit that says ``dynamic_on: true`` starts (or restarts with the new config) collection
 at the next step; ``collect_times`` ends it, and then rank 0 alone writes ``dynamic_on: false``
-back into the file, atomically and changing nothing else the user wrote (spec W30/W31). A broken
-edit is reported once and the current state goes on.
+back into the file, atomically and changing nothing else the user wrote (msprobe rewrites the
+whole file). A broken edit is reported once and the current state goes on.
 """
 
 from __future__ import annotations

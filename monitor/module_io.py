@@ -45,7 +45,7 @@ def select_modules(
 
     Every module with ``all_xy`` (or ``every``) or without targets, else those a targets key
     names exactly (raw, squashed or ``N:``-prefixed). When squashing makes two names of one chunk
-    collide, the later module keeps its raw name (spec W24).
+    collide, the later module keeps its raw name (msprobe lets them collide).
     """
     keys = tuple(config.targets)
     selected = []

@@ -1,4 +1,4 @@
-"""Tags and names: chunk prefix "N:", squash_name, target matching, tag grammar (spec §4).
+"""Tags and names: chunk prefix "N:", squash_name, target matching, tag grammar, as msprobe spells them.
 
 Everything here runs at attach time; hooks only look up precomputed strings.
 """
@@ -14,7 +14,7 @@ CHUNK_SEP = ":"
 # The later reference's rule: the keyword is kept and its last occurrence after a dot wins;
 # the first pattern that matches decides. Unlike the reference, the start of the name counts as
 # a dot, so "layers.0.norm2.weight" stays whole instead of collapsing to "norm2.weight" (which
-# collides across layers, spec W24); every name the reference keeps whole is unchanged.
+# collides across layers); every name the reference keeps whole is unchanged.
 _SQUASH_PATTERNS = tuple(
     re.compile(p)
     for p in (

@@ -3,7 +3,7 @@
 The adapters record on each module's first call (what it received and returned, where it was
 called from) and hand the results here, so that ``module_struct.json`` and ``stack_info.csv``
 are written alike for every framework. Stacks are kept as (file, line, function) frames; their
-source lines are read once, when the file is written (spec W3), never per call.
+source lines are read once, when the file is written, never per call.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ Frame = tuple[str, int, str]
 
 
 def describe(obj: Any, is_tensor: Callable[[Any], bool], tensor_text: Callable[[Any], str]) -> dict[str, Any]:
-    """The reference's structure record of one object (spec §5.6).
+    """The reference's structure record of one object.
 
     ``tensor_text(t)`` renders a tensor as ``size=(...), dtype=...``.
     """

@@ -238,7 +238,7 @@ class Activations:
         return out
 
     def reset(self) -> None:
-        """Forget the step (W16: a Cell that does not run in a step has no row for it)."""
+        """Forget the step (a Cell that does not run in a step has no row for it)."""
         self._micro = [-1] * len(self.chunks)
         self._running = [0] * len(self.chunks)
         self._calls.clear()

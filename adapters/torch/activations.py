@@ -5,15 +5,15 @@ in place is measured on what it received) and a forward hook measures the output
 tensor hooks registered on those same tensors receive dL/d(output) and dL/d(input). Tensor hooks
 wrap nothing, so, unlike full backward hooks (which torch implements by routing tensors through
 an identity Function), an in-place op after the module or a view returned by it keeps working,
-and nothing global is patched (spec W9). ``input_grad`` is therefore the gradient of the loss
-with respect to the tensor the module received; when that tensor also feeds other modules it
-includes their contributions.
+and nothing global is patched (msprobe registers global hooks). ``input_grad`` is therefore the
+gradient of the loss with respect to the tensor the module received; when that tensor also
+feeds other modules it includes their contributions.
 
 Micro-steps are counted by a pre-hook on each model chunk's root (one call per micro-batch);
 a forward that runs inside a backward pass (activation-checkpoint recompute, reentrant or not)
 is recognised by ``torch._C._current_graph_task_id() != -1`` (what torch.utils.checkpoint itself
-uses), never by inspecting the Python stack (W3): it is not measured again, only given the
-gradient hooks that reentrant checkpointing needs.
+uses), never by inspecting the Python stack (slow, and fragile across torch versions): it is not
+measured again, only given the gradient hooks that reentrant checkpointing needs.
 """
 
 from __future__ import annotations
@@ -218,7 +218,7 @@ class Activations:
         return out
 
     def reset(self) -> None:
-        """Forget the step (W16: a module that does not run in a step has no row for it)."""
+        """Forget the step (a module that does not run in a step has no row for it)."""
         self._micro = [-1] * len(self.chunks)
         self._calls.clear()
         self._recomputed.clear()

@@ -29,7 +29,8 @@ from monitor.cc_registry import WrapperRegistry
 
 logger = logging.getLogger("trainmon")
 
-#: spec §8.1, plus the newer single-tensor names of torch >= 2.13; missing names are skipped.
+#: the collectives msprobe wraps, plus the newer single-tensor names of torch >= 2.13;
+#: missing names are skipped.
 COLLECTIVES = (
     "send",
     "recv",

@@ -128,7 +128,7 @@ class Collection(BaseCollection):
     def _build_rows(self, tp_group: Any, dp_group: Any) -> dict[str, tuple[list[int], RowSet]]:
         """Parameter index lists and row labels per data type, computed once."""
         everything = list(range(len(self.registry)))
-        # sharded optimizers: every data-parallel rank holds its own pieces, none is a duplicate (W17)
+        # sharded optimizers: every data-parallel rank holds its own pieces, none is a duplicate
         dp_rank = None if self.backend.sharded else rank_in_group(dp_group)
         tp_rank = rank_in_group(tp_group)
         reduced = [

@@ -17,7 +17,8 @@ the torch optimizer itself         stage 0, fp32             generic back-end (o
 
 Sharded back-ends hand out views of DeepSpeed's own tensors (never a copy, never a gather) and
 set ``shard_group`` to the data-parallel group the partitions are cut over. Maps are built once
-per ``prepare`` and keyed by the parameter object, so ``targets`` cannot shift them (spec W18).
+per ``prepare`` and keyed by the parameter object, so ``targets`` cannot shift them (msprobe
+maps by position, which a target list shifts).
 
 Importing this module registers the back-ends; ``optimizer_backend`` imports it once DeepSpeed
 is imported by the application. DeepSpeed itself is never imported here.

@@ -178,7 +178,7 @@ def unreduced_source(
     on_error: Callable[[str, BaseException], None],
     last_micro_batch: Callable[[], bool] | None = None,
 ) -> Any:
-    """The one source of grad_unreduced (never two, spec W21).
+    """The one source of grad_unreduced (never two: msprobe 1.2.2 could install both under Megatron).
 
     Megatron DistributedDataParallel chunks: their bucket reductions (adapters.torch.megatron_grads),
     unless per-micro-batch gradients are asked for; every other model: per-parameter hooks.

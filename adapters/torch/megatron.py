@@ -4,7 +4,7 @@ DistributedOptimizer, and ChainedOptimizer over any of them.
 Imported lazily by ``optimizer_backend`` when a class of the optimizer chain comes from the
 ``megatron`` package; this module itself never imports megatron. Every map from a model
 parameter to its master copy, shard range and optimizer state is built once, in ``prepare``,
-from the optimizer's own tables (spec W6, W17):
+from the optimizer's own tables, built once per ``prepare``:
 
 - FP32Optimizer: the model parameter is what the inner torch optimizer updates.
 - Float16OptimizerWithFloat16Params: ``float16_groups`` zipped with ``fp32_from_float16_groups``

@@ -1,4 +1,4 @@
-"""grad_unreduced from Megatron's gradient buckets (spec §6.4): each bucket's gradient just
+"""grad_unreduced from Megatron's gradient buckets, as msprobe reads them: each bucket's gradient just
 before its data-parallel reduction starts.
 
 Megatron's DistributedDataParallel accumulates every micro-batch into ``main_grad`` (views of
@@ -8,9 +8,9 @@ with ``overlap_grad_reduce``, during the last backward, as soon as a bucket is c
 before that call each parameter's ``main_grad`` is this rank's fully accumulated gradient.
 
 ``start_grad_sync`` is wrapped on the bucket-group objects of the monitored chunks only (never
-on the class, W9) and restored exactly at removal. Statistics of a whole bucket group are taken
+on the class) and restored exactly at removal. Statistics of a whole bucket group are taken
 in one fused pass and kept; nothing is copied. When this source is used, the per-parameter
-gradient hooks are not installed at all (W21): under Megatron they would see a single
+gradient hooks are not installed at all: under Megatron they would see a single
 micro-batch's ``.grad`` rather than the accumulated gradient.
 """
 

@@ -1,4 +1,4 @@
-"""Reversible wrapping of one method of one object (never of its class, spec W9).
+"""Reversible wrapping of one method of one object (never of its class, which would reach every instance).
 
 For framework objects that offer no hook API at the point the monitor must observe: the
 ``step`` of Megatron and DeepSpeed optimizer wrappers, ``start_grad_sync`` of Megatron's

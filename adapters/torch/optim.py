@@ -3,7 +3,7 @@
 A back-end answers, for one monitored parameter: its reduced gradient as the optimizer sees it,
 its (master) values, and its ``exp_avg`` / ``exp_avg_sq``; and it registers the hooks that run
 before and after each optimizer step. One back-end per optimizer family, chosen by class name
-along the wrapper chain (``BACKENDS``); maps are built once in ``prepare`` (spec W6).
+along the wrapper chain (``BACKENDS``); maps are built once in ``prepare``, never per step.
 
 A sharded back-end (ZeRO, Megatron's distributed optimizer) returns each rank's own piece of a
 tensor (or None where the rank holds none) and sets ``sharded``; the collection then records each

@@ -1,7 +1,7 @@
 """The monitored parameters: selection by targets, display names, where their gradient lives.
 
-Built once at attach time. Nothing is written onto the user's parameters (spec W11); the
-registry keeps its own side tables.
+Built once at attach time. Nothing is written onto the user's parameters (msprobe sets
+attributes on them); the registry keeps its own side tables.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ of its own param group: ``m_hat = m / (1 - beta1^t)``, ``v_hat = v / (1 - beta2^
 ``update = m_hat / (sqrt(v_hat) + eps)`` and ``ratio = m_hat / sqrt(v_hat)``. Each is binned on
 the device into 30 buckets over [-1, 1] (values beyond fall into the edge buckets), with NaN and
 Inf counted separately, so one bad value never breaks the histogram. All counts of a step are
-stacked and copied to the host once; nothing is rendered on the training thread (spec W7).
+stacked and copied to the host once; nothing is rendered on the training thread.
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
 """``trainmon csv2tb`` and msprobe's ``csv2tensorboard_by_step``: CSV outputs -> TensorBoard.
 
-Same call and output as the reference (spec §10.1): ``{out}/rank{R}/{data_type}/`` holds one event
+Same call and output as msprobe's converter: ``{out}/rank{R}/{data_type}/`` holds one event
 file per rank and data type, scalar tags ``vp{vpp_stage}:{name}[:micro{m}]/{op}``, written in step
 order; ``out`` defaults to ``{monitor_path}/{time}-csv2tensorboard_by_step``. Each output directory
 also gets a Custom Scalars layout (one chart per op, all rows overlaid).
 
-Differences, all fixes (spec W35, W32): every directory of a rank in the time range is read (in
+Differences, all fixes of msprobe's converter: every directory of a rank in the time range is read (in
 time order) instead of the last one listed; a row written twice for a step keeps the later value
 (counted and reported) instead of abandoning the remaining files or crashing the worker; rows that
 do not parse are skipped and reported; writers are closed; the default output name uses host-local

@@ -174,7 +174,7 @@ def report_anomalies(paths: list[str], k: int, steps: frozenset[int] | None, out
     scope = "all steps" if steps is None else f"steps {sorted(steps)}"
     with stdout_guard():
         if incidents:
-            print(f"{len(incidents)} incident(s) ({scope}), first first:")
+            print(f"{len(incidents)} incident(s) ({scope}), earliest first:")
             print(incident_files.format_incidents(incidents))
             print()
         print(f"Top {len(records)} of {summary.records_selected} anomalies ({scope}):")
@@ -191,10 +191,10 @@ def _merged_incidents(paths: list[str], steps: frozenset[int] | None) -> tuple[l
     whether there were incident files at all (msprobe's runs have none)."""
     found = [os.path.join(os.path.dirname(p), incident_files.INCIDENTS_NAME) for p in paths]
     found = [p for p in found if os.path.isfile(p)]
-    incidents = incident_files.load_incidents(found)
-    if steps is not None:
-        incidents = [i for i in incidents if i["onset_step"] in steps]
-    return incident_files.merge(incidents), bool(found)
+    merged = incident_files.merge(incident_files.load_incidents(found))
+    if steps is not None:  # by the merged onset, as the dashboard filters
+        merged = [item for item in merged if item.onset_step in steps]
+    return merged, bool(found)
 
 
 @contextlib.contextmanager

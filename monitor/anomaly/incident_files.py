@@ -12,7 +12,6 @@ not. A file that cannot be read is skipped with a warning, never fatal.
 from __future__ import annotations
 
 import json
-import os
 import sys
 from dataclasses import dataclass, field
 from typing import Any
@@ -68,17 +67,6 @@ class MergedIncident:
         }
 
 
-def find_incident_files(data_dir: str) -> list[str]:
-    """``DIR/*/incidents.json`` one level below data_dir, sorted by path."""
-    found = []
-    with os.scandir(data_dir) as entries:
-        for entry in entries:
-            path = os.path.join(entry.path, INCIDENTS_NAME)
-            if entry.is_dir() and os.path.isfile(path):
-                found.append(path)
-    return sorted(found)
-
-
 def load_incidents(paths: list[str]) -> list[dict[str, Any]]:
     """Every well-formed per-rank incident of the files; unreadable files are skipped with a warning."""
     incidents = []
@@ -97,11 +85,22 @@ def load_incidents(paths: list[str]) -> list[dict[str, Any]]:
 
 
 def _well_formed(incident: Any) -> bool:
+    """Whether an incident has every field the merge reads, of the type it reads."""
     return (
         isinstance(incident, dict)
         and all(type(incident.get(key)) is int for key in ("id", "rank", "onset_step"))
+        and all(type(incident.get(key, 0)) is int for key in ("tensors", "last_abnormal_step"))
         and isinstance(incident.get("records"), list)
-        and all(isinstance(r, dict) and "tag_name" in r and "rank" in r for r in incident["records"])
+        and all(_well_formed_record(r) for r in incident["records"])
+    )
+
+
+def _well_formed_record(record: Any) -> bool:
+    return (
+        isinstance(record, dict)
+        and type(record.get("tag_name")) is str
+        and all(type(record.get(key)) is int for key in ("rank", "step"))
+        and all(type(record.get(key, 0)) is int for key in ("micro_step", "call_id"))
     )
 
 

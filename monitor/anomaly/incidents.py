@@ -10,7 +10,8 @@ The detector returns every abnormal (tag, op) cell of every step. Here, on the w
   root and the evidence come from :mod:`monitor.anomaly.root`. While an incident is open, every
   new record joins it (what follows a fault is mostly its echo: the optimizer's moments, the
   next steps' activations); it stays open while any tag is abnormal and closes after
-  ``CLOSE_AFTER`` collected steps without one. A NaN that stays is one incident, open to the end.
+  ``CLOSE_AFTER`` collected steps without one, or when monitoring ends after a step without
+  one. A NaN that stays is one incident, open to the end.
 
 The console gets one line per new incident (warning) and one when it closes (info).
 """
@@ -106,6 +107,7 @@ class IncidentTracker:
         self._now: set[tuple[str, str]] = set()
         self._recorded: set[str] = set()
         self._new: list[Anomaly] = []
+        self._last_step: int | None = None
         self.changed = False
 
     def observe(self, cells: list[Anomaly]) -> list[Anomaly]:
@@ -126,6 +128,7 @@ class IncidentTracker:
     def end_step(self, step: int) -> tuple[Incident | None, Incident | None]:
         """Close the step: ``(incident opened, incident closed)`` at this step, either may be None."""
         opened = closed = None
+        self._last_step = step
         new, abnormal = self._new, bool(self._now)
         self._before, self._now, self._recorded, self._new = self._now, set(), set(), []
         if self.open is None and new:
@@ -151,6 +154,16 @@ class IncidentTracker:
                 incident.state, incident.closed_step = "closed", step
                 closed, self.open, self.changed = incident, None, True
         return None, closed
+
+    def finish(self) -> Incident | None:
+        """The end of monitoring: an open incident whose values were back to normal at the last
+        step is closed there (one still abnormal at the last step stays open); returns it."""
+        incident = self.open
+        if incident is None or self._quiet == 0 or self._last_step is None:
+            return None
+        incident.state, incident.closed_step = "closed", self._last_step
+        self.open, self.changed = None, True
+        return incident
 
     def _start(self, step: int, new: list[Anomaly]) -> Incident:
         records = [cell.details() for cell in new]
@@ -213,6 +226,9 @@ class AnomalySink:
         self._to_dump("end_step", step)
 
     def close(self) -> None:
+        if self.tracker.finish() is not None or self.tracker.changed:
+            self.tracker.changed = False
+            self._to_dump("set_incidents", self.tracker.incidents)
         self._to_dump("close")
 
     def _to_dump(self, method: str, *args: Any) -> None:

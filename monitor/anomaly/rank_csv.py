@@ -2,7 +2,7 @@
 
 A run's output root holds ``{time}-rank{R}-{id}/`` directories with ``{prefix}_{a}-{b}.csv`` files
 (``.{n}.csv`` when an appended run had other columns), header ``vpp_stage,name,step[,micro_step],
-<ops>`` (spec §5.2; msprobe's ``shape``/``dtype`` columns are ignored). The listing, header and
+<ops>`` (msprobe's layout; its ``shape``/``dtype`` columns are ignored). The listing, header and
 complete-line helpers here also serve the dashboards' reader (dashboards.csvfiles); the arrays are
 for the cross-rank analysis. All files of one data type and header on a rank are parsed with one
 pandas call. A file being written is read up to its last complete line; a row with a wrong field

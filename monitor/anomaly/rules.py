@@ -8,7 +8,7 @@ detector keeps per data type and hands back each step:
 * ``update(values, state) -> state`` folds the step into the history (pure: new arrays).
 
 NaN/Inf policy: NaN and Inf never enter a history (``skip_nonfinite``, default true), so one bad
-step never poisons a baseline (spec W22). The reference's exact behaviour, where one NaN leaves a
+step never poisons a baseline. The reference's exact behaviour, where one NaN leaves a
 baseline NaN forever, is kept only for ``AnomalyTurbulence`` with ``semantics: "1.2.2"`` (its
 default) or ``skip_nonfinite: false``, for configs that must behave exactly as before.
 """

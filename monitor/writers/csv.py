@@ -91,7 +91,8 @@ class CsvWriter:
             if _first_line(path) == header:
                 self._resumed_last[record.prefix] = _last_step(path)
                 break
-            # An earlier run (append_output) wrote other columns: never mix them (spec W26).
+            # An earlier run (append_output) wrote other columns: never mix them (labels would drift
+            # from values).
             handle.close()
             name = f"{name.removesuffix('.csv').rsplit('.', 1)[0]}.{attempt}.csv"
         self._files[record.prefix] = (start, handle)

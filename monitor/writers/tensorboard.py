@@ -1,4 +1,4 @@
-"""TensorBoard event files without torch or TensorFlow (spec §5.3).
+"""TensorBoard event files without torch or TensorFlow, with msprobe's tags.
 
 One Event per StepRecord: ``step`` = monitor step, one scalar ``"{tag}_{op}"`` per (row, op), the
 reference's tag spelling. Two things make it fast: the Event is built once per RowSet and only its

@@ -1,4 +1,5 @@
-"""csv2tb and csv2db: every CSV value comes back, W35's defects stay fixed, arguments are checked."""
+"""csv2tb and csv2db: every CSV value comes back, msprobe's converter defects stay fixed,
+arguments are checked."""
 
 from __future__ import annotations
 

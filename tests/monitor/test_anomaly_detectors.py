@@ -71,7 +71,7 @@ def _signed_series(rng, steps, rows, ops, nonfinite=True):
 
 
 def _reference_122(series: list[float], threshold: float) -> list[tuple[bool, float]]:
-    """msprobe 1.2.2 (spec §9.2): running arithmetic mean, one-sided bound; (flag, mean) per value."""
+    """msprobe 1.2.2: running arithmetic mean, one-sided bound; (flag, mean) per value."""
     out, avg = [], None
     for count, cur in enumerate(series):
         if avg is None:

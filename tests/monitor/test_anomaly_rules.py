@@ -1,4 +1,4 @@
-"""Anomaly rules driven through Detector.evaluate, and the anomaly.json dump (spec §9, W22, W30)."""
+"""Anomaly rules driven through Detector.evaluate, and the anomaly.json dump."""
 
 from __future__ import annotations
 
@@ -95,7 +95,7 @@ def test_new_rows_objects_each_step_keep_the_same_baselines(make_record):
 
 
 def _reference_turbulence(series: list[float], threshold: float, beta: float = 0.99) -> list[bool]:
-    """Later msprobe semantics (spec §9.2), written out in plain Python."""
+    """Later msprobe semantics, written out in plain Python."""
     flags = []
     ema = None
     for value in series:
@@ -194,7 +194,7 @@ def test_nan_rule_without_threshold_ignores_large_finite_values(make_record):
 
 
 def test_turbulence_baseline_is_not_poisoned_by_nan(make_record):
-    # the 1.2.2 running mean becomes NaN forever after one NaN (spec W22)
+    # the 1.2.2 running mean becomes NaN forever after one NaN
     series = [1.0, 1.0, 1.0, math.nan, 1.0, 1.0, 5.0, 1.0]
     detector = rules_only([msprobe_later(threshold=0.5)], rank=0)
     assert _drive(detector, make_record, series) == [(6, _tag("w"), "norm")]

@@ -1,4 +1,4 @@
-"""Config loading and validation (monitor/config.py) against the reference's keys (spec §2)."""
+"""Config loading and validation (monitor/config.py) against the reference's keys."""
 
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ def test_template_loads_without_warnings_and_collects_something(path, trainmon_l
 
 # --------------------------------------------------------------------------------------------- defaults
 
-#: spec §2.2 defaults (later reference), as the plain dict form.
+#: msprobe's defaults (later versions), as the plain dict form.
 REFERENCE_DEFAULTS = {
     "targets": {},
     "dynamic_on": False,
@@ -490,7 +490,7 @@ def test_targets_list_of_names_means_names_with_empty_specs():
 
 
 def test_mg_direction_is_validated_under_its_own_key():
-    # The reference validates a key named "mg_distribution" instead (spec §2.2), so "yes" enabled it.
+    # The reference validates a key named "mg_distribution" instead, so "yes" enabled it.
     assert load_config({"mg_direction": True}).mg_direction is True
     with pytest.raises(monitor.ConfigError):
         load_config({"mg_direction": "yes"})

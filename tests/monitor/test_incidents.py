@@ -207,3 +207,38 @@ def test_choose_root_prefers_non_finite_within_the_first_phase():
     root, evidence = choose_root(records)
     assert root["tag_name"] == "0:b/rank0/actv"
     assert any("non-finite" in line for line in evidence)
+
+
+def test_an_incident_quiet_at_the_end_of_monitoring_is_closed_and_one_still_abnormal_stays_open():
+    quiet, stuck = Run(), Run()
+    for run, last in ((quiet, 1.0), (stuck, math.nan)):
+        for step in range(12):
+            run.step(
+                step, {"acc_grad": [1.0, math.nan if step == 10 else (last if step == 11 else 1.0), 1, 1]}
+            )
+        run.sink.close()
+    assert (quiet.incidents[0].state, quiet.incidents[0].closed_step) == ("closed", 11)
+    assert (stuck.incidents[0].state, stuck.incidents[0].closed_step) == ("open", None)
+
+
+@pytest.mark.parametrize(
+    "broken",
+    [
+        {"micro_step": None},
+        {"call_id": "3"},
+        {"step": 2.5},
+    ],
+)
+def test_a_malformed_incident_record_is_skipped_not_fatal(tmp_path, broken):
+    import json
+
+    from monitor.anomaly.incident_files import load_incidents
+
+    good = _rank_incidents(15, faulty_rank=2)
+    bad = json.loads(json.dumps(good[0]))
+    bad["records"][0].update(broken)
+    path = tmp_path / "incidents.json"
+    path.write_text(json.dumps({"version": 1, "rank": 0, "incidents": [bad, *good[1:]]}))
+    loaded = load_incidents([str(path)])
+    assert len(loaded) == len(good) - 1
+    assert merge(loaded)[0].onset_step == 15

@@ -1,4 +1,4 @@
-"""Names and tags (monitor/naming.py): squash_name, target matching, tag grammar (spec §4)."""
+"""Names and tags (monitor/naming.py): squash_name, target matching, tag grammar."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from monitor.naming import build_tag, is_selected, key_selects, name_candidates,
 
 # --------------------------------------------------------------------------------------------- squash_name
 
-#: spec §4.2, later rule: keyword kept, must follow a dot, last occurrence wins, first pattern decides.
+#: msprobe's later squash rule: keyword kept, must follow a dot, last occurrence wins, first pattern decides.
 LATER_RULE_EXAMPLES = [
     ("module.decoder.layers.3.mlp.weight", "layers.3.mlp.weight"),
     (

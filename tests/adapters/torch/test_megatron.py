@@ -144,7 +144,8 @@ def _check_step(spec, rank, mon, keys, local, mean, own_before, own_after, whole
     got_reduced, got_unreduced = mon.generate_wgrad_metrics()
     got = {**got_reduced, **mon.generate_param_metrics(), **mon.generate_mv_metrics()}
     got_other = mon._session.core.latest.latest("other")
-    assert not [t for t in got_unreduced if not t.endswith("/pre_grad")], "hook-based rows present (W21)"
+    hooked = [t for t in got_unreduced if not t.endswith("/pre_grad")]
+    assert not hooked, "hook-based rows present next to the bucket rows"
     assert len(got_unreduced) == len(keys)
     merged = spec["dist_opt"] and spec.get("shard_reduce", False)
     seen = {"unreduced": {}, "reduced": {}, "pieces": {}, "full": {}}
@@ -325,7 +326,7 @@ def test_megatron_optimizers_record_what_megatron_holds(job, tmp_path):
                 if name in step_b["reduced"]:
                     assert norm == pytest.approx(step_b["reduced"][name], rel=1e-6), name
             if spec["dist_opt"] and not spec.get("shard_reduce", False):
-                # W17: the ranks' pieces cover each parameter once; their norms make the whole norm
+                # the ranks' pieces cover each parameter once; their norms make the whole norm
                 for name, (full_norm, size) in step_a["full"].items():
                     pieces = [s["pieces"][name] for s in (step_a, step_b) if name in s["pieces"]]
                     pieces += [[s["reduced"][name], size] for s in (step_a, step_b) if name in s["reduced"]]
