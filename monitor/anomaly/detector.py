@@ -21,78 +21,22 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
 
 from monitor.anomaly.root import ALONE_FACTOR
 from monitor.anomaly.rules import COUNT_OPS, MOVED_ALONE, NONFINITE
+from monitor.anomaly.verdicts import REFERENCE_FIELDS, Anomaly, Verdicts
 from monitor.record import RowSet, StepRecord
+
+__all__ = ["NONFINITE", "NONFINITE_ID", "REFERENCE_FIELDS", "Anomaly", "Detector", "Verdicts"]
 
 #: layout version of Detector.state_dict().
 STATE_VERSION = 1
-#: the fields of msprobe's anomaly record, in its order: anomaly.json holds exactly these, so
-#: msprobe's own analyser reads our files (it builds its record class from them and rejects others).
-REFERENCE_FIELDS = (
-    "rank",
-    "step",
-    "micro_step",
-    "pp_stage",
-    "vpp_stage",
-    "call_id",
-    "tag_name",
-    "message",
-    "group_mates",
-)
-#: smoothing of the per-cell level (EMA of log|value|) the ratios are measured against.
+NONFINITE_ID, MOVED_ALONE_ID, FIRST_RULE_ID = 0, 1, 2
+#: smoothing of the per-tag level of the norms (EMA of log|norm|) the ratios are measured against.
 LEVEL_BETA = 0.9
-
-
-@dataclass
-class Anomaly:
-    """One abnormal value.
-
-    ``to_json`` is msprobe's anomaly.json record; ``details`` adds what that format has no room
-    for (op, value, baseline, rule, data type, ratio to the cell's level and the column's common
-    ratio) and goes to the incidents file.
-    """
-
-    rank: int
-    step: int
-    micro_step: int
-    pp_stage: int
-    vpp_stage: int
-    call_id: int
-    tag_name: str
-    op: str
-    value: float
-    baseline: float
-    rule: str
-    message: str
-    group_mates: list[int]
-    prefix: str = ""
-    ratio: float = math.nan
-    common: float = math.nan
-
-    @property
-    def key(self) -> str:
-        """anomaly.json key; includes the op so that no record overwrites another (msprobe's omits it)."""
-        return f"{self.tag_name}_{self.op}_step_{self.step}_call_{self.call_id}"
-
-    def to_json(self) -> dict[str, Any]:
-        """msprobe's record: exactly its fields (op, rule, value and baseline are in the message)."""
-        record = asdict(self)
-        return {name: record[name] for name in REFERENCE_FIELDS}
-
-    def details(self) -> dict[str, Any]:
-        """Every field, non-finite numbers as strings (JSON has no NaN/Inf literals)."""
-        record = asdict(self)
-        record["key"] = self.key
-        for name in ("value", "baseline", "ratio", "common"):
-            if not math.isfinite(record[name]):
-                record[name] = str(record[name])
-        return record
 
 
 class Detector:
@@ -113,12 +57,14 @@ class Detector:
         self.rank = rank
         self.pp_stage = pp_stage
         self.group_mates = list(group_mates) if group_mates is not None else [rank]
+        #: what a Verdicts' rule ids index: the detector's own verdicts, then the rules in order.
+        self.rule_names = (NONFINITE, MOVED_ALONE, *(rule.name for rule in rules))
         self._rows: dict[str, dict[str, int]] = {}
         #: per (data type, ops): one state (dict of arrays, rows = tags) per rule.
         self._states: dict[tuple[str, tuple[str, ...]], list[dict[str, np.ndarray]]] = {}
         self._index_cache: dict[str, tuple[RowSet, np.ndarray]] = {}
-        #: per (data type, ops): EMA of log|value| and how many finite values it holds, per cell.
-        self._levels: dict[tuple[str, tuple[str, ...]], tuple[np.ndarray, np.ndarray]] = {}
+        #: per data type: EMA of log|norm| and how many finite norms it holds, per tag.
+        self._levels: dict[str, tuple[np.ndarray, np.ndarray]] = {}
 
     def _index(self, prefix: str, rows: RowSet) -> np.ndarray:
         cached = self._index_cache.get(prefix)
@@ -134,117 +80,141 @@ class Detector:
         return index
 
     def evaluate(self, record: StepRecord) -> list[Anomaly]:
-        """Every abnormal cell of the record (non-finite first, then the rules); updates the baselines."""
+        """Every abnormal cell of the record as an Anomaly (see ``judge``)."""
+        return self.judge(record).anomalies()
+
+    def judge(self, record: StepRecord) -> Verdicts:
+        """Every abnormal cell of the record (non-finite first, then the rules, then MovedAlone);
+        updates the baselines."""
         if not (self.rules or self.non_finite) or len(record.rows) == 0:
-            return []
+            return self._verdicts(record, [], [], [], [], None, math.nan)
         values = record.resolve()
         index = self._index(record.prefix, record.rows)
         if index is None and len(self._rows[record.prefix]) != len(record.rows):
             index = np.arange(len(record.rows))  # the table grew since: no longer the whole state
         states = self._grown_states(record.prefix, record.ops)
-        logs, level_rows = self._levels_of(record, values, index)
+        norms = self._norm_moves(record, values, index)
         scale = _element_scale(values, record.ops)
-        reported = None
-        hits: list[tuple[int, int, str, float]] = []
+        rows, cols, ids, baselines = [], [], [], []
+        reported = np.zeros(values.shape, dtype=bool)
         if self.non_finite:
             counts = np.array([op in COUNT_OPS for op in record.ops], dtype=bool)[None, :]
             with np.errstate(invalid="ignore"):
                 reported = ~np.isfinite(values) | (counts & (values > 0))
-            hits += [(int(r), int(c), NONFINITE, math.nan) for r, c in zip(*np.nonzero(reported))]
-        for rule, state in zip(self.rules, states):
+            if reported.any():
+                row, col = np.nonzero(reported)
+                rows.append(row), cols.append(col), baselines.append(np.full(len(row), np.nan))
+                ids.append(np.full(len(row), NONFINITE_ID))
+        for number, (rule, state) in enumerate(zip(self.rules, states)):
             # a rule sees only the columns it judges (AnomalyZScore: norm alone, 1 of 6)
-            cols = _columns(rule, record.ops)
-            ops = record.ops if cols is None else tuple(record.ops[c] for c in cols)
-            view = values if cols is None else values[:, cols]
+            judged = _columns(rule, record.ops)
+            ops = record.ops if judged is None else tuple(record.ops[c] for c in judged)
+            view = values if judged is None else values[:, judged]
             if index is None:
-                rows = state if cols is None else {name: array[:, cols] for name, array in state.items()}
+                cells = state if judged is None else {name: array[:, judged] for name, array in state.items()}
             else:
-                where = index if cols is None else np.ix_(index, cols)
-                rows = {name: array[where] for name, array in state.items()}
+                where = index if judged is None else np.ix_(index, judged)
+                cells = {name: array[where] for name, array in state.items()}
             if getattr(rule, "uses_scale", False):
-                mask, baseline = rule.apply(view, rows, ops, scale=scale)
+                mask, baseline = rule.apply(view, cells, ops, scale=scale)
             else:
-                mask, baseline = rule.apply(view, rows, ops)
-            if reported is not None:
-                mask &= ~(reported if cols is None else reported[:, cols])
+                mask, baseline = rule.apply(view, cells, ops)
+            mask &= ~(reported if judged is None else reported[:, judged])
             if mask.any():
-                if reported is None:
-                    reported = np.zeros(values.shape, dtype=bool)
-                for row, col in zip(*np.nonzero(mask)):
-                    column = int(col) if cols is None else int(cols[col])
-                    reported[row, column] = True
-                    hits.append((int(row), column, rule.name, float(baseline[row, col])))
-            for name, array in rule.update(view, rows).items():
-                if index is None and cols is None:
+                row, col = np.nonzero(mask)
+                column = col if judged is None else judged[col]
+                reported[row, column] = True
+                rows.append(row), cols.append(column), baselines.append(baseline[row, col])
+                ids.append(np.full(len(row), FIRST_RULE_ID + number))
+            for name, array in rule.update(view, cells).items():
+                if index is None and judged is None:
                     state[name] = array
                 elif index is None:
-                    state[name][:, cols] = array
+                    state[name][:, judged] = array
                 else:
                     state[name][where] = array
-        if self.moved_alone:
-            hits += _moved_alone(logs, level_rows, hits, record.ops)
-        ratios = self._ratios(logs, level_rows, hits)
-        self._update_levels(record, logs, level_rows, index)
-        return [
-            self._anomaly(record, row, col, rule, base, *ratios[(row, col)]) for row, col, rule, base in hits
-        ]
+        common = math.nan
+        if norms is not None and rows:
+            norm = record.ops.index("norm")
+            flagged = np.concatenate(rows)[np.concatenate(cols) == norm]
+            common = _common_move(norms[1]) if len(flagged) else math.nan
+        if norms is not None and self.moved_alone and math.isfinite(common):
+            alone = _moved_alone(norms[1], common, flagged, self._levels[record.prefix][0], index)
+            if alone is not None:
+                rows.append(np.array([alone[0]])), cols.append(np.array([norm]))
+                baselines.append(np.array([alone[1]]))
+                ids.append(np.array([MOVED_ALONE_ID]))
+        if norms is not None:
+            self._update_levels(record.prefix, norms[0], index)
+        return self._verdicts(record, rows, cols, ids, baselines, norms, common)
 
-    # -- levels: how far each value is from where its cell was, and from its column's common move
-
-    def _levels_of(
-        self, record: StepRecord, values: np.ndarray, index: np.ndarray | None
-    ) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray]]:
-        """log|values| and the record rows' (level, count) arrays, grown to the tag table."""
-        key = (record.prefix, record.ops)
-        rows = len(self._rows[record.prefix])
-        level, count = self._levels.get(key, (np.zeros((0, len(record.ops))), np.zeros((0, len(record.ops)))))
-        if level.shape[0] < rows:
-            extra = np.zeros((rows - level.shape[0], len(record.ops)))
-            level, count = np.vstack([level, extra]), np.vstack([count, extra])
-            self._levels[key] = (level, count)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            logs = np.log(np.abs(values))
-        if index is None:
-            return logs, (level, count)
-        return logs, (level[index], count[index])
-
-    @staticmethod
-    def _ratios(
-        logs: np.ndarray, level_rows: tuple[np.ndarray, np.ndarray], hits: list
-    ) -> dict[tuple[int, int], tuple[float, float]]:
-        """(ratio to the cell's level, common ratio of its column) for each hit; NaN where unknown."""
-        if not hits:
-            return {}
-        level, count = level_rows
-        with np.errstate(invalid="ignore"):
-            moves = np.where((count > 0) & np.isfinite(logs), logs - level, np.nan)
-        common: dict[int, float] = {}
-        result = {}
-        for row, col, _, _ in hits:
-            if col not in common:
-                column = moves[:, col]
-                known = column[np.isfinite(column)]
-                common[col] = math.exp(float(np.median(known))) if known.size >= 3 else math.nan
-            move = moves[row, col]
-            result[(row, col)] = (math.exp(move) if math.isfinite(move) else math.nan, common[col])
-        return result
-
-    def _update_levels(
+    def _verdicts(
         self,
         record: StepRecord,
-        logs: np.ndarray,
-        level_rows: tuple[np.ndarray, np.ndarray],
-        index: np.ndarray | None,
-    ) -> None:
-        level, count = level_rows
+        rows: list[np.ndarray],
+        cols: list[np.ndarray],
+        ids: list[np.ndarray],
+        baselines: list[np.ndarray],
+        norms: tuple[np.ndarray, np.ndarray] | None,
+        common: float,
+    ) -> Verdicts:
+        row = np.concatenate(rows).astype(np.int64) if rows else np.zeros(0, np.int64)
+        col = np.concatenate(cols).astype(np.int64) if cols else np.zeros(0, np.int64)
+        ratios = np.full(len(row), np.nan)
+        if norms is not None and len(row):
+            on_norm = col == record.ops.index("norm")
+            with np.errstate(over="ignore"):
+                ratios[on_norm] = np.exp(norms[1][row[on_norm]])
+        return Verdicts(
+            record,
+            row,
+            col,
+            np.concatenate(ids) if ids else np.zeros(0, np.int64),
+            self.rule_names,
+            np.concatenate(baselines) if baselines else np.zeros(0),
+            ratios,
+            math.exp(common) if math.isfinite(common) else math.nan,
+            self.rank,
+            self.pp_stage,
+            self.group_mates,
+        )
+
+    # -- levels: how far each norm is from where it was, and from its data type's common move
+
+    def _norm_moves(
+        self, record: StepRecord, values: np.ndarray, index: np.ndarray | None
+    ) -> tuple[np.ndarray, np.ndarray] | None:
+        """log|norm| of the record's rows and each row's move from its level (NaN where unknown);
+        None without a ``norm`` op. Only norms have levels: a ratio of means or minima says little."""
+        if "norm" not in record.ops:
+            return None
+        level, count = self._level_arrays(record.prefix)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            logs = np.log(np.abs(values[:, record.ops.index("norm")]))
+        if index is not None:
+            level, count = level[index], count[index]
+        with np.errstate(invalid="ignore"):
+            moves = np.where((count > 0) & np.isfinite(logs), logs - level, np.nan)
+        return logs, moves
+
+    def _level_arrays(self, prefix: str) -> tuple[np.ndarray, np.ndarray]:
+        """(level, count) of a data type's norms, grown to its tag table."""
+        rows = len(self._rows[prefix])
+        level, count = self._levels.get(prefix, (np.zeros(0), np.zeros(0)))
+        if len(level) < rows:
+            extra = np.zeros(rows - len(level))
+            level, count = np.concatenate([level, extra]), np.concatenate([count, extra])
+            self._levels[prefix] = (level, count)
+        return level, count
+
+    def _update_levels(self, prefix: str, logs: np.ndarray, index: np.ndarray | None) -> None:
+        level, count = self._levels[prefix]
+        where = slice(None) if index is None else index
+        old_level, old_count = level[where], count[where]
         finite = np.isfinite(logs)
-        blended = np.where(count > 0, LEVEL_BETA * level + (1.0 - LEVEL_BETA) * logs, logs)
-        new_level, new_count = np.where(finite, blended, level), count + finite
-        if index is None:
-            self._levels[(record.prefix, record.ops)] = (new_level, new_count)
-        else:
-            full_level, full_count = self._levels[(record.prefix, record.ops)]
-            full_level[index], full_count[index] = new_level, new_count
+        blended = np.where(old_count > 0, LEVEL_BETA * old_level + (1.0 - LEVEL_BETA) * logs, logs)
+        level[where] = np.where(finite, blended, old_level)
+        count[where] = old_count + finite
 
     def _grown_states(self, prefix: str, ops: tuple[str, ...]) -> list[dict[str, np.ndarray]]:
         """The rules' state arrays for a data type, with a row for every tag seen so far."""
@@ -259,36 +229,6 @@ class Detector:
                 if extra > 0:
                     state[name] = np.vstack([state[name], np.full((extra, len(ops)), fill)])
         return states
-
-    def _anomaly(
-        self, record: StepRecord, row: int, col: int, rule: str, base: float, ratio: float, common: float
-    ) -> Anomaly:
-        tag, op = record.rows.tags[row], record.ops[col]
-        value = float(record.values[row, col])
-        micro = record.rows.micro_steps[row] if record.rows.micro_steps is not None else 0
-        call_id = int(record.call_ids[row]) if record.call_ids is not None else -1
-        message = (
-            f"Rule {rule} reports anomaly signal in ('{tag}', '{op}') at step {record.step}, "
-            f"current value {value:.6g}, history mean {base:.6g}."
-        )
-        return Anomaly(
-            rank=self.rank,
-            step=record.step,
-            micro_step=micro,
-            pp_stage=self.pp_stage,
-            vpp_stage=record.rows.vpp_stages[row],
-            call_id=call_id,
-            tag_name=tag,
-            op=op,
-            value=value,
-            baseline=base,
-            rule=rule,
-            message=message,
-            group_mates=self.group_mates,
-            prefix=record.prefix,
-            ratio=ratio,
-            common=common,
-        )
 
     def state_dict(self) -> dict[str, Any]:
         """The detector's history as plain Python data (dicts, lists, str, float; NaN/Inf kept).
@@ -346,38 +286,30 @@ class Detector:
         self._rows, self._states, self._index_cache, self._levels = rows, states, {}, {}
 
 
+def _common_move(moves: np.ndarray) -> float:
+    """The median move (log) of a data type's norms, NaN with fewer than three known."""
+    known = moves[np.isfinite(moves)]
+    return float(np.median(known)) if known.size >= 3 else math.nan
+
+
 def _moved_alone(
-    logs: np.ndarray, level_rows: tuple[np.ndarray, np.ndarray], hits: list, ops: tuple[str, ...]
-) -> list[tuple[int, int, str, float]]:
-    """The ``norm`` cell that moved against its data type's common move, when that common move
-    (the median over every row) is at least ALONE_FACTOR and was flagged somewhere: clipping or
-    loss scaling then moved every tensor alike, and the tensor that caused it may itself look
-    ordinary (clipped back to the usual size) while every other one is flagged."""
-    if "norm" not in ops or not hits:
-        return []
-    col = ops.index("norm")
-    flagged = {row for row, c, _, _ in hits if c == col}
-    if not flagged:
-        return []
-    level, count = level_rows
-    with np.errstate(invalid="ignore"):
-        moves = np.where(
-            (count[:, col] > 0) & np.isfinite(logs[:, col]), logs[:, col] - level[:, col], np.nan
-        )
+    moves: np.ndarray, common: float, flagged: np.ndarray, level: np.ndarray, index: np.ndarray | None
+) -> tuple[int, float] | None:
+    """(row, baseline) of the norm that moved against its data type's common move, when that
+    common move (the median over every row) is at least ALONE_FACTOR and was flagged somewhere:
+    clipping or loss scaling then moved every tensor alike, and the tensor that caused it may itself
+    look ordinary (clipped back to the usual size) while every other one is flagged; else None."""
     known = np.flatnonzero(np.isfinite(moves))
-    if known.size < 3:
-        return []
-    common = float(np.median(moves[known]))
     limit = math.log(ALONE_FACTOR)
     if abs(common) < limit:
-        return []
+        return None
     excess = np.abs(moves[known] - common)
     order = np.argsort(excess)[::-1]
     best, runner_up = excess[order[0]], excess[order[1]]
     row = int(known[order[0]])
-    if best < limit or best - runner_up < limit or row in flagged:
-        return []
-    return [(row, col, MOVED_ALONE, math.exp(float(level[row, col])))]
+    if best < limit or best - runner_up < limit or row in set(flagged.tolist()):
+        return None
+    return row, math.exp(float(level[row if index is None else index[row]]))
 
 
 def _element_scale(values: np.ndarray, ops: tuple[str, ...]) -> np.ndarray | None:

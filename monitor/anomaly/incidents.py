@@ -23,7 +23,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from monitor.anomaly.detector import Anomaly, Detector
+import numpy as np
+
+from monitor.anomaly.detector import NONFINITE_ID, Anomaly, Detector, Verdicts
 from monitor.anomaly.root import choose_root, number, phase_of
 from monitor.anomaly.rules import NONFINITE
 
@@ -110,18 +112,27 @@ class IncidentTracker:
         self._last_step: int | None = None
         self.changed = False
 
-    def observe(self, cells: list[Anomaly]) -> list[Anomaly]:
-        """One record's abnormal cells; returns those that become records (first per tag)."""
+    def observe(self, verdicts: Verdicts) -> list[Anomaly]:
+        """One record's abnormal cells; returns those that become records (first per tag).
+
+        Python work is per abnormal (tag, kind), not per cell, and an Anomaly is built only for
+        a new record: a NaN that makes every statistic of every tag NaN costs one set lookup
+        per tag and step.
+        """
+        if not len(verdicts):
+            return []
+        rules = verdicts.rule_ids != NONFINITE_ID
+        _, first = np.unique(verdicts.rows * 2 + rules, return_index=True)
+        tags = verdicts.record.rows.tags
         new = []
-        for cell in cells:
-            key = (cell.tag_name, NONFINITE if cell.rule == NONFINITE else "rules")
-            if key in self._now:
-                continue
+        for i in np.sort(first):
+            tag = tags[verdicts.rows[i]]
+            key = (tag, "rules" if rules[i] else NONFINITE)
             self._now.add(key)
-            if key in self._before or cell.tag_name in self._recorded:
+            if key in self._before or tag in self._recorded:
                 continue
-            self._recorded.add(cell.tag_name)
-            new.append(cell)
+            self._recorded.add(tag)
+            new.append(verdicts.anomaly(int(i)))
         self._new += new
         return new
 
@@ -202,7 +213,7 @@ class AnomalySink:
         self.found: list[Anomaly] = keep if keep is not None else []
 
     def write(self, record: Any) -> None:
-        new = self.tracker.observe(self.detector.evaluate(record))
+        new = self.tracker.observe(self.detector.judge(record))
         if new:
             self.found.extend(new)
             if self.dump is not None:
