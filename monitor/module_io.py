@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 from monitor.config import MonitorConfig
-from monitor.naming import display_name, is_selected_exactly, name_candidates, squash_name
+from monitor.naming import distinct_names, is_selected_exactly, name_candidates, squash_name
 
 logger = logging.getLogger("trainmon")
 
@@ -44,12 +44,11 @@ def select_modules(
     """The modules among ``(vpp_stage, raw_name)`` pairs whose inputs/outputs are monitored.
 
     Every module with ``all_xy`` (or ``every``) or without targets, else those a targets key
-    names exactly (raw, squashed or ``N:``-prefixed). When squashing makes two names of one chunk
-    collide, the later module keeps its raw name (msprobe lets them collide).
+    names exactly (raw, squashed or ``N:``-prefixed). Names are made distinct within a chunk
+    (``distinct_names``).
     """
     keys = tuple(config.targets)
     selected = []
-    taken: set[tuple[int, str]] = set()
     for position, (vpp, raw) in enumerate(named):
         candidates = name_candidates(vpp, raw, squash_name(raw))
         formats: Mapping[str, str] = {}
@@ -57,12 +56,9 @@ def select_modules(
             if key in candidates:
                 formats = config.targets[key]
         if every or config.all_xy or not keys or is_selected_exactly(keys, candidates):
-            name = display_name(raw, config.squash_name)
-            if (vpp, name) in taken:
-                name = raw
-            taken.add((vpp, name))
-            selected.append(SelectedModule(position, vpp, name, formats))
-    return selected
+            selected.append(SelectedModule(position, vpp, raw, formats))
+    names = distinct_names([(module.vpp_stage, module.name) for module in selected], config.squash_name)
+    return [dataclasses.replace(module, name=name) for module, name in zip(selected, names)]
 
 
 def flatten(obj: Any, is_tensor: IsTensor, depth: int = 0) -> Iterator[Any]:

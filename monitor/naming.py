@@ -6,6 +6,7 @@ Everything here runs at attach time; hooks only look up precomputed strings.
 from __future__ import annotations
 
 import re
+from collections import Counter
 from collections.abc import Hashable, Iterable, Sequence
 
 #: separator between the virtual-pipeline chunk index and a name, as in "0:layers.0.fc1".
@@ -144,25 +145,35 @@ def select_names(
     """The monitored ones among ``(vpp_stage, raw_name)`` pairs, with their display names.
 
     Returns ``(position, display_name)`` for every pair that ``targets`` selects (all of them
-    when there are no targets), in input order. When squashing makes two names of one chunk
-    collide, the later one keeps its raw name. With ``identities`` (one per pair, e.g. ``id()``
-    of the parameter), an object already selected under another name is skipped: a parameter
-    shared by several chunks is monitored once, under its first selected name.
+    when there are no targets), in input order, with names made distinct (``distinct_names``).
+    With ``identities`` (one per pair, e.g. ``id()`` of the parameter), an object already
+    selected under another name is skipped: a parameter shared by several chunks is monitored
+    once, under its first selected name.
     """
     keys = tuple(targets)
-    chosen: list[tuple[int, str]] = []
-    taken: set[str] = set()
+    chosen: list[tuple[int, int, str]] = []
     seen: set[Hashable] = set()
     for position, (vpp, raw) in enumerate(named):
         if identities is not None and identities[position] in seen:
             continue
         if not is_selected(keys, name_candidates(vpp, raw, squash_name(raw))):
             continue
-        name = display_name(raw, squash)
-        if chunk_name(vpp, name) in taken:
-            name = raw
-        taken.add(chunk_name(vpp, name))
         if identities is not None:
             seen.add(identities[position])
-        chosen.append((position, name))
-    return chosen
+        chosen.append((position, vpp, raw))
+    names = distinct_names([(vpp, raw) for _, vpp, raw in chosen], squash)
+    return [(position, name) for (position, _, _), name in zip(chosen, names)]
+
+
+def distinct_names(named: Sequence[tuple[int, str]], squash: bool) -> list[str]:
+    """Display names of ``(vpp_stage, raw_name)`` pairs, distinct within each chunk.
+
+    Where squashing gives two names of one chunk the same short name (``blocks.0.norm.weight``
+    and a final ``norm.weight`` both become ``norm.weight``), every one of them keeps its full
+    name instead, so neither takes the other's rows (msprobe lets them collide).
+    """
+    shown = [display_name(raw, squash) for _, raw in named]
+    counts = Counter((vpp, name) for (vpp, _), name in zip(named, shown))
+    return [
+        unwrapped_name(raw) if counts[(vpp, name)] > 1 else name for (vpp, raw), name in zip(named, shown)
+    ]

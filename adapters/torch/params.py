@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from monitor.config import MonitorConfig
-from monitor.naming import chunk_name, display_name, is_selected, name_candidates, squash_name
+from monitor.naming import select_names
 from monitor.record import RowSet
 
 logger = logging.getLogger("trainmon")
@@ -35,23 +35,23 @@ class ParamRegistry:
     def __init__(
         self, chunks: Sequence[torch.nn.Module], config: MonitorConfig, main_grad: bool | None
     ) -> None:
-        keys = tuple(config.targets)
         self.main_grad = main_grad
-        self.params: list[MonitoredParam] = []
-        taken: set[str] = set()
-        seen: set[int] = set()  # a parameter shared by several chunks is registered once, in the first
-        for vpp, chunk in enumerate(chunks):
-            for raw, param in chunk.named_parameters():
-                if not param.requires_grad or id(param) in seen:
-                    continue
-                if not is_selected(keys, name_candidates(vpp, raw, squash_name(raw))):
-                    continue
-                name = display_name(raw, config.squash_name)
-                if chunk_name(vpp, name) in taken:  # squashing collided: keep the full name
-                    name = raw
-                taken.add(chunk_name(vpp, name))
-                seen.add(id(param))
-                self.params.append(MonitoredParam(vpp, name, raw, param))
+        trainable = [
+            (vpp, raw, param)
+            for vpp, chunk in enumerate(chunks)
+            for raw, param in chunk.named_parameters()
+            if param.requires_grad
+        ]
+        # a parameter shared by several chunks is registered once, in the first
+        chosen = select_names(
+            [(vpp, raw) for vpp, raw, _ in trainable],
+            config.targets,
+            config.squash_name,
+            identities=[id(param) for _, _, param in trainable],
+        )
+        self.params: list[MonitoredParam] = [
+            MonitoredParam(trainable[i][0], name, trainable[i][1], trainable[i][2]) for i, name in chosen
+        ]
         self._warned_main_grad = False
 
     def __len__(self) -> int:

@@ -6,7 +6,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from monitor.naming import build_tag, is_selected, key_selects, name_candidates, split_tag, squash_name
+from monitor.naming import (
+    build_tag,
+    distinct_names,
+    is_selected,
+    key_selects,
+    name_candidates,
+    select_names,
+    split_tag,
+    squash_name,
+)
 
 # --------------------------------------------------------------------------------------------- squash_name
 
@@ -177,3 +186,22 @@ _TASKS = st.from_regex(r"[a-z][a-z0-9_]{0,12}", fullmatch=True)
 )
 def test_build_split_round_trip(vpp, name, rank, task, micro):
     assert split_tag(build_tag(vpp, name, rank, task, micro)) == (vpp, name, micro, task)
+
+
+def test_names_that_squashing_makes_collide_all_keep_their_full_names():
+    named = [(0, "blocks.0.norm.weight"), (0, "blocks.0.fc.weight"), (0, "norm.weight"), (1, "norm.weight")]
+    assert distinct_names(named, squash=True) == [
+        "blocks.0.norm.weight",
+        "blocks.0.fc.weight",  # no keyword: never squashed
+        "norm.weight",
+        "norm.weight",  # another chunk: no collision
+    ]
+    assert select_names(named, [], squash=True) == list(enumerate(distinct_names(named, squash=True)))
+
+
+def test_wrapper_prefixes_are_dropped_when_squashing():
+    assert squash_name("module.lm_head.weight") == "lm_head.weight"
+    assert (
+        squash_name("module._orig_mod.layers.0._checkpoint_wrapped_module.mlp.weight")
+        == "layers.0.mlp.weight"
+    )
