@@ -57,28 +57,8 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
-from fault_models import BASE_LR, TARGETS, Task, build_task  # noqa: E402
+from fault_models import BASE_LR, FAULTS, NO_MODULE, ONE_RANK_FAULTS, TARGETS, Injector, build_task  # noqa: E402
 
-FAULTS = (
-    "loss_x100",
-    "loss_x1000",
-    "nan_activation",
-    "inf_overflow",
-    "grad_after_backward",
-    "grad_before_reduce",
-    "weight_flip",
-    "lr_x100",
-    "bad_batch",
-    "dead_layer",
-)
-#: faults that happen on one rank (``fault_rank`` under DDP); the others happen on every rank
-ONE_RANK_FAULTS = ("nan_activation", "inf_overflow", "grad_before_reduce", "weight_flip", "bad_batch")
-#: faults whose root is no single module or parameter
-NO_MODULE = ("loss_x100", "loss_x1000", "lr_x100", "bad_batch")
-LOSS_FACTORS = {"loss_x100": 100.0, "loss_x1000": 1000.0}
-GRAD_FACTOR = 1e4  # grad_after_backward, grad_before_reduce
-FLIPPED_VALUE = 1e4  # weight_flip
-OVERFLOW_SCALE = 1e6  # inf_overflow: outputs of |y| > 0.066 overflow (about half of them at init)
 RANK_TIMEOUT_S = 900.0
 
 
@@ -152,89 +132,6 @@ def learning_rate(case: Case, step: int) -> float:
     return base * (0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
 
 
-def _amplify_largest(grad: torch.Tensor) -> None:
-    """Multiply the largest-magnitude element by GRAD_FACTOR, in place (a small one could go unseen)."""
-    flat = grad.view(-1)
-    flat[flat.abs().argmax()] *= GRAD_FACTOR
-
-
-class Injector:
-    """Applies a case's fault at the training loop's points; inert on a clean run or an untouched rank."""
-
-    def __init__(self, case: Case, task: Task, rank: int) -> None:
-        self.case = case
-        self.task = task
-        faulty_rank = case.fault_rank if case.ranks > 1 else 0
-        self.active = case.fault is not None and (case.fault not in ONE_RANK_FAULTS or rank == faulty_rank)
-        self.fault = case.fault if self.active else None
-        self.target = TARGETS[case.family].get(self.fault or "")
-        self.calls = 0  # hook calls within the fault step
-        self.handles: list = []  # hooks of the fault step, removed after it
-
-    def now(self, step: int) -> bool:
-        return self.fault is not None and step == self.case.fault_step
-
-    def lr_factor(self, step: int) -> float:
-        return 100.0 if self.fault == "lr_x100" and step >= self.case.fault_step else 1.0
-
-    def loss_factor(self, step: int) -> float:
-        return LOSS_FACTORS.get(self.fault or "", 1.0) if self.now(step) else 1.0
-
-    def batch(self, step: int, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.task.garbage(*batch) if self.fault == "bad_batch" and self.now(step) else batch
-
-    def begin_step(self, step: int) -> None:
-        """Before the step's first forward: flip the weight, arm the step's hooks."""
-        if not self.now(step):
-            return
-        model = self.task.model
-        if self.fault == "weight_flip":
-            with torch.no_grad():
-                weight = model.get_parameter(self.target).view(-1)
-                weight[weight.numel() // 2] = FLIPPED_VALUE
-        elif self.fault == "nan_activation":
-            module = model.get_submodule(self.target)
-            self.handles.append(module.register_forward_hook(self._nan_output, prepend=True))
-        elif self.fault == "inf_overflow":
-            module = model.get_submodule(self.target)
-            self.handles.append(module.register_forward_hook(self._float16_overflow, prepend=True))
-        elif self.fault == "grad_before_reduce":
-            self.handles.append(model.get_parameter(self.target).register_hook(self._corrupt_last))
-        elif self.fault == "dead_layer":  # for good: never removed
-            model.get_parameter(self.target).register_hook(torch.zeros_like)
-
-    def end_backward(self, step: int) -> None:
-        """After the step's last backward (and DDP's all-reduce), before clipping and the optimizer."""
-        if self.fault == "grad_after_backward" and self.now(step):
-            _amplify_largest(self.task.model.get_parameter(self.target).grad)
-
-    def end_step(self, step: int) -> None:
-        for handle in self.handles:
-            handle.remove()
-        self.handles.clear()
-
-    # prepended forward hooks: they run before the monitor's, which therefore sees the faulty output
-    def _nan_output(self, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor | None:
-        self.calls += 1
-        if self.calls > 1:  # the first micro-batch only
-            return None
-        output = output.clone()
-        output.view(-1)[output.numel() // 2] = math.nan
-        return output
-
-    def _float16_overflow(self, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
-        half = nn.functional.linear(args[0].half(), module.weight.half(), module.bias.half())
-        return (half * OVERFLOW_SCALE).float()  # elements past float16's 65504 become +-Inf
-
-    def _corrupt_last(self, grad: torch.Tensor) -> torch.Tensor | None:
-        self.calls += 1
-        if self.calls < self.case.grad_acc:  # the step's last micro-batch only
-            return None
-        grad = grad.clone()
-        _amplify_largest(grad)
-        return grad
-
-
 class _LogCounter(logging.Handler):
     """Counts the monitor's incident announcements, other warnings and errors; keeps the first few others."""
 
@@ -271,12 +168,11 @@ def _train(case: Case, config: dict, rank: int, quiet: bool) -> dict:
         task = build_task(case.family, case.seed)
         model = task.model
         wrapped = nn.parallel.DistributedDataParallel(model) if case.ranks > 1 else model
+        lr = learning_rate(case, 0)
         if case.optimizer == "adamw":
-            optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate(case, 0), weight_decay=0.01)
-        elif case.optimizer == "sgd":
-            optimizer = torch.optim.SGD(model.parameters(), lr=learning_rate(case, 0), momentum=0.9)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
         else:
-            raise ValueError(f"unknown optimizer {case.optimizer!r}: expected 'adamw' or 'sgd'")
+            optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
         mon = TrainerMon(config)
         mon.set_monitor(wrapped, grad_acc_steps=case.grad_acc, optimizer=optimizer)
         injector = Injector(case, task, rank)
@@ -379,20 +275,19 @@ def run_case(case: Case, config: dict, output_root: str, quiet: bool = False) ->
     started = time.perf_counter()
     root = expected(case)  # checks the case too
     output_root = os.path.abspath(output_root)
-    env = {"MONITOR_OUTPUT_DIR": output_root, "OMP_NUM_THREADS": "1"}
+    env = {"MONITOR_OUTPUT_DIR": output_root}
     if case.ranks > 1:
         results = _run_ranks(case, config, env, quiet)
     else:
-        saved = {key: os.environ.get(key) for key in env}
+        saved = os.environ.get("MONITOR_OUTPUT_DIR")
         os.environ.update(env)
         try:
             results = [_train(case, config, 0, quiet)]
         finally:
-            for key, value in saved.items():
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value
+            if saved is None:
+                del os.environ["MONITOR_OUTPUT_DIR"]
+            else:
+                os.environ["MONITOR_OUTPUT_DIR"] = saved
     return {
         "losses": results[0]["losses"],
         "seconds": results[0]["seconds"],
@@ -415,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fault-step", type=int, default=60)
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--ranks", type=int, default=1)
-    parser.add_argument("--config", help="monitor config (JSON); default: grad, moment, param and xy norms")
+    parser.add_argument("--config", help="monitor config (JSON); default: every data type, AnomalyNan, dump")
     parser.add_argument("--output", help="output root (default: a temporary directory)")
     args = parser.parse_args(argv)
     case = Case(
@@ -427,7 +322,8 @@ def main(argv: list[str] | None = None) -> int:
             config = json.load(handle)
     else:
         config = {key: True for key in ("wg_distribution", "mv_distribution", "param_distribution")}
-        config.update(xy_distribution=True, all_xy=True, alert={"rules": [{"rule_name": "AnomalyNan"}]})
+        config.update(xy_distribution=True, all_xy=True)
+        config["alert"] = {"rules": [{"rule_name": "AnomalyNan"}], "dump": True}
     output = args.output or tempfile.mkdtemp(prefix="trainmon-faults-")
     summary = run_case(case, config, output, quiet=True)
     losses = summary["losses"]

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import dataclasses
 import glob
 import json
@@ -41,6 +42,9 @@ if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
 from faults import FAULTS, ONE_RANK_FAULTS, Case, run_case  # noqa: E402
+
+from monitor.anomaly import incident_files  # noqa: E402
+from monitor.anomaly.detector import Detector  # noqa: E402
 
 DATA = {
     "wg_distribution": True,
@@ -119,29 +123,74 @@ def quick_matrix() -> list[Case]:
 
 
 def load_records(anomaly_dir: str) -> list[dict]:
-    """Every rank's anomaly.json records, ordered by step, rank and call_id."""
+    """Every rank's anomaly.json records."""
     records = []
     for path in glob.glob(os.path.join(anomaly_dir, "rank*", "anomaly.json")):
         with open(path) as handle:
             records += json.load(handle).values()
-    return sorted(records, key=lambda r: (r["step"], r.get("rank", 0), r.get("call_id", 0)))
+    return records
 
 
-def score(case: Case, summary: dict) -> dict:
-    """Record-based score of one run (to be replaced by incident-based scoring)."""
+def load_merged(anomaly_dir: str) -> list:
+    """The run's incidents, merged across ranks as anomaly-analyse merges them."""
+    paths = sorted(glob.glob(os.path.join(anomaly_dir, "rank*", incident_files.INCIDENTS_NAME)))
+    return incident_files.merge(incident_files.load_incidents(paths))
+
+
+def score(case: Case, summary: dict, cells: int | None) -> dict:
+    """Score one run from what the monitor wrote: its records and its incidents merged over ranks.
+
+    Faulty runs: ``detected`` (a record at the fault step; an LR blow-up: at it or the next),
+    ``first_incident`` (the first incident starts there), ``root_module`` / ``root_rank`` (the
+    first incident's root names the injected module / rank; None where the fault has none),
+    ``early_incidents`` (incidents before the fault). Clean runs: ``false_incidents``. Both:
+    ``records`` written and, for one-process runs, the abnormal ``cells`` the rules judged (what
+    msprobe prints a line for, each step).
+    """
     records = load_records(summary["anomaly_dir"])
-    steps = sorted({r["step"] for r in records})
-    result = {"records": len(records), "first_step": steps[0] if steps else None}
+    merged = load_merged(summary["anomaly_dir"])
+    result: dict = {"records": len(records), "incidents": len(merged), "cells": cells}
     if summary["expected"] is None:
-        result["false_alarms"] = len(records)
-        result["alarm_steps"] = len(steps)
+        result["false_incidents"] = len(merged)
         return result
-    at = summary["expected"]["step"]
-    result["detected"] = at in steps
-    result["first_is_fault_step"] = bool(steps) and steps[0] == at
-    result["before_fault"] = sum(r["step"] < at for r in records)
-    result["at_fault"] = sum(r["step"] == at for r in records)
+    expected = summary["expected"]
+    onsets = {expected["step"], expected["step"] + 1} if case.fault == "lr_x100" else {expected["step"]}
+    first = merged[0] if merged else None
+    result["detected"] = any(r["step"] in onsets for r in records)
+    result["first_incident"] = first is not None and first.onset_step in onsets
+    result["early_incidents"] = sum(m.onset_step < expected["step"] for m in merged)
+    root = first.root if first is not None and result["first_incident"] else {}
+    tag = str(root.get("tag_name", ""))
+    result["root_tag"] = tag or None
+    result["root_module"] = (
+        any(f":{module}" in tag or f".{module}" in tag for module in expected["modules"])
+        if expected["modules"]
+        else None
+    )
+    result["root_rank"] = root.get("rank") == expected["rank"] if expected["rank"] is not None else None
     return result
+
+
+class _CellCounter:
+    """Counts the abnormal cells the detector finds in this process (one-process runs only)."""
+
+    def __init__(self) -> None:
+        self.cells = 0
+        self._judge = Detector.judge
+
+    def __enter__(self) -> _CellCounter:
+        judge = self._judge
+
+        def counting(detector, record):
+            verdicts = judge(detector, record)
+            self.cells += len(verdicts)
+            return verdicts
+
+        Detector.judge = counting
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        Detector.judge = self._judge
 
 
 def run_one(case: Case, rule_set: str, keep: str | None) -> dict:
@@ -149,8 +198,11 @@ def run_one(case: Case, rule_set: str, keep: str | None) -> dict:
     root = tempfile.mkdtemp(prefix="trainmon-incidents-", dir=keep)
     row: dict = {"case": dataclasses.asdict(case), "rule_set": rule_set, "error": None}
     try:
-        summary = run_case(case, RULE_SETS[rule_set], root, quiet=True)
-        row.update(score=score(case, summary), seconds=summary["seconds"], log=summary["log"])
+        counter = _CellCounter() if case.ranks == 1 else contextlib.nullcontext()
+        with counter:
+            summary = run_case(case, RULE_SETS[rule_set], root, quiet=True)
+        cells = counter.cells if case.ranks == 1 else None
+        row.update(score=score(case, summary, cells), seconds=summary["seconds"], log=summary["log"])
         if any(log["errors"] for log in summary["log"]):
             row["error"] = "the monitor logged errors: " + "; ".join(summary["log"][0]["messages"])
     except Exception:
@@ -192,43 +244,74 @@ def _label(case: dict) -> str:
     )
 
 
-def report(rows: list[dict], rule_sets: list[str]) -> None:
-    """One table per rule set: a line per (ranks, fault)."""
+def _share(flags: list) -> str:
+    judged = [f for f in flags if f is not None]
+    return f"{sum(judged)}/{len(judged)}" if judged else "-"
+
+
+def report(rows: list[dict], rule_sets: list[str]) -> dict:
+    """One table per rule set, a line per (ranks, fault); returns the totals per rule set."""
+    totals = {}
     for name in rule_sets:
+        mine = [row for row in rows if row["rule_set"] == name and "score" in row]
         print(f"\nrule set {name}")
         print(
-            f"  {'ranks':>5s} {'fault':20s} {'runs':>4s} {'crash':>5s} {'found@step':>10s} "
-            f"{'first@step':>10s} {'early recs':>10s} {'recs@step':>9s} {'recs (median)':>13s}"
+            f"  {'ranks':>5s} {'fault':20s} {'runs':>4s} {'detected':>8s} {'first inc':>9s} "
+            f"{'module':>7s} {'rank':>5s} {'early inc':>9s} {'records':>8s}"
         )
         groups: dict[tuple[int, str], list[dict]] = {}
-        for row in rows:
-            if row["rule_set"] == name:
-                groups.setdefault((row["case"]["ranks"], row["case"]["fault"] or ""), []).append(row)
+        for row in mine:
+            groups.setdefault((row["case"]["ranks"], row["case"]["fault"] or ""), []).append(row)
         for (ranks, fault), group in sorted(groups.items()):
-            scored = [row["score"] for row in group if "score" in row]
-            crashes = sum(row["error"] is not None for row in group)
-            line = f"  {ranks:5d} {fault or 'clean':20s} {len(group):4d} {crashes:5d} "
-            if not scored:
-                print(line)
-                continue
-            median = statistics.median(s["records"] for s in scored)
+            scores = [row["score"] for row in group]
+            records = statistics.median(s["records"] for s in scores)
+            line = f"  {ranks:5d} {fault or 'clean':20s} {len(group):4d} "
             if not fault:
-                alarmed = sum(s["records"] > 0 for s in scored)
-                steps = sum(row["case"]["steps"] for row in group if "score" in row)
-                total = sum(s["false_alarms"] for s in scored)
+                steps = sum(row["case"]["steps"] for row in group)
+                false = sum(s["false_incidents"] for s in scores)
+                cells = sum(s["cells"] or 0 for s in scores)
                 print(
-                    line + f"false alarms: {alarmed}/{len(scored)} runs, {total} records "
-                    f"({100 * total / steps:.2f} per 100 steps), median {median:g}"
+                    line + f"false incidents {false} in {steps} steps ({1000 * false / steps:.2f} per 1,000 "
+                    f"steps); records {sum(s['records'] for s in scores)}; abnormal cells {cells}"
                 )
                 continue
-            found = sum(s["detected"] for s in scored)
-            first = sum(s["first_is_fault_step"] for s in scored)
-            early = statistics.mean(s["before_fault"] for s in scored)
-            at = statistics.median(s["at_fault"] for s in scored)
-            print(
-                line + f"{f'{found}/{len(scored)}':>10s} {f'{first}/{len(scored)}':>10s} "
-                f"{early:10.1f} {at:9g} {median:13g}"
-            )
+            shares = [_share([s[key] for s in scores]) for key in ("detected", "first_incident")]
+            roots = [_share([s[key] for s in scores]) for key in ("root_module", "root_rank")]
+            early = statistics.mean(s["early_incidents"] for s in scores)
+            cells = f"{shares[0]:>8s} {shares[1]:>9s} {roots[0]:>7s} {roots[1]:>5s}"
+            print(line + f"{cells} {early:9.2f} {records:8g}")
+        faulty = [row["score"] for row in mine if row["case"]["fault"]]
+        clean = [row for row in mine if not row["case"]["fault"]]
+        targeted = [
+            s["root_module"] is not False and s["root_rank"] is not False
+            for s in faulty
+            if s["root_module"] is not None or s["root_rank"] is not None
+        ]
+        totals[name] = {
+            "faulty_runs": len(faulty),
+            "detected": sum(s["detected"] for s in faulty),
+            "first_incident": sum(s["first_incident"] for s in faulty),
+            "targeted": len(targeted),
+            "root_named": sum(targeted),
+            "clean_steps": sum(row["case"]["steps"] for row in clean),
+            "clean_one_process_steps": sum(
+                row["case"]["steps"] for row in clean if row["case"]["ranks"] == 1
+            ),
+            "false_incidents": sum(row["score"]["false_incidents"] for row in clean),
+            "clean_records": sum(row["score"]["records"] for row in clean),
+            "clean_one_process_records": sum(
+                row["score"]["records"] for row in clean if row["case"]["ranks"] == 1
+            ),
+            "clean_cells": sum(row["score"]["cells"] or 0 for row in clean),
+        }
+        t = totals[name]
+        print(
+            f"  total: detected at the fault step {t['detected']}/{t['faulty_runs']}, first incident there "
+            f"{t['first_incident']}/{t['faulty_runs']}, root named {t['root_named']}/{t['targeted']} "
+            f"targeted; clean: {t['false_incidents']} false incidents in {t['clean_steps']} steps, "
+            f"{t['clean_records']} records"
+        )
+    return totals
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -254,13 +337,22 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{len(cases)} cases x {len(names)} rule sets, {args.jobs} at a time", flush=True)
     started = time.perf_counter()
     rows = run_all(cases, names, args.jobs, args.keep)
-    report(rows, names)
+    totals = report(rows, names)
+    if "msprobe-1.2.2" in totals:
+        reference = totals["msprobe-1.2.2"]["clean_cells"]
+        for name, t in totals.items():
+            if name != "msprobe-1.2.2" and reference:
+                share = 100 * t["clean_one_process_records"] / reference
+                print(
+                    f"{name}: {t['clean_one_process_records']} records on the one-process clean runs = "
+                    f"{share:.3f}% of msprobe 1.2.2's {reference} alarms on the same runs"
+                )
     crashed = [row for row in rows if row["error"]]
     for row in crashed[:5]:
         print(f"\nCRASH {row['rule_set']} {_label(row['case'])}:\n{row['error'][-2000:]}")
     print(f"\n{len(rows)} runs in {time.perf_counter() - started:.0f} s; {len(crashed)} crashed")
     if args.out:
-        Path(args.out).write_text(json.dumps({"args": vars(args), "runs": rows}, indent=1))
+        Path(args.out).write_text(json.dumps({"args": vars(args), "totals": totals, "runs": rows}, indent=1))
         print(f"written to {args.out}")
     return 1 if crashed else 0
 

@@ -80,7 +80,7 @@ SCENARIOS: dict[str, tuple[dict, int]] = {
     "all-interval100": ({**EVERYTHING, "step_interval": 100}, 1),
     "cc": ({"cc_distribution": {"enable": True}}, 2),
 }
-#: msprobe 1.2.2's step-time ratios, measured on this machine with the 6.9M model (issue 9).
+#: msprobe 1.2.2's step-time ratios, measured on this machine with the 6.9M model.
 REFERENCE = {
     "wg": 1.14, "mv": 1.10, "param": 1.05, "xy": 2.48, "all-csv": 3.03,
     "wg-tb": 1.44, "mv-tb": 1.31, "param-tb": 1.10, "xy-tb": 3.54, "all-tb": 5.16,
