@@ -21,6 +21,8 @@ from monitor.anomaly.root import choose_root
 
 INCIDENTS_NAME = "incidents.json"
 OUTPUT_NAME = "incidents_analyse.json"
+#: integer fields of an incident that older files may lack.
+OPTIONAL_COUNTS = ("tensors", "last_abnormal_step", "more_records")
 #: per-rank incidents whose onsets are this many steps apart or less are one incident.
 MERGE_WINDOW = 1
 
@@ -44,7 +46,7 @@ class MergedIncident:
 
     @property
     def records(self) -> int:
-        return sum(len(m.get("records", [])) for m in self.members)
+        return sum(len(m.get("records", [])) + int(m.get("more_records", 0)) for m in self.members)
 
     @property
     def tensors(self) -> int:
@@ -89,7 +91,7 @@ def _well_formed(incident: Any) -> bool:
     return (
         isinstance(incident, dict)
         and all(type(incident.get(key)) is int for key in ("id", "rank", "onset_step"))
-        and all(type(incident.get(key, 0)) is int for key in ("tensors", "last_abnormal_step"))
+        and all(type(incident.get(key, 0)) is int for key in OPTIONAL_COUNTS)
         and isinstance(incident.get("records"), list)
         and all(_well_formed_record(r) for r in incident["records"])
     )

@@ -33,6 +33,9 @@ logger = logging.getLogger("trainmon")
 
 #: collected steps without an abnormal value after which an incident is closed.
 CLOSE_AFTER = 3
+#: records kept in full per incident (the incidents file is rewritten at each step with news);
+#: the rest are counted in ``more_records``.
+MAX_RECORDS = 10_000
 
 
 @dataclass
@@ -46,6 +49,7 @@ class Incident:
     root: dict[str, Any]
     evidence: list[str]
     records: list[dict[str, Any]] = field(default_factory=list)
+    more_records: int = 0
     abnormal_steps: int = 1
     last_abnormal_step: int = -1
     state: str = "open"
@@ -77,6 +81,7 @@ class Incident:
             "root": self.root,
             "evidence": self.evidence,
             "records": self.records,
+            "more_records": self.more_records,
         }
 
     def announcement(self) -> str:
@@ -151,7 +156,9 @@ class IncidentTracker:
         if incident is None:
             return None, None
         if new:
-            incident.records += [cell.details() for cell in new]
+            room = max(MAX_RECORDS - len(incident.records), 0)
+            incident.records += [cell.details() for cell in new[:room]]
+            incident.more_records += len(new) - min(room, len(new))
             self.changed = True
         if abnormal:
             self._quiet = 0
@@ -229,7 +236,7 @@ class AnomalySink:
                 closed.id,
                 step,
                 closed.abnormal_steps,
-                len(closed.records),
+                len(closed.records) + closed.more_records,
             )
         if self.tracker.changed:
             self.tracker.changed = False
