@@ -42,7 +42,8 @@ NAMES = ("embedding.weight", "layers.0.fc1.weight", "layers.0.fc2.weight", "head
 #: write_run(..., **INCIDENT_RUN) has two incidents. The first starts at step 3 with a NaN in rank
 #: 0's local gradient of layers.0.fc1.weight (its root: the earliest phase), which reaches the
 #: reduced gradient of both ranks at that step; it stays abnormal on rank 0 at step 4 and closes.
-#: The second is an Inf in rank 1's exp_avg max of head.weight at step 9, still open at the end.
+#: The second is an Inf in rank 1's exp_avg max of head.weight from step 9 to the end, so it is
+#: still open when monitoring ends.
 INCIDENT_RUN = {
     "ranks": (0, 1),
     "steps": range(12),
@@ -53,7 +54,7 @@ INCIDENT_RUN = {
         (0, "grad_reduced", 3, 1, "norm"): float("nan"),
         (1, "grad_reduced", 3, 1, "norm"): float("nan"),
         (0, "grad_reduced", 4, 1, "norm"): float("nan"),
-        (1, "exp_avg", 9, 3, "max"): float("inf"),
+        **{(1, "exp_avg", step, 3, "max"): float("inf") for step in (9, 10, 11)},
     },
 }
 
