@@ -221,9 +221,9 @@ def test_other_runs_render_and_new_steps_appear_live(page):
             "s.dispatchEvent(new Event('change'));",
             runs[name]["id"],
         )
-        session.wait_for(
-            f"const t = document.querySelector('.tm-heat-title').textContent; return t.includes('rows') && "
-            f"document.querySelector('select').value === {json.dumps(runs[name]['id'])};",
+        session.wait_for(  # the heatmap drawn last is this run's, not the previous run's
+            f"return document.querySelector('.tm-canvas').dataset.run === {json.dumps(runs[name]['id'])} && "
+            "document.querySelector('.tm-heat-title').textContent.includes('rows');",
             30,
             name,
         )

@@ -16,9 +16,9 @@ def test_select_names_follows_targets_and_keeps_input_positions():
     assert select_names(named, [], squash=False) == [(0, named[0][1]), (1, named[1][1]), (2, named[2][1])]
 
 
-def test_select_names_keeps_the_raw_name_when_squashing_collides():
+def test_select_names_keeps_every_raw_name_that_squashing_makes_collide():
     named = [(0, "a.layers.0.w"), (0, "b.layers.0.w"), (1, "b.layers.0.w")]
-    assert select_names(named, [], squash=True) == [(0, "layers.0.w"), (1, "b.layers.0.w"), (2, "layers.0.w")]
+    assert select_names(named, [], squash=True) == [(0, "a.layers.0.w"), (1, "b.layers.0.w"), (2, "layers.0.w")]
 
 
 def test_select_names_monitors_a_shared_object_once_under_its_first_selected_name():

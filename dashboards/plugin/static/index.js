@@ -139,6 +139,7 @@ class App {
     this.chartBox.hidden = true;  // a chart of the run shown before
     this.lists.setRun(run);
     await this.lists.load();
+    if (this.state.run !== id) return;  // another run was chosen while this one's lists loaded
     if (!landing) {
       this.heatTitle.textContent = "This run has no statistics yet.";
       return;
@@ -202,6 +203,7 @@ class App {
         `${data.sampled ? ", sampled: narrow the step range for every step" : ""}) · ${data.rows.length} rows`;
       this.heatmap.selected = null;
       this.heatmap.canvas.dataset.selected = "";
+      this.heatmap.canvas.dataset.run = this.state.run;
       this.redraw();
       this.status.textContent = `updated ${new Date().toLocaleTimeString()}`;
       this.root.querySelector(".tm-app").dataset.ready = "1";
