@@ -151,10 +151,117 @@ static PyObject *stats(PyObject *self, PyObject *args) {
     return Py_BuildValue("(ddddLL)", out.low, out.high, out.total, out.squares, out.small, out.nans);
 }
 
+/* Element kinds of the address entries (the caller vouches that the memory is alive, contiguous
+ * and of that kind: they take addresses of tensors it holds) */
+enum { KIND_F32 = 0, KIND_F64 = 1, KIND_BF16 = 2 };
+
+static void run_kernel(int kind, const void *data, Py_ssize_t n, double eps, Result *out) {
+    if (kind == KIND_F32)
+        stats_f32((const float *)data, n, (float)eps, out);
+    else if (kind == KIND_F64)
+        stats_f64((const double *)data, n, eps, out);
+    else
+        stats_bf16((const uint16_t *)data, n, (float)eps, out);
+}
+
+static int check_kind(int kind) {
+    if (kind == KIND_F32 || kind == KIND_F64 || kind == KIND_BF16) return 0;
+    PyErr_Format(PyExc_ValueError, "kind must be 0 (float32), 1 (float64) or 2 (bfloat16), got %d", kind);
+    return -1;
+}
+
+static PyObject *stats_at(PyObject *self, PyObject *args) {
+    unsigned long long address;
+    Py_ssize_t n;
+    int kind;
+    double eps;
+    if (!PyArg_ParseTuple(args, "Knid", &address, &n, &kind, &eps)) return NULL;
+    if (check_kind(kind) < 0) return NULL;
+    if (address == 0 || n <= 0) {
+        PyErr_Format(PyExc_ValueError, "stats_at: expected a non-null address and n > 0, got n=%zd", n);
+        return NULL;
+    }
+    Result out;
+    Py_BEGIN_ALLOW_THREADS
+    run_kernel(kind, (const void *)(uintptr_t)address, n, eps, &out);
+    Py_END_ALLOW_THREADS
+    return Py_BuildValue("(ddddLL)", out.low, out.high, out.total, out.squares, out.small, out.nans);
+}
+
+static int int64_buffer(PyObject *source, Py_buffer *view, const char *what) {
+    if (PyObject_GetBuffer(source, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) return -1;
+    const char *format = view->format ? view->format : "B";
+    if (*format == '<' || *format == '=' || *format == '@') format++;
+    if (view->itemsize != 8 || strchr("lqLQ", *format) == NULL || format[1] != 0) {
+        PyErr_Format(PyExc_TypeError, "stats_many: %s must be a contiguous 64-bit integer buffer, got '%s'",
+                     what, view->format ? view->format : "B");
+        PyBuffer_Release(view);
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *stats_many(PyObject *self, PyObject *args) {
+    PyObject *address_source, *count_source, *out_source;
+    int kind;
+    double eps;
+    if (!PyArg_ParseTuple(args, "OOidO", &address_source, &count_source, &kind, &eps, &out_source)) return NULL;
+    if (check_kind(kind) < 0) return NULL;
+    Py_buffer addresses, counts, out;
+    if (int64_buffer(address_source, &addresses, "addresses") < 0) return NULL;
+    if (int64_buffer(count_source, &counts, "counts") < 0) {
+        PyBuffer_Release(&addresses);
+        return NULL;
+    }
+    if (PyObject_GetBuffer(out_source, &out, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | PyBUF_WRITABLE) < 0) {
+        PyBuffer_Release(&addresses);
+        PyBuffer_Release(&counts);
+        return NULL;
+    }
+    Py_ssize_t n = addresses.len / 8;
+    const char *format = out.format ? out.format : "B";
+    if (*format == '<' || *format == '=' || *format == '@') format++;
+    const long long *address = (const long long *)addresses.buf, *count = (const long long *)counts.buf;
+    int bad = counts.len / 8 != n || out.itemsize != 8 || strcmp(format, "d") != 0 || out.len / 8 != 6 * n;
+    for (Py_ssize_t i = 0; !bad && i < n; i++) bad = address[i] == 0 || count[i] <= 0;
+    if (bad) {
+        PyErr_Format(PyExc_ValueError,
+                     "stats_many: expected n non-null addresses, n counts > 0 and a writable float64 output "
+                     "of n x 6, got %zd addresses, %zd counts, output '%s' of %zd bytes",
+                     n, counts.len / 8, out.format ? out.format : "B", out.len);
+    } else {
+        double *rows = (double *)out.buf;
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t i = 0; i < n; i++) {
+            Result r;
+            run_kernel(kind, (const void *)(uintptr_t)address[i], (Py_ssize_t)count[i], eps, &r);
+            double *row = rows + 6 * i;
+            row[0] = r.low;
+            row[1] = r.high;
+            row[2] = r.total;
+            row[3] = r.squares;
+            row[4] = (double)r.small;
+            row[5] = (double)r.nans;
+        }
+        Py_END_ALLOW_THREADS
+    }
+    PyBuffer_Release(&addresses);
+    PyBuffer_Release(&counts);
+    PyBuffer_Release(&out);
+    if (bad) return NULL;
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"stats", stats, METH_VARARGS,
      "stats(buffer, eps, bfloat16=False) -> (min, max, sum, sum of squares, count of |x| < eps, "
      "NaN count); with bfloat16=True the buffer holds the raw 16-bit patterns (int16)"},
+    {"stats_at", stats_at, METH_VARARGS,
+     "stats_at(address, n, kind, eps) -> the same tuple for n elements of a kind (0 float32, "
+     "1 float64, 2 bfloat16) at a memory address the caller keeps alive"},
+    {"stats_many", stats_many, METH_VARARGS,
+     "stats_many(addresses, counts, kind, eps, out) -> None: row i of the float64 (n, 6) out gets "
+     "the tuple of counts[i] elements at addresses[i] (int64 buffers; memory the caller keeps alive)"},
     {NULL, NULL, 0, NULL},
 };
 

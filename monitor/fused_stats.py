@@ -6,7 +6,8 @@ dot, and abs + compare + sum for the zero count): six or seven passes and as man
 The kernel (monitor/_fused_stats.c, built by setup.py at install) reads every element once,
 vectorised, with the GIL released. The extension is optional: where it was not built (no C
 compiler) or TRAINMON_NO_FUSED_STATS is set, ``available()`` is False and callers keep their
-library-call path.
+library-call path. ``stats_at`` and ``stats_many`` read memory by address (a tensor's data
+pointer) instead of a buffer object: one call per hook, or one call for a whole step's tensors.
 
 Accuracy: sums accumulate in the buffer's precision over blocks of 16K elements spread over 32
 independent lanes and combine in double, so a float32 sum over millions of elements keeps ~7
@@ -40,3 +41,23 @@ def stats(
     float32/float64 array (any shape), or with ``bfloat16`` of an int16 array holding bfloat16
     bit patterns (numpy has no bfloat16). Requires ``available()``."""
     return _fused_stats.stats(array, eps, bfloat16)
+
+
+#: element kinds of the address entries
+FLOAT32, FLOAT64, BFLOAT16 = 0, 1, 2
+
+
+def stats_at(address: int, count: int, kind: int, eps: float) -> tuple[float, float, float, float, int, int]:
+    """The ``stats`` tuple of ``count`` (> 0) contiguous elements of ``kind`` at ``address``: memory
+    the caller keeps alive while this runs (a tensor it holds). No buffer object is made, which
+    matters where it runs once per parameter (a gradient hook). Requires ``available()``."""
+    return _fused_stats.stats_at(address, count, kind, eps)
+
+
+def stats_many(addresses: np.ndarray, counts: np.ndarray, kind: int, eps: float) -> np.ndarray:
+    """Float64 (n, 6): the ``stats`` tuple of each of n buffers of one kind, in one call with the
+    GIL released (int64 addresses and counts > 0; memory the caller keeps alive). One call for a
+    whole step's tensors: no Python work per tensor. Requires ``available()``."""
+    out = np.empty((len(addresses), 6), dtype=np.float64)
+    _fused_stats.stats_many(addresses, counts, kind, eps, out)
+    return out

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from adapters.torch.stats import stat_matrix
+from adapters.torch.stats import stack_rows, tensor_stats
 from monitor.config import MonitorConfig
 from monitor.module_io import call_name, direction_tensors, row_names
 from monitor.module_io import select_modules as select_module_names
@@ -90,11 +90,11 @@ class Activations:
         self._calls: dict[tuple[int, int], int] = {}
         self._recomputed: dict[tuple[int, int], int] = {}
         self._rows: dict[str, list[tuple[int, str, int]]] = {"actv": [], "actv_grad": []}
-        self._stats: dict[str, list[torch.Tensor]] = {"actv": [], "actv_grad": []}
+        self._stats: dict[str, list[list[float] | torch.Tensor]] = {"actv": [], "actv_grad": []}
         #: this step's measured tensors: id -> (weak reference, version, statistics row). A tensor
         #: that is one module's output and the next one's input (or its gradient, seen by both
         #: modules' hooks) is measured once.
-        self._seen: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}
+        self._seen: dict[int, tuple[weakref.ref, int, list[float] | torch.Tensor]] = {}
 
     def register(self) -> list:
         """Register the hooks; returns removable handles."""
@@ -167,23 +167,15 @@ class Activations:
         if not tensors:
             return
         seen = self._seen
-        rows: list[torch.Tensor | None] = []
-        fresh = []
+        rows = []
         for t in tensors:
             hit = seen.get(id(t))
             if hit is not None and hit[0]() is t and hit[1] == t._version:
                 rows.append(hit[2])
             else:
-                rows.append(None)
-                fresh.append(t)
-        if fresh:
-            matrix = stat_matrix([t.detach() for t in fresh], self.ops, self.eps)
-            k = 0
-            for i, t in enumerate(tensors):
-                if rows[i] is None:
-                    rows[i] = matrix[k : k + 1]
-                    seen[id(t)] = (weakref.ref(t), t._version, rows[i])
-                    k += 1
+                row = tensor_stats(t, self.ops, self.eps)
+                seen[id(t)] = (weakref.ref(t), t._version, row)
+                rows.append(row)
         self._rows[prefix].extend((vpp, n, micro) for n in row_names(name, len(tensors)))
         self._stats[prefix].extend(rows)
 
@@ -213,7 +205,8 @@ class Activations:
             rows, stats = self._rows[prefix], self._stats[prefix]
             if rows:
                 vpp, names, micro = zip(*rows)
-                out.append((prefix, RowSet.build(vpp, names, rank, task, micro), torch.cat(stats)))
+                matrix = stack_rows(stats, len(self.ops))
+                out.append((prefix, RowSet.build(vpp, names, rank, task, micro), matrix))
         self.reset()
         return out
 

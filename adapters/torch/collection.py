@@ -163,6 +163,8 @@ class Collection(BaseCollection):
         if self._wanted("grad_reduced", cfg.wg_distribution):
             reuse = self._reusable()
             self._guard("grad_reduced", self._submit_tensors, "grad_reduced", self.backend.grad, reuse)
+        if hasattr(self.grads, "release"):
+            self.grads.release()
         if self._wanted("other", cfg.mg_direction):
             self._guard("other", self._submit_mg_direction)
         if self._wanted("param_origin", cfg.param_distribution):
@@ -191,38 +193,41 @@ class Collection(BaseCollection):
         values, fetch = to_host(matrix) if isinstance(matrix, torch.Tensor) else (np.asarray(matrix), None)
         self._record(prefix, rows, values, ops, fetch)
 
-    def _reusable(self) -> dict:
-        """Unreduced-gradient rows the reduced pass may reuse.
+    def _reusable(self) -> Any:
+        """The unreduced-gradient source whose rows the reduced pass may reuse (``measured_row``),
+        or None.
 
         Only where nothing can have changed a gradient without bumping its version: one process
         (no reduction), torch's own optimizers and ``.grad`` (Megatron's and DeepSpeed's kernels
         write gradients in place without telling autograd).
         """
         if self.grads is None or type(self.backend) is not TorchBackend or self.registry.main_grad:
-            return {}
+            return None
         dist = torch.distributed
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            return {}
-        return getattr(self.grads, "reusable", {})
+            return None
+        return self.grads if getattr(self.grads, "taken_matrix", None) is not None else None
 
     def _submit_tensors(
-        self, prefix: str, tensor_of: Callable[[torch.nn.Parameter], Any], reuse: dict | None = None
+        self, prefix: str, tensor_of: Callable[[torch.nn.Parameter], Any], reuse: Any = None
     ) -> None:
         """Statistics of one tensor per monitored parameter (skipping parameters without one).
 
-        ``reuse``: parameter index -> (weak reference, version, statistics row) of a tensor
-        measured earlier this step; the row is reused when the very same tensor is unchanged.
+        ``reuse``: the unreduced-gradient source; a row it measured earlier this step is reused
+        where it is the very same tensor, unchanged (``measured_row``).
         """
         index, rows = self._rows[prefix]
-        tensors, present, known = [], [], []
+        params = self.registry.params
+        tensors, present, known, earlier = [], [], [], []
         for position, i in enumerate(index):
-            tensor = tensor_of(self.registry.params[i].param)
+            tensor = tensor_of(params[i].param)
             if tensor is not None:
-                hit = reuse.get(i) if reuse else None
-                if hit is not None and hit[0]() is tensor and hit[1] == tensor._version:
-                    known.append((len(present), hit[2]))
+                row = reuse.measured_row(i, tensor) if reuse is not None else None
+                if row is None:
+                    tensors.append(tensor)
                 else:
-                    tensors.append(tensor.detach())
+                    known.append(len(present))
+                    earlier.append(row)
                 present.append(position)
         if self.backend.sharded:
             self._submit_pieces(prefix, index, rows, tensors, present)
@@ -231,13 +236,13 @@ class Collection(BaseCollection):
             rows = rows.take(present)
         matrix = stat_matrix(tensors, self.ops, self.eps)
         if known:  # rows measured earlier this step, merged in parameter order
-            full = torch.empty((len(present), len(self.ops)), dtype=torch.float64, device=matrix.device)
-            fresh = torch.ones(len(present), dtype=torch.bool)
-            for k, row in known:
-                full[k] = row
-                fresh[k] = False
+            reused = reuse.taken_matrix[earlier]
+            full = torch.empty((len(present), len(self.ops)), dtype=torch.float64, device=reused.device)
+            full[known] = reused
             if tensors:
-                full[fresh] = matrix
+                fresh = torch.ones(len(present), dtype=torch.bool)
+                fresh[known] = False
+                full[fresh] = matrix.to(full.device)
             matrix = full
         self._submit(prefix, rows, matrix)
 

@@ -21,14 +21,13 @@ No gradient is copied or kept; only small statistic vectors are, until the step 
 from __future__ import annotations
 
 import logging
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from adapters.torch.params import ParamRegistry
-from adapters.torch.stats import stat_matrix, tensor_stats
+from adapters.torch.stats import RowBuffer, stack_rows, tensor_stats
 
 logger = logging.getLogger("trainmon")
 
@@ -55,18 +54,28 @@ class UnreducedGrads:
         #: set by the session before each step's forward: the hooks do nothing when False.
         self.collect = False
         self._micro = [0] * len(registry)
-        self._stats: dict[tuple[int, int], torch.Tensor] = {}
-        self._sources: dict[int, tuple[weakref.ref, int]] = {}
+        #: per step: the accumulated gradients' rows, by parameter index
+        self._rows = RowBuffer(len(registry), ops, eps)
+        #: per micro-batch: rows by (parameter index, micro-step)
+        self._micro_rows: dict[tuple[int, int], list[float] | torch.Tensor] = {}
+        #: the gradient each parameter's row was measured from, and its version: held from the
+        #: hook to the optimizer step (the parameter holds the same tensor meanwhile), then by
+        #: ``take`` for ``measured_row`` until ``release``. A list, not weak references: nothing
+        #: is allocated per parameter.
+        self._held: list[torch.Tensor | None] = [None] * len(registry)
+        self._versions = [0] * len(registry)
+        self._taken_grads: list[torch.Tensor | None] = []
+        self._taken: dict[int, int] = {}
         self._last_micro_batch = last_micro_batch or (lambda: False)
-        #: parameters whose latest micro-batch may have been the step's last: gradient and version.
-        self._waiting: dict[int, tuple[weakref.ref, int]] = {}
+        #: parameters whose latest micro-batch may have been the step's last (their gradient is
+        #: held in ``_held``, its version in ``_versions``).
+        self._waiting: dict[int, None] = {}
         #: after a short step whose gradients changed before the optimizer step: measure every pass.
         self._every_micro_batch = False
         #: after take(): (micro-batches of the step, parameters whose row is missing).
         self.counted: tuple[int, int] = (0, 0)
-        #: after take(): parameter index -> (gradient, its version, statistics row), for a
-        #: reduced-gradient pass that finds the very same, unchanged gradient (no reduction ran).
-        self.reusable: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}
+        #: after take(): the statistics it returned (``measured_row`` indexes them).
+        self.taken_matrix: torch.Tensor | None = None
 
     @property
     def task(self) -> str:
@@ -94,8 +103,10 @@ class UnreducedGrads:
                 if grad is None:
                     return
                 if count < self.grad_acc_steps and not (self._every_micro_batch or self._last_micro_batch()):
-                    self._stats.pop((index, 0), None)
-                    self._waiting[index] = (weakref.ref(grad), grad._version)
+                    self._rows.drop(index)
+                    self._waiting[index] = None
+                    self._held[index] = grad
+                    self._versions[index] = grad._version
                     return
                 self._waiting.pop(index, None)
                 self._measure(index, grad)
@@ -106,17 +117,17 @@ class UnreducedGrads:
         return hook
 
     def _measure(self, index: int, grad: torch.Tensor) -> None:
-        self._stats.pop((index, 0), None)  # a repeat keeps the latest, in firing order
-        self._stats[(index, 0)] = tensor_stats(grad.detach(), self.ops, self.eps)
-        self._sources[index] = (weakref.ref(grad), grad._version)
+        self._rows.put(index, grad)  # a repeat keeps the latest, in firing order
+        self._held[index] = grad
+        self._versions[index] = grad._version
 
     def _measure_waiting(self) -> int:
         """At the optimizer step: measure the parameters whose step ended early, where their
         gradient is unchanged since their last micro-batch; returns how many could not be."""
         missing = 0
-        for index, (source, version) in self._waiting.items():
+        for index in self._waiting:
             grad = self.registry.grad(self.registry.params[index].param)
-            if grad is not None and source() is grad and grad._version == version:
+            if grad is not None and self._held[index] is grad and grad._version == self._versions[index]:
                 self._measure(index, grad)
             else:
                 missing += 1
@@ -132,7 +143,7 @@ class UnreducedGrads:
             try:
                 micro = self._micro[index]
                 self._micro[index] = micro + 1
-                self._stats[(index, micro)] = tensor_stats(grad.detach(), self.ops, self.eps)
+                self._micro_rows[(index, micro)] = tensor_stats(grad.detach(), self.ops, self.eps)
             except Exception as exc:
                 self.collect = False
                 self.on_error("grad_unreduced", exc)
@@ -147,25 +158,44 @@ class UnreducedGrads:
         """
         missing = self._measure_waiting()
         self.counted = (max(self._micro, default=0), missing)
-        items = list(self._stats.items())
-        sources = self._sources
+        if self.per_micro_batch:
+            items = list(self._micro_rows.items())
+            self.reset()
+            keys = [key for key, _ in items]
+            matrix = stack_rows([row for _, row in items], len(self.ops))
+            return [i for i, _ in keys], [micro for _, micro in keys], matrix
+        index, matrix = self._rows.take()
+        held = self._held
         self.reset()
-        index = [key[0] for key, _ in items]
-        micro = [key[1] for key, _ in items] if self.per_micro_batch else None
-        if not items:
-            return index, micro, stat_matrix((), self.ops, self.eps)
-        matrix = torch.stack([value for _, value in items])
-        if not self.per_micro_batch:
-            self.reusable = {i: (*sources[i], matrix[k]) for k, i in enumerate(index) if i in sources}
-        return index, micro, matrix
+        self._taken_grads, self._taken = held, dict(zip(index, range(len(index))))
+        self.taken_matrix = matrix
+        return index, None, matrix
+
+    def measured_row(self, index: int, tensor: torch.Tensor) -> int | None:
+        """The row, in the matrix ``take`` returned, of parameter ``index``'s gradient when
+        ``tensor`` is that very gradient, unchanged since it was measured; else None. A
+        reduced-gradient pass reuses it where no reduction ran."""
+        row = self._taken.get(index)
+        if row is None:
+            return None
+        return (
+            row if self._taken_grads[index] is tensor and tensor._version == self._versions[index] else None
+        )
+
+    def release(self) -> None:
+        """Drop the gradients and rows ``take`` kept for ``measured_row`` (at the end of the
+        optimizer's pre-step: a gradient freed by ``zero_grad`` must not stay alive here)."""
+        self._taken_grads, self._taken = [], {}
+        self.taken_matrix = None
 
     def reset(self) -> None:
         """Forget the step: micro-batch counters and pending statistics."""
         self._micro = [0] * len(self.registry)
-        self._stats.clear()
-        self._sources = {}
+        self._rows.clear()
+        self._micro_rows.clear()
+        self._held = [None] * len(self.registry)
         self._waiting = {}
-        self.reusable = {}
+        self.release()
 
 
 def unreduced_source(

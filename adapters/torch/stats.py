@@ -11,6 +11,11 @@ Sums accumulate in fp32 per chunk (fp64 for fp64 inputs) and chunks combine in f
 are counted only in tensors whose sum of squares (or sum, or min/max) came out non-finite: a
 finite one proves there is no NaN, and on the CPU reading that verdict costs nothing.
 
+Per-tensor cost: the kernel takes the addresses of a whole list of tensors in one call
+(``fused_stats.stats_many``) and one tensor's address in a hook (``stats_at``); the matrix is
+derived column-wise with numpy. ``RowBuffer`` gathers one-at-a-time rows (a hook per parameter)
+into a preallocated array, so thousands of hooks allocate no Python object each.
+
 Accelerators: ``torch._foreach_norm`` over the list, one aminmax per tensor, fp32 sums, counts
 in COUNT_CHUNK pieces so their temporaries stay bounded; no host synchronisation.
 
@@ -30,13 +35,13 @@ import numpy as np
 import torch
 
 from monitor import fused_stats
+from monitor.host_stats import DERIVED, EMPTY_VALUE, columns
 
 #: accelerators: elements per chunk for the counting ops (bounds their temporaries).
 COUNT_CHUNK = 1 << 24
 #: CPU: elements per cache-resident chunk (512 KiB of fp32).
 CPU_CHUNK = 1 << 17
 _F64 = torch.float64
-_EMPTY_VALUE = {"norm": 0.0, "nans": 0.0}
 _BUFFERS = threading.local()
 
 
@@ -68,61 +73,54 @@ def _scratch(dtype: torch.dtype, numel: int, slot: int) -> torch.Tensor:
     return buffer[:numel]
 
 
+#: dtypes the kernel reads in place, by their element kind
+_KIND = {
+    torch.float32: fused_stats.FLOAT32,
+    torch.float64: fused_stats.FLOAT64,
+    torch.bfloat16: fused_stats.BFLOAT16,
+}
+
+
+def _fused_pays(ops: tuple[str, ...], dtype: torch.dtype) -> bool:
+    """Whether the fused pass beats library calls: where the library needs several passes
+    (min/max, the zero count) or a widening copy (bf16, which the kernel widens in registers)."""
+    return "min" in ops or "max" in ops or "zeros" in ops or dtype == torch.bfloat16
+
+
 def _cpu_block(tensors: Sequence[torch.Tensor], ops: tuple[str, ...], eps: float) -> torch.Tensor:
     """CPU tensors of one dtype: each read once (fused kernel) or chunk by chunk while in cache."""
-    floating = tensors[0].is_floating_point()
-    minmax = "min" in ops or "max" in ops
-    # the fused pass pays off where the library needs several passes (min/max, the zero count)
-    # or a widening copy (bf16, which the kernel widens in registers)
-    several = minmax or "zeros" in ops or tensors[0].dtype == torch.bfloat16
-    if floating and several and fused_stats.available():
+    if tensors[0].is_floating_point() and _fused_pays(ops, tensors[0].dtype) and fused_stats.available():
         parts = _fused_parts(tensors, eps)
     else:
         parts = _library_parts(tensors, ops, eps)
-    identity = _id_column(tensors).tolist() if "id" in ops else None
-    rows = []
-    for i, (t, (low, high, total, squares, small, nans)) in enumerate(zip(tensors, parts)):
-        numel = t.numel()
-        value = {
-            "min": low,
-            "max": high,
-            "mean": total / numel,
-            "norm": math.sqrt(squares),
-            "zeros": small / numel,
-            "nans": nans,
-            "id": identity[i] if identity else None,
-        }
-        rows.append([value[op] for op in ops])
-    return torch.tensor(rows, dtype=_F64)
+    numel = np.fromiter((t.numel() for t in tensors), dtype=np.float64, count=len(tensors))
+    identity = _id_column(tensors).numpy() if "id" in ops else None
+    return torch.from_numpy(columns(parts, numel, ops, identity))
 
 
-def _fused_parts(tensors: Sequence[torch.Tensor], eps: float) -> list[tuple]:
+def _fused_parts(tensors: Sequence[torch.Tensor], eps: float) -> np.ndarray:
     """(min, max, sum, sum of squares, zero count, NaN count) per tensor from the one-pass kernel.
 
-    fp32/fp64 and bf16 tensors are read in place (bf16 is widened in registers); fp16 is upcast
-    chunk by chunk into a reused fp32 buffer. Either way the comparison with eps happens in fp32,
-    where a small eps still exists.
+    fp32/fp64 and bf16 tensors are read in place (bf16 is widened in registers), all of them in
+    one call; fp16 is upcast chunk by chunk into a reused fp32 buffer. Either way the comparison
+    with eps happens in fp32, where a small eps still exists.
     """
     first = tensors[0]
-    acc = _accumulate_dtype(first.dtype)
-    native = first.dtype == acc
-    bfloat16 = first.dtype == torch.bfloat16  # widened inside the kernel: no copy at all
-    upcast = None if native or bfloat16 else _scratch(acc, min(CPU_CHUNK, max(t.numel() for t in tensors)), 0)
+    kind = _KIND.get(first.dtype)
+    if kind is not None:
+        flats = [t if t.is_contiguous() else t.contiguous() for t in tensors]  # alive during the call
+        addresses = np.fromiter((t.data_ptr() for t in flats), dtype=np.int64, count=len(flats))
+        counts = np.fromiter((t.numel() for t in flats), dtype=np.int64, count=len(flats))
+        return fused_stats.stats_many(addresses, counts, kind, eps)
+    upcast = _scratch(torch.float32, min(CPU_CHUNK, max(t.numel() for t in tensors)), 0)
     parts = []
     for t in tensors:
-        flat = t.detach().contiguous().view(-1)  # numpy views need no autograd and one stride
-        if native:
-            parts.append(fused_stats.stats(flat.numpy(), eps))
-            continue
-        if bfloat16:
-            parts.append(fused_stats.stats(flat.view(torch.int16).numpy(), eps, bfloat16=True))
-            continue
         pieces = [
             fused_stats.stats(upcast[: chunk.numel()].copy_(chunk).numpy(), eps)
-            for chunk in flat.split(CPU_CHUNK)
+            for chunk in t.detach().reshape(-1).split(CPU_CHUNK)
         ]
         parts.append(pieces[0] if len(pieces) == 1 else _fold(pieces))
-    return parts
+    return np.array(parts, dtype=np.float64)
 
 
 def _fold(pieces: list[tuple]) -> tuple:
@@ -131,7 +129,7 @@ def _fold(pieces: list[tuple]) -> tuple:
     return (float(np.min(lows)), float(np.max(highs)), sum(totals), sum(squares), sum(smalls), sum(nans))
 
 
-def _library_parts(tensors: Sequence[torch.Tensor], ops: tuple[str, ...], eps: float) -> list[tuple]:
+def _library_parts(tensors: Sequence[torch.Tensor], ops: tuple[str, ...], eps: float) -> np.ndarray:
     """The same per-tensor statistics from library calls, chunk by chunk while each is in cache:
     without the C extension, and for integer types. NaNs are counted only where the statistic
     that proves their absence (sum of squares, else sum, else min + max) is not finite."""
@@ -183,7 +181,7 @@ def _library_parts(tensors: Sequence[torch.Tensor], ops: tuple[str, ...], eps: f
             if not math.isfinite(witness):
                 nans = float(_count_nans(t, CPU_CHUNK))
         parts.append((low, high, total, squared, small, nans))
-    return parts
+    return np.array(parts, dtype=np.float64)
 
 
 def _device_block(tensors: Sequence[torch.Tensor], ops: tuple[str, ...], eps: float) -> torch.Tensor:
@@ -232,8 +230,11 @@ def _group_columns(tensors: Sequence[torch.Tensor], ops: tuple[str, ...], eps: f
     return _device_block(tensors, ops, eps)
 
 
+@torch.no_grad()
 def stat_matrix(tensors: Sequence[torch.Tensor], ops: Sequence[str], eps: float = 1e-8) -> torch.Tensor:
-    """Statistics (rows: tensors, columns: ops) as one float64 tensor on the tensors' device."""
+    """Statistics (rows: tensors, columns: ops) as one float64 tensor on the tensors' device.
+
+    Runs without autograd, so callers need not detach each tensor (one object per tensor less)."""
     ops = tuple(ops)
     if not tensors:
         return torch.empty((0, len(ops)), dtype=_F64)
@@ -249,13 +250,100 @@ def stat_matrix(tensors: Sequence[torch.Tensor], ops: Sequence[str], eps: float 
     device = tensors[0].device
     out = torch.empty((len(tensors), len(ops)), dtype=_F64, device=device)
     for i in empty:
-        out[i] = torch.tensor([_EMPTY_VALUE.get(op, float("nan")) for op in ops], dtype=_F64)
+        out[i] = torch.tensor([EMPTY_VALUE.get(op, float("nan")) for op in ops], dtype=_F64)
     for index in groups.values():
         block = _group_columns([tensors[i] for i in index], ops, eps)
         out.index_copy_(0, torch.tensor(index, device=device), block.to(device))
     return out
 
 
-def tensor_stats(t: torch.Tensor, ops: Sequence[str], eps: float = 1e-8) -> torch.Tensor:
-    """Statistics of one tensor as a float64 vector (len(ops),) on its device."""
-    return stat_matrix((t,), ops, eps)[0]
+def _kernel_tuple(t: torch.Tensor, eps: float) -> tuple | None:
+    """The kernel's tuple of a CPU fp32/fp64/bf16 tensor, read in place (one call, no buffer
+    object); None where the kernel does not apply."""
+    kind = _KIND.get(t.dtype)
+    numel = t.numel()
+    if kind is None or not numel or not t.is_cpu or not fused_stats.available():
+        return None
+    flat = t if t.is_contiguous() else t.contiguous()
+    return fused_stats.stats_at(flat.data_ptr(), numel, kind, eps)
+
+
+def tensor_stats(t: torch.Tensor, ops: Sequence[str], eps: float = 1e-8) -> list[float] | torch.Tensor:
+    """Statistics of one tensor: a list of floats for a CPU tensor, a float64 vector (len(ops),)
+    on the device for an accelerator's (no host synchronisation). ``stack_rows`` stacks them."""
+    ops = tuple(ops)
+    parts = None if "id" in ops else _kernel_tuple(t, eps)
+    if parts is not None:
+        numel = t.numel()
+        return [float(DERIVED[op](parts, numel)) for op in ops]
+    row = stat_matrix((t,), ops, eps)[0]
+    return row.tolist() if row.device.type == "cpu" else row
+
+
+def stack_rows(rows: Sequence[list[float] | torch.Tensor], width: int) -> torch.Tensor:
+    """A float64 (len(rows), width) matrix of ``tensor_stats`` rows: on the host when they all
+    are, else on the first device row's device."""
+    if not rows:
+        return torch.empty((0, width), dtype=_F64)
+    device = next((r.device for r in rows if isinstance(r, torch.Tensor)), None)
+    if device is None:
+        return torch.tensor(rows, dtype=_F64).reshape(len(rows), width)
+    return torch.stack(
+        [r if isinstance(r, torch.Tensor) else torch.tensor(r, dtype=_F64, device=device) for r in rows]
+    )
+
+
+class RowBuffer:
+    """Statistics rows of tensors measured one at a time (a hook per parameter), by slot.
+
+    A CPU tensor's kernel tuple goes straight into a preallocated float64 array: no Python
+    object per tensor outlives the call, so hooks on thousands of parameters neither pay for
+    building rows nor wake the garbage collector, whose passes grow with the number of live
+    objects. Other tensors (accelerators, integer types, the ``id`` op) keep the row
+    ``tensor_stats`` gives. ``take`` returns the rows in the order they were put; a slot put
+    again moves to the end.
+    """
+
+    def __init__(self, size: int, ops: Sequence[str], eps: float) -> None:
+        self.ops = tuple(ops)
+        self.eps = eps
+        self._raw = np.empty((size, 6), dtype=np.float64)
+        self._numel = np.zeros(size, dtype=np.float64)
+        self._order: dict[int, None] = {}
+        self._other: dict[int, list[float] | torch.Tensor] = {}
+        self._direct = "id" not in self.ops
+
+    def put(self, slot: int, t: torch.Tensor) -> None:
+        """Measure ``t`` into ``slot`` (replacing what the slot held)."""
+        self._order.pop(slot, None)
+        self._order[slot] = None
+        parts = _kernel_tuple(t, self.eps) if self._direct else None
+        if parts is not None:
+            self._raw[slot] = parts
+            self._numel[slot] = t.numel()
+            self._other.pop(slot, None)
+        else:
+            self._other[slot] = tensor_stats(t, self.ops, self.eps)
+
+    def clear(self) -> None:
+        """Forget every row."""
+        self._order, self._other = {}, {}
+
+    def drop(self, slot: int) -> None:
+        """Forget the slot's row."""
+        self._order.pop(slot, None)
+        self._other.pop(slot, None)
+
+    def take(self) -> tuple[list[int], torch.Tensor]:
+        """The slots in the order they were put and their (n, len(ops)) rows; the buffer empties."""
+        order, other = list(self._order), self._other
+        self._order, self._other = {}, {}
+        width = len(self.ops)
+        if not order:
+            return order, torch.empty((0, width), dtype=_F64)
+        direct = [slot for slot in order if slot not in other] if other else order
+        values = columns(self._raw[direct], self._numel[direct], self.ops) if direct else None
+        if not other:
+            return order, torch.from_numpy(values)
+        rows = dict(zip(direct, values.tolist())) if direct else {}
+        return order, stack_rows([other[slot] if slot in other else rows[slot] for slot in order], width)

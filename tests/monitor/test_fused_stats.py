@@ -149,3 +149,54 @@ def test_bfloat16_sums_match_numpy():
     want = _reference(values, 1e-8)
     assert got[2] == pytest.approx(want[2], rel=1e-6)
     assert got[3] == pytest.approx(want[3], rel=1e-6)
+
+
+def test_many_buffers_in_one_call_match_numpy_one_by_one():
+    rng = np.random.default_rng(9)
+    arrays = [rng.normal(size=n).astype(np.float32) for n in (1, 31, 257, BLOCK + 5)]
+    arrays[1][::3] = 0.0
+    arrays[2][7] = np.nan
+    arrays[3][9] = -np.inf
+    addresses = np.array([a.ctypes.data for a in arrays], dtype=np.int64)
+    counts = np.array([a.size for a in arrays], dtype=np.int64)
+    got = fused_stats.stats_many(addresses, counts, fused_stats.FLOAT32, 1e-8)
+    assert got.shape == (4, 6) and got.dtype == np.float64
+    for row, array in zip(got, arrays):
+        want = _reference(array, 1e-8)
+        for name, g, w in zip(("min", "max", "sum", "squares", "zeros", "nans"), row, want):
+            if np.isnan(w):
+                assert np.isnan(g), name
+            elif name in ("min", "max", "zeros", "nans"):
+                assert g == w, name
+            else:
+                assert g == pytest.approx(w, rel=1e-6), name
+
+
+def test_an_address_entry_reads_float64_and_bfloat16_in_place():
+    wide = np.random.default_rng(10).normal(size=1000)
+    assert fused_stats.stats_at(wide.ctypes.data, wide.size, fused_stats.FLOAT64, 1e-8) == pytest.approx(
+        _reference(wide, 1e-8), rel=1e-12
+    )
+    bits = (wide.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    values = (bits.astype(np.uint32) << 16).view(np.float32)
+    got = fused_stats.stats_at(bits.ctypes.data, bits.size, fused_stats.BFLOAT16, 1e-8)
+    assert got == pytest.approx(_reference(values, 1e-8), rel=1e-6)
+
+
+def test_address_entries_refuse_bad_arguments_before_reading_anything():
+    array = np.ones(4, np.float32)
+    address = np.array([array.ctypes.data], dtype=np.int64)
+    with pytest.raises(ValueError, match="kind"):
+        fused_stats.stats_at(array.ctypes.data, 4, 7, 1e-8)
+    with pytest.raises(ValueError, match="n > 0"):
+        fused_stats.stats_at(array.ctypes.data, 0, fused_stats.FLOAT32, 1e-8)
+    with pytest.raises(ValueError, match="non-null"):
+        fused_stats.stats_at(0, 4, fused_stats.FLOAT32, 1e-8)
+    with pytest.raises(ValueError, match="counts > 0"):
+        fused_stats.stats_many(address, np.array([0], dtype=np.int64), fused_stats.FLOAT32, 1e-8)
+    with pytest.raises(ValueError, match="2 counts"):
+        fused_stats.stats_many(address, np.array([4, 4], dtype=np.int64), fused_stats.FLOAT32, 1e-8)
+    with pytest.raises(TypeError, match="64-bit integer"):
+        fused_stats.stats_many(
+            address.astype(np.int32), np.array([4], dtype=np.int64), fused_stats.FLOAT32, 1e-8
+        )

@@ -18,7 +18,11 @@ def test_select_names_follows_targets_and_keeps_input_positions():
 
 def test_select_names_keeps_every_raw_name_that_squashing_makes_collide():
     named = [(0, "a.layers.0.w"), (0, "b.layers.0.w"), (1, "b.layers.0.w")]
-    assert select_names(named, [], squash=True) == [(0, "a.layers.0.w"), (1, "b.layers.0.w"), (2, "layers.0.w")]
+    assert select_names(named, [], squash=True) == [
+        (0, "a.layers.0.w"),
+        (1, "b.layers.0.w"),
+        (2, "layers.0.w"),
+    ]
 
 
 def test_select_names_monitors_a_shared_object_once_under_its_first_selected_name():

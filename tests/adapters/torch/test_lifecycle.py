@@ -278,7 +278,7 @@ def test_failure_in_a_statistic_is_contained(monkeypatch, caplog):
     def broken(*args, **kwargs):
         raise RuntimeError("injected failure")
 
-    monkeypatch.setattr(grads, "tensor_stats", broken)
+    monkeypatch.setattr(grads.RowBuffer, "put", broken)
     model, optimizer = _fresh()
     mon = TrainerMon({"wg_distribution": True, "param_distribution": True, "format": "api"})
     mon.set_monitor(model, 2, optimizer)

@@ -132,3 +132,28 @@ def test_tensors_of_many_chunks_fold_exactly(monkeypatch, dtype):
         want = numpy_stats(tensor.to(torch.float64).numpy())
         for op in ALL_OPS:
             assert_same_number(got[op], want[op], rel=1e-5)
+
+
+def test_a_row_buffer_keeps_the_latest_row_of_each_slot_in_the_order_put():
+    generator = torch.Generator().manual_seed(11)
+    tensors = [
+        torch.randn(64, generator=generator),
+        torch.randn(3, 5, generator=generator).t(),  # not contiguous
+        torch.randn(40, generator=generator).to(torch.bfloat16),
+        torch.randn(40, generator=generator).to(torch.float16),  # no in-place kernel: a library row
+        torch.arange(-3, 9),  # integers
+    ]
+    tensors[0][5] = float("nan")
+    buffer = stats.RowBuffer(6, ALL_OPS, 1e-8)
+    buffer.put(4, tensors[0])  # replaced below
+    for slot, tensor in zip((2, 0, 5, 1, 4), tensors):
+        buffer.put(slot, tensor)
+    buffer.put(3, tensors[1])
+    buffer.drop(3)
+    order, matrix = buffer.take()
+    assert order == [2, 0, 5, 1, 4] and matrix.shape == (5, len(ALL_OPS)) and matrix.dtype == torch.float64
+    for row, tensor in zip(matrix.tolist(), tensors):
+        want = numpy_stats(tensor.to(torch.float64).numpy())
+        for op, value in zip(ALL_OPS, row):
+            assert_same_number(value, want[op], rel=1e-5)
+    assert buffer.take()[0] == []  # taken: empty again

@@ -1,0 +1,224 @@
+"""Cost per parameter tensor as the tensor count grows: does the monitor stay flat?
+
+The model is N/2 ``Linear(16, 16)`` layers applied to one input and summed (N parameter
+tensors of 256 or 16 elements), trained with AdamW (foreach) on one thread: a model where the
+per-tensor work, not the arithmetic, is the cost, as in a mixture-of-experts model with
+thousands of expert tensors.
+
+Each (tensor count, scenario) runs in its own process: one model and optimizer train in blocks
+of steps that alternate unmonitored (A) and monitored (B), A B B A A B ..., each block after an
+untimed warm-up step. A block's cost is its process CPU time (every thread: the background
+writer is counted) over its timed steps, the monitored block's ``flush()`` included, so work
+left to the writer is not hidden. Per pair of neighbouring blocks the extra CPU time per step
+is B - A; the median over pairs, divided by N, is the cost per tensor. Neighbouring blocks
+cancel the slow load drift of a shared machine.
+
+Scenarios: ``wg`` (weight gradients before and after reduction), ``wg+mv+param`` (also Adam's
+moments and the parameters before and after the step), ``all`` (everything the 6.9M benchmark
+switches on: also mg_direction, activations with all_xy, the alert rules with the dump), all
+with min, max, norm and mean.
+
+    python benchmarks/scaling.py                        # 200 -> 20,000 tensors (~10 min)
+    python benchmarks/scaling.py --counts 2000,8000 --scenarios wg
+    python benchmarks/scaling.py --quick                # 200 and 2,000 tensors, wg (CI, < 1 min)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+OPS = ["min", "max", "norm", "mean"]
+RULES = [
+    {"rule_name": "AnomalyNan"},
+    {
+        "rule_name": "AnomalyZScore",
+        "args": {"threshold": 6.0, "warmup": 10, "min_ratio": 5.0, "ops": ["norm"]},
+    },
+]
+SCENARIOS = {
+    "wg": {"wg_distribution": True},
+    "wg+mv+param": {"wg_distribution": True, "mv_distribution": True, "param_distribution": True},
+    "all": {
+        "wg_distribution": True,
+        "mv_distribution": True,
+        "param_distribution": True,
+        "mg_direction": True,
+        "xy_distribution": True,
+        "all_xy": True,
+        "alert": {"rules": RULES, "dump": True},
+    },
+}
+#: extra CPU time per tensor (us) at 8,000 tensors, and the most the cost per tensor may grow
+#: from 2,000 to 8,000 tensors (1.0 is linear).
+TARGET_US_AT_8000 = {"wg": 8.0}
+TARGET_GROWTH = 1.25
+
+
+def _work(count: int, scenario: str, pairs: int, steps: int) -> dict:
+    """Train with alternating blocks; the CPU time of every block."""
+    import torch
+    from torch import nn
+
+    from monitor import TrainerMon
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+
+    class ManyLinear(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(count // 2))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return sum(layer(x) for layer in self.layers)
+
+    model = ManyLinear()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+    inputs = torch.randn(8, 16)
+
+    def step() -> None:
+        model(inputs).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    mon = None
+    blocks = []
+    started = time.perf_counter()
+    for pair in range(pairs):
+        for monitored in (False, True) if pair % 2 == 0 else (True, False):
+            if monitored:
+                if mon is None:
+                    mon = TrainerMon({"targets": {}, "ops": OPS, **SCENARIOS[scenario]})
+                    mon.set_monitor(model, grad_acc_steps=1, optimizer=optimizer)
+                else:
+                    mon.start()
+            step()  # untimed: the first collected step builds row tables and opens files
+            cpu = time.process_time()
+            for _ in range(steps):
+                step()
+            if monitored:
+                mon.flush()
+                mon.stop()
+            blocks.append({"monitored": monitored, "cpu": (time.process_time() - cpu) / steps})
+    files = sum(len(names) for _, _, names in os.walk(mon.output_dir)) if mon else 0
+    return {"blocks": blocks, "files": files, "seconds": time.perf_counter() - started}
+
+
+def measure(count: int, scenario: str, pairs: int, steps: int, out_root: str) -> dict:
+    """One (tensor count, scenario) in a fresh process: per-step CPU times and the cost per tensor."""
+    command = [
+        sys.executable, __file__, "--worker", f"{count}:{scenario}",
+        "--pairs", str(pairs), "--steps", str(steps),
+    ]  # fmt: skip
+    env = {
+        **os.environ,
+        "MONITOR_OUTPUT_DIR": os.path.join(out_root, f"{count}-{scenario}"),
+        "OMP_NUM_THREADS": "1",
+    }
+    done = subprocess.run(command, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{count} tensors, {scenario}: exit {done.returncode}\n{done.stderr[-4000:]}")
+    errors = [line for line in done.stderr.splitlines() if line.startswith(("[trainmon] ERROR", "Traceback"))]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    if errors or not result["files"]:  # a part that switched itself off would look cheap
+        raise RuntimeError(f"{count} tensors, {scenario}: errors or nothing written:\n{errors[:5]}")
+    blocks = result["blocks"]
+    extras, plains = [], []
+    for first, second in zip(blocks[0::2], blocks[1::2]):
+        plain, watched = (second, first) if first["monitored"] else (first, second)
+        extras.append(watched["cpu"] - plain["cpu"])
+        plains.append(plain["cpu"])
+    extra = statistics.median(extras)
+    return {
+        "count": count,
+        "scenario": scenario,
+        "plain_ms": 1000 * statistics.median(plains),
+        "extra_ms": 1000 * extra,
+        "us_per_tensor": 1e6 * extra / count,
+        "spread_us": (1e6 * min(extras) / count, 1e6 * max(extras) / count),
+        "ratio": 1 + extra / statistics.median(plains),
+    }
+
+
+def report(results: list[dict]) -> bool:
+    """Print the table and the targets; True when every target that applies is met."""
+    head = (
+        f"{'tensors':>8s} {'scenario':12s} {'plain step':>11s} {'extra':>10s} {'per tensor':>11s} "
+        f"{'(pairs)':>15s} {'ratio':>6s}"
+    )
+    print(head)
+    print("-" * len(head))
+    for r in results:
+        lo, hi = r["spread_us"]
+        print(
+            f"{r['count']:8d} {r['scenario']:12s} {r['plain_ms']:8.1f} ms {r['extra_ms']:7.1f} ms "
+            f"{r['us_per_tensor']:8.1f} us {f'{lo:.1f}-{hi:.1f}':>15s} {r['ratio']:6.2f}"
+        )
+    met = True
+    by = {(r["count"], r["scenario"]): r for r in results}
+    for scenario in dict.fromkeys(r["scenario"] for r in results):
+        target = TARGET_US_AT_8000.get(scenario)
+        if target is not None and (8000, scenario) in by:
+            value = by[(8000, scenario)]["us_per_tensor"]
+            ok = value <= target
+            met &= ok
+            verdict = "met" if ok else "NOT met"
+            print(f"{scenario}: {value:.1f} us per tensor at 8,000 (target <= {target}): {verdict}")
+        if (2000, scenario) in by and (8000, scenario) in by:
+            growth = by[(8000, scenario)]["us_per_tensor"] / by[(2000, scenario)]["us_per_tensor"]
+            ok = growth <= TARGET_GROWTH
+            met &= ok
+            print(
+                f"{scenario}: cost per tensor at 8,000 / at 2,000 = {growth:.2f} "
+                f"(target <= {TARGET_GROWTH}): {'met' if ok else 'NOT met'}"
+            )
+    return met
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--counts", default="200,2000,8000,20000", help="parameter tensor counts, comma-separated"
+    )
+    parser.add_argument(
+        "--scenarios", default="wg,wg+mv+param,all", help=f"comma-separated, of: {','.join(SCENARIOS)}"
+    )
+    parser.add_argument("--pairs", type=int, default=4, help="pairs of blocks (unmonitored, monitored)")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per block")
+    parser.add_argument("--quick", action="store_true", help="200 and 2,000 tensors, wg, 2 pairs (CI)")
+    parser.add_argument("--json", help="also write the results here")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        count, scenario = args.worker.split(":")
+        print(json.dumps(_work(int(count), scenario, args.pairs, args.steps)))
+        return 0
+    if args.quick:
+        args.counts, args.scenarios, args.pairs, args.steps = "200,2000", "wg", 2, 2
+    counts = [int(c) for c in args.counts.split(",")]
+    scenarios = args.scenarios.split(",")
+    unknown = [s for s in scenarios if s not in SCENARIOS]
+    if unknown:
+        parser.error(f"--scenarios: unknown {unknown}; expected some of {list(SCENARIOS)}")
+    with tempfile.TemporaryDirectory(prefix="trainmon-scaling-") as out_root:
+        results = [measure(c, s, args.pairs, args.steps, out_root) for s in scenarios for c in counts]
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    met = report(results)
+    return 0 if met or args.quick else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

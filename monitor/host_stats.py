@@ -1,0 +1,106 @@
+"""Statistics of host arrays, and the derivation of every op from the kernel's partial results.
+
+Framework-free: an adapter whose tensors live in host memory hands their numpy views here
+(MindSpore's ``asnumpy()`` of a CPU tensor is a view, not a copy); the torch adapter hands the
+kernel tensor addresses itself and shares ``columns`` and ``DERIVED``.
+
+``array_matrix(arrays, ops, eps)``: float64 (len(arrays), len(ops)). float32, float64 and
+bfloat16 arrays (numpy dtype named ``bfloat16``) are read in place by the one-pass kernel, all of
+one kind in one call; float16 is widened to float32 in cache-sized chunks; integers and booleans
+are widened to float64 chunk by chunk. Without the kernel, numpy does the same per chunk.
+
+NaN/Inf policy (as the adapters'): min, max, norm and mean as numpy gives them on the same
+data; ``nans`` counts NaN elements; ``zeros`` is the share of ``|x| < eps`` compared in float32
+(float64 for float64 data); empty arrays give NaN for min/max/mean/zeros and 0 for norm/nans;
+``id`` is the value of a one-element array, else NaN.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from monitor import fused_stats
+
+#: each op from the kernel's (min, max, sum, sum of squares, zero count, NaN count) and the
+#: element count: for one tensor's tuple of numbers, or for the columns of many at once.
+DERIVED = {
+    "min": lambda p, n: p[0],
+    "max": lambda p, n: p[1],
+    "mean": lambda p, n: p[2] / n,
+    "norm": lambda p, n: p[3] ** 0.5,
+    "zeros": lambda p, n: p[4] / n,
+    "nans": lambda p, n: p[5] * 1.0,
+}
+#: the value of each op for an empty array
+EMPTY_VALUE = {"norm": 0.0, "nans": 0.0}
+#: elements per chunk where an array is widened (512 KiB of float32)
+CHUNK = 1 << 17
+_KINDS = {"float32": fused_stats.FLOAT32, "float64": fused_stats.FLOAT64, "bfloat16": fused_stats.BFLOAT16}
+
+
+def columns(
+    parts: np.ndarray, numel: np.ndarray, ops: Sequence[str], identity: np.ndarray | None = None
+) -> np.ndarray:
+    """The (n, len(ops)) statistics of n kernel tuples (rows of ``parts``) and element counts."""
+    by_column = parts.T
+    return np.stack([identity if op == "id" else DERIVED[op](by_column, numel) for op in ops], axis=1)
+
+
+def _chunk_parts(array: np.ndarray, eps: float) -> tuple:
+    """The kernel tuple of any non-empty array, widened chunk by chunk (float16, integers)."""
+    flat = array.reshape(-1)
+    wide = np.float64 if flat.dtype == np.float64 or flat.dtype.kind in "iub" else np.float32
+    pieces = []
+    for start in range(0, flat.size, CHUNK):
+        chunk = flat[start : start + CHUNK].astype(wide)
+        if fused_stats.available():
+            pieces.append(fused_stats.stats(chunk, eps))
+            continue
+        with np.errstate(invalid="ignore", over="ignore"):
+            pieces.append(
+                (
+                    chunk.min(),
+                    chunk.max(),
+                    float(chunk.sum(dtype=wide)),
+                    float(np.dot(chunk, chunk)),
+                    int(np.count_nonzero(np.abs(chunk) < wide(eps))),
+                    int(np.count_nonzero(np.isnan(chunk))),
+                )
+            )
+    lows, highs, totals, squares, smalls, nans = zip(*pieces)
+    return (float(np.min(lows)), float(np.max(highs)), sum(totals), sum(squares), sum(smalls), sum(nans))
+
+
+def array_matrix(arrays: Sequence[np.ndarray], ops: Sequence[str], eps: float = 1e-8) -> np.ndarray:
+    """Statistics (rows: arrays, columns: ops) of host arrays, as float64."""
+    ops = tuple(ops)
+    n = len(arrays)
+    parts = np.zeros((n, 6), dtype=np.float64)
+    numel = np.array([a.size for a in arrays], dtype=np.float64)
+    by_kind: dict[int, list[int]] = {}
+    for i, array in enumerate(arrays):
+        if array.size == 0:
+            continue
+        kind = _KINDS.get(array.dtype.name) if fused_stats.available() else None
+        if kind is None:
+            parts[i] = _chunk_parts(array, eps)
+        else:
+            by_kind.setdefault(kind, []).append(i)
+    for kind, index in by_kind.items():
+        flats = [np.ascontiguousarray(arrays[i]) for i in index]  # alive during the call
+        if kind == fused_stats.BFLOAT16:
+            flats = [f.view(np.int16) for f in flats]
+        addresses = np.array([f.ctypes.data for f in flats], dtype=np.int64)
+        counts = np.array([f.size for f in flats], dtype=np.int64)
+        parts[index] = fused_stats.stats_many(addresses, counts, kind, eps)
+    identity = None
+    if "id" in ops:
+        identity = np.array([float(a.reshape(-1)[0]) if a.size == 1 else np.nan for a in arrays])
+    with np.errstate(invalid="ignore", divide="ignore"):
+        out = columns(parts, numel, ops, identity)
+    empty = numel == 0
+    if empty.any():
+        out[empty] = [EMPTY_VALUE.get(op, np.nan) for op in ops]
+    return out
