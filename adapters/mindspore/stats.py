@@ -36,6 +36,8 @@ import mindspore as ms
 import numpy as np
 from mindspore import mint, ops
 
+from monitor.host_stats import array_matrix
+
 #: tensors up to this many elements are packed with others.
 PACK_MAX = 1 << 16
 #: elements per pack.
@@ -124,6 +126,11 @@ def _units(tensor_lists: Sequence[Sequence[ms.Tensor]]) -> tuple[list[_Unit], li
     return units, empty
 
 
+def host_memory() -> bool:
+    """Whether tensors live in host memory: the CPU back-end."""
+    return ms.get_context("device_target") == "CPU"
+
+
 class StatEngine:
     """Computes the configured statistics for lists of tensors; keeps segment ids per pack layout."""
 
@@ -132,6 +139,8 @@ class StatEngine:
         self.eps = eps
         self.needs = _partials_needed(self.ops)
         self._ids: dict[tuple[int, ...], ms.Tensor] = {}
+        #: tensors live in host memory (the CPU back-end): reduce their numpy views
+        self.host = host_memory()
 
     # -- units -------------------------------------------------------------------------------
 
@@ -190,9 +199,16 @@ class StatEngine:
     # -- public ------------------------------------------------------------------------------
 
     def matrix(self, tensors: Sequence[ms.Tensor]) -> ms.Tensor:
-        """Statistics (rows: tensors, columns: ops) as one float64 Tensor on the tensors' device."""
+        """Statistics (rows: tensors, columns: ops) as one float64 Tensor on the tensors' device.
+
+        On the CPU back-end the tensors are host memory and ``asnumpy()`` is a view of it: the
+        one-pass kernel reads them all in one call (``monitor.host_stats``), with no operator
+        launch per statistic.
+        """
         if not tensors:
             return ms.Tensor(np.empty((0, len(self.ops)), dtype=np.float64))
+        if self.host:
+            return ms.Tensor(array_matrix([t.asnumpy() for t in tensors], self.ops, self.eps))
         units, empty = _units([tensors])
         block, rows = None, []
         if units:

@@ -23,6 +23,14 @@ CASES = {
 }
 
 
+@pytest.fixture(autouse=True, params=["host", "device-ops"])
+def path(request, monkeypatch):
+    """Which path computes the statistics: the CPU back-end's host kernel, or the device
+    operators that Ascend and GPU use (run here on the CPU to check their numbers)."""
+    monkeypatch.setattr(stats, "host_memory", lambda: request.param == "host")
+    return request.param
+
+
 def _stats(arrays, dtypes=None, ops=OPS, eps=1e-8):
     dtypes = dtypes or [None] * len(arrays)
     tensors = [ms.Tensor(a) if d is None else ms.Tensor(a, d) for a, d in zip(arrays, dtypes)]
