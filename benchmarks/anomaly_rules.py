@@ -17,7 +17,8 @@ import numpy as np
 from monitor.anomaly.rules import AnomalyTurbulence, AnomalyZScore, RunningMeanTurbulence
 
 CONFIGS = (
-    ("AnomalyZScore defaults (threshold 6, min_ratio 5)", lambda: AnomalyZScore()),
+    ("AnomalyZScore defaults (threshold 6, min_ratio 4)", lambda: AnomalyZScore()),
+    ("AnomalyZScore min_ratio 5", lambda: AnomalyZScore(min_ratio=5.0)),
     ("AnomalyZScore threshold 4", lambda: AnomalyZScore(threshold=4.0)),
     ("AnomalyZScore threshold 4, min_ratio 1", lambda: AnomalyZScore(threshold=4.0, min_ratio=1.0)),
     ("AnomalyZScore threshold 3, min_ratio 1", lambda: AnomalyZScore(threshold=3.0, min_ratio=1.0)),

@@ -63,7 +63,7 @@ RULE_SETS = {
                 {"rule_name": "AnomalyNan"},
                 {
                     "rule_name": "AnomalyZScore",
-                    "args": {"threshold": 6.0, "warmup": 10, "min_ratio": 5.0, "ops": ["norm"]},
+                    "args": {"threshold": 6.0, "warmup": 10, "min_ratio": 4.0, "ops": ["norm"]},
                 },
             ],
             "dump": True,
@@ -325,6 +325,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep", help="keep every run's output under this directory")
     parser.add_argument("--out", help="write every run's score as JSON here")
     parser.add_argument("--quick", action="store_true", help="9 short cases (one with 4 ranks), ~2 min (CI)")
+    parser.add_argument("--families", help="only these model families, comma-separated (gpt, mlp)")
+    parser.add_argument("--faults", help="only these faults, comma-separated ('clean' for the clean runs)")
     args = parser.parse_args(argv)
     args.clean_steps = args.clean_steps or args.steps
     names = [n.strip() for n in args.rule_sets.split(",") if n.strip()]
@@ -334,6 +336,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.keep:
         os.makedirs(args.keep, exist_ok=True)
     cases = quick_matrix() if args.quick else matrix(args)
+    if args.families:
+        cases = [c for c in cases if c.family in args.families.split(",")]
+    if args.faults:
+        cases = [c for c in cases if (c.fault or "clean") in args.faults.split(",")]
     print(f"{len(cases)} cases x {len(names)} rule sets, {args.jobs} at a time", flush=True)
     started = time.perf_counter()
     rows = run_all(cases, names, args.jobs, args.keep)

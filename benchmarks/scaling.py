@@ -44,7 +44,7 @@ RULES = [
     {"rule_name": "AnomalyNan"},
     {
         "rule_name": "AnomalyZScore",
-        "args": {"threshold": 6.0, "warmup": 10, "min_ratio": 5.0, "ops": ["norm"]},
+        "args": {"threshold": 6.0, "warmup": 10, "min_ratio": 4.0, "ops": ["norm"]},
     },
 ]
 SCENARIOS = {

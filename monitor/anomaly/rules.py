@@ -209,7 +209,7 @@ class AnomalyZScore:
     Works on log|value|: keeps an exponentially weighted mean and variance (``beta``, default
     0.9; the variance is bias-corrected for its zero start, like Adam's moments) and flags a
     value whose z-score exceeds ``threshold`` (default 6) once ``warmup`` values (default 10) were
-    seen, provided it also differs from the running level by at least ``min_ratio`` (default 5x)
+    seen, provided it also differs from the running level by at least ``min_ratio`` (default 4x)
     in either direction. Zero, NaN and Inf never enter the history; a ``norm`` that drops to
     exactly zero after such a history is flagged (a layer whose gradients died). A step that is flagged
     still enters it, so one spike is reported once, not at every step of its echo in the
@@ -219,8 +219,9 @@ class AnomalyZScore:
     ``benchmarks/anomaly_rules.py``; rate = flagged / judged values):
 
     args                                   lognormal s=0.1  lognormal s=0.5  log-t3 s=0.5
-    defaults (threshold 6, min_ratio 5)                  0           1.0e-5        4.4e-3
-    threshold 4                                          0           5.1e-4        1.4e-2
+    defaults (threshold 6, min_ratio 4)                  0           1.0e-5        4.4e-3
+    min_ratio 5                                          0           1.0e-5        4.4e-3
+    threshold 4                                          0           8.8e-4        1.4e-2
     threshold 4, min_ratio 1                        1.0e-3           1.0e-3        1.4e-2
     threshold 3, min_ratio 1                        9.7e-3           9.7e-3        2.9e-2
     threshold 4, min_ratio 1, beta 0.99             1.1e-4           1.1e-4        7.7e-3
@@ -242,7 +243,7 @@ class AnomalyZScore:
         ops: tuple[str, ...] = ("norm",),
         warmup: int = 10,
         beta: float = 0.9,
-        min_ratio: float = 5.0,
+        min_ratio: float = 4.0,
     ) -> None:
         self.threshold = threshold
         self.ops = ops

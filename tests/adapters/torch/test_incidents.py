@@ -33,7 +33,7 @@ CONFIG = {
     "alert": {
         "rules": [
             {"rule_name": "AnomalyNan"},
-            {"rule_name": "AnomalyZScore", "args": {"threshold": 6.0, "warmup": 10, "min_ratio": 5.0}},
+            {"rule_name": "AnomalyZScore", "args": {"threshold": 6.0, "warmup": 10, "min_ratio": 4.0}},
         ]
     },
 }
