@@ -188,6 +188,46 @@ static PyObject *stats_at(PyObject *self, PyObject *args) {
     return Py_BuildValue("(ddddLL)", out.low, out.high, out.total, out.squares, out.small, out.nans);
 }
 
+static void store_row(double *row, const Result *r) {
+    row[0] = r->low;
+    row[1] = r->high;
+    row[2] = r->total;
+    row[3] = r->squares;
+    row[4] = (double)r->small;
+    row[5] = (double)r->nans;
+}
+
+static PyObject *stats_into(PyObject *self, PyObject *args) {
+    unsigned long long address;
+    Py_ssize_t n, row;
+    int kind;
+    double eps;
+    PyObject *out_source;
+    if (!PyArg_ParseTuple(args, "KnidOn", &address, &n, &kind, &eps, &out_source, &row)) return NULL;
+    if (check_kind(kind) < 0) return NULL;
+    if (address == 0 || n <= 0) {
+        PyErr_Format(PyExc_ValueError, "stats_into: expected a non-null address and n > 0, got n=%zd", n);
+        return NULL;
+    }
+    Py_buffer out;
+    if (PyObject_GetBuffer(out_source, &out, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | PyBUF_WRITABLE) < 0) return NULL;
+    const char *format = out.format ? out.format : "B";
+    if (*format == '<' || *format == '=' || *format == '@') format++;
+    if (out.itemsize != 8 || strcmp(format, "d") != 0 || out.len % 48 != 0 || row < 0 || row >= out.len / 48) {
+        PyErr_Format(PyExc_ValueError, "stats_into: expected a writable float64 (rows, 6) output and 0 <= row < rows, "
+                     "got '%s' of %zd bytes and row %zd", out.format ? out.format : "B", out.len, row);
+        PyBuffer_Release(&out);
+        return NULL;
+    }
+    Result r;
+    Py_BEGIN_ALLOW_THREADS
+    run_kernel(kind, (const void *)(uintptr_t)address, n, eps, &r);
+    Py_END_ALLOW_THREADS
+    store_row((double *)out.buf + 6 * row, &r);
+    PyBuffer_Release(&out);
+    Py_RETURN_NONE;
+}
+
 static int int64_buffer(PyObject *source, Py_buffer *view, const char *what) {
     if (PyObject_GetBuffer(source, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) return -1;
     const char *format = view->format ? view->format : "B";
@@ -235,13 +275,7 @@ static PyObject *stats_many(PyObject *self, PyObject *args) {
         for (Py_ssize_t i = 0; i < n; i++) {
             Result r;
             run_kernel(kind, (const void *)(uintptr_t)address[i], (Py_ssize_t)count[i], eps, &r);
-            double *row = rows + 6 * i;
-            row[0] = r.low;
-            row[1] = r.high;
-            row[2] = r.total;
-            row[3] = r.squares;
-            row[4] = (double)r.small;
-            row[5] = (double)r.nans;
+            store_row(rows + 6 * i, &r);
         }
         Py_END_ALLOW_THREADS
     }
@@ -252,13 +286,92 @@ static PyObject *stats_many(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* sum over i of sign(a[i]) * sign(b[i]): how far a gradient and a moment agree in sign
+ * (mg_direction), without the two sign tensors and their product. The sign of a NaN is 0, as
+ * torch.sign gives it (on CPU and CUDA), so both paths of the adapter agree. */
+#define DEFINE_SIGNS(NAME, STORED, FLOAT, LOAD)                                         \
+    CLONES static double NAME(const STORED *restrict a, const STORED *restrict b, Py_ssize_t n) { \
+        long long sum = 0;                                                              \
+        for (Py_ssize_t i = 0; i < n; i++) {                                            \
+            FLOAT x = LOAD(a[i]), y = LOAD(b[i]);                                       \
+            sum += ((x > 0) - (x < 0)) * ((y > 0) - (y < 0));                           \
+        }                                                                               \
+        return (double)sum;                                                             \
+    }
+
+DEFINE_SIGNS(signs_f32, float, float, AS_IS)
+DEFINE_SIGNS(signs_f64, double, double, AS_IS)
+DEFINE_SIGNS(signs_bf16, uint16_t, float, bf16_to_f32)
+
+static PyObject *sign_sums_many(PyObject *self, PyObject *args) {
+    PyObject *first_source, *second_source, *count_source, *out_source;
+    int kind;
+    if (!PyArg_ParseTuple(args, "OOOiO", &first_source, &second_source, &count_source, &kind, &out_source))
+        return NULL;
+    if (check_kind(kind) < 0) return NULL;
+    Py_buffer first, second, counts, out;
+    if (int64_buffer(first_source, &first, "first addresses") < 0) return NULL;
+    if (int64_buffer(second_source, &second, "second addresses") < 0) {
+        PyBuffer_Release(&first);
+        return NULL;
+    }
+    if (int64_buffer(count_source, &counts, "counts") < 0) {
+        PyBuffer_Release(&first);
+        PyBuffer_Release(&second);
+        return NULL;
+    }
+    if (PyObject_GetBuffer(out_source, &out, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | PyBUF_WRITABLE) < 0) {
+        PyBuffer_Release(&first);
+        PyBuffer_Release(&second);
+        PyBuffer_Release(&counts);
+        return NULL;
+    }
+    Py_ssize_t n = first.len / 8;
+    const char *format = out.format ? out.format : "B";
+    if (*format == '<' || *format == '=' || *format == '@') format++;
+    const long long *a = (const long long *)first.buf, *b = (const long long *)second.buf;
+    const long long *count = (const long long *)counts.buf;
+    int bad = second.len / 8 != n || counts.len / 8 != n || out.itemsize != 8 || strcmp(format, "d") != 0 ||
+              out.len / 8 != n;
+    for (Py_ssize_t i = 0; !bad && i < n; i++) bad = a[i] == 0 || b[i] == 0 || count[i] <= 0;
+    if (bad) {
+        PyErr_Format(PyExc_ValueError,
+                     "sign_sums_many: expected n non-null addresses twice, n counts > 0 and a writable "
+                     "float64 output of n, got %zd, %zd, %zd and %zd bytes",
+                     n, second.len / 8, counts.len / 8, out.len);
+    } else {
+        double *sums = (double *)out.buf;
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t i = 0; i < n; i++) {
+            const void *x = (const void *)(uintptr_t)a[i], *y = (const void *)(uintptr_t)b[i];
+            Py_ssize_t m = (Py_ssize_t)count[i];
+            sums[i] = kind == KIND_F32   ? signs_f32((const float *)x, (const float *)y, m)
+                      : kind == KIND_F64 ? signs_f64((const double *)x, (const double *)y, m)
+                                         : signs_bf16((const uint16_t *)x, (const uint16_t *)y, m);
+        }
+        Py_END_ALLOW_THREADS
+    }
+    PyBuffer_Release(&first);
+    PyBuffer_Release(&second);
+    PyBuffer_Release(&counts);
+    PyBuffer_Release(&out);
+    if (bad) return NULL;
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
+    {"sign_sums_many", sign_sums_many, METH_VARARGS,
+     "sign_sums_many(first, second, counts, kind, out) -> None: out[i] = sum of sign(x) * sign(y) "
+     "over counts[i] elements at first[i] and second[i] (the sign of a NaN is 0)"},
     {"stats", stats, METH_VARARGS,
      "stats(buffer, eps, bfloat16=False) -> (min, max, sum, sum of squares, count of |x| < eps, "
      "NaN count); with bfloat16=True the buffer holds the raw 16-bit patterns (int16)"},
     {"stats_at", stats_at, METH_VARARGS,
      "stats_at(address, n, kind, eps) -> the same tuple for n elements of a kind (0 float32, "
      "1 float64, 2 bfloat16) at a memory address the caller keeps alive"},
+    {"stats_into", stats_into, METH_VARARGS,
+     "stats_into(address, n, kind, eps, out, row) -> None: the same tuple into row ``row`` of a "
+     "float64 (rows, 6) array, with no object made for it"},
     {"stats_many", stats_many, METH_VARARGS,
      "stats_many(addresses, counts, kind, eps, out) -> None: row i of the float64 (n, 6) out gets "
      "the tuple of counts[i] elements at addresses[i] (int64 buffers; memory the caller keeps alive)"},

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
+from collections import defaultdict
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -19,7 +20,7 @@ from monitor.config import MonitorConfig
 from monitor.core import MonitorCore
 from monitor.errors import StructurePrinted
 from monitor.param_rows import unreduced_rows
-from monitor.record import RowSet, StepRecord
+from monitor.record import RowSet, SameRows, StepRecord
 from monitor.schedule import Schedule
 
 logger = logging.getLogger("trainmon")
@@ -57,6 +58,8 @@ class BaseCollection(ABC):
         self.structure: Any = None
         self.stacks: Any = None
         self.collectives: Any = None
+        #: per data type whose rows can change from step to step: the last step's RowSet
+        self._same_rows: defaultdict[str, SameRows] = defaultdict(SameRows)
 
     # -- the step ----------------------------------------------------------------------------
 
@@ -143,7 +146,10 @@ class BaseCollection(ABC):
         index, micro, matrix = self.grads.take()
         self._report_micro_batches(*getattr(self.grads, "counted", (0, 0)))
         _, base = self._rows["grad_unreduced"]
-        self._submit("grad_unreduced", unreduced_rows(base, index, micro, self.rank), matrix)
+        rows = self._same_rows["grad_unreduced"].get(
+            (index, micro), lambda: unreduced_rows(base, index, micro, self.rank)
+        )
+        self._submit("grad_unreduced", rows, matrix)
 
     def _report_micro_batches(self, micro_batches: int, missing: int) -> None:
         """Say once when a step had another number of micro-batches than ``grad_acc_steps`` (a

@@ -54,10 +54,25 @@ def stats_at(address: int, count: int, kind: int, eps: float) -> tuple[float, fl
     return _fused_stats.stats_at(address, count, kind, eps)
 
 
+def stats_into(address: int, count: int, kind: int, eps: float, out: np.ndarray, row: int) -> None:
+    """``stats_at`` written into row ``row`` of a float64 (rows, 6) array (bounds checked): a hook
+    measuring one tensor makes no object at all. Requires ``available()``."""
+    _fused_stats.stats_into(address, count, kind, eps, out, row)
+
+
 def stats_many(addresses: np.ndarray, counts: np.ndarray, kind: int, eps: float) -> np.ndarray:
     """Float64 (n, 6): the ``stats`` tuple of each of n buffers of one kind, in one call with the
     GIL released (int64 addresses and counts > 0; memory the caller keeps alive). One call for a
     whole step's tensors: no Python work per tensor. Requires ``available()``."""
     out = np.empty((len(addresses), 6), dtype=np.float64)
     _fused_stats.stats_many(addresses, counts, kind, eps, out)
+    return out
+
+
+def sign_sums_many(first: np.ndarray, second: np.ndarray, counts: np.ndarray, kind: int) -> np.ndarray:
+    """Float64 (n,): for each pair of buffers of one kind, the sum of sign(x) * sign(y) over their
+    elements (the sign of a NaN is 0, as torch.sign gives it), in one call with the GIL released: how far a
+    gradient and a moment agree in sign. Requires ``available()``."""
+    out = np.empty(len(first), dtype=np.float64)
+    _fused_stats.sign_sums_many(first, second, counts, kind, out)
     return out

@@ -104,3 +104,19 @@ def array_matrix(arrays: Sequence[np.ndarray], ops: Sequence[str], eps: float = 
     if empty.any():
         out[empty] = [EMPTY_VALUE.get(op, np.nan) for op in ops]
     return out
+
+
+def scalar_matrix(values: np.ndarray, ops: Sequence[str], eps: float = 1e-8) -> np.ndarray:
+    """Statistics (rows: values, columns: ops) of one-element float64 tensors given by their
+    values, as ``array_matrix`` gives them, without a call per value."""
+    v = np.asarray(values, dtype=np.float64)
+    by_op = {
+        "min": v,
+        "max": v,
+        "mean": v,
+        "id": v,
+        "norm": np.abs(v),
+        "zeros": (np.abs(v) < eps).astype(np.float64),
+        "nans": np.isnan(v).astype(np.float64),
+    }
+    return np.stack([by_op[op] for op in ops], axis=1).reshape(len(v), len(ops))

@@ -61,6 +61,25 @@ class RowSet:
         )
 
 
+class SameRows:
+    """The previous step's RowSet again when a step's rows are the same (the usual case).
+
+    Writers keep what they build per RowSet object (CSV row templates, TensorBoard tags) for as
+    long as it lives, so handing them the same object makes that per-row work once per run
+    instead of once per step.
+    """
+
+    def __init__(self) -> None:
+        self._key: object = None
+        self._rows: RowSet | None = None
+
+    def get(self, key: object, build: Callable[[], RowSet]) -> RowSet:
+        """The RowSet of ``key`` (any value comparable with ==), built only when it changed."""
+        if self._rows is None or key != self._key:
+            self._key, self._rows = key, build()
+        return self._rows
+
+
 @dataclass
 class StepRecord:
     """One step's statistics of one data type on one rank.

@@ -19,6 +19,7 @@ measured again, only given the gradient hooks that reentrant checkpointing needs
 from __future__ import annotations
 
 import dataclasses
+import functools
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -29,7 +30,13 @@ from adapters.torch.stats import stack_rows, tensor_stats
 from monitor.config import MonitorConfig
 from monitor.module_io import call_name, direction_tensors, row_names
 from monitor.module_io import select_modules as select_module_names
-from monitor.record import RowSet
+from monitor.record import RowSet, SameRows
+
+
+def _row_set(rows: list[tuple[int, str, int]], rank: int, task: str) -> RowSet:
+    """The RowSet of a step's ``(vpp_stage, name, micro_step)`` rows."""
+    vpp, names, micro = zip(*rows)
+    return RowSet.build(vpp, names, rank, task, micro)
 
 
 def _is_tensor(obj: Any) -> bool:
@@ -91,6 +98,8 @@ class Activations:
         self._recomputed: dict[tuple[int, int], int] = {}
         self._rows: dict[str, list[tuple[int, str, int]]] = {"actv": [], "actv_grad": []}
         self._stats: dict[str, list[list[float] | torch.Tensor]] = {"actv": [], "actv_grad": []}
+        #: the last step's RowSet per prefix, handed out again while the rows stay the same
+        self._same_rows = {"actv": SameRows(), "actv_grad": SameRows()}
         #: this step's measured tensors: id -> (weak reference, version, statistics row). A tensor
         #: that is one module's output and the next one's input (or its gradient, seen by both
         #: modules' hooks) is measured once.
@@ -204,9 +213,8 @@ class Activations:
         for prefix, task in (("actv", "actv"), ("actv_grad", "actv_grad")):
             rows, stats = self._rows[prefix], self._stats[prefix]
             if rows:
-                vpp, names, micro = zip(*rows)
-                matrix = stack_rows(stats, len(self.ops))
-                out.append((prefix, RowSet.build(vpp, names, rank, task, micro), matrix))
+                row_set = self._same_rows[prefix].get(rows, functools.partial(_row_set, rows, rank, task))
+                out.append((prefix, row_set, stack_rows(stats, len(self.ops))))
         self.reset()
         return out
 

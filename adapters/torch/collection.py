@@ -21,12 +21,13 @@ from adapters.torch.grads import unreduced_source
 from adapters.torch.optim import TorchBackend
 from adapters.torch.params import ParamRegistry
 from adapters.torch.shards import SHARD_COLUMNS, shard_reduce
-from adapters.torch.stats import stat_matrix
+from adapters.torch.stats import sign_shares, stat_matrix
 from adapters.torch.structure import StackRecorder, StructureRecorder
 from adapters.torch.update_ratio import EDGES, KINDS, update_histograms
 from monitor.collection import BaseCollection
 from monitor.config import MonitorConfig
 from monitor.core import MonitorCore
+from monitor.host_stats import scalar_matrix
 from monitor.naming import build_tag
 from monitor.record import RowSet
 
@@ -52,6 +53,13 @@ def to_host(matrix: torch.Tensor) -> tuple[np.ndarray | None, Any]:
 
         return None, fetch
     return matrix.cpu().numpy(), None
+
+
+def _scalar(value: float | torch.Tensor, device: torch.device | None) -> torch.Tensor:
+    """A float64 0-d tensor of a share (kept on its device where it is a tensor already)."""
+    if isinstance(value, torch.Tensor):
+        return value
+    return torch.tensor(value, dtype=torch.float64, device=device)
 
 
 class Collection(BaseCollection):
@@ -233,7 +241,7 @@ class Collection(BaseCollection):
             self._submit_pieces(prefix, index, rows, tensors, present)
             return
         if len(present) != len(index):
-            rows = rows.take(present)
+            rows = self._same_rows[prefix].get(present, lambda: rows.take(present))
         matrix = stat_matrix(tensors, self.ops, self.eps)
         if known:  # rows measured earlier this step, merged in parameter order
             reused = reuse.taken_matrix[earlier]
@@ -295,27 +303,38 @@ class Collection(BaseCollection):
         (the count-weighted mean of the pieces' shares is the whole tensor's share), or merged.
         """
         index, rows = self._rows["other"]
-        values, present = [], []
+        values: list[float | torch.Tensor] = []
+        present, compared, grads, moments = [], [], [], []
+        device = None
         for position, i in enumerate(index):
             param = self.registry.params[i].param
             grad = self.backend.grad(param)
             if grad is None:
                 continue
+            device = grad.device if device is None else device
             moment = self.backend.moment(param, "exp_avg")
             if moment is None:
-                values.append(torch.ones((), dtype=torch.float64, device=grad.device))
+                values.append(1.0)
             elif moment.shape != grad.shape or moment.numel() == 0:
-                values.append(torch.full((), float("nan"), dtype=torch.float64, device=grad.device))
+                values.append(float("nan"))
             else:
-                agreement = (torch.sign(grad.detach()) * torch.sign(moment)).sum(dtype=torch.float64)
-                values.append((agreement / moment.numel() + 1.0) / 2.0)
+                compared.append(len(values))
+                grads.append(grad)
+                moments.append(moment)
+                values.append(0.0)
             present.append((position, grad.numel()))
+        for k, share in zip(compared, sign_shares(grads, moments)):
+            values[k] = share
         if self.backend.sharded:
-            self._submit_shares(index, rows, values, present)
+            self._submit_shares(index, rows, [_scalar(v, device) for v in values], present)
             return
         if len(present) != len(index):
             rows = rows.take([position for position, _ in present])
-        self._submit("other", rows, stat_matrix(values, self.ops, self.eps))
+        if all(isinstance(v, float) for v in values):  # host values: one vectorised pass
+            matrix = torch.from_numpy(scalar_matrix(np.array(values, dtype=np.float64), self.ops, self.eps))
+        else:
+            matrix = stat_matrix([_scalar(v, device) for v in values], self.ops, self.eps)
+        self._submit("other", rows, matrix)
 
     def _submit_shares(
         self, index: list[int], rows: RowSet, values: list[torch.Tensor], present: list[tuple[int, int]]

@@ -129,8 +129,9 @@ class TorchBackend:
         return param.numel()
 
     def value(self, param: torch.nn.Parameter) -> torch.Tensor | None:
-        """The values the optimizer updates (the fp32 master copy where there is one)."""
-        return param.detach()
+        """The values the optimizer updates (the fp32 master copy where there is one); read only,
+        by statistics that run without autograd (no detached copy per parameter)."""
+        return param
 
     def moment(self, param: torch.nn.Parameter, key: str) -> torch.Tensor | None:
         """``exp_avg`` / ``exp_avg_sq`` of a parameter, or None before its first update."""

@@ -257,15 +257,51 @@ def stat_matrix(tensors: Sequence[torch.Tensor], ops: Sequence[str], eps: float 
     return out
 
 
-def _kernel_tuple(t: torch.Tensor, eps: float) -> tuple | None:
-    """The kernel's tuple of a CPU fp32/fp64/bf16 tensor, read in place (one call, no buffer
-    object); None where the kernel does not apply."""
+def _in_place(t: torch.Tensor) -> tuple[torch.Tensor, int] | None:
+    """``(contiguous tensor, element kind)`` where the kernel can read a tensor in place (a CPU
+    fp32/fp64/bf16 tensor with elements; a non-contiguous one is copied); else None. The caller
+    keeps the returned tensor alive while the kernel reads its ``data_ptr()``."""
     kind = _KIND.get(t.dtype)
-    numel = t.numel()
-    if kind is None or not numel or not t.is_cpu or not fused_stats.available():
+    if kind is None or not t.numel() or not t.is_cpu or not fused_stats.available():
         return None
-    flat = t if t.is_contiguous() else t.contiguous()
-    return fused_stats.stats_at(flat.data_ptr(), numel, kind, eps)
+    return (t if t.is_contiguous() else t.contiguous()), kind
+
+
+def _kernel_tuple(t: torch.Tensor, eps: float) -> tuple | None:
+    """The kernel's tuple of a tensor it reads in place (one call, no buffer object), else None."""
+    found = _in_place(t)
+    if found is None:
+        return None
+    flat, kind = found
+    return fused_stats.stats_at(flat.data_ptr(), flat.numel(), kind, eps)
+
+
+def sign_shares(grads: Sequence[torch.Tensor], moments: Sequence[torch.Tensor]) -> list[float | torch.Tensor]:
+    """Per pair of equal-sized, non-empty tensors, the share of elements whose signs agree,
+    ``(mean(sign(g) * sign(m)) + 1) / 2`` (a NaN's sign is 0, as torch.sign has it): a float for the pairs
+    the kernel reads in place (one call for all of them, no sign tensors), else a float64 0-d
+    tensor on the device (no host synchronisation)."""
+    shares: list[float | torch.Tensor | None] = [None] * len(grads)
+    direct: dict[int, list] = {}
+    for k, (grad, moment) in enumerate(zip(grads, moments)):
+        first, second = _in_place(grad), _in_place(moment)
+        if first is not None and second is not None and first[1] == second[1]:
+            direct.setdefault(first[1], []).append((k, first[0], second[0]))
+            continue
+        with torch.no_grad():
+            agreement = (torch.sign(grad) * torch.sign(moment)).sum(dtype=_F64)
+        shares[k] = (agreement / moment.numel() + 1.0) / 2.0
+    for kind, pairs in direct.items():
+        count = np.fromiter((a.numel() for _, a, _ in pairs), dtype=np.int64, count=len(pairs))
+        sums = fused_stats.sign_sums_many(
+            np.fromiter((a.data_ptr() for _, a, _ in pairs), dtype=np.int64, count=len(pairs)),
+            np.fromiter((b.data_ptr() for _, _, b in pairs), dtype=np.int64, count=len(pairs)),
+            count,
+            kind,
+        )
+        for (k, _, _), share in zip(pairs, ((sums / count + 1.0) / 2.0).tolist()):
+            shares[k] = share
+    return shares
 
 
 def tensor_stats(t: torch.Tensor, ops: Sequence[str], eps: float = 1e-8) -> list[float] | torch.Tensor:
@@ -317,10 +353,11 @@ class RowBuffer:
         """Measure ``t`` into ``slot`` (replacing what the slot held)."""
         self._order.pop(slot, None)
         self._order[slot] = None
-        parts = _kernel_tuple(t, self.eps) if self._direct else None
-        if parts is not None:
-            self._raw[slot] = parts
-            self._numel[slot] = t.numel()
+        found = _in_place(t) if self._direct else None
+        if found is not None:
+            flat, kind = found
+            fused_stats.stats_into(flat.data_ptr(), flat.numel(), kind, self.eps, self._raw, slot)
+            self._numel[slot] = flat.numel()
             self._other.pop(slot, None)
         else:
             self._other[slot] = tensor_stats(t, self.ops, self.eps)

@@ -22,6 +22,10 @@ logger = logging.getLogger("trainmon")
 
 #: ops written as exact integers.
 EXACT_OPS = ("nans", "calls", "numel", "partial")
+#: stands for the step in a cached row template
+_STEP = "\x00"
+#: rows per piece of a template (one piece is formatted while holding the interpreter lock)
+TEMPLATE_ROWS = 256
 
 
 def _csv_field(text: str) -> str:
@@ -60,7 +64,7 @@ class CsvWriter:
         self.window = step_count_per_record
         self.file_mode = file_mode
         self._files: dict[str, tuple[int, TextIO]] = {}
-        self._row_heads: weakref.WeakKeyDictionary[RowSet, list[tuple[str, str]]] = (
+        self._templates: weakref.WeakKeyDictionary[RowSet, dict[tuple[str, ...], list[str]]] = (
             weakref.WeakKeyDictionary()
         )
         self._formats: dict[tuple[str, ...], str] = {}
@@ -98,17 +102,33 @@ class CsvWriter:
         self._files[record.prefix] = (start, handle)
         return handle
 
-    def _heads(self, rows: RowSet) -> list[tuple[str, str]]:
-        """Per row, the text before and after the step column (computed once per RowSet)."""
-        heads = self._row_heads.get(rows)
-        if heads is None:
-            micro = rows.micro_steps if rows.micro_steps is not None else (None,) * len(rows)
-            heads = [
-                (f"{v},{_csv_field(n)},", "," if m is None else f",{m},")
-                for v, n, m in zip(rows.vpp_stages, rows.names, micro)
+    @staticmethod
+    def _heads(rows: RowSet) -> list[tuple[str, str]]:
+        """Per row, the text before and after the step column."""
+        micro = rows.micro_steps if rows.micro_steps is not None else (None,) * len(rows)
+        return [
+            (f"{v},{_csv_field(n)},", "," if m is None else f",{m},")
+            for v, n, m in zip(rows.vpp_stages, rows.names, micro)
+        ]
+
+    def _template(self, rows: RowSet, ops: tuple[str, ...]) -> list[str] | None:
+        """Every row of a RowSet as %-format strings of ``TEMPLATE_ROWS`` rows each, with ``_STEP``
+        where the step goes, built once per RowSet: a record is then written by string operations
+        in C, not by Python work per row; in pieces, so the training thread never waits long for
+        the interpreter lock. None where a name itself holds ``_STEP``."""
+        by_ops = self._templates.get(rows)
+        if by_ops is None:
+            by_ops = self._templates[rows] = {}
+        template = by_ops.get(ops)
+        if template is None:
+            values = self._value_format(ops)
+            lines = [
+                before.replace("%", "%%") + _STEP + after.replace("%", "%%") + values
+                for before, after in self._heads(rows)
             ]
-            self._row_heads[rows] = heads
-        return heads
+            pieces = ["".join(lines[i : i + TEMPLATE_ROWS]) for i in range(0, len(lines), TEMPLATE_ROWS)]
+            template = by_ops[ops] = pieces if sum(p.count(_STEP) for p in pieces) == len(rows) else []
+        return template or None
 
     def _value_format(self, ops: tuple[str, ...]) -> str:
         fmt = self._formats.get(ops)
@@ -131,13 +151,22 @@ class CsvWriter:
                     handle.name if isinstance(handle.name, str) else self.out_dir,
                 )
             return
-        values = record.resolve().tolist()
-        fmt = self._value_format(record.ops)
+        values = record.resolve()
         step = str(record.step)
-        text = "".join(
-            before + step + after + fmt % tuple(row)
-            for (before, after), row in zip(self._heads(record.rows), values)
-        )
+        template = self._template(record.rows, record.ops)
+        if template is not None:
+            flat = values.ravel().tolist()
+            width = TEMPLATE_ROWS * len(record.ops)
+            text = "".join(
+                piece.replace(_STEP, step) % tuple(flat[k * width : (k + 1) * width])
+                for k, piece in enumerate(template)
+            )
+        else:
+            fmt = self._value_format(record.ops)
+            text = "".join(
+                before + step + after + fmt % tuple(row)
+                for (before, after), row in zip(self._heads(record.rows), values.tolist())
+            )
         handle.write(text)
         handle.flush()
 

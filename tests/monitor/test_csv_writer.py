@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import math
 import os
 import stat
@@ -10,6 +11,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
+import monitor.writers.csv as csv_writer
 from monitor.writers.csv import CsvWriter
 
 OPS = ("norm", "min", "max", "nans")
@@ -223,6 +225,25 @@ def test_names_with_commas_and_quotes_are_quoted(tmp_path, make_record):
     assert frame["name"].tolist() == names
     assert frame["norm"].tolist() == [1.0, 2.0, 3.0]
     assert frame["step"].tolist() == [0, 0, 0]
+
+
+@pytest.mark.parametrize("odd", ["100%_sparse.weight", "nul\x00inside"])
+def test_names_with_format_characters_are_written_as_they_are_at_every_step(
+    tmp_path, make_record, odd, monkeypatch
+):
+    monkeypatch.setattr(csv_writer, "TEMPLATE_ROWS", 2)  # pieces of 2 rows: 3 rows make two
+    names = [odd, "plain%s", "layers.0.w"]
+    writer = CsvWriter(tmp_path, step_count_per_record=10)
+    for step in (3, 4):  # the second write reuses what the first built
+        writer.write(make_record("other", step, names, [[1.5, 0], [2.5, 1], [-3.5, 2]], ("norm", "nans")))
+    writer.close()
+    with open(tmp_path / "other_0-9.csv", newline="", encoding="utf-8") as handle:
+        header, *rows = list(csv.reader(handle))  # Python's reader keeps a NUL; pandas' cuts there
+    assert header == ["vpp_stage", "name", "step", "norm", "nans"]
+    assert [row[1] for row in rows] == names * 2
+    assert [int(row[2]) for row in rows] == [3, 3, 3, 4, 4, 4]
+    assert [float(row[3]) for row in rows] == [1.5, 2.5, -3.5] * 2
+    assert [row[4] for row in rows] == ["0", "1", "2"] * 2
 
 
 def test_rows_are_flushed_after_each_write(tmp_path, make_record):

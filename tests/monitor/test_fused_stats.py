@@ -200,3 +200,18 @@ def test_address_entries_refuse_bad_arguments_before_reading_anything():
         fused_stats.stats_many(
             address.astype(np.int32), np.array([4], dtype=np.int64), fused_stats.FLOAT32, 1e-8
         )
+
+
+def test_a_row_written_into_an_array_equals_the_tuple_and_rows_are_bounds_checked():
+    array = np.random.default_rng(11).normal(size=300).astype(np.float32)
+    out = np.full((3, 6), -1.0)
+    fused_stats.stats_into(array.ctypes.data, array.size, fused_stats.FLOAT32, 1e-8, out, 1)
+    assert out[1].tolist() == list(fused_stats.stats(array, 1e-8))
+    assert (out[[0, 2]] == -1.0).all()  # the other rows untouched
+    for row in (-1, 3):
+        with pytest.raises(ValueError, match="row"):
+            fused_stats.stats_into(array.ctypes.data, array.size, fused_stats.FLOAT32, 1e-8, out, row)
+    with pytest.raises(ValueError, match="float64"):
+        fused_stats.stats_into(
+            array.ctypes.data, array.size, fused_stats.FLOAT32, 1e-8, out.astype(np.float32), 0
+        )

@@ -73,3 +73,10 @@ def test_zeros_of_float16_are_compared_in_float32():
 
 def test_no_arrays_give_an_empty_matrix():
     assert host_stats.array_matrix([], ALL_OPS).shape == (0, len(ALL_OPS))
+
+
+def test_scalars_give_what_one_element_arrays_give():
+    values = np.array([0.25, -3.0, 0.0, 1e-9, np.nan, np.inf])
+    got = host_stats.scalar_matrix(values, OPS, 1e-8)
+    want = host_stats.array_matrix([np.array([v]) for v in values], OPS, 1e-8)
+    np.testing.assert_array_equal(got, want)

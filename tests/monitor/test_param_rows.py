@@ -62,3 +62,21 @@ def test_unreduced_rows_in_firing_order_with_and_without_micro_steps():
     assert unreduced_rows(base, [1, 0], None, 0).tags == ("0:b/rank0/acc_grad", "0:a/rank0/acc_grad")
     rows = unreduced_rows(base, [1, 1], [0, 1], 0)
     assert rows.tags == ("0:b:0/rank0/acc_grad", "0:b:1/rank0/acc_grad") and rows.micro_steps == (0, 1)
+
+
+def test_the_same_rows_as_the_previous_step_are_the_same_rowset_object():
+    from monitor.record import SameRows
+
+    base = RowSet.build([0, 0, 0], ["a", "b", "c"], 0, "acc_grad")
+    same = SameRows()
+    built = []
+
+    def rows(index):
+        built.append(index)
+        return base.take(index)
+
+    first = same.get([2, 0], lambda: rows([2, 0]))
+    assert same.get([2, 0], lambda: rows([2, 0])) is first  # a writer's per-RowSet cache hits
+    changed = same.get([0, 2], lambda: rows([0, 2]))
+    assert changed is not first and changed.names == ("a", "c")
+    assert built == [[2, 0], [0, 2]]

@@ -157,3 +157,20 @@ def test_a_row_buffer_keeps_the_latest_row_of_each_slot_in_the_order_put():
         for op, value in zip(ALL_OPS, row):
             assert_same_number(value, want[op], rel=1e-5)
     assert buffer.take()[0] == []  # taken: empty again
+
+
+def test_sign_shares_match_numpy_for_every_kind_and_count_a_nan_as_sign_zero():
+    from tests.reference_stats import sign_agreement
+
+    generator = torch.Generator().manual_seed(12)
+    grads = [torch.randn(50, generator=generator) for _ in range(4)]
+    moments = [torch.randn(50, generator=generator) for _ in range(4)]
+    grads[0][::7] = 0.0
+    grads[1], moments[1] = grads[1].to(torch.bfloat16), moments[1].to(torch.bfloat16)
+    grads[2] = grads[2].double()  # float64 against a float32 moment: the library path
+    moments[3][4] = float("nan")
+    got = stats.sign_shares(grads, moments)
+    for share, grad, moment in zip(got, grads, moments):
+        # torch.sign (what msprobe uses, on CPU and CUDA) gives a NaN the sign 0
+        want = sign_agreement(grad.double().nan_to_num(0.0).numpy(), moment.double().nan_to_num(0.0).numpy())
+        assert float(share) == pytest.approx(want, abs=1e-12)
