@@ -15,7 +15,10 @@ accumulated gradient is measured.
 Per micro-batch (``monitor_mbs_grad``): a tensor hook sees each micro-batch's own gradient
 before it is accumulated, with its micro-step index.
 
-No gradient is copied or kept; only small statistic vectors are, until the step is written.
+No gradient is copied. The gradient tensors measured in a step are referenced (the parameters
+hold the very same tensors meanwhile) until the optimizer's pre-step has compared them with
+what it reads, then released, so ``zero_grad`` frees them as usual. Rows go into a
+preallocated buffer: a hook allocates nothing per parameter.
 """
 
 from __future__ import annotations

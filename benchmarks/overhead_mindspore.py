@@ -1,0 +1,181 @@
+"""Step-time overhead of the monitor on MindSpore (PyNative, CPU), beside benchmarks/overhead.py.
+
+A net of 6 ``Dense(512, 512)`` + ReLU layers, batch 64, ``nn.Adam``, one thread. Each scenario
+runs in its own process, in blocks of steps that alternate unmonitored (A) and monitored (B),
+A B B A ...; a block's cost is its process CPU time per step (the writer thread included, the
+monitored block's ``flush()`` too). The ratio is the median over pairs of B / A.
+
+Scenarios: ``wg``, ``mv``, ``param``, ``xy`` (with all_xy), ``all`` (all of them with the six
+ops and the alert rules with the anomaly dump), and ``uncollected`` (everything on, but
+``step_interval`` 1000: the cost of a step that is not collected).
+
+    python benchmarks/overhead_mindspore.py                 # every scenario (~3 min)
+    python benchmarks/overhead_mindspore.py --quick         # a smaller net, 2 pairs (CI)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+FOUR_OPS = ["min", "max", "norm", "mean"]
+SIX_OPS = ["min", "max", "norm", "mean", "zeros", "nans"]
+RULES = [
+    {"rule_name": "AnomalyNan"},
+    {
+        "rule_name": "AnomalyZScore",
+        "args": {"threshold": 6.0, "warmup": 10, "min_ratio": 4.0, "ops": ["norm"]},
+    },
+]
+EVERYTHING = {
+    "wg_distribution": True,
+    "mv_distribution": True,
+    "param_distribution": True,
+    "xy_distribution": True,
+    "all_xy": True,
+    "ops": SIX_OPS,
+    "alert": {"rules": RULES, "dump": True},
+}
+SCENARIOS = {
+    "wg": {"wg_distribution": True},
+    "mv": {"mv_distribution": True},
+    "param": {"param_distribution": True},
+    "xy": {"xy_distribution": True, "all_xy": True},
+    "all": EVERYTHING,
+    "uncollected": {**EVERYTHING, "step_interval": 1000},
+}
+#: CPU-time ratio targets
+TARGETS = {"wg": 1.05, "mv": 1.05, "param": 1.05, "xy": 1.25, "all": 1.50, "uncollected": 1.01}
+
+
+def _work(scenario: str, width: int, pairs: int, steps: int) -> dict:
+    import mindspore as ms
+    import numpy as np
+    from mindspore import nn
+
+    from monitor import TrainerMon
+
+    ms.set_context(mode=ms.PYNATIVE_MODE, device_target="CPU")
+
+    class Net(nn.Cell):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.CellList([nn.Dense(width, width) for _ in range(6)])
+            self.act = nn.ReLU()
+
+        def construct(self, x):
+            for layer in self.layers:
+                x = self.act(layer(x))
+            return x
+
+    net = Net()
+    optimizer = nn.Adam(net.trainable_params(), learning_rate=1e-3)
+    grad_fn = ms.value_and_grad(lambda x: net(x).square().mean(), None, optimizer.parameters)
+    inputs = ms.Tensor(np.random.default_rng(0).normal(size=(64, width)).astype(np.float32))
+
+    def step() -> None:
+        loss, grads = grad_fn(inputs)
+        optimizer(grads)
+        loss.asnumpy()  # the step is done (PyNative may run asynchronously)
+
+    mon = None
+    blocks = []
+    for pair in range(pairs):
+        for monitored in (False, True) if pair % 2 == 0 else (True, False):
+            if monitored:
+                if mon is None:
+                    mon = TrainerMon({"targets": {}, "ops": FOUR_OPS, **SCENARIOS[scenario]})
+                    mon.set_monitor(net, grad_acc_steps=1, optimizer=optimizer)
+                else:
+                    mon.start()
+            step()  # untimed
+            cpu = time.process_time()
+            for _ in range(steps):
+                step()
+            if monitored:
+                mon.flush()
+                mon.stop()
+            blocks.append({"monitored": monitored, "cpu": (time.process_time() - cpu) / steps})
+    files = sum(len(names) for _, _, names in os.walk(mon.output_dir)) if mon else 0
+    return {"blocks": blocks, "files": files}
+
+
+def measure(scenario: str, width: int, pairs: int, steps: int, out_root: str) -> dict:
+    command = [
+        sys.executable, __file__, "--worker", scenario, "--width", str(width),
+        "--pairs", str(pairs), "--steps", str(steps),
+    ]  # fmt: skip
+    env = {
+        **os.environ,
+        "MONITOR_OUTPUT_DIR": os.path.join(out_root, scenario),
+        "OMP_NUM_THREADS": "1",
+        "GLOG_v": "3",
+    }
+    done = subprocess.run(command, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{scenario}: exit {done.returncode}\n{done.stderr[-4000:]}")
+    errors = [line for line in done.stderr.splitlines() if line.startswith(("[trainmon] ERROR", "Traceback"))]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    if errors or (not result["files"] and scenario != "uncollected"):
+        raise RuntimeError(f"{scenario}: the monitor reported errors or wrote nothing:\n{errors[:5]}")
+    blocks = result["blocks"]
+    ratios, plains = [], []
+    for first, second in zip(blocks[0::2], blocks[1::2]):
+        plain, watched = (second, first) if first["monitored"] else (first, second)
+        ratios.append(watched["cpu"] / plain["cpu"])
+        plains.append(plain["cpu"])
+    return {
+        "scenario": scenario,
+        "ratio": statistics.median(ratios),
+        "spread": (min(ratios), max(ratios)),
+        "plain_ms": 1000 * statistics.median(plains),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--scenarios", default=",".join(SCENARIOS), help="comma-separated, of: %(default)s")
+    parser.add_argument("--width", type=int, default=512, help="units of each Dense layer")
+    parser.add_argument("--pairs", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--quick", action="store_true", help="width 128, 2 pairs of 2 steps (CI)")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        print(json.dumps(_work(args.worker, args.width, args.pairs, args.steps)))
+        return 0
+    if args.quick:
+        args.width, args.pairs, args.steps = 128, 2, 2
+    names = args.scenarios.split(",")
+    unknown = [n for n in names if n not in SCENARIOS]
+    if unknown:
+        parser.error(f"--scenarios: unknown {unknown}; expected some of {list(SCENARIOS)}")
+    with tempfile.TemporaryDirectory(prefix="trainmon-ms-overhead-") as out_root:
+        results = [measure(name, args.width, args.pairs, args.steps, out_root) for name in names]
+    print(f"{'scenario':12s} {'cpu ratio':>9s} {'(pairs min-max)':>15s} {'plain step':>11s} {'target':>7s}")
+    met = True
+    for r in results:
+        target = TARGETS.get(r["scenario"])
+        ok = args.quick or target is None or r["ratio"] <= target
+        met &= ok
+        lo, hi = r["spread"]
+        print(
+            f"{r['scenario']:12s} {r['ratio']:9.3f} {f'{lo:.2f}-{hi:.2f}':>15s} {r['plain_ms']:8.1f} ms "
+            f"{target if target else '':>7} {'' if args.quick else 'met' if ok else 'NOT met'}"
+        )
+    return 0 if met or args.quick else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
