@@ -10,6 +10,16 @@ from importlib import resources
 DEMO_TEMPLATE = "everything_alerts.yaml"
 
 
+def _version() -> str:
+    """The installed package's version (the source tree's when it is not installed)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("trainmon")
+    except metadata.PackageNotFoundError:
+        return "(not installed)"
+
+
 def template_path(name: str) -> str:
     """Path of a file shipped in config_templates/."""
     return str(resources.files("config_templates").joinpath(name))
@@ -128,6 +138,7 @@ def _add_converters(sub: argparse._SubParsersAction) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="trainmon", description="Training-state monitor tools.")
+    parser.add_argument("--version", action="version", version=f"trainmon {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     _add_demo(sub)

@@ -24,6 +24,7 @@ from monitor.config_values import (
     as_number,
     as_str_list,
     describe,
+    not_one_of,
     warn_unknown,
 )
 from monitor.files import parse_time_tag
@@ -230,7 +231,7 @@ def validate_config(raw: Mapping[str, Any]) -> MonitorConfig:
     if "format" in raw:
         fmt = raw["format"]
         if not isinstance(fmt, str) or fmt.lower() not in FORMATS:
-            raise ConfigError(f"format: expected one of {', '.join(FORMATS)}, got {describe(fmt)}")
+            raise not_one_of("format", fmt, FORMATS)
         values["format"] = fmt.lower()
     if "ops" in raw:
         values["ops"] = _ops(raw["ops"])
@@ -355,7 +356,7 @@ def _rule(spec: Any, path: str) -> RuleSpec:
         raise ConfigError(f"{path}: expected an object with 'rule_name' and 'args', got {describe(spec)}")
     name = spec.get("rule_name")
     if name not in KNOWN_RULES:
-        raise ConfigError(f"{path}.rule_name: expected one of {', '.join(KNOWN_RULES)}, got {describe(name)}")
+        raise not_one_of(f"{path}.rule_name", name, KNOWN_RULES)
     args = spec.get("args") or {}
     if not isinstance(args, dict):
         raise ConfigError(f"{path}.args: expected an object, got {describe(args)}")
@@ -370,7 +371,7 @@ def _ops(value: Any) -> tuple[str, ...]:
             logger.warning("trainmon config: ops[%d] %r is not a scalar statistic and is ignored", i, op)
             continue
         if op not in KNOWN_OPS:
-            raise ConfigError(f"ops[{i}]: expected one of {', '.join(KNOWN_OPS)}, got {op!r}")
+            raise not_one_of(f"ops[{i}]", op, KNOWN_OPS)
         if op not in chosen:
             chosen.append(op)
     return tuple(chosen) or ("norm",)

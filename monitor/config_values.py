@@ -25,6 +25,13 @@ def warn_unknown(key: str, known: tuple[str, ...], path: str) -> None:
     logger.warning("trainmon config: unknown key %r ignored%s", f"{path}{key}", hint)
 
 
+def not_one_of(path: str, value: Any, choices: tuple[str, ...] | list[str]) -> ConfigError:
+    """The error for a value outside ``choices``, naming the closest choice when there is one."""
+    close = difflib.get_close_matches(value, choices, n=1) if isinstance(value, str) else []
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    return ConfigError(f"{path}: expected one of {', '.join(choices)}, got {describe(value)}{hint}")
+
+
 def describe(value: Any) -> str:
     """The value as an error message shows it: its repr, cut to 80 characters."""
     try:

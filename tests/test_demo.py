@@ -83,3 +83,11 @@ def test_console_script_is_installed():
     assert shutil.which("trainmon") or os.path.exists(
         os.path.join(os.path.dirname(sys.executable), "trainmon")
     )
+
+
+def test_version_is_the_installed_packages():
+    from importlib import metadata
+
+    done = subprocess.run([sys.executable, "-m", "monitor.cli", "--version"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == f"trainmon {metadata.version('trainmon')}"

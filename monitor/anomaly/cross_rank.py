@@ -287,13 +287,23 @@ def run(args: argparse.Namespace) -> int:
         print(f"anomaly-analyse: error: cannot write {out_file}: {exc}", file=sys.stderr)
         status = 1
     with analyse.stdout_guard():
-        _print_section(doc, run_.k, out_file if status == 0 else None)
+        _print_section(doc, run_.k, out_file if status == 0 else None, len(run_.rank_dirs))
     return status
 
 
-def _print_section(doc: dict, k: int, out_file: str | None) -> None:
+def _print_section(doc: dict, k: int, out_file: str | None, rank_count: int) -> None:
     compared = "; ".join(f"{t} over ranks {_span(r)}" for t, r in doc["ranks"].items()) or "nothing"
     print()
+    if not doc["judged"]:
+        directories = f"{rank_count} rank director{'y' if rank_count == 1 else 'ies'}"
+        print(
+            f"No cross-rank verdict: a value is judged only where at least {doc['min_ranks']} ranks hold "
+            f"the same tensor, and this run has {directories} with {', '.join(doc['types'])} under "
+            f"{doc['data_path']}."
+        )
+        if out_file:
+            print(f"written to {out_file}")
+        return
     print(f"Cross-rank outliers ({compared}): values beyond {doc['k_mad']:g} MADs of the other ranks' median")
     ranks = doc["by_rank"]
     total = doc["outliers_total"]

@@ -310,9 +310,13 @@ def test_a_nan_value_is_an_outlier_with_infinite_deviation(tmp_path):
     )
 
 
-def test_two_ranks_get_no_verdict(tmp_path):
+def test_two_ranks_get_no_verdict_and_are_told_why(tmp_path, capsys):
     document = _run_from(tmp_path, {0: [1.0, 1.0], 1: [1.0, 100.0]})
     assert (document["judged"], document["outliers_total"]) == (0, 0)
+    printed = capsys.readouterr().out
+    assert "No cross-rank verdict: a value is judged only where at least 3 ranks hold" in printed
+    assert "this run has 2 rank directories with grad_unreduced" in printed
+    assert "outliers on" not in printed
 
 
 # ----------------------------------------------------------------------------------------- input and output
