@@ -116,6 +116,9 @@ class Collection(BaseCollection):
                 self.fail,
                 last_micro_batch,
             )
+            # the measured gradients are kept for reuse only where reuse can happen: elsewhere
+            # (DeepSpeed frees each gradient after its hook) holding them would cost memory
+            self.grads.keep_measured = self._reuse_possible()
         self._rows = self._build_rows(tp_group, dp_group)
         self.collectives = collectives
         if self.grads is not None:
@@ -209,12 +212,16 @@ class Collection(BaseCollection):
         (no reduction), torch's own optimizers and ``.grad`` (Megatron's and DeepSpeed's kernels
         write gradients in place without telling autograd).
         """
-        if self.grads is None or type(self.backend) is not TorchBackend or self.registry.main_grad:
-            return None
-        dist = torch.distributed
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        if self.grads is None or not self._reuse_possible():
             return None
         return self.grads if getattr(self.grads, "taken_matrix", None) is not None else None
+
+    def _reuse_possible(self) -> bool:
+        """One process, torch's own optimizer and ``.grad``: see ``_reusable``."""
+        if type(self.backend) is not TorchBackend or self.registry.main_grad:
+            return False
+        dist = torch.distributed
+        return not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
 
     def _submit_tensors(
         self, prefix: str, tensor_of: Callable[[torch.nn.Parameter], Any], reuse: Any = None

@@ -15,15 +15,18 @@ accumulated gradient is measured.
 Per micro-batch (``monitor_mbs_grad``): a tensor hook sees each micro-batch's own gradient
 before it is accumulated, with its micro-step index.
 
-No gradient is copied. The gradient tensors measured in a step are referenced (the parameters
-hold the very same tensors meanwhile) until the optimizer's pre-step has compared them with
-what it reads, then released, so ``zero_grad`` frees them as usual. Rows go into a
+No gradient is copied. In one process with torch's optimizers (where the reduced pass can reuse
+a row), the gradient tensors measured in a step are referenced (the parameters hold the very
+same tensors meanwhile) until the optimizer's pre-step has compared them with what it reads,
+then released, so ``zero_grad`` frees them as usual; elsewhere nothing is held (DeepSpeed frees
+each gradient after its hook, and a reference would keep it). Rows go into a
 preallocated buffer: a hook allocates nothing per parameter.
 """
 
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -61,18 +64,20 @@ class UnreducedGrads:
         self._rows = RowBuffer(len(registry), ops, eps)
         #: per micro-batch: rows by (parameter index, micro-step)
         self._micro_rows: dict[tuple[int, int], list[float] | torch.Tensor] = {}
-        #: the gradient each parameter's row was measured from, and its version: held from the
-        #: hook to the optimizer step (the parameter holds the same tensor meanwhile), then by
-        #: ``take`` for ``measured_row`` until ``release``. A list, not weak references: nothing
-        #: is allocated per parameter.
+        #: whether to keep the measured gradients for ``measured_row`` (set by the owner where a
+        #: reduced pass can reuse rows: one process, torch's optimizers)
+        self.keep_measured = False
+        #: with ``keep_measured``, the gradient each parameter's row was measured from, and its
+        #: version: held from the hook to the optimizer step (the parameter holds the same tensor
+        #: meanwhile), then by ``take`` for ``measured_row`` until ``release``. A list, not weak
+        #: references: nothing is allocated per parameter.
         self._held: list[torch.Tensor | None] = [None] * len(registry)
         self._versions = [0] * len(registry)
         self._taken_grads: list[torch.Tensor | None] = []
         self._taken: dict[int, int] = {}
         self._last_micro_batch = last_micro_batch or (lambda: False)
-        #: parameters whose latest micro-batch may have been the step's last (their gradient is
-        #: held in ``_held``, its version in ``_versions``).
-        self._waiting: dict[int, None] = {}
+        #: parameters whose latest micro-batch may have been the step's last: gradient and version.
+        self._waiting: dict[int, tuple[weakref.ref, int]] = {}
         #: after a short step whose gradients changed before the optimizer step: measure every pass.
         self._every_micro_batch = False
         #: after take(): (micro-batches of the step, parameters whose row is missing).
@@ -107,9 +112,7 @@ class UnreducedGrads:
                     return
                 if count < self.grad_acc_steps and not (self._every_micro_batch or self._last_micro_batch()):
                     self._rows.drop(index)
-                    self._waiting[index] = None
-                    self._held[index] = grad
-                    self._versions[index] = grad._version
+                    self._waiting[index] = (weakref.ref(grad), grad._version)
                     return
                 self._waiting.pop(index, None)
                 self._measure(index, grad)
@@ -121,16 +124,17 @@ class UnreducedGrads:
 
     def _measure(self, index: int, grad: torch.Tensor) -> None:
         self._rows.put(index, grad)  # a repeat keeps the latest, in firing order
-        self._held[index] = grad
-        self._versions[index] = grad._version
+        if self.keep_measured:
+            self._held[index] = grad
+            self._versions[index] = grad._version
 
     def _measure_waiting(self) -> int:
         """At the optimizer step: measure the parameters whose step ended early, where their
         gradient is unchanged since their last micro-batch; returns how many could not be."""
         missing = 0
-        for index in self._waiting:
+        for index, (source, version) in self._waiting.items():
             grad = self.registry.grad(self.registry.params[index].param)
-            if grad is not None and self._held[index] is grad and grad._version == self._versions[index]:
+            if grad is not None and source() is grad and grad._version == version:
                 self._measure(index, grad)
             else:
                 missing += 1
@@ -178,7 +182,7 @@ class UnreducedGrads:
         """The row, in the matrix ``take`` returned, of parameter ``index``'s gradient when
         ``tensor`` is that very gradient, unchanged since it was measured; else None. A
         reduced-gradient pass reuses it where no reduction ran."""
-        row = self._taken.get(index)
+        row = self._taken.get(index) if self.keep_measured else None
         if row is None:
             return None
         return (

@@ -174,3 +174,33 @@ def test_an_optimizer_that_never_calls_its_closure_is_collected_at_its_end():
         _assert_rows(unreduced, grads, "acc_grad", f"step {step}")
     assert mon.step == 2
     mon.stop()
+
+
+def test_measured_gradients_are_not_kept_alive_by_the_monitor():
+    """A framework that frees each gradient right after its hook (DeepSpeed does) must get the
+    memory back: with main_grad (a back-end whose reduced pass cannot reuse rows) nothing is
+    held; in one plain process the gradients are held only until the optimizer's pre-step."""
+    import gc
+    import weakref
+
+    for main_grad, kept_until_step in ((True, False), (None, True)):
+        torch.manual_seed(0)
+        model = MLP()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        mon = TrainerMon(CONFIG, params_have_main_grad=main_grad)
+        mon.set_monitor(model, grad_acc_steps=1, optimizer=optimizer)
+        (x,) = make_batches(1, 1)[0]
+        _loss(model, x).backward()
+        grads = [weakref.ref(p.grad) for p in model.parameters()]
+        for p in model.parameters():
+            p.grad = None  # freed by its owner after the hook
+        gc.collect()
+        alive = sum(g() is not None for g in grads)
+        assert alive == (len(grads) if kept_until_step else 0), (main_grad, alive)
+        if kept_until_step:
+            for p in model.parameters():
+                p.grad = torch.zeros_like(p)
+            optimizer.step()  # the pre-step releases what the hooks held
+            gc.collect()
+            assert all(g() is None for g in grads)
+        mon.stop()
