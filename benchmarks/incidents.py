@@ -41,6 +41,7 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
+from blocks import RECOMMENDED_RULES  # noqa: E402
 from faults import FAULTS, ONE_RANK_FAULTS, Case, run_case  # noqa: E402
 
 from monitor.anomaly import incident_files  # noqa: E402
@@ -59,13 +60,7 @@ RULE_SETS = {
     "recommended": {
         **DATA,
         "alert": {
-            "rules": [
-                {"rule_name": "AnomalyNan"},
-                {
-                    "rule_name": "AnomalyZScore",
-                    "args": {"threshold": 6.0, "warmup": 10, "min_ratio": 4.0, "ops": ["norm"]},
-                },
-            ],
+            "rules": RECOMMENDED_RULES,
             "dump": True,
         },
     },

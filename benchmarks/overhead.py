@@ -46,15 +46,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from blocks import RECOMMENDED_RULES  # noqa: E402
+
 OPS = ["min", "max", "norm", "zeros", "nans", "mean"]
-#: the alert rules of config_templates/everything_alerts.yaml
-RULES = [
-    {"rule_name": "AnomalyNan"},
-    {
-        "rule_name": "AnomalyZScore",
-        "args": {"threshold": 6.0, "warmup": 10, "min_ratio": 4.0, "ops": ["norm"]},
-    },
-]
 EVERYTHING = {
     "wg_distribution": True,
     "mv_distribution": True,
@@ -62,7 +56,7 @@ EVERYTHING = {
     "mg_direction": True,
     "xy_distribution": True,
     "all_xy": True,
-    "alert": {"rules": RULES, "dump": True},
+    "alert": {"rules": RECOMMENDED_RULES, "dump": True},
 }
 #: name -> (config keys on top of {"targets": {}, "ops": OPS}, ranks)
 SCENARIOS: dict[str, tuple[dict, int]] = {

@@ -1,9 +1,8 @@
 """Step-time overhead of the monitor on MindSpore (PyNative, CPU), beside benchmarks/overhead.py.
 
 A net of 6 ``Dense(512, 512)`` + ReLU layers, batch 64, ``nn.Adam``, one thread. Each scenario
-runs in its own process, in blocks of steps that alternate unmonitored (A) and monitored (B),
-A B B A ...; a block's cost is its process CPU time per step (the writer thread included, the
-monitored block's ``flush()`` too). The ratio is the median over pairs of B / A.
+runs in its own process, in alternating unmonitored and monitored blocks (benchmarks/blocks.py);
+the ratio is the median over pairs of monitored / unmonitored CPU time per step.
 
 Scenarios: ``wg``, ``mv``, ``param``, ``xy`` (with all_xy), ``all`` (all of them with the six
 ops and the alert rules with the anomaly dump), and ``uncollected`` (everything on, but
@@ -19,25 +18,18 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from blocks import RECOMMENDED_RULES, alternate, files_written, pairs_of, run_worker  # noqa: E402
+
 FOUR_OPS = ["min", "max", "norm", "mean"]
 SIX_OPS = ["min", "max", "norm", "mean", "zeros", "nans"]
-RULES = [
-    {"rule_name": "AnomalyNan"},
-    {
-        "rule_name": "AnomalyZScore",
-        "args": {"threshold": 6.0, "warmup": 10, "min_ratio": 4.0, "ops": ["norm"]},
-    },
-]
 EVERYTHING = {
     "wg_distribution": True,
     "mv_distribution": True,
@@ -45,7 +37,7 @@ EVERYTHING = {
     "xy_distribution": True,
     "all_xy": True,
     "ops": SIX_OPS,
-    "alert": {"rules": RULES, "dump": True},
+    "alert": {"rules": RECOMMENDED_RULES, "dump": True},
 }
 SCENARIOS = {
     "wg": {"wg_distribution": True},
@@ -89,52 +81,22 @@ def _work(scenario: str, width: int, pairs: int, steps: int) -> dict:
         optimizer(grads)
         loss.asnumpy()  # the step is done (PyNative may run asynchronously)
 
-    mon = None
-    blocks = []
-    for pair in range(pairs):
-        for monitored in (False, True) if pair % 2 == 0 else (True, False):
-            if monitored:
-                if mon is None:
-                    mon = TrainerMon({"targets": {}, "ops": FOUR_OPS, **SCENARIOS[scenario]})
-                    mon.set_monitor(net, grad_acc_steps=1, optimizer=optimizer)
-                else:
-                    mon.start()
-            step()  # untimed
-            cpu = time.process_time()
-            for _ in range(steps):
-                step()
-            if monitored:
-                mon.flush()
-                mon.stop()
-            blocks.append({"monitored": monitored, "cpu": (time.process_time() - cpu) / steps})
-    files = sum(len(names) for _, _, names in os.walk(mon.output_dir)) if mon else 0
-    return {"blocks": blocks, "files": files}
+    def attach() -> TrainerMon:
+        mon = TrainerMon({"targets": {}, "ops": FOUR_OPS, **SCENARIOS[scenario]})
+        mon.set_monitor(net, grad_acc_steps=1, optimizer=optimizer)
+        return mon
+
+    blocks, mon = alternate(step, attach, pairs, steps)
+    return {"blocks": blocks, "files": files_written(mon)}
 
 
 def measure(scenario: str, width: int, pairs: int, steps: int, out_root: str) -> dict:
-    command = [
-        sys.executable, __file__, "--worker", scenario, "--width", str(width),
-        "--pairs", str(pairs), "--steps", str(steps),
-    ]  # fmt: skip
-    env = {
-        **os.environ,
-        "MONITOR_OUTPUT_DIR": os.path.join(out_root, scenario),
-        "OMP_NUM_THREADS": "1",
-        "GLOG_v": "3",
-    }
-    done = subprocess.run(command, env=env, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"{scenario}: exit {done.returncode}\n{done.stderr[-4000:]}")
-    errors = [line for line in done.stderr.splitlines() if line.startswith(("[trainmon] ERROR", "Traceback"))]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
-    if errors or (not result["files"] and scenario != "uncollected"):
-        raise RuntimeError(f"{scenario}: the monitor reported errors or wrote nothing:\n{errors[:5]}")
-    blocks = result["blocks"]
-    ratios, plains = [], []
-    for first, second in zip(blocks[0::2], blocks[1::2]):
-        plain, watched = (second, first) if first["monitored"] else (first, second)
-        ratios.append(watched["cpu"] / plain["cpu"])
-        plains.append(plain["cpu"])
+    arguments = ["--worker", scenario, "--width", str(width), "--pairs", str(pairs), "--steps", str(steps)]
+    result = run_worker(__file__, arguments, os.path.join(out_root, scenario), scenario)
+    if not result["files"] and scenario != "uncollected":  # a part that switched itself off looks cheap
+        raise RuntimeError(f"{scenario}: nothing written")
+    ratios = [watched / plain for plain, watched in pairs_of(result["blocks"])]
+    plains = [plain for plain, _ in pairs_of(result["blocks"])]
     return {
         "scenario": scenario,
         "ratio": statistics.median(ratios),

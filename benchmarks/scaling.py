@@ -5,13 +5,9 @@ tensors of 256 or 16 elements), trained with AdamW (foreach) on one thread: a mo
 per-tensor work, not the arithmetic, is the cost, as in a mixture-of-experts model with
 thousands of expert tensors.
 
-Each (tensor count, scenario) runs in its own process: one model and optimizer train in blocks
-of steps that alternate unmonitored (A) and monitored (B), A B B A A B ..., each block after an
-untimed warm-up step. A block's cost is its process CPU time (every thread: the background
-writer is counted) over its timed steps, the monitored block's ``flush()`` included, so work
-left to the writer is not hidden. Per pair of neighbouring blocks the extra CPU time per step
-is B - A; the median over pairs, divided by N, is the cost per tensor. Neighbouring blocks
-cancel the slow load drift of a shared machine.
+Each (tensor count, scenario) runs in its own process, in alternating unmonitored and monitored
+blocks (benchmarks/blocks.py); per pair of neighbouring blocks the extra CPU time per step is
+B - A, and the median over pairs, divided by N, is the cost per tensor.
 
 Scenarios: ``wg`` (weight gradients before and after reduction), ``wg+mv+param`` (also Adam's
 moments and the parameters before and after the step), ``all`` (everything the 6.9M benchmark
@@ -29,24 +25,17 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from blocks import RECOMMENDED_RULES, alternate, files_written, pairs_of, run_worker  # noqa: E402
+
 OPS = ["min", "max", "norm", "mean"]
-RULES = [
-    {"rule_name": "AnomalyNan"},
-    {
-        "rule_name": "AnomalyZScore",
-        "args": {"threshold": 6.0, "warmup": 10, "min_ratio": 4.0, "ops": ["norm"]},
-    },
-]
 SCENARIOS = {
     "wg": {"wg_distribution": True},
     "wg+mv+param": {"wg_distribution": True, "mv_distribution": True, "param_distribution": True},
@@ -57,7 +46,7 @@ SCENARIOS = {
         "mg_direction": True,
         "xy_distribution": True,
         "all_xy": True,
-        "alert": {"rules": RULES, "dump": True},
+        "alert": {"rules": RECOMMENDED_RULES, "dump": True},
     },
 }
 #: extra CPU time per tensor (us) at 8,000 tensors, and the most the cost per tensor may grow
@@ -93,53 +82,24 @@ def _work(count: int, scenario: str, pairs: int, steps: int) -> dict:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    mon = None
-    blocks = []
-    started = time.perf_counter()
-    for pair in range(pairs):
-        for monitored in (False, True) if pair % 2 == 0 else (True, False):
-            if monitored:
-                if mon is None:
-                    mon = TrainerMon({"targets": {}, "ops": OPS, **SCENARIOS[scenario]})
-                    mon.set_monitor(model, grad_acc_steps=1, optimizer=optimizer)
-                else:
-                    mon.start()
-            step()  # untimed: the first collected step builds row tables and opens files
-            cpu = time.process_time()
-            for _ in range(steps):
-                step()
-            if monitored:
-                mon.flush()
-                mon.stop()
-            blocks.append({"monitored": monitored, "cpu": (time.process_time() - cpu) / steps})
-    files = sum(len(names) for _, _, names in os.walk(mon.output_dir)) if mon else 0
-    return {"blocks": blocks, "files": files, "seconds": time.perf_counter() - started}
+    def attach() -> TrainerMon:
+        mon = TrainerMon({"targets": {}, "ops": OPS, **SCENARIOS[scenario]})
+        mon.set_monitor(model, grad_acc_steps=1, optimizer=optimizer)
+        return mon
+
+    blocks, mon = alternate(step, attach, pairs, steps)
+    return {"blocks": blocks, "files": files_written(mon)}
 
 
 def measure(count: int, scenario: str, pairs: int, steps: int, out_root: str) -> dict:
     """One (tensor count, scenario) in a fresh process: per-step CPU times and the cost per tensor."""
-    command = [
-        sys.executable, __file__, "--worker", f"{count}:{scenario}",
-        "--pairs", str(pairs), "--steps", str(steps),
-    ]  # fmt: skip
-    env = {
-        **os.environ,
-        "MONITOR_OUTPUT_DIR": os.path.join(out_root, f"{count}-{scenario}"),
-        "OMP_NUM_THREADS": "1",
-    }
-    done = subprocess.run(command, env=env, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"{count} tensors, {scenario}: exit {done.returncode}\n{done.stderr[-4000:]}")
-    errors = [line for line in done.stderr.splitlines() if line.startswith(("[trainmon] ERROR", "Traceback"))]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
-    if errors or not result["files"]:  # a part that switched itself off would look cheap
-        raise RuntimeError(f"{count} tensors, {scenario}: errors or nothing written:\n{errors[:5]}")
-    blocks = result["blocks"]
-    extras, plains = [], []
-    for first, second in zip(blocks[0::2], blocks[1::2]):
-        plain, watched = (second, first) if first["monitored"] else (first, second)
-        extras.append(watched["cpu"] - plain["cpu"])
-        plains.append(plain["cpu"])
+    what = f"{count} tensors, {scenario}"
+    arguments = ["--worker", f"{count}:{scenario}", "--pairs", str(pairs), "--steps", str(steps)]
+    result = run_worker(__file__, arguments, os.path.join(out_root, f"{count}-{scenario}"), what)
+    if not result["files"]:  # a part that switched itself off would look cheap
+        raise RuntimeError(f"{what}: nothing written")
+    plains = [plain for plain, _ in pairs_of(result["blocks"])]
+    extras = [watched - plain for plain, watched in pairs_of(result["blocks"])]
     extra = statistics.median(extras)
     return {
         "count": count,

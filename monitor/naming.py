@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 from collections import Counter
 from collections.abc import Hashable, Iterable, Sequence
+from typing import Any
 
 #: separator between the virtual-pipeline chunk index and a name, as in "0:layers.0.fc1".
 CHUNK_SEP = ":"
@@ -163,6 +164,18 @@ def select_names(
         chosen.append((position, vpp, raw))
     names = distinct_names([(vpp, raw) for _, vpp, raw in chosen], squash)
     return [(position, name) for (position, _, _), name in zip(chosen, names)]
+
+
+def select_objects(
+    found: Sequence[tuple[int, str, Any]], targets: Iterable[str], squash: bool
+) -> list[tuple[int, str, str, Any]]:
+    """The monitored ones among ``(vpp_stage, raw_name, object)`` triples (a framework's named
+    parameters), as ``(vpp_stage, display_name, raw_name, object)`` in input order: selected by
+    ``targets``, names made distinct, an object shared by several chunks once (``select_names``)."""
+    chosen = select_names(
+        [(vpp, raw) for vpp, raw, _ in found], targets, squash, identities=[id(obj) for _, _, obj in found]
+    )
+    return [(found[i][0], name, found[i][1], found[i][2]) for i, name in chosen]
 
 
 def distinct_names(named: Sequence[tuple[int, str]], squash: bool) -> list[str]:

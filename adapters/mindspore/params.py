@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import mindspore as ms
 
 from monitor.config import MonitorConfig
-from monitor.naming import select_names
+from monitor.naming import select_objects
 
 
 @dataclass(frozen=True)
@@ -38,14 +38,8 @@ class ParamRegistry:
             for raw, param in chunk.parameters_and_names()
             if param.requires_grad
         ]
-        chosen = select_names(
-            [(vpp, raw) for vpp, raw, _ in trainable],
-            config.targets,
-            config.squash_name,
-            identities=[id(param) for _, _, param in trainable],
-        )
         self.params = [
-            MonitoredParam(trainable[i][0], name, trainable[i][1], trainable[i][2]) for i, name in chosen
+            MonitoredParam(*found) for found in select_objects(trainable, config.targets, config.squash_name)
         ]
 
     def __len__(self) -> int:

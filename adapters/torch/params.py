@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from monitor.config import MonitorConfig
-from monitor.naming import select_names
+from monitor.naming import select_objects
 from monitor.record import RowSet
 
 logger = logging.getLogger("trainmon")
@@ -43,14 +43,8 @@ class ParamRegistry:
             if param.requires_grad
         ]
         # a parameter shared by several chunks is registered once, in the first
-        chosen = select_names(
-            [(vpp, raw) for vpp, raw, _ in trainable],
-            config.targets,
-            config.squash_name,
-            identities=[id(param) for _, _, param in trainable],
-        )
-        self.params: list[MonitoredParam] = [
-            MonitoredParam(trainable[i][0], name, trainable[i][1], trainable[i][2]) for i, name in chosen
+        self.params = [
+            MonitoredParam(*found) for found in select_objects(trainable, config.targets, config.squash_name)
         ]
         self._warned_main_grad = False
 
