@@ -1,4 +1,4 @@
-"""False-positive rates of the anomaly rules on stationary noise (the figures in rules.py / README).
+"""False-positive rates of the anomaly rules on stationary noise (the figures in rules.py).
 
 Feeds TAGS x STEPS values of i.i.d. noise through each rule (vectorised over tags, as the detector
 does) and prints, per rule configuration and noise, flagged / judged values (a value is judged

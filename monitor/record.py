@@ -90,7 +90,7 @@ class StepRecord:
         ops: statistic names, the columns of ``values``.
         rows: row labels.
         values: float64 array (len(rows), len(ops)); NaN/Inf kept as computed.
-        call_ids: order of collection within the step on this rank, one per row (see README).
+        call_ids: order of collection within the step on this rank, one per row (see docs/configuration.md).
         fetch: optional callable that returns ``values`` when the device-to-host copy was started
             asynchronously; the writer thread calls it, the training thread never waits on it.
     """

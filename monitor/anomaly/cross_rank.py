@@ -7,7 +7,7 @@ detected anomalies, and writes ``OUT/cross_rank_outliers.json`` atomically.
 
 Only like is compared with like. By default only ``grad_unreduced``: every data-parallel rank's own
 gradient of the same parameter, from different data but the same distribution. ``--types`` picks
-others (the README says which are comparable); ``--ranks`` restricts the comparison to the ranks of
+others (docs/anomalies.md says which are comparable); ``--ranks`` restricts the comparison to the ranks of
 one data-parallel group when tensor parallelism gives other ranks other shards of the same name.
 ``--ops`` defaults to the statistics with a steady magnitude (not mean: see peers). The JSON holds
 at most MAX_RECORDS outliers (earliest first) and counts per rank; each outlier has its value, the

@@ -21,7 +21,7 @@ tensor are compared. Rank i's value x_i is measured against the median of the OT
 A rank is flagged when |x_i - m_i| > k_mad * scale, or when its value is NaN/Inf while at least
 MIN_RANKS ranks hold finite values. Fewer than MIN_RANKS (3) finite values: no verdict (of two
 ranks neither can be told to be the odd one). False-positive rates on noise: see
-benchmarks/cross_rank.py and the README.
+benchmarks/cross_rank.py and docs/anomalies.md.
 
 Everything is vectorised with numpy over blocks of (tensor x step) rows x ranks, bounded in memory.
 """
