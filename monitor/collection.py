@@ -149,7 +149,11 @@ class BaseCollection(ABC):
         rows = self._same_rows["grad_unreduced"].get(
             (index, micro), lambda: unreduced_rows(base, index, micro, self.rank)
         )
-        self._submit("grad_unreduced", rows, matrix)
+        self._submit("grad_unreduced", rows, *self._unreduced_columns(index, matrix))
+
+    def _unreduced_columns(self, index: list[int], matrix: Any) -> tuple[Any, tuple[str, ...] | None]:
+        """The unreduced rows' statistics and ops: as measured, unless an adapter measured pieces."""
+        return matrix, None
 
     def _report_micro_batches(self, micro_batches: int, missing: int) -> None:
         """Say once when a step had another number of micro-batches than ``grad_acc_steps`` (a

@@ -289,6 +289,18 @@ class Collection(BaseCollection):
         extra = torch.stack([counts, (counts < whole).to(torch.float64)], dim=1).to(pieces.device)
         self._submit(prefix, rows.take(present), torch.cat([pieces, extra], dim=1), ops)
 
+    def _unreduced_columns(self, index: list[int], matrix: torch.Tensor) -> tuple[torch.Tensor, tuple | None]:
+        """Gradients that are DTensors (tensor parallelism) are measured on this rank's piece:
+        their rows get the piece's element count and whether it is part of the tensor."""
+        pieces = getattr(self.grads, "pieces", None)  # Megatron's bucket source has none
+        if not pieces:
+            return matrix, None
+        numels = [pieces.get(i, (0, 0)) for i in index]
+        extra = torch.tensor(
+            [(local, float(local < whole)) for local, whole in numels], dtype=torch.float64
+        ).reshape(-1, 2)
+        return torch.cat([matrix, extra.to(matrix.device)], dim=1), (*self.ops, *SHARD_COLUMNS)
+
     def _submit_update_histograms(self) -> None:
         found = update_histograms(self.backend.optimizer, [e.param for e in self.registry.params])
         if found is None:

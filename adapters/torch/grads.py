@@ -25,6 +25,7 @@ preallocated buffer: a hook allocates nothing per parameter.
 
 from __future__ import annotations
 
+import functools
 import logging
 import weakref
 from collections.abc import Callable, Sequence
@@ -36,6 +37,16 @@ from adapters.torch.params import ParamRegistry
 from adapters.torch.stats import RowBuffer, stack_rows, tensor_stats
 
 logger = logging.getLogger("trainmon")
+
+
+@functools.cache
+def dtensor_type() -> type | tuple:
+    """torch's DTensor class (an empty tuple, matching nothing, where torch has no distributed)."""
+    if not torch.distributed.is_available():
+        return ()
+    from torch.distributed.tensor import DTensor
+
+    return DTensor
 
 
 class UnreducedGrads:
@@ -84,6 +95,9 @@ class UnreducedGrads:
         self.counted: tuple[int, int] = (0, 0)
         #: after take(): the statistics it returned (``measured_row`` indexes them).
         self.taken_matrix: torch.Tensor | None = None
+        #: parameters whose gradient is a DTensor (tensor parallelism): (elements of this
+        #: rank's piece, elements of the tensor); their rows describe the piece.
+        self.pieces: dict[int, tuple[int, int]] = {}
 
     @property
     def task(self) -> str:
@@ -107,7 +121,7 @@ class UnreducedGrads:
             try:
                 count = self._micro[index] + 1
                 self._micro[index] = count
-                grad = self.registry.grad(param)
+                grad = self.accumulated(param)
                 if grad is None:
                     return
                 if count < self.grad_acc_steps and not (self._every_micro_batch or self._last_micro_batch()):
@@ -122,8 +136,20 @@ class UnreducedGrads:
 
         return hook
 
+    def accumulated(self, param: torch.Tensor) -> torch.Tensor | None:
+        """The gradient accumulated so far in this step, as the hook on ``param`` sees it."""
+        return self.registry.grad(param)
+
+    def _local(self, index: int, grad: torch.Tensor) -> torch.Tensor:
+        """The gradient itself, or this rank's piece of a DTensor gradient (noted in ``pieces``)."""
+        if not isinstance(grad, dtensor_type()):
+            return grad
+        local = grad.to_local()
+        self.pieces[index] = (local.numel(), grad.numel())
+        return local
+
     def _measure(self, index: int, grad: torch.Tensor) -> None:
-        self._rows.put(index, grad)  # a repeat keeps the latest, in firing order
+        self._rows.put(index, self._local(index, grad))  # a repeat keeps the latest, in firing order
         if self.keep_measured:
             self._held[index] = grad
             self._versions[index] = grad._version
@@ -150,7 +176,8 @@ class UnreducedGrads:
             try:
                 micro = self._micro[index]
                 self._micro[index] = micro + 1
-                self._micro_rows[(index, micro)] = tensor_stats(grad.detach(), self.ops, self.eps)
+                local = self._local(index, grad.detach())
+                self._micro_rows[(index, micro)] = tensor_stats(local, self.ops, self.eps)
             except Exception as exc:
                 self.collect = False
                 self.on_error("grad_unreduced", exc)
@@ -218,8 +245,16 @@ def unreduced_source(
     """The one source of grad_unreduced (never two: msprobe 1.2.2 could install both under Megatron).
 
     Megatron DistributedDataParallel chunks: their bucket reductions (adapters.torch.megatron_grads),
-    unless per-micro-batch gradients are asked for; every other model: per-parameter hooks.
+    unless per-micro-batch gradients are asked for; FSDP2 models: hooks on the unsharded
+    parameters (adapters.torch.fsdp); every other model: per-parameter hooks.
     """
+    from adapters.torch.fsdp import UnshardedGrads, fsdp2_modules
+
+    fsdp_modules = fsdp2_modules(chunks)
+    if fsdp_modules:
+        return UnshardedGrads(
+            fsdp_modules, registry, grad_acc_steps, ops, eps, per_micro_batch, on_error, last_micro_batch
+        )
     if not per_micro_batch and any(type(c).__module__.startswith("megatron.") for c in chunks):
         from adapters.torch.megatron_grads import BucketGrads, bucket_groups
 

@@ -151,7 +151,8 @@ BACKEND_MODULES = {"megatron": "adapters.torch.megatron", "deepspeed": "adapters
 
 
 def optimizer_backend(optimizer: Any) -> TorchBackend:
-    """The back-end registered for a class name in the optimizer's wrapper chain, else the generic one.
+    """The back-end registered for a class name in the optimizer's wrapper chain, else the DTensor
+    one where parameters are DTensors (FSDP2, tensor parallelism), else the generic one.
 
     Once the application has imported DeepSpeed, a torch optimizer inside a DeepSpeed wrapper
     (``engine.optimizer.optimizer``) stands for that wrapper.
@@ -168,4 +169,10 @@ def optimizer_backend(optimizer: Any) -> TorchBackend:
             backend = BACKENDS.get(cls.__name__)
             if backend is not None:
                 return backend(current)
-    return TorchBackend(optimizer)
+    backend = TorchBackend(optimizer)
+    if torch.distributed.is_available():
+        from adapters.torch.dtensor import DTensorBackend, optimizer_has_dtensors
+
+        if optimizer_has_dtensors(backend.optimizer):
+            return DTensorBackend(optimizer)
+    return backend

@@ -3,7 +3,8 @@
 Every op merges from per-piece values and counts: norm from sums of squares, min of mins, max of
 maxes, mean and zeros weighted by counts, nans summed. ``shard_reduce`` packs a data type's
 statistics and counts into one tensor and all-gathers it over the shard group (one collective per
-data type per collected step), so every rank can write whole-tensor values.
+data type per collected step; one per mesh dimension for DTensors), so every rank can write
+whole-tensor values.
 """
 
 from __future__ import annotations
@@ -51,16 +52,32 @@ def _masked(reduce: Any, column: np.ndarray, present: np.ndarray, raw: np.ndarra
 
 
 def shard_reduce(matrix: torch.Tensor, counts: torch.Tensor, ops: Sequence[str], group: Any) -> np.ndarray:
-    """Whole-tensor statistics from every rank's pieces: one all_gather over ``group``.
+    """Whole-tensor statistics from every rank's pieces: one all_gather per group.
 
     Args:
         matrix: (rows, ops) float64 statistics of this rank's pieces (NaN rows where it holds none).
         counts: (rows,) element counts of this rank's pieces (0 where it holds none).
-        group: the process group whose ranks hold the pieces.
+        group: the process group whose ranks hold the pieces, or a tuple of groups (the
+            dimensions of a device mesh), merged one after the other.
 
     Returns:
         (rows, ops + 2) float64: merged values, the total element count, and 0 (not partial).
     """
+    values = matrix
+    for one in group if isinstance(group, tuple) else (group,):
+        merged, total = _gather_merge(values, counts, ops, one)
+        values = torch.from_numpy(merged).to(matrix.device)
+        counts = torch.from_numpy(total).to(matrix.device)
+    host_counts = counts.cpu().numpy()
+    return np.concatenate(
+        [values.cpu().numpy(), host_counts[:, None], np.zeros((len(host_counts), 1))], axis=1
+    )
+
+
+def _gather_merge(
+    matrix: torch.Tensor, counts: torch.Tensor, ops: Sequence[str], group: Any
+) -> tuple[np.ndarray, np.ndarray]:
+    """Merged values and total counts of the pieces held by ``group``'s ranks."""
     packed = torch.cat([matrix, counts.to(matrix.dtype).unsqueeze(1)], dim=1).contiguous()
     world = dist.get_world_size(group)
     # the concatenated output form: gloo accepts only this one (NCCL accepts both)
@@ -68,6 +85,4 @@ def shard_reduce(matrix: torch.Tensor, counts: torch.Tensor, ops: Sequence[str],
     gathered = torch.empty((world * rows, columns), dtype=packed.dtype, device=packed.device)
     dist.all_gather_into_tensor(gathered, packed, group=group)
     host = gathered.cpu().numpy().reshape(world, *packed.shape)
-    merged = merge_pieces(host[:, :, :-1], host[:, :, -1], ops)
-    total = host[:, :, -1].sum(axis=0)
-    return np.concatenate([merged, total[:, None], np.zeros((len(total), 1))], axis=1)
+    return merge_pieces(host[:, :, :-1], host[:, :, -1], ops), host[:, :, -1].sum(axis=0)

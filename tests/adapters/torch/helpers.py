@@ -4,11 +4,20 @@ from __future__ import annotations
 
 import itertools
 
+import numpy as np
 import torch
 
 from tests.reference_stats import ALL_OPS, assert_stats_close, numpy_stats
 
-__all__ = ["ALL_OPS", "MLP", "assert_stats_close", "make_batches", "numpy_stats"]
+__all__ = [
+    "ALL_OPS",
+    "MLP",
+    "assert_stats_close",
+    "latest_rows",
+    "make_batches",
+    "merge_piece_rows",
+    "numpy_stats",
+]
 
 
 class MLP(torch.nn.Module):
@@ -30,3 +39,24 @@ class MLP(torch.nn.Module):
 def make_batches(steps: int, micro: int, seed: int = 1, features: int = 6, batch: int = 5):
     generator = torch.Generator().manual_seed(seed)
     return [[torch.randn(batch, features, generator=generator) for _ in range(micro)] for _ in range(steps)]
+
+
+def latest_rows(got: dict, prefix: str) -> dict[str, dict[str, float]]:
+    """{parameter name[:micro-step]: row} of a monitor's latest record of ``prefix``, given as
+    ``{prefix: {tag: row}}``."""
+    return {tag.split("/")[0].split(":", 1)[1]: row for tag, row in got[prefix].items()}
+
+
+def merge_piece_rows(rows: list[dict[str, float]]) -> dict[str, float]:
+    """The whole tensor's statistics from pieces written with their element counts (numpy)."""
+    n = np.array([r["numel"] for r in rows])
+    column = {op: np.array([r[op] for r in rows]) for op in ALL_OPS}
+    return {
+        "min": column["min"].min(),
+        "max": column["max"].max(),
+        "norm": np.sqrt((column["norm"] ** 2).sum()),
+        "mean": (column["mean"] * n).sum() / n.sum(),
+        "zeros": (column["zeros"] * n).sum() / n.sum(),
+        "nans": column["nans"].sum(),
+        "numel": n.sum(),
+    }

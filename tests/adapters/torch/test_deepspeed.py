@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from tests.adapters.torch.distributed import run_ranks, save_result
-from tests.adapters.torch.helpers import ALL_OPS, MLP, assert_stats_close
+from tests.adapters.torch.helpers import ALL_OPS, MLP, assert_stats_close, latest_rows, merge_piece_rows
 
 if importlib.util.find_spec("deepspeed") is None:  # not imported here: the test process stays DeepSpeed-free
     pytest.skip("deepspeed is not installed (pip install trainmon[deepspeed])", allow_module_level=True)
@@ -228,26 +228,6 @@ def _worker(rank: int, world_size: int, workdir: str, cases: list) -> None:
 # -- the checks ------------------------------------------------------------------------------
 
 
-def _rows(got: dict, prefix: str) -> dict[str, dict[str, float]]:
-    """{parameter name: row} of one rank's latest record of ``prefix``."""
-    return {tag.split("/")[0].split(":", 1)[1]: row for tag, row in got[prefix].items()}
-
-
-def _merge(rows: list[dict[str, float]]) -> dict[str, float]:
-    """The whole tensor's statistics from pieces written with their element counts."""
-    n = np.array([r["numel"] for r in rows])
-    column = {op: np.array([r[op] for r in rows]) for op in ALL_OPS}
-    return {
-        "min": column["min"].min(),
-        "max": column["max"].max(),
-        "norm": np.sqrt((column["norm"] ** 2).sum()),
-        "mean": (column["mean"] * n).sum() / n.sum(),
-        "zeros": (column["zeros"] * n).sum() / n.sum(),
-        "nans": column["nans"].sum(),
-        "numel": n.sum(),
-    }
-
-
 def _check_case(key: str, per_rank: list[dict], sharded: bool) -> None:
     for result in per_rank:
         assert result["identical"], f"{key}: training changed by the monitors"
@@ -256,10 +236,10 @@ def _check_case(key: str, per_rank: list[dict], sharded: bool) -> None:
         ref = per_rank[0]["steps"][step]["ref"]
         names = list(ref["param_origin"])
         for prefix in PREFIXES:
-            pieces = [_rows(r["steps"][step]["got"]["pieces"], prefix) for r in per_rank]
+            pieces = [latest_rows(r["steps"][step]["got"]["pieces"], prefix) for r in per_rank]
             for rank, result in enumerate(per_rank):
                 got = result["steps"][step]["got"]
-                merged, targets = _rows(got["merged"], prefix), _rows(got["targets"], prefix)
+                merged, targets = latest_rows(got["merged"], prefix), latest_rows(got["targets"], prefix)
                 what = f"{key} step {step} rank {rank} {prefix}"
                 selected = {name for name in TARGETS if name in pieces[rank]}  # held on this rank
                 assert set(targets) == selected, f"{what}: targets rows {sorted(targets)}"
@@ -292,7 +272,7 @@ def _check_case(key: str, per_rank: list[dict], sharded: bool) -> None:
                 else:
                     size = len(ref["param_origin"][name])
                     assert all(r["partial"] == (r["numel"] < size) for r in rows), f"{what}: {rows}"
-                whole = _merge(rows) if sharded else rows[0]
+                whole = merge_piece_rows(rows) if sharded else rows[0]
                 if prefix == "other":
                     want = ref["other"][name]
                     if sharded:

@@ -1,0 +1,150 @@
+"""FSDP2's unreduced gradients: each rank's own gradient of the whole parameter.
+
+FSDP2 (``fully_shard``) hands the optimizer sharded DTensor parameters whose gradient is already
+reduce-scattered and averaged; a hook on them sees the reduced shard. During forward, though,
+FSDP2 puts a plain unsharded parameter on each module (the same object every step), and autograd
+accumulates this rank's local gradient of the whole tensor into it before FSDP2 reduces it. A
+forward pre-hook on each FSDP2 module (running after FSDP2's own, which all-gathers) finds those
+parameters once and hooks them with the usual per-parameter hooks; only public module and
+tensor hooks are used for that.
+
+One detail has no public seam: with a ``reduce_dtype`` other than the parameters' dtype (mixed
+precision) and ``set_requires_gradient_sync(False)``, FSDP2 moves the gradients of the skipped
+micro-batches into its own fp32 accumulator, so the unsharded parameter's ``.grad`` holds only
+the last micro-batch's. That accumulator is read through FSDP2's private state
+(``_accumulated_by_fsdp``), checked once; where it is missing, a warning says that such rows
+are the last micro-batch's gradient.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from adapters.torch.grads import UnreducedGrads
+from adapters.torch.params import ParamRegistry
+
+logger = logging.getLogger("trainmon")
+
+
+def fsdp2_modules(chunks: Sequence[torch.nn.Module]) -> list[tuple[int, str, torch.nn.Module]]:
+    """``(vpp_stage, qualified name, module)`` of every FSDP2 module of the chunks (none without FSDP2)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch built without distributed support
+        return []
+    return [
+        (vpp, name, module)
+        for vpp, chunk in enumerate(chunks)
+        for name, module in chunk.named_modules()
+        if isinstance(module, FSDPModule)
+    ]
+
+
+def _accumulated_by_fsdp(module: torch.nn.Module) -> dict[int, Any]:
+    """id(unsharded parameter) -> FSDP2's record of it, holding ``unsharded_accumulated_grad``
+    (private state of torch 2.4 to 2.13); raises AttributeError where torch changed it."""
+    group = module._get_fsdp_state()._fsdp_param_group
+    if group is None:  # a module without parameters of its own
+        return {}
+    return {id(p.unsharded_param): p for p in group.fsdp_params if hasattr(p, "_unsharded_param")}
+
+
+class _Removable:
+    """Removes the hooks put on unsharded parameters so far."""
+
+    def __init__(self, handles: list) -> None:
+        self.handles = handles
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+
+
+class UnshardedGrads(UnreducedGrads):
+    """UnreducedGrads whose hooks sit on FSDP2's unsharded parameters."""
+
+    def __init__(
+        self,
+        modules: list[tuple[int, str, torch.nn.Module]],
+        registry: ParamRegistry,
+        grad_acc_steps: int,
+        ops: tuple[str, ...],
+        eps: float,
+        per_micro_batch: bool,
+        on_error: Callable[[str, BaseException], None],
+        last_micro_batch: Callable[[], bool] | None = None,
+    ) -> None:
+        super().__init__(registry, grad_acc_steps, ops, eps, per_micro_batch, on_error, last_micro_batch)
+        self._modules = modules
+        self._index = {(p.vpp_stage, p.raw_name): i for i, p in enumerate(registry.params)}
+        #: id(unsharded parameter) -> (the parameter, FSDP2's record of it or None)
+        self._hooked: dict[int, tuple[torch.Tensor, Any]] = {}
+        self._param_handles = _Removable([])
+        self._private_state_missing = False
+
+    def register(self) -> list:
+        handles: list = [
+            module.register_forward_pre_hook(self._finder(vpp, name, module))
+            for vpp, name, module in self._modules
+        ]
+        return [*handles, self._param_handles]
+
+    def _finder(self, vpp: int, prefix: str, module: torch.nn.Module) -> Callable[..., None]:
+        def find_unsharded(mod: torch.nn.Module, args: Any) -> None:
+            if not self.collect:
+                return
+            try:
+                self._hook_unsharded(vpp, prefix, module)
+            except Exception as exc:
+                self.collect = False
+                self.on_error("grad_unreduced", exc)
+
+        return find_unsharded
+
+    def _hook_unsharded(self, vpp: int, prefix: str, module: torch.nn.Module) -> None:
+        """Hook the unsharded monitored parameters the module holds now, once each (plain tensors,
+        or DTensors of the tensor-parallel mesh where FSDP2 runs over a 2-D mesh's dp dimension)."""
+        records = None
+        for name, param in module.named_parameters():
+            if id(param) in self._hooked:
+                continue
+            index = self._index.get((vpp, f"{prefix}.{name}" if prefix else name))
+            if index is None or param is self.registry.params[index].param:  # still the sharded one
+                continue
+            if records is None:
+                records = self._fsdp_records(module)
+            self._hooked[id(param)] = (param, records.get(id(param)))
+            if self.per_micro_batch:
+                self._param_handles.handles.append(param.register_hook(self._micro_batch_hook(index)))
+            else:
+                self._param_handles.handles.append(
+                    param.register_post_accumulate_grad_hook(self._accumulated_hook(index))
+                )
+
+    def _fsdp_records(self, module: torch.nn.Module) -> dict[int, Any]:
+        try:
+            return _accumulated_by_fsdp(module)
+        except AttributeError:
+            if not self._private_state_missing:
+                self._private_state_missing = True
+                logger.warning(
+                    "trainmon: grad_unreduced: this torch's FSDP2 keeps its gradient accumulator "
+                    "elsewhere; with mixed precision and set_requires_gradient_sync(False), rows are "
+                    "the last micro-batch's gradient, not the step's sum"
+                )
+            return {}
+
+    def accumulated(self, param: torch.Tensor) -> torch.Tensor | None:
+        """The parameter's ``.grad``, plus what FSDP2 accumulated in fp32 from micro-batches
+        without gradient sync."""
+        grad = param.grad
+        record = self._hooked.get(id(param), (None, None))[1]
+        pending = getattr(record, "unsharded_accumulated_grad", None)
+        if pending is None or grad is None:
+            return grad if pending is None else pending
+        return pending + grad.to(pending.dtype)

@@ -1,0 +1,212 @@
+"""FSDP2 (``fully_shard``) on two real gloo ranks: every statistic against an unsharded replica.
+
+The model has odd sizes, so that FSDP2's row-wise shards are uneven (a (15, 6) weight is cut
+8/7, a LayerNorm of 5 is cut 3/2). Each step has two micro-batches, the first without gradient
+sync. An unsharded replica on each rank is fed the same batches: its accumulated gradient is the
+unreduced reference, its ``all_reduce`` / world the reduced one, its own AdamW (given that
+reduced gradient) the parameters and moments. Three monitors run at once: whole values
+(``shard_reduce``), pieces with element counts (merged here with numpy), and one gradient row
+per micro-batch (``monitor_mbs_grad``). A second run without monitors must end with
+bit-identical parameters. Cases: fp32, and mixed precision (bf16 parameters, fp32 reduction).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.adapters.torch.distributed import run_ranks, save_result
+from tests.adapters.torch.helpers import ALL_OPS, MLP, assert_stats_close, latest_rows, merge_piece_rows
+from tests.reference_stats import sign_agreement
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+STEPS, MICRO, WORLD = 3, 2, 2
+SIZES = (6, 15, 12, 5)
+PREFIXES = (
+    "grad_reduced",
+    "param_origin",
+    "param_updated",
+    "exp_avg",
+    "exp_avg_sq",
+    "other",
+    "grad_unreduced",
+)
+CONFIG = {
+    "wg_distribution": True,
+    "mv_distribution": True,
+    "param_distribution": True,
+    "mg_direction": True,
+    "ops": ALL_OPS,
+    "format": "api",
+}
+
+
+def _sharded(precision: str):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    torch.manual_seed(0)
+    model = MLP(SIZES)
+    replica = copy.deepcopy(model)
+    options = {"mesh": init_device_mesh("cpu", (WORLD,))}
+    if precision == "bf16":
+        options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in model.layers:
+        fully_shard(layer, **options)
+    fully_shard(model, **options)
+    return model, replica
+
+
+def _optimizer(params) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=0.05, weight_decay=0.1)
+
+
+def _batch(rank: int, step: int, micro: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(1000 * step + 10 * micro + rank)
+    return torch.randn(4, SIZES[0], generator=generator)
+
+
+def _train_step(model, optimizer, rank: int, step: int) -> None:
+    for micro in range(MICRO):
+        model.set_requires_gradient_sync(micro == MICRO - 1)
+        model(_batch(rank, step, micro)).float().pow(2).mean().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def _local_grads(replica, precision: str, rank: int, step: int) -> tuple[list, list]:
+    """This rank's accumulated gradient of every parameter, and each micro-batch's, as FSDP2
+    computes them: in the forward dtype, summed in fp32."""
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    low = copy.deepcopy(replica).to(dtype)
+    total, per_micro = None, []
+    for micro in range(MICRO):
+        low.zero_grad()
+        low(_batch(rank, step, micro).to(dtype)).float().pow(2).mean().backward()
+        grads = [p.grad.float().clone() for p in low.parameters()]
+        per_micro.append(grads)
+        total = grads if total is None else [a + b for a, b in zip(total, grads)]
+    return total, per_micro
+
+
+def _flat(tensor: torch.Tensor) -> list[float]:
+    return tensor.detach().double().ravel().tolist()
+
+
+def _case(rank: int, precision: str) -> dict:
+    from monitor import TrainerMon
+
+    model, replica = _sharded(precision)
+    optimizer, replica_optimizer = _optimizer(model.parameters()), _optimizer(replica.parameters())
+    monitors = {
+        "merged": TrainerMon({**CONFIG, "shard_reduce": True}).set_monitor(model, 1, optimizer),
+        "pieces": TrainerMon(CONFIG).set_monitor(model, MICRO, optimizer),
+        "micro": TrainerMon({**CONFIG, "monitor_mbs_grad": True}).set_monitor(model, MICRO, optimizer),
+    }
+    backends = {key: type(mon._session.backend).__name__ for key, mon in monitors.items()}
+    names = [name for name, _ in replica.named_parameters()]
+    steps = []
+    for step in range(STEPS):
+        local, per_micro = _local_grads(replica, precision, rank, step)
+        reduced = [g.clone() for g in local]
+        for g in reduced:
+            dist.all_reduce(g)
+            g /= WORLD
+        ref = {
+            "grad_unreduced": {n: _flat(g) for n, g in zip(names, local)},
+            "micro": [{n: _flat(g) for n, g in zip(names, grads)} for grads in per_micro],
+            "grad_reduced": {n: _flat(g) for n, g in zip(names, reduced)},
+            "param_origin": {n: _flat(p) for n, p in zip(names, replica.parameters())},
+        }
+        ref["other"] = {}
+        for n, p, g in zip(names, replica.parameters(), reduced):
+            state = replica_optimizer.state.get(p)
+            ref["other"][n] = sign_agreement(g.numpy(), state["exp_avg"].numpy()) if state else 1.0
+        for p, g in zip(replica.parameters(), reduced):
+            p.grad = g
+        replica_optimizer.step()
+        ref["param_updated"] = {n: _flat(p) for n, p in zip(names, replica.parameters())}
+        for key in ("exp_avg", "exp_avg_sq"):
+            ref[key] = {
+                n: _flat(replica_optimizer.state[p][key]) for n, p in zip(names, replica.parameters())
+            }
+        _train_step(model, optimizer, rank, step)
+        got = {key: {prefix: mon._latest(prefix) for prefix in PREFIXES} for key, mon in monitors.items()}
+        steps.append({"ref": ref, "got": got})
+    trained = [p.to_local().detach().clone() for p in model.parameters()]
+    for mon in monitors.values():
+        mon.stop()
+    plain, _ = _sharded(precision)
+    plain_optimizer = _optimizer(plain.parameters())
+    for step in range(STEPS):
+        _train_step(plain, plain_optimizer, rank, step)
+    identical = all(torch.equal(a, p.to_local()) for a, p in zip(trained, plain.parameters()))
+    return {"steps": steps, "backends": backends, "identical": identical}
+
+
+def _worker(rank: int, world_size: int, workdir: str, cases: tuple) -> None:
+    save_result(workdir, rank, {precision: _case(rank, precision) for precision in cases})
+
+
+# -- the checks ------------------------------------------------------------------------------
+
+
+def _check_step(case: str, step: int, per_rank: list[dict]) -> None:
+    ref0 = per_rank[0]["steps"][step]["ref"]
+    names = list(ref0["param_origin"])
+    for prefix in PREFIXES:
+        what = f"{case} step {step} {prefix}"
+        if prefix == "grad_unreduced":  # each rank's own gradient of the whole tensor
+            for rank, result in enumerate(per_rank):
+                own, got = result["steps"][step]["ref"], result["steps"][step]["got"]
+                for key in ("merged", "pieces"):
+                    rows = latest_rows(got[key], prefix)
+                    assert set(rows) == set(names), f"{what} {key}: rows {sorted(rows)}"
+                    for name in names:
+                        assert_stats_close(
+                            rows[name], np.array(own[prefix][name]), what=f"{what} r{rank} {name}"
+                        )
+                micro_rows = latest_rows(got["micro"], prefix)
+                assert len(micro_rows) == MICRO * len(names), f"{what}: {sorted(micro_rows)}"
+                for micro, grads in enumerate(own["micro"]):
+                    for name in names:
+                        assert_stats_close(micro_rows[f"{name}:{micro}"], np.array(grads[name]), what=what)
+            continue
+        pieces = [latest_rows(r["steps"][step]["got"]["pieces"], prefix) for r in per_rank]
+        for name in names:
+            want = np.array(ref0[prefix][name])
+            for rank, result in enumerate(per_rank):
+                merged = latest_rows(result["steps"][step]["got"]["merged"], prefix)[name]
+                if prefix == "other":
+                    assert merged["mean"] == pytest.approx(ref0["other"][name], abs=1e-12), f"{what} {name}"
+                    continue
+                assert merged["numel"] == want.size and merged["partial"] == 0, f"{what} {name}"
+                assert_stats_close(merged, want, what=f"{what} r{rank} {name} merged")
+            rows = [p[name] for p in pieces if name in p]
+            assert len(rows) == WORLD, f"{what} {name}: pieces on {len(rows)} ranks"
+            assert all(r["partial"] == 1 for r in rows), f"{what} {name}: {rows}"
+            if prefix == "other":
+                n = np.array([r["numel"] for r in rows])
+                share = (np.array([r["mean"] for r in rows]) * n).sum() / n.sum()
+                assert share == pytest.approx(ref0["other"][name], abs=1e-12), f"{what} {name}"
+                continue
+            whole = merge_piece_rows(rows)
+            assert whole["numel"] == want.size, f"{what} {name}"
+            assert_stats_close(whole, want, what=f"{what} {name} pieces")
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_fsdp2_statistics_equal_an_unsharded_replica(tmp_path, precision):
+    per_rank = run_ranks(functools.partial(_worker, cases=(precision,)), WORLD, str(tmp_path))
+    results = [r[precision] for r in per_rank]
+    for result in results:
+        assert set(result["backends"].values()) == {"DTensorBackend"}, result["backends"]
+        assert result["identical"], f"{precision}: training changed by the monitors"
+    for step in range(STEPS):
+        _check_step(precision, step, results)
