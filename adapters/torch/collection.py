@@ -102,12 +102,13 @@ class Collection(BaseCollection):
             self.update_ratio = False
         elif config.ur_distribution and backend.sharded:
             logger.warning("trainmon: ur_distribution is not supported with sharded optimizers; it is off")
-        self.registry = ParamRegistry(chunks, config, main_grad)
+        self.registry = ParamRegistry(chunks, config, main_grad, backend.named_parameters)
         backend.prepare([entry.param for entry in self.registry.params], self.registry.grad)
         self.core = MonitorCore(config, rank, pp_stage, group_mates, output_dir=output_dir)
         if config.wg_distribution:  # UnreducedGrads, or BucketGrads for Megatron
             self.grads = unreduced_source(
                 chunks,
+                backend,
                 self.registry,
                 grad_acc_steps,
                 self.ops,

@@ -12,8 +12,8 @@ One detail has no public seam: with a ``reduce_dtype`` other than the parameters
 precision) and ``set_requires_gradient_sync(False)``, FSDP2 moves the gradients of the skipped
 micro-batches into its own fp32 accumulator, so the unsharded parameter's ``.grad`` holds only
 the last micro-batch's. That accumulator is read through FSDP2's private state
-(``_accumulated_by_fsdp``), checked once; where it is missing, a warning says that such rows
-are the last micro-batch's gradient.
+(adapters.torch.fsdp_internals); where it is missing, a warning says that such rows are the last
+micro-batch's gradient.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from adapters.torch.fsdp_internals import FsdpInternalsChanged, check_version, fsdp2_records
 from adapters.torch.grads import UnreducedGrads
 from adapters.torch.params import ParamRegistry
 
@@ -42,15 +43,6 @@ def fsdp2_modules(chunks: Sequence[torch.nn.Module]) -> list[tuple[int, str, tor
         for name, module in chunk.named_modules()
         if isinstance(module, FSDPModule)
     ]
-
-
-def _accumulated_by_fsdp(module: torch.nn.Module) -> dict[int, Any]:
-    """id(unsharded parameter) -> FSDP2's record of it, holding ``unsharded_accumulated_grad``
-    (private state of torch 2.4 to 2.13); raises AttributeError where torch changed it."""
-    group = module._get_fsdp_state()._fsdp_param_group
-    if group is None:  # a module without parameters of its own
-        return {}
-    return {id(p.unsharded_param): p for p in group.fsdp_params if hasattr(p, "_unsharded_param")}
 
 
 class _Removable:
@@ -86,6 +78,7 @@ class UnshardedGrads(UnreducedGrads):
         self._hooked: dict[int, tuple[torch.Tensor, Any]] = {}
         self._param_handles = _Removable([])
         self._private_state_missing = False
+        check_version()
 
     def register(self) -> list:
         handles: list = [
@@ -128,8 +121,8 @@ class UnshardedGrads(UnreducedGrads):
 
     def _fsdp_records(self, module: torch.nn.Module) -> dict[int, Any]:
         try:
-            return _accumulated_by_fsdp(module)
-        except AttributeError:
+            return fsdp2_records(module)
+        except FsdpInternalsChanged:
             if not self._private_state_missing:
                 self._private_state_missing = True
                 logger.warning(
@@ -139,7 +132,7 @@ class UnshardedGrads(UnreducedGrads):
                 )
             return {}
 
-    def accumulated(self, param: torch.Tensor) -> torch.Tensor | None:
+    def accumulated(self, index: int, param: torch.Tensor) -> torch.Tensor | None:
         """The parameter's ``.grad``, plus what FSDP2 accumulated in fp32 from micro-batches
         without gradient sync."""
         grad = param.grad

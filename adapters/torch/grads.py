@@ -116,28 +116,32 @@ class UnreducedGrads:
 
     def _accumulated_hook(self, index: int) -> Callable[[torch.Tensor], None]:
         def hook(param: torch.Tensor) -> None:
-            if not self.collect:
-                return
-            try:
-                count = self._micro[index] + 1
-                self._micro[index] = count
-                grad = self.accumulated(param)
-                if grad is None:
-                    return
-                if count < self.grad_acc_steps and not (self._every_micro_batch or self._last_micro_batch()):
-                    self._rows.drop(index)
-                    self._waiting[index] = (weakref.ref(grad), grad._version)
-                    return
-                self._waiting.pop(index, None)
-                self._measure(index, grad)
-            except Exception as exc:
-                self.collect = False
-                self.on_error("grad_unreduced", exc)
+            if self.collect:
+                self.on_accumulated(index, param)
 
         return hook
 
-    def accumulated(self, param: torch.Tensor) -> torch.Tensor | None:
-        """The gradient accumulated so far in this step, as the hook on ``param`` sees it."""
+    def on_accumulated(self, index: int, param: torch.Tensor) -> None:
+        """A backward pass accumulated into the gradient of parameter ``index`` (held by
+        ``param``): count it, and measure the gradient at the step's last micro-batch."""
+        try:
+            count = self._micro[index] + 1
+            self._micro[index] = count
+            grad = self.accumulated(index, param)
+            if grad is None:
+                return
+            if count < self.grad_acc_steps and not (self._every_micro_batch or self._last_micro_batch()):
+                self._rows.drop(index)
+                self._waiting[index] = (weakref.ref(grad), grad._version)
+                return
+            self._waiting.pop(index, None)
+            self._measure(index, grad)
+        except Exception as exc:
+            self.collect = False
+            self.on_error("grad_unreduced", exc)
+
+    def accumulated(self, index: int, param: torch.Tensor) -> torch.Tensor | None:
+        """The gradient of parameter ``index`` accumulated so far in this step, held by ``param``."""
         return self.registry.grad(param)
 
     def _local(self, index: int, grad: torch.Tensor) -> torch.Tensor:
@@ -171,19 +175,21 @@ class UnreducedGrads:
 
     def _micro_batch_hook(self, index: int) -> Callable[[torch.Tensor], None]:
         def hook(grad: torch.Tensor) -> None:
-            if not self.collect:
-                return None
-            try:
-                micro = self._micro[index]
-                self._micro[index] = micro + 1
-                local = self._local(index, grad.detach())
-                self._micro_rows[(index, micro)] = tensor_stats(local, self.ops, self.eps)
-            except Exception as exc:
-                self.collect = False
-                self.on_error("grad_unreduced", exc)
-            return None
+            if self.collect:
+                self.on_micro_batch(index, grad)
 
         return hook
+
+    def on_micro_batch(self, index: int, grad: torch.Tensor) -> None:
+        """One micro-batch's own gradient of parameter ``index``, before it is accumulated."""
+        try:
+            micro = self._micro[index]
+            self._micro[index] = micro + 1
+            local = self._local(index, grad.detach())
+            self._micro_rows[(index, micro)] = tensor_stats(local, self.ops, self.eps)
+        except Exception as exc:
+            self.collect = False
+            self.on_error("grad_unreduced", exc)
 
     def take(self) -> tuple[list[int], list[int] | None, torch.Tensor]:
         """This step's rows in firing order: parameter indices, micro-steps (or None), statistics.
@@ -234,6 +240,7 @@ class UnreducedGrads:
 
 def unreduced_source(
     chunks: Sequence[torch.nn.Module],
+    backend: Any,
     registry: ParamRegistry,
     grad_acc_steps: int,
     ops: tuple[str, ...],
@@ -246,10 +253,21 @@ def unreduced_source(
 
     Megatron DistributedDataParallel chunks: their bucket reductions (adapters.torch.megatron_grads),
     unless per-micro-batch gradients are asked for; FSDP2 models: hooks on the unsharded
-    parameters (adapters.torch.fsdp); every other model: per-parameter hooks.
+    parameters (adapters.torch.fsdp); FSDP1 models: hooks on the flat parameters
+    (adapters.torch.fsdp_flat); every other model: per-parameter hooks.
     """
     from adapters.torch.fsdp import UnshardedGrads, fsdp2_modules
 
+    slots = getattr(backend, "slots", None)  # FSDP1's flat parameters
+    if slots is not None:
+        from adapters.torch.fsdp_flat import FlatGrads
+
+        found = {
+            i: slots[id(entry.param)] for i, entry in enumerate(registry.params) if id(entry.param) in slots
+        }
+        return FlatGrads(
+            found, registry, grad_acc_steps, ops, eps, per_micro_batch, on_error, last_micro_batch
+        )
     fsdp_modules = fsdp2_modules(chunks)
     if fsdp_modules:
         return UnshardedGrads(

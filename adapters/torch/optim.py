@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import importlib
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -109,6 +109,10 @@ class TorchBackend:
         self.optimizer = hookable_optimizer(optimizer)
         self._local_grad: Callable[[torch.nn.Parameter], torch.Tensor | None] = lambda p: p.grad
 
+    def named_parameters(self, chunk: torch.nn.Module) -> Iterable[tuple[str, Any]]:
+        """The chunk's parameters by name, as the monitor selects and names them."""
+        return chunk.named_parameters()
+
     def prepare(self, params: Sequence[torch.nn.Parameter], local_grad: Callable) -> None:
         """Attach-time set-up for the monitored parameters; ``local_grad`` reads main_grad/.grad."""
         self._local_grad = local_grad
@@ -150,9 +154,10 @@ BACKENDS: dict[str, type] = {}
 BACKEND_MODULES = {"megatron": "adapters.torch.megatron", "deepspeed": "adapters.torch.deepspeed"}
 
 
-def optimizer_backend(optimizer: Any) -> TorchBackend:
-    """The back-end registered for a class name in the optimizer's wrapper chain, else the DTensor
-    one where parameters are DTensors (FSDP2, tensor parallelism), else the generic one.
+def optimizer_backend(optimizer: Any, chunks: Sequence[torch.nn.Module] = ()) -> TorchBackend:
+    """The back-end registered for a class name in the optimizer's wrapper chain, else FSDP1's for
+    model ``chunks`` wrapped in FullyShardedDataParallel, else the DTensor one where parameters
+    are DTensors (FSDP2, tensor parallelism), else the generic one.
 
     Once the application has imported DeepSpeed, a torch optimizer inside a DeepSpeed wrapper
     (``engine.optimizer.optimizer``) stands for that wrapper.
@@ -170,9 +175,14 @@ def optimizer_backend(optimizer: Any) -> TorchBackend:
             if backend is not None:
                 return backend(current)
     backend = TorchBackend(optimizer)
-    if torch.distributed.is_available():
-        from adapters.torch.dtensor import DTensorBackend, optimizer_has_dtensors
+    if not torch.distributed.is_available():
+        return backend
+    from adapters.torch.dtensor import DTensorBackend, optimizer_has_dtensors
+    from adapters.torch.fsdp_flat import FlatParamBackend, flat_units
 
-        if optimizer_has_dtensors(backend.optimizer):
-            return DTensorBackend(optimizer)
+    units = flat_units(chunks)
+    if units:
+        return FlatParamBackend(optimizer, units)
+    if optimizer_has_dtensors(backend.optimizer):
+        return DTensorBackend(optimizer)
     return backend

@@ -7,8 +7,9 @@ attributes on them); the registry keeps its own side tables.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -33,13 +34,20 @@ class ParamRegistry:
     """Selected trainable parameters of every model chunk, in model order."""
 
     def __init__(
-        self, chunks: Sequence[torch.nn.Module], config: MonitorConfig, main_grad: bool | None
+        self,
+        chunks: Sequence[torch.nn.Module],
+        config: MonitorConfig,
+        main_grad: bool | None,
+        named: Callable[[torch.nn.Module], Iterable[tuple[str, Any]]] | None = None,
     ) -> None:
+        """``named``: a chunk's parameters by name (default ``named_parameters``; a back-end
+        whose framework flattened the parameters away names stand-ins for them)."""
         self.main_grad = main_grad
+        named = named or (lambda chunk: chunk.named_parameters())
         trainable = [
             (vpp, raw, param)
             for vpp, chunk in enumerate(chunks)
-            for raw, param in chunk.named_parameters()
+            for raw, param in named(chunk)
             if param.requires_grad
         ]
         # a parameter shared by several chunks is registered once, in the first

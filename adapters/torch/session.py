@@ -60,7 +60,7 @@ class TorchSession(SessionLifecycle):
             raise ValueError("set_monitor: optimizer: required (its step marks the end of a training step)")
         self.chunks = [_uncompiled(chunk) for chunk in chunks]
         self.compiled = any(a is not b for a, b in zip(chunks, self.chunks))
-        self.backend = optimizer_backend(optimizer)
+        self.backend = optimizer_backend(optimizer, self.chunks)
         self.optimizer = self.backend.optimizer
         super().__init__(config, global_rank(), start_iteration, on_step_end)
         self.pp_stage, self.group_mates = pipeline_info(process_group)

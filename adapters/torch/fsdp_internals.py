@@ -1,0 +1,112 @@
+"""The only reads of FSDP's private state, in one place, checked against the torch versions they
+were written for.
+
+- FSDP2 keeps the fp32 gradient sum of micro-batches run without gradient sync (mixed
+  precision) in its own per-parameter record, not in ``.grad``: ``fsdp2_records``.
+- FSDP1 (``FullyShardedDataParallel``) flattens each unit's parameters into one FlatParameter
+  and shards that; where each original parameter lies in it, in the unsharded flat gradient and
+  in this rank's shard, is only in the FlatParameter's metadata: ``flat_layout``. (With
+  ``use_orig_params=False`` the original parameters do not exist at all.)
+
+Each reader raises ``FsdpInternalsChanged`` when torch changed what it reads; the callers warn
+once and leave the affected rows out. ``check_version`` warns once on a torch outside the tested
+range.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+logger = logging.getLogger("trainmon")
+
+#: torch versions whose FSDP internals these readers were checked against (inclusive).
+TESTED = ((2, 4), (2, 13))
+
+_warned_version = False
+
+
+class FsdpInternalsChanged(RuntimeError):
+    """The installed torch keeps FSDP's state elsewhere than these readers expect."""
+
+
+def check_version() -> None:
+    """Warn once where torch is outside the versions these readers were checked against."""
+    global _warned_version
+    major, minor = (int(part) for part in torch.__version__.split(".")[:2])
+    if TESTED[0] <= (major, minor) <= TESTED[1] or _warned_version:
+        return
+    _warned_version = True
+    logger.warning(
+        "trainmon: FSDP: torch %s is outside the versions trainmon's FSDP support was checked against "
+        "(%d.%d to %d.%d); if FSDP's internals changed, the affected rows are left out and said so",
+        torch.__version__,
+        *TESTED[0],
+        *TESTED[1],
+    )
+
+
+def fsdp2_records(module: torch.nn.Module) -> dict[int, Any]:
+    """id(unsharded parameter) -> FSDP2's record of it (``unsharded_accumulated_grad``)."""
+    try:
+        group = module._get_fsdp_state()._fsdp_param_group
+        if group is None:  # a module without parameters of its own
+            return {}
+        return {id(p.unsharded_param): p for p in group.fsdp_params if hasattr(p, "_unsharded_param")}
+    except AttributeError as exc:
+        raise FsdpInternalsChanged(str(exc)) from exc
+
+
+@dataclass(frozen=True)
+class FlatSlot:
+    """Where one original parameter of an FSDP1 unit lies."""
+
+    flat: torch.nn.Parameter  # the unit's FlatParameter
+    fqn: str  # the parameter's name inside the unit
+    numel: int  # elements of the whole parameter
+    unsharded_offset: int  # offset in the unsharded flat parameter (and its gradient)
+    shard_offset: int  # offset of this rank's piece in the local shard
+    shard_numel: int  # elements of this rank's piece (0: none here)
+    original: torch.nn.Parameter | None  # the parameter object (use_orig_params=True), else None
+
+
+def fsdp1_units(chunk: torch.nn.Module) -> list[Any]:
+    """The FSDP1 instances in ``chunk`` that hold a FlatParameter."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    return [
+        module
+        for module in chunk.modules()
+        if isinstance(module, FullyShardedDataParallel) and getattr(module, "_handle", None) is not None
+    ]
+
+
+def flat_layout(unit: Any) -> list[FlatSlot]:
+    """The original parameters of one FSDP1 unit, in flattening order."""
+    try:
+        flat = unit._handle.flat_param
+        originals = list(flat._params or ())
+        starts, offset = [], 0
+        for numel, padding in zip(flat._numels_with_padding, flat._is_padding_mask):
+            if not padding:
+                starts.append(offset)
+            offset += numel
+        slots = []
+        for i, (fqn, numel, info) in enumerate(zip(flat._fqns, flat._numels, flat._shard_param_infos)):
+            slots.append(
+                FlatSlot(
+                    flat=flat,
+                    fqn=fqn,
+                    numel=int(numel),
+                    unsharded_offset=starts[i],
+                    shard_offset=int(info.offset_in_shard) if info.in_shard else 0,
+                    shard_numel=int(info.numel_in_shard) if info.in_shard else 0,
+                    original=originals[i] if originals else None,
+                )
+            )
+        return slots
+    except (AttributeError, IndexError, TypeError) as exc:
+        raise FsdpInternalsChanged(str(exc)) from exc
