@@ -14,6 +14,10 @@ a forward that runs inside a backward pass (activation-checkpoint recompute, ree
 is recognised by ``torch._C._current_graph_task_id() != -1`` (what torch.utils.checkpoint itself
 uses), never by inspecting the Python stack (slow, and fragile across torch versions): it is not
 measured again, only given the gradient hooks that reentrant checkpointing needs.
+
+Under torch.compile the hooks are traced into the compiled code; the measuring part of each runs
+eagerly (adapters.torch.compiled), so collected steps have one graph break per hooked call and
+other steps none.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from typing import Any
 
 import torch
 
+from adapters.torch.compiled import eager
 from adapters.torch.stats import stack_rows, tensor_stats
 from monitor.config import MonitorConfig
 from monitor.module_io import call_name, direction_tensors, row_names
@@ -116,11 +121,17 @@ class Activations:
         return handles
 
     def _count_micro_step(self, vpp: int) -> Callable:
+        count = eager(functools.partial(self._count, vpp))
+
         def hook(module: torch.nn.Module, args: Any) -> None:
-            if self.collect and module.training and torch._C._current_graph_task_id() == -1:
-                self._micro[vpp] += 1
+            if self.collect and module.training:
+                count()
 
         return hook
+
+    def _count(self, vpp: int) -> None:
+        if torch._C._current_graph_task_id() == -1:  # not a checkpoint's recompute
+            self._micro[vpp] += 1
 
     def _call_name(self, index: int, micro: int, recompute: bool) -> str:
         """Module name, with ``[k]`` for the k-th extra call within one micro-step.
@@ -131,46 +142,54 @@ class Activations:
         return call_name(self.modules[index].name, call)
 
     def _before(self, index: int) -> Callable:
+        inputs = eager(functools.partial(self._inputs, index))
+
         def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-            if not self.collect or not module.training:
-                return
-            try:
-                entry = self.modules[index]
-                micro = max(self._micro[entry.vpp_stage], 0)
-                recompute = torch._C._current_graph_task_id() != -1
-                tensors = _select(entry, "input", (*args, *kwargs.values()) if kwargs else args)
-                name = self._call_name(index, micro, recompute)
-                if self.forward and not recompute:
-                    self._measure("actv", entry.vpp_stage, f"{name}.input", micro, tensors)
-                if self.backward:
-                    self._watch(entry.vpp_stage, f"{name}.input_grad", micro, tensors)
-            except Exception as exc:
-                self.collect = False
-                self.on_error("actv", exc)
+            if self.collect and module.training:
+                inputs(args, kwargs)
 
         return hook
+
+    def _inputs(self, index: int, args: tuple, kwargs: dict) -> None:
+        try:
+            entry = self.modules[index]
+            micro = max(self._micro[entry.vpp_stage], 0)
+            recompute = torch._C._current_graph_task_id() != -1
+            tensors = _select(entry, "input", (*args, *kwargs.values()) if kwargs else args)
+            name = self._call_name(index, micro, recompute)
+            if self.forward and not recompute:
+                self._measure("actv", entry.vpp_stage, f"{name}.input", micro, tensors)
+            if self.backward:
+                self._watch(entry.vpp_stage, f"{name}.input_grad", micro, tensors)
+        except Exception as exc:
+            self.collect = False
+            self.on_error("actv", exc)
 
     def _after(self, index: int) -> Callable:
+        outputs = eager(functools.partial(self._outputs, index))
+
         def hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-            if not self.collect or not module.training:
-                return
-            try:
-                entry = self.modules[index]
-                micro = max(self._micro[entry.vpp_stage], 0)
-                recompute = torch._C._current_graph_task_id() != -1
-                tensors = _select(entry, "output", output)
-                name = self._call_name(index, micro, recompute)
-                if self.forward and not recompute:
-                    self._measure("actv", entry.vpp_stage, f"{name}.output", micro, tensors)
-                if self.backward:
-                    self._watch(entry.vpp_stage, f"{name}.output_grad", micro, tensors)
-                calls = self._recomputed if recompute else self._calls
-                calls[(index, micro)] = calls.get((index, micro), 0) + 1
-            except Exception as exc:
-                self.collect = False
-                self.on_error("actv", exc)
+            if self.collect and module.training:
+                outputs(output)
 
         return hook
+
+    def _outputs(self, index: int, output: Any) -> None:
+        try:
+            entry = self.modules[index]
+            micro = max(self._micro[entry.vpp_stage], 0)
+            recompute = torch._C._current_graph_task_id() != -1
+            tensors = _select(entry, "output", output)
+            name = self._call_name(index, micro, recompute)
+            if self.forward and not recompute:
+                self._measure("actv", entry.vpp_stage, f"{name}.output", micro, tensors)
+            if self.backward:
+                self._watch(entry.vpp_stage, f"{name}.output_grad", micro, tensors)
+            calls = self._recomputed if recompute else self._calls
+            calls[(index, micro)] = calls.get((index, micro), 0) + 1
+        except Exception as exc:
+            self.collect = False
+            self.on_error("actv", exc)
 
     def _measure(self, prefix: str, vpp: int, name: str, micro: int, tensors: list[torch.Tensor]) -> None:
         if not tensors:

@@ -135,6 +135,17 @@ class Collection(BaseCollection):
             collectives.install()
         self.set_step(first_step)
 
+    @property
+    def module_hooks(self) -> list[str]:
+        """The config keys whose data this collection reads through module hooks."""
+        users = {
+            "xy_distribution": self.activations is not None,
+            "print_struct": self.structure is not None,
+            "stack_info": self.stacks is not None,
+            "wg_distribution": getattr(self.grads, "uses_module_hooks", False),
+        }
+        return [key for key, used in users.items() if used]
+
     # -- attach-time tables ------------------------------------------------------------------
 
     def _build_rows(self, tp_group: Any, dp_group: Any) -> dict[str, tuple[list[int], RowSet]]:

@@ -18,12 +18,14 @@ micro-batch's gradient.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
+from adapters.torch.compiled import eager
 from adapters.torch.fsdp_internals import FsdpInternalsChanged, check_version, fsdp2_records
 from adapters.torch.grads import UnreducedGrads
 from adapters.torch.params import ParamRegistry
@@ -60,6 +62,9 @@ class _Removable:
 class UnshardedGrads(UnreducedGrads):
     """UnreducedGrads whose hooks sit on FSDP2's unsharded parameters."""
 
+    #: the unsharded parameters are found by forward pre-hooks on FSDP2's modules
+    uses_module_hooks = True
+
     def __init__(
         self,
         modules: list[tuple[int, str, torch.nn.Module]],
@@ -88,16 +93,20 @@ class UnshardedGrads(UnreducedGrads):
         return [*handles, self._param_handles]
 
     def _finder(self, vpp: int, prefix: str, module: torch.nn.Module) -> Callable[..., None]:
-        def find_unsharded(mod: torch.nn.Module, args: Any) -> None:
-            if not self.collect:
-                return
-            try:
-                self._hook_unsharded(vpp, prefix, module)
-            except Exception as exc:
-                self.collect = False
-                self.on_error("grad_unreduced", exc)
+        find = eager(functools.partial(self._find_unsharded, vpp, prefix, module))
 
-        return find_unsharded
+        def hook(mod: torch.nn.Module, args: Any) -> None:
+            if self.collect:
+                find()
+
+        return hook
+
+    def _find_unsharded(self, vpp: int, prefix: str, module: torch.nn.Module) -> None:
+        try:
+            self._hook_unsharded(vpp, prefix, module)
+        except Exception as exc:
+            self.collect = False
+            self.on_error("grad_unreduced", exc)
 
     def _hook_unsharded(self, vpp: int, prefix: str, module: torch.nn.Module) -> None:
         """Hook the unsharded monitored parameters the module holds now, once each (plain tensors,

@@ -17,21 +17,13 @@ from typing import Any
 import torch
 
 from adapters.torch.collection import Collection
+from adapters.torch.compiled import has_compiled_modules, recompile_with_hooks, uncompiled
 from adapters.torch.dist import global_rank, pipeline_info
 from adapters.torch.optim import accumulation_boundary, optimizer_backend
 from monitor.config import MonitorConfig
 from monitor.lifecycle import SessionLifecycle, model_chunks
 
 logger = logging.getLogger("trainmon")
-
-
-def _uncompiled(chunk: torch.nn.Module) -> torch.nn.Module:
-    """The module that torch.compile wrapped (OptimizedModule keeps it as ``_orig_mod``), so that
-    names and hooks are those of the eager model."""
-    inner = getattr(chunk, "_orig_mod", None)
-    if type(chunk).__name__ == "OptimizedModule" and isinstance(inner, torch.nn.Module):
-        return inner
-    return chunk
 
 
 class TorchSession(SessionLifecycle):
@@ -58,7 +50,7 @@ class TorchSession(SessionLifecycle):
         chunks = model_chunks(model, torch.nn.Module, "torch.nn.Module")
         if optimizer is None:
             raise ValueError("set_monitor: optimizer: required (its step marks the end of a training step)")
-        self.chunks = [_uncompiled(chunk) for chunk in chunks]
+        self.chunks = [uncompiled(chunk) for chunk in chunks]
         self.compiled = any(a is not b for a, b in zip(chunks, self.chunks))
         self.backend = optimizer_backend(optimizer, self.chunks)
         self.optimizer = self.backend.optimizer
@@ -129,13 +121,8 @@ class TorchSession(SessionLifecycle):
             collectives=self.collectives if self.config.cc_distribution.enable else None,
             last_micro_batch=self._last_micro_batch,
         )
-        if self.compiled and self.config.xy_distribution:
-            logger.warning(
-                "trainmon: xy_distribution: the model is compiled with torch.compile; its activations are "
-                "recorded only if set_monitor ran before the compiled model's first call (module hooks "
-                "added later are never run by compiled code). Gradients, parameters, moments, mg_direction "
-                "and collectives are recorded as in eager mode."
-            )
+        if collection.module_hooks and (self.compiled or has_compiled_modules(self.chunks)):
+            recompile_with_hooks(", ".join(collection.module_hooks))
         return collection
 
     def _collectives_config_changed(self) -> bool:

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from adapters.torch.compiled import eager
 from monitor.naming import chunk_name, display_name
 from monitor.structure import Frame, describe, record_grad, stack_frames, write_stacks, write_structure
 
@@ -47,6 +48,7 @@ class StructureRecorder:
         return handles
 
     def _hook(self, name: str) -> Callable:
+        @eager
         def hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
             if name in self.structure or not module.training:
                 return

@@ -1,0 +1,157 @@
+"""torch.compile: whole-model and per-block compiled models give eager's rows for every data type,
+whether the monitor attached before or after the first compiled call.
+
+Per-block compile is tested both ways users write it: ``block.compile()`` in place and
+``torch.compile(block)`` assigned into the ModuleList. Most cases use the ``aot_eager`` backend
+(dynamo and AOT autograd as with inductor, without the minutes of C++ compilation on a CPU
+machine); one case runs inductor itself. Graph breaks are read from dynamo's own counters.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from monitor import TrainerMon
+from tests.adapters.torch.helpers import ALL_OPS
+
+pytestmark = pytest.mark.slow
+
+PREFIXES = ("actv", "actv_grad", "grad_unreduced", "grad_reduced", "param_origin", "param_updated", "exp_avg")
+CONFIG = {
+    "xy_distribution": True,
+    "all_xy": True,
+    "wg_distribution": True,
+    "mv_distribution": True,
+    "param_distribution": True,
+    "ops": ALL_OPS,
+    "format": "api",
+    "step_interval": 2,
+}
+STEPS = 4
+
+
+class Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(8, 16)
+        self.act = torch.nn.GELU()
+        self.fc2 = torch.nn.Linear(16, 8)
+        self.norm = torch.nn.LayerNorm(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x + self.fc2(self.act(self.fc1(x))))
+
+
+class Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(6, 8)
+        self.blocks = torch.nn.ModuleList(Block() for _ in range(2))
+        self.out = torch.nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.out(x)
+
+
+def _compile(model: Net, style: str, backend: str) -> torch.nn.Module:
+    """The module to call: the model compiled as a whole, or the model with compiled blocks."""
+    if style == "whole":
+        return torch.compile(model, backend=backend)
+    for i, block in enumerate(model.blocks):
+        if style == "in-place":
+            block.compile(backend=backend)
+        else:
+            model.blocks[i] = torch.compile(block, backend=backend)
+    return model
+
+
+def _run(style: str | None, when: str = "before", backend: str = "aot_eager") -> list[dict]:
+    """Two warm-up steps, then STEPS steps; every data type's latest rows after each of those."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = Net()
+    optimizer = torch.optim.AdamW(model.parameters())
+    call: torch.nn.Module = model
+    mon = None
+    if style is not None and when == "before":
+        mon = TrainerMon(CONFIG).set_monitor(model, 1, optimizer)
+        call = _compile(model, style, backend)
+    elif style is not None:
+        call = _compile(model, style, backend)
+
+    def step(seed: int) -> None:
+        x = torch.randn(5, 6, generator=torch.Generator().manual_seed(seed))
+        call(x).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    step(100)
+    step(101)
+    if mon is None:  # eager, or attached after the first compiled calls (to what the user holds)
+        mon = TrainerMon(CONFIG).set_monitor(call, 1, optimizer)
+    rows = []
+    for seed in range(STEPS):
+        step(seed)
+        rows.append({prefix: mon._latest(prefix) for prefix in PREFIXES})
+    mon.stop()
+    return rows
+
+
+def _assert_same_rows(eager: list[dict], compiled: list[dict], rel: float) -> None:
+    for step, (want, got) in enumerate(zip(eager, compiled)):
+        for prefix in PREFIXES:
+            assert want[prefix], f"step {step} {prefix}: no rows in eager mode"
+            assert set(got[prefix]) == set(want[prefix]), (
+                f"step {step} {prefix}: {set(got[prefix]) ^ set(want[prefix])}"
+            )
+            for tag, row in want[prefix].items():
+                for op, value in row.items():
+                    assert got[prefix][tag][op] == pytest.approx(
+                        value, rel=rel, abs=rel * 1e-2, nan_ok=True
+                    ), f"step {step} {tag} {op}"
+
+
+@pytest.fixture(scope="module")
+def eager_rows() -> list[dict]:
+    return _run(None)
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+@pytest.mark.parametrize("style", ["whole", "in-place", "assigned"])
+def test_compiled_models_give_eagers_rows(eager_rows, style, when):
+    _assert_same_rows(eager_rows, _run(style, when), rel=1e-5)
+
+
+def test_inductor_gives_eagers_rows_within_float_tolerance(eager_rows):
+    _assert_same_rows(eager_rows, _run("assigned", "before", backend="inductor"), rel=1e-4)
+
+
+def test_graph_breaks_only_on_collected_steps_and_only_the_monitors_own():
+    """Steps 0 and 2 are collected (step_interval 2): compiling the collected variant breaks the
+    graph at each hooked call, by the monitor's eager body only; compiling the variant of the
+    steps in between breaks nothing; after both exist nothing compiles again."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = Net()
+    optimizer = torch.optim.AdamW(model.parameters())
+    mon = TrainerMon(CONFIG).set_monitor(model, 1, optimizer)
+    call = _compile(model, "assigned", "aot_eager")
+    breaks, compiled = [], []
+    for _ in range(6):
+        counters.clear()
+        call(torch.randn(5, 6)).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        breaks.append(dict(counters["graph_break"]))
+        compiled.append(counters["frames"].get("total", 0))
+    mon.stop()
+    assert breaks[0], "no graph break on a collected step: the hooks did not run"
+    assert all("torch.compiler.disable" in reason for reason in breaks[0]), list(breaks[0])
+    assert breaks[1] == {}, f"graph breaks on a step that is not collected: {list(breaks[1])}"
+    assert compiled[1] > 0, "the step that is not collected did not compile its own variant"
+    assert all(not b for b in breaks[2:]) and not any(compiled[2:]), (breaks, compiled)
