@@ -29,6 +29,7 @@ from adapters.torch.compiled import eager
 from adapters.torch.fsdp_internals import FsdpInternalsChanged, check_version, fsdp2_records
 from adapters.torch.grads import UnreducedGrads
 from adapters.torch.params import ParamRegistry
+from monitor.naming import unwrapped_name
 
 logger = logging.getLogger("trainmon")
 
@@ -78,7 +79,8 @@ class UnshardedGrads(UnreducedGrads):
     ) -> None:
         super().__init__(registry, grad_acc_steps, ops, eps, per_micro_batch, on_error, last_micro_batch)
         self._modules = modules
-        self._index = {(p.vpp_stage, p.raw_name): i for i, p in enumerate(registry.params)}
+        #: by name without wrapper segments (checkpoint_wrapper names its parameters without its own)
+        self._index = {(p.vpp_stage, unwrapped_name(p.raw_name)): i for i, p in enumerate(registry.params)}
         #: id(unsharded parameter) -> (the parameter, FSDP2's record of it or None)
         self._hooked: dict[int, tuple[torch.Tensor, Any]] = {}
         self._param_handles = _Removable([])
@@ -115,7 +117,7 @@ class UnshardedGrads(UnreducedGrads):
         for name, param in module.named_parameters():
             if id(param) in self._hooked:
                 continue
-            index = self._index.get((vpp, f"{prefix}.{name}" if prefix else name))
+            index = self._index.get((vpp, unwrapped_name(f"{prefix}.{name}" if prefix else name)))
             if index is None or param is self.registry.params[index].param:  # still the sharded one
                 continue
             if records is None:

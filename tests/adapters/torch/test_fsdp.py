@@ -55,6 +55,8 @@ CONFIG = {
 CASES = {
     "fsdp2-fp32": "DTensorBackend",
     "fsdp2-bf16": "DTensorBackend",
+    "fsdp2-checkpointed": "DTensorBackend",
+    "fsdp2-cpu-offload": "DTensorBackend",
     "fsdp1-orig-params": "FlatParamBackend",
     "fsdp1-flat-params": "FlatParamBackend",
 }
@@ -81,6 +83,15 @@ def _sharded(case: str):
     options = {"mesh": init_device_mesh("cpu", (WORLD,))}
     if case == "fsdp2-bf16":
         options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if case == "fsdp2-cpu-offload":
+        from torch.distributed.fsdp import CPUOffloadPolicy
+
+        options["offload_policy"] = CPUOffloadPolicy(pin_memory=False)
+    if case == "fsdp2-checkpointed":  # torchtitan's order: checkpoint each block, then shard it
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+        for i, layer in enumerate(model.layers):
+            model.layers[i] = checkpoint_wrapper(layer)
     for layer in model.layers:
         fully_shard(layer, **options)
     fully_shard(model, **options)
