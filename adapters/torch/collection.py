@@ -120,6 +120,7 @@ class Collection(BaseCollection):
             # the measured gradients are kept for reuse only where reuse can happen: elsewhere
             # (DeepSpeed frees each gradient after its hook) holding them would cost memory
             self.grads.keep_measured = self._reuse_possible()
+            self.grads.sum_micro_batches = backend.frees_micro_batch_grads
         self._rows = self._build_rows(tp_group, dp_group)
         self.collectives = collectives
         if self.grads is not None:

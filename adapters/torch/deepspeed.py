@@ -171,6 +171,16 @@ class FragmentBackend(ShardedBackend):
                 mapping.param_group_index, hp.start, hp.numel, param._index_in_param_group, lp.start
             )
 
+    @property
+    def frees_micro_batch_grads(self) -> bool:
+        """ZeRO-2 (partitioned gradients), ZeRO-1 with a separate fp32 accumulation buffer and
+        BF16_Optimizer reduce each micro-batch's gradient into their own buffers and free it;
+        plain ZeRO-1 lets ``.grad`` accumulate until the step."""
+        wrapper = self.wrapper
+        if not hasattr(wrapper, "partition_gradients"):  # BF16_Optimizer
+            return True
+        return bool(wrapper.partition_gradients or getattr(wrapper, "use_separate_grad_accum", False))
+
     def _flats(self) -> list[torch.Tensor]:
         wrapper = self.wrapper  # ZeRO-1/2, else BF16_Optimizer
         if hasattr(wrapper, "single_partition_of_fp32_groups"):
@@ -212,6 +222,9 @@ class Stage3Backend(ShardedBackend):
             numel = max(0, min(size, param.ds_numel - rank * size))
             if numel:
                 self._pieces[param] = _Piece(group, start, numel, index[id(param)])
+
+    #: each micro-batch's gradient is reduce-scattered into the partitions and freed
+    frees_micro_batch_grads = True
 
     def _flats(self) -> list[torch.Tensor]:
         return self.wrapper.fp32_partitioned_groups_flat

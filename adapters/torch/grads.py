@@ -95,6 +95,11 @@ class UnreducedGrads:
         self.counted: tuple[int, int] = (0, 0)
         #: after take(): the statistics it returned (``measured_row`` indexes them).
         self.taken_matrix: torch.Tensor | None = None
+        #: whether the optimizer consumes and frees each micro-batch's gradient (DeepSpeed ZeRO-2/3),
+        #: so that the step's sum exists only as the monitor's own fp32 copy (``_sums``), kept on
+        #: collected steps with several micro-batches, until the step is measured
+        self.sum_micro_batches = False
+        self._sums: dict[int, torch.Tensor] = {}
         #: parameters whose gradient is a DTensor (tensor parallelism): (elements of this
         #: rank's piece, elements of the tensor); their rows describe the piece.
         self.pieces: dict[int, tuple[int, int]] = {}
@@ -130,7 +135,10 @@ class UnreducedGrads:
             grad = self.accumulated(index, param)
             if grad is None:
                 return
-            if count < self.grad_acc_steps and not (self._every_micro_batch or self._last_micro_batch()):
+            last = count >= self.grad_acc_steps or self._every_micro_batch or self._last_micro_batch()
+            if self.sum_micro_batches:
+                grad = self._add_to_sum(index, grad, count, last)
+            if not last:
                 self._rows.drop(index)
                 self._waiting[index] = (weakref.ref(grad), grad._version)
                 return
@@ -143,6 +151,19 @@ class UnreducedGrads:
     def accumulated(self, index: int, param: torch.Tensor) -> torch.Tensor | None:
         """The gradient of parameter ``index`` accumulated so far in this step, held by ``param``."""
         return self.registry.grad(param)
+
+    def _add_to_sum(self, index: int, grad: torch.Tensor, count: int, last: bool) -> torch.Tensor:
+        """The step's fp32 sum of the micro-batches' gradients, where the optimizer consumes and
+        frees each micro-batch's gradient (``sum_micro_batches``). A step of one micro-batch is
+        not copied."""
+        total = self._sums.get(index) if count > 1 else None
+        if total is None:
+            if last:
+                return grad
+            total = self._sums[index] = grad.detach().to(torch.float32, copy=True)
+            return total
+        total.add_(grad)
+        return total
 
     def _local(self, index: int, grad: torch.Tensor) -> torch.Tensor:
         """The gradient itself, or this rank's piece of a DTensor gradient (noted in ``pieces``)."""
@@ -163,7 +184,9 @@ class UnreducedGrads:
         gradient is unchanged since their last micro-batch; returns how many could not be."""
         missing = 0
         for index, (source, version) in self._waiting.items():
-            grad = self.registry.grad(self.registry.params[index].param)
+            grad = self._sums.get(index)
+            if grad is None:
+                grad = self.registry.grad(self.registry.params[index].param)
             if grad is not None and source() is grad and grad._version == version:
                 self._measure(index, grad)
             else:
@@ -235,6 +258,7 @@ class UnreducedGrads:
         self._micro_rows.clear()
         self._held = [None] * len(self.registry)
         self._waiting = {}
+        self._sums = {}
         self.release()
 
 

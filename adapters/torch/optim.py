@@ -104,6 +104,9 @@ class TorchBackend:
     sharded = False
     #: the group whose ranks hold the pieces (shard_reduce merges over it).
     shard_group: Any = None
+    #: the optimizer takes each micro-batch's gradient away after its backward (reduced into its
+    #: own buffers and freed), so that ``.grad`` never holds the step's sum.
+    frees_micro_batch_grads = False
 
     def __init__(self, optimizer: Any) -> None:
         self.optimizer = hookable_optimizer(optimizer)

@@ -30,7 +30,7 @@ if importlib.util.find_spec("deepspeed") is None:  # not imported here: the test
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
-STEPS, MICRO = 3, 2
+STEPS, MICRO, GAS = 3, 2, 2  # steps, micro-batch size, micro-batches per step
 SIZES = (6, 15, 12, 5)  # odd element counts: ZeRO-3 pads the last rank's partition
 TARGETS = ("layers.1.weight", "norm.bias")  # layers.1.weight straddles the ZeRO-1/2 partitions
 PREFIXES = {
@@ -73,8 +73,9 @@ def _engine(stage: int, precision: str):
         [{"params": weights, "weight_decay": 0.1}, {"params": others, "weight_decay": 0.0}], lr=0.05
     )
     config = {
-        "train_batch_size": 2 * MICRO,
+        "train_batch_size": 2 * MICRO * GAS,
         "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": GAS,
         "zero_optimization": {"stage": stage},
     }
     if precision != "fp32":
@@ -86,9 +87,25 @@ def _engine(stage: int, precision: str):
     return engine, replica.to(dtype), dtype
 
 
-def _batch(rank: int, step: int, dtype: torch.dtype) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(1000 * step + rank)
+def _batch(rank: int, step: int, micro: int, dtype: torch.dtype) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(1000 * step + 10 * micro + rank)
     return torch.randn(MICRO, SIZES[0], generator=generator).to(dtype)
+
+
+def _frees_each_micro_batch(stage: int, precision: str) -> bool:
+    """DeepSpeed reduces each micro-batch's gradient into its own buffers and frees it under ZeRO-2
+    and 3 and with fp32 gradient accumulation; otherwise ``.grad`` accumulates until the step."""
+    return stage >= 2 or precision == "bf16acc"
+
+
+def _train_step(engine, rank: int, step: int, dtype: torch.dtype, before_update=None) -> None:
+    """GAS micro-batches (DeepSpeed divides each loss by GAS); ``before_update()`` runs after the
+    last backward, before the step that updates."""
+    for micro in range(GAS):
+        engine.backward(engine(_batch(rank, step, micro, dtype)).float().pow(2).mean())
+        if micro == GAS - 1 and before_update is not None:
+            before_update()
+        engine.step()
 
 
 def _full(engine, param, kind: str) -> np.ndarray | None:
@@ -156,16 +173,36 @@ def _monitors(engine):
     }
     inner = getattr(engine.optimizer, "optimizer", engine.optimizer)  # the torch optimizer
     return {
-        "merged": TrainerMon({**config, "shard_reduce": True}).set_monitor(engine.module, 1, engine),
-        "pieces": TrainerMon(config).set_monitor(engine.module, 1, engine.optimizer),
+        "merged": TrainerMon({**config, "shard_reduce": True}).set_monitor(engine.module, GAS, engine),
+        "pieces": TrainerMon(config).set_monitor(engine.module, GAS, engine.optimizer),
         "targets": TrainerMon({**config, "targets": {t: {} for t in TARGETS}}).set_monitor(
-            engine.module, 1, inner
+            engine.module, GAS, inner
         ),
     }
 
 
 def _final_params(engine) -> list[np.ndarray]:
     return [_full(engine, p, "param") for p in engine.module.parameters()]
+
+
+def _unreduced_reference(replica, rank: int, step: int, dtype, stage: int, precision: str) -> dict:
+    """This rank's gradient of the step (losses divided by GAS, as DeepSpeed does), accumulated as
+    DeepSpeed leaves it: the fp32 sum of each micro-batch's gradient where DeepSpeed frees them,
+    else autograd's accumulation in ``.grad``."""
+    names = [name for name, _ in replica.named_parameters()]
+    total: dict[str, np.ndarray] = {}
+    replica.zero_grad()
+    for micro in range(GAS):
+        if _frees_each_micro_batch(stage, precision):
+            replica.zero_grad()
+        (replica(_batch(rank, step, micro, dtype)).float().pow(2).mean() / GAS).backward()
+        for name, q in zip(names, replica.parameters()):
+            grad = q.grad.float().numpy().ravel().astype(np.float32)
+            if _frees_each_micro_batch(stage, precision):
+                total[name] = grad if name not in total else total[name] + grad
+            else:
+                total[name] = grad
+    return {name: grad.tolist() for name, grad in total.items()}
 
 
 def _case(rank: int, stage: int, precision: str) -> dict:
@@ -175,28 +212,27 @@ def _case(rank: int, stage: int, precision: str) -> dict:
     named = list(engine.module.named_parameters())
     steps = []
     for step in range(STEPS):
-        x = _batch(rank, step, dtype)
-        engine.backward(engine(x).float().pow(2).mean())
         ref = {"grad_reduced": {}, "param_origin": {}, "other": {}, "grad_unreduced": {}}
-        for name, p in named:
-            grad, origin = _full(engine, p, "grad"), _full(engine, p, "param")
-            ref["grad_reduced"][name], ref["param_origin"][name] = (
-                grad.ravel().tolist(),
-                origin.ravel().tolist(),
-            )
-            moment = _full(engine, p, "exp_avg") if step or (stage == 0 and precision != "fp32") else None
-            ref["other"][name] = _agreement(grad, moment)
-        if isinstance(engine.optimizer, torch.optim.Optimizer):  # stage 0 fp32: the generic back-end
-            _clip_like_the_engine(engine, ref["grad_reduced"])
-        with torch.no_grad():
-            for (name, p), q in zip(named, replica.parameters()):  # the weights the forward used
-                lp = p if p.numel() else torch.tensor(ref["param_origin"][name])  # ZeRO-3: fp32 master
-                q.copy_(lp.detach().reshape(q.shape).to(dtype))
-        replica.zero_grad()
-        replica(x).float().pow(2).mean().backward()
-        for (name, _), q in zip(named, replica.parameters()):
-            ref["grad_unreduced"][name] = q.grad.float().numpy().ravel().tolist()
-        engine.step()
+
+        def capture(step: int = step, ref: dict = ref) -> None:
+            """After the step's last backward: DeepSpeed's tensors and the replica's gradients."""
+            for name, p in named:
+                grad, origin = _full(engine, p, "grad"), _full(engine, p, "param")
+                ref["grad_reduced"][name], ref["param_origin"][name] = (
+                    grad.ravel().tolist(),
+                    origin.ravel().tolist(),
+                )
+                moment = _full(engine, p, "exp_avg") if step or (stage == 0 and precision != "fp32") else None
+                ref["other"][name] = _agreement(grad, moment)
+            if isinstance(engine.optimizer, torch.optim.Optimizer):  # stage 0 fp32: the generic back-end
+                _clip_like_the_engine(engine, ref["grad_reduced"])
+            with torch.no_grad():
+                for (name, p), q in zip(named, replica.parameters()):  # the weights the forward used
+                    lp = p if p.numel() else torch.tensor(ref["param_origin"][name])  # ZeRO-3: fp32 master
+                    q.copy_(lp.detach().reshape(q.shape).to(dtype))
+            ref["grad_unreduced"] = _unreduced_reference(replica, rank, step, dtype, stage, precision)
+
+        _train_step(engine, rank, step, dtype, before_update=capture)
         _relink_moments(engine)
         for kind, prefix in (
             ("param", "param_updated"),
@@ -213,8 +249,7 @@ def _case(rank: int, stage: int, precision: str) -> dict:
     restored = "step" not in vars(engine.optimizer) and "step" not in vars(inner)
     plain, _, dtype = _engine(stage, precision)
     for step in range(STEPS):
-        plain.backward(plain(_batch(rank, step, dtype)).float().pow(2).mean())
-        plain.step()
+        _train_step(plain, rank, step, dtype)
     identical = all(np.array_equal(a, b) for a, b in zip(trained, _final_params(plain)))
     return {"steps": steps, "backends": backends, "identical": identical, "restored": restored}
 
