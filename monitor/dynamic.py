@@ -2,15 +2,24 @@
 
 With ``DYNAMIC_MONITOR=true`` the config file is polled once per step with one ``os.stat``; only
 when its (mtime, size, inode) changed is it read, and only when its content hash changed is it
-parsed. An edit that says ``dynamic_on: true`` starts (or restarts with the new config) collection
-at the next step; ``collect_times`` ends it, and then rank 0 alone writes ``dynamic_on: false``
-back into the file, atomically and changing nothing else the user wrote (msprobe rewrites the
-whole file). A broken edit is reported once and the current state goes on.
+parsed. An edit that says ``dynamic_on: true`` starts (or restarts with the new config) collection;
+``collect_times`` ends it, and then rank 0 alone writes ``dynamic_on: false`` back into the file,
+atomically and changing nothing else the user wrote (msprobe rewrites the whole file). A broken
+edit is reported once and the current state goes on.
+
+One process starts at the next step. With several ranks the decision is made once, by rank 0,
+and every rank follows it at the same step: rank 0 writes the step and the content hash of the
+edit into a schedule file next to the config (``<config>.schedule``), ``DELAY_STEPS`` steps
+ahead, and each rank starts there once its own read of the config has that hash. (msprobe polls
+on every rank, which starts ranks at different steps when they see the edit at different
+times.) No collective is used, so a rank without a monitor can never make the others wait; a
+rank that sees the schedule only after its step has passed starts at once and says how late.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import re
@@ -21,6 +30,8 @@ from monitor.files import atomic_write_text
 logger = logging.getLogger("trainmon")
 
 ENV = "DYNAMIC_MONITOR"
+#: with several ranks, how many steps after rank 0 saw an edit every rank starts collecting
+DELAY_STEPS = 5
 _DYNAMIC_ON = re.compile(r"""(["']?dynamic_on["']?\s*:\s*)(true|True|TRUE)\b""")
 
 
@@ -32,15 +43,42 @@ def dynamic_mode() -> bool:
 class DynamicControl:
     """Polls one config file and says when collection must (re)start with which config."""
 
-    def __init__(self, path: str | os.PathLike, rank: int = 0) -> None:
+    def __init__(self, path: str | os.PathLike, rank: int = 0, world_size: int = 1) -> None:
         self.path = os.fspath(path)
+        self.schedule_path = self.path + ".schedule"
         self.rank = rank
+        self.world_size = world_size
         self._signature: tuple[int, int, int] | None = None
         self._digest: str | None = None
         self._reported: str | None = None
+        #: the newest valid config read, with its content hash
+        self._latest: tuple[str, MonitorConfig] | None = None
+        #: (step, content hash) of the agreed start not reached yet
+        self._pending: tuple[int, str] | None = None
+        self._schedule_signature: tuple[int, int, int] | None = None
 
-    def poll(self) -> MonitorConfig | None:
-        """A new config to start collecting with, or None (no change, switched off, or broken)."""
+    def attach(self, rank: int, world_size: int) -> MonitorConfig | None:
+        """At set_monitor, on every rank at the same step: the config to start with now, if the
+        file already says ``dynamic_on: true``."""
+        self.rank, self.world_size = rank, world_size
+        self._schedule_signature = _signature_of(self.schedule_path)  # an older run's schedule
+        return self._read_file()
+
+    def poll(self, step: int) -> MonitorConfig | None:
+        """At the end of each step (``step`` is the next one): a config to start with from
+        ``step`` on, or None (no change, not yet, switched off, or broken)."""
+        if self.world_size <= 1:
+            return self._read_file()
+        if self.rank == 0:
+            new = self._read_file()
+            if new is not None and self._latest is not None:
+                self._schedule(step + DELAY_STEPS, self._latest[0])
+        else:
+            self._follow_schedule()
+        return self._due(step)
+
+    def _read_file(self) -> MonitorConfig | None:
+        """The file's config when its content changed to a valid one with ``dynamic_on: true``."""
         try:
             stat = os.stat(self.path)
         except OSError as exc:
@@ -64,7 +102,56 @@ class DynamicControl:
         except ConfigError as exc:
             self._report(digest, f"is not valid, the current state goes on: {exc}")
             return None
-        return config if config.dynamic_on else None
+        if not config.dynamic_on:
+            return None
+        self._latest = (digest, config)
+        return config
+
+    def _schedule(self, step: int, digest: str) -> None:
+        """Rank 0: every rank starts the config with this hash at ``step``."""
+        self._pending = (step, digest)
+        try:
+            atomic_write_text(self.schedule_path, json.dumps({"step": step, "sha256": digest}) + "\n")
+            self._schedule_signature = _signature_of(self.schedule_path)
+        except OSError as exc:
+            logger.error(
+                "trainmon: could not write %s (%r); other ranks will not start", self.schedule_path, exc
+            )
+            return
+        logger.info("trainmon: config %s updated; every rank collects from step %d", self.path, step)
+
+    def _follow_schedule(self) -> None:
+        """Other ranks: take up a new schedule once their own read of the config matches it."""
+        signature = _signature_of(self.schedule_path)
+        if signature is not None and signature != self._schedule_signature:
+            try:
+                with open(self.schedule_path, encoding="utf-8") as handle:
+                    wanted = json.load(handle)
+                self._pending = (int(wanted["step"]), str(wanted["sha256"]))
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                self._report("schedule", f"schedule {self.schedule_path} cannot be read ({exc})")
+                return
+            self._schedule_signature = signature
+        if self._pending is not None and (self._latest is None or self._latest[0] != self._pending[1]):
+            self._read_file()  # the edit may reach this rank's view of the file later
+
+    def _due(self, step: int) -> MonitorConfig | None:
+        """The scheduled config once its step has come and this rank has read that very config."""
+        if self._pending is None or step < self._pending[0]:
+            return None
+        if self._latest is None or self._latest[0] != self._pending[1]:
+            return None
+        start, _ = self._pending
+        self._pending = None
+        if step > start:
+            logger.warning(
+                "trainmon: rank %d starts collecting at step %d, %d step(s) after the other ranks "
+                "(the edit or the schedule reached it late)",
+                self.rank,
+                step,
+                step - start,
+            )
+        return self._latest[1]
 
     def _report(self, key: str, text: str) -> None:
         if self._reported != key:
@@ -88,6 +175,14 @@ class DynamicControl:
             logger.info("trainmon: collection finished; dynamic_on set back to false in %s", self.path)
         except OSError as exc:
             logger.error("trainmon: could not write dynamic_on back to %s (%r)", self.path, exc)
+
+
+def _signature_of(path: str) -> tuple[int, int, int] | None:
+    try:
+        stat = os.stat(path)
+    except OSError:
+        return None
+    return (stat.st_mtime_ns, stat.st_size, stat.st_ino)
 
 
 def _false_like(word: str) -> str:

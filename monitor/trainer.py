@@ -132,15 +132,17 @@ class TrainerMon:
             **live,
         )
         if self._dynamic is not None:
-            self._dynamic.rank = self._session.rank
-            self._poll_dynamic(self._session.step)
+            world_size = getattr(self._session, "world_size", 1)
+            self._follow_dynamic(self._dynamic.attach(self._session.rank, world_size), self._session.step)
         return self
 
     # -- live control ------------------------------------------------------------------------
 
     def _poll_dynamic(self, step: int) -> None:
         """Dynamic mode, once per step: (re)start on an edit with dynamic_on, write back when done."""
-        config = self._dynamic.poll()
+        self._follow_dynamic(self._dynamic.poll(step), step)
+
+    def _follow_dynamic(self, config: MonitorConfig | None, step: int) -> None:
         if config is not None:
             logger.info("trainmon: config %s updated; collecting from step %d", self.config_file_path, step)
             self.config = config

@@ -15,6 +15,10 @@ def global_rank() -> int:
     return dist.get_rank() if initialized() else 0
 
 
+def world_size() -> int:
+    return dist.get_world_size() if initialized() else 1
+
+
 def pipeline_info(process_group: Any) -> tuple[int, list[int]]:
     """``(pp_stage, group_mates)`` of this rank in the pipeline group ``process_group``.
 

@@ -18,7 +18,7 @@ import torch
 
 from adapters.torch.collection import Collection
 from adapters.torch.compiled import has_compiled_modules, recompile_with_hooks, uncompiled
-from adapters.torch.dist import global_rank, pipeline_info
+from adapters.torch.dist import global_rank, pipeline_info, world_size
 from adapters.torch.optim import accumulation_boundary, optimizer_backend
 from monitor.config import MonitorConfig
 from monitor.lifecycle import SessionLifecycle, model_chunks
@@ -55,6 +55,7 @@ class TorchSession(SessionLifecycle):
         self.backend = optimizer_backend(optimizer, self.chunks)
         self.optimizer = self.backend.optimizer
         super().__init__(config, global_rank(), start_iteration, on_step_end)
+        self.world_size = world_size()
         self.pp_stage, self.group_mates = pipeline_info(process_group)
         self.grad_acc_steps = grad_acc_steps
         self.main_grad = params_have_main_grad

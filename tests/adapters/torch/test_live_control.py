@@ -14,6 +14,7 @@ from monitor import ConfigError, TrainerMon
 from tests.adapters.torch.helpers import MLP, make_batches
 from tests.shared_live_control import (
     DYNAMIC_CONFIG,
+    SWITCHED_ON,
     assert_the_edits_were_followed,
     replace_file,
     train_while_editing,
@@ -160,3 +161,39 @@ def test_detector_baselines_survive_a_resume_through_state_dict():
     with pytest.raises(ValueError, match="rules"):
         other.load_state_dict(saved)
     other.stop()
+
+
+def _dynamic_rank(rank: int, world_size: int, workdir: str) -> None:
+    """Rank 1 reads the config at the end of step 3 after rank 0 switched it on; rank 0 reads it
+    only at the end of step 4: each rank polling for itself would start them a step apart."""
+    import torch.distributed as dist
+
+    from tests.adapters.torch.distributed import save_result
+
+    path = os.path.join(workdir, "monitor.json")
+    model, optimizer = _fresh()
+    mon = TrainerMon(path)
+    mon.set_monitor(model, 1, optimizer)
+    for step in range(16):
+        if step == 3 and rank == 1:
+            dist.barrier()  # rank 0 has finished step 3 and switched the config on
+        _step(model, optimizer, step)
+        if step == 3 and rank == 0:
+            replace_file(path, SWITCHED_ON)
+            dist.barrier()
+    mon.stop()
+    with open(path) as handle:
+        config = json.load(handle)
+    save_result(workdir, rank, {"steps": collected_steps(mon.output_dir), "config": config})
+
+
+@pytest.mark.distributed
+def test_dynamic_mode_starts_every_rank_at_the_same_step(tmp_path):
+    from monitor.dynamic import DELAY_STEPS
+    from tests.adapters.torch.distributed import run_ranks
+
+    replace_file(tmp_path / "monitor.json", DYNAMIC_CONFIG)
+    per_rank = run_ranks(_dynamic_rank, 2, str(tmp_path), env={"DYNAMIC_MONITOR": "true"})
+    first = 5 + DELAY_STEPS  # rank 0 sees the edit at the end of step 4 and schedules it
+    assert [r["steps"] for r in per_rank] == [[first, first + 1]] * 2, per_rank
+    assert per_rank[0]["config"]["dynamic_on"] is False  # written back after collect_times
