@@ -19,14 +19,23 @@ Where each parameter lies in the flat tensors comes from adapters.torch.fsdp_int
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from adapters.torch.fsdp_internals import FlatSlot, check_version, flat_layout, fsdp1_units
+from adapters.torch.fsdp_internals import (
+    FlatSlot,
+    FsdpInternalsChanged,
+    check_version,
+    flat_layout,
+    fsdp1_units,
+)
 from adapters.torch.grads import UnreducedGrads
 from adapters.torch.optim import TorchBackend
+
+logger = logging.getLogger("trainmon")
 
 #: the name FSDP1 registers each unit's FlatParameter under
 FLAT_PARAM = "_flat_param"
@@ -60,11 +69,20 @@ class FlatParamBackend(TorchBackend):
         original parameter they hold."""
         by_flat: dict[int, list[FlatSlot]] = {}
         by_original: dict[int, FlatSlot] = {}
-        for unit in fsdp1_units(chunk):
-            for slot in flat_layout(unit):
-                by_flat.setdefault(id(slot.flat), []).append(slot)
-                if slot.original is not None:
-                    by_original[id(slot.original)] = slot
+        try:
+            layouts = [flat_layout(unit) for unit in fsdp1_units(chunk)]
+        except FsdpInternalsChanged as exc:
+            logger.warning(
+                "trainmon: FSDP1: this torch keeps its flat-parameter layout elsewhere (%s); rows are "
+                "each rank's pieces as the optimizer sees them (flat parameters where use_orig_params "
+                "is False), shard_reduce still merges them exactly, and grad_unreduced is not recorded",
+                exc,
+            )
+            return list(chunk.named_parameters())
+        for slot in (slot for layout in layouts for slot in layout):
+            by_flat.setdefault(id(slot.flat), []).append(slot)
+            if slot.original is not None:
+                by_original[id(slot.original)] = slot
         named: list[tuple[str, Any]] = []
         for name, param in chunk.named_parameters():
             slot = by_original.get(id(param))
