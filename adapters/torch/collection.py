@@ -93,15 +93,13 @@ class Collection(BaseCollection):
         for key in _NOT_YET:
             if getattr(config, key):
                 logger.warning("trainmon: %s is not supported yet by this version and is ignored", key)
-        self.update_ratio = config.ur_distribution and not backend.sharded
+        self.update_ratio = config.ur_distribution
         if config.ur_distribution and config.format != "tensorboard":
             logger.warning(
                 "trainmon: ur_distribution writes TensorBoard histograms; with format %s it is off",
                 config.format,
             )
             self.update_ratio = False
-        elif config.ur_distribution and backend.sharded:
-            logger.warning("trainmon: ur_distribution is not supported with sharded optimizers; it is off")
         self.registry = ParamRegistry(chunks, config, main_grad, backend.named_parameters)
         backend.prepare([entry.param for entry in self.registry.params], self.registry.grad)
         self.core = MonitorCore(config, rank, pp_stage, group_mates, output_dir=output_dir)
@@ -315,7 +313,8 @@ class Collection(BaseCollection):
         return torch.cat([matrix, extra.to(matrix.device)], dim=1), (*self.ops, *SHARD_COLUMNS)
 
     def _submit_update_histograms(self) -> None:
-        found = update_histograms(self.backend.optimizer, [e.param for e in self.registry.params])
+        merge = self.backend.sharded and self.config.shard_reduce
+        found = update_histograms(self.backend, [e.param for e in self.registry.params], merge)
         if found is None:
             return
         positions, counts = found

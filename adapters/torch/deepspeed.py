@@ -111,6 +111,10 @@ class UnfusedBackend(DeepSpeedBackend):
         master = self._master.get(param)
         return None if master is None else self._state(master, key)
 
+    def state_owner(self, param: Any) -> tuple[torch.optim.Optimizer, torch.Tensor] | None:
+        master = self._master.get(param)
+        return None if master is None else (self.optimizer, master)
+
 
 @dataclass(frozen=True)
 class _Piece:
@@ -147,6 +151,10 @@ class ShardedBackend(DeepSpeedBackend):
             return None
         state = self._state(self._flats()[piece.group], key)
         return None if state is None else state.narrow(0, piece.start, piece.numel)
+
+    def state_owner(self, param: Any) -> tuple[torch.optim.Optimizer, torch.Tensor] | None:
+        piece = self._pieces.get(param)
+        return None if piece is None else (self.optimizer, self._flats()[piece.group])
 
 
 class FragmentBackend(ShardedBackend):

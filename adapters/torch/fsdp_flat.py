@@ -130,6 +130,12 @@ class FlatParamBackend(TorchBackend):
             return None
         return flat_moment.narrow(0, slot.shard_offset, slot.shard_numel)
 
+    def state_owner(self, param: Any) -> tuple[torch.optim.Optimizer, torch.Tensor] | None:
+        slot = self.slots.get(id(param))
+        if slot is None:
+            return super().state_owner(param)
+        return self.optimizer, slot.original if slot.original is not None else slot.flat
+
 
 class FlatGrads(UnreducedGrads):
     """UnreducedGrads from one hook per FlatParameter: each original parameter's part of the

@@ -88,6 +88,10 @@ class MegatronBackend(TorchBackend):
         value = state.get(key) if state else None
         return value if isinstance(value, torch.Tensor) else None
 
+    def state_owner(self, param: Any) -> tuple[torch.optim.Optimizer, torch.Tensor] | None:
+        main = self._main.get(param)
+        return None if main is None or self.inner is None else (self.inner, main)
+
 
 class FP32Backend(MegatronBackend):
     """FP32Optimizer: the inner torch optimizer updates the model parameters themselves."""
@@ -202,6 +206,10 @@ class ChainedBackend(TorchBackend):
     def moment(self, param: torch.nn.Parameter, key: str) -> torch.Tensor | None:
         owner = self._owner.get(param)
         return owner.moment(param, key) if owner is not None else None
+
+    def state_owner(self, param: Any) -> tuple[torch.optim.Optimizer, torch.Tensor] | None:
+        owner = self._owner.get(param)
+        return owner.state_owner(param) if owner is not None else None
 
 
 def _one_group(groups: list[Any]) -> Any:

@@ -148,6 +148,34 @@ class TorchBackend:
         value = state.get(key)
         return value if isinstance(value, torch.Tensor) else None
 
+    def state_owner(self, param: Any) -> tuple[torch.optim.Optimizer, torch.Tensor] | None:
+        """The torch optimizer that updates ``param`` and the tensor it keeps state for (a
+        master copy, a flat partition...), or None where this rank updates none of it."""
+        return self.optimizer, param
+
+    def adam_hyper(self, param: Any) -> tuple[float, float, float, float] | None:
+        """``(step, beta1, beta2, eps)`` of the Adam state behind ``param``'s moments, from the
+        param group of the tensor the optimizer updates; None before its first update."""
+        owner = self.state_owner(param)
+        if owner is None:
+            return None
+        optimizer, key = owner
+        state = optimizer.state.get(key)
+        if not state or "step" not in state:
+            return None
+        group = self._param_group(optimizer, key)
+        beta1, beta2 = group.get("betas", (0.9, 0.999))
+        return float(state["step"]), float(beta1), float(beta2), float(group.get("eps", 1e-8))
+
+    def _param_group(self, optimizer: torch.optim.Optimizer, tensor: torch.Tensor) -> dict:
+        """The param group holding ``tensor`` (the defaults when none does), from a map built
+        once per optimizer and rebuilt when it lacks the tensor (groups added later)."""
+        maps = self.__dict__.setdefault("_group_maps", {})
+        groups = maps.get(id(optimizer))
+        if groups is None or id(tensor) not in groups:
+            groups = maps[id(optimizer)] = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+        return groups.get(id(tensor), optimizer.defaults)
+
 
 #: optimizer class name (anywhere in the wrapper chain, outermost first) -> back-end class.
 BACKENDS: dict[str, type] = {}

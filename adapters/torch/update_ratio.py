@@ -1,7 +1,8 @@
 """ur_distribution: distributions of Adam's update and of m/sqrt(v), as TensorBoard histograms.
 
 For each monitored parameter with Adam state after this step's update, with the betas and eps
-of its own param group: ``m_hat = m / (1 - beta1^t)``, ``v_hat = v / (1 - beta2^t)``,
+of the param group of the tensor the optimizer updates (a master copy, a partition):
+``m_hat = m / (1 - beta1^t)``, ``v_hat = v / (1 - beta2^t)``,
 ``update = m_hat / (sqrt(v_hat) + eps)`` and ``ratio = m_hat / sqrt(v_hat)``. Each is binned on
 the device into 30 buckets over [-1, 1] (values beyond fall into the edge buckets), with NaN and
 Inf counted separately, so one bad value never breaks the histogram. All counts of a step are
@@ -11,17 +12,15 @@ stacked and copied to the host once; nothing is rendered on the training thread.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 BINS = 30
 EDGES = np.linspace(-1.0, 1.0, BINS + 1)
 KINDS = ("adam_update", "adam_ratio")
-
-
-def _group_of(optimizer: torch.optim.Optimizer) -> dict[int, dict]:
-    return {id(p): group for group in optimizer.param_groups for p in group["params"]}
 
 
 def _counts(values: torch.Tensor) -> torch.Tensor:
@@ -35,27 +34,41 @@ def _counts(values: torch.Tensor) -> torch.Tensor:
 
 
 def update_histograms(
-    optimizer: torch.optim.Optimizer, params: Sequence[torch.nn.Parameter]
+    backend: Any, params: Sequence[Any], merge: bool = False
 ) -> tuple[list[int], np.ndarray] | None:
     """Histograms of the parameters that have Adam state: ``(positions, counts)``.
 
-    ``counts`` is (len(positions), 2, BINS + 2): per kind (update, ratio) the bucket counts,
-    then the NaN and Inf counts. None when no parameter has state yet.
+    Moments and hyper-parameters come from the optimizer back-end: this rank's piece where the
+    optimizer is sharded. ``merge``: sum the counts over the back-end's shard group(s) (bucket
+    counts add up over pieces), so that every rank holds the whole tensor's histogram; every rank
+    must call it then. ``counts`` is (len(positions), 2, BINS + 2): per kind (update,
+    ratio) the bucket counts, then the NaN and Inf counts. None when no parameter has state yet.
     """
-    groups = _group_of(optimizer)
-    rows, positions = [], []
+    rows: dict[int, torch.Tensor] = {}
     for position, param in enumerate(params):
-        state = optimizer.state.get(param)
-        if not state or "exp_avg" not in state or "exp_avg_sq" not in state:
+        hyper = backend.adam_hyper(param)
+        exp_avg, exp_avg_sq = backend.moment(param, "exp_avg"), backend.moment(param, "exp_avg_sq")
+        if hyper is None or exp_avg is None or exp_avg_sq is None:
             continue
-        group = groups.get(id(param), optimizer.defaults)
-        beta1, beta2 = group.get("betas", (0.9, 0.999))
-        eps = group.get("eps", 1e-8)
-        step = float(state.get("step", 1))
-        m_hat = state["exp_avg"] / (1.0 - beta1**step)
-        root_v = (state["exp_avg_sq"] / (1.0 - beta2**step)).sqrt()
-        rows.append(torch.stack([_counts(m_hat / (root_v + eps)), _counts(m_hat / root_v)]))
-        positions.append(position)
+        step, beta1, beta2, eps = hyper
+        m_hat = exp_avg / (1.0 - beta1**step)
+        root_v = (exp_avg_sq / (1.0 - beta2**step)).sqrt()
+        rows[position] = torch.stack([_counts(m_hat / (root_v + eps)), _counts(m_hat / root_v)])
+    if merge:
+        return _merged(rows, len(params), backend.shard_group)
     if not rows:
         return None
-    return positions, torch.stack(rows).cpu().numpy()
+    return list(rows), torch.stack(list(rows.values())).cpu().numpy()
+
+
+def _merged(rows: dict[int, torch.Tensor], count: int, groups: Any) -> tuple[list[int], np.ndarray] | None:
+    """Every position's counts summed over the ranks of ``groups``; positions no rank has dropped."""
+    device = next(iter(rows.values())).device if rows else torch.device("cpu")
+    full = torch.zeros((count, 2, BINS + 2), dtype=torch.float32, device=device)
+    for position, row in rows.items():
+        full[position] = row
+    for group in groups if isinstance(groups, tuple) else (groups,):
+        dist.all_reduce(full, group=group)
+    host = full.cpu().numpy()
+    positions = [i for i in range(count) if host[i].sum() > 0]
+    return (positions, host[positions]) if positions else None

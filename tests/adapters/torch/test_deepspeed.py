@@ -23,7 +23,15 @@ import pytest
 import torch
 
 from tests.adapters.torch.distributed import run_ranks, save_result
-from tests.adapters.torch.helpers import ALL_OPS, MLP, assert_stats_close, latest_rows, merge_piece_rows
+from tests.adapters.torch.helpers import (
+    ALL_OPS,
+    MLP,
+    assert_stats_close,
+    latest_rows,
+    merge_piece_rows,
+    read_histograms,
+    update_histogram_reference,
+)
 
 if importlib.util.find_spec("deepspeed") is None:  # not imported here: the test process stays DeepSpeed-free
     pytest.skip("deepspeed is not installed (pip install trainmon[deepspeed])", allow_module_level=True)
@@ -334,3 +342,76 @@ def test_every_statistic_equals_deepspeeds_full_tensors(tmp_path, stage):
         for result in results:
             assert set(result["backends"].values()) == {expected}, f"{key}: {result['backends']}"
         _check_case(key, results, sharded=expected not in ("TorchBackend", "UnfusedBackend"))
+
+
+HISTOGRAM_CASES = [(0, "bf16"), (2, "fp32"), (3, "fp32")]
+
+
+def _histogram_case(rank: int, stage: int, precision: str) -> dict:
+    """ur_distribution, whole (shard_reduce) and in pieces, and the references from DeepSpeed's
+    full optimizer state after each step."""
+    from monitor import TrainerMon
+
+    engine, _, dtype = _engine(stage, precision)
+    config = {"ur_distribution": True, "format": "tensorboard"}
+    monitors = {
+        "merged": TrainerMon({**config, "shard_reduce": True}).set_monitor(engine.module, GAS, engine),
+        "pieces": TrainerMon(config).set_monitor(engine.module, GAS, engine.optimizer),
+    }
+    inner = getattr(engine.optimizer, "optimizer", engine.optimizer)
+    group = inner.param_groups[0]
+    expected = {}
+    for step in range(STEPS):
+        _train_step(engine, rank, step, dtype)
+        _relink_moments(engine)
+        count = float(next(iter(inner.state.values()))["step"])
+        for name, p in engine.module.named_parameters():
+            found = update_histogram_reference(
+                _full(engine, p, "exp_avg"),
+                _full(engine, p, "exp_avg_sq"),
+                count,
+                group["betas"],
+                group["eps"],
+            )
+            for kind, (counts, nans) in found.items():
+                expected[f"{name}/{kind}/{step}"] = (counts.tolist(), nans)
+    for mon in monitors.values():
+        mon.stop()
+    return {"expected": expected, "dirs": {key: mon.output_dir for key, mon in monitors.items()}}
+
+
+def _histogram_worker(rank: int, world_size: int, workdir: str) -> None:
+    os.environ.update(LOCAL_RANK=str(rank), DS_ACCELERATOR="cpu")
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+    save_result(workdir, rank, {f"{s}-{p}": _histogram_case(rank, s, p) for s, p in HISTOGRAM_CASES})
+
+
+def _histogram_key(tag: str, step: int) -> str:
+    return f"{tag.split('/')[0].split(':', 1)[1]}/{tag.split('/')[-1]}/{step}"
+
+
+def test_update_histograms_equal_deepspeeds_optimizer_state(tmp_path):
+    """ur_distribution through the back-ends: whole histograms on every rank with shard_reduce,
+    pieces' histograms that add up to them (whole ones on each rank where nothing is sharded)."""
+    env = {"MONITOR_OUTPUT_DIR": str(tmp_path / "out")}
+    per_rank = run_ranks(_histogram_worker, 2, str(tmp_path), env=env)
+    for stage, precision in HISTOGRAM_CASES:
+        results = [r[f"{stage}-{precision}"] for r in per_rank]
+        expected = results[0]["expected"]
+        pieces: dict[str, list] = {}
+        for rank, result in enumerate(results):
+            merged = read_histograms(result["dirs"]["merged"])
+            assert {_histogram_key(t, s) for t, s in merged} == set(expected), f"stage {stage} rank {rank}"
+            for (tag, step), (counts, nans) in merged.items():
+                want = expected[_histogram_key(tag, step)]
+                assert (counts.tolist(), nans) == (want[0], want[1]), (
+                    f"stage {stage} rank {rank} {tag} {step}"
+                )
+            for (tag, step), (counts, nans) in read_histograms(result["dirs"]["pieces"]).items():
+                total = pieces.setdefault(_histogram_key(tag, step), [np.zeros(len(counts)), 0])
+                total[0] += counts
+                total[1] += nans
+        ranks_per_whole = 1 if stage else len(results)  # stage 0: every rank holds the whole state
+        for key, (counts, nans) in pieces.items():
+            assert (counts / ranks_per_whole).tolist() == expected[key][0], f"stage {stage} {key}"
+            assert nans / ranks_per_whole == expected[key][1], f"stage {stage} {key}"

@@ -25,7 +25,15 @@ import torch
 import torch.distributed as dist
 
 from tests.adapters.torch.distributed import run_ranks, save_result
-from tests.adapters.torch.helpers import ALL_OPS, MLP, assert_stats_close, latest_rows, merge_piece_rows
+from tests.adapters.torch.helpers import (
+    ALL_OPS,
+    MLP,
+    assert_stats_close,
+    latest_rows,
+    merge_piece_rows,
+    read_histograms,
+    update_histogram_reference,
+)
 from tests.reference_stats import sign_agreement
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -257,3 +265,63 @@ def test_fsdp_statistics_equal_an_unsharded_replica(tmp_path, case):
         assert result["identical"], f"{case}: training changed by the monitors"
     for step in range(STEPS):
         _check_step(case, step, results)
+
+
+def _histogram_worker(rank: int, world_size: int, workdir: str, case: str) -> None:
+    """ur_distribution with and without shard_reduce; the replica's AdamW state per step."""
+    from monitor import TrainerMon
+
+    model, replica = _sharded(case)
+    optimizer, replica_optimizer = _optimizer(model.parameters()), _optimizer(replica.parameters())
+    config = {"ur_distribution": True, "format": "tensorboard"}
+    monitors = {
+        "merged": TrainerMon({**config, "shard_reduce": True}).set_monitor(model, MICRO, optimizer),
+        "pieces": TrainerMon(config).set_monitor(model, MICRO, optimizer),
+    }
+    names = [name for name, _ in replica.named_parameters()]
+    expected = {}
+    for step in range(STEPS):
+        local, _ = _local_grads(replica, case, rank, step)
+        for p, g in zip(replica.parameters(), local):
+            dist.all_reduce(g)
+            p.grad = g / WORLD
+        replica_optimizer.step()
+        for name, p in zip(names, replica.parameters()):
+            state, group = replica_optimizer.state[p], replica_optimizer.param_groups[0]
+            found = update_histogram_reference(
+                state["exp_avg"].numpy(),
+                state["exp_avg_sq"].numpy(),
+                float(state["step"]),
+                group["betas"],
+                group["eps"],
+            )
+            for kind, (counts, nans) in found.items():
+                expected[f"{name}/{kind}/{step}"] = (counts.tolist(), nans)
+        _train_step(model, optimizer, rank, step)
+    for mon in monitors.values():
+        mon.stop()
+    save_result(workdir, rank, {"expected": expected, "dirs": {k: m.output_dir for k, m in monitors.items()}})
+
+
+@pytest.mark.parametrize("case", ["fsdp2-fp32", "fsdp1-flat-params"])
+def test_fsdp_update_histograms_equal_the_replicas(tmp_path, case):
+    """Whole histograms on every rank with shard_reduce; pieces' histograms that add up to them."""
+    env = {"MONITOR_OUTPUT_DIR": str(tmp_path / "out")}
+    per_rank = run_ranks(functools.partial(_histogram_worker, case=case), WORLD, str(tmp_path), env=env)
+    expected = per_rank[0]["expected"]
+    pieces: dict[str, list] = {}
+    for rank, result in enumerate(per_rank):
+        merged = read_histograms(result["dirs"]["merged"])
+        assert len(merged) == len(expected), sorted(merged)[:4]
+        for (tag, step), (counts, nans) in merged.items():
+            name, kind = tag.split("/")[0].split(":", 1)[1], tag.split("/")[-1]
+            want_counts, want_nans = expected[f"{name}/{kind}/{step}"]
+            assert counts.tolist() == want_counts and nans == want_nans, f"rank {rank} {tag} step {step}"
+        for (tag, step), (counts, nans) in read_histograms(result["dirs"]["pieces"]).items():
+            key = f"{tag.split('/')[0].split(':', 1)[1]}/{tag.split('/')[-1]}/{step}"
+            total = pieces.setdefault(key, [np.zeros(len(counts)), 0])
+            total[0] += counts
+            total[1] += nans
+    assert set(pieces) == set(expected)
+    for key, (counts, nans) in pieces.items():
+        assert counts.tolist() == expected[key][0] and nans == expected[key][1], key

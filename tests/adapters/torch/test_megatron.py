@@ -25,7 +25,12 @@ from adapters.torch.params import ParamRegistry
 from monitor.config import load_config
 from tests.adapters.torch import megatron_cpu_shim
 from tests.adapters.torch.distributed import run_ranks, save_result
-from tests.adapters.torch.helpers import ALL_OPS, assert_stats_close
+from tests.adapters.torch.helpers import (
+    ALL_OPS,
+    assert_stats_close,
+    read_histograms,
+    update_histogram_reference,
+)
 from tests.adapters.torch.megatron_reference import (
     agreement,
     gather_whole,
@@ -209,6 +214,12 @@ def _run_config(spec: dict, rank: int) -> dict:
     )
     groups = {"tp_group": group} if spec["groups"] == "tp" else {"dp_group": group}
     mon.set_monitor(chunks, GRAD_ACC, optimizer=optimizer, **groups)
+    histograms = TrainerMon(
+        {"ur_distribution": True, "format": "tensorboard", "shard_reduce": spec.get("shard_reduce", False)},
+        params_have_main_grad=True,
+    )
+    histograms.set_monitor(chunks, GRAD_ACC, optimizer=optimizer, **groups)
+    expected_histograms = {}
     named = [(c, n, p) for c, chunk in enumerate(chunks) for n, p in chunk.module.named_parameters()]
     keys = [(c, n) for c, n, _ in named]
     tp_split = {(c, n) for c, n, p in named if getattr(p, "tensor_model_parallel", False)}
@@ -233,14 +244,39 @@ def _run_config(spec: dict, rank: int) -> dict:
         own_after = truth(spec, chunks, optimizer)
         whole_after = gather_whole(own_after, numel) if merged else _values(own_after)
         whole = (whole_before, whole_after)
+        expected_histograms.update(_histogram_reference(optimizer, whole_after, rank, len(steps)))
         checked = _deferred(failures, _check_step, spec, rank, mon, keys, local, mean, own_before, own_after)
         steps.append(checked(whole, tp_split))
     prefixes = sorted({tag.split(":", 1)[0] for tag in mon.generate_wgrad_metrics()[1]})
     mon.stop()
+    histograms.stop()
+    _deferred(failures, _check_histograms, read_histograms(histograms.output_dir), expected_histograms)()
     _deferred(failures, _check_restored, chunks, optimizer)()
     _deferred(failures, _check_same_training, chunks, optimizer, plain_chunks, plain_optimizer)()
     _raise_on_any_rank(failures)
     return {"steps": steps, "prefixes": prefixes, "rows": len(keys)}
+
+
+def _histogram_reference(optimizer, tensors: dict, rank: int, step: int) -> dict:
+    """ur_distribution's histograms of (value, exp_avg, exp_avg_sq) after a step: whole tensors,
+    or this rank's pieces (a distributed optimizer without shard_reduce)."""
+    inner = optimizer.chained_optimizers[0].optimizer
+    group, count = inner.param_groups[0], float(next(iter(inner.state.values()))["step"])
+    expected = {}
+    for (chunk, name), (_, exp_avg, exp_avg_sq) in tensors.items():
+        if exp_avg is None:
+            continue
+        found = update_histogram_reference(exp_avg, exp_avg_sq, count, group["betas"], group["eps"])
+        for kind, (counts, nans) in found.items():
+            expected[(f"{chunk}:{name}/rank{rank}/{kind}", step)] = (counts.tolist(), nans)
+    return expected
+
+
+def _check_histograms(found: dict, expected: dict) -> None:
+    assert expected, "no Adam state to compare with"
+    assert set(found) == set(expected), sorted(set(found) ^ set(expected))[:4]
+    for key, (counts, nans) in found.items():
+        assert (counts.tolist(), nans) == expected[key], key
 
 
 def _values(pieces: dict) -> dict:
@@ -314,7 +350,8 @@ def _worker(rank: int, world_size: int, workdir: str) -> None:
 @pytest.mark.parametrize("job", sorted(JOBS))
 def test_megatron_optimizers_record_what_megatron_holds(job, tmp_path):
     pytest.importorskip("megatron.core")
-    rank0, rank1 = run_ranks(_worker, 2, str(tmp_path), env={"MEGATRON_JOB": job})
+    env = {"MEGATRON_JOB": job, "MONITOR_OUTPUT_DIR": str(tmp_path / "out")}
+    rank0, rank1 = run_ranks(_worker, 2, str(tmp_path), env=env)
     for spec, first, second in zip(JOBS[job], rank0["configs"], rank1["configs"]):
         assert first["prefixes"] == second["prefixes"] == [str(c) for c in range(spec.get("chunks", 1))]
         for step_a, step_b in zip(first["steps"], second["steps"]):
