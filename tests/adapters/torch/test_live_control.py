@@ -174,6 +174,7 @@ def _dynamic_rank(rank: int, world_size: int, workdir: str) -> None:
     model, optimizer = _fresh()
     mon = TrainerMon(path)
     mon.set_monitor(model, 1, optimizer)
+    dist.barrier()  # both attached (and read the config, still off) before rank 0 edits it
     for step in range(16):
         if step == 3 and rank == 1:
             dist.barrier()  # rank 0 has finished step 3 and switched the config on
