@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from adapters.torch.compiled import eager
+from adapters.torch.dist import dtensor_type
 from adapters.torch.stats import stack_rows, tensor_stats
 from monitor.config import MonitorConfig
 from monitor.module_io import call_name, direction_tensors, row_names
@@ -197,6 +198,8 @@ class Activations:
         seen = self._seen
         rows = []
         for t in tensors:
+            if isinstance(t, dtensor_type()):  # tensor parallelism without local outputs: this rank's piece
+                t = t.to_local()
             hit = seen.get(id(t))
             if hit is not None and hit[0]() is t and hit[1] == t._version:
                 rows.append(hit[2])

@@ -1,10 +1,21 @@
-"""torch.distributed facts the monitor needs: rank, pipeline stage, group membership."""
+"""torch.distributed facts the monitor needs: rank, pipeline stage, group membership, DTensors."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch.distributed as dist
+
+
+@functools.cache
+def dtensor_type() -> type | tuple:
+    """torch's DTensor class (an empty tuple, matching nothing, where torch has no distributed)."""
+    if not dist.is_available():
+        return ()
+    from torch.distributed.tensor import DTensor
+
+    return DTensor
 
 
 def initialized() -> bool:

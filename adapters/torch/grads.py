@@ -25,7 +25,6 @@ preallocated buffer: a hook allocates nothing per parameter.
 
 from __future__ import annotations
 
-import functools
 import logging
 import weakref
 from collections.abc import Callable, Sequence
@@ -33,20 +32,11 @@ from typing import Any
 
 import torch
 
+from adapters.torch.dist import dtensor_type
 from adapters.torch.params import ParamRegistry
 from adapters.torch.stats import RowBuffer, stack_rows, tensor_stats
 
 logger = logging.getLogger("trainmon")
-
-
-@functools.cache
-def dtensor_type() -> type | tuple:
-    """torch's DTensor class (an empty tuple, matching nothing, where torch has no distributed)."""
-    if not torch.distributed.is_available():
-        return ()
-    from torch.distributed.tensor import DTensor
-
-    return DTensor
 
 
 class UnreducedGrads:

@@ -81,6 +81,10 @@ _KIND = {
 }
 
 
+#: tensor classes whose memory the kernel may read directly
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
 def _fused_pays(ops: tuple[str, ...], dtype: torch.dtype) -> bool:
     """Whether the fused pass beats library calls: where the library needs several passes
     (min/max, the zero count) or a widening copy (bf16, which the kernel widens in registers)."""
@@ -88,8 +92,15 @@ def _fused_pays(ops: tuple[str, ...], dtype: torch.dtype) -> bool:
 
 
 def _cpu_block(tensors: Sequence[torch.Tensor], ops: tuple[str, ...], eps: float) -> torch.Tensor:
-    """CPU tensors of one dtype: each read once (fused kernel) or chunk by chunk while in cache."""
-    if tensors[0].is_floating_point() and _fused_pays(ops, tensors[0].dtype) and fused_stats.available():
+    """CPU tensors of one dtype: each read once (fused kernel) or chunk by chunk while in cache.
+    Tensor subclasses (a collective's result still in flight) go through torch's own ops."""
+    first = tensors[0]
+    if (
+        first.is_floating_point()
+        and _fused_pays(ops, first.dtype)
+        and fused_stats.available()
+        and all(type(t) in _PLAIN for t in tensors)
+    ):
         parts = _fused_parts(tensors, eps)
     else:
         parts = _library_parts(tensors, ops, eps)
@@ -258,11 +269,13 @@ def stat_matrix(tensors: Sequence[torch.Tensor], ops: Sequence[str], eps: float 
 
 
 def _in_place(t: torch.Tensor) -> tuple[torch.Tensor, int] | None:
-    """``(contiguous tensor, element kind)`` where the kernel can read a tensor in place (a CPU
-    fp32/fp64/bf16 tensor with elements; a non-contiguous one is copied); else None. The caller
-    keeps the returned tensor alive while the kernel reads its ``data_ptr()``."""
+    """``(contiguous tensor, element kind)`` where the kernel can read a tensor in place (a plain
+    CPU fp32/fp64/bf16 tensor with elements; a non-contiguous one is copied); else None. Tensor
+    subclasses (a collective's result still in flight, a DTensor) go through torch's own ops,
+    which know how to read them. The caller keeps the returned tensor alive while the kernel
+    reads its ``data_ptr()``."""
     kind = _KIND.get(t.dtype)
-    if kind is None or not t.numel() or not t.is_cpu or not fused_stats.available():
+    if kind is None or type(t) not in _PLAIN or not t.numel() or not t.is_cpu or not fused_stats.available():
         return None
     return (t if t.is_contiguous() else t.contiguous()), kind
 

@@ -8,7 +8,8 @@ unsharded replica's gradient on the dp rank's batches (unreduced), its mean over
 (reduced), its own AdamW (parameters, moments). Whole values (``shard_reduce``) must equal the
 replica's on every rank; pieces written with their element counts must merge to them with each
 element counted once (no row from a replica); unreduced rows are this rank's tensor-parallel
-piece of its dp rank's gradient.
+piece of its dp rank's gradient; activations of the column-parallel module are this rank's
+columns of the replica's.
 """
 
 from __future__ import annotations
@@ -102,10 +103,15 @@ def _worker(rank: int, world_size: int, workdir: str) -> None:
         "merged": TrainerMon({**CONFIG, "shard_reduce": True}).set_monitor(model, 1, optimizer),
         "pieces": TrainerMon(CONFIG).set_monitor(model, 1, optimizer),
     }
+    activations = TrainerMon({"xy_distribution": True, "all_xy": True, "ops": ALL_OPS, "format": "api"})
+    activations.set_monitor(model, 1, optimizer)
     names = [name for name, _ in replica.named_parameters()]
     steps = []
     for step in range(STEPS):
         replica.zero_grad()
+        hidden = replica.up(_batch(dp_rank, step))  # column-parallel: this rank holds columns of it
+        columns = hidden.shape[1] // TP
+        up_output = _flat(hidden[:, (rank % TP) * columns : (rank % TP + 1) * columns])
         replica(_batch(dp_rank, step)).pow(2).mean().backward()
         local = [p.grad.clone() for p in replica.parameters()]
         reduced = [g.clone() for g in local]
@@ -130,10 +136,11 @@ def _worker(rank: int, world_size: int, workdir: str) -> None:
             }
         _train_step(model, optimizer, dp_rank, step)
         got = {key: {prefix: mon._latest(prefix) for prefix in PREFIXES} for key, mon in monitors.items()}
-        steps.append({"ref": ref, "got": got})
+        up_row = activations._latest("actv")[f"0:up.output:0/rank{rank}/actv"]
+        steps.append({"ref": ref, "got": got, "up_output": [up_output, up_row]})
     backends = sorted({type(mon._session.backend).__name__ for mon in monitors.values()})
     trained = [p.to_local().detach().clone() for p in model.parameters()]
-    for mon in monitors.values():
+    for mon in (*monitors.values(), activations):
         mon.stop()
     plain, _ = _parallel()
     plain_optimizer = _optimizer(plain.parameters())
@@ -165,6 +172,9 @@ def _check_unreduced(step: int, per_rank: list[dict]) -> None:
 
 
 def _check_step(step: int, per_rank: list[dict]) -> None:
+    for rank, result in enumerate(per_rank):  # activations of a tensor-parallel module: the local piece
+        want, row = result["steps"][step]["up_output"]
+        assert_stats_close(row, np.array(want), what=f"step {step} rank {rank} up.output", rel=TOLERANCE)
     ref = per_rank[0]["steps"][step]["ref"]
     for prefix in PREFIXES:
         if prefix == "grad_unreduced":
