@@ -1,8 +1,12 @@
-"""The README stays a short read and every relative link in it and in docs/ leads somewhere."""
+"""The README stays a short read, every relative link in it and in docs/ leads somewhere, the
+generated pages match the code, and the documentation site builds."""
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -23,3 +27,33 @@ def test_relative_links_lead_to_files_that_exist(page):
     targets = [t for t in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text) if "://" not in t]
     missing = [t for t in targets if not (page.parent / t).exists()]
     assert missing == []
+
+
+def test_every_config_key_has_a_meaning_and_every_meaning_a_key():
+    from monitor.reference_docs import MEANINGS, config_keys
+
+    assert set(MEANINGS) == set(config_keys())
+
+
+def test_the_generated_pages_say_what_the_code_says():
+    """docs/configuration.md's key table and docs/cli.md come from the code (regenerate them with
+    ``python -m monitor.reference_docs``)."""
+    from monitor.cli import build_parser
+    from monitor.reference_docs import cli_page, with_config_table
+
+    configuration = (ROOT / "docs" / "configuration.md").read_text(encoding="utf-8")
+    assert with_config_table(configuration) == configuration
+    assert cli_page(build_parser()) == (ROOT / "docs" / "cli.md").read_text(encoding="utf-8")
+
+
+def test_the_documentation_site_builds_strictly(tmp_path):
+    """mkdocs (the dev extra) builds the site from docs/ with every warning an error."""
+    done = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (tmp_path / "site" / "configuration" / "index.html").exists()

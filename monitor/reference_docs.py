@@ -1,0 +1,186 @@
+"""The generated parts of the documentation, so that they cannot drift from the code.
+
+- the table of config keys in docs/configuration.md: every key of ``MonitorConfig`` (and of its
+  ``alert`` and ``cc_distribution`` sections) with its real default, and its meaning from
+  ``MEANINGS`` below (a test fails when a key has none or a meaning has no key);
+- docs/cli.md: the help of ``trainmon`` and each of its commands, from the argparse parser.
+
+``python -m monitor.reference_docs`` rewrites both from the code; a test checks that the
+committed files say the same.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import fields, is_dataclass
+from pathlib import Path
+
+from monitor.config import MonitorConfig
+
+#: config key (``section.key`` inside ``alert`` / ``cc_distribution``) -> what it does.
+MEANINGS = {
+    "targets": (
+        "module or parameter names to monitor (empty: everything). A key selects a name exactly "
+        "or as a dotted prefix on a name boundary: `layers.1` selects `layers.1.mlp.weight` but "
+        "not `layers.10.*`. Raw, squashed and `N:`-prefixed spellings match; a leading `module.` "
+        "(DDP) is optional. A plain list of names is accepted too."
+    ),
+    "wg_distribution": (
+        "weight gradients: `grad_unreduced` (each rank's local gradient, accumulated over the "
+        "step's micro-batches, before data-parallel reduction) and `grad_reduced` (what the "
+        "optimizer sees)"
+    ),
+    "monitor_mbs_grad": (
+        "`grad_unreduced` per micro-batch (that micro-batch's own gradient), with a `micro_step` column"
+    ),
+    "mv_distribution": "Adam `exp_avg`, `exp_avg_sq` (any optimizer whose state has those keys)",
+    "param_distribution": "`param_origin` (before the update) and `param_updated` (after)",
+    "mg_direction": (
+        "share of elements whose gradient sign agrees with `exp_avg` (before this step's update; "
+        "1.0 at the first step), in the `other` files"
+    ),
+    "ur_distribution": (
+        "TensorBoard histograms of Adam's update and of m/sqrt(v) per parameter (format `tensorboard` only)"
+    ),
+    "ops": (
+        "any of `min`, `max`, `norm`, `mean`, `zeros`, `nans`, `id`; unknown names are an error; "
+        "`shape`/`dtype` (later msprobe) are accepted and ignored"
+    ),
+    "eps": "`zeros` counts `|x| < eps`",
+    "format": "`csv`, `tensorboard` or `api` (in memory, no files); anything else is an error",
+    "ndigits": (
+        "**significant digits** in CSV (msprobe rounds to decimal places, so every `exp_avg_sq` prints 0.0)"
+    ),
+    "step_count_per_record": "steps per CSV file",
+    "start_step": "first step eligible for collection",
+    "step_interval": (
+        "collect when `(step - start_step) % step_interval == 0` (0 is an error, not a ZeroDivisionError)"
+    ),
+    "collect_times": "collected steps, after which every hook is removed (must be >= 1)",
+    "module_ranks": (
+        "ranks that monitor (empty: all); other ranks attach nothing and write nothing. Strings "
+        'such as `"0"` are accepted.'
+    ),
+    "squash_name": (
+        "shorten names like msprobe's later versions (`module.decoder.layers.3.mlp.weight` -> "
+        "`layers.3.mlp.weight`), except that a name starting with a keyword stays whole "
+        "(`layers.0.norm2.weight`, which msprobe collapses to a colliding `norm2.weight`)"
+    ),
+    "alert.rules": ('list of `{"rule_name": ..., "args": {...}}`, see [anomalies.md](anomalies.md)'),
+    "alert.dump": "write `anomaly_detected/rank{R}/anomaly.json` and `incidents.json`",
+    "alert.non_finite": "ours: a NaN/Inf statistic is an anomaly whatever the rules",
+    "append_output": (
+        '`[t0, t1]` (`"Dec03_21-34-40"`): resume into this rank\'s existing directory with a time '
+        "tag in range; a new one is made (with a warning) when none matches"
+    ),
+    "xy_distribution": (
+        "module activations: `actv` (inputs/outputs, forward) and `actv_grad` (their gradients, "
+        "backward), see below"
+    ),
+    "all_xy": (
+        "with `xy_distribution`, every submodule; otherwise the modules named exactly in "
+        "`targets` (or every module when `targets` is empty)"
+    ),
+    "forward_only": "only `actv` (no `actv_grad`); with `backward_only` too it is an error",
+    "backward_only": "only `actv_grad` (no `actv`)",
+    "print_struct": (
+        "write the module structure after the first step and stop the run with `monitor.StructurePrinted`"
+    ),
+    "stack_info": "write `stack_info.csv` (each module's call stack) once, at the first collected step",
+    "dynamic_on": ('with `DYNAMIC_MONITOR=true`: collect while the file says true, see "Live control"'),
+    "shard_reduce": (
+        "ours: with sharded parameters or optimizers, merge the ranks' pieces so each row is the "
+        "whole tensor (one all_gather per data type per collected step)"
+    ),
+    "cc_distribution.enable": (
+        "statistics of the tensors passing through torch.distributed collectives, see "
+        "[distributed.md](distributed.md)"
+    ),
+    "cc_distribution.cc_codeline": "only the call sites whose stack matches one of these patterns",
+    "cc_distribution.cc_pre_hook": "also the inputs before each call",
+    "cc_distribution.cc_log_only": "log each distinct collective once and stop at the first optimizer step",
+    "l2_targets": "msprobe's l2 features: validated; not recorded by this version yet (a warning says so)",
+    "recording_l2_features": (
+        "msprobe's l2 features: validated; not recorded by this version yet (a warning says so)"
+    ),
+    "sa_order": "msprobe's l2 features (attention layout): validated; not used by this version yet",
+}
+
+#: columns of the generated help text
+HELP_WIDTH = 96
+BEGIN, END = "<!-- generated: config keys -->", "<!-- end of generated config keys -->"
+
+
+def config_keys() -> dict[str, object]:
+    """Every config key with its default, in the order of ``MonitorConfig``'s fields."""
+    defaults = MonitorConfig().to_dict()
+    keys: dict[str, object] = {}
+    for field in fields(MonitorConfig):
+        value = getattr(MonitorConfig(), field.name)
+        if is_dataclass(value):
+            for inner, default in defaults[field.name].items():
+                keys[f"{field.name}.{inner}"] = default
+        else:
+            keys[field.name] = defaults[field.name]
+    return keys
+
+
+def config_table() -> str:
+    """The markdown table of config keys, defaults and meanings (in ``MEANINGS``' order)."""
+    defaults = config_keys()
+    lines = ["| key | default | meaning |", "|---|---|---|"]
+    for key, meaning in MEANINGS.items():
+        lines.append(f"| `{key}` | `{json.dumps(defaults[key])}` | {meaning} |")
+    return "\n".join(lines)
+
+
+def _help(parser: argparse.ArgumentParser) -> str:
+    """The parser's help at a fixed width (not the terminal's), so the page is the same anywhere."""
+    formatter = parser.formatter_class
+    parser.formatter_class = lambda prog: formatter(prog, width=HELP_WIDTH)
+    try:
+        return parser.format_help().rstrip()
+    finally:
+        parser.formatter_class = formatter
+
+
+def cli_page(parser: argparse.ArgumentParser) -> str:
+    """docs/cli.md: the help of the command and of each subcommand."""
+    parts = [
+        "# Command line",
+        "",
+        "Generated from the command's own parser (`python -m monitor.reference_docs`); `trainmon "
+        "COMMAND --help` prints the same.",
+        "",
+        "```text",
+        _help(parser),
+        "```",
+    ]
+    for action in parser._subparsers._group_actions:  # argparse keeps subcommands only here
+        for name, command in action.choices.items():
+            parts += ["", f"## trainmon {name}", "", "```text", _help(command), "```"]
+    return "\n".join(parts) + "\n"
+
+
+def with_config_table(text: str) -> str:
+    """``text`` (docs/configuration.md) with its generated table replaced by the current one."""
+    head, rest = text.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    return f"{head}{BEGIN}\n{config_table()}\n{END}{tail}"
+
+
+def main() -> int:
+    """Rewrite the generated parts of docs/ from the code."""
+    from monitor.cli import build_parser
+
+    docs = Path(__file__).resolve().parents[1] / "docs"
+    configuration = docs / "configuration.md"
+    configuration.write_text(with_config_table(configuration.read_text(encoding="utf-8")), encoding="utf-8")
+    (docs / "cli.md").write_text(cli_page(build_parser()), encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
