@@ -30,7 +30,9 @@ from monitor.files import atomic_write_text
 logger = logging.getLogger("trainmon")
 
 ENV = "DYNAMIC_MONITOR"
-#: with several ranks, how many steps after rank 0 saw an edit every rank starts collecting
+#: with several ranks, how many steps after rank 0 saw an edit every rank starts collecting: the
+#: margin for the edit and the schedule to reach every rank (ranks that synchronise every step,
+#: as data parallelism does, are within a step of each other)
 DELAY_STEPS = 5
 _DYNAMIC_ON = re.compile(r"""(["']?dynamic_on["']?\s*:\s*)(true|True|TRUE)\b""")
 

@@ -182,6 +182,7 @@ def _dynamic_rank(rank: int, world_size: int, workdir: str) -> None:
         if step == 3 and rank == 0:
             replace_file(path, SWITCHED_ON)
             dist.barrier()
+        dist.barrier()  # data parallelism keeps ranks within a step of each other (its all-reduce)
     mon.stop()
     with open(path) as handle:
         config = json.load(handle)
