@@ -98,6 +98,12 @@ class FlatParamBackend(TorchBackend):
                 named.append((prefix + slot.fqn, stand_in))
         return named
 
+    def prepare(self, params: Sequence[Any], local_grad: Callable) -> None:
+        """Keep the slots of the monitored parameters only (stand-ins of an earlier collection
+        are gone, and their ids may be reused)."""
+        super().prepare(params, local_grad)
+        self.slots = {id(p): self.slots[id(p)] for p in params if id(p) in self.slots}
+
     def grad(self, param: Any) -> torch.Tensor | None:
         slot = self.slots.get(id(param))
         if slot is None:

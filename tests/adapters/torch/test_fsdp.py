@@ -65,6 +65,7 @@ CASES = {
     "fsdp2-bf16": "DTensorBackend",
     "fsdp2-checkpointed": "DTensorBackend",
     "fsdp2-cpu-offload": "DTensorBackend",
+    "fsdp2-compiled": "DTensorBackend",
     "fsdp1-orig-params": "FlatParamBackend",
     "fsdp1-flat-params": "FlatParamBackend",
 }
@@ -103,6 +104,9 @@ def _sharded(case: str):
     for layer in model.layers:
         fully_shard(layer, **options)
     fully_shard(model, **options)
+    if case == "fsdp2-compiled":  # torchtitan's order: shard each block, then compile it
+        for layer in model.layers:
+            layer.compile(backend="aot_eager")
     return model, replica
 
 
