@@ -61,6 +61,16 @@ class BaseCollection(ABC):
         #: per data type whose rows can change from step to step: the last step's RowSet
         self._same_rows: defaultdict[str, SameRows] = defaultdict(SameRows)
 
+    def _update_ratio_wanted(self) -> bool:
+        """ur_distribution: on when asked for and the format is TensorBoard (else said once)."""
+        if self.config.ur_distribution and self.config.format != "tensorboard":
+            logger.warning(
+                "trainmon: ur_distribution writes TensorBoard histograms; with format %s it is off",
+                self.config.format,
+            )
+            return False
+        return self.config.ur_distribution
+
     # -- the step ----------------------------------------------------------------------------
 
     @property

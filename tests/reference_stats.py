@@ -85,3 +85,36 @@ def assert_plain_floats(metrics: dict[str, dict[str, float]]) -> None:
     """Metrics are there and every value is a built-in float (not a numpy or framework scalar)."""
     assert metrics
     assert all(type(v) is float for ops in metrics.values() for v in ops.values())
+
+
+def update_histogram_reference(
+    exp_avg: np.ndarray, exp_avg_sq: np.ndarray, step: float, betas: tuple[float, float], eps: float
+) -> dict[str, tuple[np.ndarray, int]]:
+    """ur_distribution's reference, per kind: numpy's 30 bucket counts over [-1, 1] of the finite
+    values (those beyond in the edge buckets) and the NaN count, of Adam's update and of
+    m/sqrt(v)."""
+    beta1, beta2 = betas
+    m_hat = np.asarray(exp_avg, dtype=np.float64) / (1 - beta1**step)
+    root_v = np.sqrt(np.asarray(exp_avg_sq, dtype=np.float64) / (1 - beta2**step))
+    edges = np.linspace(-1, 1, 31)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        kinds = {"adam_update": m_hat / (root_v + eps), "adam_ratio": m_hat / root_v}
+    return {
+        kind: (np.histogram(np.clip(v[np.isfinite(v)], -1, 1), edges)[0], int(np.isnan(v).sum()))
+        for kind, v in kinds.items()
+    }
+
+
+def read_histograms(output_dir: str) -> dict[tuple[str, int], tuple[np.ndarray, int]]:
+    """{(tag, step): (bucket counts, NaN count)} of the TensorBoard histograms under output_dir,
+    read with TensorBoard's own reader."""
+    from tensorboard.backend.event_processing.event_accumulator import HISTOGRAMS, SCALARS, EventAccumulator
+
+    events = EventAccumulator(output_dir, size_guidance={HISTOGRAMS: 0, SCALARS: 0})
+    events.Reload()
+    found = {}
+    for tag in events.Tags()["histograms"]:
+        nans = {e.step: int(e.value) for e in events.Scalars(f"{tag}_nans")}
+        for event in events.Histograms(tag):
+            found[(tag, event.step)] = (np.asarray(event.histogram_value.bucket), nans.get(event.step, 0))
+    return found

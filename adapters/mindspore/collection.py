@@ -41,11 +41,12 @@ from monitor.config import MonitorConfig
 from monitor.core import MonitorCore
 from monitor.param_rows import param_row_tables, reduced_index
 from monitor.record import RowSet
+from monitor.update_ratio import adam_histograms, submit_histograms
 
 logger = logging.getLogger("trainmon")
 
 #: config switches the MindSpore adapter does not implement yet; reported, not ignored silently.
-NOT_YET = ("ur_distribution", "recording_l2_features")
+NOT_YET = ("recording_l2_features",)
 
 
 class Collection(BaseCollection):
@@ -81,6 +82,10 @@ class Collection(BaseCollection):
                 )
         if config.mv_distribution and view.moment_problem:
             logger.warning("trainmon: mv_distribution: %s; no exp_avg/exp_avg_sq rows", view.moment_problem)
+        self.update_ratio = self._update_ratio_wanted()
+        if self.update_ratio and view.moment_problem:
+            logger.warning("trainmon: ur_distribution: %s; no histograms", view.moment_problem)
+            self.update_ratio = False
         self.registry = ParamRegistry(chunks, config)
         self.core = MonitorCore(config, rank, pp_stage, group_mates, output_dir=output_dir)
         params = self.registry.params
@@ -147,6 +152,8 @@ class Collection(BaseCollection):
                 self._guard(key, self._submit_tensors, key, self._moment_of(key))
         if self._wanted("param_updated", cfg.param_distribution):
             self._guard("param_updated", self._submit_tensors, "param_updated", lambda i: self._param(i))
+        if self._wanted("ur", self.update_ratio):
+            self._guard("ur", self._submit_update_histograms)
         self._end_step()
 
     # -- where each tensor is ----------------------------------------------------------------
@@ -185,6 +192,21 @@ class Collection(BaseCollection):
         if len(present) != len(index):
             rows = rows.take(present)
         self._submit(prefix, rows, self.engine.matrix(tensors))
+
+    def _submit_update_histograms(self) -> None:
+        """ur_distribution: histograms of every monitored parameter's Adam state, on the host."""
+        hyper = self.view.adam_hyper()
+        if hyper is None:
+            return
+        labels, counts = [], []
+        for entry in self.registry.params:
+            exp_avg = self.view.moment(entry.param, "exp_avg")
+            exp_avg_sq = self.view.moment(entry.param, "exp_avg_sq")
+            if exp_avg is not None and exp_avg_sq is not None:
+                labels.append((entry.vpp_stage, entry.name))
+                counts.append(adam_histograms(exp_avg.asnumpy(), exp_avg_sq.asnumpy(), *hyper))
+        if counts:
+            submit_histograms(self.core, self._step, self.rank, labels, np.stack(counts))
 
     def _submit_collectives(self) -> None:
         for rows, ops_, values in self.collectives.take(self.rank):

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 import mindspore as ms
+import numpy as np
 
 #: optimizer class name -> attributes holding (exp_avg, exp_avg_sq).
 MOMENT_ATTRIBUTES: dict[str, tuple[str, str]] = {
@@ -91,6 +92,17 @@ class OptimizerView:
         if global_step is None:
             return None
         return int(global_step.asnumpy().reshape(-1)[0])
+
+    def adam_hyper(self) -> tuple[float, float, float, float] | None:
+        """``(step, beta1, beta2, eps)`` of an Adam-family optimizer after an update, else None."""
+        step = self.step_count()
+        values = [getattr(self.optimizer, name, None) for name in ("beta1", "beta2", "eps")]
+        if not step or any(v is None for v in values):
+            return None
+        beta1, beta2, eps = (
+            float(np.asarray(v.asnumpy() if hasattr(v, "asnumpy") else v).reshape(-1)[0]) for v in values
+        )
+        return float(step), beta1, beta2, eps
 
     def not_updated_yet(self) -> ms.Tensor:
         """0-d bool Tensor on the device: the optimizer has not made an update yet (no sync)."""

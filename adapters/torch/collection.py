@@ -23,13 +23,13 @@ from adapters.torch.params import ParamRegistry
 from adapters.torch.shards import SHARD_COLUMNS, shard_reduce
 from adapters.torch.stats import sign_shares, stat_matrix
 from adapters.torch.structure import StackRecorder, StructureRecorder
-from adapters.torch.update_ratio import EDGES, KINDS, update_histograms
+from adapters.torch.update_ratio import update_histograms
 from monitor.collection import BaseCollection
 from monitor.config import MonitorConfig
 from monitor.core import MonitorCore
 from monitor.host_stats import scalar_matrix
-from monitor.naming import build_tag
 from monitor.record import RowSet
+from monitor.update_ratio import submit_histograms
 
 logger = logging.getLogger("trainmon")
 
@@ -93,13 +93,7 @@ class Collection(BaseCollection):
         for key in _NOT_YET:
             if getattr(config, key):
                 logger.warning("trainmon: %s is not supported yet by this version and is ignored", key)
-        self.update_ratio = config.ur_distribution
-        if config.ur_distribution and config.format != "tensorboard":
-            logger.warning(
-                "trainmon: ur_distribution writes TensorBoard histograms; with format %s it is off",
-                config.format,
-            )
-            self.update_ratio = False
+        self.update_ratio = self._update_ratio_wanted()
         self.registry = ParamRegistry(chunks, config, main_grad, backend.named_parameters)
         backend.prepare([entry.param for entry in self.registry.params], self.registry.grad)
         self.core = MonitorCore(config, rank, pp_stage, group_mates, output_dir=output_dir)
@@ -319,9 +313,8 @@ class Collection(BaseCollection):
             return
         positions, counts = found
         params = self.registry.params
-        for kind_index, kind in enumerate(KINDS):
-            tags = [build_tag(params[i].vpp_stage, params[i].name, self.rank, kind) for i in positions]
-            self.core.submit_histograms(self._step, tags, EDGES, counts[:, kind_index])
+        labels = [(params[i].vpp_stage, params[i].name) for i in positions]
+        submit_histograms(self.core, self._step, self.rank, labels, counts)
 
     def _submit_collectives(self) -> None:
         for rows, ops, values in self.collectives.take(self._step, self.rank):

@@ -1,13 +1,6 @@
-"""ur_distribution: distributions of Adam's update and of m/sqrt(v), as TensorBoard histograms.
-
-For each monitored parameter with Adam state after this step's update, with the betas and eps
-of the param group of the tensor the optimizer updates (a master copy, a partition):
-``m_hat = m / (1 - beta1^t)``, ``v_hat = v / (1 - beta2^t)``,
-``update = m_hat / (sqrt(v_hat) + eps)`` and ``ratio = m_hat / sqrt(v_hat)``. Each is binned on
-the device into 30 buckets over [-1, 1] (values beyond fall into the edge buckets), with NaN and
-Inf counted separately, so one bad value never breaks the histogram. All counts of a step are
-stacked and copied to the host once; nothing is rendered on the training thread.
-"""
+"""ur_distribution on torch: Adam's update and m/sqrt(v) binned on the device (the buckets and
+kinds are monitor.update_ratio's), all counts of a step stacked and copied to the host once;
+nothing is rendered on the training thread."""
 
 from __future__ import annotations
 
@@ -18,9 +11,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-BINS = 30
-EDGES = np.linspace(-1.0, 1.0, BINS + 1)
-KINDS = ("adam_update", "adam_ratio")
+from monitor.update_ratio import BINS
 
 
 def _counts(values: torch.Tensor) -> torch.Tensor:
