@@ -26,6 +26,26 @@ ROOT = Path(__file__).resolve().parents[1]
 RECOMMENDED_RULES: list[dict] = yaml.safe_load(
     (ROOT / "config_templates" / "everything_alerts.yaml").read_text(encoding="utf-8")
 )["alert"]["rules"]
+#: every data type a benchmark's "everything" scenario switches on (collectives need ranks)
+EVERY_DATA_TYPE = {
+    "wg_distribution": True,
+    "mv_distribution": True,
+    "param_distribution": True,
+    "mg_direction": True,
+    "xy_distribution": True,
+    "all_xy": True,
+}
+#: the same with the recommended alert rules and the anomaly dump
+EVERYTHING_WITH_ALERTS = {**EVERY_DATA_TYPE, "alert": {"rules": RECOMMENDED_RULES, "dump": True}}
+
+
+def chosen_scenarios(parser: Any, text: str, known: Any) -> list[str]:
+    """The comma-separated scenario names of ``--scenarios``; an unknown one is a usage error."""
+    names = text.split(",")
+    unknown = [name for name in names if name not in known]
+    if unknown:
+        parser.error(f"--scenarios: unknown {unknown}; expected some of {list(known)}")
+    return names
 
 
 def alternate(

@@ -34,17 +34,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from blocks import files_written, run_worker  # noqa: E402
+from blocks import EVERY_DATA_TYPE, chosen_scenarios, files_written, pairs_of, run_worker  # noqa: E402
 
-EVERYTHING = {
-    "wg_distribution": True,
-    "mv_distribution": True,
-    "param_distribution": True,
-    "mg_direction": True,
-    "xy_distribution": True,
-    "all_xy": True,
-    "ops": ["min", "max", "norm", "mean"],
-}
+OPS = ["min", "max", "norm", "mean"]
 SCENARIOS = {
     "collected": ({"step_interval": 1}, True),
     "uncollected": ({"step_interval": 1, "collect_times": 1}, True),
@@ -70,7 +62,7 @@ def _work(scenario: str, model_size: str, pairs: int, steps: int) -> dict:
     plain = TinyGPT(cfg)
     watched = copy.deepcopy(plain)
     optimizers = {id(m): torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (plain, watched)}
-    mon = TrainerMon({"targets": {}, **EVERYTHING, **extra})
+    mon = TrainerMon({"targets": {}, "ops": OPS, **EVERY_DATA_TYPE, **extra})
     mon.set_monitor(watched, grad_acc_steps=1, optimizer=optimizers[id(watched)])
     if compiled:
         for model in (plain, watched):
@@ -108,12 +100,9 @@ def measure(scenario: str, model: str, pairs: int, steps: int, out_root: str) ->
     result = run_worker(__file__, arguments, os.path.join(out_root, scenario), scenario)
     if not result["files"]:
         raise RuntimeError(f"{scenario}: nothing written")
-    blocks = result["blocks"]
-    ratios = []
-    for first, second in zip(blocks[0::2], blocks[1::2]):
-        plain, watched = (second, first) if first["monitored"] else (first, second)
-        ratios.append(watched["cpu"] / plain["cpu"])
-    plain_ms = 1000 * statistics.median(b["cpu"] for b in blocks if not b["monitored"])
+    pairs = pairs_of(result["blocks"])
+    ratios = [watched / plain for plain, watched in pairs]
+    plain_ms = 1000 * statistics.median(plain for plain, _ in pairs)
     return {"scenario": scenario, "plain_ms": plain_ms, "ratio": statistics.median(ratios), "ratios": ratios}
 
 
@@ -132,10 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.quick:
         args.model, args.pairs, args.steps = "tiny", 2, 3
-    scenarios = args.scenarios.split(",")
-    unknown = [s for s in scenarios if s not in SCENARIOS]
-    if unknown:
-        parser.error(f"--scenarios: unknown {unknown}; expected some of {list(SCENARIOS)}")
+    scenarios = chosen_scenarios(parser, args.scenarios, SCENARIOS)
     with tempfile.TemporaryDirectory(prefix="trainmon-compiled-") as out_root:
         results = [measure(s, args.model, args.pairs, args.steps, out_root) for s in scenarios]
     print(f"{'scenario':16s} {'plain step':>11s} {'ratio':>6s}  per pair")

@@ -46,18 +46,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from blocks import RECOMMENDED_RULES  # noqa: E402
+from blocks import EVERYTHING_WITH_ALERTS  # noqa: E402
 
 OPS = ["min", "max", "norm", "zeros", "nans", "mean"]
-EVERYTHING = {
-    "wg_distribution": True,
-    "mv_distribution": True,
-    "param_distribution": True,
-    "mg_direction": True,
-    "xy_distribution": True,
-    "all_xy": True,
-    "alert": {"rules": RECOMMENDED_RULES, "dump": True},
-}
 #: name -> (config keys on top of {"targets": {}, "ops": OPS}, ranks)
 SCENARIOS: dict[str, tuple[dict, int]] = {
     "idle": ({}, 1),  # attached, nothing selected: the method's noise floor and the optimizer hooks
@@ -65,13 +56,13 @@ SCENARIOS: dict[str, tuple[dict, int]] = {
     "mv": ({"mv_distribution": True}, 1),
     "param": ({"param_distribution": True}, 1),
     "xy": ({"xy_distribution": True, "all_xy": True}, 1),
-    "all-csv": (EVERYTHING, 1),
+    "all-csv": (EVERYTHING_WITH_ALERTS, 1),
     "wg-tb": ({"wg_distribution": True, "format": "tensorboard"}, 1),
     "mv-tb": ({"mv_distribution": True, "format": "tensorboard"}, 1),
     "param-tb": ({"param_distribution": True, "format": "tensorboard"}, 1),
     "xy-tb": ({"xy_distribution": True, "all_xy": True, "format": "tensorboard"}, 1),
-    "all-tb": ({**EVERYTHING, "format": "tensorboard"}, 1),
-    "all-interval100": ({**EVERYTHING, "step_interval": 100}, 1),
+    "all-tb": ({**EVERYTHING_WITH_ALERTS, "format": "tensorboard"}, 1),
+    "all-interval100": ({**EVERYTHING_WITH_ALERTS, "step_interval": 100}, 1),
     "cc": ({"cc_distribution": {"enable": True}}, 2),
 }
 #: msprobe 1.2.2's step-time ratios, measured on this machine with the 6.9M model.

@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from blocks import RECOMMENDED_RULES, alternate, files_written, pairs_of, run_worker  # noqa: E402
+from blocks import RECOMMENDED_RULES, alternate, chosen_scenarios, files_written, pairs_of, run_worker  # noqa: E402
 
 FOUR_OPS = ["min", "max", "norm", "mean"]
 SIX_OPS = ["min", "max", "norm", "mean", "zeros", "nans"]
@@ -119,10 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.quick:
         args.width, args.pairs, args.steps = 128, 2, 2
-    names = args.scenarios.split(",")
-    unknown = [n for n in names if n not in SCENARIOS]
-    if unknown:
-        parser.error(f"--scenarios: unknown {unknown}; expected some of {list(SCENARIOS)}")
+    names = chosen_scenarios(parser, args.scenarios, SCENARIOS)
     with tempfile.TemporaryDirectory(prefix="trainmon-ms-overhead-") as out_root:
         results = [measure(name, args.width, args.pairs, args.steps, out_root) for name in names]
     print(f"{'scenario':12s} {'cpu ratio':>9s} {'(pairs min-max)':>15s} {'plain step':>11s} {'target':>7s}")

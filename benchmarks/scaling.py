@@ -33,21 +33,13 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from blocks import RECOMMENDED_RULES, alternate, files_written, pairs_of, run_worker  # noqa: E402
+from blocks import EVERYTHING_WITH_ALERTS, alternate, chosen_scenarios, files_written, pairs_of, run_worker  # noqa: E402
 
 OPS = ["min", "max", "norm", "mean"]
 SCENARIOS = {
     "wg": {"wg_distribution": True},
     "wg+mv+param": {"wg_distribution": True, "mv_distribution": True, "param_distribution": True},
-    "all": {
-        "wg_distribution": True,
-        "mv_distribution": True,
-        "param_distribution": True,
-        "mg_direction": True,
-        "xy_distribution": True,
-        "all_xy": True,
-        "alert": {"rules": RECOMMENDED_RULES, "dump": True},
-    },
+    "all": EVERYTHING_WITH_ALERTS,
 }
 #: extra CPU time per tensor (us) at 8,000 tensors, and the most the cost per tensor may grow
 #: from 2,000 to 8,000 tensors (1.0 is linear).
@@ -168,10 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.counts, args.scenarios, args.pairs, args.steps = "200,2000", "wg", 2, 2
     counts = [int(c) for c in args.counts.split(",")]
-    scenarios = args.scenarios.split(",")
-    unknown = [s for s in scenarios if s not in SCENARIOS]
-    if unknown:
-        parser.error(f"--scenarios: unknown {unknown}; expected some of {list(SCENARIOS)}")
+    scenarios = chosen_scenarios(parser, args.scenarios, SCENARIOS)
     with tempfile.TemporaryDirectory(prefix="trainmon-scaling-") as out_root:
         results = [measure(c, s, args.pairs, args.steps, out_root) for s in scenarios for c in counts]
     if args.json:

@@ -16,3 +16,14 @@ DATA_TYPES = {
         "mg_direction": True,
     },
 }
+
+#: the data types an optimizer step records with DATA_TYPES["all"], by file prefix
+STEP_PREFIXES = (
+    "grad_reduced",
+    "param_origin",
+    "param_updated",
+    "exp_avg",
+    "exp_avg_sq",
+    "other",
+    "grad_unreduced",
+)

@@ -67,17 +67,10 @@ class UnshardedGrads(UnreducedGrads):
     uses_module_hooks = True
 
     def __init__(
-        self,
-        modules: list[tuple[int, str, torch.nn.Module]],
-        registry: ParamRegistry,
-        grad_acc_steps: int,
-        ops: tuple[str, ...],
-        eps: float,
-        per_micro_batch: bool,
-        on_error: Callable[[str, BaseException], None],
-        last_micro_batch: Callable[[], bool] | None = None,
+        self, modules: list[tuple[int, str, torch.nn.Module]], registry: ParamRegistry, *args: Any
     ) -> None:
-        super().__init__(registry, grad_acc_steps, ops, eps, per_micro_batch, on_error, last_micro_batch)
+        """``modules``: the FSDP2 modules (``fsdp2_modules``); the rest as UnreducedGrads takes it."""
+        super().__init__(registry, *args)
         self._modules = modules
         #: by name without wrapper segments (checkpoint_wrapper names its parameters without its own)
         self._index = {(p.vpp_stage, unwrapped_name(p.raw_name)): i for i, p in enumerate(registry.params)}

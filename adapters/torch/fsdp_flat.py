@@ -148,6 +148,7 @@ class FlatGrads(UnreducedGrads):
     unsharded flat gradient."""
 
     def __init__(self, slots: dict[int, FlatSlot], *args: Any) -> None:
+        """``slots``: registry index -> slot; the rest as UnreducedGrads takes it."""
         super().__init__(*args)
         #: registry index -> slot
         self._slots = slots

@@ -12,6 +12,7 @@ from tests.reference_stats import (
     assert_stats_close,
     numpy_stats,
     read_histograms,
+    sign_agreement,
     update_histogram_reference,
 )
 
@@ -19,11 +20,13 @@ __all__ = [
     "ALL_OPS",
     "MLP",
     "assert_stats_close",
+    "flat_values",
     "latest_rows",
     "make_batches",
     "merge_piece_rows",
     "numpy_stats",
     "read_histograms",
+    "replica_references",
     "update_histogram_reference",
 ]
 
@@ -68,3 +71,32 @@ def merge_piece_rows(rows: list[dict[str, float]]) -> dict[str, float]:
         "nans": column["nans"].sum(),
         "numel": n.sum(),
     }
+
+
+def flat_values(tensor: torch.Tensor) -> list[float]:
+    """A tensor's values as a flat list of float64 (for JSON results of a rank)."""
+    return tensor.detach().double().ravel().tolist()
+
+
+def replica_references(replica, optimizer, local: list, reduced: list) -> dict:
+    """An unsharded replica's numbers of one step, by parameter name, given this rank's local and
+    the reduced gradients: both gradients, the parameters, mg_direction against the moments
+    before the update; then the replica's own optimizer steps on the reduced gradients, and the
+    parameters and moments after it."""
+    names = [name for name, _ in replica.named_parameters()]
+    params = list(replica.parameters())
+    ref = {
+        "grad_unreduced": {n: flat_values(g) for n, g in zip(names, local)},
+        "grad_reduced": {n: flat_values(g) for n, g in zip(names, reduced)},
+        "param_origin": {n: flat_values(p) for n, p in zip(names, params)},
+        "other": {},
+    }
+    for name, param, grad in zip(names, params, reduced):
+        state = optimizer.state.get(param)
+        ref["other"][name] = sign_agreement(grad.numpy(), state["exp_avg"].numpy()) if state else 1.0
+        param.grad = grad
+    optimizer.step()
+    ref["param_updated"] = {n: flat_values(p) for n, p in zip(names, params)}
+    for key in ("exp_avg", "exp_avg_sq"):
+        ref[key] = {n: flat_values(optimizer.state[p][key]) for n, p in zip(names, params)}
+    return ref

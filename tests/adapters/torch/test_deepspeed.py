@@ -32,6 +32,7 @@ from tests.adapters.torch.helpers import (
     read_histograms,
     update_histogram_reference,
 )
+from tests.shared_configs import DATA_TYPES
 
 if importlib.util.find_spec("deepspeed") is None:  # not imported here: the test process stays DeepSpeed-free
     pytest.skip("deepspeed is not installed (pip install trainmon[deepspeed])", allow_module_level=True)
@@ -171,14 +172,7 @@ def _agreement(grad: np.ndarray, moment: np.ndarray | None) -> float:
 def _monitors(engine):
     from monitor import TrainerMon
 
-    config = {
-        "wg_distribution": True,
-        "mv_distribution": True,
-        "param_distribution": True,
-        "mg_direction": True,
-        "ops": ALL_OPS,
-        "format": "api",
-    }
+    config = {**DATA_TYPES["all"], "ops": ALL_OPS, "format": "api"}
     inner = getattr(engine.optimizer, "optimizer", engine.optimizer)  # the torch optimizer
     return {
         "merged": TrainerMon({**config, "shard_reduce": True}).set_monitor(engine.module, GAS, engine),

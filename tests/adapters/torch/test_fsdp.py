@@ -29,34 +29,21 @@ from tests.adapters.torch.helpers import (
     ALL_OPS,
     MLP,
     assert_stats_close,
+    flat_values,
     latest_rows,
     merge_piece_rows,
     read_histograms,
+    replica_references,
     update_histogram_reference,
 )
-from tests.reference_stats import sign_agreement
+from tests.shared_configs import DATA_TYPES, STEP_PREFIXES
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 STEPS, MICRO, WORLD = 3, 2, 2
 SIZES = (6, 15, 12, 5)
-PREFIXES = (
-    "grad_reduced",
-    "param_origin",
-    "param_updated",
-    "exp_avg",
-    "exp_avg_sq",
-    "other",
-    "grad_unreduced",
-)
-CONFIG = {
-    "wg_distribution": True,
-    "mv_distribution": True,
-    "param_distribution": True,
-    "mg_direction": True,
-    "ops": ALL_OPS,
-    "format": "api",
-}
+PREFIXES = STEP_PREFIXES
+CONFIG = {**DATA_TYPES["all"], "ops": ALL_OPS, "format": "api"}
 
 
 #: case -> the back-end that must serve it
@@ -153,10 +140,6 @@ def _local_grads(replica, case: str, rank: int, step: int) -> tuple[list, list]:
     return total, per_micro
 
 
-def _flat(tensor: torch.Tensor) -> list[float]:
-    return tensor.detach().double().ravel().tolist()
-
-
 def _case(rank: int, case: str) -> dict:
     from monitor import TrainerMon
 
@@ -176,24 +159,8 @@ def _case(rank: int, case: str) -> dict:
         for g in reduced:
             dist.all_reduce(g)
             g /= WORLD
-        ref = {
-            "grad_unreduced": {n: _flat(g) for n, g in zip(names, local)},
-            "micro": [{n: _flat(g) for n, g in zip(names, grads)} for grads in per_micro],
-            "grad_reduced": {n: _flat(g) for n, g in zip(names, reduced)},
-            "param_origin": {n: _flat(p) for n, p in zip(names, replica.parameters())},
-        }
-        ref["other"] = {}
-        for n, p, g in zip(names, replica.parameters(), reduced):
-            state = replica_optimizer.state.get(p)
-            ref["other"][n] = sign_agreement(g.numpy(), state["exp_avg"].numpy()) if state else 1.0
-        for p, g in zip(replica.parameters(), reduced):
-            p.grad = g
-        replica_optimizer.step()
-        ref["param_updated"] = {n: _flat(p) for n, p in zip(names, replica.parameters())}
-        for key in ("exp_avg", "exp_avg_sq"):
-            ref[key] = {
-                n: _flat(replica_optimizer.state[p][key]) for n, p in zip(names, replica.parameters())
-            }
+        ref = replica_references(replica, replica_optimizer, local, reduced)
+        ref["micro"] = [{n: flat_values(g) for n, g in zip(names, grads)} for grads in per_micro]
         _train_step(model, optimizer, rank, step)
         got = {key: {prefix: mon._latest(prefix) for prefix in PREFIXES} for key, mon in monitors.items()}
         steps.append({"ref": ref, "got": got})

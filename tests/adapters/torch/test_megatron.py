@@ -39,6 +39,7 @@ from tests.adapters.torch.megatron_reference import (
     train_step,
     truth,
 )
+from tests.shared_configs import DATA_TYPES
 
 pytestmark = pytest.mark.distributed
 
@@ -202,10 +203,7 @@ def _run_config(spec: dict, rank: int) -> dict:
     group = dist.new_group([0, 1])
     mon = TrainerMon(
         {
-            "wg_distribution": True,
-            "mv_distribution": True,
-            "param_distribution": True,
-            "mg_direction": True,
+            **DATA_TYPES["all"],
             "ops": ALL_OPS,
             "format": "api",
             "shard_reduce": spec.get("shard_reduce", False),

@@ -22,8 +22,15 @@ import torch
 import torch.distributed as dist
 
 from tests.adapters.torch.distributed import run_ranks, save_result
-from tests.adapters.torch.helpers import ALL_OPS, assert_stats_close, latest_rows, merge_piece_rows
-from tests.reference_stats import sign_agreement
+from tests.adapters.torch.helpers import (
+    ALL_OPS,
+    assert_stats_close,
+    flat_values,
+    latest_rows,
+    merge_piece_rows,
+    replica_references,
+)
+from tests.shared_configs import DATA_TYPES, STEP_PREFIXES
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -31,23 +38,8 @@ STEPS, WORLD, DP, TP = 3, 4, 2, 2
 #: tensor-parallel matmuls sum in another order than the replica's (a replica counted twice, or
 #: one shard's norm, is off by 41% or more)
 TOLERANCE = 1e-3
-PREFIXES = (
-    "grad_reduced",
-    "param_origin",
-    "param_updated",
-    "exp_avg",
-    "exp_avg_sq",
-    "other",
-    "grad_unreduced",
-)
-CONFIG = {
-    "wg_distribution": True,
-    "mv_distribution": True,
-    "param_distribution": True,
-    "mg_direction": True,
-    "ops": ALL_OPS,
-    "format": "api",
-}
+PREFIXES = STEP_PREFIXES
+CONFIG = {**DATA_TYPES["all"], "ops": ALL_OPS, "format": "api"}
 
 
 class Block(torch.nn.Module):
@@ -83,10 +75,6 @@ def _batch(dp_rank: int, step: int) -> torch.Tensor:
     return torch.randn(4, 6, generator=torch.Generator().manual_seed(1000 * step + dp_rank))
 
 
-def _flat(tensor: torch.Tensor) -> list[float]:
-    return tensor.detach().double().ravel().tolist()
-
-
 def _train_step(model, optimizer, dp_rank: int, step: int) -> None:
     model(_batch(dp_rank, step)).pow(2).mean().backward()
     optimizer.step()
@@ -105,35 +93,19 @@ def _worker(rank: int, world_size: int, workdir: str) -> None:
     }
     activations = TrainerMon({"xy_distribution": True, "all_xy": True, "ops": ALL_OPS, "format": "api"})
     activations.set_monitor(model, 1, optimizer)
-    names = [name for name, _ in replica.named_parameters()]
     steps = []
     for step in range(STEPS):
         replica.zero_grad()
         hidden = replica.up(_batch(dp_rank, step))  # column-parallel: this rank holds columns of it
         columns = hidden.shape[1] // TP
-        up_output = _flat(hidden[:, (rank % TP) * columns : (rank % TP + 1) * columns])
+        up_output = flat_values(hidden[:, (rank % TP) * columns : (rank % TP + 1) * columns])
         replica(_batch(dp_rank, step)).pow(2).mean().backward()
         local = [p.grad.clone() for p in replica.parameters()]
         reduced = [g.clone() for g in local]
         for g in reduced:  # every dp rank's gradient is on its TP ranks: the mean over all ranks
             dist.all_reduce(g)
             g /= WORLD
-        ref = {
-            "grad_unreduced": {n: _flat(g) for n, g in zip(names, local)},
-            "grad_reduced": {n: _flat(g) for n, g in zip(names, reduced)},
-            "param_origin": {n: _flat(p) for n, p in zip(names, replica.parameters())},
-            "other": {},
-        }
-        for n, p, g in zip(names, replica.parameters(), reduced):
-            state = replica_optimizer.state.get(p)
-            ref["other"][n] = sign_agreement(g.numpy(), state["exp_avg"].numpy()) if state else 1.0
-            p.grad = g
-        replica_optimizer.step()
-        ref["param_updated"] = {n: _flat(p) for n, p in zip(names, replica.parameters())}
-        for key in ("exp_avg", "exp_avg_sq"):
-            ref[key] = {
-                n: _flat(replica_optimizer.state[p][key]) for n, p in zip(names, replica.parameters())
-            }
+        ref = replica_references(replica, replica_optimizer, local, reduced)
         _train_step(model, optimizer, dp_rank, step)
         got = {key: {prefix: mon._latest(prefix) for prefix in PREFIXES} for key, mon in monitors.items()}
         up_row = activations._latest("actv")[f"0:up.output:0/rank{rank}/actv"]
