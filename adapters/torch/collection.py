@@ -210,7 +210,7 @@ class Collection(BaseCollection):
         self._record(prefix, rows, values, ops, fetch)
 
     def _reusable(self) -> Any:
-        """The unreduced-gradient source whose rows the reduced pass may reuse (``measured_row``),
+        """The unreduced-gradient source whose rows the reduced pass may reuse (``measured_rows``),
         or None.
 
         Only where nothing can have changed a gradient without bumping its version: one process
@@ -234,43 +234,40 @@ class Collection(BaseCollection):
         """Statistics of one tensor per monitored parameter (skipping parameters without one).
 
         ``reuse``: the unreduced-gradient source; a row it measured earlier this step is reused
-        where it is the very same tensor, unchanged (``measured_row``).
+        where it is the very same tensor, unchanged (``measured_rows``).
         """
         index, rows = self._rows[prefix]
         params = self.registry.params
-        tensors, present, known, earlier = [], [], [], []
-        for position, i in enumerate(index):
-            tensor = tensor_of(params[i].param)
-            if tensor is not None:
-                row = reuse.measured_row(i, tensor) if reuse is not None else None
-                if row is None:
-                    tensors.append(tensor)
-                else:
-                    known.append(len(present))
-                    earlier.append(row)
-                present.append(position)
+        found = [tensor_of(params[i].param) for i in index]
+        present = [position for position, tensor in enumerate(found) if tensor is not None]
+        measured = index
+        if len(present) != len(index):
+            measured, found = [index[p] for p in present], [found[p] for p in present]
         if self.backend.sharded:
-            self._submit_pieces(prefix, index, rows, tensors, present)
+            self._submit_pieces(prefix, index, rows, found, present)
             return
         if len(present) != len(index):
             rows = self._same_rows[prefix].get(present, lambda: rows.take(present))
-        matrix = stat_matrix(tensors, self.ops, self.eps)
-        if known:  # rows measured earlier this step, merged in parameter order
-            reused = reuse.taken_matrix[earlier]
-            full = torch.empty((len(present), len(self.ops)), dtype=torch.float64, device=reused.device)
-            full[known] = reused
-            if tensors:
-                fresh = torch.ones(len(present), dtype=torch.bool)
-                fresh[known] = False
-                full[fresh] = matrix.to(full.device)
-            matrix = full
-        self._submit(prefix, rows, matrix)
+        earlier = reuse.measured_rows(measured, found) if reuse is not None else None
+        if not earlier or not any(row is not None for row in earlier):
+            self._submit(prefix, rows, stat_matrix(found, self.ops, self.eps))
+            return
+        # rows measured earlier this step, merged in parameter order with those measured now
+        fresh = [k for k, row in enumerate(earlier) if row is None]
+        known = [k for k, row in enumerate(earlier) if row is not None]
+        reused = reuse.taken_matrix[[earlier[k] for k in known]]
+        full = torch.empty((len(found), len(self.ops)), dtype=torch.float64, device=reused.device)
+        full[known] = reused
+        if fresh:
+            full[fresh] = stat_matrix([found[k] for k in fresh], self.ops, self.eps).to(full.device)
+        self._submit(prefix, rows, full)
 
     def _submit_pieces(
         self, prefix: str, index: list[int], rows: RowSet, tensors: list[torch.Tensor], present: list[int]
     ) -> None:
         """Sharded data: each row is this rank's piece with its element count, or (shard_reduce)
-        the whole tensor merged over the shard group."""
+        the whole tensor merged over the shard group. ``tensors``: those of the parameters at
+        positions ``present`` of ``index``."""
         ops = (*self.ops, *SHARD_COLUMNS)
         pieces = stat_matrix(tensors, self.ops, self.eps)
         counts = torch.tensor([t.numel() for t in tensors], dtype=torch.float64)

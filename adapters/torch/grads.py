@@ -12,6 +12,11 @@ at the optimizer step when its gradient is provably unchanged since (same tensor
 otherwise that step's row is missing, this is said once, and from then on every micro-batch's
 accumulated gradient is measured.
 
+In one process (where ``keep_measured`` is set), the hooks only note which parameters a
+backward pass accumulated into; one callback at the end of that pass measures them together
+(one kernel call for all of them, before anything such as clipping can change them), so that
+thousands of parameters cost little more than torch's own call of their hooks.
+
 Per micro-batch (``monitor_mbs_grad``): a tensor hook sees each micro-batch's own gradient
 before it is accumulated, with its micro-step index.
 
@@ -65,12 +70,12 @@ class UnreducedGrads:
         self._rows = RowBuffer(len(registry), ops, eps)
         #: per micro-batch: rows by (parameter index, micro-step)
         self._micro_rows: dict[tuple[int, int], list[float] | torch.Tensor] = {}
-        #: whether to keep the measured gradients for ``measured_row`` (set by the owner where a
+        #: whether to keep the measured gradients for ``measured_rows`` (set by the owner where a
         #: reduced pass can reuse rows: one process, torch's optimizers)
         self.keep_measured = False
         #: with ``keep_measured``, the gradient each parameter's row was measured from, and its
         #: version: held from the hook to the optimizer step (the parameter holds the same tensor
-        #: meanwhile), then by ``take`` for ``measured_row`` until ``release``. A list, not weak
+        #: meanwhile), then by ``take`` for ``measured_rows`` until ``release``. A list, not weak
         #: references: nothing is allocated per parameter.
         self._held: list[torch.Tensor | None] = [None] * len(registry)
         self._versions = [0] * len(registry)
@@ -83,7 +88,7 @@ class UnreducedGrads:
         self._every_micro_batch = False
         #: after take(): (micro-batches of the step, parameters whose row is missing).
         self.counted: tuple[int, int] = (0, 0)
-        #: after take(): the statistics it returned (``measured_row`` indexes them).
+        #: after take(): the statistics it returned (``measured_rows`` indexes them).
         self.taken_matrix: torch.Tensor | None = None
         #: whether the optimizer consumes and frees each micro-batch's gradient (DeepSpeed ZeRO-2/3),
         #: so that the step's sum exists only as the monitor's own fp32 copy (``_sums``), kept on
@@ -93,6 +98,10 @@ class UnreducedGrads:
         #: parameters whose gradient is a DTensor (tensor parallelism): (elements of this
         #: rank's piece, elements of the tensor); their rows describe the piece.
         self.pieces: dict[int, tuple[int, int]] = {}
+        #: with ``keep_measured``: parameters noted by the hooks since the backward pass's end was
+        #: last handled (the hooks hold this very list), and whether that end is awaited
+        self._noted: list[int] = []
+        self._end_queued = False
 
     @property
     def task(self) -> str:
@@ -105,6 +114,8 @@ class UnreducedGrads:
         for index, entry in enumerate(self.registry.params):
             if self.per_micro_batch:
                 handles.append(entry.param.register_hook(self._micro_batch_hook(index)))
+            elif self.keep_measured:
+                handles.append(entry.param.register_post_accumulate_grad_hook(self._noting_hook(index)))
             else:
                 handles.append(entry.param.register_post_accumulate_grad_hook(self._accumulated_hook(index)))
         return handles
@@ -134,6 +145,64 @@ class UnreducedGrads:
                 return
             self._waiting.pop(index, None)
             self._measure(index, grad)
+        except Exception as exc:
+            self.collect = False
+            self.on_error("grad_unreduced", exc)
+
+    def _noting_hook(self, index: int) -> Callable[[torch.Tensor], None]:
+        noted = self._noted
+
+        def hook(param: torch.Tensor) -> None:
+            if self.collect:
+                noted.append(index)
+                if not self._end_queued:
+                    self._await_pass_end()
+
+        return hook
+
+    def _await_pass_end(self) -> None:
+        """Have the backward pass that runs now call ``measure_noted`` when it is done."""
+        try:
+            torch.autograd.Variable._execution_engine.queue_callback(self._pass_ended)
+            self._end_queued = True
+        except Exception as exc:
+            self.collect = False
+            self.on_error("grad_unreduced", exc)
+
+    def _pass_ended(self) -> None:
+        self._end_queued = False
+        self.measure_noted()
+
+    def measure_noted(self) -> None:
+        """``on_accumulated`` for every parameter noted since the last call, measured together."""
+        if not self._noted:
+            return
+        noted = self._noted[:]
+        self._noted.clear()  # in place: the hooks append to this list
+        try:
+            last_pass = self._every_micro_batch or self._last_micro_batch()
+            micro, params, grad_of = self._micro, self.registry.params, self.registry.grad
+            slots, grads = [], []
+            for index in noted:
+                count = micro[index] + 1
+                micro[index] = count
+                grad = grad_of(params[index].param)
+                if grad is None:
+                    continue
+                if last_pass or count >= self.grad_acc_steps:
+                    slots.append(index)
+                    grads.append(grad)
+                else:
+                    self._rows.drop(index)
+                    self._waiting[index] = (weakref.ref(grad), grad._version)
+            if self._waiting:
+                for index in slots:
+                    self._waiting.pop(index, None)
+            self._rows.put_many(slots, [self._local(index, grad) for index, grad in zip(slots, grads)])
+            held, versions = self._held, self._versions
+            for index, grad in zip(slots, grads):
+                held[index] = grad
+                versions[index] = grad._version
         except Exception as exc:
             self.collect = False
             self.on_error("grad_unreduced", exc)
@@ -209,6 +278,8 @@ class UnreducedGrads:
 
         Also sets ``counted``: the step's number of micro-batches and the rows missing from it.
         """
+        self.measure_noted()  # a pass that raised never reached its end
+        self._end_queued = False
         missing = self._measure_waiting()
         self.counted = (max(self._micro, default=0), missing)
         if self.per_micro_batch:
@@ -224,19 +295,21 @@ class UnreducedGrads:
         self.taken_matrix = matrix
         return index, None, matrix
 
-    def measured_row(self, index: int, tensor: torch.Tensor) -> int | None:
-        """The row, in the matrix ``take`` returned, of parameter ``index``'s gradient when
-        ``tensor`` is that very gradient, unchanged since it was measured; else None. A
-        reduced-gradient pass reuses it where no reduction ran."""
-        row = self._taken.get(index) if self.keep_measured else None
-        if row is None:
-            return None
-        return (
-            row if self._taken_grads[index] is tensor and tensor._version == self._versions[index] else None
-        )
+    def measured_rows(self, index: Sequence[int], tensors: Sequence[torch.Tensor]) -> list[int | None]:
+        """Per parameter ``index[k]``: the row, in the matrix ``take`` returned, of its gradient
+        when ``tensors[k]`` is that very gradient, unchanged since it was measured; else None. A
+        reduced-gradient pass reuses those rows where no reduction ran."""
+        taken = self._taken if self.keep_measured else {}
+        if not taken:
+            return [None] * len(index)
+        held, versions = self._taken_grads, self._versions
+        return [
+            row if row is not None and held[i] is tensor and tensor._version == versions[i] else None
+            for i, tensor, row in zip(index, tensors, map(taken.get, index))
+        ]
 
     def release(self) -> None:
-        """Drop the gradients and rows ``take`` kept for ``measured_row`` (at the end of the
+        """Drop the gradients and rows ``take`` kept for ``measured_rows`` (at the end of the
         optimizer's pre-step: a gradient freed by ``zero_grad`` must not stay alive here)."""
         self._taken_grads, self._taken = [], {}
         self.taken_matrix = None
@@ -249,6 +322,8 @@ class UnreducedGrads:
         self._held = [None] * len(self.registry)
         self._waiting = {}
         self._sums = {}
+        self._noted.clear()
+        self._end_queued = False
         self.release()
 
 

@@ -375,6 +375,30 @@ class RowBuffer:
         else:
             self._other[slot] = tensor_stats(t, self.ops, self.eps)
 
+    def put_many(self, slots: Sequence[int], tensors: Sequence[torch.Tensor]) -> None:
+        """``put`` of each tensor into its slot, in order; the tensors the kernel reads in place
+        go through one call per element kind."""
+        order, other = self._order, self._other
+        for slot in slots:
+            order.pop(slot, None)
+            order[slot] = None
+        direct: dict[int, tuple[list[int], list[torch.Tensor]]] = {}
+        for slot, t in zip(slots, tensors):
+            found = _in_place(t) if self._direct else None
+            if found is None:
+                other[slot] = tensor_stats(t, self.ops, self.eps)
+                continue
+            if other:
+                other.pop(slot, None)
+            kind_slots, flats = direct.setdefault(found[1], ([], []))
+            kind_slots.append(slot)
+            flats.append(found[0])
+        for kind, (kind_slots, flats) in direct.items():
+            addresses = np.fromiter((t.data_ptr() for t in flats), dtype=np.int64, count=len(flats))
+            counts = np.fromiter((t.numel() for t in flats), dtype=np.int64, count=len(flats))
+            self._raw[kind_slots] = fused_stats.stats_many(addresses, counts, kind, self.eps)
+            self._numel[kind_slots] = counts
+
     def clear(self) -> None:
         """Forget every row."""
         self._order, self._other = {}, {}

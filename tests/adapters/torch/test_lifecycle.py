@@ -278,7 +278,8 @@ def test_failure_in_a_statistic_is_contained(monkeypatch, caplog):
     def broken(*args, **kwargs):
         raise RuntimeError("injected failure")
 
-    monkeypatch.setattr(grads.RowBuffer, "put", broken)
+    monkeypatch.setattr(grads.RowBuffer, "put", broken)  # gradients measured one by one
+    monkeypatch.setattr(grads.RowBuffer, "put_many", broken)  # or together (one process)
     model, optimizer = _fresh()
     mon = TrainerMon({"wg_distribution": True, "param_distribution": True, "format": "api"})
     mon.set_monitor(model, 2, optimizer)

@@ -183,3 +183,38 @@ def test_reduced_gradient_after_in_place_clipping_is_measured_again():
             assert_stats_close(reduced[f"{head}/post_grad"], clipped[name], what=f"{name} reduced")
             assert not np.allclose(raw[name], clipped[name])
     mon.stop()
+
+
+class _CheckpointedMLP(MLP):
+    """The MLP with its middle layer under reentrant activation checkpointing: its parameters'
+    gradients are accumulated by a backward pass run inside the outer one."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        first, middle, last = self.layers
+        x = torch.relu(first(x))
+        x = torch.utils.checkpoint.checkpoint(lambda h: torch.relu(middle(h)), x, use_reentrant=True)
+        return self.norm(last(x))
+
+
+def test_unreduced_gradient_of_nested_backward_passes_is_read_before_clipping():
+    """Gradients accumulated in a backward pass nested in another (reentrant checkpointing) and
+    in the outer pass are all measured as accumulated over the step's micro-batches, before the
+    clipping that follows the last backward."""
+    torch.manual_seed(0)
+    model = _CheckpointedMLP()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+    mon = TrainerMon(_config(mv_distribution=False, mg_direction=False, param_distribution=False))
+    mon.set_monitor(model, grad_acc_steps=2, optimizer=optimizer)
+    for step_batches in make_batches(3, 2):
+        for x in step_batches:
+            x.requires_grad_(True)  # reentrant checkpointing needs an input that requires grad
+            model(x).pow(2).mean().backward()
+        raw = {n: p.grad.detach().numpy().copy() for n, p in _named(model).items()}
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1e-3)
+        optimizer.step()
+        optimizer.zero_grad()
+        _, unreduced = mon.generate_wgrad_metrics()
+        assert len(unreduced) == len(raw)
+        for name, grad in raw.items():
+            assert_stats_close(unreduced[f"0:{name}/rank0/acc_grad"], grad, what=name)
+    mon.stop()
