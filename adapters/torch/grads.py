@@ -102,6 +102,8 @@ class UnreducedGrads:
         #: last handled (the hooks hold this very list), and whether that end is awaited
         self._noted: list[int] = []
         self._end_queued = False
+        #: whether any gradient can be a DTensor (its parameter is one): measured as its piece
+        self._dtensors = any(isinstance(entry.param, dtensor_type()) for entry in registry.params)
 
     @property
     def task(self) -> str:
@@ -198,7 +200,8 @@ class UnreducedGrads:
             if self._waiting:
                 for index in slots:
                     self._waiting.pop(index, None)
-            self._rows.put_many(slots, [self._local(index, grad) for index, grad in zip(slots, grads)])
+            local = [self._local(i, grad) for i, grad in zip(slots, grads)] if self._dtensors else grads
+            self._rows.put_many(slots, local)
             held, versions = self._held, self._versions
             for index, grad in zip(slots, grads):
                 held[index] = grad

@@ -85,6 +85,35 @@ _KIND = {
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
+def _kernel_sweep(tensors: Sequence[torch.Tensor]) -> tuple[int, list[int], list[int]] | None:
+    """``(element kind, addresses, element counts)`` where the kernel can read every tensor in
+    place: plain, non-empty, contiguous CPU tensors of one dtype it knows; else None. One sweep
+    reading each tensor's few facts once: with thousands of small tensors, these reads are
+    most of the cost."""
+    first = tensors[0]
+    dtype = first.dtype
+    kind = _KIND.get(dtype)
+    if kind is None or not fused_stats.available():
+        return None
+    addresses, counts = [], []
+    for t in tensors:
+        if type(t) not in _PLAIN or t.dtype is not dtype or not t.is_cpu or not t.is_contiguous():
+            return None
+        count = t.numel()
+        if not count:
+            return None
+        addresses.append(t.data_ptr())
+        counts.append(count)
+    return kind, addresses, counts
+
+
+def _swept_parts(swept: tuple[int, list[int], list[int]], eps: float) -> np.ndarray:
+    kind, addresses, counts = swept
+    return fused_stats.stats_many(
+        np.array(addresses, dtype=np.int64), np.array(counts, dtype=np.int64), kind, eps
+    )
+
+
 def _fused_pays(ops: tuple[str, ...], dtype: torch.dtype) -> bool:
     """Whether the fused pass beats library calls: where the library needs several passes
     (min/max, the zero count) or a widening copy (bf16, which the kernel widens in registers)."""
@@ -249,6 +278,9 @@ def stat_matrix(tensors: Sequence[torch.Tensor], ops: Sequence[str], eps: float 
     ops = tuple(ops)
     if not tensors:
         return torch.empty((0, len(ops)), dtype=_F64)
+    swept = _kernel_sweep(tensors) if "id" not in ops and _fused_pays(ops, tensors[0].dtype) else None
+    if swept is not None:  # the common case on the CPU, in one sweep
+        return torch.from_numpy(columns(_swept_parts(swept, eps), np.array(swept[2], dtype=np.float64), ops))
     groups: dict[tuple[torch.dtype, torch.device], list[int]] = {}
     empty = []
     for i, t in enumerate(tensors):
@@ -382,6 +414,14 @@ class RowBuffer:
         for slot in slots:
             order.pop(slot, None)
             order[slot] = None
+        swept = _kernel_sweep(tensors) if self._direct and tensors else None
+        if swept is not None:  # the common case, in one sweep
+            if other:
+                for slot in slots:
+                    other.pop(slot, None)
+            self._raw[slots] = _swept_parts(swept, self.eps)
+            self._numel[slots] = swept[2]
+            return
         direct: dict[int, tuple[list[int], list[torch.Tensor]]] = {}
         for slot, t in zip(slots, tensors):
             found = _in_place(t) if self._direct else None
