@@ -94,7 +94,7 @@ class SessionLifecycle(ABC):
             self._attach_optimizer_hooks()
         self.collection = self._new_collection()
         self._output_dir = self.collection.core.output_dir
-        kinds = [k for k in _KINDS if getattr(self.config, k)]
+        kinds = [k for k in _KINDS if getattr(self.collection.config, k)]  # what this collection can see
         logger.info(
             "trainmon: monitoring %d %s (%s) on rank %d from step %d, output %s",
             len(self.collection.registry),

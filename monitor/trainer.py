@@ -168,6 +168,15 @@ class TrainerMon:
             self._session.resume_step_count(step)
             self._session.start(self.config)
 
+    def step_end(self) -> None:
+        """MindSpore graph mode: call after each training step, as a compiled step runs no hook
+        (``monitor.integrations.mindspore`` calls it for ``Model.train``). Parameters and Adam's
+        moments are then read from the host. Elsewhere the optimizer's hooks mark the steps and
+        this does nothing."""
+        step_end = getattr(self._session, "step_end", None)
+        if step_end is not None:
+            step_end()
+
     def _restart_with(self, **changes: Any) -> None:
         """Validate a changed config and, when monitoring, continue with it from the current step."""
         self.config = load_config({**self.config.to_dict(), **changes})

@@ -16,10 +16,15 @@ Where each data type comes from (PyNative):
 * ``actv`` / ``actv_grad``: Cell hooks and tensor hooks on the Cells' inputs and outputs
   (see activations.py), written at the optimizer's call.
 * ``comm``: the collective primitives' calls of the step (see collectives.py).
+
+In graph mode (no hooks, see session.py) only the parameters, the moments and ur_distribution
+are collected, at each ``step_end()``: ``param_origin`` of a step is measured when the step
+before it ended (or at attach), while the parameters still hold those values.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -47,6 +52,18 @@ logger = logging.getLogger("trainmon")
 
 #: config switches the MindSpore adapter does not implement yet; reported, not ignored silently.
 NOT_YET = ("recording_l2_features",)
+#: config switches whose data only hooks can see (PyNative mode).
+NEEDS_HOOKS = ("wg_distribution", "xy_distribution", "mg_direction", "print_struct", "stack_info")
+
+
+def without_hooks(config: MonitorConfig) -> tuple[MonitorConfig, list[str]]:
+    """The config with what needs hooks switched off, and the names of the switches that were on."""
+    on = [key for key in NEEDS_HOOKS if getattr(config, key)]
+    changes: dict[str, Any] = dict.fromkeys(on, False)
+    if config.cc_distribution.enable:
+        on.append("cc_distribution")
+        changes["cc_distribution"] = dataclasses.replace(config.cc_distribution, enable=False)
+    return (dataclasses.replace(config, **changes) if changes else config), on
 
 
 class Collection(BaseCollection):
@@ -71,9 +88,13 @@ class Collection(BaseCollection):
         dp_group: Any,
         first_step: int,
         output_dir: str | None = None,
+        graph_mode: bool = False,
     ) -> None:
         super().__init__(config, rank, first_step)
         self.view = view
+        self.graph_mode = graph_mode
+        #: graph mode: (step, statistics of the parameters before that step's update)
+        self._origin: tuple[int, Any] | None = None
         self.engine = StatEngine(config.ops, config.eps)
         for key in NOT_YET:
             if getattr(config, key):
@@ -115,6 +136,30 @@ class Collection(BaseCollection):
 
     # -- the step ----------------------------------------------------------------------------
 
+    def set_step(self, step: int) -> None:
+        """As every adapter's; in graph mode also measure the parameters before ``step``'s update
+        (this runs at attach and at the end of the step before) when ``step`` is collected."""
+        super().set_step(step)
+        self._origin = None
+        if self.graph_mode and self.collect and self._wanted("param_origin", self.config.param_distribution):
+            self._guard("param_origin", self._measure_origin, step)
+
+    def jump_to(self, step: int) -> None:
+        """Graph mode: steps ran unseen (dataset sinking) up to ``step``, which has ended already:
+        its parameters before the update are gone, so its param_origin rows are not written."""
+        super().set_step(step)
+        self._origin = None
+        if self.collect and self.config.param_distribution and "sunk steps" not in self._told:
+            self._told.add("sunk steps")
+            logger.info(
+                "trainmon: step %d ended with others since the last step_end() (dataset sinking): it has "
+                "no param_origin rows (said once); call step_end() after every step to get them",
+                step,
+            )
+
+    def _measure_origin(self, step: int) -> None:
+        self._origin = (step, self.engine.matrix([entry.param for entry in self.registry.params]))
+
     def before_update(self, grads: Sequence[ms.Tensor] | None) -> None:
         """Optimizer Cell pre-call: activations, gradients, mg_direction, parameters before the update.
 
@@ -139,7 +184,11 @@ class Collection(BaseCollection):
             self._guard("grad_reduced", self._submit_tensors, "grad_reduced", self._grad_of(grads))
         if grads is not None and self._wanted("other", cfg.mg_direction):
             self._guard("other", self._submit_mg_direction, grads)
-        if self._wanted("param_origin", cfg.param_distribution):
+        if self.graph_mode:
+            if self._origin is not None and self._origin[0] == self._step:
+                _, rows = self._rows["param_origin"]
+                self._guard("param_origin", self._submit, "param_origin", rows, self._origin[1])
+        elif self._wanted("param_origin", cfg.param_distribution):
             self._guard("param_origin", self._submit_tensors, "param_origin", lambda i: self._param(i))
 
     def after_update(self) -> None:

@@ -12,6 +12,14 @@ MindSpore iterates a Cell's hook dict while it calls the hooks, so a hook cannot
 from inside that Cell's call. When ``collect_times`` (or print_struct) ends the collection inside
 the optimizer's hooks, the collection's parameter and Cell hooks are removed at once and the two
 optimizer hooks stay, doing nothing, until ``stop()``.
+
+Graph mode (``GRAPH_MODE``): the compiled step runs no Python hook, and a hook on a Cell inside
+it can break its compilation, so nothing is hooked. The loop calls ``step_end()`` after each
+step (``monitor.integrations.mindspore`` does it for ``Model.train``); the parameters and Adam's
+moments are then read from the host, the step numbered by the optimizer's own update count, so
+a call after several steps (dataset sinking) is numbered right. What needs hooks (gradients,
+activations, mg_direction, collectives, print_struct, stack_info) is switched off with one
+warning naming it.
 """
 
 from __future__ import annotations
@@ -22,7 +30,7 @@ from typing import Any
 
 import mindspore as ms
 
-from adapters.mindspore.collection import Collection
+from adapters.mindspore.collection import Collection, without_hooks
 from adapters.mindspore.dist import global_rank, pipeline_info
 from adapters.mindspore.optim import OptimizerView, hookable_optimizer
 from monitor.config import MonitorConfig
@@ -55,8 +63,7 @@ class MindSporeSession(SessionLifecycle):
         chunks = model_chunks(model, ms.nn.Cell, "mindspore.nn.Cell")
         if optimizer is None:
             raise ValueError("set_monitor: optimizer: required (its call marks the end of a training step)")
-        if ms.get_context("mode") != ms.PYNATIVE_MODE:
-            raise ValueError("set_monitor: MindSpore is in graph mode; trainmon supports PyNative mode only")
+        self.graph_mode = ms.get_context("mode") != ms.PYNATIVE_MODE
         if params_have_main_grad:
             logger.warning(
                 "trainmon: params_have_main_grad is ignored: MindSpore parameters have no main_grad"
@@ -68,12 +75,21 @@ class MindSporeSession(SessionLifecycle):
         self.pp_stage, self.group_mates = pipeline_info(process_group)
         self.grad_acc_steps = grad_acc_steps
         self.dp_group = dp_group
+        #: graph mode: the optimizer's update count when the session began counting from ``step``
+        self._updates_at_start = (self.view.step_count() or 0) if self.graph_mode else 0
+        self._start_step = start_iteration
+        self._told_pynative = False
         self._attach(dormant)
 
     # -- public control ----------------------------------------------------------------------
 
     def resume_step_count(self, step: int | None) -> None:
         """After stop() no hook counts steps: go on from ``step``, else from the optimizer's global_step."""
+        if self.graph_mode:  # no hook counted the steps since stop(): the update count did
+            updates = self.view.step_count() or 0
+            self.step = step if step is not None else self._start_step + updates - self._updates_at_start
+            self._start_step, self._updates_at_start = self.step, updates
+            return
         if step is not None:
             self.step = step
         elif self._steps_at_stop is not None:
@@ -85,8 +101,18 @@ class MindSporeSession(SessionLifecycle):
     # -- the collection of one config --------------------------------------------------------
 
     def _new_collection(self) -> Collection:
+        config = self.config
+        if self.graph_mode:
+            config, needs_hooks = without_hooks(config)
+            if needs_hooks:
+                logger.warning(
+                    "trainmon: MindSpore graph mode runs no hooks, and these need them (PyNative mode): "
+                    "%s; they are off in this run. Parameters and moments are read from the host at "
+                    "each step_end()",
+                    ", ".join(needs_hooks),
+                )
         return Collection(
-            config=self.config,
+            config=config,
             chunks=self.chunks,
             view=self.view,
             rank=self.rank,
@@ -96,11 +122,40 @@ class MindSporeSession(SessionLifecycle):
             dp_group=self.dp_group,
             first_step=self.step,
             output_dir=self._output_dir,
+            graph_mode=self.graph_mode,
         )
 
     # -- optimizer Cell hooks ----------------------------------------------------------------
 
+    def step_end(self) -> None:
+        """Graph mode: a training step (or, with dataset sinking, several) has ended. Collects the
+        step the optimizer's update count says ended last; nothing when it has not moved. An
+        optimizer without an update count has each call taken as one step."""
+        if not self.graph_mode:
+            if not self._told_pynative:
+                self._told_pynative = True
+                logger.info(
+                    "trainmon: step_end() is for graph mode; in PyNative the optimizer's hooks count steps"
+                )
+            return
+        try:
+            updates = self.view.step_count()
+        except Exception as exc:
+            logger.error("trainmon: step_end: the optimizer's update count is unreadable (%r)", exc)
+            return
+        last = self.step if updates is None else self._start_step + updates - self._updates_at_start - 1
+        if last < self.step:  # no update since the last call
+            return
+        if last > self.step:  # several steps ran in one call (dataset sinking)
+            self.step = last
+            if self.collection is not None:
+                self.collection.jump_to(last)
+        self._begin_update(None)
+        self._after_update()
+
     def _attach_optimizer_hooks(self) -> None:
+        if self.graph_mode:
+            return
         self._hooks = [
             self.optimizer.register_forward_pre_hook(self._before_update, with_kwargs=True),
             self.optimizer.register_forward_hook(self._after_update),

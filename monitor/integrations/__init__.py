@@ -1,8 +1,9 @@
-"""Thin callbacks that attach a TrainerMon from inside a trainer: Hugging Face and Lightning.
+"""Thin callbacks that attach a TrainerMon from inside a trainer: Hugging Face, Lightning and
+MindSpore's ``Model.train``.
 
-``monitor.integrations.hf`` and ``monitor.integrations.lightning`` are the only modules of
-``monitor`` that import a trainer package (transformers, lightning), and only when the user
-imports them; ``import monitor`` never does. Each is a few lines over TrainerMon: the trainer
+``monitor.integrations.hf``, ``.lightning`` and ``.mindspore`` are the only modules of
+``monitor`` that import a trainer package (transformers, lightning, mindspore.train), and only
+when the user imports them; ``import monitor`` never does. Each is a few lines over TrainerMon: the trainer
 knows the model, the optimizer, the number of micro-batches per step and its own step counter,
 so the user does not have to pass them.
 

@@ -9,7 +9,7 @@ SKIP_REASON = "MindSpore is not installed here (pip install -e '.[mindspore]' in
 
 @pytest.fixture(autouse=True)
 def _pynative_cpu():
-    """Every test runs in PyNative mode on the CPU, the mode the MindSpore adapter supports."""
+    """Every test runs on the CPU and starts in PyNative mode (graph-mode tests switch)."""
     ms = pytest.importorskip("mindspore", reason=SKIP_REASON)
     ms.set_context(mode=ms.PYNATIVE_MODE)
     ms.set_device("CPU")

@@ -9,7 +9,6 @@ pytest.importorskip("mindspore", reason="MindSpore is not installed here (pip in
 import logging
 import os
 
-import mindspore as ms
 import numpy as np
 from mindspore import nn
 
@@ -168,16 +167,6 @@ def test_bad_arguments_are_refused_at_the_door():
         TrainerMon({}).set_monitor(net, grad_acc_steps=1, optimizer=net)
     with pytest.raises(ValueError, match="optimizer: required"):
         TrainerMon({}).set_monitor(net, grad_acc_steps=1)
-
-
-def test_graph_mode_is_refused_with_a_clear_error():
-    net, optimizer = _fresh()
-    ms.set_context(mode=ms.GRAPH_MODE)
-    try:
-        with pytest.raises(ValueError, match="PyNative mode only"):
-            TrainerMon({}).set_monitor(net, grad_acc_steps=1, optimizer=optimizer)
-    finally:
-        ms.set_context(mode=ms.PYNATIVE_MODE)
 
 
 def test_a_failing_part_is_logged_once_and_the_rest_goes_on(monkeypatch, caplog):

@@ -1,0 +1,61 @@
+"""TrainmonCallback for MindSpore's ``Model.train``, in graph mode and in PyNative mode.
+
+    from monitor.integrations.mindspore import TrainmonCallback
+    model = ms.train.Model(net, loss_fn, optimizer)
+    model.train(epochs, dataset, callbacks=[TrainmonCallback("monitor_config.json")])
+
+At ``on_train_begin`` the callback attaches to the network and optimizer that ``Model`` holds;
+after each step it calls ``step_end()``, which in graph mode reads the parameters and Adam's
+moments from the host (a compiled step runs no hook) and in PyNative mode does nothing (the
+optimizer's hooks mark the steps); at ``on_train_end`` it closes the outputs.
+
+Step numbers: the monitor's step ``s`` is the optimizer's update ``s + 1`` (MindSpore's
+``cur_step_num`` after it), counted from the update count at attach. With dataset sinking a
+callback runs once per sunk group of steps: the last of them is collected, without its
+``param_origin`` rows (its parameters before the update are gone by then).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mindspore.train import Callback
+
+from monitor.integrations import MonitorSource, as_monitor, attach_or_report, detach
+
+
+class TrainmonCallback(Callback):
+    """Attach trainmon to a ``Model.train`` run.
+
+    Args:
+        config: a config file path, a dict, a MonitorConfig, or a TrainerMon already built.
+        grad_acc_steps: micro-batches per optimizer step, where the train network accumulates.
+        **trainer_mon_kwargs: passed to TrainerMon.
+
+    Raises:
+        ConfigError: the config is invalid (raised here, before training starts).
+    """
+
+    def __init__(self, config: MonitorSource, grad_acc_steps: int = 1, **trainer_mon_kwargs: Any) -> None:
+        self.monitor = as_monitor(config, **trainer_mon_kwargs)
+        self.grad_acc_steps = grad_acc_steps
+        self.attached = False
+
+    def on_train_begin(self, run_context: Any) -> None:
+        args = run_context.original_args()
+        self.attached = attach_or_report(
+            self.monitor,
+            "MindSpore Model.train",
+            model=args.network,
+            grad_acc_steps=self.grad_acc_steps,
+            optimizer=args.optimizer,
+        )
+
+    def on_train_step_end(self, run_context: Any) -> None:
+        if self.attached:
+            self.monitor.step_end()
+
+    def on_train_end(self, run_context: Any) -> None:
+        if self.attached:
+            detach(self.monitor)
+            self.attached = False

@@ -1,0 +1,157 @@
+"""Graph mode: no hooks run, so parameters and Adam's moments are read from the host at each
+``step_end()``; every statistic equals numpy's on copies made by the test."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+
+pytest.importorskip("mindspore", reason="MindSpore is not installed here (pip install -e '.[mindspore]')")
+
+import mindspore as ms
+import mindspore.dataset as ds
+import numpy as np
+import pandas as pd
+from mindspore import nn
+
+from monitor import TrainerMon
+from tests.adapters.mindspore.helpers import Net, copies, make_batches
+from tests.reference_stats import ALL_OPS, assert_stats_close
+from tests.shared_outputs import collected_steps
+
+CONFIG = {"param_distribution": True, "mv_distribution": True, "ops": ALL_OPS}
+
+
+@pytest.fixture
+def graph_mode():
+    ms.set_context(mode=ms.GRAPH_MODE)
+    yield
+    ms.set_context(mode=ms.PYNATIVE_MODE)
+
+
+def _train_network(net: nn.Cell) -> tuple[nn.Cell, nn.Optimizer]:
+    optimizer = nn.Adam(net.trainable_params(), learning_rate=0.05)
+    loss = nn.WithLossCell(net, nn.MSELoss())
+    return nn.TrainOneStepCell(loss, optimizer), optimizer
+
+
+def _target(x: np.ndarray) -> ms.Tensor:
+    return ms.Tensor(np.tanh(x[:, :4]))
+
+
+def _rows(output_dir: str, prefix: str, step: int) -> dict[str, dict[str, float]]:
+    frame = pd.read_csv(os.path.join(output_dir, f"{prefix}_{step}-{step}.csv"))
+    return {row["name"]: row for _, row in frame.iterrows()}
+
+
+def test_parameters_and_moments_match_numpy_and_hook_data_types_are_named(graph_mode, caplog):
+    net = Net()
+    train, optimizer = _train_network(net)
+    mon = TrainerMon({**CONFIG, "wg_distribution": True, "xy_distribution": True, "format": "api"})
+    with caplog.at_level(logging.WARNING, logger="trainmon"):
+        mon.set_monitor(net, grad_acc_steps=1, optimizer=optimizer)
+    (warning,) = [r.getMessage() for r in caplog.records if "graph mode" in r.getMessage()]
+    assert "wg_distribution, xy_distribution" in warning and "PyNative" in warning
+    names = [p.name for p in optimizer.parameters]
+    for step, (x,) in enumerate(make_batches(3, 1)):
+        origin = copies(optimizer.parameters)
+        train(ms.Tensor(x), _target(x))
+        mon.step_end()
+        assert mon.step == step + 1
+        updated = copies(optimizer.parameters)
+        moments = copies(optimizer.moment1), copies(optimizer.moment2)
+        params, mv = mon.generate_param_metrics(), mon.generate_mv_metrics()
+        for k, name in enumerate(names):
+            head = f"0:{name}/rank0"
+            assert_stats_close(params[f"{head}/param_origin"], origin[k], what=f"{name} origin")
+            assert_stats_close(params[f"{head}/param_updated"], updated[k], what=f"{name} updated")
+            assert_stats_close(mv[f"{head}/exp_avg"], moments[0][k], what=f"{name} exp_avg")
+            assert_stats_close(mv[f"{head}/exp_avg_sq"], moments[1][k], what=f"{name} exp_avg_sq")
+            assert not np.array_equal(origin[k], updated[k])
+        assert mon.generate_wgrad_metrics() == ({}, {})
+    mon.stop()
+
+
+def test_steps_run_together_are_numbered_by_the_update_count(graph_mode, tmp_path, monkeypatch):
+    """Several steps between two step_end() calls (as with dataset sinking): the last is
+    collected as the step it is, without param_origin rows; a call without an update adds nothing."""
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path))
+    net = Net()
+    train, optimizer = _train_network(net)
+    mon = TrainerMon({**CONFIG, "ops": ["min", "max", "norm"]})
+    mon.set_monitor(net, grad_acc_steps=1, optimizer=optimizer)
+    batches = [x for (x,) in make_batches(4, 1)]
+    train(ms.Tensor(batches[0]), _target(batches[0]))
+    mon.step_end()
+    for x in batches[1:]:
+        train(ms.Tensor(x), _target(x))
+    mon.step_end()
+    mon.step_end()
+    assert mon.step == 4
+    final = dict(zip([p.name for p in optimizer.parameters], copies(optimizer.parameters)))
+    mon.stop()
+    (out,) = [os.path.join(tmp_path, d) for d in os.listdir(tmp_path)]
+    assert collected_steps(out, "param_updated") == [0, 3]
+    assert collected_steps(out, "exp_avg_sq") == [0, 3]
+    assert collected_steps(out, "param_origin") == [0]
+    for name, row in _rows(out, "param_updated", 3).items():
+        assert_stats_close(dict(row), final[name], ops=["min", "max", "norm"], what=name)
+
+
+def test_model_train_callback_collects_every_step_in_graph_mode(graph_mode, tmp_path, monkeypatch):
+    from monitor.integrations.mindspore import TrainmonCallback
+
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path))
+    net = Net()
+    optimizer = nn.Adam(net.trainable_params(), learning_rate=0.05)
+    data = [(x[0], np.tanh(x[0][:4])) for (x,) in make_batches(6, 1, batch=1)]
+    dataset = ds.GeneratorDataset(data, ["x", "y"], shuffle=False).batch(2)
+    callback = TrainmonCallback({**CONFIG, "ops": ["min", "max", "norm"]})
+    model = ms.train.Model(net, nn.MSELoss(), optimizer)
+    model.train(2, dataset, callbacks=[callback], dataset_sink_mode=False)
+    assert not callback.monitor.monitoring  # closed at the end of training
+    final = dict(zip([p.name for p in optimizer.parameters], copies(optimizer.parameters)))
+    (out,) = [os.path.join(tmp_path, d) for d in os.listdir(tmp_path)]
+    assert collected_steps(out, "param_updated") == list(range(6))
+    assert collected_steps(out, "param_origin") == list(range(6))
+    for name, row in _rows(out, "param_updated", 5).items():
+        assert_stats_close(dict(row), final[name], ops=["min", "max", "norm"], what=name)
+
+
+def test_step_end_does_nothing_in_pynative_mode():
+    """In PyNative mode the optimizer's hooks mark the steps: step_end() neither counts nor collects."""
+    net = Net()
+    train, optimizer = _train_network(net)
+    mon = TrainerMon({**CONFIG, "format": "api"})
+    mon.set_monitor(net, grad_acc_steps=1, optimizer=optimizer)
+    for (x,) in make_batches(2, 1):
+        train(ms.Tensor(x), _target(x))
+        mon.step_end()
+    assert mon.step == 2
+    mon.stop()
+
+
+def test_update_histograms_in_graph_mode_equal_numpy(graph_mode):
+    from tests.reference_stats import read_histograms, update_histogram_reference
+
+    net = Net()
+    train, optimizer = _train_network(net)
+    mon = TrainerMon({"ur_distribution": True, "format": "tensorboard"})
+    mon.set_monitor(net, grad_acc_steps=1, optimizer=optimizer)
+    moments = []
+    for (x,) in make_batches(2, 1):
+        train(ms.Tensor(x), _target(x))
+        mon.step_end()
+        moments.append((copies(optimizer.moment1), copies(optimizer.moment2)))
+    mon.stop()
+    betas = (float(optimizer.beta1.asnumpy()), float(optimizer.beta2.asnumpy()))
+    eps = float(optimizer.eps.asnumpy())
+    found = read_histograms(mon.output_dir)
+    for step, (exp_avg, exp_avg_sq) in enumerate(moments):
+        for j, name in enumerate(p.name for p in optimizer.parameters):
+            expected = update_histogram_reference(exp_avg[j], exp_avg_sq[j], step + 1, betas, eps)
+            for kind, (counts, nans) in expected.items():
+                got_counts, got_nans = found[(f"0:{name}/rank0/{kind}", step)]
+                assert np.array_equal(got_counts, counts) and got_nans == nans, (step, name, kind)
