@@ -1,7 +1,8 @@
-"""The optional C extension; everything else about the package is in pyproject.toml.
+"""The optional C extensions; everything else about the package is in pyproject.toml.
 
-``optional=True``: where no C compiler is available the install still succeeds and
-monitor.fused_stats falls back to one library call per statistic.
+``optional=True``: where no C compiler is available the install still succeeds,
+monitor.fused_stats falls back to one library call per statistic and the CSV writer to Python's
+formatting.
 """
 
 from setuptools import Extension, setup
@@ -13,6 +14,12 @@ setup(
             sources=["monitor/_fused_stats.c"],
             extra_compile_args=["-O3", "-std=c11"],
             optional=True,
-        )
+        ),
+        Extension(
+            "monitor.writers._csv_rows",
+            sources=["monitor/writers/_csv_rows.c"],
+            extra_compile_args=["-O2", "-std=c11"],
+            optional=True,
+        ),
     ]
 )
