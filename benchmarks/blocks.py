@@ -4,7 +4,8 @@ unmonitored / monitored blocks, and running each scenario in a fresh process.
 Blocks go A B B A A B ... (A unmonitored, B monitored); each starts with an untimed step (the
 first collected step builds row tables and opens files) and its cost is the process CPU time
 (every thread, so the background writer counts) per timed step, a monitored block's
-``flush()`` included, so work left to the writer is not hidden. Neighbouring blocks cancel the
+``flush()`` included, so work left to the writer is not hidden; its ``stop()`` (removing the
+hooks, closing the files: once per run in real training) is not timed. Neighbouring blocks cancel the
 slow load drift of a shared machine.
 """
 
@@ -68,9 +69,51 @@ def alternate(
                 step()
             if monitored:
                 mon.flush()
-                mon.stop()
             blocks.append({"monitored": monitored, "cpu": (time.process_time() - cpu) / steps})
+            if monitored:  # detaching is once per run, not a cost per step
+                mon.stop()
     return blocks, mon
+
+
+def collected_among_idle(step: Callable[[], None], mon: Any, steps: int) -> list[float]:
+    """With ``mon`` attached and collecting every other step (``step_interval: 2``): per
+    collected step, its CPU time (the writer's ``flush()`` included) minus the mean of its two
+    uncollected neighbours. Neighbouring steps share the machine's load, so this resolves the
+    cost of collecting a step far more finely than blocks do; what an attached monitor costs on
+    steps it does not collect is what the blocks add on top."""
+    times = []
+    for _ in range(steps):
+        cpu = time.process_time()
+        collecting = mon.monitoring and mon.step % 2 == 0
+        step()
+        if collecting:
+            mon.flush()
+        times.append((collecting, time.process_time() - cpu))
+    return [
+        times[i][1] - (times[i - 1][1] + times[i + 1][1]) / 2
+        for i in range(2, len(times) - 1)
+        if times[i][0] and not times[i - 1][0] and not times[i + 1][0]
+    ]
+
+
+def attached_among_detached(step: Callable[[], None], mon: Any, steps: int) -> list[float]:
+    """With ``mon`` set up never to collect (e.g. ``start_step`` far ahead) and stopped:
+    attached on every other step (``start()`` and ``stop()`` untimed); per attached step, its CPU
+    time minus the mean of its two detached neighbours: what the monitor costs on a step it
+    does not collect (its hooks checking a flag)."""
+    times = []
+    for index in range(steps):
+        attached = index % 2 == 1
+        if attached:
+            mon.start()
+        cpu = time.process_time()
+        step()
+        times.append((attached, time.process_time() - cpu))
+        if attached:
+            mon.stop()
+    return [
+        times[i][1] - (times[i - 1][1] + times[i + 1][1]) / 2 for i in range(1, len(times) - 1) if times[i][0]
+    ]
 
 
 def files_written(mon: Any) -> int:
