@@ -375,7 +375,8 @@ def stack_rows(rows: Sequence[list[float] | torch.Tensor], width: int) -> torch.
 
 
 class RowBuffer:
-    """Statistics rows of tensors measured one at a time (a hook per parameter), by slot.
+    """Statistics rows of tensors measured one at a time (a hook per parameter) or many at
+    once (``put_many``: the gradients of a backward pass), by slot.
 
     A CPU tensor's kernel tuple goes straight into a preallocated float64 array: no Python
     object per tensor outlives the call, so hooks on thousands of parameters neither pay for

@@ -159,6 +159,32 @@ def test_a_row_buffer_keeps_the_latest_row_of_each_slot_in_the_order_put():
     assert buffer.take()[0] == []  # taken: empty again
 
 
+@pytest.mark.parametrize("mixed", [False, True], ids=["one sweep", "mixed kinds"])
+def test_a_row_buffer_measures_many_tensors_at_once_as_numpy_does(mixed):
+    """put_many: plain fp32 tensors in one sweep; with other kinds among them (bf16, fp16,
+    integers, a non-contiguous view), each goes where it can be read."""
+    generator = torch.Generator().manual_seed(13)
+    tensors = [torch.randn(n, generator=generator) for n in (64, 1, 300, 17)]
+    tensors[2][7] = float("nan")
+    if mixed:
+        tensors += [
+            torch.randn(3, 5, generator=generator).t(),
+            torch.randn(40, generator=generator).to(torch.bfloat16),
+            torch.randn(40, generator=generator).to(torch.float16),
+            torch.arange(-3, 9),
+        ]
+    buffer = stats.RowBuffer(len(tensors) + 1, ALL_OPS, 1e-8)
+    buffer.put(3, torch.ones(3))  # replaced below, and moved to its new place in the order
+    slots = [len(tensors) - k for k in range(len(tensors))]
+    buffer.put_many(slots, tensors)
+    order, matrix = buffer.take()
+    assert order == slots
+    for row, tensor in zip(matrix.tolist(), tensors):
+        want = numpy_stats(tensor.to(torch.float64).numpy())
+        for op, value in zip(ALL_OPS, row):
+            assert_same_number(value, want[op], rel=1e-5)
+
+
 def test_sign_shares_match_numpy_for_every_kind_and_count_a_nan_as_sign_zero():
     from tests.reference_stats import sign_agreement
 
