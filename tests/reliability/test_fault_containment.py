@@ -159,7 +159,15 @@ def test_a_statistic_that_raises_switches_off_its_data_type_only(monkeypatch, tr
             raise RuntimeError("injected: statistic failed")
         return original(tensors, ops, eps)
 
+    original_swept = stats_module._swept_parts
+
+    def swept_parts(swept, eps):  # the one-sweep path of plain CPU tensors
+        if failing["on"] and set(swept[1]) & failing["pointers"]:
+            raise RuntimeError("injected: statistic failed")
+        return original_swept(swept, eps)
+
     monkeypatch.setattr(stats_module, "_group_columns", group_columns)
+    monkeypatch.setattr(stats_module, "_swept_parts", swept_parts)
 
     def inject(mon):
         optimizer = mon._session.optimizer
@@ -192,7 +200,9 @@ def _break_activation_gradient_hooks(monkeypatch, mon):
 
 
 def _break_parameter_gradient_hooks(monkeypatch, mon):
-    monkeypatch.setattr(grads_module.RowBuffer, "put", _raising(grads_module.RowBuffer.put))
+    buffer = grads_module.RowBuffer
+    monkeypatch.setattr(buffer, "put", _raising(buffer.put))  # a gradient measured in its hook
+    monkeypatch.setattr(buffer, "put_many", _raising(buffer.put_many))  # or at the backward's end
 
 
 def _break_optimizer_step_hooks(monkeypatch, mon):
