@@ -100,9 +100,19 @@ class _Held:
         self.numel += sum(int(np.prod(t.shape, dtype=np.int64)) for t in tensors)
 
     def describe(self, engine: StatEngine) -> None:
-        if self.tensors:
-            self.blocks.append((self.rows, engine.matrix(self.tensors)))
-            self.rows, self.tensors, self.numel = [], [], 0
+        """Statistics of the held tensors, each distinct tensor measured once (a Cell's output
+        is often the next Cell's input: the same tensor, held for two rows)."""
+        if not self.tensors:
+            return
+        position: dict[int, int] = {}
+        slots = [position.setdefault(id(t), len(position)) for t in self.tensors]
+        if len(position) == len(self.tensors):
+            matrix = engine.matrix(self.tensors)
+        else:
+            distinct = list({id(t): t for t in self.tensors}.values())
+            matrix = ops.gather(engine.matrix(distinct), ms.Tensor(np.array(slots, dtype=np.int32)), 0)
+        self.blocks.append((self.rows, matrix))
+        self.rows, self.tensors, self.numel = [], [], 0
 
 
 class Activations:

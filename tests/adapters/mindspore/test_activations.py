@@ -102,6 +102,25 @@ def test_every_activation_row_matches_numpy(hold_max, monkeypatch):
         assert set(record["actv_grad"]) == want_grads
 
 
+def test_a_tensor_held_for_two_rows_is_measured_once(monkeypatch):
+    """A Cell's output that is the next Cell's input is one tensor: measured once, written twice
+    (the values of both rows are checked against numpy above)."""
+    from adapters.mindspore.stats import StatEngine
+
+    measured = []
+    original = StatEngine.matrix
+
+    def matrix(self, tensors):
+        assert len({id(t) for t in tensors}) == len(tensors), "a tensor measured twice in one call"
+        measured.append(len(tensors))
+        return original(self, tensors)
+
+    monkeypatch.setattr(StatEngine, "matrix", matrix)
+    _, _, steps = _run({"all_xy": True, "ops": ["norm"]}, steps=1, micro=1)
+    written = len(steps[0]["actv"]) + len(steps[0]["actv_grad"])
+    assert 0 < sum(measured) < written
+
+
 def test_targets_name_cells_exactly_and_1_2_2_formats_are_accepted():
     targets = {"layers.1": {}, "norm": {"input": "tuple[1]:0", "output": "tensor"}, "layers.2.weight": {}}
     _, _, steps = _run({"targets": targets, "ops": ["norm"]}, steps=1, micro=1)
