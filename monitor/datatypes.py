@@ -7,9 +7,10 @@ so a tag's task is mapped back to its data type here, in one place.
 
 from __future__ import annotations
 
+import re
 from typing import NamedTuple
 
-from monitor.naming import split_tag
+from monitor.naming import build_tag, split_tag
 
 #: data type -> the tasks its tags end in (msprobe's tag grammar; grad_unreduced is pre_grad with main_grad).
 PREFIX_TASKS: dict[str, tuple[str, ...]] = {
@@ -92,6 +93,14 @@ def parse_tag(tag: str) -> ParsedTag | None:
     if middle.startswith("rank") and middle[4:].isdigit():
         rank = int(middle[4:])
     return ParsedTag(prefix_of_task(task), RowKey(vpp, name, -1 if micro is None else micro), rank)
+
+
+def scalar_tag_pattern(prefix: str, op: str, row: RowKey) -> str:
+    """A regular expression matching the TensorBoard scalars of one row's ``op`` on every rank
+    (what TensorBoard's tag filter takes to show that row's charts, and nothing else)."""
+    head = build_tag(row.vpp_stage, row.name, None, "", None if row.micro_step < 0 else row.micro_step)
+    tasks = "|".join(re.escape(task) for task in PREFIX_TASKS[prefix])
+    return f"^{re.escape(head.removesuffix('/'))}/rank[0-9]+/(?:{tasks})_{re.escape(op)}$"
 
 
 def parse_scalar_tag(tag: str) -> tuple[ParsedTag, str] | None:

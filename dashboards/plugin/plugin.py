@@ -15,7 +15,8 @@ Routes (under ``/data/plugin/trainmon``), all GET, all read-only:
   cells); filtered by the ranks involved, the records' data type and rule, and the onset step.
 * ``/heatmap?run=&prefix=&op=&mode=rank&rank=`` or ``mode=tag&vpp=&name=&micro=``, with
   optional ``lo``, ``hi`` (step range) and ``cols``: a binary matrix (heatmap.encode).
-* ``/series?run=&prefix=&op=&vpp=&name=&micro=&lo=&hi=&cols=``: one tag on every rank, as JSON.
+* ``/series?run=&prefix=&op=&vpp=&name=&micro=&lo=&hi=&cols=``: one tag on every rank, as JSON,
+  with the regular expression that selects its TensorBoard scalars (for a link to them).
 * the static front end (a fixed list of files shipped in ``static/``).
 
 Safety: a run is chosen by its id from what discovery found; no request parameter is ever used
@@ -38,7 +39,7 @@ from dashboards.plugin.discovery import Run
 from dashboards.plugin.heatmap import MAX_COLUMNS, PRESENT, Matrix, encode, rank_matrix, tag_matrix
 from dashboards.plugin.incidents import select as select_incidents
 from dashboards.plugin.store import RunStore
-from monitor.datatypes import RowKey
+from monitor.datatypes import RowKey, scalar_tag_pattern
 
 logger = logging.getLogger("trainmon")
 
@@ -303,6 +304,7 @@ class TrainmonPlugin(base_plugin.TBPlugin):
                 "ranks": matrix.rows,
                 "values": values,
                 "sampled": matrix.sampled,
+                "scalar_tag_pattern": scalar_tag_pattern(prefix, op, row),
             }
             return http_util.Respond(request, body, "application/json")
 

@@ -11,7 +11,9 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import re
 import shutil
+import time
 import urllib.parse
 from importlib.metadata import entry_points
 from pathlib import Path
@@ -88,6 +90,19 @@ def test_custom_scalars_tab_gets_the_layout_and_every_layer(server):
     assert answer["regex_valid"] and len(series) == len(names) > 10  # every parameter, one series each
     assert all(tag.endswith("/post_grad_norm") for tag in series)
     assert all(len(points) == DEMO_STEPS for points in series.values())
+
+
+def test_a_series_names_the_tensorboard_scalars_of_its_row_and_no_others(server):
+    base, logdir = server
+    runs = {r["name"]: r for r in _json(base, "/data/plugin/trainmon/runs")["runs"]}
+    run = f"demo_tensorboard/{rank_dir(logdir / 'demo_tensorboard').name}"
+    tags = set(_json(base, "/data/plugin/scalars/tags")[run])
+    names = sorted({row["name"] for row in read_csv_rows(rank_dir(logdir / "demo_csv"), "grad_reduced")})
+    for name in names[:3]:
+        query = {"run": runs["demo_tensorboard"]["id"], "prefix": "grad_reduced", "op": "norm", "name": name}
+        series = _json(base, f"/data/plugin/trainmon/series?{urllib.parse.urlencode(query)}")
+        pattern = re.compile(series["scalar_tag_pattern"])
+        assert {tag for tag in tags if pattern.search(tag)} == {f"0:{name}/rank0/post_grad_norm"}
 
 
 @pytest.mark.parametrize(
@@ -207,6 +222,7 @@ def test_clicking_an_anomaly_and_a_cell(page):
     session.wait_for("return !document.querySelector('.tm-chart').hidden;", 20, "line chart")
     chart = _state(session)["chart"]
     assert chart["ranks"] == 1 and chart["points"] == DEMO_STEPS and third["prefix"] in chart["title"]
+    assert session.script("return document.querySelector('.tm-scalars-link');") is None  # CSV: no scalars
     session.leave_frames()
     session.screenshot(str(artifacts() / "trainmon-tab-chart.png"))
     session.enter_frame("iframe")
@@ -302,3 +318,43 @@ def test_no_script_errors_in_the_console(page):
     session, _, _ = page
     errors = [m for m in session.console_errors() if "/data/plugin/trainmon/" in m or "Uncaught" in m]
     assert errors == []
+
+
+def test_a_tensorboard_run_links_its_chart_to_tensorboards_charts_without_smoothing(page):
+    """Last, as it leaves the tab: TensorBoard's own charts of the selected tag, smoothing 0
+    (its default 0.6 turns a one-step spike into a decaying curve)."""
+    session, base, _ = page
+    runs = {r["name"]: r for r in _json(base, "/data/plugin/trainmon/runs")["runs"]}
+    run_id = runs["demo_tensorboard"]["id"]
+    session.script(
+        "const s = document.querySelector('select'); s.value = arguments[0];"
+        "s.dispatchEvent(new Event('change'));",
+        run_id,
+    )
+    session.wait_for(
+        f"return document.querySelector('.tm-canvas').dataset.run === {json.dumps(run_id)} && "
+        "document.querySelector('.tm-heat-title').textContent.includes('rows');",
+        30,
+        "the TensorBoard run",
+    )
+    session.script(
+        """const c = document.querySelector('.tm-canvas'), r = c.getBoundingClientRect();
+        const at = {clientX: r.right - 5, clientY: r.top + 30, bubbles: true};
+        c.dispatchEvent(new MouseEvent('click', at));"""
+    )
+    session.wait_for("return document.querySelector('.tm-scalars-link') !== null;", 20, "the link")
+    href = session.script("return document.querySelector('.tm-scalars-link').href;")
+    link = urllib.parse.urlparse(href)
+    query = urllib.parse.parse_qs(link.query)
+    assert link.fragment == "timeseries" and query["smoothing"] == ["0"]
+    tag_filter = query["tagFilter"][0]
+    name = session.script("return document.querySelector('.tm-chart-title').textContent;").split(" — ")[0]
+    tags = [t for tags in _json(base, "/data/plugin/scalars/tags").values() for t in tags]
+    (matched,) = [t for t in tags if re.search(tag_filter, t)]  # the row's one scalar (one rank here)
+    assert matched.startswith(f"0:{name}/rank0/")
+    session.leave_frames()
+    session.open(href)
+    session.wait_for("return document.querySelector('tb-webapp') !== null;", 60, "TensorBoard")
+    time.sleep(3)  # TensorBoard writes its state back into the address once it has loaded
+    search = urllib.parse.parse_qs(urllib.parse.urlparse(session.script("return location.href;")).query)
+    assert search.get("smoothing") == ["0"] and search.get("tagFilter") == [tag_filter]

@@ -29,14 +29,23 @@ export class LineChart {
     this.canvas.addEventListener("mousemove", (e) => this._hover(e));
   }
 
-  // series: the /series answer; marks: steps to draw a vertical line at (e.g. anomalies)
-  show(series, { log, label, marks = [] }) {
+  // series: the /series answer; marks: steps to draw a vertical line at (e.g. anomalies);
+  // scalars: a link to the same tag in TensorBoard's own charts, or null
+  show(series, { log, label, marks = [], scalars = null }) {
     this.series = series;
     this.log = log;
     this.marks = marks;
     this.values = series.values.map((row) => row.map(number));
     this.title.textContent = `${label} — ${series.prefix} ${series.op}` +
       (series.sampled ? " (sampled steps; narrow the step range for every step)" : "");
+    if (scalars) {
+      const link = document.createElement("a");
+      link.className = "tm-scalars-link";
+      link.href = scalars;
+      link.target = "_top";
+      link.textContent = "in TensorBoard's charts, smoothing 0";
+      this.title.append(" · ", link);
+    }
     this.legend.replaceChildren(...series.ranks.map((rank, i) => {
       const item = document.createElement("span");
       item.className = "tm-legend-item";

@@ -257,8 +257,17 @@ class App {
     const marks = this.lists.anomalies.filter((a) => a.prefix === d.prefix && a.row[1] === row.key[1] &&
       a.row[0] === row.key[0] && a.row[2] === row.key[2]).map((a) => a.step);
     this.chartBox.hidden = false;
-    this.chart.show(series, { log: this.state.log, label: row.label, marks });
+    this.chart.show(series, { log: this.state.log, label: row.label, marks, scalars: this.scalarsURL(series) });
     this.chartBox.scrollIntoView({ block: "nearest" });
+  }
+
+  // TensorBoard's time series of the same tag on every rank, without smoothing (its default 0.6
+  // turns a one-step spike into a decaying curve); only runs written as TensorBoard files have them
+  scalarsURL(series) {
+    const run = this.run();
+    if (!run || !(run.format || "").includes("tensorboard")) return null;
+    const query = new URLSearchParams({ smoothing: "0", tagFilter: series.scalar_tag_pattern });
+    return new URL(`../../../?${query}#timeseries`, BASE).href;
   }
 
   async jumpTo(a) {
