@@ -12,6 +12,12 @@ ratio of medians B/A is formed, and the median over pairs is reported: a ratio o
 neighbouring blocks cancels the slow load drift of a shared machine. The writer's backlog at
 the end of a B block (flush + stop) is reported separately, per monitored step.
 
+"neighbours": the same CPU ratio measured from neighbouring steps, which share the machine's
+load and so resolve about a percent where block pairs scatter by tens: the cost of collecting
+(a collected step minus its two uncollected neighbours, every other step collected) plus the
+cost of being attached (an attached, uncollected step minus its two detached neighbours), over
+the unmonitored step (benchmarks/blocks.py).
+
 Peak RSS: the process's peak after the first (unmonitored) block is the baseline; the growth
 is the peak at the end minus that baseline. The monitor's modules are imported before the
 baseline, so a one-off import is not counted as per-step memory.
@@ -46,7 +52,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from blocks import EVERYTHING_WITH_ALERTS  # noqa: E402
+from blocks import EVERYTHING_WITH_ALERTS, attached_among_detached, collected_among_idle  # noqa: E402
 
 OPS = ["min", "max", "norm", "zeros", "nans", "mean"]
 #: name -> (config keys on top of {"targets": {}, "ops": OPS}, ranks)
@@ -157,10 +163,28 @@ def _train(args: argparse.Namespace, rank: int, world: int) -> dict | None:
             if baseline_peak is None:
                 baseline_peak = _peak_rss_mb()
             blocks.append({"monitored": monitored, "wall": walls, "cpu": cpus, "drain": drain})
+    collect, idle = [0.0], [0.0]
+    if world == 1 and extra:  # the cost from neighbouring steps (see the docstring)
+        steps = iter(range(counter, counter + 10**6))
+
+        def next_step() -> None:
+            step(next(steps))
+
+        every_other = TrainerMon({**config, "step_interval": 2})
+        every_other.set_monitor(model, grad_acc_steps=1, optimizer=optimizer)
+        collect = collected_among_idle(next_step, every_other, 4 * args.pairs + 3)
+        every_other.stop()
+        never = TrainerMon({**config, "start_step": 10**9})
+        never.set_monitor(model, grad_acc_steps=1, optimizer=optimizer)
+        never.stop()
+        idle = attached_among_detached(next_step, never, 4 * args.pairs + 1)
     if rank != 0:
         return None
     written = mon.output_dir if mon is not None else None
     return {
+        "collect": collect,
+        "idle": idle,
+        "interval": config.get("step_interval", 1),
         "files": sum(len(files) for _, _, files in os.walk(written)) if written else 0,
         "blocks": blocks,
         "baseline_peak_mb": baseline_peak,
@@ -227,6 +251,10 @@ def summarise(result: dict) -> dict:
     plain_steps = [t for b in blocks if not b["monitored"] for t in b["wall"]]
     watched = [b for b in blocks if b["monitored"]]
     out["step_s"] = statistics.median(plain_steps)
+    plain_cpu = statistics.median(t for b in blocks if not b["monitored"] for t in b["cpu"])
+    # a sparse schedule collects one step in ``interval``: its collection cost is spread over them
+    extra = statistics.median(result["collect"]) / result["interval"] + statistics.median(result["idle"])
+    out["neighbours"] = 1 + extra / plain_cpu
     out["drain_ms"] = 1000 * sum(b["drain"] for b in watched) / sum(len(b["wall"]) for b in watched)
     out["rss_base"] = result["baseline_peak_mb"]
     out["rss_growth"] = result["peak_mb"] - result["baseline_peak_mb"]
@@ -263,7 +291,8 @@ def report(rows: list[tuple[str, dict]], model: str) -> None:
     reference = REFERENCE if model == "large" else REFERENCE_SMALL if model == "small" else {}
     head = (
         f"{'scenario':16s} {'wall':>6s} {'(pairs min-max)':>15s} {'cpu':>6s} {'drain':>9s} "
-        f"{'peak RSS':>9s} {'growth':>14s} {'target':>7s} {'':7s} {'msprobe':>7s} {'ours/theirs':>11s}"
+        f"{'peak RSS':>9s} {'growth':>14s} {'target':>7s} {'':7s} {'msprobe':>7s} {'ours/theirs':>11s} "
+        f"{'neighbours':>10s}"
     )
     print(head)
     print("-" * len(head))
@@ -280,7 +309,8 @@ def report(rows: list[tuple[str, dict]], model: str) -> None:
         print(
             f"{name:16s} {s['wall']:6.3f} {f'{lo:.2f}-{hi:.2f}':>15s} {s['cpu']:6.3f} "
             f"{s['drain_ms']:6.1f} ms {s['rss_base']:6.0f} MB {growth:>14s} "
-            f"{target if target else '':>7} {verdict:7s} {ref if ref else '':>7} {share}"
+            f"{target if target else '':>7} {verdict:7s} {ref if ref else '':>7} {share} "
+            f"{s['neighbours']:10.3f}"
         )
     if "all-interval100" in dict(rows) and "all-csv" in dict(rows):
         every, sparse = dict(rows)["all-csv"]["wall"], dict(rows)["all-interval100"]["wall"]
