@@ -20,20 +20,17 @@ from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+for path in (ROOT, ROOT / "benchmarks"):  # also when imported as a module by the tests
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
 
 import torch  # noqa: E402
+from blocks import EVERY_DATA_TYPE  # noqa: E402
 
 from monitor import TrainerMon  # noqa: E402
 
 CONFIG = {
-    "wg_distribution": True,
-    "mv_distribution": True,
-    "param_distribution": True,
-    "mg_direction": True,
-    "xy_distribution": True,
-    "all_xy": True,
+    **EVERY_DATA_TYPE,
     "ops": ["min", "max", "norm", "mean", "zeros", "nans"],
     "format": "csv",
     "step_count_per_record": 50,

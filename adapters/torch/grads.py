@@ -142,8 +142,7 @@ class UnreducedGrads:
             if self.sum_micro_batches:
                 grad = self._add_to_sum(index, grad, count, last)
             if not last:
-                self._rows.drop(index)
-                self._waiting[index] = (weakref.ref(grad), grad._version)
+                self._await_later_micro_batch(index, grad)
                 return
             self._waiting.pop(index, None)
             self._measure(index, grad)
@@ -195,8 +194,7 @@ class UnreducedGrads:
                     slots.append(index)
                     grads.append(grad)
                 else:
-                    self._rows.drop(index)
-                    self._waiting[index] = (weakref.ref(grad), grad._version)
+                    self._await_later_micro_batch(index, grad)
             if self._waiting:
                 for index in slots:
                     self._waiting.pop(index, None)
@@ -209,6 +207,12 @@ class UnreducedGrads:
         except Exception as exc:
             self.collect = False
             self.on_error("grad_unreduced", exc)
+
+    def _await_later_micro_batch(self, index: int, grad: torch.Tensor) -> None:
+        """Not the step's last micro-batch (as far as is known): no row yet; the gradient and its
+        version are noted, so that a step ending early can still be measured at the optimizer."""
+        self._rows.drop(index)
+        self._waiting[index] = (weakref.ref(grad), grad._version)
 
     def accumulated(self, index: int, param: torch.Tensor) -> torch.Tensor | None:
         """The gradient of parameter ``index`` accumulated so far in this step, held by ``param``."""

@@ -107,8 +107,8 @@ def _kernel_sweep(tensors: Sequence[torch.Tensor]) -> tuple[int, list[int], list
     return kind, addresses, counts
 
 
-def _swept_parts(swept: tuple[int, list[int], list[int]], eps: float) -> np.ndarray:
-    kind, addresses, counts = swept
+def _kernel_parts(kind: int, addresses: list[int], counts: list[int], eps: float) -> np.ndarray:
+    """The kernel's (n, 6) tuples of tensors of one kind at ``addresses`` (kept alive by the caller)."""
     return fused_stats.stats_many(
         np.array(addresses, dtype=np.int64), np.array(counts, dtype=np.int64), kind, eps
     )
@@ -149,9 +149,7 @@ def _fused_parts(tensors: Sequence[torch.Tensor], eps: float) -> np.ndarray:
     kind = _KIND.get(first.dtype)
     if kind is not None:
         flats = [t if t.is_contiguous() else t.contiguous() for t in tensors]  # alive during the call
-        addresses = np.fromiter((t.data_ptr() for t in flats), dtype=np.int64, count=len(flats))
-        counts = np.fromiter((t.numel() for t in flats), dtype=np.int64, count=len(flats))
-        return fused_stats.stats_many(addresses, counts, kind, eps)
+        return _kernel_parts(kind, [t.data_ptr() for t in flats], [t.numel() for t in flats], eps)
     upcast = _scratch(torch.float32, min(CPU_CHUNK, max(t.numel() for t in tensors)), 0)
     parts = []
     for t in tensors:
@@ -280,7 +278,9 @@ def stat_matrix(tensors: Sequence[torch.Tensor], ops: Sequence[str], eps: float 
         return torch.empty((0, len(ops)), dtype=_F64)
     swept = _kernel_sweep(tensors) if "id" not in ops and _fused_pays(ops, tensors[0].dtype) else None
     if swept is not None:  # the common case on the CPU, in one sweep
-        return torch.from_numpy(columns(_swept_parts(swept, eps), np.array(swept[2], dtype=np.float64), ops))
+        kind, addresses, counts = swept
+        parts = _kernel_parts(kind, addresses, counts, eps)
+        return torch.from_numpy(columns(parts, np.array(counts, dtype=np.float64), ops))
     groups: dict[tuple[torch.dtype, torch.device], list[int]] = {}
     empty = []
     for i, t in enumerate(tensors):
@@ -420,7 +420,7 @@ class RowBuffer:
             if other:
                 for slot in slots:
                     other.pop(slot, None)
-            self._raw[slots] = _swept_parts(swept, self.eps)
+            self._raw[slots] = _kernel_parts(*swept, self.eps)
             self._numel[slots] = swept[2]
             return
         direct: dict[int, tuple[list[int], list[torch.Tensor]]] = {}
@@ -435,9 +435,8 @@ class RowBuffer:
             kind_slots.append(slot)
             flats.append(found[0])
         for kind, (kind_slots, flats) in direct.items():
-            addresses = np.fromiter((t.data_ptr() for t in flats), dtype=np.int64, count=len(flats))
-            counts = np.fromiter((t.numel() for t in flats), dtype=np.int64, count=len(flats))
-            self._raw[kind_slots] = fused_stats.stats_many(addresses, counts, kind, self.eps)
+            counts = [t.numel() for t in flats]
+            self._raw[kind_slots] = _kernel_parts(kind, [t.data_ptr() for t in flats], counts, self.eps)
             self._numel[kind_slots] = counts
 
     def clear(self) -> None:

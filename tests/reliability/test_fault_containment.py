@@ -35,6 +35,7 @@ import adapters.torch.stats as stats_module
 from monitor import TrainerMon
 from tests.reliability.ranks import FAULT_STEP as CC_FAULT_STEP
 from tests.reliability.training import ALL_OPS, EVERYTHING, Net, csv_steps, hook_state, make_batches, train
+from tests.shared_configs import STEP_PREFIXES
 
 STEPS = 8
 GRAD_ACC = 2
@@ -44,17 +45,7 @@ FAULT_STEP = 3
 SPIKE_STEPS = (5, 7)
 SPIKE_RULES = {"rules": [{"rule_name": "AnomalyNan", "args": {"threshold": 1000.0}}], "dump": True}
 
-PREFIXES = (
-    "grad_unreduced",
-    "grad_reduced",
-    "param_origin",
-    "param_updated",
-    "exp_avg",
-    "exp_avg_sq",
-    "other",
-    "actv",
-    "actv_grad",
-)
+PREFIXES = (*STEP_PREFIXES, "actv", "actv_grad")
 
 
 def _train(model, optimizer, after_step=None) -> list[float]:
@@ -159,15 +150,15 @@ def test_a_statistic_that_raises_switches_off_its_data_type_only(monkeypatch, tr
             raise RuntimeError("injected: statistic failed")
         return original(tensors, ops, eps)
 
-    original_swept = stats_module._swept_parts
+    original_kernel = stats_module._kernel_parts
 
-    def swept_parts(swept, eps):  # the one-sweep path of plain CPU tensors
-        if failing["on"] and set(swept[1]) & failing["pointers"]:
+    def kernel_parts(kind, addresses, counts, eps):  # where the kernel reads CPU tensors in place
+        if failing["on"] and set(addresses) & failing["pointers"]:
             raise RuntimeError("injected: statistic failed")
-        return original_swept(swept, eps)
+        return original_kernel(kind, addresses, counts, eps)
 
     monkeypatch.setattr(stats_module, "_group_columns", group_columns)
-    monkeypatch.setattr(stats_module, "_swept_parts", swept_parts)
+    monkeypatch.setattr(stats_module, "_kernel_parts", kernel_parts)
 
     def inject(mon):
         optimizer = mon._session.optimizer

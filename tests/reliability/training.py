@@ -11,6 +11,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from tests.adapters.torch.helpers import ALL_OPS, MLP, make_batches
+from tests.shared_configs import DATA_TYPES
 
 __all__ = [
     "ALL_OPS",
@@ -25,15 +26,7 @@ __all__ = [
 ]
 
 #: every data type the torch adapter collects on one rank (cc needs ranks; see test_observer_effect).
-EVERYTHING = {
-    "wg_distribution": True,
-    "mv_distribution": True,
-    "param_distribution": True,
-    "mg_direction": True,
-    "xy_distribution": True,
-    "all_xy": True,
-    "ops": ALL_OPS,
-}
+EVERYTHING = {**DATA_TYPES["all"], "xy_distribution": True, "all_xy": True, "ops": ALL_OPS}
 
 
 class Net(nn.Module):
