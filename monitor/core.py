@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Mapping
+from typing import Any
 
 from monitor.anomaly.detector import Anomaly, Detector
 from monitor.anomaly.dump import AnomalyDump
@@ -17,6 +19,7 @@ from monitor.anomaly.rules import build_rules
 from monitor.config import MonitorConfig
 from monitor.files import find_rank_dir, make_private_dir, output_root, rank_dir_name
 from monitor.record import StepRecord
+from monitor.run_info import write_run_info
 from monitor.writers.api import ApiWriter
 from monitor.writers.base import WriterThread
 from monitor.writers.csv import CsvWriter
@@ -35,6 +38,7 @@ class MonitorCore:
         root: output root; MONITOR_OUTPUT_DIR or ./monitor_output when None.
         output_dir: an existing rank directory to continue (a restart within the same run): its
             files are appended to and its anomaly records kept.
+        info: the run-info document (``monitor.run_info.run_info``) written into the rank directory.
     """
 
     def __init__(
@@ -45,6 +49,7 @@ class MonitorCore:
         group_mates: list[int] | None = None,
         root: str | None = None,
         output_dir: str | None = None,
+        info: Mapping[str, Any] | None = None,
     ) -> None:
         self.config = config
         self.rank = rank
@@ -59,11 +64,14 @@ class MonitorCore:
         if config.format != "api":
             self.output_dir = output_dir or self._rank_dir()
             self.file_writer = self._file_writer()
+            if info is not None:
+                write_run_info(self.output_dir, info)
             sinks.append(self.file_writer)
             if config.format == "tensorboard":
                 from monitor.writers.custom_scalars import CustomScalarsSink
 
-                sinks.append(CustomScalarsSink(self.output_dir))
+                roots = dict(enumerate(info.get("root_modules", []))) if info else {}
+                sinks.append(CustomScalarsSink(self.output_dir, roots))
         if config.alert.rules or config.alert.non_finite:
             dump = AnomalyDump(self.root, rank, keep=output_dir is not None) if config.alert.dump else None
             self.detector = Detector(

@@ -25,6 +25,8 @@ PREFIX_TASKS: dict[str, tuple[str, ...]] = {
     "other": ("mg_direction",),
 }
 TASK_PREFIX: dict[str, str] = {task: prefix for prefix, tasks in PREFIX_TASKS.items() for task in tasks}
+#: data types whose rows are module inputs and outputs (named after the module).
+ACTIVATION_PREFIXES: tuple[str, ...] = ("actv", "actv_grad")
 #: order in which data types are offered (and preferred for the landing view on a tie).
 PREFIX_ORDER: tuple[str, ...] = (
     "grad_reduced",
@@ -68,9 +70,14 @@ class RowKey(NamedTuple):
     name: str
     micro_step: int
 
-    def label(self, show_vpp: bool) -> str:
-        """``[N:]name[:m]``: the chunk prefix only when the run has several chunks."""
-        text = f"{self.vpp_stage}:{self.name}" if show_vpp else self.name
+    def label(self, show_vpp: bool, root_class: str = "") -> str:
+        """``[N:]name[:m]``: the chunk prefix only when the run has several chunks.
+
+        An activation row of the chunk's root module (``.input``, ``[1].output_grad``: the module
+        name is empty) is shown with ``root_class`` in front (``GPT.input``) when it is given.
+        """
+        name = root_class + self.name if root_class and self.name.startswith((".", "[")) else self.name
+        text = f"{self.vpp_stage}:{name}" if show_vpp else name
         return text if self.micro_step < 0 else f"{text}:{self.micro_step}"
 
 

@@ -35,7 +35,7 @@ from mindspore import mint, ops
 
 from adapters.mindspore.activations import Activations, select_cells
 from adapters.mindspore.collectives import CollectiveMonitor
-from adapters.mindspore.dist import rank_in_group
+from adapters.mindspore.dist import rank_in_group, world_size
 from adapters.mindspore.grads import UnreducedGrads
 from adapters.mindspore.optim import OptimizerView
 from adapters.mindspore.params import ParamRegistry
@@ -46,6 +46,7 @@ from monitor.config import MonitorConfig
 from monitor.core import MonitorCore
 from monitor.param_rows import param_row_tables, reduced_index
 from monitor.record import RowSet
+from monitor.run_info import run_info
 from monitor.update_ratio import adam_histograms, submit_histograms
 
 logger = logging.getLogger("trainmon")
@@ -108,7 +109,8 @@ class Collection(BaseCollection):
             logger.warning("trainmon: ur_distribution: %s; no histograms", view.moment_problem)
             self.update_ratio = False
         self.registry = ParamRegistry(chunks, config)
-        self.core = MonitorCore(config, rank, pp_stage, group_mates, output_dir=output_dir)
+        info = run_info("mindspore", ms.__version__, rank, world_size(), [type(c).__name__ for c in chunks])
+        self.core = MonitorCore(config, rank, pp_stage, group_mates, output_dir=output_dir, info=info)
         params = self.registry.params
         self._positions = [view.position(p.param) for p in params]
         self._rows = param_row_tables(

@@ -26,6 +26,10 @@ def global_rank() -> int:
     return get_rank(GlobalComm.WORLD_COMM_GROUP) if initialized() else 0
 
 
+def world_size() -> int:
+    return get_group_size(GlobalComm.WORLD_COMM_GROUP) if initialized() else 1
+
+
 def pipeline_info(process_group: Any) -> tuple[int, list[int]]:
     """``(pp_stage, group_mates)`` of this rank in the pipeline group ``process_group`` (a name).
 

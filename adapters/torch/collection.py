@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from adapters.torch.activations import Activations, select_modules
-from adapters.torch.dist import rank_in_group
+from adapters.torch.dist import rank_in_group, world_size
 from adapters.torch.grads import unreduced_source
 from adapters.torch.optim import TorchBackend
 from adapters.torch.params import ParamRegistry
@@ -29,6 +29,7 @@ from monitor.config import MonitorConfig
 from monitor.core import MonitorCore
 from monitor.host_stats import scalar_matrix
 from monitor.record import RowSet
+from monitor.run_info import run_info
 from monitor.update_ratio import submit_histograms
 
 logger = logging.getLogger("trainmon")
@@ -96,7 +97,8 @@ class Collection(BaseCollection):
         self.update_ratio = self._update_ratio_wanted()
         self.registry = ParamRegistry(chunks, config, main_grad, backend.named_parameters)
         backend.prepare([entry.param for entry in self.registry.params], self.registry.grad)
-        self.core = MonitorCore(config, rank, pp_stage, group_mates, output_dir=output_dir)
+        info = run_info("torch", torch.__version__, rank, world_size(), [type(c).__name__ for c in chunks])
+        self.core = MonitorCore(config, rank, pp_stage, group_mates, output_dir=output_dir, info=info)
         if config.wg_distribution:  # UnreducedGrads, or BucketGrads for Megatron
             self.grads = unreduced_source(
                 chunks,

@@ -3,7 +3,7 @@
 Same call and output as msprobe's converter: ``{out}/rank{R}/{data_type}/`` holds one event
 file per rank and data type, scalar tags ``vp{vpp_stage}:{name}[:micro{m}]/{op}``, written in step
 order; ``out`` defaults to ``{monitor_path}/{time}-csv2tensorboard_by_step``. Each output directory
-also gets a Custom Scalars layout (one chart per op, all rows overlaid).
+also gets a Custom Scalars layout (per op, one chart per layer group).
 
 Differences, all fixes of msprobe's converter: every directory of a rank in the time range is read (in
 time order) instead of the last one listed; a row written twice for a step keeps the later value
@@ -25,7 +25,7 @@ import numpy as np
 from dashboards.convert.progress import run_jobs
 from dashboards.convert.runs import job_label, read_series, select_jobs
 from monitor.files import TIME_FORMAT, make_private_dir
-from monitor.writers.custom_scalars import write_layout
+from monitor.writers.custom_scalars import group_charts, layer_groups, write_layout
 from monitor.writers.tensorboard import TensorBoardWriter
 
 logger = logging.getLogger("trainmon")
@@ -79,7 +79,14 @@ def convert_one(job: tuple[int, list[str], str, str]) -> dict:
             written += int(present.sum())
     finally:
         writer.close()
-    write_layout(target, {prefix: [(f"{prefix} {op}", rf"^.*/{re.escape(op)}$") for op in series.ops]})
+    groups = layer_groups((key.vpp_stage, key.name) for key in series.rows)
+    write_layout(
+        target,
+        {
+            f"{prefix} {op}": group_charts(groups, lambda vpp: f"vp{vpp}:", f"/{re.escape(op)}")
+            for op in series.ops
+        },
+    )
     return {
         "values": written,
         "steps": len(starts),

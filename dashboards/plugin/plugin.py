@@ -39,7 +39,7 @@ from dashboards.plugin.discovery import Run
 from dashboards.plugin.heatmap import MAX_COLUMNS, PRESENT, Matrix, encode, rank_matrix, tag_matrix
 from dashboards.plugin.incidents import select as select_incidents
 from dashboards.plugin.store import RunStore
-from monitor.datatypes import RowKey, scalar_tag_pattern
+from monitor.datatypes import ACTIVATION_PREFIXES, RowKey, scalar_tag_pattern
 
 logger = logging.getLogger("trainmon")
 
@@ -269,7 +269,8 @@ class TrainmonPlugin(base_plugin.TBPlugin):
                 )
                 show_vpp = any(key.vpp_stage for key in matrix.rows)
                 header["rank"] = rank
-                header["rows"] = [key.label(show_vpp) for key in matrix.rows]
+                roots = sources[rank].root_modules() if prefix in ACTIVATION_PREFIXES else {}
+                header["rows"] = [key.label(show_vpp, roots.get(key.vpp_stage, "")) for key in matrix.rows]
                 header["row_keys"] = [list(key) for key in matrix.rows]
                 position = {key: i for i, key in enumerate(matrix.rows)}
                 cells = [(position.get(item.row), item) for item in items]

@@ -23,6 +23,7 @@ import numpy as np
 from dashboards.csvfiles import CsvBounds, CsvTable, csv_bounds, list_csv_files, read_csv_file, read_csv_files
 from dashboards.plugin.cache import ByteLRU
 from monitor.datatypes import RowKey
+from monitor.run_info import read_root_modules
 
 logger = logging.getLogger("trainmon")
 _tokens = itertools.count()
@@ -140,6 +141,10 @@ class Source:
             if force or now - self._checked >= REFRESH_SECONDS:
                 self._checked = now
                 self._scan()
+
+    def root_modules(self) -> dict[int, str]:
+        """Chunk -> class name of its root module, from the run-info file ({} without one)."""
+        return read_root_modules(self.path)
 
     def load(self, prefix: str, chunk: Chunk) -> Block:
         """The parsed chunk (cached); a chunk that cannot be read is an empty block, counted as skipped."""

@@ -1,14 +1,18 @@
-"""A Custom Scalars layout in each run directory: one chart per data type and op, all layers overlaid.
+"""A Custom Scalars layout in each run directory: per data type and op, one chart per layer group.
 
 TensorBoard's Custom Scalars tab reads a ``layout_pb2.Layout`` from the tag
 ``custom_scalars__config__`` (a string tensor with the ``custom_scalars`` plugin metadata) and
-draws, per chart, every scalar tag that matches the chart's regular expression; each rank
-directory is a run, so a chart overlays all layers of all ranks.
+draws, per chart, every scalar tag that matches the chart's regular expression. It colours the
+lines of a chart by run (each rank directory is one), never by tag, so a chart of every layer is
+one tangle of lines of one colour. The layout therefore has one category per data type and op
+(``grad_reduced norm``), only the first open, and in it one chart per layer group: the module path
+up to its first numeric index (``layers.3``), else its first component (``embedding``), and the
+root module's own rows; hovering a line names its tag.
 
 The layout lives in its own event file in the run directory,
 ``events.out.tfevents.{time}.{host}.trainmon-layout``. Each call that adds charts appends one
 Event with the union of the charts so far, at the next step, so the newest layout is the one shown;
-a call that adds nothing writes nothing. Calling it once per new data type is therefore cheap.
+a call that adds nothing writes nothing.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import os
 import re
 import socket
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from tensorboard.compat.proto.event_pb2 import Event
 from tensorboard.compat.proto.summary_pb2 import Summary
@@ -40,22 +44,62 @@ _EVENT_PREFIX = "events.out.tfevents."
 Categories = dict[str, list[tuple[str, str]]]
 
 
-def live_tag_regex(prefix: str, op: str) -> str:
-    """Regex of the live scalar tags ``N:name[:m]/rankR/{task}_{op}`` of one data type and op."""
+_BLOCK = re.compile(r"^(.*?\.\d+)(?=[.\[:]|$)")
+_FIRST_PART = re.compile(r"[.\[:]")
+
+
+def layer_group(name: str) -> str:
+    """The layer group of a row name: the module path up to its first numeric index (``layers.3``
+    of ``layers.3.mlp.fc1.weight``), else its first component; ``""`` for the root module's rows."""
+    if name.startswith((".", "[")):
+        return ""
+    block = _BLOCK.match(name)
+    return block.group(1) if block else _FIRST_PART.split(name, 1)[0]
+
+
+def layer_groups(rows: Iterable[tuple[int, str]]) -> list[tuple[int, str]]:
+    """The distinct (chunk, layer group) of ``(chunk, name)`` rows, in first-seen order."""
+    return list(dict.fromkeys((vpp, layer_group(name)) for vpp, name in rows))
+
+
+def group_charts(
+    groups: Sequence[tuple[int, str]],
+    chunk_head: Callable[[int], str],
+    tail: str,
+    roots: Mapping[int, str] | None = None,
+) -> list[tuple[str, str]]:
+    """One (title, tag regex) chart per layer group.
+
+    A tag is ``{chunk_head(chunk)}{name}...{tail}`` (``tail`` a regex of its end); ``roots`` names
+    each chunk's root module class for the root group's title.
+    """
+    roots = roots or {}
+    show_vpp = any(vpp for vpp, _ in groups)
+    charts = []
+    for vpp, group in groups:
+        title = group or f"{roots.get(vpp, 'model')} (root)"
+        body = re.escape(group) + r"[.\[:/]" if group else r"[.\[]"
+        regex = f"^{re.escape(chunk_head(vpp))}{body}.*{tail}$"
+        charts.append((f"{vpp}:{title}" if show_vpp else title, regex))
+    return charts
+
+
+def live_categories(
+    prefix: str, ops: Sequence[str], groups: Sequence[tuple[int, str]], roots: Mapping[int, str] | None = None
+) -> Categories:
+    """The categories of one data type's live tags ``N:name[:m]/rankR/{task}_{op}``: one per op."""
     tasks = "|".join(re.escape(task) for task in tasks_of_prefix(prefix))
-    return rf"^.*/(?:{tasks})_{re.escape(op)}$"
-
-
-def live_categories(prefixes: Iterable[str], ops: Sequence[str]) -> Categories:
-    """One category per data type, one chart per op (title ``"{prefix} {op}"``)."""
-    return {prefix: [(f"{prefix} {op}", live_tag_regex(prefix, op)) for op in ops] for prefix in prefixes}
+    return {
+        f"{prefix} {op}": group_charts(groups, lambda vpp: f"{vpp}:", rf"/(?:{tasks})_{re.escape(op)}", roots)
+        for op in ops
+    }
 
 
 def build_layout(categories: Mapping[str, Sequence[tuple[str, str]]]) -> layout_pb2.Layout:
-    """The Layout proto of ``categories``, in the given order."""
+    """The Layout proto of ``categories``, in the given order; only the first category is open."""
     layout = layout_pb2.Layout()
-    for title, charts in categories.items():
-        category = layout.category.add(title=title)
+    for index, (title, charts) in enumerate(categories.items()):
+        category = layout.category.add(title=title, closed=index > 0)
         for chart_title, regex in charts:
             category.chart.add(title=chart_title).multiline.tag.append(regex)
     return layout
@@ -108,7 +152,9 @@ def _merge(old: Categories, new: Mapping[str, Sequence[tuple[str, str]]]) -> Cat
         have = merged.setdefault(title, [])
         titles = {chart_title for chart_title, _ in have}
         have.extend(chart for chart in charts if chart[0] not in titles)
-    return {title: merged[title] for title in sorted(merged, key=lambda t: order_key(t, PREFIX_ORDER))}
+    # by data type; the ops of one data type keep the order they came in (the sort is stable)
+    order = sorted(merged, key=lambda title: order_key(title.rsplit(" ", 1)[0], PREFIX_ORDER))
+    return {title: merged[title] for title in order}
 
 
 def write_layout(log_dir: str | os.PathLike, categories: Mapping[str, Sequence[tuple[str, str]]]) -> str:
@@ -143,38 +189,30 @@ def write_layout(log_dir: str | os.PathLike, categories: Mapping[str, Sequence[t
     return path
 
 
-def write_custom_scalars_layout(
-    log_dir: str | os.PathLike, prefixes: Iterable[str], ops: Sequence[str]
-) -> str:
-    """Make TensorBoard's Custom Scalars tab show one chart per data type and op for ``log_dir``.
-
-    Args:
-        log_dir: the rank directory (it must exist).
-        prefixes: data types (CSV prefixes such as ``grad_reduced``) to add charts for.
-        ops: the statistics written for them (``norm``, ``max``, ...).
-
-    Returns:
-        The path of the layout event file. Repeated calls add only what is new.
-    """
-    return write_layout(log_dir, live_categories(prefixes, ops))
-
-
 class CustomScalarsSink:
-    """A writer for the monitor's writer thread: adds each new data type's charts to ``log_dir``.
+    """A writer for the monitor's writer thread: adds the charts of new data types and layer groups.
 
-    ``write(record)`` costs a set lookup, except for the first record of a data type (or of new
-    ops), which appends one layout Event (write_custom_scalars_layout).
+    ``write(record)`` costs an identity check when the record's rows are those seen last for its
+    data type (row tables are built once), else a pass over the row names; only new charts append
+    one layout Event.
     """
 
-    def __init__(self, log_dir: str | os.PathLike) -> None:
+    def __init__(self, log_dir: str | os.PathLike, roots: Mapping[int, str] | None = None) -> None:
         self.log_dir = os.fspath(log_dir)
-        self._seen: set[tuple[str, tuple[str, ...]]] = set()
+        self.roots = dict(roots or {})
+        self._last_rows: dict[str, object] = {}
+        self._seen: set[tuple] = set()
 
     def write(self, record: StepRecord) -> None:
-        key = (record.prefix, tuple(record.ops))
+        rows = record.rows
+        if self._last_rows.get(record.prefix) is rows:
+            return
+        groups = layer_groups(zip(rows.vpp_stages, rows.names))
+        key = (record.prefix, tuple(record.ops), tuple(groups))
         if key not in self._seen:
-            write_custom_scalars_layout(self.log_dir, [record.prefix], record.ops)
+            write_layout(self.log_dir, live_categories(record.prefix, record.ops, groups, self.roots))
             self._seen.add(key)
+        self._last_rows[record.prefix] = rows
 
     def close(self) -> None:
         """Nothing to release."""

@@ -80,16 +80,21 @@ def test_custom_scalars_tab_gets_the_layout_and_every_layer(server):
     base, logdir = server
     layout = _json(base, "/data/plugin/custom_scalars/layout")
     charts = {c["title"]: [ch["multiline"]["tag"][0] for ch in c["chart"]] for c in layout["category"]}
-    # written by the monitor itself (format tensorboard), one category per data type of the demo
-    assert {"grad_unreduced", "grad_reduced", "exp_avg", "exp_avg_sq", "param_origin"} <= set(charts)
+    # written by the monitor itself (format tensorboard), one category per data type and op of the demo
+    prefixes = ("grad_unreduced", "grad_reduced", "exp_avg", "exp_avg_sq", "param_origin")
+    assert {f"{prefix} norm" for prefix in prefixes} <= set(charts)
+    assert [c.get("closed", False) for c in layout["category"]][:2] == [False, True]
     run = f"demo_tensorboard/{rank_dir(logdir / 'demo_tensorboard').name}"
-    query = urllib.parse.urlencode({"run": run, "tag": charts["grad_reduced"][0]})
-    answer = _json(base, f"/data/plugin/custom_scalars/scalars?{query}")
     names = {row["name"] for row in read_csv_rows(rank_dir(logdir / "demo_csv"), "grad_reduced")}
-    series = answer["tag_to_events"]
-    assert answer["regex_valid"] and len(series) == len(names) > 10  # every parameter, one series each
-    assert all(tag.endswith("/post_grad_norm") for tag in series)
-    assert all(len(points) == DEMO_STEPS for points in series.values())
+    drawn: list[str] = []
+    for regex in charts["grad_reduced norm"]:  # one chart per layer group
+        query = urllib.parse.urlencode({"run": run, "tag": regex})
+        answer = _json(base, f"/data/plugin/custom_scalars/scalars?{query}")
+        assert answer["regex_valid"]
+        assert all(len(points) == DEMO_STEPS for points in answer["tag_to_events"].values())
+        drawn += answer["tag_to_events"]
+    assert 1 < len(charts["grad_reduced norm"]) < len(names)
+    assert sorted(drawn) == sorted(f"0:{name}/rank0/post_grad_norm" for name in names)  # each once
 
 
 def test_a_series_names_the_tensorboard_scalars_of_its_row_and_no_others(server):

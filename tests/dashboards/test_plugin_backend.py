@@ -13,10 +13,12 @@ import os
 
 import numpy as np
 import pytest
+import torch
 from tensorboard.backend.event_processing.event_accumulator import SCALARS, EventAccumulator
 
 import dashboards.plugin.sources as sources_module
 import dashboards.plugin.store as store_module
+from monitor import TrainerMon
 from monitor.anomaly.analyse import main as analyse_main
 from monitor.record import RowSet, StepRecord
 from monitor.writers.tensorboard import TensorBoardWriter
@@ -359,3 +361,38 @@ def test_static_files_are_a_fixed_list(tmp_path):
         "/series",
     }
     assert os.path.basename(api.plugin.frontend_metadata().es_module_path) == "index.js"
+
+
+class _Doubler(torch.nn.Module):
+    """A root module with a child, so the heatmap holds root and child rows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = torch.nn.Linear(3, 3)
+
+    def forward(self, x):
+        return self.inner(x) * 2
+
+
+@pytest.mark.parametrize("fmt", ["csv", "tensorboard"])
+def test_root_module_rows_show_its_class_and_files_keep_msprobe_names(tmp_path, monkeypatch, fmt):
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path))
+    model = _Doubler()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    config = {"xy_distribution": True, "all_xy": True, "ops": ["norm"], "format": fmt}
+    mon = TrainerMon(config).set_monitor(model, 1, optimizer)
+    for _ in range(2):
+        model(torch.ones(2, 3)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    mon.stop()
+    directory = rank_dir(tmp_path)
+    info = json.loads((directory / "trainmon_run.json").read_text())
+    assert info["framework"] == "torch" and info["framework_version"] == torch.__version__
+    assert (info["rank"], info["world_size"], info["root_modules"]) == (0, 1, ["_Doubler"])
+    if fmt == "csv":
+        assert {row["name"] for row in read_csv_rows(directory, "actv")} >= {".input", ".output"}
+    api = Api(tmp_path)
+    (run,) = api.runs().values()
+    rows = api.heatmap(run=run["id"], prefix="actv", op="norm", rank=0)["rows"]
+    assert set(rows) == {"_Doubler.input:0", "_Doubler.output:0", "inner.input:0", "inner.output:0"}

@@ -23,8 +23,8 @@ from monitor.writers.base import WriterThread
 from monitor.writers.custom_scalars import (
     LAYOUT_SUFFIX,
     CustomScalarsSink,
-    live_tag_regex,
-    write_custom_scalars_layout,
+    live_categories,
+    write_layout,
 )
 from monitor.writers.tensorboard import TensorBoardWriter
 
@@ -113,46 +113,65 @@ def _charts(layout: layout_pb2.Layout) -> dict[str, list[tuple[str, str]]]:
     return {c.title: [(ch.title, ch.multiline.tag[0]) for ch in c.chart] for c in layout.category}
 
 
+def _closed(layout: layout_pb2.Layout) -> list[bool]:
+    return [c.closed for c in layout.category]
+
+
 def test_custom_scalars_layout_grows_by_data_type_and_is_read_by_tensorboard(tmp_path):
-    path = write_custom_scalars_layout(tmp_path, ["grad_reduced"], ["norm", "max"])
+    groups = [(0, "embedding"), (0, "layers.0")]
+    path = write_layout(tmp_path, live_categories("grad_reduced", ["norm", "max"], groups))
     assert path.endswith(LAYOUT_SUFFIX) and os.path.dirname(path) == str(tmp_path)
-    assert write_custom_scalars_layout(tmp_path, ["exp_avg", "exp_avg_sq"], ["norm"]) == path
+    assert write_layout(tmp_path, live_categories("exp_avg_sq", ["norm"], groups)) == path
+    assert write_layout(tmp_path, live_categories("exp_avg", ["norm"], groups)) == path
     size = os.path.getsize(path)
-    assert write_custom_scalars_layout(tmp_path, ["grad_reduced"], ["norm"]) == path  # nothing new
+    assert write_layout(tmp_path, live_categories("grad_reduced", ["norm"], groups)) == path  # nothing new
     assert os.path.getsize(path) == size and len(os.listdir(tmp_path)) == 1
+    write_layout(tmp_path, live_categories("grad_reduced", ["norm"], [(0, "layers.1")]))  # a new group
     layouts = _layouts(tmp_path)
-    assert len(layouts) == 2
-    assert list(_charts(layouts[-1])) == ["grad_reduced", "exp_avg", "exp_avg_sq"]
-    assert [title for title, _ in _charts(layouts[-1])["grad_reduced"]] == [
-        "grad_reduced norm",
-        "grad_reduced max",
-    ]
+    assert len(layouts) == 4
+    charts = _charts(layouts[-1])
+    assert list(charts) == ["grad_reduced norm", "grad_reduced max", "exp_avg norm", "exp_avg_sq norm"]
+    assert [title for title, _ in charts["grad_reduced norm"]] == ["embedding", "layers.0", "layers.1"]
+    assert [title for title, _ in charts["grad_reduced max"]] == ["embedding", "layers.0"]
+    assert _closed(layouts[-1]) == [False, True, True, True]  # only the first category opens
 
 
-def test_layout_regexes_pick_every_layer_of_one_data_type_and_op(tmp_path):
-    names = ["embedding.weight", "layers.0.fc1.weight", "layers.1.fc1.weight"]
+#: (chunk, row name) -> the chart (layer group) that must show it.
+_ROWS = {
+    (0, "embedding.weight"): "embedding",
+    (0, "layers.0.fc1.weight"): "layers.0",
+    (0, "layers.0.fc1.bias"): "layers.0",
+    (0, "layers.1.fc1.weight"): "layers.1",
+    (0, "layers.10.fc1.weight"): "layers.10",
+    (0, "head"): "head",
+    (0, ".input"): "Net (root)",
+    (0, "[1].output_grad"): "Net (root)",
+    (1, "layers.0.fc1.weight"): "layers.0",
+}
+
+
+def test_each_row_is_drawn_in_the_chart_of_its_layer_group_only(tmp_path):
+    keys = list(_ROWS)
     writer = TensorBoardWriter(tmp_path)
-    for prefix, task in (
-        ("exp_avg", "exp_avg"),
-        ("exp_avg_sq", "exp_avg_sq"),
-        ("grad_unreduced", "acc_grad"),
-    ):
-        rows = RowSet.build([0, 0, 1], names, 3, task)
-        writer.write(StepRecord(prefix, 0, ("norm", "max"), rows, np.ones((3, 2))))
-    writer.write(StepRecord("x", 0, ("norm",), RowSet.build([0], ["w"], 3, "pre_grad", [1]), np.ones((1, 1))))
+    rows = RowSet.build([v for v, _ in keys], [n for _, n in keys], 3, "acc_grad", [0] * len(keys))
+    writer.write(StepRecord("grad_unreduced", 0, ("norm", "max"), rows, np.ones((len(keys), 2))))
+    other = RowSet.build([v for v, _ in keys], [n for _, n in keys], 3, "exp_avg")
+    writer.write(StepRecord("exp_avg", 0, ("norm",), other, np.ones((len(keys), 1))))
     writer.close()
-    write_custom_scalars_layout(tmp_path, ["exp_avg", "grad_unreduced"], ["norm"])
+    sink = CustomScalarsSink(tmp_path, {0: "Net", 1: "Net"})
+    sink.write(StepRecord("grad_unreduced", 0, ("norm", "max"), rows, np.ones((len(keys), 2))))
     tags = _accumulator(tmp_path).Tags()["scalars"]
     charts = _charts(_layouts(tmp_path)[-1])
-    ((_, regex),) = charts["exp_avg"]
-    assert sorted(t for t in tags if re.match(regex, t)) == sorted(
-        f"{v}:{n}/rank3/exp_avg_norm" for v, n in zip([0, 0, 1], names)
-    )
-    ((_, regex),) = charts["grad_unreduced"]
-    assert sorted(t for t in tags if re.match(regex, t)) == sorted(
-        [*(f"{v}:{n}/rank3/acc_grad_norm" for v, n in zip([0, 0, 1], names)), "0:w:1/rank3/pre_grad_norm"]
-    )
-    assert live_tag_regex("other", "norm") == r"^.*/(?:mg_direction)_norm$"
+    assert list(charts) == ["grad_unreduced norm", "grad_unreduced max"]
+    for op in ("norm", "max"):
+        drawn = {}
+        for title, regex in charts[f"grad_unreduced {op}"]:
+            for tag in tags:
+                if re.match(regex, tag):
+                    assert tag not in drawn, f"{tag} in two charts"
+                    drawn[tag] = title
+        expected = {f"{v}:{n}:0/rank3/acc_grad_{op}": f"{v}:{group}" for (v, n), group in _ROWS.items()}
+        assert drawn == expected  # every row in its group's chart; exp_avg tags in none
 
 
 def test_sink_on_the_writer_thread_adds_each_data_type_once(tmp_path):
@@ -168,11 +187,9 @@ def test_sink_on_the_writer_thread_adds_each_data_type_once(tmp_path):
     layouts = _layouts(tmp_path)
     assert len(layouts) == 2  # one per new data type, none for the steps after
     charts = _charts(layouts[-1])
-    assert charts == {
-        "grad_reduced": [
-            ("grad_reduced norm", live_tag_regex("grad_reduced", "norm")),
-            ("grad_reduced max", live_tag_regex("grad_reduced", "max")),
-        ],
-        "exp_avg": [("exp_avg norm", live_tag_regex("exp_avg", "norm"))],
+    assert {title: [chart for chart, _ in group] for title, group in charts.items()} == {
+        "grad_reduced norm": ["a", "b"],
+        "grad_reduced max": ["a", "b"],
+        "exp_avg norm": ["a", "b"],
     }
     assert len([n for n in os.listdir(tmp_path) if n.endswith(LAYOUT_SUFFIX)]) == 1

@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 
+import mindspore as ms
 import numpy as np
 import pandas as pd
 
@@ -112,9 +113,14 @@ def test_every_rank_writes_its_own_complete_outputs(job):
             "exp_avg_sq",
         )
         expected = sorted(
-            f"{p}_{s}-{s}.csv" for p in (*prefixes, "other", "comm") for s in range(result["steps"])
+            [f"{p}_{s}-{s}.csv" for p in (*prefixes, "other", "comm") for s in range(result["steps"])]
+            + ["trainmon_run.json"]
         )
         assert files == expected
+        with open(os.path.join(result["output_dir"], "trainmon_run.json"), encoding="utf-8") as handle:
+            info = json.load(handle)
+        assert (info["framework"], info["framework_version"]) == ("mindspore", ms.__version__)
+        assert (info["rank"], info["world_size"], info["root_modules"]) == (rank, RANKS, ["Net"])
         for prefix, frame in result["frames"].items():
             if prefix != "comm":
                 assert len(frame) == len(result["names"]) * result["steps"]

@@ -62,6 +62,8 @@ def _torch_run(config: dict, steps: int = 2) -> TrainerMon:
 def _csv_layout(directory: str) -> dict[str, tuple[str, list[str]]]:
     layout = {}
     for name in sorted(os.listdir(directory)):
+        if not name.endswith(".csv"):
+            continue
         with open(os.path.join(directory, name), encoding="utf-8") as handle:
             header, *rows = handle.read().splitlines()
         layout[name] = (header, sorted(_as_torch(",".join(row.split(",")[:3])) for row in rows))

@@ -235,7 +235,7 @@ def test_csv_files_layout_rows_and_windows():
             "other",
         )
         for a in (0, 2, 4)
-    }
+    } | {"trainmon_run.json"}
     assert set(files) == expected
     for prefix in ("grad_reduced", "exp_avg_sq", "other"):
         frame = pd.read_csv(os.path.join(mon.output_dir, f"{prefix}_2-3.csv"))
