@@ -20,9 +20,15 @@ import urllib.error
 import urllib.request
 from contextlib import contextmanager
 
-CHROMIUM = "/usr/bin/chromium"
-CHROMEDRIVER = "/usr/bin/chromedriver"
-INSTALL = "apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y chromium chromium-driver"
+#: Chromium and its driver: TRAINMON_CHROMIUM / TRAINMON_CHROMEDRIVER where set (an install
+#: without root, in a home directory), else the Debian packages' paths.
+CHROMIUM = os.environ.get("TRAINMON_CHROMIUM", "/usr/bin/chromium")
+CHROMEDRIVER = os.environ.get("TRAINMON_CHROMEDRIVER", "/usr/bin/chromedriver")
+INSTALL = (
+    "apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y chromium chromium-driver; "
+    "without root, point TRAINMON_CHROMIUM and TRAINMON_CHROMEDRIVER at a Chromium and a "
+    "chromedriver of the same version"
+)
 ELEMENT = "element-6066-11e4-a52e-4f735466cecf"
 
 
