@@ -5,7 +5,7 @@ type when ``TrainerMon.set_monitor`` is called.
 """
 
 from monitor.config import ConfigError, MonitorConfig, load_config
-from monitor.errors import CollectivesLogged, StructurePrinted
+from monitor.errors import CollectivesLogged, StructurePrinted, TrainingStopped
 from monitor.logs import configure_logging
 from monitor.trainer import TrainerMon
 
@@ -16,6 +16,7 @@ __all__ = [
     "MonitorConfig",
     "StructurePrinted",
     "TrainerMon",
+    "TrainingStopped",
     "__version__",
     "load_config",
 ]

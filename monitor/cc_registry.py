@@ -11,8 +11,9 @@ the adapter's part (``_wrap`` and ``_restore``).
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 
@@ -60,6 +61,15 @@ class WrapperRegistry:
             self.subscribers = tuple(m for m in self.subscribers if m is not monitor)
             if not self.subscribers:
                 self._restore()
+
+    @contextlib.contextmanager
+    def unobserved(self) -> Iterator[None]:
+        """Collectives called inside go straight to the originals, unseen (the monitor's own calls)."""
+        self._nesting.depth += 1
+        try:
+            yield
+        finally:
+            self._nesting.depth -= 1
 
     def observed(self, original: Callable, make_call: Callable[[tuple, dict], Any]) -> Callable:
         """A wrapper of ``original`` that shows each call, as ``make_call(args, kwargs)``, to the subscribers.

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, fields
 from types import MappingProxyType
 from typing import Any
 
+from monitor.alerts.config import SinkSpec, parse_actions, parse_sinks
 from monitor.config_values import (
     ConfigError,
     as_bool,
@@ -40,7 +41,7 @@ FORMATS = ("csv", "tensorboard", "api")
 KNOWN_RULES = ("AnomalyTurbulence", "AnomalyNan", "AnomalyZScore")
 CC_KEYS = ("enable", "cc_codeline", "cc_pre_hook", "cc_log_only")
 L2_HOOK_KEYS = ("linear_hook", "attention_hook")
-ALERT_KEYS = ("rules", "dump", "non_finite")
+ALERT_KEYS = ("rules", "dump", "non_finite", "sinks", "actions")
 DEFAULT_COLLECT_TIMES = 100_000_000
 
 
@@ -55,11 +56,16 @@ class RuleSpec:
 @dataclass(frozen=True)
 class AlertConfig:
     """``alert``: anomaly rules, whether anomalies are dumped to the anomaly files, and whether a
-    NaN/Inf statistic is an anomaly whatever the rules (``non_finite``, default true)."""
+    NaN/Inf statistic is an anomaly whatever the rules (``non_finite``, default true), and where
+    incidents are sent and what the run does about them."""
 
     rules: tuple[RuleSpec, ...] = ()
     dump: bool = False
     non_finite: bool = True
+    #: where each new incident is sent (``monitor.alerts``); ours, not msprobe's.
+    sinks: tuple[SinkSpec, ...] = ()
+    #: what the run does on an incident (``stop``); ours, not msprobe's.
+    actions: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -139,6 +145,8 @@ class MonitorConfig:
 def _plain(value: Any) -> Any:
     if isinstance(value, (MonitorConfig, AlertConfig, CCConfig, RuleSpec)):
         return {f.name: _plain(getattr(value, f.name)) for f in fields(value)}
+    if isinstance(value, SinkSpec):
+        return value.to_dict()
     if isinstance(value, Mapping):
         return {k: _plain(v) for k, v in value.items()}
     if isinstance(value, tuple):
@@ -258,6 +266,11 @@ def validate_config(raw: Mapping[str, Any]) -> MonitorConfig:
             "shard_reduce, module_ranks: expected module_ranks empty with shard_reduce (every rank of the "
             f"data-parallel group takes part in its collective), got {list(values['module_ranks'])}"
         )
+    if "stop" in values.get("alert", AlertConfig()).actions and values.get("module_ranks"):
+        raise ConfigError(
+            "alert.actions, module_ranks: expected module_ranks empty with the stop action (every rank "
+            f"takes part in agreeing on the step to stop at), got {list(values['module_ranks'])}"
+        )
     if values.get("forward_only") and values.get("backward_only"):
         raise ConfigError(
             "forward_only, backward_only: expected at most one of them to be true, got both true"
@@ -332,7 +345,9 @@ def _codelines(value: Any) -> tuple[str, ...]:
 
 def _alert(value: Any) -> AlertConfig:
     if not isinstance(value, dict):
-        raise ConfigError(f"alert: expected an object with 'rules' and 'dump', got {describe(value)}")
+        raise ConfigError(
+            f"alert: expected an object with 'rules', 'dump', 'sinks'..., got {describe(value)}"
+        )
     for key in value:
         if not isinstance(key, str):
             raise ConfigError(f"alert: keys must be strings, got {describe(key)}")
@@ -346,6 +361,8 @@ def _alert(value: Any) -> AlertConfig:
         rules=rules,
         dump=as_bool(value.get("dump", False), "alert.dump"),
         non_finite=as_bool(value.get("non_finite", True), "alert.non_finite"),
+        sinks=parse_sinks(value.get("sinks", [])),
+        actions=parse_actions(value.get("actions", [])),
     )
 
 

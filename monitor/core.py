@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from monitor.anomaly.detector import Anomaly, Detector
 from monitor.anomaly.dump import AnomalyDump
-from monitor.anomaly.incidents import AnomalySink
+from monitor.anomaly.incidents import AnomalySink, Incident
 from monitor.anomaly.rules import build_rules
 from monitor.config import MonitorConfig
 from monitor.files import find_rank_dir, make_private_dir, output_root, rank_dir_name
@@ -106,6 +106,11 @@ class MonitorCore:
     def incidents(self) -> list:
         """This session's incidents so far (after the writer has processed them; see ``flush``)."""
         return list(self._anomaly_sink.tracker.incidents) if self._anomaly_sink is not None else []
+
+    def on_incident(self, handler: Callable[[Incident], None]) -> None:
+        """Call ``handler(incident)`` on the writer thread when an incident opens (errors contained)."""
+        if self._anomaly_sink is not None:
+            self._anomaly_sink.on_open = handler
 
     def submit(self, record: StepRecord) -> None:
         """Hand one data type's statistics of a collected step to the outputs (training thread)."""

@@ -26,3 +26,25 @@ class StructurePrinted(Exception):
 
     ``args[0]`` is the path of the structure file.
     """
+
+
+class TrainingStopped(Exception):
+    """Raised from ``optimizer.step()`` (after the update) when ``alert.actions`` holds ``stop``.
+
+    An incident asked the run to stop: every rank raises it at the same step, agreed through the
+    process group, so no rank is left waiting in a collective. ``step`` is the step counter at
+    the stop (the next step that would have run), ``reason`` the incident's one-line summary.
+    The monitor's outputs are complete and closed when it is raised. Catch it to save a
+    checkpoint or exit with a status of your choice::
+
+        try:
+            train()
+        except monitor.TrainingStopped as stop:
+            save_checkpoint()
+            sys.exit(3)
+    """
+
+    def __init__(self, step: int, reason: str) -> None:
+        super().__init__(f"trainmon stopped the run at step {step}: {reason}")
+        self.step = step
+        self.reason = reason

@@ -15,9 +15,10 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any
 
+from monitor.alerts.dispatch import Alerts
 from monitor.collection import BaseCollection
 from monitor.config import MonitorConfig
-from monitor.errors import CollectivesLogged, StructurePrinted
+from monitor.errors import CollectivesLogged, StructurePrinted, TrainingStopped
 from monitor.schedule import rank_enabled
 
 logger = logging.getLogger("trainmon")
@@ -62,6 +63,10 @@ class SessionLifecycle(ABC):
         self._core: Any = None
         self._hooks: list = []
         self._steps_at_stop: int | None = None
+        #: sinks, callbacks and actions of new incidents (None while nothing asks for them).
+        self.alerts: Alerts | None = None
+        self._alerts_config: Any = None
+        self.incident_callbacks: list[Callable[[dict], Any]] = []
 
     def _attach(self, dormant: bool) -> None:
         """Hook the optimizer (also when dormant: live control runs at the end of each step) and,
@@ -94,6 +99,7 @@ class SessionLifecycle(ABC):
             self._attach_optimizer_hooks()
         self.collection = self._new_collection()
         self._output_dir = self.collection.core.output_dir
+        self._connect_alerts()
         kinds = [k for k in _KINDS if getattr(self.collection.config, k)]  # what this collection can see
         logger.info(
             "trainmon: monitoring %d %s (%s) on rank %d from step %d, output %s",
@@ -106,11 +112,63 @@ class SessionLifecycle(ABC):
         )
 
     def stop(self) -> None:
-        """Remove every hook and close the outputs (idempotent)."""
+        """Remove every hook and close the outputs (idempotent); queued alerts are delivered."""
         self._end_collection()
         if self._hooks:
             self._steps_at_stop = self._optimizer_step_count()
         self._detach_optimizer_hooks()
+        self._close_alerts()
+
+    def add_incident_callback(self, callback: Callable[[dict], Any]) -> None:
+        """Call ``callback(message)`` for each new incident from now on (on its own thread)."""
+        self.incident_callbacks.append(callback)
+        if self.alerts is not None:
+            self.alerts.add_callback(callback)
+        elif self.collection is not None:
+            self._connect_alerts()
+
+    # -- incidents -----------------------------------------------------------------------------
+
+    def _connect_alerts(self) -> None:
+        """Hand the new collection's incidents to the alerts its config and the callbacks ask for."""
+        alert = self.config.alert
+        wanted = (alert.sinks, alert.actions)
+        if self.alerts is not None and self._alerts_config != wanted:
+            self._close_alerts()
+        if self.alerts is None and (alert.sinks or alert.actions or self.incident_callbacks):
+            self.alerts = Alerts(alert.sinks, alert.actions, self.rank, self.collection.core.root)
+            self._alerts_config = wanted
+            for callback in self.incident_callbacks:
+                self.alerts.add_callback(callback)
+        if self.alerts is not None:
+            core, alerts = self.collection.core, self.alerts
+            core.on_incident(lambda incident: alerts.incident(incident, core.output_dir))
+
+    def _close_alerts(self) -> None:
+        if self.alerts is not None:
+            self.alerts.close()
+            self.alerts = None
+
+    def _stop_if_asked(self) -> None:
+        """The ``stop`` action: every rank agrees at each step end whether an incident asked for it."""
+        alerts = self.alerts
+        if alerts is None or "stop" not in alerts.actions or self.collection is None:
+            return
+        if not self._agree_on_stop(alerts.stop_requested.is_set()):
+            return
+        reason = alerts.stop_reason or "an incident on another rank"
+        logger.error(
+            "trainmon: stopping the run at step %d as alert.actions asks (%s)",
+            self.step,
+            reason.removeprefix("trainmon: "),
+        )
+        self._stop_as_asked()
+        self._close_alerts()
+        raise TrainingStopped(self.step, reason)
+
+    def _agree_on_stop(self, asked_here: bool) -> bool:
+        """Whether any rank was asked to stop; adapters with several ranks agree through a collective."""
+        return asked_here
 
     # -- what each framework provides --------------------------------------------------------
 
@@ -182,6 +240,7 @@ class SessionLifecycle(ABC):
                     logger.error("trainmon: live control failed (%r); monitoring state unchanged", exc)
             if self.collection is None and self.on_step_end is None:
                 self._detach_after_this_step()
+        self._stop_if_asked()
 
     def _stop_as_asked(self) -> None:
         """print_struct or cc_log_only stops the run inside an optimizer hook: end monitoring."""

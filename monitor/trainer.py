@@ -10,7 +10,7 @@ import logging
 import os
 import sys
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from monitor.config import MonitorConfig, load_config
@@ -61,6 +61,7 @@ class TrainerMon:
         self._session: Any = None
         self._dynamic: DynamicControl | None = None
         self._dynamic_running = False
+        self._incident_callbacks: list[Callable[[dict], Any]] = []
         if dynamic_mode():
             if self.config_file_path is None:
                 logger.warning("trainmon: DYNAMIC_MONITOR needs a config file to watch; using static mode")
@@ -131,9 +132,25 @@ class TrainerMon:
             **({"early_collectives": self._early_collectives} if framework == "torch" else {}),
             **live,
         )
+        for callback in self._incident_callbacks:
+            self._session.add_incident_callback(callback)
         if self._dynamic is not None:
             world_size = getattr(self._session, "world_size", 1)
             self._follow_dynamic(self._dynamic.attach(self._session.rank, world_size), self._session.step)
+        return self
+
+    def on_incident(self, callback: Callable[[dict], Any]) -> TrainerMon:
+        """Call ``callback(message)`` for each new incident of this rank.
+
+        ``message`` is the JSON-ready dict the alert sinks receive (step, rank, tag, op, rule,
+        value, summary, ...). The callback runs on its own thread, never the training thread; an
+        exception it raises is logged once and the run goes on. Call before or after set_monitor.
+        """
+        if not callable(callback):
+            raise TypeError(f"on_incident: callback: expected a callable, got {type(callback).__name__}")
+        self._incident_callbacks.append(callback)
+        if self._session is not None:
+            self._session.add_incident_callback(callback)
         return self
 
     # -- live control ------------------------------------------------------------------------

@@ -1,11 +1,15 @@
-"""torch.distributed facts the monitor needs: rank, pipeline stage, group membership, DTensors."""
+"""torch.distributed facts the monitor needs: rank, pipeline stage, group membership, DTensors,
+and whether any rank holds a flag."""
 
 from __future__ import annotations
 
 import functools
 from typing import Any
 
+import torch
 import torch.distributed as dist
+
+from adapters.torch.cc_wrap import REGISTRY
 
 
 @functools.cache
@@ -50,3 +54,17 @@ def rank_in_group(group: Any) -> int | None:
     if group is None or not initialized() or not isinstance(group, dist.ProcessGroup):
         return None
     return dist.get_group_rank(group, dist.get_rank())
+
+
+def any_rank(flag: bool, device: torch.device) -> bool:
+    """Whether ``flag`` holds on any rank of the world (one small all_reduce, unseen by
+    cc_distribution); every rank must call it at the same point. ``device`` is used where the
+    backend cannot reduce CPU tensors (NCCL alone)."""
+    if world_size() <= 1:
+        return flag
+    backend = str(dist.get_backend())
+    on = torch.device("cpu") if "gloo" in backend or device.type == "meta" else device
+    value = torch.tensor([1 if flag else 0], dtype=torch.int32, device=on)
+    with REGISTRY.unobserved():
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())

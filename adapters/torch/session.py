@@ -18,7 +18,7 @@ import torch
 
 from adapters.torch.collection import Collection
 from adapters.torch.compiled import has_compiled_modules, recompile_with_hooks, uncompiled
-from adapters.torch.dist import global_rank, pipeline_info, world_size
+from adapters.torch.dist import any_rank, global_rank, pipeline_info, world_size
 from adapters.torch.optim import accumulation_boundary, optimizer_backend
 from monitor.config import MonitorConfig
 from monitor.lifecycle import SessionLifecycle, model_chunks
@@ -184,6 +184,10 @@ class TorchSession(SessionLifecycle):
             self._closure_pending = False
             self._begin_update()
         self._after_update()
+
+    def _agree_on_stop(self, asked_here: bool) -> bool:
+        device = next((p.device for chunk in self.chunks for p in chunk.parameters()), torch.device("cpu"))
+        return any_rank(asked_here, device)
 
     def _detach_after_this_step(self) -> None:
         """Monitoring ended inside the optimizer's post-hook loop.

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -218,6 +219,8 @@ class AnomalySink:
         self.tracker = IncidentTracker(detector.rank, first_id=dump.next_incident_id if dump else 1)
         self.dump = dump
         self.found: list[Anomaly] = keep if keep is not None else []
+        #: called with each new incident (the alerts); its failures are logged, never raised.
+        self.on_open: Callable[[Incident], None] | None = None
 
     def write(self, record: Any) -> None:
         new = self.tracker.observe(self.detector.judge(record))
@@ -230,6 +233,11 @@ class AnomalySink:
         opened, closed = self.tracker.end_step(step)
         if opened is not None:
             logger.warning("%s", opened.announcement())
+            if self.on_open is not None:
+                try:
+                    self.on_open(opened)
+                except Exception as exc:
+                    logger.error("trainmon: handing incident %d to the alerts failed (%r)", opened.id, exc)
         if closed is not None:
             logger.info(
                 "trainmon: incident %d closed at step %d (abnormal at %d step(s), %d record(s))",

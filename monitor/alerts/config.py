@@ -1,0 +1,180 @@
+"""``alert.sinks`` and ``alert.actions``: their keys, defaults and validation.
+
+Secrets (a webhook URL holding a token, authorization headers) are never written in the config:
+it names environment variables (``url_env``, ``headers_env``) read when the config is loaded, and
+no output or log line shows their values.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+from urllib.parse import urlsplit
+
+from monitor.config_values import (
+    ConfigError,
+    as_int,
+    as_number,
+    as_str_list,
+    describe,
+    not_one_of,
+    warn_unknown,
+)
+
+SINK_TYPES = ("webhook", "command", "file")
+#: message shapes a webhook can post: the incident itself, or a chat tool's text message.
+PRESETS = ("json", "slack", "feishu", "dingtalk")
+#: which ranks deliver: the lowest rank that saw the incident, rank 0 only, or every rank.
+RANK_CHOICES = ("lowest", "rank0", "all")
+ACTIONS = ("stop",)
+_COMMON = ("type", "ranks", "timeout_s", "retries", "backoff_s", "cooldown_s", "max_per_hour")
+SINK_KEYS = {
+    "webhook": (*_COMMON, "url", "url_env", "preset", "headers_env"),
+    "command": (*_COMMON, "argv"),
+    "file": (*_COMMON, "path"),
+}
+
+
+@dataclass(frozen=True)
+class SinkSpec:
+    """One ``alert.sinks`` entry (``type`` decides which of the fields below apply)."""
+
+    type: str
+    #: webhook: the URL, given directly or read from the environment variable ``url_env``.
+    url: str = ""
+    url_env: str = ""
+    preset: str = "json"
+    #: webhook: header name -> environment variable holding its value.
+    headers_env: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    #: command: the program and its arguments (no shell); the message arrives on its stdin.
+    argv: tuple[str, ...] = ()
+    #: file: JSON lines appended here (a relative path is under the output root).
+    path: str = ""
+    ranks: str = "lowest"
+    timeout_s: float = 10.0
+    retries: int = 3
+    backoff_s: float = 1.0
+    #: seconds after a delivery during which further messages are dropped (and counted).
+    cooldown_s: float = 0.0
+    max_per_hour: int = 30
+
+    def to_dict(self) -> dict[str, Any]:
+        """The entry as written in a config (only its type's keys; secrets stay in the environment)."""
+        keys = [key for key in SINK_KEYS.get(self.type, _COMMON) if key not in ("url", "url_env")]
+        plain = {key: getattr(self, key) for key in keys}
+        if self.type == "webhook":
+            plain.update({"url_env": self.url_env} if self.url_env else {"url": self.url})
+            plain["headers_env"] = dict(self.headers_env)
+        if self.type == "command":
+            plain["argv"] = list(self.argv)
+        return plain
+
+    def resolved_url(self) -> str:
+        """The webhook URL (from ``url_env`` where given)."""
+        return os.environ.get(self.url_env, "") if self.url_env else self.url
+
+    def headers(self) -> dict[str, str]:
+        """The webhook's extra headers, read from their environment variables."""
+        return {name: os.environ.get(variable, "") for name, variable in self.headers_env.items()}
+
+    def label(self, index: int) -> str:
+        """How logs name the sink: its type, place and a target without secrets."""
+        if self.type == "webhook":
+            parts = urlsplit(self.resolved_url())
+            target = f"{parts.scheme}://{parts.hostname or ''}" + (f":{parts.port}" if parts.port else "")
+        elif self.type == "command":
+            target = os.path.basename(self.argv[0])
+        else:
+            target = self.path
+        return f"alert.sinks[{index}] ({self.type} {target})"
+
+
+def parse_sinks(value: Any) -> tuple[SinkSpec, ...]:
+    """``alert.sinks``: a list of sink objects."""
+    if not isinstance(value, list):
+        raise ConfigError(f"alert.sinks: expected a list of sinks, got {describe(value)}")
+    return tuple(_sink(spec, f"alert.sinks[{i}]") for i, spec in enumerate(value))
+
+
+def parse_actions(value: Any) -> tuple[str, ...]:
+    """``alert.actions``: what the run does on an incident."""
+    actions = as_str_list(value, "alert.actions")
+    for i, action in enumerate(actions):
+        if action not in ACTIONS:
+            raise not_one_of(f"alert.actions[{i}]", action, ACTIONS)
+    return tuple(dict.fromkeys(actions))
+
+
+def _sink(spec: Any, path: str) -> SinkSpec:
+    if not isinstance(spec, dict):
+        raise ConfigError(f"{path}: expected an object with 'type', got {describe(spec)}")
+    kind = spec.get("type")
+    if kind not in SINK_TYPES:
+        raise not_one_of(f"{path}.type", kind, SINK_TYPES)
+    for key in spec:
+        if key not in SINK_KEYS[kind]:
+            warn_unknown(str(key), SINK_KEYS[kind], f"{path}.")
+    ranks = spec.get("ranks", "lowest")
+    if ranks not in RANK_CHOICES:
+        raise not_one_of(f"{path}.ranks", ranks, RANK_CHOICES)
+    common = {
+        "ranks": ranks,
+        "timeout_s": as_number(spec.get("timeout_s", 10.0), f"{path}.timeout_s", positive=True),
+        "retries": as_int(spec.get("retries", 3), f"{path}.retries", 0, 10),
+        "backoff_s": as_number(spec.get("backoff_s", 1.0), f"{path}.backoff_s"),
+        "cooldown_s": as_number(spec.get("cooldown_s", 0.0), f"{path}.cooldown_s"),
+        "max_per_hour": as_int(spec.get("max_per_hour", 30), f"{path}.max_per_hour", 1),
+    }
+    if kind == "webhook":
+        return SinkSpec(kind, **_webhook(spec, path), **common)
+    if kind == "command":
+        argv = as_str_list(spec.get("argv"), f"{path}.argv")
+        if not argv or not argv[0]:
+            raise ConfigError(f"{path}.argv: expected the program and its arguments, got {describe(argv)}")
+        return SinkSpec(kind, argv=argv, **common)
+    target = spec.get("path")
+    if not isinstance(target, str) or not target:
+        raise ConfigError(f"{path}.path: expected a file path, got {describe(target)}")
+    return SinkSpec(kind, path=target, **common)
+
+
+def _webhook(spec: dict, path: str) -> dict[str, Any]:
+    url, url_env = spec.get("url", ""), spec.get("url_env", "")
+    if bool(url) == bool(url_env):
+        raise ConfigError(f"{path}: expected exactly one of 'url' and 'url_env' (an environment variable)")
+    if url_env:
+        url = _environment(url_env, f"{path}.url_env")
+    elif not isinstance(url, str):
+        raise ConfigError(f"{path}.url: expected an http(s) URL, got {describe(url)}")
+    if urlsplit(url).scheme not in ("http", "https") or not urlsplit(url).hostname:
+        shown = describe(url) if not url_env else f"the value of {url_env}"
+        raise ConfigError(f"{path}.url: expected an http:// or https:// URL, got {shown}")
+    preset = spec.get("preset", "json")
+    if preset not in PRESETS:
+        raise not_one_of(f"{path}.preset", preset, PRESETS)
+    headers = spec.get("headers_env", {})
+    if not isinstance(headers, dict) or not all(isinstance(v, str) for v in headers.values()):
+        raise ConfigError(
+            f"{path}.headers_env: expected an object of header name -> environment variable, "
+            f"got {describe(headers)}"
+        )
+    for name, variable in headers.items():
+        _environment(variable, f"{path}.headers_env.{name}")
+    return {
+        "url": "" if url_env else url,
+        "url_env": url_env,
+        "preset": preset,
+        "headers_env": MappingProxyType(dict(headers)),
+    }
+
+
+def _environment(variable: Any, path: str) -> str:
+    if not isinstance(variable, str) or not variable:
+        raise ConfigError(f"{path}: expected the name of an environment variable, got {describe(variable)}")
+    value = os.environ.get(variable)
+    if not value:
+        raise ConfigError(f"{path}: the environment variable {variable} is not set")
+    return value

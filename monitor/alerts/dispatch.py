@@ -1,0 +1,244 @@
+"""Delivery of incident messages: one thread and one bounded queue per sink, and the stop flag.
+
+``Alerts.incident`` runs on the monitor's writer thread and only builds the message, drops a claim
+file and puts the message on each sink's queue (never waiting). Each sink's own daemon thread
+applies its rank choice, cool-down and hourly limit, retries with exponential back-off, and logs
+its first failure once; a sink that hangs holds up only itself, and a full queue drops the message
+(counted). Messages dropped by a limit are counted in the next one delivered (``suppressed``).
+
+Which rank delivers (``ranks``): ``all``; ``rank0``; or ``lowest`` (default), the lowest rank
+whose incident began at that step. Ranks know of each other's incidents through claim files
+``anomaly_detected/alerts/step{S}/rank{R}`` under the output root: each rank that opens an incident
+drops one, waits ``CLAIM_WAIT_S`` and delivers only if no lower rank claimed the step. Where ranks
+do not share the output root (node-local disks), each node's lowest rank delivers.
+"""
+
+from __future__ import annotations
+
+import collections
+import datetime
+import logging
+import math
+import os
+import queue
+import socket
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from monitor.alerts.config import SinkSpec
+from monitor.alerts.sinks import CallbackSink, Message, open_sink
+from monitor.files import FILE_MODE, make_private_dir
+
+logger = logging.getLogger("trainmon")
+
+#: messages waiting per sink; more are dropped (and counted).
+QUEUE_SIZE = 64
+#: seconds a ``lowest`` sink waits for other ranks' claims before deciding.
+CLAIM_WAIT_S = 3.0
+#: claims older than this belong to an earlier run in the same output root.
+CLAIM_MAX_AGE_S = 600.0
+#: seconds ``close`` waits for each sink to deliver what is queued.
+CLOSE_WAIT_S = 5.0
+_HOUR = 3600.0
+
+
+def _plain(value: Any) -> Any:
+    """JSON-safe: non-finite floats as strings ("nan", "inf"), containers converted throughout."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def incident_message(incident: Any, output_dir: str | None) -> Message:
+    """The message of a new incident: where and when it began, its root, and a one-line summary."""
+    root = incident.root
+    return _plain(
+        {
+            "event": "incident",
+            "incident": incident.id,
+            "rank": incident.rank,
+            "step": incident.onset_step,
+            "micro_step": incident.onset_micro_step,
+            "tag": root.get("tag_name"),
+            "op": root.get("op"),
+            "rule": root.get("rule"),
+            "value": root.get("value"),
+            "baseline": root.get("baseline"),
+            "evidence": list(incident.evidence),
+            "summary": incident.announcement(),
+            "output_dir": output_dir,
+            "host": socket.gethostname(),
+            "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        }
+    )
+
+
+class Channel:
+    """One sink: its queue, its thread and its limits."""
+
+    def __init__(self, sink: Any, spec: SinkSpec, label: str, rank: int, claims: str | None) -> None:
+        self.sink, self.spec, self.label, self.rank, self.claims = sink, spec, label, rank, claims
+        self.queue: queue.Queue = queue.Queue(QUEUE_SIZE)
+        self.delivered = 0
+        self.failed = 0
+        self.suppressed = 0
+        self._sent: collections.deque[float] = collections.deque()
+        self._warned = False
+        self._thread = threading.Thread(target=self._run, name=f"trainmon-alert {label}", daemon=True)
+        self._thread.start()
+
+    def offer(self, message: Message) -> None:
+        """Queue a message without waiting; a full queue drops it."""
+        try:
+            self.queue.put_nowait((time.monotonic(), message))
+        except queue.Full:
+            self.suppressed += 1
+            self._warn_once(f"its queue is full ({QUEUE_SIZE} messages waiting); dropping")
+
+    def close(self, wait: float) -> None:
+        try:
+            self.queue.put_nowait(None)
+        except queue.Full:
+            pass
+        self._thread.join(wait)
+
+    def _run(self) -> None:
+        while True:
+            item = self.queue.get()
+            if item is None:
+                return
+            queued_at, message = item
+            try:
+                if self._mine(queued_at, message) and self._allowed():
+                    self._deliver({**message, "suppressed": self.suppressed})
+            except Exception as exc:  # never let a sink's thread die on an unexpected error
+                self._warn_once(f"failed unexpectedly ({exc!r})")
+
+    def _mine(self, queued_at: float, message: Message) -> bool:
+        """Whether this rank delivers the message (the sink's ``ranks``)."""
+        if self.spec.ranks == "rank0":
+            return self.rank == 0
+        if self.spec.ranks == "all" or self.claims is None:
+            return True
+        time.sleep(max(0.0, queued_at + CLAIM_WAIT_S - time.monotonic()))
+        return lowest_claim(os.path.join(self.claims, f"step{message['step']}")) in (None, self.rank)
+
+    def _allowed(self) -> bool:
+        """The cool-down and the hourly limit; a refused message is counted."""
+        now = time.monotonic()
+        while self._sent and now - self._sent[0] > _HOUR:
+            self._sent.popleft()
+        cooling = bool(self._sent) and now - self._sent[-1] < self.spec.cooldown_s
+        if cooling or len(self._sent) >= self.spec.max_per_hour:
+            self.suppressed += 1
+            return False
+        return True
+
+    def _deliver(self, message: Message) -> None:
+        for attempt in range(self.spec.retries + 1):
+            try:
+                self.sink.deliver(message)
+            except Exception as exc:
+                if attempt == self.spec.retries:
+                    self.failed += 1
+                    self._warn_once(f"failed after {attempt + 1} attempt(s) ({exc}); training goes on")
+                    return
+                time.sleep(self.spec.backoff_s * 2**attempt)
+            else:
+                self._sent.append(time.monotonic())
+                self.delivered += 1
+                self.suppressed = 0
+                return
+
+    def _warn_once(self, what: str) -> None:
+        if not self._warned:
+            self._warned = True
+            logger.warning("trainmon: %s %s (reported once)", self.label, what)
+
+
+def lowest_claim(directory: str) -> int | None:
+    """The lowest rank with a recent claim file in ``directory``; None when there is none."""
+    try:
+        entries = list(os.scandir(directory))
+    except OSError:
+        return None
+    now = time.time()
+    ranks = []
+    for entry in entries:
+        if entry.name.startswith("rank") and entry.name[4:].isdigit():
+            try:
+                if now - entry.stat().st_mtime <= CLAIM_MAX_AGE_S:
+                    ranks.append(int(entry.name[4:]))
+            except OSError:
+                continue
+    return min(ranks) if ranks else None
+
+
+class Alerts:
+    """The sinks, callbacks and actions of one session.
+
+    Args:
+        sinks: the ``alert.sinks`` entries.
+        actions: the ``alert.actions`` entries (``stop``).
+        rank: this process's global rank.
+        root: the output root (claims, relative file sinks).
+    """
+
+    def __init__(self, sinks: Sequence[SinkSpec], actions: Sequence[str], rank: int, root: str) -> None:
+        self.rank = rank
+        self.root = root
+        self.actions = tuple(actions)
+        self.stop_requested = threading.Event()
+        self.stop_reason = ""
+        needs_claims = any(spec.ranks == "lowest" for spec in sinks)
+        self._claims = os.path.join(root, "anomaly_detected", "alerts") if needs_claims else None
+        self.channels = [
+            Channel(open_sink(spec, root), spec, spec.label(i), rank, self._claims)
+            for i, spec in enumerate(sinks)
+        ]
+        self._lock = threading.Lock()
+
+    def add_callback(self, callback: Callable[[Message], Any]) -> None:
+        """Call ``callback(message)`` on its own thread for each new incident of this rank."""
+        name = getattr(callback, "__qualname__", repr(callback))
+        spec = SinkSpec("callback", ranks="all", retries=0, max_per_hour=1_000_000)
+        with self._lock:
+            self.channels.append(
+                Channel(CallbackSink(callback), spec, f"on_incident({name})", self.rank, None)
+            )
+
+    def incident(self, incident: Any, output_dir: str | None) -> None:
+        """A new incident (writer thread): claim its step, queue its message, note a stop."""
+        message = incident_message(incident, output_dir)
+        if self._claims is not None:
+            self._claim(incident.onset_step)
+        with self._lock:
+            channels = list(self.channels)
+        for channel in channels:
+            channel.offer(message)
+        if "stop" in self.actions and not self.stop_requested.is_set():
+            self.stop_reason = message["summary"]
+            self.stop_requested.set()
+
+    def _claim(self, step: int) -> None:
+        try:
+            directory = make_private_dir(os.path.join(self._claims, f"step{step}"), under=self.root)
+            path = os.path.join(directory, f"rank{self.rank}")
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), FILE_MODE))
+            os.utime(path)  # a claim left by an earlier run in this root becomes this run's
+        except OSError as exc:  # without a claim this rank delivers as if alone
+            logger.warning("trainmon: cannot write the alert claim for step %d (%r)", step, exc)
+
+    def close(self) -> None:
+        """Let each sink deliver what is queued, waiting at most CLOSE_WAIT_S per sink."""
+        with self._lock:
+            channels, self.channels = self.channels, []
+        deadline = time.monotonic() + CLOSE_WAIT_S
+        for channel in channels:
+            channel.close(max(0.0, deadline - time.monotonic()))

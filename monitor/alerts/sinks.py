@@ -1,0 +1,112 @@
+"""Where an incident message goes: a webhook, a program, a JSON-lines file, a Python callback.
+
+Each sink's ``deliver(message)`` makes one attempt and raises on failure; retries, rate limits and
+the thread it runs on belong to ``monitor.alerts.dispatch``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import urllib.request
+from collections.abc import Callable
+from typing import Any
+
+from monitor.alerts.config import SinkSpec
+from monitor.files import FILE_MODE
+
+Message = dict[str, Any]
+
+
+def payload(message: Message, preset: str) -> dict[str, Any]:
+    """The JSON body a webhook preset posts: the message itself, or a chat tool's text message."""
+    if preset == "json":
+        return message
+    text = message["summary"]
+    if preset == "slack":
+        return {"text": text}
+    if preset == "feishu":
+        return {"msg_type": "text", "content": {"text": text}}
+    return {"msgtype": "text", "text": {"content": text}}  # dingtalk
+
+
+class WebhookSink:
+    """HTTP POST of the message as JSON; any answer but 2xx is a failure."""
+
+    def __init__(self, spec: SinkSpec) -> None:
+        self.spec = spec
+
+    def deliver(self, message: Message) -> None:
+        body = json.dumps(payload(message, self.spec.preset), allow_nan=False, default=str).encode("utf-8")
+        request = urllib.request.Request(
+            self.spec.resolved_url(),
+            data=body,
+            method="POST",
+            headers={"Content-Type": "application/json", **self.spec.headers()},
+        )
+        with urllib.request.urlopen(request, timeout=self.spec.timeout_s) as response:
+            if not 200 <= response.status < 300:
+                raise OSError(f"HTTP {response.status}")
+
+
+class CommandSink:
+    """Runs ``argv`` (no shell) with the message as JSON on stdin; a non-zero exit is a failure."""
+
+    def __init__(self, spec: SinkSpec) -> None:
+        self.spec = spec
+
+    def deliver(self, message: Message) -> None:
+        text = json.dumps(message, allow_nan=False, default=str)
+        done = subprocess.run(
+            list(self.spec.argv),
+            input=text.encode("utf-8"),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            timeout=self.spec.timeout_s,
+            check=False,
+        )
+        if done.returncode != 0:
+            error = done.stderr.decode("utf-8", "replace").strip().splitlines()[-1:] or [""]
+            raise OSError(f"exit status {done.returncode} {error[0][:200]}".rstrip())
+
+
+class FileSink:
+    """Appends one JSON line per message (one write, so lines of several ranks never interleave)."""
+
+    def __init__(self, spec: SinkSpec, root: str) -> None:
+        self.path = os.path.join(root, spec.path)
+
+    def deliver(self, message: Message) -> None:
+        line = (json.dumps(message, allow_nan=False, default=str) + "\n").encode("utf-8")
+        flags = (
+            os.O_WRONLY
+            | os.O_APPEND
+            | os.O_CREAT
+            | getattr(os, "O_NOFOLLOW", 0)
+            | getattr(os, "O_CLOEXEC", 0)
+        )
+        fd = os.open(self.path, flags, FILE_MODE)
+        try:
+            os.write(fd, line)
+        finally:
+            os.close(fd)
+
+
+class CallbackSink:
+    """A Python callable given to ``TrainerMon.on_incident``; it receives the message dict."""
+
+    def __init__(self, callback: Callable[[Message], Any]) -> None:
+        self.callback = callback
+
+    def deliver(self, message: Message) -> None:
+        self.callback(message)
+
+
+def open_sink(spec: SinkSpec, root: str) -> WebhookSink | CommandSink | FileSink:
+    """The sink object of one ``alert.sinks`` entry."""
+    if spec.type == "webhook":
+        return WebhookSink(spec)
+    if spec.type == "command":
+        return CommandSink(spec)
+    return FileSink(spec, root)

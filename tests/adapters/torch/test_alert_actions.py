@@ -1,0 +1,125 @@
+"""Incidents in real training reach the sinks and callbacks, and ``stop`` ends every rank together.
+
+A NaN is written into one gradient at step AT (after backward, before the optimizer step) on
+the ranks named; the monitor must deliver one message naming that step and tensor, and with
+``alert.actions: ["stop"]`` raise TrainingStopped from ``optimizer.step()`` at one and the same
+step on every rank (2 gloo ranks, each training its own model: a rank without a fault learns of
+the incident only through the monitor's agreement). A sink that fails on one rank does not keep
+another rank's sinks from delivering.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pandas as pd
+import pytest
+import torch
+
+from monitor import TrainerMon, TrainingStopped
+from tests.adapters.torch.distributed import free_port, run_ranks, save_result
+from tests.adapters.torch.helpers import MLP, make_batches
+
+STEPS, AT = 30, 5
+FAULTY = "layers.1.weight"
+
+
+def _train(rank: int, fault_ranks: tuple[int, ...], sinks: list[dict]) -> dict:
+    torch.manual_seed(0)
+    model = MLP()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    config = {
+        "wg_distribution": True,
+        "ops": ["norm", "nans"],
+        "alert": {"sinks": sinks, "actions": ["stop"]},
+    }
+    messages: list[dict] = []
+    mon = TrainerMon(config).on_incident(messages.append)
+    mon.set_monitor(model, 1, optimizer)
+    stopped, last = None, None
+    for step, (x,) in enumerate(make_batches(STEPS, 1, seed=rank + 1)):
+        last = step
+        model(x).pow(2).mean().backward()
+        if step == AT and rank in fault_ranks:
+            dict(model.named_parameters())[FAULTY].grad[0, 0] = float("nan")
+        try:
+            optimizer.step()
+        except TrainingStopped as exc:
+            stopped = exc
+            break
+        optimizer.zero_grad()
+    optimizer.step()  # after the stop the monitor's hooks are inert: nothing is raised again
+    mon.stop()
+    return {
+        "stopped": None if stopped is None else [stopped.step, stopped.reason],
+        "last_step": last,
+        "messages": messages,
+        "output_dir": mon.output_dir,
+    }
+
+
+def _lines(path: str) -> list[dict]:
+    if not os.path.exists(path):
+        return []
+    with open(path, encoding="utf-8") as handle:
+        return [json.loads(line) for line in handle]
+
+
+def test_one_process_delivers_the_incident_and_stops_at_the_next_step_boundary(tmp_path, monkeypatch):
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path))
+    sinks = [{"type": "file", "path": "incidents.jsonl"}]
+    result = _train(0, (0,), sinks)
+    (message,) = _lines(str(tmp_path / "incidents.jsonl"))  # a relative path is under the output root
+    assert (message["step"], message["rank"], message["rule"]) == (AT, 0, "NonFinite")
+    assert message["tag"].startswith(f"0:{FAULTY}/rank0/")
+    assert result["messages"] == [message]  # the callback got the same message
+    step, reason = result["stopped"]
+    assert AT < step <= result["last_step"] + 1 < STEPS  # stopped at a step boundary after the fault
+    assert step == result["last_step"] + 1 and f"incident 1 at step {AT}" in reason
+    frame = pd.concat(
+        pd.read_csv(os.path.join(result["output_dir"], name))
+        for name in os.listdir(result["output_dir"])
+        if name.startswith("grad_reduced")
+    )
+    faulty = frame[(frame["name"] == FAULTY) & (frame["step"] == AT)]
+    assert list(faulty["nans"]) == [1]  # the outputs are complete up to the stop
+    assert frame["step"].max() == result["last_step"]
+
+
+def test_without_an_incident_nothing_is_sent_and_the_run_goes_on(tmp_path, monkeypatch):
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path))
+    result = _train(0, (), [{"type": "file", "path": "incidents.jsonl"}])
+    assert result["stopped"] is None and result["last_step"] == STEPS - 1
+    assert result["messages"] == [] and not (tmp_path / "incidents.jsonl").exists()
+
+
+def _worker(rank: int, world_size: int, workdir: str) -> None:
+    fault_ranks = tuple(json.loads(os.environ["FAULT_RANKS"]))
+    sinks = [
+        {"type": "file", "path": os.path.join(workdir, "all.jsonl"), "ranks": "all"},
+        {"type": "file", "path": os.path.join(workdir, "lowest.jsonl")},
+    ]
+    if rank == 0:  # nothing listens there: rank 0's webhook fails every time
+        sinks.append({"type": "webhook", "url": os.environ["DEAD_URL"], "retries": 1, "backoff_s": 0.01})
+    save_result(workdir, rank, _train(rank, fault_ranks, sinks))
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("fault_ranks", [(1,), (0, 1)])
+def test_every_rank_stops_at_the_same_step(tmp_path, fault_ranks):
+    env = {
+        "MONITOR_OUTPUT_DIR": str(tmp_path / "out"),
+        "FAULT_RANKS": json.dumps(fault_ranks),
+        "DEAD_URL": f"http://127.0.0.1:{free_port()}/hook",
+    }
+    results = run_ranks(_worker, 2, str(tmp_path), env)
+    steps = {result["stopped"][0] for result in results}
+    assert len(steps) == 1 and AT < steps.pop() < STEPS  # one stop step, agreed by both ranks
+    assert {result["last_step"] for result in results} == {results[0]["last_step"]}
+    if 0 not in fault_ranks:
+        assert results[0]["messages"] == [] and "another rank" in results[0]["stopped"][1]
+    every = sorted((m["step"], m["rank"]) for m in _lines(str(tmp_path / "all.jsonl")))
+    assert every == [(AT, rank) for rank in fault_ranks]  # rank 0's failing webhook hurts no one
+    lowest = [(m["step"], m["rank"]) for m in _lines(str(tmp_path / "lowest.jsonl"))]
+    assert lowest == [(AT, min(fault_ranks))]  # one message per incident, from the lowest rank

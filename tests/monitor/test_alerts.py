@@ -1,0 +1,301 @@
+"""Alert sinks, claims and limits, framework-free, against a real local HTTP server and real programs.
+
+Incidents are built as the tracker builds them; what a sink received is read back from the
+server's request log, the file, or the program's output, never from the dispatcher itself.
+"""
+
+from __future__ import annotations
+
+import http.server
+import json
+import logging
+import sys
+import threading
+import time
+
+import pytest
+
+import monitor.alerts.dispatch as dispatch
+from monitor import ConfigError, load_config
+from monitor.alerts.dispatch import Alerts
+from monitor.anomaly.incidents import Incident
+
+TOKEN = "s3cret-token-value"
+
+
+def incident(step: int = 7, rank: int = 0, number: int = 1) -> Incident:
+    root = {
+        "tag_name": f"0:layers.1.weight/rank{rank}/post_grad",
+        "op": "norm",
+        "value": float("nan"),
+        "baseline": 0.5,
+        "rule": "AnomalyNan",
+    }
+    return Incident(number, rank, step, 0, root, ["root first", "2 ranks"])
+
+
+class Server:
+    """A local HTTP endpoint: answers ``status`` (a list is used up first), or hangs in ``hang``."""
+
+    def __init__(self, statuses=(200,), hang: bool = False) -> None:
+        self.requests: list[tuple[dict, dict]] = []
+        self.statuses = list(statuses)
+        self.hang = hang
+        self.inside = threading.Event()
+        self.release = threading.Event()
+        server = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                server.requests.append((dict(self.headers), body))
+                if server.hang:
+                    server.inside.set()
+                    server.release.wait(30)
+                status = server.statuses.pop(0) if len(server.statuses) > 1 else server.statuses[0]
+                self.send_response(status)
+                self.end_headers()
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/hook"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.release.set()
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def quick(monkeypatch):
+    """No long waits: claims decided after 0.2 s, close waits 2 s."""
+    monkeypatch.setattr(dispatch, "CLAIM_WAIT_S", 0.2)
+    monkeypatch.setattr(dispatch, "CLOSE_WAIT_S", 2.0)
+
+
+def alerts_of(config: dict, rank: int, root, actions=()) -> Alerts:
+    alert = load_config({"alert": {"sinks": config}}).alert
+    return Alerts(alert.sinks, actions, rank, str(root))
+
+
+def wait_for(condition, seconds: float = 10.0) -> bool:
+    """Poll ``condition`` until it holds (True) or ``seconds`` pass (False)."""
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    return True
+
+
+def lines(path) -> list[dict]:
+    """The complete JSON lines of a file sink (a line being written is left out)."""
+    text = path.read_text() if path.exists() else ""
+    return [json.loads(line) for line in text[: text.rfind("\n") + 1].splitlines()]
+
+
+@pytest.mark.parametrize(
+    "preset, text_at",
+    [
+        ("json", None),
+        ("slack", ("text",)),
+        ("feishu", ("content", "text")),
+        ("dingtalk", ("text", "content")),
+    ],
+)
+def test_webhook_posts_each_preset_with_headers_from_the_environment(
+    tmp_path, monkeypatch, caplog, quick, preset, text_at
+):
+    server = Server()
+    monkeypatch.setenv("HOOK_URL", server.url)
+    monkeypatch.setenv("HOOK_TOKEN", TOKEN)
+    spec = {
+        "type": "webhook",
+        "url_env": "HOOK_URL",
+        "preset": preset,
+        "headers_env": {"X-Token": "HOOK_TOKEN"},
+    }
+    caplog.set_level(logging.DEBUG, logger="trainmon")
+    alerts = alerts_of([{**spec, "ranks": "all"}], 3, tmp_path)
+    alerts.incident(incident(rank=3), "/out/rank3")
+    alerts.close()
+    server.close()
+    ((headers, body),) = server.requests
+    assert headers["X-Token"] == TOKEN and headers["Content-Type"] == "application/json"
+    summary = "trainmon: incident 1 at step 7 on rank 3: root 0:layers.1.weight/rank3/post_grad norm = nan"
+    if text_at is None:
+        assert (body["step"], body["rank"], body["rule"], body["op"]) == (7, 3, "AnomalyNan", "norm")
+        assert body["tag"] == "0:layers.1.weight/rank3/post_grad" and body["value"] == "nan"
+        assert body["summary"].startswith(summary) and body["output_dir"] == "/out/rank3"
+    else:
+        text = body
+        for key in text_at:
+            text = text[key]
+        assert text.startswith(summary)
+    config = load_config({"alert": {"sinks": [spec]}})
+    assert TOKEN not in json.dumps(config.to_dict()) and server.url not in json.dumps(config.to_dict())
+    assert TOKEN not in caplog.text
+
+
+def test_a_failing_endpoint_is_retried_with_back_off_then_reported_once(tmp_path, caplog, quick):
+    failing, recovering = Server(statuses=(500,)), Server(statuses=(503, 500, 200))
+    common = {"type": "webhook", "ranks": "all", "retries": 2, "backoff_s": 0.01}
+    alerts = alerts_of([{**common, "url": failing.url}, {**common, "url": recovering.url}], 0, tmp_path)
+    alerts.incident(incident(step=3), None)
+    alerts.incident(incident(step=9, number=2), None)
+    alerts.close()
+    failing.close()
+    recovering.close()
+    assert [body["step"] for _, body in failing.requests] == [3, 3, 3, 9, 9, 9]  # 1 + 2 retries each
+    assert [body["step"] for _, body in recovering.requests] == [3, 3, 3, 9]
+    warnings = [r for r in caplog.records if "alert.sinks[0]" in r.getMessage()]
+    assert len(warnings) == 1 and "HTTP Error 500" in warnings[0].getMessage()
+    assert not [r for r in caplog.records if "alert.sinks[1]" in r.getMessage()]
+
+
+def test_a_hanging_endpoint_holds_up_only_itself(tmp_path, quick):
+    hanging = Server(hang=True)
+    out = tmp_path / "incidents.jsonl"
+    sinks = [
+        {"type": "webhook", "url": hanging.url, "ranks": "all", "retries": 0, "timeout_s": 60},
+        {"type": "file", "path": str(out), "ranks": "all", "max_per_hour": 1000},
+    ]
+    alerts = alerts_of(sinks, 0, tmp_path)
+    alerts.incident(incident(step=4), None)
+    assert hanging.inside.wait(10)  # the webhook is stuck inside its request ...
+    steps = list(range(5, 5 + dispatch.QUEUE_SIZE + 3))
+    for step in steps:  # ... its queue fills up and drops, while the file sink keeps up
+        alerts.incident(incident(step=step, number=step), None)
+        assert wait_for(lambda count=step - 3: len(lines(out)) == count)
+    webhook = alerts.channels[0]
+    alerts.close()  # returns although the request still hangs
+    assert webhook.suppressed == len(steps) - dispatch.QUEUE_SIZE
+    assert [m["step"] for m in lines(out)] == [4, *steps]
+    hanging.close()
+
+
+def test_cool_down_and_hourly_limit_drop_and_count(tmp_path, quick):
+    limited, cooled = tmp_path / "limited.jsonl", tmp_path / "cooled.jsonl"
+    sinks = [
+        {"type": "file", "path": str(limited), "ranks": "all", "max_per_hour": 2},
+        {"type": "file", "path": str(cooled), "ranks": "all", "cooldown_s": 3600},
+    ]
+    alerts = alerts_of(sinks, 0, tmp_path)
+    for step in range(5):
+        alerts.incident(incident(step=step, number=step + 1), None)
+    channels = list(alerts.channels)
+    alerts.close()
+    assert [m["step"] for m in lines(limited)] == [0, 1] and channels[0].suppressed == 3
+    assert [m["step"] for m in lines(cooled)] == [0] and channels[1].suppressed == 4
+    assert [m["suppressed"] for m in lines(limited)] == [0, 0]
+
+
+def test_command_gets_the_message_on_stdin_and_a_failing_one_is_reported(tmp_path, caplog, quick):
+    got = tmp_path / "got.json"
+    program = f"import sys; open({str(got)!r}, 'w').write(sys.stdin.read())"
+    sinks = [
+        {"type": "command", "argv": [sys.executable, "-c", program], "ranks": "all"},
+        {
+            "type": "command",
+            "argv": [sys.executable, "-c", "import sys; sys.exit(3)"],
+            "ranks": "all",
+            "retries": 0,
+        },
+    ]
+    alerts = alerts_of(sinks, 2, tmp_path)
+    alerts.incident(incident(step=11, rank=2), None)
+    alerts.close()
+    message = json.loads(got.read_text())
+    assert (message["step"], message["rank"], message["tag"]) == (11, 2, "0:layers.1.weight/rank2/post_grad")
+    assert "alert.sinks[1] (command python" in caplog.text and "exit status 3" in caplog.text
+
+
+def test_lowest_rank_that_saw_the_step_delivers_and_rank0_means_rank_0(tmp_path, quick):
+    out, only0 = tmp_path / "lowest.jsonl", tmp_path / "rank0.jsonl"
+    sinks = [{"type": "file", "path": str(out)}, {"type": "file", "path": str(only0), "ranks": "rank0"}]
+    ranks = {rank: alerts_of(sinks, rank, tmp_path) for rank in (1, 2, 3)}
+    for rank in (3, 2):  # ranks 2 and 3 see step 10; rank 1 alone sees step 12
+        ranks[rank].incident(incident(step=10, rank=rank), None)
+    ranks[1].incident(incident(step=12, rank=1), None)
+    for alerts in ranks.values():
+        alerts.close()
+    assert sorted((m["step"], m["rank"]) for m in lines(out)) == [(10, 2), (12, 1)]
+    assert lines(only0) == []  # rank 0 saw nothing
+    assert sorted(p.name for p in (tmp_path / "anomaly_detected" / "alerts" / "step10").iterdir()) == [
+        "rank2",
+        "rank3",
+    ]
+
+
+def test_a_callback_that_raises_is_reported_once_and_others_still_run(tmp_path, caplog, quick):
+    seen = []
+
+    def broken(message):
+        raise RuntimeError("user bug")
+
+    alerts = Alerts((), ("stop",), 0, str(tmp_path))
+    alerts.add_callback(broken)
+    alerts.add_callback(lambda message: seen.append(message["step"]))
+    alerts.incident(incident(step=5), None)
+    alerts.incident(incident(step=6, number=2), None)
+    alerts.close()
+    assert seen == [5, 6]
+    assert caplog.text.count("user bug") == 1
+    assert alerts.stop_requested.is_set() and "incident 1 at step 5" in alerts.stop_reason
+
+
+@pytest.mark.parametrize(
+    "alert, words",
+    [
+        (
+            {"sinks": [{"type": "webhok", "url": "http://x"}]},
+            "alert.sinks[0].type: expected one of webhook, ",
+        ),
+        ({"sinks": [{"type": "webhok", "url": "http://x"}]}, "did you mean 'webhook'?"),
+        ({"sinks": [{"type": "webhook"}]}, "alert.sinks[0]: expected exactly one of 'url' and 'url_env'"),
+        ({"sinks": [{"type": "webhook", "url": "ftp://x/y"}]}, "alert.sinks[0].url: expected an http:// or"),
+        (
+            {"sinks": [{"type": "webhook", "url_env": "TRAINMON_UNSET_VARIABLE"}]},
+            "TRAINMON_UNSET_VARIABLE is not set",
+        ),
+        ({"sinks": [{"type": "webhook", "url": "http://x", "preset": "slak"}]}, "did you mean 'slack'?"),
+        (
+            {"sinks": [{"type": "file", "path": "a", "ranks": "first"}]},
+            "alert.sinks[0].ranks: expected one of",
+        ),
+        (
+            {"sinks": [{"type": "file", "path": "a", "retries": -1}]},
+            "alert.sinks[0].retries: expected an integer",
+        ),
+        (
+            {"sinks": [{"type": "command", "argv": "notify-send"}]},
+            "alert.sinks[0].argv: expected a list of strings",
+        ),
+        ({"sinks": [{"type": "file"}]}, "alert.sinks[0].path: expected a file path, got None"),
+        ({"sinks": {"type": "file"}}, "alert.sinks: expected a list of sinks"),
+        ({"actions": ["stpo"]}, "alert.actions[0]: expected one of stop, got 'stpo'; did you mean 'stop'?"),
+    ],
+)
+def test_bad_alert_config_is_refused_at_the_door(alert, words):
+    with pytest.raises(ConfigError) as info:
+        load_config({"alert": alert})
+    assert words in str(info.value)
+
+
+def test_stop_needs_every_rank():
+    with pytest.raises(ConfigError, match="module_ranks empty with the stop action"):
+        load_config({"alert": {"actions": ["stop"]}, "module_ranks": [0]})
+
+
+def test_config_round_trips_and_unknown_sink_keys_are_named(caplog):
+    raw = {
+        "sinks": [{"type": "file", "path": "x.jsonl", "cooldown_s": 5, "colour": "red"}],
+        "actions": ["stop"],
+    }
+    config = load_config({"alert": raw})
+    assert "alert.sinks[0].colour" in caplog.text
+    assert load_config(config.to_dict()) == config
