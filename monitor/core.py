@@ -112,6 +112,12 @@ class MonitorCore:
         if self._anomaly_sink is not None:
             self._anomaly_sink.on_open = handler
 
+    def submit_batch_ids(self, step: int, step_ids: list) -> None:
+        """The ids of each micro-batch of ``step``, for the incidents that begin at it."""
+        sink = self._anomaly_sink
+        if sink is not None:
+            self._writer.call(lambda: sink.note_batch_ids(step, step_ids))
+
     def submit(self, record: StepRecord) -> None:
         """Hand one data type's statistics of a collected step to the outputs (training thread)."""
         self.latest.write(record)

@@ -67,6 +67,8 @@ class SessionLifecycle(ABC):
         self.alerts: Alerts | None = None
         self._alerts_config: Any = None
         self.incident_callbacks: list[Callable[[dict], Any]] = []
+        #: ids of each micro-batch of the current step (``set_batch_ids``).
+        self._step_batch_ids: list[Any] = []
 
     def _attach(self, dormant: bool) -> None:
         """Hook the optimizer (also when dormant: live control runs at the end of each step) and,
@@ -126,6 +128,10 @@ class SessionLifecycle(ABC):
             self.alerts.add_callback(callback)
         elif self.collection is not None:
             self._connect_alerts()
+
+    def set_batch_ids(self, ids: Any) -> None:
+        """The ids of the micro-batch about to run (JSON-ready), for the incidents of this step."""
+        self._step_batch_ids.append(ids)
 
     # -- incidents -----------------------------------------------------------------------------
 
@@ -212,9 +218,12 @@ class SessionLifecycle(ABC):
 
     def _after_update(self, *hook_args: Any) -> None:
         """Optimizer post-hook: finish the step's collection, count the step, run live control."""
+        step_ids, self._step_batch_ids = self._step_batch_ids, []
         try:
             if self.collection is not None:
                 try:
+                    if step_ids:
+                        self.collection.core.submit_batch_ids(self.step, step_ids)
                     self.collection.after_update()
                 except Exception as exc:
                     self.collection.fail("step end", exc)

@@ -6,6 +6,7 @@ framework is imported lazily when ``set_monitor`` sees the model.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
@@ -152,6 +153,27 @@ class TrainerMon:
         if self._session is not None:
             self._session.add_incident_callback(callback)
         return self
+
+    def set_batch_ids(self, ids: Any) -> None:
+        """Name the micro-batch about to run: sample indices, shard and offset, any JSON-ready value
+        (a tensor or array of indices is turned into a list). Call once per micro-batch, before its
+        forward; incidents, their alert messages and ``skip_batches.json`` name the micro-batches
+        where they began.
+
+        Raises:
+            TypeError: ``ids`` cannot be written as JSON.
+        """
+        if hasattr(ids, "tolist"):
+            ids = ids.tolist()
+        try:
+            ids = json.loads(json.dumps(ids, allow_nan=False))  # a copy the caller cannot change
+        except (TypeError, ValueError) as exc:
+            raise TypeError(
+                f"set_batch_ids: ids: expected JSON-ready values (lists, numbers, strings), "
+                f"got {type(ids).__name__} ({exc})"
+            ) from None
+        if self._session is not None:
+            self._session.set_batch_ids(ids)
 
     # -- live control ------------------------------------------------------------------------
 

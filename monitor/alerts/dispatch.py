@@ -71,6 +71,7 @@ def incident_message(incident: Any, output_dir: str | None) -> Message:
             "value": root.get("value"),
             "baseline": root.get("baseline"),
             "evidence": list(incident.evidence),
+            "batch_ids": incident.batch_ids,
             "summary": incident.announcement(),
             "output_dir": output_dir,
             "host": socket.gethostname(),

@@ -7,7 +7,12 @@ records (op, value, baseline, rule, ratios), which msprobe's format has no room 
 
     {"version": 1, "rank": R, "incidents": [{"id", "rank", "ranks", "onset_step",
      "onset_micro_step", "state", "last_abnormal_step", "closed_step", "abnormal_steps",
-     "tensors", "data_types", "root", "evidence", "records"}, ...]}
+     "tensors", "data_types", "root", "evidence", "records", "batch_ids"}, ...]}
+
+When the training loop names its micro-batches (``TrainerMon.set_batch_ids``), ``skip_batches.json``
+lists, for data-pipeline tooling, the micro-batches where each incident began:
+
+    {"version": 1, "rank": R, "batches": [{"incident", "step", "micro_step", "ids"}, ...]}
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ THROTTLE_ABOVE_RECORDS = 10_000
 REWRITE_PAUSE_FACTOR = 20.0
 INCIDENTS_NAME = "incidents.json"
 INCIDENTS_VERSION = 1
+SKIP_BATCHES_NAME = "skip_batches.json"
 
 
 class AnomalyDump:
@@ -48,6 +54,7 @@ class AnomalyDump:
         self.directory = os.path.join(os.fspath(root), "anomaly_detected", f"rank{rank}")
         self.path = os.path.join(self.directory, "anomaly.json")
         self.incidents_path = os.path.join(self.directory, INCIDENTS_NAME)
+        self.skip_path = os.path.join(self.directory, SKIP_BATCHES_NAME)
         self._records: dict[str, dict] = {}
         self._earlier_incidents: list[dict] = []
         self._incidents: list[dict] = []
@@ -104,6 +111,14 @@ class AnomalyDump:
             "incidents": self._earlier_incidents + self._incidents,
         }
         atomic_write_text(self.incidents_path, json.dumps(document, indent=1))
+        batches = [
+            {"incident": incident.get("id"), "step": incident.get("onset_step"), **entry}
+            for incident in document["incidents"]
+            for entry in incident.get("batch_ids", [])
+        ]
+        if batches or os.path.exists(self.skip_path):
+            skip = {"version": INCIDENTS_VERSION, "rank": self.rank, "batches": batches}
+            atomic_write_text(self.skip_path, json.dumps(skip, indent=1))
 
 
 def _read_existing(path: str, kind: type) -> Any:

@@ -66,7 +66,18 @@ class MergedIncident:
             "root": self.root,
             "evidence": self.evidence,
             "members": [{"rank": m["rank"], "id": m["id"]} for m in self.members],
+            "batch_ids": self.batch_ids,
         }
+
+    @property
+    def batch_ids(self) -> list[dict[str, Any]]:
+        """The micro-batches where it began, on every rank: ``{"rank", "step", "micro_step", "ids"}``."""
+        return [
+            {"rank": m["rank"], "step": m["onset_step"], **entry}
+            for m in self.members
+            for entry in m.get("batch_ids", [])
+            if isinstance(entry, dict)
+        ]
 
 
 def load_incidents(paths: list[str]) -> list[dict[str, Any]]:
@@ -151,4 +162,13 @@ def format_incidents(incidents: list[MergedIncident]) -> str:
     for row, item in zip(rows, incidents, strict=True):
         lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
         lines += [f"{' ' * (widths[0] + 2)}- {line}" for line in item.evidence]
+        lines += [f"{' ' * (widths[0] + 2)}- {_batch_line(entry)}" for entry in item.batch_ids]
     return "\n".join(lines)
+
+
+def _batch_line(entry: dict[str, Any]) -> str:
+    """``batch ids (rank R, step S, micro-batch m): [...]``, the ids cut to 100 characters."""
+    ids = json.dumps(entry.get("ids"))
+    ids = ids if len(ids) <= 100 else ids[:97] + "..."
+    where = f"rank {entry.get('rank')}, step {entry.get('step')}, micro-batch {entry.get('micro_step')}"
+    return f"batch ids ({where}): {ids}"

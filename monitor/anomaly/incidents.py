@@ -29,6 +29,7 @@ import numpy as np
 from monitor.anomaly.detector import NONFINITE_ID, Anomaly, Detector, Verdicts
 from monitor.anomaly.root import choose_root, number, phase_of
 from monitor.anomaly.rules import NONFINITE
+from monitor.datatypes import parse_tag
 
 logger = logging.getLogger("trainmon")
 
@@ -55,6 +56,9 @@ class Incident:
     last_abnormal_step: int = -1
     state: str = "open"
     closed_step: int | None = None
+    #: ids of the micro-batches where it began (``TrainerMon.set_batch_ids``): the onset
+    #: micro-batch's when the root is per micro-batch, else every micro-batch of the step.
+    batch_ids: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def tensors(self) -> int:
@@ -83,6 +87,7 @@ class Incident:
             "evidence": self.evidence,
             "records": self.records,
             "more_records": self.more_records,
+            "batch_ids": self.batch_ids,
         }
 
     def announcement(self) -> str:
@@ -91,6 +96,16 @@ class Incident:
             f"trainmon: incident {self.id} at step {self.onset_step} on rank {self.rank}: "
             f"{describe_root(self.root)}; {self.tensors} tensor(s) abnormal; {'; '.join(self.evidence[1:])}"
         ).rstrip("; ")
+
+
+def onset_batches(root: dict[str, Any], step_ids: list[Any]) -> list[dict[str, Any]]:
+    """The micro-batches an incident began in: the root's own when its row is per micro-batch
+    (``name:m``), else every micro-batch of the step (a conservative list to skip)."""
+    parsed = parse_tag(str(root.get("tag_name", "")))
+    micro = parsed.row.micro_step if parsed is not None else -1
+    if 0 <= micro < len(step_ids):
+        return [{"micro_step": micro, "ids": step_ids[micro]}]
+    return [{"micro_step": index, "ids": ids} for index, ids in enumerate(step_ids)]
 
 
 def describe_root(root: dict[str, Any]) -> str:
@@ -221,6 +236,12 @@ class AnomalySink:
         self.found: list[Anomaly] = keep if keep is not None else []
         #: called with each new incident (the alerts); its failures are logged, never raised.
         self.on_open: Callable[[Incident], None] | None = None
+        #: step -> ids of each of its micro-batches, until the step ends.
+        self._batch_ids: dict[int, list[Any]] = {}
+
+    def note_batch_ids(self, step: int, step_ids: list[Any]) -> None:
+        """The ids of each micro-batch of ``step`` (handed over before the step ends)."""
+        self._batch_ids[step] = step_ids
 
     def write(self, record: Any) -> None:
         new = self.tracker.observe(self.detector.judge(record))
@@ -231,6 +252,10 @@ class AnomalySink:
 
     def end_step(self, step: int) -> None:
         opened, closed = self.tracker.end_step(step)
+        step_ids = self._batch_ids.pop(step, None)
+        self._batch_ids = {s: ids for s, ids in self._batch_ids.items() if s > step}
+        if opened is not None and step_ids:
+            opened.batch_ids = onset_batches(opened.root, step_ids)
         if opened is not None:
             logger.warning("%s", opened.announcement())
             if self.on_open is not None:
