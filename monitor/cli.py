@@ -1,4 +1,4 @@
-"""The ``trainmon`` command: ``demo`` and ``anomaly-analyse`` (more tools join as sub-commands)."""
+"""The ``trainmon`` command: ``demo``, ``anomaly-analyse``, ``bundle`` and the converters."""
 
 from __future__ import annotations
 
@@ -126,6 +126,32 @@ def _add_anomaly_analyse(sub: argparse._SubParsersAction) -> None:
     parser.set_defaults(run=analyse.run)
 
 
+def _add_bundle(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser(
+        "bundle",
+        help="show what an incident's evidence bundle holds",
+        description="Show an evidence bundle (alert.bundle): the incident, where it ran, and each "
+        "tensor with its shape, range and NaN count. In Python: "
+        "monitor.alerts.bundle.load_bundle(DIR).tensors.",
+    )
+    actions = parser.add_subparsers(dest="action", metavar="ACTION")
+    actions.required = True
+    show = actions.add_parser("show", help="summarise a bundle directory")
+    show.add_argument("directory", help="a bundle_incident{N} directory under anomaly_detected/rank{R}")
+    show.set_defaults(run=_bundle_show)
+
+
+def _bundle_show(args: argparse.Namespace) -> int:
+    from monitor.alerts.bundle import describe_bundle, load_bundle
+
+    try:
+        print(describe_bundle(load_bundle(args.directory)))
+    except ValueError as exc:
+        print(f"trainmon bundle show: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def _add_converters(sub: argparse._SubParsersAction) -> None:
     """csv2tb and csv2db (dashboards/convert; heavy imports happen only when one runs)."""
     from dashboards.convert.commands import COMMANDS
@@ -143,6 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.required = True
     _add_demo(sub)
     _add_anomaly_analyse(sub)
+    _add_bundle(sub)
     _add_converters(sub)
     return parser
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, fields
 from types import MappingProxyType
 from typing import Any
 
-from monitor.alerts.config import SinkSpec, parse_actions, parse_sinks
+from monitor.alerts.config import BundleSpec, SinkSpec, parse_actions, parse_bundle, parse_sinks
 from monitor.config_values import (
     ConfigError,
     as_bool,
@@ -41,7 +41,7 @@ FORMATS = ("csv", "tensorboard", "api")
 KNOWN_RULES = ("AnomalyTurbulence", "AnomalyNan", "AnomalyZScore")
 CC_KEYS = ("enable", "cc_codeline", "cc_pre_hook", "cc_log_only")
 L2_HOOK_KEYS = ("linear_hook", "attention_hook")
-ALERT_KEYS = ("rules", "dump", "non_finite", "sinks", "actions")
+ALERT_KEYS = ("rules", "dump", "non_finite", "sinks", "actions", "bundle")
 DEFAULT_COLLECT_TIMES = 100_000_000
 
 
@@ -64,8 +64,10 @@ class AlertConfig:
     non_finite: bool = True
     #: where each new incident is sent (``monitor.alerts``); ours, not msprobe's.
     sinks: tuple[SinkSpec, ...] = ()
-    #: what the run does on an incident (``stop``); ours, not msprobe's.
+    #: what the run does on an incident (``checkpoint``, ``stop``); ours, not msprobe's.
     actions: tuple[str, ...] = ()
+    #: evidence bundles of the first incidents (None: none); ours, not msprobe's.
+    bundle: BundleSpec | None = None
 
 
 @dataclass(frozen=True)
@@ -145,7 +147,7 @@ class MonitorConfig:
 def _plain(value: Any) -> Any:
     if isinstance(value, (MonitorConfig, AlertConfig, CCConfig, RuleSpec)):
         return {f.name: _plain(getattr(value, f.name)) for f in fields(value)}
-    if isinstance(value, SinkSpec):
+    if isinstance(value, (SinkSpec, BundleSpec)):
         return value.to_dict()
     if isinstance(value, Mapping):
         return {k: _plain(v) for k, v in value.items()}
@@ -266,10 +268,10 @@ def validate_config(raw: Mapping[str, Any]) -> MonitorConfig:
             "shard_reduce, module_ranks: expected module_ranks empty with shard_reduce (every rank of the "
             f"data-parallel group takes part in its collective), got {list(values['module_ranks'])}"
         )
-    if "stop" in values.get("alert", AlertConfig()).actions and values.get("module_ranks"):
+    if values.get("alert", AlertConfig()).actions and values.get("module_ranks"):
         raise ConfigError(
-            "alert.actions, module_ranks: expected module_ranks empty with the stop action (every rank "
-            f"takes part in agreeing on the step to stop at), got {list(values['module_ranks'])}"
+            "alert.actions, module_ranks: expected module_ranks empty with actions (every rank takes "
+            f"part in agreeing on the step to act at), got {list(values['module_ranks'])}"
         )
     if values.get("forward_only") and values.get("backward_only"):
         raise ConfigError(
@@ -363,6 +365,7 @@ def _alert(value: Any) -> AlertConfig:
         non_finite=as_bool(value.get("non_finite", True), "alert.non_finite"),
         sinks=parse_sinks(value.get("sinks", [])),
         actions=parse_actions(value.get("actions", [])),
+        bundle=parse_bundle(value.get("bundle")),
     )
 
 

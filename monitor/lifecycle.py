@@ -11,10 +11,12 @@ lives here.
 from __future__ import annotations
 
 import logging
+import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any
 
+from monitor.alerts.bundle import write_bundle
 from monitor.alerts.dispatch import Alerts
 from monitor.collection import BaseCollection
 from monitor.config import MonitorConfig
@@ -67,6 +69,8 @@ class SessionLifecycle(ABC):
         self.alerts: Alerts | None = None
         self._alerts_config: Any = None
         self.incident_callbacks: list[Callable[[dict], Any]] = []
+        #: called as ``fn(step, reason)`` by the ``checkpoint`` action (``on_checkpoint``).
+        self.checkpoint_function: Callable[[int, str], Any] | None = None
         #: ids of each micro-batch of the current step (``set_batch_ids``).
         self._step_batch_ids: list[Any] = []
 
@@ -138,11 +142,13 @@ class SessionLifecycle(ABC):
     def _connect_alerts(self) -> None:
         """Hand the new collection's incidents to the alerts its config and the callbacks ask for."""
         alert = self.config.alert
-        wanted = (alert.sinks, alert.actions)
+        wanted = (alert.sinks, alert.actions, alert.bundle)
         if self.alerts is not None and self._alerts_config != wanted:
             self._close_alerts()
-        if self.alerts is None and (alert.sinks or alert.actions or self.incident_callbacks):
-            self.alerts = Alerts(alert.sinks, alert.actions, self.rank, self.collection.core.root)
+        if self.alerts is None and (alert.sinks or alert.actions or alert.bundle or self.incident_callbacks):
+            self.alerts = Alerts(
+                alert.sinks, alert.actions, self.rank, self.collection.core.root, alert.bundle
+            )
             self._alerts_config = wanted
             for callback in self.incident_callbacks:
                 self.alerts.add_callback(callback)
@@ -155,25 +161,71 @@ class SessionLifecycle(ABC):
             self.alerts.close()
             self.alerts = None
 
-    def _stop_if_asked(self) -> None:
-        """The ``stop`` action: every rank agrees at each step end whether an incident asked for it."""
+    def _respond_to_incidents(self) -> None:
+        """At a step end: the evidence bundles of incidents found since, then the actions."""
+        if self.alerts is None:
+            return
+        for incident in self.alerts.take_bundles():
+            self._write_bundle(incident)
+        self._act_if_asked()
+
+    def _write_bundle(self, incident: dict[str, Any]) -> None:
+        """One incident's evidence bundle; a failure is logged and the run goes on."""
+        try:
+            info, tensors = self._bundle_contents(incident)
+            directory = os.path.join(self.core.root, "anomaly_detected", f"rank{self.rank}")
+            facts = {"written_at_step": self.step - 1, "config": self.config.to_dict(), **info}
+            limit = int(self.config.alert.bundle.max_mb * 2**20)
+            path = write_bundle(directory, incident, facts, tensors, limit)
+            logger.warning("trainmon: evidence of incident %d kept in %s", incident["id"], path)
+        except Exception as exc:
+            logger.error("trainmon: writing the evidence of incident %s failed (%r)", incident.get("id"), exc)
+
+    def _bundle_contents(self, incident: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+        """``(facts, tensors)`` of a bundle: topology, versions, RNG states and the records'
+        tensors (see ``monitor.alerts.bundle.write_bundle``); adapters know their framework's."""
+        return {"topology": {"rank": self.rank}}, {}
+
+    def _act_if_asked(self) -> None:
+        """The ``checkpoint`` and ``stop`` actions: every rank agrees at each step end whether an
+        incident asked for them, so all act at the same step (a checkpoint function may itself
+        use collectives). ``checkpoint`` calls the function of ``on_checkpoint`` (its failure is
+        logged, the run goes on); ``stop`` then raises TrainingStopped."""
         alerts = self.alerts
-        if alerts is None or "stop" not in alerts.actions or self.collection is None:
+        if alerts is None or not alerts.actions or self.collection is None:
             return
-        if not self._agree_on_stop(alerts.stop_requested.is_set()):
+        if not self._agree_on_stop(alerts.action_requested.is_set()):
             return
-        reason = alerts.stop_reason or "an incident on another rank"
-        logger.error(
-            "trainmon: stopping the run at step %d as alert.actions asks (%s)",
-            self.step,
-            reason.removeprefix("trainmon: "),
+        alerts.action_requested.clear()
+        reason = alerts.action_reason or "an incident on another rank"
+        if "checkpoint" in alerts.actions:
+            self._checkpoint(reason)
+        if "stop" in alerts.actions:
+            logger.error(
+                "trainmon: stopping the run at step %d as alert.actions asks (%s)",
+                self.step,
+                reason.removeprefix("trainmon: "),
+            )
+            self._stop_as_asked()
+            self._close_alerts()
+            raise TrainingStopped(self.step, reason)
+
+    def _checkpoint(self, reason: str) -> None:
+        if self.checkpoint_function is None:
+            logger.warning(
+                "trainmon: alert.actions holds checkpoint but no function was given (on_checkpoint)"
+            )
+            return
+        logger.warning(
+            "trainmon: calling the checkpoint function at step %d as alert.actions asks", self.step
         )
-        self._stop_as_asked()
-        self._close_alerts()
-        raise TrainingStopped(self.step, reason)
+        try:
+            self.checkpoint_function(self.step, reason)
+        except Exception as exc:
+            logger.error("trainmon: the checkpoint function failed (%r); the run goes on", exc)
 
     def _agree_on_stop(self, asked_here: bool) -> bool:
-        """Whether any rank was asked to stop; adapters with several ranks agree through a collective."""
+        """Whether any rank was asked to act; adapters with several ranks agree through a collective."""
         return asked_here
 
     # -- what each framework provides --------------------------------------------------------
@@ -249,7 +301,7 @@ class SessionLifecycle(ABC):
                     logger.error("trainmon: live control failed (%r); monitoring state unchanged", exc)
             if self.collection is None and self.on_step_end is None:
                 self._detach_after_this_step()
-        self._stop_if_asked()
+        self._respond_to_incidents()
 
     def _stop_as_asked(self) -> None:
         """print_struct or cc_log_only stops the run inside an optimizer hook: end monitoring."""

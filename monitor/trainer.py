@@ -63,6 +63,7 @@ class TrainerMon:
         self._dynamic: DynamicControl | None = None
         self._dynamic_running = False
         self._incident_callbacks: list[Callable[[dict], Any]] = []
+        self._checkpoint_function: Callable[[int, str], Any] | None = None
         if dynamic_mode():
             if self.config_file_path is None:
                 logger.warning("trainmon: DYNAMIC_MONITOR needs a config file to watch; using static mode")
@@ -135,6 +136,7 @@ class TrainerMon:
         )
         for callback in self._incident_callbacks:
             self._session.add_incident_callback(callback)
+        self._session.checkpoint_function = self._checkpoint_function
         if self._dynamic is not None:
             world_size = getattr(self._session, "world_size", 1)
             self._follow_dynamic(self._dynamic.attach(self._session.rank, world_size), self._session.step)
@@ -152,6 +154,18 @@ class TrainerMon:
         self._incident_callbacks.append(callback)
         if self._session is not None:
             self._session.add_incident_callback(callback)
+        return self
+
+    def on_checkpoint(self, function: Callable[[int, str], Any]) -> TrainerMon:
+        """The function the ``checkpoint`` action calls as ``function(step, reason)``: on the
+        training thread, at the end of an optimizer step, on every rank at the same step (so it
+        may save a sharded checkpoint with collectives), before ``stop`` if that is configured
+        too. Its exception is logged and the run goes on. Call before or after set_monitor."""
+        if not callable(function):
+            raise TypeError(f"on_checkpoint: function: expected a callable, got {type(function).__name__}")
+        self._checkpoint_function = function
+        if self._session is not None:
+            self._session.checkpoint_function = function
         return self
 
     def set_batch_ids(self, ids: Any) -> None:

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from adapters.torch.bundle import facts as bundle_facts
+from adapters.torch.bundle import record_tensors
 from adapters.torch.collection import Collection
 from adapters.torch.compiled import has_compiled_modules, recompile_with_hooks, uncompiled
 from adapters.torch.dist import any_rank, global_rank, pipeline_info, world_size
@@ -184,6 +186,10 @@ class TorchSession(SessionLifecycle):
             self._closure_pending = False
             self._begin_update()
         self._after_update()
+
+    def _bundle_contents(self, incident: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+        info, tensors = bundle_facts(self)
+        return info, {**record_tensors(self, incident), **tensors}
 
     def _agree_on_stop(self, asked_here: bool) -> bool:
         device = next((p.device for chunk in self.chunks for p in chunk.parameters()), torch.device("cpu"))

@@ -29,7 +29,7 @@ SINK_TYPES = ("webhook", "command", "file")
 PRESETS = ("json", "slack", "feishu", "dingtalk")
 #: which ranks deliver: the lowest rank that saw the incident, rank 0 only, or every rank.
 RANK_CHOICES = ("lowest", "rank0", "all")
-ACTIONS = ("stop",)
+ACTIONS = ("stop", "checkpoint")
 _COMMON = ("type", "ranks", "timeout_s", "retries", "backoff_s", "cooldown_s", "max_per_hour")
 SINK_KEYS = {
     "webhook": (*_COMMON, "url", "url_env", "preset", "headers_env"),
@@ -97,6 +97,37 @@ def parse_sinks(value: Any) -> tuple[SinkSpec, ...]:
     if not isinstance(value, list):
         raise ConfigError(f"alert.sinks: expected a list of sinks, got {describe(value)}")
     return tuple(_sink(spec, f"alert.sinks[{i}]") for i, spec in enumerate(value))
+
+
+@dataclass(frozen=True)
+class BundleSpec:
+    """``alert.bundle``: evidence bundles for the first ``incidents`` incidents of each rank."""
+
+    incidents: int = 1
+    max_mb: float = 64.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"incidents": self.incidents, "max_mb": self.max_mb}
+
+
+BUNDLE_KEYS = ("incidents", "max_mb")
+
+
+def parse_bundle(value: Any) -> BundleSpec | None:
+    """``alert.bundle``: ``{"incidents": N, "max_mb": M}``; absent or null: no bundles."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ConfigError(
+            f"alert.bundle: expected an object with 'incidents' and 'max_mb', got {describe(value)}"
+        )
+    for key in value:
+        if key not in BUNDLE_KEYS:
+            warn_unknown(str(key), BUNDLE_KEYS, "alert.bundle.")
+    return BundleSpec(
+        incidents=as_int(value.get("incidents", 1), "alert.bundle.incidents", 1, 1000),
+        max_mb=as_number(value.get("max_mb", 64.0), "alert.bundle.max_mb", positive=True),
+    )
 
 
 def parse_actions(value: Any) -> tuple[str, ...]:

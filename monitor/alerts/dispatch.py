@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from monitor.alerts.config import SinkSpec
+from monitor.alerts.config import BundleSpec, SinkSpec
 from monitor.alerts.sinks import CallbackSink, Message, open_sink
 from monitor.files import FILE_MODE, make_private_dir
 
@@ -189,14 +189,23 @@ class Alerts:
         actions: the ``alert.actions`` entries (``stop``).
         rank: this process's global rank.
         root: the output root (claims, relative file sinks).
+        bundle: how many incidents get an evidence bundle (None: none); the session writes them.
     """
 
-    def __init__(self, sinks: Sequence[SinkSpec], actions: Sequence[str], rank: int, root: str) -> None:
+    def __init__(
+        self,
+        sinks: Sequence[SinkSpec],
+        actions: Sequence[str],
+        rank: int,
+        root: str,
+        bundle: BundleSpec | None = None,
+    ) -> None:
         self.rank = rank
         self.root = root
         self.actions = tuple(actions)
-        self.stop_requested = threading.Event()
-        self.stop_reason = ""
+        #: an incident asked for the actions (``stop``, ``checkpoint``); the session acts on it
+        self.action_requested = threading.Event()
+        self.action_reason = ""
         needs_claims = any(spec.ranks == "lowest" for spec in sinks)
         self._claims = os.path.join(root, "anomaly_detected", "alerts") if needs_claims else None
         self.channels = [
@@ -204,6 +213,16 @@ class Alerts:
             for i, spec in enumerate(sinks)
         ]
         self._lock = threading.Lock()
+        #: incidents (as JSON) whose evidence bundle is still to be written, and how many more may be
+        self._bundles: collections.deque[dict] = collections.deque()
+        self._bundles_left = bundle.incidents if bundle is not None else 0
+
+    def take_bundles(self) -> list[dict]:
+        """The incidents found since the last call whose evidence is to be kept (training thread)."""
+        taken = []
+        while self._bundles:
+            taken.append(self._bundles.popleft())
+        return taken
 
     def add_callback(self, callback: Callable[[Message], Any]) -> None:
         """Call ``callback(message)`` on its own thread for each new incident of this rank."""
@@ -215,7 +234,7 @@ class Alerts:
             )
 
     def incident(self, incident: Any, output_dir: str | None) -> None:
-        """A new incident (writer thread): claim its step, queue its message, note a stop."""
+        """A new incident (writer thread): claim its step, queue its message, ask for the actions."""
         message = incident_message(incident, output_dir)
         if self._claims is not None:
             self._claim(incident.onset_step)
@@ -223,9 +242,12 @@ class Alerts:
             channels = list(self.channels)
         for channel in channels:
             channel.offer(message)
-        if "stop" in self.actions and not self.stop_requested.is_set():
-            self.stop_reason = message["summary"]
-            self.stop_requested.set()
+        if self._bundles_left > 0:
+            self._bundles_left -= 1
+            self._bundles.append(incident.to_json())
+        if self.actions and not self.action_requested.is_set():
+            self.action_reason = message["summary"]
+            self.action_requested.set()
 
     def _claim(self, step: int) -> None:
         try:

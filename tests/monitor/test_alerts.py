@@ -245,7 +245,7 @@ def test_a_callback_that_raises_is_reported_once_and_others_still_run(tmp_path, 
     alerts.close()
     assert seen == [5, 6]
     assert caplog.text.count("user bug") == 1
-    assert alerts.stop_requested.is_set() and "incident 1 at step 5" in alerts.stop_reason
+    assert alerts.action_requested.is_set() and "incident 1 at step 5" in alerts.action_reason
 
 
 @pytest.mark.parametrize(
@@ -277,7 +277,10 @@ def test_a_callback_that_raises_is_reported_once_and_others_still_run(tmp_path, 
         ),
         ({"sinks": [{"type": "file"}]}, "alert.sinks[0].path: expected a file path, got None"),
         ({"sinks": {"type": "file"}}, "alert.sinks: expected a list of sinks"),
-        ({"actions": ["stpo"]}, "alert.actions[0]: expected one of stop, got 'stpo'; did you mean 'stop'?"),
+        (
+            {"actions": ["stpo"]},
+            "alert.actions[0]: expected one of stop, checkpoint, got 'stpo'; did you mean 'stop'?",
+        ),
     ],
 )
 def test_bad_alert_config_is_refused_at_the_door(alert, words):
@@ -287,7 +290,7 @@ def test_bad_alert_config_is_refused_at_the_door(alert, words):
 
 
 def test_stop_needs_every_rank():
-    with pytest.raises(ConfigError, match="module_ranks empty with the stop action"):
+    with pytest.raises(ConfigError, match="module_ranks empty with actions"):
         load_config({"alert": {"actions": ["stop"]}, "module_ranks": [0]})
 
 

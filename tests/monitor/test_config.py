@@ -66,9 +66,9 @@ REFERENCE_DEFAULTS = {
     "monitor_mbs_grad": False,
     "mg_direction": False,
     "cc_distribution": {"enable": False, "cc_codeline": [], "cc_pre_hook": False, "cc_log_only": False},
-    # non_finite, sinks and actions are ours: msprobe reports a NaN only when a configured rule
+    # non_finite, sinks, actions and bundle are ours: msprobe reports a NaN only when a configured rule
     # happens to flag it, and only on the console
-    "alert": {"rules": [], "dump": False, "non_finite": True, "sinks": [], "actions": []},
+    "alert": {"rules": [], "dump": False, "non_finite": True, "sinks": [], "actions": [], "bundle": None},
     "format": "csv",
     "ops": ["norm"],
     "eps": 1e-8,

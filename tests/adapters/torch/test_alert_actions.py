@@ -4,8 +4,9 @@ A NaN is written into one gradient at step AT (after backward, before the optimi
 the ranks named; the monitor must deliver one message naming that step and tensor, and with
 ``alert.actions: ["stop"]`` raise TrainingStopped from ``optimizer.step()`` at one and the same
 step on every rank (2 gloo ranks, each training its own model: a rank without a fault learns of
-the incident only through the monitor's agreement). A sink that fails on one rank does not keep
-another rank's sinks from delivering.
+the incident only through the monitor's agreement), after calling the checkpoint function there
+(which itself runs a collective). A sink that fails on one rank does not keep another rank's
+sinks from delivering.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import os
 import pandas as pd
 import pytest
 import torch
+import torch.distributed as dist
 
 from monitor import TrainerMon, TrainingStopped
 from tests.adapters.torch.distributed import free_port, run_ranks, save_result
@@ -25,23 +27,33 @@ STEPS, AT = 30, 5
 FAULTY = "layers.1.weight"
 
 
-def _train(rank: int, fault_ranks: tuple[int, ...], sinks: list[dict]) -> dict:
+def _train(
+    rank: int,
+    fault_ranks: tuple[int, ...],
+    sinks: list[dict],
+    actions: tuple[str, ...] = ("stop",),
+    faults: tuple[int, ...] = (AT,),
+) -> dict:
     torch.manual_seed(0)
     model = MLP()
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
-    config = {
-        "wg_distribution": True,
-        "ops": ["norm", "nans"],
-        "alert": {"sinks": sinks, "actions": ["stop"]},
-    }
+    alert = {"sinks": sinks, "actions": list(actions)}
+    config = {"wg_distribution": True, "ops": ["norm", "nans"], "alert": alert}
     messages: list[dict] = []
-    mon = TrainerMon(config).on_incident(messages.append)
+    checkpoints: list[int] = []
+
+    def checkpoint(step: int, reason: str) -> None:
+        if dist.is_initialized():  # a sharded save uses collectives: every rank must be here
+            dist.all_reduce(torch.ones(1))
+        checkpoints.append(step)
+
+    mon = TrainerMon(config).on_incident(messages.append).on_checkpoint(checkpoint)
     mon.set_monitor(model, 1, optimizer)
     stopped, last = None, None
     for step, (x,) in enumerate(make_batches(STEPS, 1, seed=rank + 1)):
         last = step
         model(x).pow(2).mean().backward()
-        if step == AT and rank in fault_ranks:
+        if step in faults and rank in fault_ranks:
             dict(model.named_parameters())[FAULTY].grad[0, 0] = float("nan")
         try:
             optimizer.step()
@@ -49,12 +61,18 @@ def _train(rank: int, fault_ranks: tuple[int, ...], sinks: list[dict]) -> dict:
             stopped = exc
             break
         optimizer.zero_grad()
+        with torch.no_grad():  # the next steps start clean, so a later fault is a new incident
+            for p in model.parameters():
+                p.nan_to_num_(0.0)
+                for moment in optimizer.state[p].values():
+                    moment.nan_to_num_(0.0)
     optimizer.step()  # after the stop the monitor's hooks are inert: nothing is raised again
     mon.stop()
     return {
         "stopped": None if stopped is None else [stopped.step, stopped.reason],
         "last_step": last,
         "messages": messages,
+        "checkpoints": checkpoints,
         "output_dir": mon.output_dir,
     }
 
@@ -87,6 +105,15 @@ def test_one_process_delivers_the_incident_and_stops_at_the_next_step_boundary(t
     assert frame["step"].max() == result["last_step"]
 
 
+def test_checkpoint_alone_is_called_once_per_incident_and_the_run_goes_on(tmp_path, monkeypatch):
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path))
+    result = _train(0, (0,), [], actions=("checkpoint",), faults=(AT, AT + 10))
+    assert result["stopped"] is None and result["last_step"] == STEPS - 1
+    assert [m["step"] for m in result["messages"]] == [AT, AT + 10]
+    first, second = result["checkpoints"]
+    assert AT < first < AT + 10 < second < STEPS  # each at a step end after its incident
+
+
 def test_without_an_incident_nothing_is_sent_and_the_run_goes_on(tmp_path, monkeypatch):
     monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path))
     result = _train(0, (), [{"type": "file", "path": "incidents.jsonl"}])
@@ -102,7 +129,7 @@ def _worker(rank: int, world_size: int, workdir: str) -> None:
     ]
     if rank == 0:  # nothing listens there: rank 0's webhook fails every time
         sinks.append({"type": "webhook", "url": os.environ["DEAD_URL"], "retries": 1, "backoff_s": 0.01})
-    save_result(workdir, rank, _train(rank, fault_ranks, sinks))
+    save_result(workdir, rank, _train(rank, fault_ranks, sinks, actions=("checkpoint", "stop")))
 
 
 @pytest.mark.distributed
@@ -117,6 +144,7 @@ def test_every_rank_stops_at_the_same_step(tmp_path, fault_ranks):
     steps = {result["stopped"][0] for result in results}
     assert len(steps) == 1 and AT < steps.pop() < STEPS  # one stop step, agreed by both ranks
     assert {result["last_step"] for result in results} == {results[0]["last_step"]}
+    assert [result["checkpoints"] for result in results] == [[result["stopped"][0]] for result in results]
     if 0 not in fault_ranks:
         assert results[0]["messages"] == [] and "another rank" in results[0]["stopped"][1]
     every = sorted((m["step"], m["rank"]) for m in _lines(str(tmp_path / "all.jsonl")))

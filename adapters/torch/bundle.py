@@ -1,0 +1,111 @@
+"""The torch part of an evidence bundle: topology, versions, random generator states, and the
+tensors an incident's records point at (see ``monitor.alerts.bundle``).
+
+A record's tag names a parameter (gradients, values, moments) or a module's input or output; for
+a parameter the bundle holds its value, its gradient and its Adam moments as they are now, for an
+activation the parameters of that module (activations themselves are not kept after a step).
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+import monitor
+from monitor.datatypes import ACTIVATION_PREFIXES, parse_tag
+
+#: tensor name -> (array, original dtype, what it is)
+Tensors = dict[str, tuple[np.ndarray, str, str]]
+
+
+def as_array(tensor: torch.Tensor) -> tuple[np.ndarray, str]:
+    """A host copy as NumPy (float32 where NumPy lacks the dtype) and the original dtype's name."""
+    if hasattr(tensor, "to_local"):  # a DTensor: this rank's piece
+        tensor = tensor.to_local()
+    tensor = tensor.detach()
+    dtype = str(tensor.dtype).removeprefix("torch.")
+    if tensor.dtype in (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2) or tensor.is_complex():
+        tensor = tensor.float()
+    return tensor.cpu().numpy().copy(), dtype
+
+
+def facts(session: Any) -> tuple[dict[str, Any], Tensors]:
+    """Topology, versions and random generator states of a torch session."""
+    tensors: Tensors = {}
+    state = np.random.get_state()
+    tensors["rng.numpy"] = (np.asarray(state[1]), "uint32", "numpy's global generator: key")
+    tensors["rng.torch"] = (*as_array(torch.get_rng_state()), "torch's CPU generator state")
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        for index, cuda_state in enumerate(torch.cuda.get_rng_state_all()):
+            tensors[f"rng.cuda{index}"] = (*as_array(cuda_state), f"torch's generator of cuda:{index}")
+    info = {
+        "topology": {
+            "rank": session.rank,
+            "world_size": session.world_size,
+            "pp_stage": session.pp_stage,
+            "group_mates": list(session.group_mates),
+            "chunks": [type(chunk).__name__ for chunk in session.chunks],
+        },
+        "versions": {"trainmon": monitor.__version__, "torch": torch.__version__, "numpy": np.__version__},
+        "rng": {
+            "python": random.getstate(),
+            "numpy": {
+                "algorithm": state[0],
+                "pos": state[2],
+                "has_gauss": state[3],
+                "cached_gaussian": state[4],
+            },
+        },
+    }
+    return info, tensors
+
+
+def record_tensors(session: Any, incident: dict[str, Any]) -> Tensors:
+    """The tensors behind the incident's root and records, root first, each parameter once."""
+    collection = session.collection
+    if collection is None:
+        return {}
+    registry, backend = collection.registry, session.backend
+    by_name = {(p.vpp_stage, p.name): p for p in registry.params}
+    tensors: Tensors = {}
+    for vpp, name in _rows(incident):
+        entries = (
+            [p for (v, n), p in by_name.items() if v == vpp and n.startswith(f"{name}.")]
+            if (vpp, name) not in by_name
+            else [by_name[(vpp, name)]]
+        )
+        for entry in entries:
+            label = f"{entry.vpp_stage}:{entry.name}"
+            if f"{label} value" in tensors:
+                continue
+            parts = [
+                ("value", entry.param, "the parameter now (after the update of the step that ended)"),
+                ("grad", registry.grad(entry.param), "its gradient as the optimizer used it"),
+                ("exp_avg", backend.moment(entry.param, "exp_avg"), "Adam's first moment"),
+                ("exp_avg_sq", backend.moment(entry.param, "exp_avg_sq"), "Adam's second moment"),
+            ]
+            for part, tensor, what in parts:
+                if isinstance(tensor, torch.Tensor):
+                    tensors[f"{label} {part}"] = (*as_array(tensor), what)
+    return tensors
+
+
+def _rows(incident: dict[str, Any]) -> Iterator[tuple[int, str]]:
+    """(chunk, parameter or module name) of the root, then of each record, in order."""
+    seen = set()
+    for record in [incident.get("root", {}), *incident.get("records", [])]:
+        parsed = parse_tag(str(record.get("tag_name", "")))
+        if parsed is None:
+            continue
+        name = parsed.row.name
+        if parsed.prefix in ACTIVATION_PREFIXES:  # layers.1[1].output_0 -> the module layers.1
+            name = re.sub(r"\[\d+\]$", "", name.rsplit(".", 1)[0] if "." in name else "")
+        key = (parsed.row.vpp_stage, name)
+        if key not in seen:
+            seen.add(key)
+            yield key

@@ -1,0 +1,146 @@
+"""Evidence bundles: what a rank knew when an incident was found, kept on disk next to its
+anomaly files, for reproducing and debugging the fault later.
+
+``anomaly_detected/rank{R}/bundle_incident{N}/``:
+
+* ``manifest.json``: the incident (onset step, root, evidence, batch ids), the step at which
+  the bundle was written, config, versions, topology (rank, world size, pipeline stage and
+  mates, model chunks), the random generators' states (Python's in the manifest, the others as
+  arrays), and per tensor its file, shape, original dtype and what it is;
+* ``{name}.npy``: each tensor as a NumPy array (bfloat16 and other types NumPy lacks as
+  float32; the manifest keeps the original dtype), read without any framework by
+  ``load_bundle``.
+
+The bundle is written on the training thread at the first step end after the incident is found,
+so its tensors are the state then: for a gradient found during the step that just ended, the
+gradient itself (until ``zero_grad``), the parameter after the update, and the optimizer's
+moments. Tensors beyond the size limit are listed as left out. The directory is written under a
+temporary name and renamed, so a reader never sees half a bundle.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from monitor.files import atomic_write_text, make_private_dir
+
+MANIFEST = "manifest.json"
+BUNDLE_VERSION = 1
+
+
+@dataclass
+class Bundle:
+    """A bundle read back: its manifest and its tensors by name."""
+
+    path: str
+    manifest: dict[str, Any]
+    tensors: dict[str, np.ndarray]
+
+
+def write_bundle(
+    directory: str,
+    incident: Mapping[str, Any],
+    facts: Mapping[str, Any],
+    tensors: Mapping[str, tuple[np.ndarray, str, str]],
+    max_bytes: int,
+) -> str:
+    """Write one bundle under ``directory`` (the rank's anomaly directory); returns its path.
+
+    Args:
+        incident: the incident's JSON (``Incident.to_json``).
+        facts: config, versions, topology, step, RNG states: JSON-ready.
+        tensors: name -> (array, original dtype, what it is), in order of importance; those
+            past ``max_bytes`` in total are listed as left out.
+    """
+    make_private_dir(directory)
+    target = os.path.join(directory, f"bundle_incident{incident['id']}")
+    work = tempfile.mkdtemp(prefix=".tmp-bundle-", dir=directory)
+    try:
+        listed, left_out, used = [], [], 0
+        for index, (name, (array, dtype, what)) in enumerate(tensors.items()):
+            if used + array.nbytes > max_bytes:
+                left_out.append({"name": name, "dtype": dtype, "shape": list(array.shape), "what": what})
+                continue
+            file = f"{index:03d}.npy"
+            np.save(os.path.join(work, file), array, allow_pickle=False)
+            used += array.nbytes
+            listed.append(
+                {"name": name, "file": file, "dtype": dtype, "shape": list(array.shape), "what": what}
+            )
+        manifest = {
+            "version": BUNDLE_VERSION,
+            "incident": incident,
+            **facts,
+            "python": platform.python_version(),
+            "tensors": listed,
+            "left_out": left_out,
+            "max_bytes": max_bytes,
+        }
+        atomic_write_text(os.path.join(work, MANIFEST), json.dumps(manifest, indent=1, default=str))
+        if os.path.lexists(target):
+            shutil.rmtree(target)  # a restart numbering its incidents as before replaces its bundle
+        os.replace(work, target)
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+    return target
+
+
+def load_bundle(path: str | os.PathLike) -> Bundle:
+    """Read a bundle directory: ``bundle.manifest`` and ``bundle.tensors[name]`` (NumPy arrays).
+
+    Raises:
+        ValueError: the directory is not a bundle, or a file it lists is missing or damaged.
+    """
+    path = os.fspath(path)
+    try:
+        with open(os.path.join(path, MANIFEST), encoding="utf-8") as handle:
+            manifest = json.load(handle)
+        tensors = {
+            entry["name"]: np.load(os.path.join(path, entry["file"]), allow_pickle=False)
+            for entry in manifest["tensors"]
+        }
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"{path}: not a readable trainmon bundle ({exc})") from None
+    return Bundle(path, manifest, tensors)
+
+
+def describe_bundle(bundle: Bundle) -> str:
+    """The text ``trainmon bundle show`` prints: the incident, where it ran, and each tensor."""
+    m = bundle.manifest
+    incident = m.get("incident", {})
+    root = incident.get("root", {})
+    topology = m.get("topology", {})
+    lines = [
+        f"bundle {bundle.path}",
+        f"incident {incident.get('id')} on rank {incident.get('rank')}: onset step "
+        f"{incident.get('onset_step')} (micro-batch {incident.get('onset_micro_step')}), "
+        f"written at the end of step {m.get('written_at_step')}",
+        f"root: {root.get('tag_name')} {root.get('op', '')} = {root.get('value')} ({root.get('rule')})",
+        *(f"  - {line}" for line in incident.get("evidence", [])),
+        f"batch ids: {json.dumps(incident.get('batch_ids') or None)}",
+        f"rank {topology.get('rank')} of {topology.get('world_size')}, pipeline stage "
+        f"{topology.get('pp_stage')}, model chunks {topology.get('chunks')}",
+        "versions: " + ", ".join(f"{k} {v}" for k, v in sorted(m.get("versions", {}).items())),
+        f"random generator states: {', '.join(sorted(m.get('rng', {}))) or 'none'}",
+        "tensors:",
+    ]
+    for entry in m.get("tensors", []):
+        array = bundle.tensors[entry["name"]]
+        finite = array[np.isfinite(array)] if array.dtype.kind == "f" else array
+        summary = f"min {finite.min():.4g} max {finite.max():.4g}" if finite.size else "no finite value"
+        nans = int(np.isnan(array).sum()) if array.dtype.kind == "f" else 0
+        shape = f"{entry['dtype']} {tuple(entry['shape'])}"
+        lines.append(f"  {entry['name']}  {entry['what']}  {shape}  {summary}  nan {nans}")
+    for entry in m.get("left_out", []):
+        lines.append(f"  {entry['name']}  {entry['what']}  left out (over the size limit)")
+    return "\n".join(lines)
