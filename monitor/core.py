@@ -118,6 +118,14 @@ class MonitorCore:
         if sink is not None:
             self._writer.call(lambda: sink.note_batch_ids(step, step_ids))
 
+    def new_anomalies_now(self) -> bool:
+        """Whether the records submitted so far for the current step hold a new anomaly (waits
+        for the writer to judge them)."""
+        if self._anomaly_sink is None:
+            return False
+        self.flush()
+        return self._anomaly_sink.tracker.has_new
+
     def submit(self, record: StepRecord) -> None:
         """Hand one data type's statistics of a collected step to the outputs (training thread)."""
         self.latest.write(record)

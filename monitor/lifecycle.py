@@ -192,7 +192,7 @@ class SessionLifecycle(ABC):
         use collectives). ``checkpoint`` calls the function of ``on_checkpoint`` (its failure is
         logged, the run goes on); ``stop`` then raises TrainingStopped."""
         alerts = self.alerts
-        if alerts is None or not alerts.actions or self.collection is None:
+        if alerts is None or not {"checkpoint", "stop"} & set(alerts.actions) or self.collection is None:
             return
         if not self._agree_on_stop(alerts.action_requested.is_set()):
             return
@@ -265,6 +265,23 @@ class SessionLifecycle(ABC):
             raise
         except Exception as exc:
             self.collection.fail("step start", exc)
+        self._skip_if_asked()
+
+    def _skip_if_asked(self) -> None:
+        """The ``skip_step`` action: when any rank found a new anomaly in what this step has
+        measured so far (gradients, activations, parameters before the update), every rank
+        drops the gradients so that the optimizer leaves the weights and moments as they are.
+        The step's values are judged at once (the writer is waited for), not in the background."""
+        alerts = self.alerts
+        if alerts is None or "skip_step" not in alerts.actions or self.collection is None:
+            return
+        if self._agree_on_stop(self.collection.core.new_anomalies_now()):
+            logger.warning("trainmon: skipping the update of step %d as alert.actions asks", self.step)
+            self._skip_update()
+
+    def _skip_update(self) -> None:
+        """Make the coming optimizer update a no-op; adapters know how for their optimizers."""
+        logger.warning("trainmon: skip_step is not supported here; the update runs")
 
     # -- the end of a step -------------------------------------------------------------------
 

@@ -21,7 +21,8 @@ from adapters.torch.bundle import record_tensors
 from adapters.torch.collection import Collection
 from adapters.torch.compiled import has_compiled_modules, recompile_with_hooks, uncompiled
 from adapters.torch.dist import any_rank, global_rank, pipeline_info, world_size
-from adapters.torch.optim import accumulation_boundary, optimizer_backend
+from adapters.torch.dtensor import DTensorBackend
+from adapters.torch.optim import TorchBackend, accumulation_boundary, optimizer_backend
 from monitor.config import MonitorConfig
 from monitor.lifecycle import SessionLifecycle, model_chunks
 
@@ -190,6 +191,17 @@ class TorchSession(SessionLifecycle):
     def _bundle_contents(self, incident: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
         info, tensors = bundle_facts(self)
         return info, {**record_tensors(self, incident), **tensors}
+
+    def _skip_update(self) -> None:
+        """torch.optim optimizers leave a parameter without a gradient alone: its value, moments
+        and step count stay. Back-ends that keep gradients elsewhere (DeepSpeed, Megatron, FSDP's
+        flat parameters) are not skipped."""
+        if type(self.backend) not in (TorchBackend, DTensorBackend):
+            super()._skip_update()
+            return
+        for group in self.optimizer.param_groups:
+            for param in group["params"]:
+                param.grad = None
 
     def _agree_on_stop(self, asked_here: bool) -> bool:
         device = next((p.device for chunk in self.chunks for p in chunk.parameters()), torch.device("cpu"))

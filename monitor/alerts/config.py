@@ -29,7 +29,7 @@ SINK_TYPES = ("webhook", "command", "file")
 PRESETS = ("json", "slack", "feishu", "dingtalk")
 #: which ranks deliver: the lowest rank that saw the incident, rank 0 only, or every rank.
 RANK_CHOICES = ("lowest", "rank0", "all")
-ACTIONS = ("stop", "checkpoint")
+ACTIONS = ("stop", "checkpoint", "skip_step")
 _COMMON = ("type", "ranks", "timeout_s", "retries", "backoff_s", "cooldown_s", "max_per_hour")
 SINK_KEYS = {
     "webhook": (*_COMMON, "url", "url_env", "preset", "headers_env"),

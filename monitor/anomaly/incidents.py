@@ -157,6 +157,11 @@ class IncidentTracker:
         self._new += new
         return new
 
+    @property
+    def has_new(self) -> bool:
+        """Whether the current step has produced a new record so far."""
+        return bool(self._new)
+
     def end_step(self, step: int) -> tuple[Incident | None, Incident | None]:
         """Close the step: ``(incident opened, incident closed)`` at this step, either may be None."""
         opened = closed = None

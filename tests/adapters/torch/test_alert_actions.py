@@ -151,3 +151,45 @@ def test_every_rank_stops_at_the_same_step(tmp_path, fault_ranks):
     assert every == [(AT, rank) for rank in fault_ranks]  # rank 0's failing webhook hurts no one
     lowest = [(m["step"], m["rank"]) for m in _lines(str(tmp_path / "lowest.jsonl"))]
     assert lowest == [(AT, min(fault_ranks))]  # one message per incident, from the lowest rank
+
+
+def _skipping(rank: int, fault_ranks: tuple[int, ...]) -> dict:
+    """Train with skip_step; per step, whether the weights changed and whether any is NaN."""
+    torch.manual_seed(0)
+    model = MLP()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    config = {"wg_distribution": True, "ops": ["norm", "nans"], "alert": {"actions": ["skip_step"]}}
+    mon = TrainerMon(config).set_monitor(model, 1, optimizer)
+    changed, poisoned = [], []
+    for step, (x,) in enumerate(make_batches(STEPS, 1, seed=rank + 1)):
+        before = [p.detach().clone() for p in model.parameters()]
+        model(x).pow(2).mean().backward()
+        if step == AT and rank in fault_ranks:
+            dict(model.named_parameters())[FAULTY].grad[0, 0] = float("nan")
+        optimizer.step()
+        optimizer.zero_grad()
+        changed.append(any(not torch.equal(a, b) for a, b in zip(before, model.parameters())))
+        poisoned.append(any(p.isnan().any().item() for p in model.parameters()))
+    mon.stop()
+    return {"changed": changed, "poisoned": poisoned, "incidents": [i.onset_step for i in mon.incidents]}
+
+
+def test_skip_step_keeps_a_nan_gradient_out_of_the_weights(tmp_path, monkeypatch):
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path))
+    result = _skipping(0, (0,))
+    assert result["incidents"] == [AT]
+    assert result["changed"] == [step != AT for step in range(STEPS)]  # only the faulty step skipped
+    assert not any(result["poisoned"])  # without the skip, AdamW spreads the NaN into the weights
+
+
+def _skip_worker(rank: int, world_size: int, workdir: str) -> None:
+    save_result(workdir, rank, _skipping(rank, (1,)))
+
+
+@pytest.mark.distributed
+def test_every_rank_skips_the_same_step(tmp_path):
+    results = run_ranks(_skip_worker, 2, str(tmp_path), {"MONITOR_OUTPUT_DIR": str(tmp_path / "out")})
+    for result in results:  # rank 0 saw nothing, yet skips with rank 1
+        assert result["changed"] == [step != AT for step in range(STEPS)]
+        assert not any(result["poisoned"])
+    assert [r["incidents"] for r in results] == [[], [AT]]
