@@ -279,7 +279,7 @@ def test_a_callback_that_raises_is_reported_once_and_others_still_run(tmp_path, 
         ({"sinks": {"type": "file"}}, "alert.sinks: expected a list of sinks"),
         (
             {"actions": ["stpo"]},
-            "alert.actions[0]: expected one of stop, checkpoint, got 'stpo'; did you mean 'stop'?",
+            "alert.actions[0]: expected one of stop, checkpoint, skip_step, got 'stpo'; did you mean 'stop'?",
         ),
     ],
 )
