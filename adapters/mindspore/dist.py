@@ -1,4 +1,5 @@
-"""mindspore.communication facts the monitor needs: rank, pipeline stage, group membership.
+"""mindspore.communication facts the monitor needs: rank, pipeline stage, group membership, and
+whether any rank holds a flag.
 
 MindSpore names its communication groups with strings; ``process_group``, ``tp_group`` and
 ``dp_group`` are such names (None: the world group, or no group).
@@ -6,6 +7,7 @@ MindSpore names its communication groups with strings; ``process_group``, ``tp_g
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from mindspore.communication import (
@@ -54,3 +56,26 @@ def rank_in_group(group: Any) -> int | None:
     if group == GlobalComm.WORLD_COMM_GROUP:
         return global_rank()
     return get_group_rank_from_world_rank(global_rank(), group)
+
+
+@functools.cache
+def _sum_reduce() -> Any:
+    from mindspore import ops
+
+    return ops.AllReduce(ops.ReduceOp.SUM)
+
+
+def any_rank(flag: bool) -> bool:
+    """Whether ``flag`` holds on any rank of the world (one small AllReduce, unseen by
+    cc_distribution); every rank must call it at the same point. A float32 sum: the one
+    AllReduce MindSpore's CPU kernels offer for every back-end."""
+    if world_size() <= 1:
+        return flag
+    import mindspore as ms
+    import numpy as np
+
+    from adapters.mindspore.cc_wrap import REGISTRY
+
+    with REGISTRY.unobserved():
+        value = _sum_reduce()(ms.Tensor(np.array([1.0 if flag else 0.0], dtype=np.float32)))
+    return bool(value.asnumpy()[0] > 0)

@@ -31,7 +31,7 @@ from typing import Any
 import mindspore as ms
 
 from adapters.mindspore.collection import Collection, without_hooks
-from adapters.mindspore.dist import global_rank, pipeline_info
+from adapters.mindspore.dist import any_rank, global_rank, pipeline_info
 from adapters.mindspore.optim import OptimizerView, hookable_optimizer
 from monitor.config import MonitorConfig
 from monitor.lifecycle import SessionLifecycle, model_chunks
@@ -163,6 +163,9 @@ class MindSporeSession(SessionLifecycle):
 
     def _optimizer_step_count(self) -> int | None:
         return self.view.step_count()
+
+    def _agree_on_stop(self, asked_here: bool) -> bool:
+        return any_rank(asked_here)
 
     def _detach_after_this_step(self) -> None:
         """Monitoring ended inside the optimizer Cell's call, which iterates the hooks: they stay,

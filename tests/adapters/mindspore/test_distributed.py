@@ -13,61 +13,23 @@ pytest.importorskip("mindspore", reason="MindSpore is not installed here (pip in
 import glob
 import json
 import os
-import socket
-import subprocess
-import sys
 
 import mindspore as ms
 import numpy as np
 import pandas as pd
 
+from tests.adapters.mindspore.msrun import run_msrun
 from tests.reference_stats import assert_stats_close
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dp_worker.py")
 RANKS = 2
-#: seconds a rank waits for the other before the job fails (small, so a broken run ends fast).
-CLUSTER_TIME_OUT = 60
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _tail(path: str) -> str:
-    with open(path, encoding="utf-8", errors="replace") as handle:
-        return f"--- {path}\n{handle.read()[-3000:]}"
 
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
     """Run the job once; return each rank's result, its numpy copies and its CSV rows."""
     workdir = tmp_path_factory.mktemp("msrun")
-    env = {
-        **os.environ,
-        "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""),
-        "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-        "MONITOR_OUTPUT_DIR": str(workdir / "monitor_output"),
-    }
-    command = [
-        sys.executable,
-        "-c",
-        "import sys; from mindspore.parallel.cluster.run import main; sys.exit(main())",
-        f"--worker_num={RANKS}",
-        f"--local_worker_num={RANKS}",
-        "--master_addr=127.0.0.1",
-        f"--master_port={_free_port()}",
-        f"--log_dir={workdir / 'logs'}",
-        "--join=True",
-        f"--cluster_time_out={CLUSTER_TIME_OUT}",
-        WORKER,
-        str(workdir),
-    ]
-    done = subprocess.run(command, cwd=workdir, env=env, capture_output=True, text=True, timeout=240)
-    logs = "".join(_tail(path) for path in sorted(glob.glob(str(workdir / "logs" / "worker_*.log"))))
-    assert done.returncode == 0, f"msrun exit {done.returncode}\n{done.stdout[-2000:]}\n{logs}"
+    run_msrun(WORKER, workdir, RANKS)
     ranks = []
     for rank in range(RANKS):
         with open(workdir / f"result{rank}.json", encoding="utf-8") as handle:
