@@ -91,6 +91,8 @@ class Channel:
         self.suppressed = 0
         self._sent: collections.deque[float] = collections.deque()
         self._warned = False
+        #: set by close(): after it, nothing more is delivered
+        self._deadline: float | None = None
         self._thread = threading.Thread(target=self._run, name=f"trainmon-alert {label}", daemon=True)
         self._thread.start()
 
@@ -103,16 +105,22 @@ class Channel:
             self._warn_once(f"its queue is full ({QUEUE_SIZE} messages waiting); dropping")
 
     def close(self, wait: float) -> None:
+        """Deliver what is queued for at most ``wait`` seconds, then abandon the rest; a delivery
+        under way (a hanging endpoint) ends at its own timeout, on this daemon thread."""
+        self._deadline = time.monotonic() + wait
         try:
             self.queue.put_nowait(None)
-        except queue.Full:
+        except queue.Full:  # the thread sees the deadline at its next message, or an empty queue
             pass
         self._thread.join(wait)
 
     def _run(self) -> None:
         while True:
-            item = self.queue.get()
-            if item is None:
+            try:
+                item = self.queue.get(timeout=None if self._deadline is None else 0.1)
+            except queue.Empty:  # closing, and nothing left
+                return
+            if item is None or (self._deadline is not None and time.monotonic() > self._deadline):
                 return
             queued_at, message = item
             try:

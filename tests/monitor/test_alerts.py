@@ -72,9 +72,15 @@ class Server:
 
 @pytest.fixture
 def quick(monkeypatch):
-    """No long waits: claims decided after 0.2 s, close waits 2 s."""
+    """No long waits: claims decided after 0.2 s, close waits 2 s. Afterwards every sink's thread
+    must have ended (a hanging endpoint's once the test's server let go)."""
     monkeypatch.setattr(dispatch, "CLAIM_WAIT_S", 0.2)
     monkeypatch.setattr(dispatch, "CLOSE_WAIT_S", 2.0)
+    yield
+    for thread in threading.enumerate():
+        if thread.name.startswith("trainmon-alert"):
+            thread.join(15)
+            assert not thread.is_alive(), f"{thread.name} still runs after close"
 
 
 def alerts_of(config: dict, rank: int, root, actions=()) -> Alerts:
