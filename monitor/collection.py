@@ -19,6 +19,7 @@ import numpy as np
 from monitor.config import MonitorConfig
 from monitor.core import MonitorCore
 from monitor.errors import StructurePrinted
+from monitor.l2 import ATTENTION_PREFIX, LINEAR_OPS, LINEAR_PREFIX
 from monitor.param_rows import unreduced_rows
 from monitor.record import RowSet, SameRows, StepRecord
 from monitor.schedule import Schedule
@@ -55,6 +56,8 @@ class BaseCollection(ABC):
         self._stack_handles: list = []
         self.grads: Any = None
         self.activations: Any = None
+        #: msprobe's l2 features (attention probabilities, linear spectral norms), or None
+        self.l2: Any = None
         self.structure: Any = None
         self.stacks: Any = None
         self.collectives: Any = None
@@ -88,6 +91,9 @@ class BaseCollection(ABC):
         if self.activations is not None:
             self.activations.reset()
             self.activations.collect = collect and not {"actv", "actv_grad"} & self._failed
+        if self.l2 is not None:
+            self.l2.reset()
+            self.l2.collect = collect and ATTENTION_PREFIX not in self._failed
         if self.collectives is not None:
             self.collectives.begin_step(step, collect and "comm" not in self._failed)
 
@@ -105,7 +111,20 @@ class BaseCollection(ABC):
             self._guard("actv", self._submit_activations)
         if self._wanted("grad_unreduced", self.config.wg_distribution):
             self._guard("grad_unreduced", self._submit_unreduced)
+        if self.l2 is not None:
+            self._guard(ATTENTION_PREFIX, self._submit_l2, ATTENTION_PREFIX)
+            if LINEAR_PREFIX not in self._failed:
+                self._guard(LINEAR_PREFIX, self._submit_l2, LINEAR_PREFIX)
         return True
+
+    def _submit_l2(self, prefix: str) -> None:
+        """The step's attention rows, or the linear modules' spectral norms (measured now)."""
+        if prefix == ATTENTION_PREFIX:
+            found, ops = self.l2.take_attention(self.rank), self.l2.attention_ops
+        else:
+            found, ops = self.l2.linear_values(self.rank), LINEAR_OPS
+        if found is not None:
+            self._submit(prefix, *found, ops)
 
     @abstractmethod
     def after_update(self) -> None:
@@ -246,6 +265,8 @@ class BaseCollection(ABC):
             self.grads.collect = False
         if part in ("actv", "actv_grad") and self.activations is not None:
             self.activations.collect = False
+        if part == ATTENTION_PREFIX and self.l2 is not None:
+            self.l2.collect = False
         logger.error(
             "trainmon: %s failed and is switched off (%r); training continues", part, exc, exc_info=exc
         )
@@ -260,6 +281,8 @@ class BaseCollection(ABC):
             self.grads.collect = False
         if self.activations is not None:
             self.activations.collect = False
+        if self.l2 is not None:
+            self.l2.collect = False
         if self.collectives is not None:
             self.collectives.remove()
         self.core.close()

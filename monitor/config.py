@@ -41,6 +41,7 @@ FORMATS = ("csv", "tensorboard", "api")
 KNOWN_RULES = ("AnomalyTurbulence", "AnomalyNan", "AnomalyZScore")
 CC_KEYS = ("enable", "cc_codeline", "cc_pre_hook", "cc_log_only")
 L2_HOOK_KEYS = ("linear_hook", "attention_hook")
+L2_HEAD_CHOICES = ("first", "all", "each")
 ALERT_KEYS = ("rules", "dump", "non_finite", "sinks", "actions", "bundle")
 DEFAULT_COLLECT_TIMES = 100_000_000
 
@@ -138,6 +139,8 @@ class MonitorConfig:
     l2_targets: Mapping[str, tuple[str, ...]] = field(default_factory=lambda: MappingProxyType({}))
     recording_l2_features: bool = False
     sa_order: str = "s,b,h,d"
+    #: l2 attention features: batch 0's first head (msprobe's), all heads summarised, or each head; ours.
+    l2_heads: str = "first"
 
     def to_dict(self) -> dict[str, Any]:
         """A plain, JSON-serialisable dict of the config (for logs and dynamic rewrites)."""
@@ -263,6 +266,10 @@ def validate_config(raw: Mapping[str, Any]) -> MonitorConfig:
         if normalised not in ("s,b,h,d", "b,s,h,d"):
             raise ConfigError(f"sa_order: expected 's,b,h,d' or 'b,s,h,d', got {describe(order)}")
         values["sa_order"] = normalised
+    if "l2_heads" in raw:
+        if raw["l2_heads"] not in L2_HEAD_CHOICES:
+            raise not_one_of("l2_heads", raw["l2_heads"], L2_HEAD_CHOICES)
+        values["l2_heads"] = raw["l2_heads"]
     if values.get("shard_reduce") and values.get("module_ranks"):
         raise ConfigError(
             "shard_reduce, module_ranks: expected module_ranks empty with shard_reduce (every rank of the "

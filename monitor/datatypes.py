@@ -23,6 +23,8 @@ PREFIX_TASKS: dict[str, tuple[str, ...]] = {
     "param_origin": ("param_origin",),
     "param_updated": ("param_updated",),
     "other": ("mg_direction",),
+    "attention_hook": ("qkt",),
+    "linear_hook": ("sr",),
 }
 TASK_PREFIX: dict[str, str] = {task: prefix for prefix, tasks in PREFIX_TASKS.items() for task in tasks}
 #: data types whose rows are module inputs and outputs (named after the module).
@@ -38,6 +40,8 @@ PREFIX_ORDER: tuple[str, ...] = (
     "param_updated",
     "param_origin",
     "other",
+    "attention_hook",
+    "linear_hook",
 )
 #: data types whose rows come in backward order -> data types whose rows are in model order.
 ROW_ORDER_FROM: dict[str, tuple[str, ...]] = {
@@ -111,9 +115,19 @@ def scalar_tag_pattern(prefix: str, op: str, row: RowKey) -> str:
 
 
 def parse_scalar_tag(tag: str) -> tuple[ParsedTag, str] | None:
-    """A trainmon scalar tag ``"{tag}_{op}"`` -> (parsed tag, op); None for any other tag."""
-    base, sep, op = tag.rpartition("_")
-    if not sep or not op:
+    """A trainmon scalar tag ``"{tag}_{op}"`` -> (parsed tag, op); None for any other tag.
+
+    The op follows the longest known task (``exp_avg_sq`` before ``exp_avg``; l2 ops such as
+    ``softmax_max`` hold underscores themselves), else the last underscore."""
+    head, _, last = tag.rpartition("/")
+    task = max((t for t in TASK_PREFIX if last.startswith(f"{t}_")), key=len, default=None)
+    if task is not None:
+        base, op = f"{head}/{task}" if head else task, last[len(task) + 1 :]
+    else:
+        base, sep, op = tag.rpartition("_")
+        if not sep:
+            return None
+    if not op:
         return None
     parsed = parse_tag(base)
     return None if parsed is None else (parsed, op)

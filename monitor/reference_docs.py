@@ -72,7 +72,7 @@ MEANINGS = {
     "alert.dump": "write `anomaly_detected/rank{R}/anomaly.json` and `incidents.json`",
     "alert.non_finite": "ours: a NaN/Inf statistic is an anomaly whatever the rules",
     "alert.sinks": "ours: where each new incident is sent (webhook, command, file); [alerts.md](alerts.md)",
-    "alert.actions": 'ours: `checkpoint`, `stop`, `skip_step` on every rank at once; [alerts.md](alerts.md)',
+    "alert.actions": "ours: `checkpoint`, `stop`, `skip_step` on every rank at once; [alerts.md](alerts.md)",
     "alert.bundle": "ours: `{incidents, max_mb}`: evidence of the first incidents; [alerts.md](alerts.md)",
     "append_output": (
         '`[t0, t1]` (`"Dec03_21-34-40"`): resume into this rank\'s existing directory with a time '

@@ -18,6 +18,7 @@ import torch
 from adapters.torch.activations import Activations, select_modules
 from adapters.torch.dist import rank_in_group, world_size
 from adapters.torch.grads import unreduced_source
+from adapters.torch.l2 import L2Features
 from adapters.torch.optim import TorchBackend
 from adapters.torch.params import ParamRegistry
 from adapters.torch.shards import SHARD_COLUMNS, shard_reduce
@@ -33,9 +34,6 @@ from monitor.run_info import run_info
 from monitor.update_ratio import submit_histograms
 
 logger = logging.getLogger("trainmon")
-
-#: config switches that later versions implement; until then they are reported, not ignored silently.
-_NOT_YET = ("recording_l2_features",)
 
 
 def to_host(matrix: torch.Tensor) -> tuple[np.ndarray | None, Any]:
@@ -91,9 +89,6 @@ class Collection(BaseCollection):
         super().__init__(config, rank, first_step)
         self.backend = backend
         self.eps = config.eps
-        for key in _NOT_YET:
-            if getattr(config, key):
-                logger.warning("trainmon: %s is not supported yet by this version and is ignored", key)
         self.update_ratio = self._update_ratio_wanted()
         self.registry = ParamRegistry(chunks, config, main_grad, backend.named_parameters)
         backend.prepare([entry.param for entry in self.registry.params], self.registry.grad)
@@ -124,6 +119,9 @@ class Collection(BaseCollection):
             forward, backward = not config.backward_only, not config.forward_only
             self.activations = Activations(chunks, modules, self.ops, self.eps, forward, backward, self.fail)
             self._handles += self.activations.register()
+        if config.recording_l2_features:
+            self.l2 = L2Features(chunks, config, self.fail)
+            self._handles += self.l2.register()
         self._register_recorders(chunks, StructureRecorder, StackRecorder)
         if collectives is not None:
             collectives.on_error = self.fail

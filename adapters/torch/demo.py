@@ -29,6 +29,17 @@ class GPTConfig:
     seq: int = 32
 
 
+class CoreAttention(nn.Module):
+    """Causal attention of (batch, sequence, heads, head size) queries, keys and values: the
+    module an ``l2_targets.attention_hook`` entry names (``sa_order: "b,s,h,d"``)."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        out = nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )
+        return out.transpose(1, 2)
+
+
 class Block(nn.Module):
     """Pre-norm transformer block: causal self-attention and an MLP."""
 
@@ -37,6 +48,7 @@ class Block(nn.Module):
         self.heads = cfg.heads
         self.norm1 = nn.LayerNorm(cfg.hidden)
         self.qkv = nn.Linear(cfg.hidden, 3 * cfg.hidden)
+        self.attention = CoreAttention()
         self.proj = nn.Linear(cfg.hidden, cfg.hidden)
         self.norm2 = nn.LayerNorm(cfg.hidden)
         self.mlp = nn.Sequential(
@@ -46,9 +58,8 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, c = x.shape
         q, k, v = self.qkv(self.norm1(x)).split(c, dim=2)
-        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
-        attn = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(attn.transpose(1, 2).reshape(b, t, c))
+        q, k, v = (z.view(b, t, self.heads, c // self.heads) for z in (q, k, v))
+        x = x + self.proj(self.attention(q, k, v).reshape(b, t, c))
         return x + self.mlp(self.norm2(x))
 
 

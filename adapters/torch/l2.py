@@ -1,0 +1,223 @@
+"""msprobe's l2 features on torch: attention probabilities and linear spectral norms (see
+``monitor.l2`` for what they are and how they differ from msprobe's).
+
+Attention: a forward hook on each listed module computes, on the module's device in float32, the
+causal softmax of Q K^T / sqrt(d) of batch 0 (head 0, every head, or each head) and keeps two or
+four numbers per call; nothing is copied to the host until the step is written. Linear: at the
+optimizer step, a few Lanczos steps per weight, started from the top singular vector of the last
+collected step.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from adapters.torch.compiled import eager
+from monitor.config import MonitorConfig
+from monitor.l2 import ATTENTION_TASK, LINEAR_TASK, attention_ops, select_l2_modules
+from monitor.record import RowSet
+
+#: Lanczos steps from a random start, and per collected step from the last step's vector.
+FIRST_ITERATIONS, WARM_ITERATIONS = 32, 16
+
+
+def is_linear(module: torch.nn.Module) -> bool:
+    """A module with a 2-D ``weight`` (or ``wg``) tensor that is not an embedding table."""
+    if isinstance(module, torch.nn.Embedding) or hasattr(module, "num_embeddings"):
+        return False
+    if hasattr(module, "vocab_start_index"):
+        return False
+    weight = getattr(module, "weight", None)
+    weight = weight if isinstance(weight, torch.Tensor) else getattr(module, "wg", None)
+    return isinstance(weight, torch.Tensor) and weight.dim() == 2
+
+
+def attention_scores(q: torch.Tensor, k: torch.Tensor, order: str, heads: str) -> torch.Tensor:
+    """Per head of batch 0: ``[softmax_max, entropy]`` of the causal attention probabilities;
+    shape (heads, 2) with 1 head for ``first``."""
+    if order == "s,b,h,d":
+        q, k = q[:, 0], k[:, 0]  # (s, h, d)
+    else:
+        q, k = q[0], k[0]
+    if heads == "first":
+        q, k = q[:, :1], k[:, :1]
+    q, k = q.transpose(0, 1).float(), k.transpose(0, 1).float()  # (h, s, d)
+    scores = torch.matmul(q, k.transpose(1, 2)) / math.sqrt(q.shape[-1])  # (h, s, s)
+    causal = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).tril()
+    scores = scores.masked_fill(~causal, float("-inf"))
+    p = torch.softmax(scores, dim=-1)
+    softmax_max = p.amax(dim=-1).mean(dim=-1)
+    entropy = -(p * torch.log(p.clamp_min(torch.finfo(p.dtype).tiny))).sum(dim=-1).mean(dim=-1)
+    return torch.stack([softmax_max, entropy], dim=1)
+
+
+def summarise(per_head: torch.Tensor, heads: str) -> torch.Tensor:
+    """The rows written for one call: one row (first, all) or one per head (each)."""
+    if heads == "all":
+        mean = per_head.mean(dim=0)
+        return torch.stack([mean[0], mean[1], per_head[:, 0].max(), per_head[:, 1].min()]).unsqueeze(0)
+    return per_head
+
+
+def lanczos_top(
+    apply: Callable[[torch.Tensor], torch.Tensor], start: torch.Tensor, steps: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The largest eigenvalue of a symmetric positive semi-definite operator and its Ritz vector,
+    after ``steps`` Lanczos steps with full reorthogonalisation; all on the device, no host sync.
+
+    Lanczos converges on the top eigenvalue far faster than power iteration when the largest
+    eigenvalues lie close together (as the singular values of trained weights often do).
+    """
+    basis = torch.zeros(steps, start.shape[0], device=start.device, dtype=start.dtype)
+    alpha = torch.zeros(steps, device=start.device, dtype=start.dtype)
+    beta = torch.zeros(steps, device=start.device, dtype=start.dtype)
+    q = start / torch.linalg.vector_norm(start).clamp_min(1e-30)
+    for j in range(steps):
+        basis[j] = q
+        w = apply(q)
+        alpha[j] = torch.dot(q, w)
+        w = w - basis[: j + 1].T @ (basis[: j + 1] @ w)  # against every earlier vector, twice
+        w = w - basis[: j + 1].T @ (basis[: j + 1] @ w)
+        beta[j] = torch.linalg.vector_norm(w)
+        q = w / beta[j].clamp_min(1e-30)
+    tridiagonal = torch.diag(alpha) + torch.diag(beta[:-1], 1) + torch.diag(beta[:-1], -1)
+    values, vectors = torch.linalg.eigh(tridiagonal)
+    return values[-1], basis.T @ vectors[:, -1]
+
+
+class L2Features:
+    """The hooks and per-step values of the l2 features of one collection."""
+
+    def __init__(
+        self,
+        chunks: Sequence[torch.nn.Module],
+        config: MonitorConfig,
+        on_error: Callable[[str, BaseException], None],
+    ) -> None:
+        named = [
+            (vpp, raw, module) for vpp, chunk in enumerate(chunks) for raw, module in chunk.named_modules()
+        ]
+        self.attention, self.linear = select_l2_modules(named, config, is_linear)
+        self.chunks = list(chunks)
+        self.order, self.heads = config.sa_order, config.l2_heads
+        self.attention_ops = attention_ops(self.heads)
+        self.on_error = on_error
+        self.collect = False
+        self._micro = [-1] * len(self.chunks)
+        self._rows: list[tuple[int, str, int]] = []
+        self._values: list[torch.Tensor] = []
+        #: per linear module: the right singular vector estimate carried across steps
+        self._vectors: dict[int, torch.Tensor] = {}
+
+    def register(self) -> list:
+        if not self.attention:
+            return []
+        handles = [
+            chunk.register_forward_pre_hook(self._counter(vpp), prepend=True)
+            for vpp, chunk in enumerate(self.chunks)
+        ]
+        for index, (_, _, module) in enumerate(self.attention):
+            handles.append(module.register_forward_hook(self._hook(index)))
+        return handles
+
+    def _counter(self, vpp: int) -> Callable:
+        def count() -> None:
+            if torch._C._current_graph_task_id() == -1:  # not a checkpoint's recompute
+                self._micro[vpp] += 1
+
+        counted = eager(count)
+
+        def hook(module: torch.nn.Module, args: Any) -> None:
+            if self.collect and module.training:
+                counted()
+
+        return hook
+
+    def _hook(self, index: int) -> Callable:
+        measure = eager(functools.partial(self._measure, index))
+
+        def hook(module: torch.nn.Module, args: tuple, output: Any) -> None:
+            if self.collect and module.training and torch._C._current_graph_task_id() == -1:
+                measure(args)
+
+        return hook
+
+    def _measure(self, index: int, args: tuple) -> None:
+        try:
+            tensors = [a for a in args if isinstance(a, torch.Tensor)][:2]
+            if len(tensors) < 2 or any(t.dim() != 4 for t in tensors):
+                return
+            vpp, name, _ = self.attention[index]
+            with torch.no_grad():
+                rows = summarise(
+                    attention_scores(tensors[0].detach(), tensors[1].detach(), self.order, self.heads),
+                    self.heads,
+                )
+            micro = max(self._micro[vpp], 0)
+            if self.heads == "each":
+                self._rows += [(vpp, f"{name}.attention.head{h}", micro) for h in range(rows.shape[0])]
+            else:
+                self._rows.append((vpp, f"{name}.attention", micro))
+            self._values.append(rows)
+        except Exception as exc:
+            self.collect = False
+            self.on_error("attention_hook", exc)
+
+    def take_attention(self, rank: int) -> tuple[RowSet, torch.Tensor] | None:
+        """This step's attention rows and values; None without any. Resets the step."""
+        rows, values = self._rows, self._values
+        self.reset()
+        if not rows:
+            return None
+        vpp, names, micro = zip(*rows)
+        return RowSet.build(vpp, names, rank, ATTENTION_TASK, micro), torch.cat(values).float()
+
+    def linear_values(self, rank: int) -> tuple[RowSet, torch.Tensor] | None:
+        """``[kernel_norm, sr]`` of every linear module's weight now; None without any."""
+        if not self.linear:
+            return None
+        values = []
+        with torch.no_grad():
+            for index, (_, _, module) in enumerate(self.linear):
+                weight = getattr(module, "weight", None)
+                weight = weight if isinstance(weight, torch.Tensor) else module.wg
+                if hasattr(weight, "to_local"):
+                    weight = weight.to_local()
+                sigma = self._spectral_norm(index, weight.detach().float())
+                values.append(torch.stack([sigma, torch.linalg.vector_norm(weight.float()) / sigma]))
+        rows = RowSet.build(
+            [vpp for vpp, _, _ in self.linear],
+            [f"{name}.linear" for _, name, _ in self.linear],
+            rank,
+            LINEAR_TASK,
+        )
+        return rows, torch.stack(values)
+
+    def _spectral_norm(self, index: int, weight: torch.Tensor) -> torch.Tensor:
+        """The largest singular value: Lanczos on the Gram matrix of the weight's smaller side,
+        started from the last step's top Ritz vector (a random one the first time)."""
+        tall = weight.shape[0] >= weight.shape[1]
+        size = weight.shape[1] if tall else weight.shape[0]
+
+        def gram(v: torch.Tensor) -> torch.Tensor:
+            return weight.T @ (weight @ v) if tall else weight @ (weight.T @ v)
+
+        start = self._vectors.get(index)
+        steps = WARM_ITERATIONS
+        if start is None or start.shape[0] != size or start.device != weight.device:
+            generator = torch.Generator(device=weight.device).manual_seed(index)
+            start = torch.randn(size, generator=generator, device=weight.device)
+            steps = FIRST_ITERATIONS
+        theta, vector = lanczos_top(gram, start, min(steps, size))
+        # a NaN weight gives NaN now, not a NaN start for every later step
+        self._vectors[index] = torch.nan_to_num(vector, nan=1.0, posinf=1.0, neginf=-1.0)
+        return theta.clamp_min(0).sqrt()
+
+    def reset(self) -> None:
+        self._micro = [-1] * len(self.chunks)
+        self._rows, self._values = [], []

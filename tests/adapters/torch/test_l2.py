@@ -1,0 +1,227 @@
+"""msprobe's l2 features against numpy: attention softmax_max / entropy and linear spectral norms.
+
+A small GPT-like model (the demo's blocks, whose core attention takes (batch, seq, heads, dim)
+tensors) trains with gradient accumulation 2, its block optionally under activation
+checkpointing. The test copies Q and K at every forward call of the attention module (not in the
+recomputation, not in eval mode) and every linear weight before each optimizer step, and
+recomputes everything with numpy (softmax, entropy, numpy.linalg.svd).
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from adapters.torch.demo import Block, GPTConfig
+from monitor import TrainerMon
+
+CFG = GPTConfig(vocab=40, hidden=24, heads=3, layers=1, seq=7)
+STEPS, MICRO = 5, 2
+
+
+class Net(nn.Module):
+    def __init__(self, checkpointed: bool) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(CFG.vocab, CFG.hidden)
+        self.block = Block(CFG)
+        self.head = nn.Linear(CFG.hidden, CFG.vocab)
+        self.checkpointed = checkpointed
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embedding(tokens)
+        x = checkpoint(self.block, x, use_reentrant=False) if self.checkpointed else self.block(x)
+        return self.head(x)
+
+
+def expected_attention(q: np.ndarray, k: np.ndarray) -> np.ndarray:
+    """Per head of batch 0: [softmax_max, entropy] of the causal softmax, in float64."""
+    q, k = q[0].transpose(1, 0, 2).astype(np.float64), k[0].transpose(1, 0, 2).astype(np.float64)  # (h, s, d)
+    scores = q @ k.transpose(0, 2, 1) / np.sqrt(q.shape[-1])
+    seq = scores.shape[-1]
+    scores = np.where(np.tril(np.ones((seq, seq), bool)), scores, -np.inf)
+    p = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    p /= p.sum(axis=-1, keepdims=True)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        plogp = np.where(p > 0, p * np.log(p), 0.0)
+    return np.stack([p.max(axis=-1).mean(axis=-1), -plogp.sum(axis=-1).mean(axis=-1)], axis=1)
+
+
+def _rows(directory: str, prefix: str) -> pd.DataFrame:
+    return pd.concat(
+        pd.read_csv(path) for path in sorted(glob.glob(os.path.join(directory, f"{prefix}_*.csv")))
+    )
+
+
+def _train(
+    tmp_path,
+    heads: str,
+    checkpointed: bool,
+    linear: list[str] | None = None,
+    fmt: str = "csv",
+    poison_step: int | None = None,
+):
+    torch.manual_seed(0)
+    model = Net(checkpointed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+    config = {
+        "recording_l2_features": True,
+        "l2_targets": {"attention_hook": ["block.attention"], "linear_hook": linear or []},
+        "sa_order": "b,s,h,d",
+        "l2_heads": heads,
+        "format": fmt,
+    }
+    mon = TrainerMon(config).set_monitor(model, MICRO, optimizer)
+    seen = {"forward": False, "qk": [], "weights": []}
+
+    def copy_qk(module, args):
+        if seen["forward"] and module.training:
+            seen["qk"].append((args[0].detach().numpy().copy(), args[1].detach().numpy().copy()))
+        if poison_step is not None and len(seen["weights"]) == poison_step and module.training:
+            k = args[1].clone()
+            k[0, 0, 0, 0] = float("nan")  # batch 0, head 0: the rows msprobe's layout reads
+            return (args[0], k, *args[2:])
+        return None
+
+    model.block.attention.register_forward_pre_hook(copy_qk)
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(STEPS):
+        for _ in range(MICRO):
+            tokens = torch.randint(0, CFG.vocab, (2, CFG.seq), generator=generator)
+            seen["forward"] = True
+            loss = model(tokens).pow(2).mean()
+            seen["forward"] = False
+            loss.backward()  # a checkpointed block runs its forward again here: not copied
+        model.eval()
+        with torch.no_grad():
+            model(tokens)  # an evaluation forward in between: no rows
+        model.train()
+        seen["weights"].append(
+            {
+                n: m.weight.detach().numpy().copy()
+                for n, m in model.named_modules()
+                if isinstance(m, nn.Linear)
+            }
+        )
+        optimizer.step()
+        optimizer.zero_grad()
+    mon.stop()
+    seen["incidents"] = mon.incidents
+    return mon.output_dir, seen
+
+
+@pytest.mark.parametrize("checkpointed", [False, True])
+@pytest.mark.parametrize("heads", ["first", "all", "each"])
+def test_attention_rows_equal_numpy_on_every_micro_step(tmp_path, monkeypatch, heads, checkpointed):
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path))
+    directory, seen = _train(tmp_path, heads, checkpointed)
+    frame = _rows(directory, "attention_hook")
+    assert len(seen["qk"]) == STEPS * MICRO
+    got = frame.sort_values(["step", "micro_step", "name"])
+    expected_rows = []
+    for call, (q, k) in enumerate(seen["qk"]):
+        step, micro = divmod(call, MICRO)
+        per_head = expected_attention(q, k)
+        if heads == "first":
+            expected_rows.append((step, micro, "block.attention.attention", *per_head[0]))
+        elif heads == "all":
+            mean = per_head.mean(axis=0)
+            expected_rows.append(
+                (step, micro, "block.attention.attention", *mean, per_head[:, 0].max(), per_head[:, 1].min())
+            )
+        else:
+            expected_rows += [
+                (step, micro, f"block.attention.attention.head{h}", *per_head[h]) for h in range(CFG.heads)
+            ]
+    columns = ["softmax_max", "entropy"] + (["softmax_max_top", "entropy_low"] if heads == "all" else [])
+    assert list(frame.columns) == ["vpp_stage", "name", "step", "micro_step", *columns]
+    expected = pd.DataFrame(expected_rows, columns=["step", "micro_step", "name", *columns])
+    expected = expected.sort_values(["step", "micro_step", "name"])
+    assert (
+        got[["step", "micro_step", "name"]].values.tolist()
+        == expected[["step", "micro_step", "name"]].values.tolist()
+    )
+    np.testing.assert_allclose(
+        got[columns].to_numpy(float), expected[columns].to_numpy(float), rtol=1e-4, atol=1e-6
+    )
+
+
+def test_linear_spectral_norm_and_stable_rank_within_one_percent_of_svd(tmp_path, monkeypatch):
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path))
+    directory, seen = _train(tmp_path, "first", False)
+    frame = _rows(directory, "linear_hook")
+    linear = sorted(seen["weights"][0])
+    assert sorted(frame["name"].unique()) == sorted(
+        f"{n}.linear" for n in linear
+    )  # every Linear, no embedding
+    assert "micro_step" not in frame.columns
+    for step, weights in enumerate(seen["weights"]):
+        for name, weight in weights.items():
+            row = frame[(frame["step"] == step) & (frame["name"] == f"{name}.linear")].iloc[0]
+            sigma = np.linalg.svd(weight.astype(np.float64), compute_uv=False)[0]
+            assert row["kernel_norm"] == pytest.approx(sigma, rel=0.01), (step, name)
+            assert row["sr"] == pytest.approx(np.linalg.norm(weight) / sigma, rel=0.01), (step, name)
+
+
+def test_listed_linear_modules_only_and_nothing_without_the_switch(tmp_path, monkeypatch):
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path))
+    directory, _ = _train(tmp_path, "first", False, linear=["head", "block.qkv"])
+    assert sorted(_rows(directory, "linear_hook")["name"].unique()) == ["block.qkv.linear", "head.linear"]
+    model = Net(False)
+    mon = TrainerMon({"l2_targets": {"linear_hook": []}, "format": "csv"}).set_monitor(
+        model, 1, torch.optim.SGD(model.parameters(), lr=0.1)
+    )
+    model(torch.zeros(1, 3, dtype=torch.long)).sum().backward()
+    mon.stop()
+    assert not glob.glob(os.path.join(mon.output_dir, "*_hook_*.csv"))
+
+
+@pytest.mark.parametrize("shape", [(96, 288), (288, 96), (256, 256)])
+def test_spectral_norm_stays_within_one_percent_while_a_random_weight_moves(shape):
+    """Gaussian matrices, whose largest singular values crowd together (the hard case for power
+    iteration), moved by 30% of their scale at every step, warm-started as in training."""
+    from adapters.torch.l2 import FIRST_ITERATIONS, WARM_ITERATIONS, lanczos_top
+
+    generator = torch.Generator().manual_seed(7)
+    weight = torch.randn(*shape, generator=generator)
+    size = min(shape)
+    vector = torch.randn(size, generator=generator)
+    for step in range(12):
+        weight = weight + 0.3 * torch.randn(*shape, generator=generator)
+        tall = shape[0] >= shape[1]
+
+        def gram(v, w=weight, tall=tall):
+            return w.T @ (w @ v) if tall else w @ (w.T @ v)
+
+        theta, vector = lanczos_top(gram, vector, min(WARM_ITERATIONS if step else FIRST_ITERATIONS, size))
+        exact = np.linalg.svd(weight.double().numpy(), compute_uv=False)[0]
+        assert theta.sqrt().item() == pytest.approx(exact, rel=0.01), step
+
+
+@pytest.mark.parametrize("fmt", ["csv", "tensorboard"])
+def test_the_dashboard_shows_both_features(tmp_path, monkeypatch, fmt):
+    from tests.dashboards.conftest import Api
+
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path))
+    _, seen = _train(tmp_path, "first", False, fmt=fmt)
+    api = Api(tmp_path)
+    (run,) = api.runs().values()
+    assert set(run["prefixes"]["attention_hook"]["ops"]) == {"softmax_max", "entropy"}
+    assert set(run["prefixes"]["linear_hook"]["ops"]) == {"kernel_norm", "sr"}
+    view = api.heatmap(run=run["id"], prefix="attention_hook", op="entropy", rank=0)
+    assert view["rows"] == ["block.attention.attention:0", "block.attention.attention:1"]
+    q, k = seen["qk"][-1]  # the last step's second micro-batch
+    assert view["values"][1, -1] == pytest.approx(expected_attention(q, k)[0, 1], rel=1e-4)
+
+
+def test_a_nan_in_the_attention_inputs_is_an_incident_rooted_there(tmp_path, monkeypatch):
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path))
+    _, seen = _train(tmp_path, "first", False, poison_step=3)
+    first = seen["incidents"][0]
+    assert first.onset_step == 3 and first.root["tag_name"] == "0:block.attention.attention:0/rank0/qkt"
