@@ -55,6 +55,12 @@ if str(ROOT) not in sys.path:
 from blocks import EVERYTHING_WITH_ALERTS, attached_among_detached, collected_among_idle  # noqa: E402
 
 OPS = ["min", "max", "norm", "zeros", "nans", "mean"]
+#: msprobe's l2 features on every attention block (up to the large model's 6) and every linear layer
+L2 = {
+    "recording_l2_features": True,
+    "l2_targets": {"attention_hook": [f"layers.{i}.attention" for i in range(6)], "linear_hook": []},
+    "sa_order": "b,s,h,d",
+}
 #: name -> (config keys on top of {"targets": {}, "ops": OPS}, ranks)
 SCENARIOS: dict[str, tuple[dict, int]] = {
     "idle": ({}, 1),  # attached, nothing selected: the method's noise floor and the optimizer hooks
@@ -69,6 +75,8 @@ SCENARIOS: dict[str, tuple[dict, int]] = {
     "xy-tb": ({"xy_distribution": True, "all_xy": True, "format": "tensorboard"}, 1),
     "all-tb": ({**EVERYTHING_WITH_ALERTS, "format": "tensorboard"}, 1),
     "all-interval100": ({**EVERYTHING_WITH_ALERTS, "step_interval": 100}, 1),
+    "l2": (L2, 1),
+    "all-l2": ({**EVERYTHING_WITH_ALERTS, **L2}, 1),
     "cc": ({"cc_distribution": {"enable": True}}, 2),
 }
 #: msprobe 1.2.2's step-time ratios, measured on this machine with the 6.9M model.
@@ -81,6 +89,7 @@ REFERENCE_SMALL = {"all-tb": 15.0}
 TARGETS = {
     "wg": 1.03, "mv": 1.02, "param": 1.02, "xy": 1.35, "all-csv": 1.50,
     "wg-tb": 1.03, "mv-tb": 1.02, "param-tb": 1.02, "xy-tb": 1.35, "all-tb": 1.50, "all-interval100": 1.01,
+    "all-l2": 1.50,
 }  # fmt: skip
 #: peak-memory growth targets, as a fraction of the unmonitored peak.
 RSS_TARGETS = {"xy": 0.10, "xy-tb": 0.10}

@@ -104,11 +104,13 @@ MEANINGS = {
     "cc_distribution.cc_codeline": "only the call sites whose stack matches one of these patterns",
     "cc_distribution.cc_pre_hook": "also the inputs before each call",
     "cc_distribution.cc_log_only": "log each distinct collective once and stop at the first optimizer step",
-    "l2_targets": "msprobe's l2 features: validated; not recorded by this version yet (a warning says so)",
-    "recording_l2_features": (
-        "msprobe's l2 features: validated; not recorded by this version yet (a warning says so)"
+    "l2_targets": (
+        "msprobe's l2 features: `attention_hook` and `linear_hook` module lists (empty linear list: "
+        "every linear layer), see [configuration.md](configuration.md#l2-features)"
     ),
-    "sa_order": "msprobe's l2 features (attention layout): validated; not used by this version yet",
+    "recording_l2_features": "msprobe's l2 features: attention entropy and softmax max, linear spectral norm",
+    "sa_order": 'layout of the attention module\'s Q and K: `"s,b,h,d"` or `"b,s,h,d"`',
+    "l2_heads": 'ours: attention heads of batch 0: `"first"` (msprobe\'s), `"all"` summarised, `"each"`',
 }
 
 #: columns of the generated help text

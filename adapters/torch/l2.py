@@ -11,6 +11,7 @@ collected step.
 from __future__ import annotations
 
 import functools
+import logging
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -22,8 +23,10 @@ from monitor.config import MonitorConfig
 from monitor.l2 import ATTENTION_TASK, LINEAR_TASK, attention_ops, select_l2_modules
 from monitor.record import RowSet
 
+logger = logging.getLogger("trainmon")
+
 #: Lanczos steps from a random start, and per collected step from the last step's vector.
-FIRST_ITERATIONS, WARM_ITERATIONS = 32, 16
+FIRST_ITERATIONS, WARM_ITERATIONS = 32, 6
 
 
 def is_linear(module: torch.nn.Module) -> bool:
@@ -35,6 +38,22 @@ def is_linear(module: torch.nn.Module) -> bool:
     weight = getattr(module, "weight", None)
     weight = weight if isinstance(weight, torch.Tensor) else getattr(module, "wg", None)
     return isinstance(weight, torch.Tensor) and weight.dim() == 2
+
+
+def linear_weight(module: torch.nn.Module) -> torch.Tensor:
+    weight = getattr(module, "weight", None)
+    return weight if isinstance(weight, torch.Tensor) else module.wg
+
+
+def sharded(weight: torch.Tensor) -> bool:
+    """A weight this rank holds only a piece of: a DTensor (FSDP2, tensor parallelism), an empty
+    ZeRO-3 partition, or a Megatron tensor-parallel shard. A piece's singular values are not the
+    weight's, so such weights are not measured."""
+    return (
+        hasattr(weight, "to_local")
+        or weight.numel() == 0
+        or bool(getattr(weight, "tensor_model_parallel", False))
+    )
 
 
 def attention_scores(q: torch.Tensor, k: torch.Tensor, order: str, heads: str) -> torch.Tensor:
@@ -102,7 +121,16 @@ class L2Features:
         named = [
             (vpp, raw, module) for vpp, chunk in enumerate(chunks) for raw, module in chunk.named_modules()
         ]
-        self.attention, self.linear = select_l2_modules(named, config, is_linear)
+        self.attention, linear = select_l2_modules(named, config, is_linear)
+        self.linear = [entry for entry in linear if not sharded(linear_weight(entry[2]))]
+        if len(self.linear) < len(linear):
+            logger.warning(
+                "trainmon: linear_hook: %d of %d linear weights are sharded across ranks (FSDP, "
+                "ZeRO-3, tensor parallelism) and are not measured: a piece's spectral norm is not the "
+                "weight's",
+                len(linear) - len(self.linear),
+                len(linear),
+            )
         self.chunks = list(chunks)
         self.order, self.heads = config.sa_order, config.l2_heads
         self.attention_ops = attention_ops(self.heads)
@@ -184,10 +212,7 @@ class L2Features:
         values = []
         with torch.no_grad():
             for index, (_, _, module) in enumerate(self.linear):
-                weight = getattr(module, "weight", None)
-                weight = weight if isinstance(weight, torch.Tensor) else module.wg
-                if hasattr(weight, "to_local"):
-                    weight = weight.to_local()
+                weight = linear_weight(module)
                 sigma = self._spectral_norm(index, weight.detach().float())
                 values.append(torch.stack([sigma, torch.linalg.vector_norm(weight.float()) / sigma]))
         rows = RowSet.build(
