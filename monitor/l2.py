@@ -32,12 +32,16 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
+
 from monitor.config import MonitorConfig
 from monitor.naming import distinct_names, is_selected_exactly, name_candidates, squash_name
 
 ATTENTION_PREFIX, ATTENTION_TASK = "attention_hook", "qkt"
 LINEAR_PREFIX, LINEAR_TASK = "linear_hook", "sr"
 LINEAR_OPS = ("kernel_norm", "sr")
+#: Lanczos steps from a random start, and per collected step from the last step's vector.
+FIRST_ITERATIONS, WARM_ITERATIONS = 32, 6
 
 
 def attention_ops(heads: str) -> tuple[str, ...]:
@@ -76,3 +80,44 @@ def select_l2_modules(
 def _named(found: list[tuple[int, str, Any]], squash: bool) -> list[tuple[int, str, Any]]:
     names = distinct_names([(vpp, raw) for vpp, raw, _ in found], squash)
     return [(vpp, name, module) for (vpp, _, module), name in zip(found, names)]
+
+
+def attention_rows(q: np.ndarray, k: np.ndarray, heads: str) -> np.ndarray:
+    """The rows of one attention call on the host (adapters without device kernels for it):
+    ``q``, ``k`` are batch 0's (sequence, heads, head size) arrays; see ``attention_ops``."""
+    q = np.asarray(q, dtype=np.float32).transpose(1, 0, 2)  # (h, s, d)
+    k = np.asarray(k, dtype=np.float32).transpose(1, 0, 2)
+    if heads == "first":
+        q, k = q[:1], k[:1]
+    scores = q @ k.transpose(0, 2, 1) / np.float32(np.sqrt(q.shape[-1]))
+    seq = scores.shape[-1]
+    scores = np.where(np.tril(np.ones((seq, seq), dtype=bool)), scores, -np.inf)
+    p = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    p /= p.sum(axis=-1, keepdims=True)
+    entropy = -(p * np.log(np.maximum(p, np.finfo(np.float32).tiny))).sum(axis=-1).mean(axis=-1)
+    per_head = np.stack([p.max(axis=-1).mean(axis=-1), entropy], axis=1)
+    if heads == "all":
+        mean = per_head.mean(axis=0)
+        return np.array([[mean[0], mean[1], per_head[:, 0].max(), per_head[:, 1].min()]])
+    return per_head
+
+
+def lanczos_top(
+    apply: Callable[[np.ndarray], np.ndarray], start: np.ndarray, steps: int
+) -> tuple[float, np.ndarray]:
+    """The largest eigenvalue of a symmetric positive semi-definite operator and its Ritz vector
+    after ``steps`` Lanczos steps with full reorthogonalisation, on the host. The torch adapter
+    runs the same algorithm on the device (``adapters.torch.l2.lanczos_top``)."""
+    basis = np.zeros((steps, start.shape[0]))
+    alpha, beta = np.zeros(steps), np.zeros(steps)
+    q = start / max(float(np.linalg.norm(start)), 1e-300)
+    for j in range(steps):
+        basis[j] = q
+        w = apply(q)
+        alpha[j] = q @ w
+        w = w - basis[: j + 1].T @ (basis[: j + 1] @ w)
+        w = w - basis[: j + 1].T @ (basis[: j + 1] @ w)
+        beta[j] = np.linalg.norm(w)
+        q = w / max(beta[j], 1e-300)
+    values, vectors = np.linalg.eigh(np.diag(alpha) + np.diag(beta[:-1], 1) + np.diag(beta[:-1], -1))
+    return float(values[-1]), basis.T @ vectors[:, -1]

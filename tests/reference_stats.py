@@ -118,3 +118,17 @@ def read_histograms(output_dir: str) -> dict[tuple[str, int], tuple[np.ndarray, 
         for event in events.Histograms(tag):
             found[(tag, event.step)] = (np.asarray(event.histogram_value.bucket), nans.get(event.step, 0))
     return found
+
+
+def expected_attention(q: np.ndarray, k: np.ndarray) -> np.ndarray:
+    """l2 attention features: per head of batch 0 of (batch, seq, heads, dim) Q and K, [softmax_max,
+    entropy] of the causal softmax of QK^T / sqrt(d), in float64."""
+    q, k = q[0].transpose(1, 0, 2).astype(np.float64), k[0].transpose(1, 0, 2).astype(np.float64)  # (h, s, d)
+    scores = q @ k.transpose(0, 2, 1) / np.sqrt(q.shape[-1])
+    seq = scores.shape[-1]
+    scores = np.where(np.tril(np.ones((seq, seq), bool)), scores, -np.inf)
+    p = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    p /= p.sum(axis=-1, keepdims=True)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        plogp = np.where(p > 0, p * np.log(p), 0.0)
+    return np.stack([p.max(axis=-1).mean(axis=-1), -plogp.sum(axis=-1).mean(axis=-1)], axis=1)

@@ -37,6 +37,7 @@ from adapters.mindspore.activations import Activations, select_cells
 from adapters.mindspore.collectives import CollectiveMonitor
 from adapters.mindspore.dist import rank_in_group, world_size
 from adapters.mindspore.grads import UnreducedGrads
+from adapters.mindspore.l2 import L2Features
 from adapters.mindspore.optim import OptimizerView
 from adapters.mindspore.params import ParamRegistry
 from adapters.mindspore.stats import StatEngine
@@ -52,7 +53,6 @@ from monitor.update_ratio import adam_histograms, submit_histograms
 logger = logging.getLogger("trainmon")
 
 #: config switches the MindSpore adapter does not implement yet; reported, not ignored silently.
-NOT_YET = ("recording_l2_features",)
 #: config switches whose data only hooks can see (PyNative mode).
 NEEDS_HOOKS = ("wg_distribution", "xy_distribution", "mg_direction", "print_struct", "stack_info")
 
@@ -97,11 +97,6 @@ class Collection(BaseCollection):
         #: graph mode: (step, statistics of the parameters before that step's update)
         self._origin: tuple[int, Any] | None = None
         self.engine = StatEngine(config.ops, config.eps)
-        for key in NOT_YET:
-            if getattr(config, key):
-                logger.warning(
-                    "trainmon: %s is not supported yet by the MindSpore adapter and is ignored", key
-                )
         if config.mv_distribution and view.moment_problem:
             logger.warning("trainmon: mv_distribution: %s; no exp_avg/exp_avg_sq rows", view.moment_problem)
         self.update_ratio = self._update_ratio_wanted()
@@ -130,6 +125,9 @@ class Collection(BaseCollection):
             cells = select_cells(chunks, config)
             self.activations = Activations(chunks, cells, self.engine, forward, backward, self.fail)
             self._handles += self.activations.register()
+        if config.recording_l2_features:
+            self.l2 = L2Features(chunks, config, self.fail)
+            self._handles += self.l2.register()
         self._register_recorders(chunks, StructureRecorder, StackRecorder)
         if config.cc_distribution.enable:
             self.collectives = CollectiveMonitor(config, self.fail)

@@ -20,13 +20,17 @@ import torch
 
 from adapters.torch.compiled import eager
 from monitor.config import MonitorConfig
-from monitor.l2 import ATTENTION_TASK, LINEAR_TASK, attention_ops, select_l2_modules
+from monitor.l2 import (
+    ATTENTION_TASK,
+    FIRST_ITERATIONS,
+    LINEAR_TASK,
+    WARM_ITERATIONS,
+    attention_ops,
+    select_l2_modules,
+)
 from monitor.record import RowSet
 
 logger = logging.getLogger("trainmon")
-
-#: Lanczos steps from a random start, and per collected step from the last step's vector.
-FIRST_ITERATIONS, WARM_ITERATIONS = 32, 6
 
 
 def is_linear(module: torch.nn.Module) -> bool:

@@ -21,6 +21,7 @@ from torch.utils.checkpoint import checkpoint
 
 from adapters.torch.demo import Block, GPTConfig
 from monitor import TrainerMon
+from tests.reference_stats import expected_attention
 
 CFG = GPTConfig(vocab=40, hidden=24, heads=3, layers=1, seq=7)
 STEPS, MICRO = 5, 2
@@ -38,19 +39,6 @@ class Net(nn.Module):
         x = self.embedding(tokens)
         x = checkpoint(self.block, x, use_reentrant=False) if self.checkpointed else self.block(x)
         return self.head(x)
-
-
-def expected_attention(q: np.ndarray, k: np.ndarray) -> np.ndarray:
-    """Per head of batch 0: [softmax_max, entropy] of the causal softmax, in float64."""
-    q, k = q[0].transpose(1, 0, 2).astype(np.float64), k[0].transpose(1, 0, 2).astype(np.float64)  # (h, s, d)
-    scores = q @ k.transpose(0, 2, 1) / np.sqrt(q.shape[-1])
-    seq = scores.shape[-1]
-    scores = np.where(np.tril(np.ones((seq, seq), bool)), scores, -np.inf)
-    p = np.exp(scores - scores.max(axis=-1, keepdims=True))
-    p /= p.sum(axis=-1, keepdims=True)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        plogp = np.where(p > 0, p * np.log(p), 0.0)
-    return np.stack([p.max(axis=-1).mean(axis=-1), -plogp.sum(axis=-1).mean(axis=-1)], axis=1)
 
 
 def _rows(directory: str, prefix: str) -> pd.DataFrame:
@@ -187,7 +175,8 @@ def test_spectral_norm_stays_within_one_percent_while_a_random_weight_moves(shap
     """Gaussian matrices, whose largest singular values crowd together (the hard case for power
     iteration), moved by 5% of their scale between collected steps (training moves weights far
     less), warm-started as in training."""
-    from adapters.torch.l2 import FIRST_ITERATIONS, WARM_ITERATIONS, lanczos_top
+    from adapters.torch.l2 import lanczos_top
+    from monitor.l2 import FIRST_ITERATIONS, WARM_ITERATIONS
 
     generator = torch.Generator().manual_seed(7)
     weight = torch.randn(*shape, generator=generator)

@@ -1,0 +1,171 @@
+"""msprobe's l2 features on MindSpore (see ``monitor.l2``): attention probabilities and linear
+spectral norms, with the torch adapter's names and values.
+
+msprobe's MindSpore monitor writes the attention metric as ``softmax`` and the spectral norm
+under another name than its PyTorch monitor; here both frameworks write ``softmax_max``,
+``entropy``, ``kernel_norm`` and ``sr``, so runs compare. PyNative runs each operation
+separately, so the work is done on the host with numpy on small copies: batch 0's Q and K of
+each attention call, and each linear weight once per collected step (Lanczos from the last
+step's top singular vector, as on torch).
+
+A call is recorded as the activations are: inside a call of its chunk's root Cell, in training
+mode or under ``value_and_grad`` (which leaves out MindSpore's recompute pass).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import mindspore as ms
+import numpy as np
+
+from adapters.mindspore.activations import is_training_call
+from monitor.config import MonitorConfig
+from monitor.l2 import (
+    ATTENTION_TASK,
+    FIRST_ITERATIONS,
+    LINEAR_TASK,
+    WARM_ITERATIONS,
+    attention_ops,
+    attention_rows,
+    lanczos_top,
+    select_l2_modules,
+)
+from monitor.record import RowSet
+
+logger = logging.getLogger("trainmon")
+
+
+def is_linear(cell: ms.nn.Cell) -> bool:
+    """A Cell with a 2-D ``weight`` Parameter that is not an embedding table."""
+    if isinstance(cell, ms.nn.Embedding) or hasattr(cell, "vocab_size") or hasattr(cell, "vocab_start_index"):
+        return False
+    weight = getattr(cell, "weight", None)
+    return isinstance(weight, ms.Tensor) and len(weight.shape) == 2
+
+
+class L2Features:
+    """The hooks and per-step values of the l2 features of one MindSpore collection."""
+
+    def __init__(
+        self,
+        chunks: Sequence[ms.nn.Cell],
+        config: MonitorConfig,
+        on_error: Callable[[str, BaseException], None],
+    ) -> None:
+        named = [
+            (vpp, raw, cell) for vpp, chunk in enumerate(chunks) for raw, cell in chunk.cells_and_names()
+        ]
+        self.attention, self.linear = select_l2_modules(named, config, is_linear)
+        self.chunks = list(chunks)
+        self.order, self.heads = config.sa_order, config.l2_heads
+        self.attention_ops = attention_ops(self.heads)
+        self.on_error = on_error
+        self.collect = False
+        self._micro = [-1] * len(self.chunks)
+        self._running = [0] * len(self.chunks)
+        self._rows: list[tuple[int, str, int]] = []
+        self._values: list[np.ndarray] = []
+        self._vectors: dict[int, np.ndarray] = {}
+
+    def register(self) -> list:
+        if not self.attention:
+            return []
+        handles = []
+        for vpp, chunk in enumerate(self.chunks):
+            handles.append(chunk.register_forward_pre_hook(self._root_starts(vpp), prepend=True))
+        for index, (_, _, cell) in enumerate(self.attention):
+            handles.append(cell.register_forward_hook(self._hook(index)))
+        for vpp, chunk in enumerate(self.chunks):
+            handles.append(chunk.register_forward_hook(self._root_ends(vpp), always_call=True))
+        return handles
+
+    def _root_starts(self, vpp: int) -> Callable:
+        def hook(cell: ms.nn.Cell, args: Any) -> None:
+            self._running[vpp] += 1
+            if self.collect and self._running[vpp] == 1 and is_training_call(cell):
+                self._micro[vpp] += 1
+
+        return hook
+
+    def _root_ends(self, vpp: int) -> Callable:
+        def hook(cell: ms.nn.Cell, args: Any, output: Any) -> None:
+            self._running[vpp] = max(self._running[vpp] - 1, 0)
+
+        return hook
+
+    def _hook(self, index: int) -> Callable:
+        def hook(cell: ms.nn.Cell, args: tuple, output: Any) -> None:
+            vpp = self.attention[index][0]
+            if self.collect and self._running[vpp] > 0 and is_training_call(cell):
+                self._measure(index, args)
+
+        return hook
+
+    def _measure(self, index: int, args: tuple) -> None:
+        try:
+            tensors = [a for a in args if isinstance(a, ms.Tensor)][:2]
+            if len(tensors) < 2 or any(len(t.shape) != 4 for t in tensors):
+                return
+            q, k = (t[:, 0] if self.order == "s,b,h,d" else t[0] for t in tensors)  # batch 0: (s, h, d)
+            if self.heads == "first":
+                q, k = q[:, :1], k[:, :1]
+            rows = attention_rows(q.asnumpy(), k.asnumpy(), self.heads)
+            vpp, name, _ = self.attention[index]
+            micro = max(self._micro[vpp], 0)
+            if self.heads == "each":
+                self._rows += [(vpp, f"{name}.attention.head{h}", micro) for h in range(rows.shape[0])]
+            else:
+                self._rows.append((vpp, f"{name}.attention", micro))
+            self._values.append(rows)
+        except Exception as exc:
+            self.collect = False
+            self.on_error("attention_hook", exc)
+
+    def take_attention(self, rank: int) -> tuple[RowSet, np.ndarray] | None:
+        """This step's attention rows and values; None without any. Resets the step."""
+        rows, values = self._rows, self._values
+        self.reset()
+        if not rows:
+            return None
+        vpp, names, micro = zip(*rows)
+        return RowSet.build(vpp, names, rank, ATTENTION_TASK, micro), np.concatenate(values)
+
+    def linear_values(self, rank: int) -> tuple[RowSet, np.ndarray] | None:
+        """``[kernel_norm, sr]`` of every linear Cell's weight now; None without any."""
+        if not self.linear:
+            return None
+        values = []
+        for index, (_, _, cell) in enumerate(self.linear):
+            weight = cell.weight.asnumpy().astype(np.float64)
+            sigma = self._spectral_norm(index, weight)
+            values.append((sigma, np.linalg.norm(weight) / sigma if sigma > 0 else np.nan))
+        rows = RowSet.build(
+            [vpp for vpp, _, _ in self.linear],
+            [f"{name}.linear" for _, name, _ in self.linear],
+            rank,
+            LINEAR_TASK,
+        )
+        return rows, np.array(values)
+
+    def _spectral_norm(self, index: int, weight: np.ndarray) -> float:
+        tall = weight.shape[0] >= weight.shape[1]
+        size = min(weight.shape)
+
+        def gram(v: np.ndarray) -> np.ndarray:
+            return weight.T @ (weight @ v) if tall else weight @ (weight.T @ v)
+
+        start = self._vectors.get(index)
+        steps = WARM_ITERATIONS
+        if start is None or start.shape[0] != size:
+            start = np.random.default_rng(index).standard_normal(size)
+            steps = FIRST_ITERATIONS
+        theta, vector = lanczos_top(gram, start, min(steps, size))
+        self._vectors[index] = np.nan_to_num(vector, nan=1.0, posinf=1.0, neginf=-1.0)
+        return float(np.sqrt(max(theta, 0.0))) if np.isfinite(theta) else float("nan")
+
+    def reset(self) -> None:
+        self._micro = [-1] * len(self.chunks)
+        self._rows, self._values = [], []

@@ -1,0 +1,110 @@
+"""msprobe's l2 features on MindSpore (PyNative) against numpy, with the torch adapter's names.
+
+A small network whose core attention Cell takes (batch, seq, heads, dim) Q, K, V trains with
+gradient accumulation 2 (value_and_grad per micro-batch, gradients summed). The test copies Q and
+K at every training call of the attention Cell and every Dense weight before each optimizer call,
+and recomputes softmax_max / entropy and the spectral norms with numpy.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("mindspore", reason="MindSpore is not installed here (pip install -e '.[mindspore]')")
+
+import glob
+import os
+
+import mindspore as ms
+import numpy as np
+import pandas as pd
+from mindspore import nn, ops
+
+from monitor import TrainerMon
+from tests.reference_stats import expected_attention
+
+SEQ, HEADS, DIM, STEPS, MICRO = 6, 2, 4, 4, 2
+
+
+class CoreAttention(nn.Cell):
+    def construct(self, q, k, v):
+        scores = ops.matmul(q.transpose(0, 2, 1, 3), k.transpose(0, 2, 3, 1)) / np.sqrt(DIM)
+        mask = ms.Tensor(np.triu(np.full((SEQ, SEQ), -1e9, np.float32), 1))
+        return ops.matmul(ops.softmax(scores + mask, -1), v.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
+
+
+class Net(nn.Cell):
+    def __init__(self) -> None:
+        super().__init__()
+        rng = np.random.default_rng(0)
+        hidden = HEADS * DIM
+        self.qkv = nn.Dense(hidden, 3 * hidden)
+        self.attention = CoreAttention()
+        self.out = nn.Dense(hidden, 5)
+        for _, param in self.parameters_and_names():
+            param.set_data(ms.Tensor(rng.normal(0.0, 0.5, param.shape).astype(np.float32)))
+
+    def construct(self, x):
+        b = x.shape[0]
+        q, k, v = ops.split(self.qkv(x), HEADS * DIM, -1)
+        q, k, v = (t.reshape(b, SEQ, HEADS, DIM) for t in (q, k, v))
+        return self.out(self.attention(q, k, v).reshape(b, SEQ, HEADS * DIM))
+
+
+@pytest.mark.parametrize("heads", ["first", "each"])
+def test_attention_and_linear_rows_equal_numpy(tmp_path, monkeypatch, heads):
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path))
+    net = Net()
+    optimizer = nn.Adam(net.trainable_params(), learning_rate=0.05)
+    config = {
+        "recording_l2_features": True,
+        "l2_targets": {"attention_hook": ["attention"], "linear_hook": []},
+        "sa_order": "b,s,h,d",
+        "l2_heads": heads,
+        "format": "csv",
+    }
+    mon = TrainerMon(config).set_monitor(net, MICRO, optimizer)
+    copies = {"qk": [], "weights": []}
+    net.attention.register_forward_pre_hook(
+        lambda cell, args: copies["qk"].append((args[0].asnumpy().copy(), args[1].asnumpy().copy()))
+    )
+    grad_fn = ms.value_and_grad(lambda x: net(x).square().mean(), None, optimizer.parameters)
+    rng = np.random.default_rng(1)
+    for _ in range(STEPS):
+        total = None
+        for _ in range(MICRO):
+            _, grads = grad_fn(ms.Tensor(rng.normal(size=(2, SEQ, HEADS * DIM)).astype(np.float32)))
+            total = grads if total is None else tuple(a + b for a, b in zip(total, grads))
+        copies["weights"].append(
+            {"qkv": net.qkv.weight.asnumpy().copy(), "out": net.out.weight.asnumpy().copy()}
+        )
+        optimizer(total)
+    mon.stop()
+    frame = pd.concat(
+        pd.read_csv(p) for p in sorted(glob.glob(os.path.join(mon.output_dir, "attention_hook_*.csv")))
+    )
+    assert len(copies["qk"]) == STEPS * MICRO
+    assert len(frame) == STEPS * MICRO * (1 if heads == "first" else HEADS)  # no other rows
+    for call, (q, k) in enumerate(copies["qk"]):
+        step, micro = divmod(call, MICRO)
+        per_head = expected_attention(q, k)
+        names = (
+            ["attention.attention"]
+            if heads == "first"
+            else [f"attention.attention.head{h}" for h in range(HEADS)]
+        )
+        for h, name in enumerate(names):
+            row = frame[(frame["step"] == step) & (frame["micro_step"] == micro) & (frame["name"] == name)]
+            assert len(row) == 1, (step, micro, name)
+            np.testing.assert_allclose(
+                row[["softmax_max", "entropy"]].to_numpy(float)[0], per_head[h], rtol=1e-4
+            )
+    linear = pd.concat(
+        pd.read_csv(p) for p in sorted(glob.glob(os.path.join(mon.output_dir, "linear_hook_*.csv")))
+    )
+    for step, weights in enumerate(copies["weights"]):
+        for name, weight in weights.items():
+            row = linear[(linear["step"] == step) & (linear["name"] == f"{name}.linear")].iloc[0]
+            sigma = np.linalg.svd(weight.astype(np.float64), compute_uv=False)[0]
+            assert row["kernel_norm"] == pytest.approx(sigma, rel=0.01)
+            assert row["sr"] == pytest.approx(np.linalg.norm(weight) / sigma, rel=0.01)
