@@ -1,13 +1,14 @@
-"""The ``trainmon`` command: ``demo``, ``anomaly-analyse``, ``bundle`` and the converters."""
+"""The ``trainmon`` command: ``anomaly-analyse`` and ``bundle`` here, and the sub-commands the
+adapters and dashboards register (``demo``, ``csv2tb``, ``csv2db``) through entry points, so that
+the framework-free core imports neither."""
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-from importlib import resources
 
-DEMO_TEMPLATE = "everything_alerts.yaml"
+#: entry-point group of the sub-commands registered by the adapters and dashboards.
+COMMAND_GROUP = "trainmon.commands"
 
 
 def _version() -> str:
@@ -18,98 +19,6 @@ def _version() -> str:
         return metadata.version("trainmon")
     except metadata.PackageNotFoundError:
         return "(not installed)"
-
-
-def template_path(name: str) -> str:
-    """Path of a file shipped in config_templates/."""
-    return str(resources.files("config_templates").joinpath(name))
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
-    return value
-
-
-def _add_demo(sub: argparse._SubParsersAction) -> None:
-    demo = sub.add_parser(
-        "demo",
-        help="train a small GPT-like model on CPU with the monitor attached and a gradient spike injected",
-        description="Train a small GPT-like model (synthetic tokens, AdamW, gradient accumulation 2) "
-        "with TrainerMon attached, inject one gradient spike, and report what the monitor found.",
-    )
-    demo.add_argument("--steps", type=_positive_int, default=50, help="optimizer steps (default 50)")
-    demo.add_argument(
-        "--output",
-        default=None,
-        help="output root (default: $MONITOR_OUTPUT_DIR or ./monitor_output)",
-    )
-    demo.add_argument(
-        "--format", choices=("csv", "tensorboard"), default=None, help="output format (default csv)"
-    )
-    spike = demo.add_mutually_exclusive_group()
-    spike.add_argument(
-        "--spike-step", type=_non_negative_int, default=30, help="step of the injected spike (30)"
-    )
-    spike.add_argument("--no-spike", action="store_true", help="do not inject a gradient spike")
-    demo.add_argument(
-        "--config", default=None, help=f"config file (default config_templates/{DEMO_TEMPLATE})"
-    )
-    demo.set_defaults(run=_run_demo)
-
-
-def _run_demo(args: argparse.Namespace) -> int:
-    from adapters.torch.demo import run_demo
-    from monitor.anomaly.incidents import describe_root
-
-    config = args.config or template_path(DEMO_TEMPLATE)
-    spike_step = None if args.no_spike else args.spike_step
-    if spike_step is not None and spike_step >= args.steps:
-        print(f"trainmon demo: --spike-step {spike_step} is not below --steps {args.steps}", file=sys.stderr)
-        return 2
-    summary = run_demo(config, steps=args.steps, spike_step=spike_step, output=args.output, fmt=args.format)
-    anomalies = summary["anomalies"]
-    print()
-    print(
-        f"Trained {summary['parameters']:,}-parameter GPT-like model for {args.steps} steps "
-        f"in {summary['seconds']:.1f} s (loss {summary['first_loss']:.3f} -> {summary['last_loss']:.3f})."
-    )
-    print(f"Config:      {config}")
-    print(f"Outputs:     {summary['output_dir']}")
-    print(f"Anomalies:   {os.path.join(summary['root'], 'anomaly_detected')}")
-    if spike_step is not None:
-        print(f"Injected:    a x1000 loss (gradient) spike at step {spike_step}")
-    incidents = summary["incidents"]
-    if incidents:
-        print(f"Detected:    {len(incidents)} incident(s), {len(anomalies)} anomaly record(s)")
-        for incident in incidents[:5]:
-            print(
-                f"  incident {incident.id} at step {incident.onset_step}: {describe_root(incident.root)}; "
-                f"{incident.tensors} tensor(s), {incident.state}"
-            )
-            for line in incident.evidence:
-                print(f"    - {line}")
-    else:
-        print("Detected:    no anomalies")
-    anomaly_dir = os.path.join(summary["root"], "anomaly_detected")
-    if os.path.isdir(anomaly_dir):
-        print(f"Next:        trainmon anomaly-analyse -d {anomaly_dir}")
-    print(f"Look at it:  tensorboard --logdir {summary['root']}")
-    return 0
 
 
 def _add_anomaly_analyse(sub: argparse._SubParsersAction) -> None:
@@ -152,14 +61,16 @@ def _bundle_show(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_converters(sub: argparse._SubParsersAction) -> None:
-    """csv2tb and csv2db (dashboards/convert; heavy imports happen only when one runs)."""
-    from dashboards.convert.commands import COMMANDS
+def _add_registered(sub: argparse._SubParsersAction, first: bool) -> None:
+    """Sub-commands that other parts of the package register under the ``trainmon.commands``
+    entry points (the demo from the torch adapter, the converters from dashboards): the core
+    never imports them. ``first``: only ``demo``; else every other one, by name."""
+    from importlib import metadata
 
-    for name, (text, add_arguments, run) in COMMANDS.items():
-        command = sub.add_parser(name, help=text, description=text)
-        add_arguments(command)
-        command.set_defaults(run=run)
+    found = sorted(metadata.entry_points(group=COMMAND_GROUP), key=lambda entry: entry.name)
+    for entry in found:
+        if (entry.name == "demo") == first:
+            entry.load()(sub)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -167,10 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"trainmon {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
-    _add_demo(sub)
+    _add_registered(sub, first=True)
     _add_anomaly_analyse(sub)
     _add_bundle(sub)
-    _add_converters(sub)
+    _add_registered(sub, first=False)
     return parser
 
 

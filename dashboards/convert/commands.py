@@ -130,3 +130,11 @@ COMMANDS = {
         run_csv2db,
     ),
 }
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add ``csv2tb`` and ``csv2db`` to the ``trainmon`` command (``trainmon.commands`` entry point)."""
+    for name, (text, add_arguments, run) in COMMANDS.items():
+        command = sub.add_parser(name, help=text, description=text)
+        add_arguments(command)
+        command.set_defaults(run=run)

@@ -1,0 +1,108 @@
+"""``trainmon demo``: its options and what it prints (registered with the ``trainmon`` command
+through the ``trainmon.commands`` entry points)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from importlib import resources
+
+DEMO_TEMPLATE = "everything_alerts.yaml"
+
+
+def template_path(name: str) -> str:
+    """Path of a file shipped in config_templates/."""
+    return str(resources.files("config_templates").joinpath(name))
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add ``demo`` to the ``trainmon`` command's sub-commands."""
+    _add_demo(sub)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
+
+
+def _add_demo(sub: argparse._SubParsersAction) -> None:
+    demo = sub.add_parser(
+        "demo",
+        help="train a small GPT-like model on CPU with the monitor attached and a gradient spike injected",
+        description="Train a small GPT-like model (synthetic tokens, AdamW, gradient accumulation 2) "
+        "with TrainerMon attached, inject one gradient spike, and report what the monitor found.",
+    )
+    demo.add_argument("--steps", type=_positive_int, default=50, help="optimizer steps (default 50)")
+    demo.add_argument(
+        "--output",
+        default=None,
+        help="output root (default: $MONITOR_OUTPUT_DIR or ./monitor_output)",
+    )
+    demo.add_argument(
+        "--format", choices=("csv", "tensorboard"), default=None, help="output format (default csv)"
+    )
+    spike = demo.add_mutually_exclusive_group()
+    spike.add_argument(
+        "--spike-step", type=_non_negative_int, default=30, help="step of the injected spike (30)"
+    )
+    spike.add_argument("--no-spike", action="store_true", help="do not inject a gradient spike")
+    demo.add_argument(
+        "--config", default=None, help=f"config file (default config_templates/{DEMO_TEMPLATE})"
+    )
+    demo.set_defaults(run=_run_demo)
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    from adapters.torch.demo import run_demo
+    from monitor.anomaly.incidents import describe_root
+
+    config = args.config or template_path(DEMO_TEMPLATE)
+    spike_step = None if args.no_spike else args.spike_step
+    if spike_step is not None and spike_step >= args.steps:
+        print(f"trainmon demo: --spike-step {spike_step} is not below --steps {args.steps}", file=sys.stderr)
+        return 2
+    summary = run_demo(config, steps=args.steps, spike_step=spike_step, output=args.output, fmt=args.format)
+    anomalies = summary["anomalies"]
+    print()
+    print(
+        f"Trained {summary['parameters']:,}-parameter GPT-like model for {args.steps} steps "
+        f"in {summary['seconds']:.1f} s (loss {summary['first_loss']:.3f} -> {summary['last_loss']:.3f})."
+    )
+    print(f"Config:      {config}")
+    print(f"Outputs:     {summary['output_dir']}")
+    print(f"Anomalies:   {os.path.join(summary['root'], 'anomaly_detected')}")
+    if spike_step is not None:
+        print(f"Injected:    a x1000 loss (gradient) spike at step {spike_step}")
+    incidents = summary["incidents"]
+    if incidents:
+        print(f"Detected:    {len(incidents)} incident(s), {len(anomalies)} anomaly record(s)")
+        for incident in incidents[:5]:
+            print(
+                f"  incident {incident.id} at step {incident.onset_step}: {describe_root(incident.root)}; "
+                f"{incident.tensors} tensor(s), {incident.state}"
+            )
+            for line in incident.evidence:
+                print(f"    - {line}")
+    else:
+        print("Detected:    no anomalies")
+    anomaly_dir = os.path.join(summary["root"], "anomaly_detected")
+    if os.path.isdir(anomaly_dir):
+        print(f"Next:        trainmon anomaly-analyse -d {anomaly_dir}")
+    print(f"Look at it:  tensorboard --logdir {summary['root']}")
+    return 0
