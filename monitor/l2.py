@@ -36,6 +36,7 @@ import numpy as np
 
 from monitor.config import MonitorConfig
 from monitor.naming import distinct_names, is_selected_exactly, name_candidates, squash_name
+from monitor.record import RowSet
 
 ATTENTION_PREFIX, ATTENTION_TASK = "attention_hook", "qkt"
 LINEAR_PREFIX, LINEAR_TASK = "linear_hook", "sr"
@@ -121,3 +122,62 @@ def lanczos_top(
         q = w / max(beta[j], 1e-300)
     values, vectors = np.linalg.eigh(np.diag(alpha) + np.diag(beta[:-1], 1) + np.diag(beta[:-1], -1))
     return float(values[-1]), basis.T @ vectors[:, -1]
+
+
+class L2Steps:
+    """What both adapters' l2 parts keep per step: the attention rows and values of the step so
+    far, the micro-step of each chunk, and each linear module's singular vector across steps.
+    Adapters add the hooks and the arithmetic of their framework."""
+
+    def __init__(
+        self,
+        named: Sequence[tuple[int, str, Any]],
+        config: MonitorConfig,
+        is_linear: Callable[[Any], bool],
+        on_error: Callable[[str, BaseException], None],
+    ) -> None:
+        self.attention, self.linear = select_l2_modules(named, config, is_linear)
+        self.order, self.heads = config.sa_order, config.l2_heads
+        self.attention_ops = attention_ops(self.heads)
+        self.on_error = on_error
+        #: set by the collection before each step's forward: the hooks do nothing when False.
+        self.collect = False
+        self.chunk_count = 1 + max((vpp for vpp, _, _ in named), default=0)
+        self._micro = [-1] * self.chunk_count
+        self._rows: list[tuple[int, str, int]] = []
+        self._values: list[Any] = []
+        #: per linear module: the top singular vector of the last collected step
+        self.vectors: dict[int, Any] = {}
+
+    def add_attention(self, index: int, values: Any, count: int) -> None:
+        """One call's ``count`` rows (one, or one per head with ``each``) of attention module ``index``."""
+        vpp, name, _ = self.attention[index]
+        micro = max(self._micro[vpp], 0)
+        if self.heads == "each":
+            self._rows += [(vpp, f"{name}.attention.head{h}", micro) for h in range(count)]
+        else:
+            self._rows.append((vpp, f"{name}.attention", micro))
+        self._values.append(values)
+
+    def take_rows(self, rank: int, concat: Callable[[list[Any]], Any]) -> tuple[RowSet, Any] | None:
+        """This step's attention rows and their values joined by ``concat``; None without any."""
+        rows, values = self._rows, self._values
+        self.reset()
+        if not rows:
+            return None
+        vpp, names, micro = zip(*rows)
+        return RowSet.build(vpp, names, rank, ATTENTION_TASK, micro), concat(values)
+
+    def linear_rows(self, rank: int) -> RowSet:
+        """The rows of the linear modules, in selection order."""
+        return RowSet.build(
+            [vpp for vpp, _, _ in self.linear],
+            [f"{name}.linear" for _, name, _ in self.linear],
+            rank,
+            LINEAR_TASK,
+        )
+
+    def reset(self) -> None:
+        """Forget the step's rows and micro-steps (the singular vectors stay)."""
+        self._micro = [-1] * self.chunk_count
+        self._rows, self._values = [], []

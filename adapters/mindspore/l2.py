@@ -23,16 +23,7 @@ import numpy as np
 
 from adapters.mindspore.activations import is_training_call
 from monitor.config import MonitorConfig
-from monitor.l2 import (
-    ATTENTION_TASK,
-    FIRST_ITERATIONS,
-    LINEAR_TASK,
-    WARM_ITERATIONS,
-    attention_ops,
-    attention_rows,
-    lanczos_top,
-    select_l2_modules,
-)
+from monitor.l2 import FIRST_ITERATIONS, WARM_ITERATIONS, L2Steps, attention_rows, lanczos_top
 from monitor.record import RowSet
 
 logger = logging.getLogger("trainmon")
@@ -46,7 +37,7 @@ def is_linear(cell: ms.nn.Cell) -> bool:
     return isinstance(weight, ms.Tensor) and len(weight.shape) == 2
 
 
-class L2Features:
+class L2Features(L2Steps):
     """The hooks and per-step values of the l2 features of one MindSpore collection."""
 
     def __init__(
@@ -58,17 +49,9 @@ class L2Features:
         named = [
             (vpp, raw, cell) for vpp, chunk in enumerate(chunks) for raw, cell in chunk.cells_and_names()
         ]
-        self.attention, self.linear = select_l2_modules(named, config, is_linear)
+        super().__init__(named, config, is_linear, on_error)
         self.chunks = list(chunks)
-        self.order, self.heads = config.sa_order, config.l2_heads
-        self.attention_ops = attention_ops(self.heads)
-        self.on_error = on_error
-        self.collect = False
-        self._micro = [-1] * len(self.chunks)
         self._running = [0] * len(self.chunks)
-        self._rows: list[tuple[int, str, int]] = []
-        self._values: list[np.ndarray] = []
-        self._vectors: dict[int, np.ndarray] = {}
 
     def register(self) -> list:
         if not self.attention:
@@ -113,25 +96,14 @@ class L2Features:
             if self.heads == "first":
                 q, k = q[:, :1], k[:, :1]
             rows = attention_rows(q.asnumpy(), k.asnumpy(), self.heads)
-            vpp, name, _ = self.attention[index]
-            micro = max(self._micro[vpp], 0)
-            if self.heads == "each":
-                self._rows += [(vpp, f"{name}.attention.head{h}", micro) for h in range(rows.shape[0])]
-            else:
-                self._rows.append((vpp, f"{name}.attention", micro))
-            self._values.append(rows)
+            self.add_attention(index, rows, rows.shape[0])
         except Exception as exc:
             self.collect = False
             self.on_error("attention_hook", exc)
 
     def take_attention(self, rank: int) -> tuple[RowSet, np.ndarray] | None:
         """This step's attention rows and values; None without any. Resets the step."""
-        rows, values = self._rows, self._values
-        self.reset()
-        if not rows:
-            return None
-        vpp, names, micro = zip(*rows)
-        return RowSet.build(vpp, names, rank, ATTENTION_TASK, micro), np.concatenate(values)
+        return self.take_rows(rank, np.concatenate)
 
     def linear_values(self, rank: int) -> tuple[RowSet, np.ndarray] | None:
         """``[kernel_norm, sr]`` of every linear Cell's weight now; None without any."""
@@ -142,13 +114,7 @@ class L2Features:
             weight = cell.weight.asnumpy().astype(np.float64)
             sigma = self._spectral_norm(index, weight)
             values.append((sigma, np.linalg.norm(weight) / sigma if sigma > 0 else np.nan))
-        rows = RowSet.build(
-            [vpp for vpp, _, _ in self.linear],
-            [f"{name}.linear" for _, name, _ in self.linear],
-            rank,
-            LINEAR_TASK,
-        )
-        return rows, np.array(values)
+        return self.linear_rows(rank), np.array(values)
 
     def _spectral_norm(self, index: int, weight: np.ndarray) -> float:
         tall = weight.shape[0] >= weight.shape[1]
@@ -157,15 +123,11 @@ class L2Features:
         def gram(v: np.ndarray) -> np.ndarray:
             return weight.T @ (weight @ v) if tall else weight @ (weight.T @ v)
 
-        start = self._vectors.get(index)
+        start = self.vectors.get(index)
         steps = WARM_ITERATIONS
         if start is None or start.shape[0] != size:
             start = np.random.default_rng(index).standard_normal(size)
             steps = FIRST_ITERATIONS
         theta, vector = lanczos_top(gram, start, min(steps, size))
-        self._vectors[index] = np.nan_to_num(vector, nan=1.0, posinf=1.0, neginf=-1.0)
+        self.vectors[index] = np.nan_to_num(vector, nan=1.0, posinf=1.0, neginf=-1.0)
         return float(np.sqrt(max(theta, 0.0))) if np.isfinite(theta) else float("nan")
-
-    def reset(self) -> None:
-        self._micro = [-1] * len(self.chunks)
-        self._rows, self._values = [], []

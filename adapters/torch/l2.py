@@ -20,14 +20,7 @@ import torch
 
 from adapters.torch.compiled import eager
 from monitor.config import MonitorConfig
-from monitor.l2 import (
-    ATTENTION_TASK,
-    FIRST_ITERATIONS,
-    LINEAR_TASK,
-    WARM_ITERATIONS,
-    attention_ops,
-    select_l2_modules,
-)
+from monitor.l2 import FIRST_ITERATIONS, WARM_ITERATIONS, L2Steps
 from monitor.record import RowSet
 
 logger = logging.getLogger("trainmon")
@@ -113,7 +106,7 @@ def lanczos_top(
     return values[-1], basis.T @ vectors[:, -1]
 
 
-class L2Features:
+class L2Features(L2Steps):
     """The hooks and per-step values of the l2 features of one collection."""
 
     def __init__(
@@ -125,26 +118,18 @@ class L2Features:
         named = [
             (vpp, raw, module) for vpp, chunk in enumerate(chunks) for raw, module in chunk.named_modules()
         ]
-        self.attention, linear = select_l2_modules(named, config, is_linear)
-        self.linear = [entry for entry in linear if not sharded(linear_weight(entry[2]))]
-        if len(self.linear) < len(linear):
+        super().__init__(named, config, is_linear, on_error)
+        self.chunks = list(chunks)
+        whole = [entry for entry in self.linear if not sharded(linear_weight(entry[2]))]
+        if len(whole) < len(self.linear):
             logger.warning(
                 "trainmon: linear_hook: %d of %d linear weights are sharded across ranks (FSDP, "
                 "ZeRO-3, tensor parallelism) and are not measured: a piece's spectral norm is not the "
                 "weight's",
-                len(linear) - len(self.linear),
-                len(linear),
+                len(self.linear) - len(whole),
+                len(self.linear),
             )
-        self.chunks = list(chunks)
-        self.order, self.heads = config.sa_order, config.l2_heads
-        self.attention_ops = attention_ops(self.heads)
-        self.on_error = on_error
-        self.collect = False
-        self._micro = [-1] * len(self.chunks)
-        self._rows: list[tuple[int, str, int]] = []
-        self._values: list[torch.Tensor] = []
-        #: per linear module: the right singular vector estimate carried across steps
-        self._vectors: dict[int, torch.Tensor] = {}
+        self.linear = whole
 
     def register(self) -> list:
         if not self.attention:
@@ -184,30 +169,17 @@ class L2Features:
             tensors = [a for a in args if isinstance(a, torch.Tensor)][:2]
             if len(tensors) < 2 or any(t.dim() != 4 for t in tensors):
                 return
-            vpp, name, _ = self.attention[index]
             with torch.no_grad():
-                rows = summarise(
-                    attention_scores(tensors[0].detach(), tensors[1].detach(), self.order, self.heads),
-                    self.heads,
-                )
-            micro = max(self._micro[vpp], 0)
-            if self.heads == "each":
-                self._rows += [(vpp, f"{name}.attention.head{h}", micro) for h in range(rows.shape[0])]
-            else:
-                self._rows.append((vpp, f"{name}.attention", micro))
-            self._values.append(rows)
+                q, k = tensors[0].detach(), tensors[1].detach()
+                rows = summarise(attention_scores(q, k, self.order, self.heads), self.heads)
+            self.add_attention(index, rows, rows.shape[0])
         except Exception as exc:
             self.collect = False
             self.on_error("attention_hook", exc)
 
     def take_attention(self, rank: int) -> tuple[RowSet, torch.Tensor] | None:
-        """This step's attention rows and values; None without any. Resets the step."""
-        rows, values = self._rows, self._values
-        self.reset()
-        if not rows:
-            return None
-        vpp, names, micro = zip(*rows)
-        return RowSet.build(vpp, names, rank, ATTENTION_TASK, micro), torch.cat(values).float()
+        """This step's attention rows and values (on the device); None without any. Resets the step."""
+        return self.take_rows(rank, lambda values: torch.cat(values).float())
 
     def linear_values(self, rank: int) -> tuple[RowSet, torch.Tensor] | None:
         """``[kernel_norm, sr]`` of every linear module's weight now; None without any."""
@@ -216,16 +188,10 @@ class L2Features:
         values = []
         with torch.no_grad():
             for index, (_, _, module) in enumerate(self.linear):
-                weight = linear_weight(module)
-                sigma = self._spectral_norm(index, weight.detach().float())
-                values.append(torch.stack([sigma, torch.linalg.vector_norm(weight.float()) / sigma]))
-        rows = RowSet.build(
-            [vpp for vpp, _, _ in self.linear],
-            [f"{name}.linear" for _, name, _ in self.linear],
-            rank,
-            LINEAR_TASK,
-        )
-        return rows, torch.stack(values)
+                weight = linear_weight(module).detach().float()
+                sigma = self._spectral_norm(index, weight)
+                values.append(torch.stack([sigma, torch.linalg.vector_norm(weight) / sigma]))
+        return self.linear_rows(rank), torch.stack(values)
 
     def _spectral_norm(self, index: int, weight: torch.Tensor) -> torch.Tensor:
         """The largest singular value: Lanczos on the Gram matrix of the weight's smaller side,
@@ -236,7 +202,7 @@ class L2Features:
         def gram(v: torch.Tensor) -> torch.Tensor:
             return weight.T @ (weight @ v) if tall else weight @ (weight.T @ v)
 
-        start = self._vectors.get(index)
+        start = self.vectors.get(index)
         steps = WARM_ITERATIONS
         if start is None or start.shape[0] != size or start.device != weight.device:
             generator = torch.Generator(device=weight.device).manual_seed(index)
@@ -244,9 +210,5 @@ class L2Features:
             steps = FIRST_ITERATIONS
         theta, vector = lanczos_top(gram, start, min(steps, size))
         # a NaN weight gives NaN now, not a NaN start for every later step
-        self._vectors[index] = torch.nan_to_num(vector, nan=1.0, posinf=1.0, neginf=-1.0)
+        self.vectors[index] = torch.nan_to_num(vector, nan=1.0, posinf=1.0, neginf=-1.0)
         return theta.clamp_min(0).sqrt()
-
-    def reset(self) -> None:
-        self._micro = [-1] * len(self.chunks)
-        self._rows, self._values = [], []
