@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from monitor import TrainerMon, TrainingStopped
+from monitor.alerts.bundle import load_bundle
 from tests.adapters.torch.distributed import free_port, run_ranks, save_result
 from tests.adapters.torch.helpers import MLP, make_batches
 
@@ -37,7 +38,7 @@ def _train(
     torch.manual_seed(0)
     model = MLP()
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
-    alert = {"sinks": sinks, "actions": list(actions)}
+    alert = {"sinks": sinks, "actions": list(actions), "bundle": {"incidents": 1}}
     config = {"wg_distribution": True, "ops": ["norm", "nans"], "alert": alert}
     messages: list[dict] = []
     checkpoints: list[int] = []
@@ -52,6 +53,7 @@ def _train(
     stopped, last = None, None
     for step, (x,) in enumerate(make_batches(STEPS, 1, seed=rank + 1)):
         last = step
+        mon.set_batch_ids({"rank": rank, "step": step})
         model(x).pow(2).mean().backward()
         if step in faults and rank in fault_ranks:
             dict(model.named_parameters())[FAULTY].grad[0, 0] = float("nan")
@@ -151,6 +153,15 @@ def test_every_rank_stops_at_the_same_step(tmp_path, fault_ranks):
     assert every == [(AT, rank) for rank in fault_ranks]  # rank 0's failing webhook hurts no one
     lowest = [(m["step"], m["rank"]) for m in _lines(str(tmp_path / "lowest.jsonl"))]
     assert lowest == [(AT, min(fault_ranks))]  # one message per incident, from the lowest rank
+    for rank in (0, 1):  # each rank that saw the incident kept its evidence, with its batch
+        bundles = list((tmp_path / "out" / "anomaly_detected" / f"rank{rank}").glob("bundle_incident*"))
+        if rank in fault_ranks:
+            (bundle,) = bundles
+            manifest = load_bundle(bundle).manifest
+            assert manifest["topology"]["rank"] == rank and manifest["topology"]["world_size"] == 2
+            assert manifest["incident"]["batch_ids"] == [{"micro_step": 0, "ids": {"rank": rank, "step": AT}}]
+        else:
+            assert bundles == []
 
 
 def _skipping(rank: int, fault_ranks: tuple[int, ...]) -> dict:
