@@ -1,6 +1,8 @@
-"""Imports go one way: adapters -> monitor, dashboards -> monitor; the core imports neither,
-except the dispatcher that picks an adapter from the model's type (``monitor/trainer.py``).
-Read from the sources with ``ast``, so a lazy import inside a function counts too."""
+"""Imports go one way: adapters -> monitor, dashboards -> monitor; the core imports no adapter,
+dashboard or framework, except the dispatcher that picks an adapter from the model's type
+(``monitor/trainer.py``) and the trainer callbacks of ``monitor/integrations`` (each written for
+its framework); the two adapters never import each other, and the dashboards no framework. Read
+from the sources with ``ast``, so a lazy import inside a function counts too."""
 
 from __future__ import annotations
 
@@ -10,31 +12,58 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-#: package -> packages it must never import, and the files allowed to anyway.
+FRAMEWORKS = (
+    "torch",
+    "mindspore",
+    "transformers",
+    "accelerate",
+    "lightning",
+    "pytorch_lightning",
+    "deepspeed",
+    "megatron",
+)
+#: source folder -> module prefixes it must never import, and the files allowed to anyway.
 RULES = {
-    "monitor": (("adapters", "dashboards"), {"monitor/trainer.py"}),
-    "adapters": (("dashboards",), set()),
-    "dashboards": (("adapters",), set()),
+    "monitor": (("adapters", "dashboards", *FRAMEWORKS), ("monitor/trainer.py", "monitor/integrations/")),
+    "adapters/torch": (("dashboards", "adapters.mindspore", "mindspore"), ()),
+    "adapters/mindspore": (("dashboards", "adapters.torch", "torch"), ()),
+    "dashboards": (("adapters", *FRAMEWORKS), ()),
 }
 
 
-def imported_packages(path: Path) -> set[str]:
+def imported_modules(path: Path) -> set[str]:
     tree = ast.parse(path.read_text(encoding="utf-8"))
     found = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            found |= {alias.name.split(".")[0] for alias in node.names}
+            found |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            found.add(node.module.split(".")[0])
+            found.add(node.module)
     return found
 
 
-@pytest.mark.parametrize("package", sorted(RULES))
-def test_imports_go_one_way(package):
-    forbidden, allowed = RULES[package]
-    wrong = {
-        str(path.relative_to(ROOT)): sorted(imported_packages(path) & set(forbidden))
-        for path in sorted((ROOT / package).rglob("*.py"))
-        if str(path.relative_to(ROOT)) not in allowed
-    }
-    assert {file: names for file, names in wrong.items() if names} == {}
+def breaks(module: str, forbidden: tuple[str, ...]) -> bool:
+    return any(module == prefix or module.startswith(f"{prefix}.") for prefix in forbidden)
+
+
+@pytest.mark.parametrize("folder", sorted(RULES))
+def test_imports_go_one_way(folder):
+    forbidden, allowed = RULES[folder]
+    wrong = {}
+    for path in sorted((ROOT / folder).rglob("*.py")):
+        relative = path.relative_to(ROOT).as_posix()
+        if relative.startswith(allowed):
+            continue
+        names = sorted(m for m in imported_modules(path) if breaks(m, forbidden))
+        if names:
+            wrong[relative] = names
+    assert wrong == {}
+
+
+def test_the_rules_see_a_wrong_import(tmp_path):
+    source = tmp_path / "x.py"
+    source.write_text("def f():\n    from adapters.torch import session\n    import torch.nn\n")
+    assert [m for m in sorted(imported_modules(source)) if breaks(m, RULES["monitor"][0])] == [
+        "adapters.torch",
+        "torch.nn",
+    ]
