@@ -70,7 +70,13 @@ def _add_registered(sub: argparse._SubParsersAction, first: bool) -> None:
     found = sorted(metadata.entry_points(group=COMMAND_GROUP), key=lambda entry: entry.name)
     for entry in found:
         if (entry.name == "demo") == first:
-            entry.load()(sub)
+            try:
+                entry.load()(sub)
+            except Exception as exc:  # one broken part must not take the other commands down
+                print(
+                    f"trainmon: warning: the {entry.name!r} commands are unavailable ({exc!r})",
+                    file=sys.stderr,
+                )
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -118,13 +118,17 @@ class MonitorCore:
         if sink is not None:
             self._writer.call(lambda: sink.note_batch_ids(step, step_ids))
 
-    def new_anomalies_now(self) -> bool:
-        """Whether the records submitted so far for the current step hold a new anomaly (waits
-        for the writer to judge them)."""
+    def abnormal_now(self, timeout: float) -> bool:
+        """Whether the records submitted so far for the current step hold an abnormal value
+        (waits up to ``timeout`` seconds for the writer to judge them; False if it could not)."""
         if self._anomaly_sink is None:
             return False
-        self.flush()
-        return self._anomaly_sink.tracker.has_new
+        if not self.flush(timeout):
+            logger.warning(
+                "trainmon: the writer did not judge the step within %.0f s; it is not skipped", timeout
+            )
+            return False
+        return self._anomaly_sink.tracker.has_abnormal
 
     def submit(self, record: StepRecord) -> None:
         """Hand one data type's statistics of a collected step to the outputs (training thread)."""
@@ -147,9 +151,10 @@ class MonitorCore:
         """The collected step is complete: rows are flushed and anomaly.json replaced."""
         self._writer.end_step(step)
 
-    def flush(self) -> None:
-        """Wait until everything submitted so far is written."""
-        self._writer.flush()
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until everything submitted so far is written (at most ``timeout`` seconds);
+        whether it was."""
+        return self._writer.flush(timeout)
 
     def close(self) -> None:
         """Drain and close the outputs; values stay readable through ``latest``."""

@@ -16,12 +16,13 @@ With ``recording_l2_features: true``:
 * ``linear_hook`` modules (listed, or with an empty list every module with a 2-D ``weight`` but
   embeddings): ``kernel_norm``, the spectral norm (largest singular value) of the weight, and
   ``sr`` = Frobenius norm / spectral norm, msprobe's "stable rank" (the textbook stable rank is
-  its square). msprobe runs 3 power iterations from a random start at every step, which can be
-  far below the true value when the largest singular values lie close together, as they do in
-  trained weights; ours runs Lanczos (which converges on close values far faster) from each
-  module's top singular vector of the last collected step, and stays within 1% of the exact
-  value. Measured on the weights the optimizer is about to update (those of the
-  step's last micro-batch). Data type ``linear_hook``, rows ``{module}.linear``, task ``sr``.
+  its square; 0 for an all-zero weight, such as a freshly initialised LoRA B). msprobe runs 3
+  power iterations from a random start at every step, which can be far below the true value
+  when the largest singular values lie close together, as they do in trained weights; ours runs
+  Lanczos (which converges on close values far faster) from each module's top singular vector
+  of the last collected step, and stays within 1% of the exact value. Measured on the weights
+  the optimizer is about to update (those of the step's last micro-batch). Data type
+  ``linear_hook``, rows ``{module}.linear``, task ``sr``.
 
 Both follow the collection schedule (``start_step``, ``step_interval``) like every other data
 type; msprobe computes them at every step whatever the schedule.
@@ -85,22 +86,28 @@ def _named(found: list[tuple[int, str, Any]], squash: bool) -> list[tuple[int, s
 
 def attention_rows(q: np.ndarray, k: np.ndarray, heads: str) -> np.ndarray:
     """The rows of one attention call on the host (adapters without device kernels for it):
-    ``q``, ``k`` are batch 0's (sequence, heads, head size) arrays; see ``attention_ops``."""
-    q = np.asarray(q, dtype=np.float32).transpose(1, 0, 2)  # (h, s, d)
-    k = np.asarray(k, dtype=np.float32).transpose(1, 0, 2)
+    ``q``, ``k`` are batch 0's (sequence, heads, head size) arrays; see ``attention_ops``. With
+    fewer key than query heads (grouped-query attention) query head h reads key head
+    h // (query heads / key heads); one head's (s, s) scores exist at a time."""
+    q, k = np.asarray(q, dtype=np.float32), np.asarray(k, dtype=np.float32)
     if heads == "first":
-        q, k = q[:1], k[:1]
-    scores = q @ k.transpose(0, 2, 1) / np.float32(np.sqrt(q.shape[-1]))
-    seq = scores.shape[-1]
-    scores = np.where(np.tril(np.ones((seq, seq), dtype=bool)), scores, -np.inf)
-    p = np.exp(scores - scores.max(axis=-1, keepdims=True))
-    p /= p.sum(axis=-1, keepdims=True)
-    entropy = -(p * np.log(np.maximum(p, np.finfo(np.float32).tiny))).sum(axis=-1).mean(axis=-1)
-    per_head = np.stack([p.max(axis=-1).mean(axis=-1), entropy], axis=1)
+        q, k = q[:, :1], k[:, :1]
+    elif k.shape[1] != q.shape[1]:
+        k = np.repeat(k, q.shape[1] // k.shape[1], axis=1)
+    per_head = np.array([_head_scores(q[:, h], k[:, h]) for h in range(q.shape[1])])
     if heads == "all":
         mean = per_head.mean(axis=0)
         return np.array([[mean[0], mean[1], per_head[:, 0].max(), per_head[:, 1].min()]])
     return per_head
+
+
+def _head_scores(q: np.ndarray, k: np.ndarray) -> tuple[float, float]:
+    scores = q @ k.T / np.float32(np.sqrt(q.shape[-1]))
+    scores = np.where(np.tril(np.ones(scores.shape, dtype=bool)), scores, -np.inf)
+    p = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    p /= p.sum(axis=-1, keepdims=True)
+    entropy = -(p * np.log(np.maximum(p, np.finfo(np.float32).tiny))).sum(axis=-1).mean()
+    return float(p.max(axis=-1).mean()), float(entropy)
 
 
 def lanczos_top(

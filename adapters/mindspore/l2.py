@@ -113,7 +113,7 @@ class L2Features(L2Steps):
         for index, (_, _, cell) in enumerate(self.linear):
             weight = cell.weight.asnumpy().astype(np.float64)
             sigma = self._spectral_norm(index, weight)
-            values.append((sigma, np.linalg.norm(weight) / sigma if sigma > 0 else np.nan))
+            values.append((sigma, np.linalg.norm(weight) / sigma if sigma > 0 else 0.0))  # a zero weight: 0
         return self.linear_rows(rank), np.array(values)
 
     def _spectral_norm(self, index: int, weight: np.ndarray) -> float:

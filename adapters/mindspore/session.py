@@ -42,6 +42,9 @@ logger = logging.getLogger("trainmon")
 class MindSporeSession(SessionLifecycle):
     """Hooks of one TrainerMon on one MindSpore model (Cell or list of Cells) and optimizer Cell."""
 
+    #: a MindSpore optimizer takes the gradients as arguments and would move its moments on zeros
+    can_skip_updates = False
+
     monitored = "MindSpore parameters"
     collection: Collection | None
 

@@ -19,8 +19,8 @@ import torch
 import monitor
 from monitor.datatypes import ACTIVATION_PREFIXES, parse_tag
 
-#: tensor name -> (array, original dtype, what it is)
-Tensors = dict[str, tuple[np.ndarray, str, str]]
+#: tensor name -> (array or None when not copied, original dtype, what it is, shape)
+Tensors = dict[str, tuple[np.ndarray | None, str, str, tuple[int, ...]]]
 
 
 def as_array(tensor: torch.Tensor) -> tuple[np.ndarray, str]:
@@ -38,11 +38,17 @@ def facts(session: Any) -> tuple[dict[str, Any], Tensors]:
     """Topology, versions and random generator states of a torch session."""
     tensors: Tensors = {}
     state = np.random.get_state()
-    tensors["rng.numpy"] = (np.asarray(state[1]), "uint32", "numpy's global generator: key")
-    tensors["rng.torch"] = (*as_array(torch.get_rng_state()), "torch's CPU generator state")
+    key = np.asarray(state[1])
+    tensors["rng.numpy"] = (key, "uint32", "numpy's global generator: key", key.shape)
+    generators = [("rng.torch", torch.get_rng_state(), "torch's CPU generator state")]
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        for index, cuda_state in enumerate(torch.cuda.get_rng_state_all()):
-            tensors[f"rng.cuda{index}"] = (*as_array(cuda_state), f"torch's generator of cuda:{index}")
+        generators += [
+            (f"rng.cuda{index}", cuda_state, f"torch's generator of cuda:{index}")
+            for index, cuda_state in enumerate(torch.cuda.get_rng_state_all())
+        ]
+    for name, generator_state, what in generators:
+        array, dtype = as_array(generator_state)
+        tensors[name] = (array, dtype, what, array.shape)
     info = {
         "topology": {
             "rank": session.rank,
@@ -65,8 +71,9 @@ def facts(session: Any) -> tuple[dict[str, Any], Tensors]:
     return info, tensors
 
 
-def record_tensors(session: Any, incident: dict[str, Any]) -> Tensors:
-    """The tensors behind the incident's root and records, root first, each parameter once."""
+def record_tensors(session: Any, incident: dict[str, Any], budget: int) -> Tensors:
+    """The tensors behind the incident's root and records, root first, each parameter once; only
+    those that fit in ``budget`` bytes are copied to the host (the rest are listed)."""
     collection = session.collection
     if collection is None:
         return {}
@@ -90,8 +97,15 @@ def record_tensors(session: Any, incident: dict[str, Any]) -> Tensors:
                 ("exp_avg_sq", backend.moment(entry.param, "exp_avg_sq"), "Adam's second moment"),
             ]
             for part, tensor, what in parts:
-                if isinstance(tensor, torch.Tensor):
-                    tensors[f"{label} {part}"] = (*as_array(tensor), what)
+                if not isinstance(tensor, torch.Tensor):
+                    continue
+                size = tensor.numel() * max(tensor.element_size(), 4)  # float32 where NumPy lacks the dtype
+                shape = tuple(tensor.shape)
+                if size > budget:
+                    tensors[f"{label} {part}"] = (None, str(tensor.dtype).removeprefix("torch."), what, shape)
+                    continue
+                budget -= size
+                tensors[f"{label} {part}"] = (*as_array(tensor), what, shape)
     return tensors
 
 

@@ -55,21 +55,27 @@ def sharded(weight: torch.Tensor) -> bool:
 
 def attention_scores(q: torch.Tensor, k: torch.Tensor, order: str, heads: str) -> torch.Tensor:
     """Per head of batch 0: ``[softmax_max, entropy]`` of the causal attention probabilities;
-    shape (heads, 2) with 1 head for ``first``."""
+    shape (heads, 2) with 1 head for ``first``. With fewer key than query heads (grouped-query
+    attention) query head h reads key head h // (query heads / key heads). One head's (s, s)
+    scores exist at a time."""
     if order == "s,b,h,d":
         q, k = q[:, 0], k[:, 0]  # (s, h, d)
     else:
         q, k = q[0], k[0]
     if heads == "first":
         q, k = q[:, :1], k[:, :1]
-    q, k = q.transpose(0, 1).float(), k.transpose(0, 1).float()  # (h, s, d)
-    scores = torch.matmul(q, k.transpose(1, 2)) / math.sqrt(q.shape[-1])  # (h, s, s)
-    causal = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).tril()
-    scores = scores.masked_fill(~causal, float("-inf"))
-    p = torch.softmax(scores, dim=-1)
-    softmax_max = p.amax(dim=-1).mean(dim=-1)
-    entropy = -(p * torch.log(p.clamp_min(torch.finfo(p.dtype).tiny))).sum(dim=-1).mean(dim=-1)
-    return torch.stack([softmax_max, entropy], dim=1)
+    elif k.shape[1] != q.shape[1]:
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    return torch.stack([head_scores(q[:, h].float(), k[:, h].float()) for h in range(q.shape[1])])
+
+
+def head_scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """``[softmax_max, entropy]`` of one head's causal softmax(q k^T / sqrt(d)); q, k (s, d)."""
+    scores = (q @ k.T) / math.sqrt(q.shape[-1])
+    causal = torch.ones(scores.shape, dtype=torch.bool, device=scores.device).tril()
+    p = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
+    entropy = -(p * torch.log(p.clamp_min(torch.finfo(p.dtype).tiny))).sum(dim=-1).mean()
+    return torch.stack([p.amax(dim=-1).mean(), entropy])
 
 
 def summarise(per_head: torch.Tensor, heads: str) -> torch.Tensor:
@@ -84,7 +90,8 @@ def lanczos_top(
     apply: Callable[[torch.Tensor], torch.Tensor], start: torch.Tensor, steps: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The largest eigenvalue of a symmetric positive semi-definite operator and its Ritz vector,
-    after ``steps`` Lanczos steps with full reorthogonalisation; all on the device, no host sync.
+    after ``steps`` Lanczos steps with full reorthogonalisation, on the operator's device (the
+    small tridiagonal eigenproblem may synchronise with the host on CUDA).
 
     Lanczos converges on the top eigenvalue far faster than power iteration when the largest
     eigenvalues lie close together (as the singular values of trained weights often do).
@@ -190,7 +197,8 @@ class L2Features(L2Steps):
             for index, (_, _, module) in enumerate(self.linear):
                 weight = linear_weight(module).detach().float()
                 sigma = self._spectral_norm(index, weight)
-                values.append(torch.stack([sigma, torch.linalg.vector_norm(weight) / sigma]))
+                ratio = torch.linalg.vector_norm(weight) / sigma
+                values.append(torch.stack([sigma, torch.where(sigma > 0, ratio, 0.0)]))  # a zero weight: 0
         return self.linear_rows(rank), torch.stack(values)
 
     def _spectral_norm(self, index: int, weight: torch.Tensor) -> torch.Tensor:

@@ -188,9 +188,11 @@ class TorchSession(SessionLifecycle):
             self._begin_update()
         self._after_update()
 
-    def _bundle_contents(self, incident: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-        info, tensors = bundle_facts(self)
-        return info, {**record_tensors(self, incident), **tensors}
+    def _bundle_contents(
+        self, incident: dict[str, Any], budget: int
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        info, generators = bundle_facts(self)
+        return info, {**record_tensors(self, incident, budget), **generators}
 
     def _skip_update(self) -> None:
         """torch.optim optimizers leave a parameter without a gradient alone: its value, moments

@@ -50,7 +50,7 @@ def write_bundle(
     directory: str,
     incident: Mapping[str, Any],
     facts: Mapping[str, Any],
-    tensors: Mapping[str, tuple[np.ndarray, str, str]],
+    tensors: Mapping[str, tuple[np.ndarray | None, str, str, tuple[int, ...]]],
     max_bytes: int,
 ) -> str:
     """Write one bundle under ``directory`` (the rank's anomaly directory); returns its path.
@@ -58,17 +58,18 @@ def write_bundle(
     Args:
         incident: the incident's JSON (``Incident.to_json``).
         facts: config, versions, topology, step, RNG states: JSON-ready.
-        tensors: name -> (array, original dtype, what it is), in order of importance; those
-            past ``max_bytes`` in total are listed as left out.
+        tensors: name -> (array, original dtype, what it is, shape), in order of importance; an
+            array None (not copied: the caller's budget was spent) and those past ``max_bytes``
+            in total are listed as left out.
     """
     make_private_dir(directory)
     target = os.path.join(directory, f"bundle_incident{incident['id']}")
     work = tempfile.mkdtemp(prefix=".tmp-bundle-", dir=directory)
     try:
         listed, left_out, used = [], [], 0
-        for index, (name, (array, dtype, what)) in enumerate(tensors.items()):
-            if used + array.nbytes > max_bytes:
-                left_out.append({"name": name, "dtype": dtype, "shape": list(array.shape), "what": what})
+        for index, (name, (array, dtype, what, shape)) in enumerate(tensors.items()):
+            if array is None or used + array.nbytes > max_bytes:
+                left_out.append({"name": name, "dtype": dtype, "shape": list(shape), "what": what})
                 continue
             file = f"{index:03d}.npy"
             np.save(os.path.join(work, file), array, allow_pickle=False)

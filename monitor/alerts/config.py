@@ -180,9 +180,10 @@ def _webhook(spec: dict, path: str) -> dict[str, Any]:
         url = _environment(url_env, f"{path}.url_env")
     elif not isinstance(url, str):
         raise ConfigError(f"{path}.url: expected an http(s) URL, got {describe(url)}")
-    if urlsplit(url).scheme not in ("http", "https") or not urlsplit(url).hostname:
+    printable = all(33 <= ord(c) < 127 for c in url)
+    if not printable or urlsplit(url).scheme not in ("http", "https") or not urlsplit(url).hostname:
         shown = describe(url) if not url_env else f"the value of {url_env}"
-        raise ConfigError(f"{path}.url: expected an http:// or https:// URL, got {shown}")
+        raise ConfigError(f"{path}.url: expected an http:// or https:// URL without spaces, got {shown}")
     preset = spec.get("preset", "json")
     if preset not in PRESETS:
         raise not_one_of(f"{path}.preset", preset, PRESETS)

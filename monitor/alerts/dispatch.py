@@ -37,8 +37,9 @@ logger = logging.getLogger("trainmon")
 QUEUE_SIZE = 64
 #: seconds a ``lowest`` sink waits for other ranks' claims before deciding.
 CLAIM_WAIT_S = 3.0
-#: claims older than this belong to an earlier run in the same output root.
-CLAIM_MAX_AGE_S = 600.0
+#: claims older than this belong to an earlier incident or run in the same output root (the
+#: ranks of one incident find it within seconds of each other).
+CLAIM_MAX_AGE_S = 120.0
 #: seconds ``close`` waits for each sink to deliver what is queued.
 CLOSE_WAIT_S = 5.0
 _HOUR = 3600.0

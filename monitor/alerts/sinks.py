@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import urllib.error
 import urllib.request
 from collections.abc import Callable
 from typing import Any
@@ -32,7 +33,8 @@ def payload(message: Message, preset: str) -> dict[str, Any]:
 
 
 class WebhookSink:
-    """HTTP POST of the message as JSON; any answer but 2xx is a failure."""
+    """HTTP POST of the message as JSON; any answer but 2xx is a failure. Failures name the HTTP
+    status or the kind of error only: the URL may hold a token."""
 
     def __init__(self, spec: SinkSpec) -> None:
         self.spec = spec
@@ -45,9 +47,16 @@ class WebhookSink:
             method="POST",
             headers={"Content-Type": "application/json", **self.spec.headers()},
         )
-        with urllib.request.urlopen(request, timeout=self.spec.timeout_s) as response:
-            if not 200 <= response.status < 300:
-                raise OSError(f"HTTP {response.status}")
+        try:
+            with urllib.request.urlopen(request, timeout=self.spec.timeout_s) as response:
+                status = response.status
+        except urllib.error.HTTPError as exc:
+            raise OSError(f"HTTP {exc.code}") from None
+        except (OSError, ValueError) as exc:  # the message may quote the URL, which may hold a token
+            reason = getattr(exc, "reason", exc)
+            raise OSError(f"cannot reach the endpoint ({type(reason).__name__})") from None
+        if not 200 <= status < 300:
+            raise OSError(f"HTTP {status}")
 
 
 class CommandSink:

@@ -158,9 +158,10 @@ class IncidentTracker:
         return new
 
     @property
-    def has_new(self) -> bool:
-        """Whether the current step has produced a new record so far."""
-        return bool(self._new)
+    def has_abnormal(self) -> bool:
+        """Whether any value of the current step so far is abnormal (new or not: a NaN that
+        stays is abnormal at every step)."""
+        return bool(self._now)
 
     def end_step(self, step: int) -> tuple[Incident | None, Incident | None]:
         """Close the step: ``(incident opened, incident closed)`` at this step, either may be None."""

@@ -98,13 +98,14 @@ class WriterThread:
         """Run ``fn`` on the writer thread, in order with the records."""
         self._put(fn)
 
-    def flush(self, timeout: float | None = None) -> None:
-        """Wait until everything queued so far has been written."""
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until everything queued so far has been written (at most ``timeout`` seconds);
+        whether it was."""
         if self._closed or not self._thread.is_alive():
-            return
+            return True
         done = threading.Event()
         self._put(done.set)
-        done.wait(timeout)
+        return done.wait(timeout)
 
     def close(self) -> None:
         """Drain the queue, close every sink and stop the thread. Safe to call twice."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import http.server
 import json
 import logging
+import socket
 import sys
 import threading
 import time
@@ -159,8 +160,21 @@ def test_a_failing_endpoint_is_retried_with_back_off_then_reported_once(tmp_path
     assert [body["step"] for _, body in failing.requests] == [3, 3, 3, 9, 9, 9]  # 1 + 2 retries each
     assert [body["step"] for _, body in recovering.requests] == [3, 3, 3, 9]
     warnings = [r for r in caplog.records if "alert.sinks[0]" in r.getMessage()]
-    assert len(warnings) == 1 and "HTTP Error 500" in warnings[0].getMessage()
+    assert len(warnings) == 1 and "(HTTP 500)" in warnings[0].getMessage()
     assert not [r for r in caplog.records if "alert.sinks[1]" in r.getMessage()]
+
+
+def test_a_token_in_the_url_never_reaches_the_log(tmp_path, monkeypatch, caplog, quick):
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]  # nothing listens there once closed
+    monkeypatch.setenv("HOOK_URL", f"http://127.0.0.1:{port}/hook/{TOKEN}?access_token={TOKEN}")
+    alerts = alerts_of(
+        [{"type": "webhook", "url_env": "HOOK_URL", "ranks": "all", "retries": 0}], 0, tmp_path
+    )
+    alerts.incident(incident(), None)
+    alerts.close()
+    assert "cannot reach the endpoint" in caplog.text and TOKEN not in caplog.text
 
 
 def test_a_hanging_endpoint_holds_up_only_itself(tmp_path, quick):
@@ -264,6 +278,7 @@ def test_a_callback_that_raises_is_reported_once_and_others_still_run(tmp_path, 
         ({"sinks": [{"type": "webhok", "url": "http://x"}]}, "did you mean 'webhook'?"),
         ({"sinks": [{"type": "webhook"}]}, "alert.sinks[0]: expected exactly one of 'url' and 'url_env'"),
         ({"sinks": [{"type": "webhook", "url": "ftp://x/y"}]}, "alert.sinks[0].url: expected an http:// or"),
+        ({"sinks": [{"type": "webhook", "url": "http://x/a b"}]}, "URL without spaces, got 'http://x/a b'"),
         (
             {"sinks": [{"type": "webhook", "url_env": "TRAINMON_UNSET_VARIABLE"}]},
             "TRAINMON_UNSET_VARIABLE is not set",

@@ -25,6 +25,8 @@ from tests.adapters.torch.distributed import free_port, run_ranks, save_result
 from tests.adapters.torch.helpers import MLP, make_batches
 
 STEPS, AT = 30, 5
+#: the steps whose gradient skip_step tests poison: three in a row
+BAD_STEPS = (AT, AT + 1, AT + 2)
 FAULTY = "layers.1.weight"
 
 
@@ -175,7 +177,7 @@ def _skipping(rank: int, fault_ranks: tuple[int, ...]) -> dict:
     for step, (x,) in enumerate(make_batches(STEPS, 1, seed=rank + 1)):
         before = [p.detach().clone() for p in model.parameters()]
         model(x).pow(2).mean().backward()
-        if step == AT and rank in fault_ranks:
+        if step in BAD_STEPS and rank in fault_ranks:
             dict(model.named_parameters())[FAULTY].grad[0, 0] = float("nan")
         optimizer.step()
         optimizer.zero_grad()
@@ -189,7 +191,8 @@ def test_skip_step_keeps_a_nan_gradient_out_of_the_weights(tmp_path, monkeypatch
     monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path))
     result = _skipping(0, (0,))
     assert result["incidents"] == [AT]
-    assert result["changed"] == [step != AT for step in range(STEPS)]  # only the faulty step skipped
+    # only the faulty steps are skipped, the second and third in a row too (one incident, open)
+    assert result["changed"] == [step not in BAD_STEPS for step in range(STEPS)]
     assert not any(result["poisoned"])  # without the skip, AdamW spreads the NaN into the weights
 
 
@@ -201,6 +204,75 @@ def _skip_worker(rank: int, world_size: int, workdir: str) -> None:
 def test_every_rank_skips_the_same_step(tmp_path):
     results = run_ranks(_skip_worker, 2, str(tmp_path), {"MONITOR_OUTPUT_DIR": str(tmp_path / "out")})
     for result in results:  # rank 0 saw nothing, yet skips with rank 1
-        assert result["changed"] == [step != AT for step in range(STEPS)]
+        assert result["changed"] == [step not in BAD_STEPS for step in range(STEPS)]
         assert not any(result["poisoned"])
     assert [r["incidents"] for r in results] == [[], [AT]]
+
+
+def _uneven_worker(rank: int, world_size: int, workdir: str) -> None:
+    """Data-parallel training by hand (an all_reduce per gradient, as DDP does) where the ranks'
+    collections end at different steps (collect_times 3 and 9): the agreement must go on at
+    every step on both, or it would pair with a gradient all_reduce."""
+    torch.manual_seed(0)
+    model = MLP()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    config = {
+        "wg_distribution": True,
+        "ops": ["norm", "nans"],
+        "collect_times": 3 if rank == 0 else 9,
+        "alert": {"actions": ["stop"]},
+    }
+    mon = TrainerMon(config).set_monitor(model, 1, optimizer)
+    stopped = None
+    for step, (x,) in enumerate(make_batches(STEPS, 1, seed=rank + 1)):
+        model(x).pow(2).mean().backward()
+        for param in model.parameters():
+            dist.all_reduce(param.grad)
+        if step == 6 and rank == 1:  # rank 0 collects no more by then
+            dict(model.named_parameters())[FAULTY].grad[0, 0] = float("nan")
+        try:
+            optimizer.step()
+        except TrainingStopped as exc:
+            stopped = exc.step
+            break
+        optimizer.zero_grad()
+    mon.stop()
+    save_result(workdir, rank, {"stopped": stopped})
+
+
+@pytest.mark.distributed
+def test_the_agreement_goes_on_after_a_ranks_collection_ended(tmp_path):
+    results = run_ranks(_uneven_worker, 2, str(tmp_path), {"MONITOR_OUTPUT_DIR": str(tmp_path / "out")})
+    steps = [result["stopped"] for result in results]
+    assert steps[0] == steps[1] and steps[0] is not None and steps[0] > 6
+
+
+EXITING = """
+import sys, torch
+from monitor import TrainerMon
+from tests.adapters.torch.helpers import MLP, make_batches
+model = MLP()
+optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+mon = TrainerMon({"wg_distribution": True, "alert": {"sinks": [{"type": "file", "path": "last.jsonl"}]}})
+mon.set_monitor(model, 1, optimizer)
+for step, (x,) in enumerate(make_batches(4, 1)):
+    model(x).sum().backward()
+    if step == 3:
+        model.layers[0].weight.grad[0, 0] = float("nan")
+    optimizer.step()
+    optimizer.zero_grad()
+sys.exit(0)  # no mon.stop(): a script that ends right after the fault
+"""
+
+
+def test_an_incident_at_the_last_step_is_delivered_when_the_process_exits(tmp_path):
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    env = {**os.environ, "MONITOR_OUTPUT_DIR": str(tmp_path), "PYTHONPATH": root}
+    done = subprocess.run(
+        [sys.executable, "-c", EXITING], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert [m["step"] for m in _lines(str(tmp_path / "last.jsonl"))] == [3]

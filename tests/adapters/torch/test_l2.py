@@ -230,3 +230,34 @@ def test_a_weight_held_in_pieces_is_not_measured_and_the_user_is_told(tmp_path, 
     names = set(_rows(mon.output_dir, "linear_hook")["name"])
     assert "block.proj.linear" not in names and "head.linear" in names
     assert "1 of 5 linear weights are sharded" in caplog.text
+
+
+@pytest.mark.parametrize("heads", ["all", "each"])
+def test_grouped_query_attention_maps_query_heads_to_their_key_head(heads):
+    from adapters.torch.l2 import attention_scores, summarise
+
+    generator = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 5, 4, 3, generator=generator)  # (b, s, 4 query heads, d)
+    k = torch.randn(2, 5, 2, 3, generator=generator)  # 2 key heads: query heads 0, 1 -> 0; 2, 3 -> 1
+    got = summarise(attention_scores(q, k, "b,s,h,d", heads), heads).numpy()
+    per_head = expected_attention(q.numpy(), np.repeat(k.numpy(), 2, axis=2))
+    if heads == "each":
+        np.testing.assert_allclose(got, per_head, rtol=1e-5)
+    else:
+        mean = per_head.mean(axis=0)
+        np.testing.assert_allclose(got[0], [*mean, per_head[:, 0].max(), per_head[:, 1].min()], rtol=1e-5)
+
+
+def test_an_all_zero_weight_has_stable_rank_zero_not_nan(tmp_path, monkeypatch):
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path))
+    model = Net(False)
+    with torch.no_grad():
+        model.head.weight.zero_()  # a freshly initialised LoRA B looks like this
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    mon = TrainerMon({"recording_l2_features": True, "format": "csv"}).set_monitor(model, 1, optimizer)
+    model(torch.zeros(1, 3, dtype=torch.long)).sum().backward()
+    optimizer.step()
+    mon.stop()
+    row = _rows(mon.output_dir, "linear_hook").set_index("name").loc["head.linear"]
+    assert (row["kernel_norm"], row["sr"]) == (0.0, 0.0)
+    assert mon.incidents == []  # no NaN, so no incident (and no stop action)
