@@ -10,6 +10,7 @@ lives here.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -25,6 +26,27 @@ logger = logging.getLogger("trainmon")
 
 #: config switches named in the "monitoring ..." line when they are on.
 _KINDS = ("wg_distribution", "mv_distribution", "param_distribution", "mg_direction", "xy_distribution")
+
+
+@dataclasses.dataclass(frozen=True)
+class Attachment:
+    """What ``TrainerMon.set_monitor`` was given, as every adapter's session takes it."""
+
+    config: MonitorConfig
+    model: Any
+    optimizer: Any
+    grad_acc_steps: int = 1
+    process_group: Any = None
+    params_have_main_grad: bool | None = None
+    tp_group: Any = None
+    dp_group: Any = None
+    start_iteration: int = 0
+    #: dynamic mode: attach the hooks but collect only when the config says so
+    dormant: bool = False
+    #: called with the new step number at the end of every optimizer step (live control)
+    on_step_end: Callable[[int], None] | None = None
+    #: torch: the collectives monitor that wrapped torch.distributed when TrainerMon was made
+    early_collectives: Any = None
 
 
 def model_chunks(model: Any, chunk_type: type, type_name: str) -> list:

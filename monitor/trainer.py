@@ -118,21 +118,24 @@ class TrainerMon:
             from adapters.torch.session import TorchSession as Session
         else:
             from adapters.mindspore.session import MindSporeSession as Session
-        live = {}
-        if self._dynamic is not None:
-            live = {"dormant": True, "on_step_end": self._poll_dynamic}
+        from monitor.lifecycle import Attachment  # the sessions' machinery loads when attaching
+
+        dynamic = self._dynamic is not None
         self._session = Session(
-            config=self.config,
-            model=model,
-            grad_acc_steps=grad_acc_steps,
-            optimizer=optimizer if optimizer is not None else self._wrapped_optimizer,
-            process_group=self.process_group,
-            params_have_main_grad=self.params_have_main_grad,
-            tp_group=tp_group,
-            dp_group=dp_group,
-            start_iteration=start_iteration,
-            **({"early_collectives": self._early_collectives} if framework == "torch" else {}),
-            **live,
+            Attachment(
+                config=self.config,
+                model=model,
+                optimizer=optimizer if optimizer is not None else self._wrapped_optimizer,
+                grad_acc_steps=grad_acc_steps,
+                process_group=self.process_group,
+                params_have_main_grad=self.params_have_main_grad,
+                tp_group=tp_group,
+                dp_group=dp_group,
+                start_iteration=start_iteration,
+                dormant=dynamic,
+                on_step_end=self._poll_dynamic if dynamic else None,
+                early_collectives=self._early_collectives,
+            )
         )
         for callback in self._incident_callbacks:
             self._session.add_incident_callback(callback)

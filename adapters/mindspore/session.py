@@ -25,7 +25,6 @@ warning naming it.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from typing import Any
 
 import mindspore as ms
@@ -33,8 +32,7 @@ import mindspore as ms
 from adapters.mindspore.collection import Collection, without_hooks
 from adapters.mindspore.dist import any_rank, global_rank, pipeline_info
 from adapters.mindspore.optim import OptimizerView, hookable_optimizer
-from monitor.config import MonitorConfig
-from monitor.lifecycle import SessionLifecycle, model_chunks
+from monitor.lifecycle import Attachment, SessionLifecycle, model_chunks
 
 logger = logging.getLogger("trainmon")
 
@@ -48,41 +46,28 @@ class MindSporeSession(SessionLifecycle):
     monitored = "MindSpore parameters"
     collection: Collection | None
 
-    def __init__(
-        self,
-        *,
-        config: MonitorConfig,
-        model: Any,
-        grad_acc_steps: int,
-        optimizer: Any,
-        process_group: Any,
-        params_have_main_grad: bool | None,
-        tp_group: Any,
-        dp_group: Any,
-        start_iteration: int,
-        dormant: bool = False,
-        on_step_end: Callable[[int], None] | None = None,
-    ) -> None:
-        chunks = model_chunks(model, ms.nn.Cell, "mindspore.nn.Cell")
-        if optimizer is None:
+    def __init__(self, attachment: Attachment) -> None:
+        a = attachment
+        chunks = model_chunks(a.model, ms.nn.Cell, "mindspore.nn.Cell")
+        if a.optimizer is None:
             raise ValueError("set_monitor: optimizer: required (its call marks the end of a training step)")
         self.graph_mode = ms.get_context("mode") != ms.PYNATIVE_MODE
-        if params_have_main_grad:
+        if a.params_have_main_grad:
             logger.warning(
                 "trainmon: params_have_main_grad is ignored: MindSpore parameters have no main_grad"
             )
         self.chunks = chunks
-        self.optimizer = hookable_optimizer(optimizer)
+        self.optimizer = hookable_optimizer(a.optimizer)
         self.view = OptimizerView(self.optimizer)
-        super().__init__(config, global_rank(), start_iteration, on_step_end)
-        self.pp_stage, self.group_mates = pipeline_info(process_group)
-        self.grad_acc_steps = grad_acc_steps
-        self.dp_group = dp_group
+        super().__init__(a.config, global_rank(), a.start_iteration, a.on_step_end)
+        self.pp_stage, self.group_mates = pipeline_info(a.process_group)
+        self.grad_acc_steps = a.grad_acc_steps
+        self.dp_group = a.dp_group
         #: graph mode: the optimizer's update count when the session began counting from ``step``
         self._updates_at_start = (self.view.step_count() or 0) if self.graph_mode else 0
-        self._start_step = start_iteration
+        self._start_step = a.start_iteration
         self._told_pynative = False
-        self._attach(dormant)
+        self._attach(a.dormant)
 
     # -- public control ----------------------------------------------------------------------
 

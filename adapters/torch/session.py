@@ -23,8 +23,7 @@ from adapters.torch.compiled import has_compiled_modules, recompile_with_hooks, 
 from adapters.torch.dist import any_rank, global_rank, pipeline_info, world_size
 from adapters.torch.dtensor import DTensorBackend
 from adapters.torch.optim import TorchBackend, accumulation_boundary, optimizer_backend
-from monitor.config import MonitorConfig
-from monitor.lifecycle import SessionLifecycle, model_chunks
+from monitor.lifecycle import Attachment, SessionLifecycle, model_chunks
 
 logger = logging.getLogger("trainmon")
 
@@ -34,43 +33,29 @@ class TorchSession(SessionLifecycle):
 
     collection: Collection | None
 
-    def __init__(
-        self,
-        *,
-        config: MonitorConfig,
-        model: Any,
-        grad_acc_steps: int,
-        optimizer: Any,
-        process_group: Any,
-        params_have_main_grad: bool | None,
-        tp_group: Any,
-        dp_group: Any,
-        start_iteration: int,
-        early_collectives: Any = None,
-        dormant: bool = False,
-        on_step_end: Callable[[int], None] | None = None,
-    ) -> None:
-        chunks = model_chunks(model, torch.nn.Module, "torch.nn.Module")
-        if optimizer is None:
+    def __init__(self, attachment: Attachment) -> None:
+        a = attachment
+        chunks = model_chunks(a.model, torch.nn.Module, "torch.nn.Module")
+        if a.optimizer is None:
             raise ValueError("set_monitor: optimizer: required (its step marks the end of a training step)")
         self.chunks = [uncompiled(chunk) for chunk in chunks]
-        self.compiled = any(a is not b for a, b in zip(chunks, self.chunks))
-        self.backend = optimizer_backend(optimizer, self.chunks)
+        self.compiled = any(given is not plain for given, plain in zip(chunks, self.chunks))
+        self.backend = optimizer_backend(a.optimizer, self.chunks)
         self.optimizer = self.backend.optimizer
-        super().__init__(config, global_rank(), start_iteration, on_step_end)
+        super().__init__(a.config, global_rank(), a.start_iteration, a.on_step_end)
         self.world_size = world_size()
-        self.pp_stage, self.group_mates = pipeline_info(process_group)
-        self.grad_acc_steps = grad_acc_steps
-        self.main_grad = params_have_main_grad
-        self.groups = (tp_group, dp_group)
-        self.collectives = early_collectives
+        self.pp_stage, self.group_mates = pipeline_info(a.process_group)
+        self.grad_acc_steps = a.grad_acc_steps
+        self.main_grad = a.params_have_main_grad
+        self.groups = (a.tp_group, a.dp_group)
+        self.collectives = a.early_collectives
         self._cleanup: list = []
         #: the optimizer step's closure is running (Lightning, LBFGS-style steps).
         self._in_closure = False
         #: the optimizer was called with a closure whose end has not been seen yet.
         self._closure_pending = False
-        self._boundaries = self._micro_batch_boundaries(optimizer)
-        self._attach(dormant)
+        self._boundaries = self._micro_batch_boundaries(a.optimizer)
+        self._attach(a.dormant)
 
     def _micro_batch_boundaries(self, optimizer: Any) -> list[Callable[[], bool]]:
         """What can tell, while a backward pass runs, that its micro-batch is the step's last."""
