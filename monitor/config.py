@@ -8,7 +8,6 @@ warning naming the closest known key.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
@@ -18,6 +17,7 @@ from types import MappingProxyType
 from typing import Any
 
 from monitor.alerts.config import BundleSpec, SinkSpec, parse_actions, parse_bundle, parse_sinks
+from monitor.config_files import read_config_file
 from monitor.config_values import (
     ConfigError,
     as_bool,
@@ -176,47 +176,6 @@ def load_config(source: str | os.PathLike | Mapping[str, Any] | MonitorConfig) -
     if not isinstance(source, (str, os.PathLike)):
         raise ConfigError(f"config: expected a file path or a dict, got {type(source).__name__}")
     return validate_config(read_config_file(source))
-
-
-def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
-    """Parse a config file as data only (JSON, or YAML with the safe loader by extension)."""
-    path = os.fspath(path)
-    try:
-        with open(path, "rb") as handle:
-            raw = handle.read()
-    except OSError as exc:
-        raise ConfigError(f"config file {path!r}: cannot be read ({exc.strerror or exc})") from None
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError:
-        raise ConfigError(f"config file {path!r}: expected UTF-8 text") from None
-    is_yaml = path.lower().endswith((".yaml", ".yml"))
-    try:
-        data = _load_yaml(text) if is_yaml else json.loads(text)
-    except Exception as exc:
-        raise ConfigError(f"config file {path!r}: not valid {'YAML' if is_yaml else 'JSON'}: {exc}") from None
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise ConfigError(
-            f"config file {path!r}: expected an object at the top level, got {type(data).__name__}"
-        )
-    return data
-
-
-def _load_yaml(text: str) -> Any:
-    """YAML with the safe loader, reading floats the YAML 1.2 / JSON way (``1e-8`` is a number)."""
-    import yaml
-
-    class Loader(yaml.SafeLoader):
-        pass
-
-    Loader.add_implicit_resolver(
-        "tag:yaml.org,2002:float",
-        re.compile(r"^[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)[eE][-+]?[0-9]+$"),
-        list("-+0123456789."),
-    )
-    return yaml.load(text, Loader=Loader)  # a SafeLoader subclass: data only
 
 
 def validate_config(raw: Mapping[str, Any]) -> MonitorConfig:
