@@ -1,4 +1,4 @@
-"""``trainmon csv2tb`` and ``trainmon csv2db``: their options and entry points.
+"""``trainmon csv2tb``, ``csv2db`` and ``compact``: their options and entry points.
 
 This module is light on purpose (argparse only): the converters themselves import pandas and
 TensorBoard, which ``trainmon --help`` and ``trainmon demo`` should not pay for, so they are
@@ -118,6 +118,41 @@ def run_csv2db(args: argparse.Namespace) -> int:
     return _convert("csv2db", csv2db, args)
 
 
+def add_compact_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``trainmon compact``."""
+    parser.add_argument(
+        "-d",
+        "--monitor-path",
+        dest="monitor_path",
+        required=True,
+        help="the monitor's output directory (MONITOR_OUTPUT_DIR) holding {time}-rank{R}-{id} directories",
+    )
+    parser.add_argument(
+        "-o", "--output", default=None, help="dataset directory (default MONITOR_PATH/dataset)"
+    )
+
+
+def run_compact(args: argparse.Namespace) -> int:
+    """``trainmon compact``."""
+    from dashboards.convert.runs import ConvertError
+
+    try:
+        from dashboards.convert.compact import compact
+    except ImportError:
+        print("trainmon compact: needs DuckDB: pip install -e '.[dataset]'", file=sys.stderr)
+        return 2
+    try:
+        counts = compact(args.monitor_path, args.output)
+    except ConvertError as exc:
+        print(f"trainmon compact: {exc}", file=sys.stderr)
+        return 2
+    out = args.output or f"{args.monitor_path}/dataset"
+    print(f"Written:     {out} ({counts['written']} part(s) written, {counts['kept']} up to date)")
+    values = f"read_parquet('{out}/values/**/*.parquet', hive_partitioning=true)"
+    print(f'Query it:    duckdb -c "SELECT * FROM {values}"')
+    return 0
+
+
 COMMANDS = {
     "csv2tb": (
         "convert the monitor's CSV outputs into TensorBoard event files (one run per rank and data type)",
@@ -129,11 +164,17 @@ COMMANDS = {
         add_csv2db_arguments,
         run_csv2db,
     ),
+    "compact": (
+        "write the monitor's outputs once as a Parquet dataset for SQL engines (DuckDB, Spark)",
+        add_compact_arguments,
+        run_compact,
+    ),
 }
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    """Add ``csv2tb`` and ``csv2db`` to the ``trainmon`` command (``trainmon.commands`` entry point)."""
+    """Add ``csv2tb``, ``csv2db`` and ``compact`` to the ``trainmon`` command (``trainmon.commands``
+    entry point)."""
     for name, (text, add_arguments, run) in COMMANDS.items():
         command = sub.add_parser(name, help=text, description=text)
         add_arguments(command)

@@ -1,0 +1,116 @@
+"""``trainmon compact``: every CSV value in the Parquet dataset, read back with DuckDB and checked
+against the csv module's reading of the files; resumable, and the later of two writes wins."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+duckdb = pytest.importorskip("duckdb", reason="DuckDB is not installed here (pip install -e '.[dataset]')")
+
+import numpy as np  # noqa: E402
+
+from dashboards.convert.compact import compact  # noqa: E402
+from monitor.record import RowSet, StepRecord  # noqa: E402
+from monitor.writers.csv import CsvWriter  # noqa: E402
+from tests.dashboards.conftest import read_csv_rows, write_run  # noqa: E402
+
+COLUMNS = {"rank", "step", "micro_step", "vpp_stage", "data_type", "name", "op", "value"}
+
+
+def _dataset(out) -> dict[tuple, float]:
+    rows = duckdb.sql(f"SELECT * FROM read_parquet('{out}/values/**/*.parquet', hive_partitioning = true)")
+    assert set(rows.columns) == COLUMNS
+    found = {}
+    for record in rows.fetchall():
+        r = dict(zip(rows.columns, record))
+        key = (int(r["rank"]), r["data_type"], r["vpp_stage"], r["name"], r["micro_step"], r["step"], r["op"])
+        assert key not in found
+        found[key] = r["value"]
+    return found
+
+
+def _same(got: dict, expected: dict) -> None:
+    assert got.keys() == expected.keys()
+    for key, value in expected.items():
+        assert (math.isnan(value) and math.isnan(got[key])) or got[key] == value, key
+
+
+def test_every_value_round_trips_and_a_second_run_writes_nothing(tmp_path):
+    special = {(1, "exp_avg", 3, 0, "norm"): float("nan"), (0, "grad_reduced", 2, 1, "max"): float("inf")}
+    dirs = write_run(
+        tmp_path,
+        ranks=(0, 1),
+        steps=range(6),
+        window=2,
+        prefixes=("grad_reduced", "exp_avg"),
+        special=special,
+    )
+    # a restart of rank 0 that wrote steps 4-7 again, step 4 with other values: the later wins
+    later = write_run(
+        tmp_path,
+        ranks=(0,),
+        steps=range(4, 8),
+        prefixes=("grad_reduced",),
+        stamp="Jan02_03-04-09",
+        special={(0, "grad_reduced", 4, 0, "norm"): -1.5},
+    )
+    expected = {}
+    for rank, directories in {0: [dirs[0], later[0]], 1: [dirs[1]]}.items():
+        for directory in directories:
+            for prefix in ("grad_reduced", "exp_avg"):
+                for row in read_csv_rows(directory, prefix):
+                    micro = None if row["micro"] < 0 else row["micro"]
+                    for op, value in row["values"].items():
+                        expected[(rank, prefix, row["vpp"], row["name"], micro, row["step"], op)] = value
+    assert compact(str(tmp_path)) == {"written": 4, "kept": 0}
+    got = _dataset(tmp_path / "dataset")
+    _same(got, expected)
+    assert (
+        got[(0, "grad_reduced", 0, expected and next(iter(k[3] for k in expected)), None, 4, "norm")] == -1.5
+    )
+    assert compact(str(tmp_path)) == {"written": 0, "kept": 4}  # nothing changed: nothing written
+    changed = next(dirs[1].glob("exp_avg_*.csv"))
+    os.utime(changed, ns=(changed.stat().st_atime_ns, changed.stat().st_mtime_ns + 10**9))
+    assert compact(str(tmp_path)) == {"written": 1, "kept": 3}  # only the part of the changed file
+    runs = duckdb.sql(
+        f"SELECT rank, directory FROM read_parquet('{tmp_path}/dataset/runs.parquet')"
+    ).fetchall()
+    assert sorted(runs) == sorted([(0, dirs[0].name), (0, later[0].name), (1, dirs[1].name)])
+
+
+def test_micro_steps_anomalies_and_the_command(tmp_path):
+    directory = tmp_path / "Jan02_03-04-05-rank0-00000000"
+    directory.mkdir()
+    writer = CsvWriter(directory, 6, 10)
+    rows = RowSet.build([0, 0], ["a.weight", "b.weight"], 0, "acc_grad", [0, 1])
+    writer.write(StepRecord("grad_unreduced", 0, ("norm", "nans"), rows, np.array([[0.25, 0.0], [3.5, 2.0]])))
+    writer.end_step(0)
+    writer.close()
+    write_run(tmp_path, ranks=(1,), steps=range(3), anomalies=[(1, "grad_reduced", 2, 0, "norm")])
+    done = subprocess.run(
+        [sys.executable, "-m", "monitor.cli", "compact", "-d", str(tmp_path), "-o", str(tmp_path / "ds")],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr
+    got = _dataset(tmp_path / "ds")
+    assert got[(0, "grad_unreduced", 0, "b.weight", 1, 0, "norm")] == 3.5
+    assert got[(0, "grad_unreduced", 0, "a.weight", 0, 0, "nans")] == 0.0
+    assert all(key[4] is None for key in got if key[1] == "grad_reduced")  # no micro-step: NULL
+    (anomaly,) = duckdb.sql(
+        f"SELECT rank, step, op FROM read_parquet('{tmp_path}/ds/anomalies.parquet')"
+    ).fetchall()
+    assert anomaly == (1, 2, "norm")
+    assert "Written:" in done.stdout
+
+
+def test_no_run_is_a_clear_error(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-m", "monitor.cli", "compact", "-d", str(tmp_path)], capture_output=True, text=True
+    )
+    assert done.returncode == 2 and "no {time}-rank{R}-{id} directory" in done.stderr
