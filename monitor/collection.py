@@ -31,8 +31,8 @@ class BaseCollection(ABC):
     """Schedule, step flag, call ids, failures and removal of one config's collection.
 
     Adapters set the parts they build (``grads``, ``activations``, ``structure``, ``stacks``,
-    ``collectives``, ``core``, ``_rows``) and implement ``_submit``, ``_submit_collectives`` and
-    ``_write_stacks``. Every part keeps the same small interface across frameworks: ``reset()``
+    ``collectives``, ``core``, ``_rows``) and implement ``_submit`` and ``_submit_collectives``.
+    Every part keeps the same small interface across frameworks: ``reset()``
     and a ``collect`` flag for gradients and activations, ``begin_step``/``remove`` for
     collectives.
     """
@@ -149,9 +149,16 @@ class BaseCollection(ABC):
     def _submit_collectives(self) -> None:
         """The collective calls of the step, one record per kind of call."""
 
-    @abstractmethod
     def _write_stacks(self) -> None:
-        """stack_info: write the module call stacks once, then unhook."""
+        """stack_info: write stack_info.csv once, at the first collected step, then unhook; a
+        failed write keeps the hooks and is tried again at the next collected step."""
+        if self.core.output_dir is not None:
+            path = self.stacks.write(self.core.output_dir)
+            if path:
+                logger.info("trainmon: module call stacks written to %s", path)
+        for handle in self._stack_handles:
+            handle.remove()
+        self._stack_handles, self.stacks = [], None
 
     def _record(
         self,

@@ -131,6 +131,17 @@ class SessionLifecycle(IncidentResponses, ABC):
             self.collection.core.output_dir or "in memory (format api)",
         )
 
+    def resume_step_count(self, step: int | None) -> None:
+        """After stop() no hook counts steps: go on from ``step``, else by the optimizer's own count
+        of updates since stop()."""
+        if step is not None:
+            self.step = step
+        elif self._steps_at_stop is not None:
+            now = self._optimizer_step_count()
+            if now is not None:
+                self.step += now - self._steps_at_stop
+        self._steps_at_stop = None
+
     def stop(self) -> None:
         """Remove every hook and close the outputs (idempotent); queued alerts are delivered."""
         self._end_collection()

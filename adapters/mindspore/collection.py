@@ -295,16 +295,3 @@ class Collection(BaseCollection):
         if order != sorted(order):
             values = ops.gather(values, ms.Tensor(np.argsort(np.array(order)).astype(np.int32)), 0)
         self._submit("other", rows, self.engine.scalar_matrix(values))
-
-    # -- stack_info --------------------------------------------------------------------------
-
-    def _write_stacks(self) -> None:
-        """stack_info: write stack_info.csv once, at the first collected step, then unhook."""
-        stacks, handles = self.stacks, self._stack_handles
-        self.stacks, self._stack_handles = None, []
-        for handle in handles:
-            handle.remove()
-        if self.core.output_dir is not None:
-            path = stacks.write(self.core.output_dir)
-            if path:
-                logger.info("trainmon: module call stacks written to %s", path)

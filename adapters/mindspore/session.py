@@ -78,13 +78,7 @@ class MindSporeSession(SessionLifecycle):
             self.step = step if step is not None else self._start_step + updates - self._updates_at_start
             self._start_step, self._updates_at_start = self.step, updates
             return
-        if step is not None:
-            self.step = step
-        elif self._steps_at_stop is not None:
-            now = self._optimizer_step_count()
-            if now is not None:
-                self.step += now - self._steps_at_stop
-        self._steps_at_stop = None
+        super().resume_step_count(step)
 
     # -- the collection of one config --------------------------------------------------------
 

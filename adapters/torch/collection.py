@@ -379,13 +379,3 @@ class Collection(BaseCollection):
         merged = shard_reduce(shares, all_counts, ("mean",), self.backend.shard_group)
         whole = stat_matrix(list(torch.from_numpy(merged[:, 0])), self.ops, self.eps).numpy()
         self._submit("other", rows, np.concatenate([whole, merged[:, 1:]], axis=1), ops)
-
-    def _write_stacks(self) -> None:
-        """stack_info: write stack_info.csv once, at the first collected step, then unhook."""
-        if self.core.output_dir is not None:
-            path = self.stacks.write(self.core.output_dir)
-            if path:
-                logger.info("trainmon: module call stacks written to %s", path)
-        for handle in self._stack_handles:
-            handle.remove()
-        self._stack_handles, self.stacks = [], None

@@ -73,16 +73,6 @@ class TorchSession(SessionLifecycle):
 
     # -- public control ----------------------------------------------------------------------
 
-    def resume_step_count(self, step: int | None) -> None:
-        """After stop() no hook counts steps: continue from ``step``, else from the optimizer's own count."""
-        if step is not None:
-            self.step = step
-            return
-        now = self._optimizer_step_count()
-        if now is not None and self._steps_at_stop is not None:
-            self.step += now - self._steps_at_stop
-        self._steps_at_stop = None
-
     # -- the collection of one config --------------------------------------------------------
 
     def _new_collection(self) -> Collection:
