@@ -41,8 +41,8 @@ def _types(text: str) -> list[str]:
     return types
 
 
-def _add_selection(parser: argparse.ArgumentParser) -> None:
-    """The converters' common options: -d, --start, --end, --types, -j, --no-progress."""
+def _add_monitor_path(parser: argparse.ArgumentParser) -> None:
+    """``-d/--monitor-path``: where the converters read from."""
     parser.add_argument(
         "-d",
         "--monitor-path",
@@ -50,6 +50,11 @@ def _add_selection(parser: argparse.ArgumentParser) -> None:
         required=True,
         help="the monitor's output directory (MONITOR_OUTPUT_DIR) holding {time}-rank{R}-{id} directories",
     )
+
+
+def _add_selection(parser: argparse.ArgumentParser) -> None:
+    """The converters' common options: -d, --start, --end, --types, -j, --no-progress."""
+    _add_monitor_path(parser)
     example = TIME_FORMAT.replace("%", "%%")  # argparse %-formats help texts
     parser.add_argument(
         "--start", default=None, help=f"first time tag to include, e.g. Dec03_21-34-40 ({example})"
@@ -120,13 +125,7 @@ def run_csv2db(args: argparse.Namespace) -> int:
 
 def add_compact_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``trainmon compact``."""
-    parser.add_argument(
-        "-d",
-        "--monitor-path",
-        dest="monitor_path",
-        required=True,
-        help="the monitor's output directory (MONITOR_OUTPUT_DIR) holding {time}-rank{R}-{id} directories",
-    )
+    _add_monitor_path(parser)
     parser.add_argument(
         "-o", "--output", default=None, help="dataset directory (default MONITOR_PATH/dataset)"
     )
