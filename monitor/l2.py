@@ -133,7 +133,7 @@ def lanczos_top(
 
 class L2Steps:
     """What both adapters' l2 parts keep per step: the attention rows and values of the step so
-    far, the micro-step of each chunk, and each linear module's singular vector across steps.
+    far, and each linear module's singular vector across steps.
     Adapters add the hooks and the arithmetic of their framework."""
 
     def __init__(
@@ -149,17 +149,15 @@ class L2Steps:
         self.on_error = on_error
         #: set by the collection before each step's forward: the hooks do nothing when False.
         self.collect = False
-        self.chunk_count = 1 + max((vpp for vpp, _, _ in named), default=0)
-        self._micro = [-1] * self.chunk_count
         self._rows: list[tuple[int, str, int]] = []
         self._values: list[Any] = []
         #: per linear module: the top singular vector of the last collected step
         self.vectors: dict[int, Any] = {}
 
-    def add_attention(self, index: int, values: Any, count: int) -> None:
-        """One call's ``count`` rows (one, or one per head with ``each``) of attention module ``index``."""
+    def add_attention(self, index: int, micro: int, values: Any, count: int) -> None:
+        """One call's ``count`` rows (one, or one per head with ``each``) of attention module
+        ``index`` at micro-step ``micro``."""
         vpp, name, _ = self.attention[index]
-        micro = max(self._micro[vpp], 0)
         if self.heads == "each":
             self._rows += [(vpp, f"{name}.attention.head{h}", micro) for h in range(count)]
         else:
@@ -185,6 +183,5 @@ class L2Steps:
         )
 
     def reset(self) -> None:
-        """Forget the step's rows and micro-steps (the singular vectors stay)."""
-        self._micro = [-1] * self.chunk_count
+        """Forget the step's rows (the singular vectors stay)."""
         self._rows, self._values = [], []

@@ -115,6 +115,66 @@ class _Held:
         self.rows, self.tensors, self.numel = [], [], 0
 
 
+class RootCalls:
+    """Whether each model chunk's root Cell is running, and the chunk's micro-step: a training
+    call of a root that is not inside another call of it starts a micro-step while ``active()``.
+    ``on_start(vpp)`` runs when a micro-step starts, ``on_end(vpp)`` when a root call ends while
+    ``active()``. The start hooks go before every other hook, the end hooks after them."""
+
+    def __init__(
+        self,
+        chunks: Sequence[ms.nn.Cell],
+        active: Callable[[], bool],
+        on_start: Callable[[int], None] | None = None,
+        on_end: Callable[[int], None] | None = None,
+    ) -> None:
+        self.chunks = list(chunks)
+        self.active = active
+        self.on_start, self.on_end = on_start, on_end
+        self.reset()
+
+    def register_starts(self) -> list:
+        return [
+            chunk.register_forward_pre_hook(self._starts(vpp), prepend=True)
+            for vpp, chunk in enumerate(self.chunks)
+        ]
+
+    def register_ends(self) -> list:
+        return [
+            chunk.register_forward_hook(self._ends(vpp), always_call=True)
+            for vpp, chunk in enumerate(self.chunks)
+        ]
+
+    def _starts(self, vpp: int) -> Callable:
+        def hook(cell: ms.nn.Cell, args: Any) -> None:
+            self._running[vpp] += 1
+            if self.active() and self._running[vpp] == 1 and is_training_call(cell):
+                self._micro[vpp] += 1
+                if self.on_start is not None:
+                    self.on_start(vpp)
+
+        return hook
+
+    def _ends(self, vpp: int) -> Callable:
+        def hook(cell: ms.nn.Cell, args: Any, output: Any) -> None:
+            self._running[vpp] = max(self._running[vpp] - 1, 0)
+            if self.active() and self._running[vpp] == 0 and self.on_end is not None:
+                self.on_end(vpp)
+
+        return hook
+
+    def inside(self, vpp: int) -> bool:
+        """Whether a call of the chunk's root is running."""
+        return self._running[vpp] > 0
+
+    def micro_of(self, vpp: int) -> int:
+        return max(self._micro[vpp], 0)
+
+    def reset(self) -> None:
+        self._micro = [-1] * len(self.chunks)
+        self._running = [0] * len(self.chunks)
+
+
 class Activations:
     """Hooks on selected Cells; statistics taken in batches, kept on the device until the step is written."""
 
@@ -135,8 +195,12 @@ class Activations:
         self.on_error = on_error
         #: set by the collection before each step's forward: the hooks do nothing when False.
         self.collect = False
-        self._micro = [-1] * len(self.chunks)
-        self._running = [0] * len(self.chunks)
+        self.roots = RootCalls(
+            self.chunks,
+            lambda: self.collect,
+            on_start=lambda vpp: self._guard("actv_grad", self._held["actv_grad"].describe, self.engine),
+            on_end=lambda vpp: self._guard("actv", self._held["actv"].describe, self.engine),
+        )
         self._calls: dict[tuple[int, int], int] = {}
         self._held = {prefix: _Held() for prefix in PREFIXES}
 
@@ -146,37 +210,16 @@ class Activations:
         Per chunk root: the micro-step counter first (prepended) and the end of its call last
         (after the Cells' own hooks, also when the forward raises).
         """
-        handles = []
-        for vpp, chunk in enumerate(self.chunks):
-            handles.append(chunk.register_forward_pre_hook(self._root_starts(vpp), prepend=True))
+        handles = self.roots.register_starts()
         for index, entry in enumerate(self.cells):
             handles.append(entry.cell.register_forward_pre_hook(self._before(index), with_kwargs=True))
             handles.append(entry.cell.register_forward_hook(self._after(index), with_kwargs=True))
-        for vpp, chunk in enumerate(self.chunks):
-            handles.append(chunk.register_forward_hook(self._root_ends(vpp), always_call=True))
-        return handles
+        return handles + self.roots.register_ends()
 
     # -- hooks -------------------------------------------------------------------------------
 
-    def _root_starts(self, vpp: int) -> Callable:
-        def hook(cell: ms.nn.Cell, args: Any) -> None:
-            self._running[vpp] += 1
-            if self.collect and self._running[vpp] == 1 and is_training_call(cell):
-                self._micro[vpp] += 1
-                self._guard("actv_grad", self._held["actv_grad"].describe, self.engine)
-
-        return hook
-
-    def _root_ends(self, vpp: int) -> Callable:
-        def hook(cell: ms.nn.Cell, args: Any, output: Any) -> None:
-            self._running[vpp] = max(self._running[vpp] - 1, 0)
-            if self.collect and self._running[vpp] == 0:
-                self._guard("actv", self._held["actv"].describe, self.engine)
-
-        return hook
-
     def _recorded(self, entry: HookedCell) -> bool:
-        return self._running[entry.vpp_stage] > 0 and is_training_call(entry.cell)
+        return self.roots.inside(entry.vpp_stage) and is_training_call(entry.cell)
 
     def _before(self, index: int) -> Callable:
         def hook(cell: ms.nn.Cell, args: tuple, kwargs: dict) -> None:
@@ -197,7 +240,7 @@ class Activations:
 
     def _observe(self, index: int, direction: str, obj: Any, call_done: bool) -> None:
         entry = self.cells[index]
-        micro = max(self._micro[entry.vpp_stage], 0)
+        micro = self.roots.micro_of(entry.vpp_stage)
         tensors = direction_tensors(entry.name, entry.formats, entry.warned, direction, obj, is_tensor)
         name = f"{call_name(entry.name, self._calls.get((index, micro), 0))}.{direction}"
         if tensors and self.forward:
@@ -249,7 +292,6 @@ class Activations:
 
     def reset(self) -> None:
         """Forget the step (a Cell that does not run in a step has no row for it)."""
-        self._micro = [-1] * len(self.chunks)
-        self._running = [0] * len(self.chunks)
+        self.roots.reset()
         self._calls.clear()
         self._held = {prefix: _Held() for prefix in PREFIXES}

@@ -21,7 +21,7 @@ from typing import Any
 import mindspore as ms
 import numpy as np
 
-from adapters.mindspore.activations import is_training_call
+from adapters.mindspore.activations import RootCalls, is_training_call
 from monitor.config import MonitorConfig
 from monitor.l2 import FIRST_ITERATIONS, WARM_ITERATIONS, L2Steps, attention_rows, lanczos_top
 from monitor.record import RowSet
@@ -50,39 +50,19 @@ class L2Features(L2Steps):
             (vpp, raw, cell) for vpp, chunk in enumerate(chunks) for raw, cell in chunk.cells_and_names()
         ]
         super().__init__(named, config, is_linear, on_error)
-        self.chunks = list(chunks)
-        self._running = [0] * len(self.chunks)
+        self.roots = RootCalls(chunks, lambda: self.collect)
 
     def register(self) -> list:
         if not self.attention:
             return []
-        handles = []
-        for vpp, chunk in enumerate(self.chunks):
-            handles.append(chunk.register_forward_pre_hook(self._root_starts(vpp), prepend=True))
+        handles = self.roots.register_starts()
         for index, (_, _, cell) in enumerate(self.attention):
             handles.append(cell.register_forward_hook(self._hook(index)))
-        for vpp, chunk in enumerate(self.chunks):
-            handles.append(chunk.register_forward_hook(self._root_ends(vpp), always_call=True))
-        return handles
-
-    def _root_starts(self, vpp: int) -> Callable:
-        def hook(cell: ms.nn.Cell, args: Any) -> None:
-            self._running[vpp] += 1
-            if self.collect and self._running[vpp] == 1 and is_training_call(cell):
-                self._micro[vpp] += 1
-
-        return hook
-
-    def _root_ends(self, vpp: int) -> Callable:
-        def hook(cell: ms.nn.Cell, args: Any, output: Any) -> None:
-            self._running[vpp] = max(self._running[vpp] - 1, 0)
-
-        return hook
+        return handles + self.roots.register_ends()
 
     def _hook(self, index: int) -> Callable:
         def hook(cell: ms.nn.Cell, args: tuple, output: Any) -> None:
-            vpp = self.attention[index][0]
-            if self.collect and self._running[vpp] > 0 and is_training_call(cell):
+            if self.collect and self.roots.inside(self.attention[index][0]) and is_training_call(cell):
                 self._measure(index, args)
 
         return hook
@@ -96,10 +76,14 @@ class L2Features(L2Steps):
             if self.heads == "first":
                 q, k = q[:, :1], k[:, :1]
             rows = attention_rows(q.asnumpy(), k.asnumpy(), self.heads)
-            self.add_attention(index, rows, rows.shape[0])
+            self.add_attention(index, self.roots.micro_of(self.attention[index][0]), rows, rows.shape[0])
         except Exception as exc:
             self.collect = False
             self.on_error("attention_hook", exc)
+
+    def reset(self) -> None:
+        super().reset()
+        self.roots.reset()
 
     def take_attention(self, rank: int) -> tuple[RowSet, np.ndarray] | None:
         """This step's attention rows and values; None without any. Resets the step."""

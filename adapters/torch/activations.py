@@ -76,6 +76,44 @@ def select_modules(
     ]
 
 
+class MicroSteps:
+    """The micro-step of each model chunk within a step: a pre-hook on each chunk's root (run
+    before any other) counts its training-mode calls while ``active()``, except the forward a
+    checkpoint recomputes during the backward."""
+
+    def __init__(self, chunks: Sequence[torch.nn.Module], active: Callable[[], bool]) -> None:
+        self.chunks = list(chunks)
+        self.active = active
+        self.reset()
+
+    def register(self) -> list:
+        """Register the counting hooks; returns removable handles."""
+        return [
+            chunk.register_forward_pre_hook(self._hook(vpp), prepend=True)
+            for vpp, chunk in enumerate(self.chunks)
+        ]
+
+    def _hook(self, vpp: int) -> Callable:
+        count = eager(functools.partial(self._count, vpp))
+
+        def hook(module: torch.nn.Module, args: Any) -> None:
+            if self.active() and module.training:
+                count()
+
+        return hook
+
+    def _count(self, vpp: int) -> None:
+        if torch._C._current_graph_task_id() == -1:  # not a checkpoint's recompute
+            self._current[vpp] += 1
+
+    def of(self, vpp: int) -> int:
+        """The chunk's current micro-step (0 before its first counted call)."""
+        return max(self._current[vpp], 0)
+
+    def reset(self) -> None:
+        self._current = [-1] * len(self.chunks)
+
+
 class Activations:
     """Hooks on selected modules; statistics kept as small vectors until the step is written."""
 
@@ -98,7 +136,7 @@ class Activations:
         self.on_error = on_error
         #: set by the session before each step's forward: the hooks do nothing when False.
         self.collect = False
-        self._micro = [-1] * len(self.chunks)
+        self.micro = MicroSteps(self.chunks, lambda: self.collect)
         #: calls per (module, micro-step) so far, in the forward and in checkpoint recomputes.
         self._calls: dict[tuple[int, int], int] = {}
         self._recomputed: dict[tuple[int, int], int] = {}
@@ -113,26 +151,11 @@ class Activations:
 
     def register(self) -> list:
         """Register the hooks; returns removable handles."""
-        handles = []
-        for vpp, chunk in enumerate(self.chunks):
-            handles.append(chunk.register_forward_pre_hook(self._count_micro_step(vpp), prepend=True))
+        handles = self.micro.register()
         for index, entry in enumerate(self.modules):
             handles.append(entry.module.register_forward_pre_hook(self._before(index), with_kwargs=True))
             handles.append(entry.module.register_forward_hook(self._after(index), with_kwargs=True))
         return handles
-
-    def _count_micro_step(self, vpp: int) -> Callable:
-        count = eager(functools.partial(self._count, vpp))
-
-        def hook(module: torch.nn.Module, args: Any) -> None:
-            if self.collect and module.training:
-                count()
-
-        return hook
-
-    def _count(self, vpp: int) -> None:
-        if torch._C._current_graph_task_id() == -1:  # not a checkpoint's recompute
-            self._micro[vpp] += 1
 
     def _call_name(self, index: int, micro: int, recompute: bool) -> str:
         """Module name, with ``[k]`` for the k-th extra call within one micro-step.
@@ -154,7 +177,7 @@ class Activations:
     def _inputs(self, index: int, args: tuple, kwargs: dict) -> None:
         try:
             entry = self.modules[index]
-            micro = max(self._micro[entry.vpp_stage], 0)
+            micro = self.micro.of(entry.vpp_stage)
             recompute = torch._C._current_graph_task_id() != -1
             tensors = _select(entry, "input", (*args, *kwargs.values()) if kwargs else args)
             name = self._call_name(index, micro, recompute)
@@ -178,7 +201,7 @@ class Activations:
     def _outputs(self, index: int, output: Any) -> None:
         try:
             entry = self.modules[index]
-            micro = max(self._micro[entry.vpp_stage], 0)
+            micro = self.micro.of(entry.vpp_stage)
             recompute = torch._C._current_graph_task_id() != -1
             tensors = _select(entry, "output", output)
             name = self._call_name(index, micro, recompute)
@@ -242,7 +265,7 @@ class Activations:
 
     def reset(self) -> None:
         """Forget the step (a module that does not run in a step has no row for it)."""
-        self._micro = [-1] * len(self.chunks)
+        self.micro.reset()
         self._calls.clear()
         self._recomputed.clear()
         self._seen.clear()

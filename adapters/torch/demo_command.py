@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Callable
 from importlib import resources
 
 DEMO_TEMPLATE = "everything_alerts.yaml"
@@ -21,24 +22,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     _add_demo(sub)
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
-    return value
+def _int_at_least(low: int) -> Callable[[str], int]:
+    """An argparse type: an integer >= ``low``."""
 
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {value}")
+        return value
 
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
-    return value
+    return parse
 
 
 def _add_demo(sub: argparse._SubParsersAction) -> None:
@@ -48,7 +44,7 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
         description="Train a small GPT-like model (synthetic tokens, AdamW, gradient accumulation 2) "
         "with TrainerMon attached, inject one gradient spike, and report what the monitor found.",
     )
-    demo.add_argument("--steps", type=_positive_int, default=50, help="optimizer steps (default 50)")
+    demo.add_argument("--steps", type=_int_at_least(1), default=50, help="optimizer steps (default 50)")
     demo.add_argument(
         "--output",
         default=None,
@@ -59,7 +55,7 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
     )
     spike = demo.add_mutually_exclusive_group()
     spike.add_argument(
-        "--spike-step", type=_non_negative_int, default=30, help="step of the injected spike (30)"
+        "--spike-step", type=_int_at_least(0), default=30, help="step of the injected spike (30)"
     )
     spike.add_argument("--no-spike", action="store_true", help="do not inject a gradient spike")
     demo.add_argument(

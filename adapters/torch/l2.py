@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from adapters.torch.activations import MicroSteps
 from adapters.torch.compiled import eager
 from monitor.config import MonitorConfig
 from monitor.l2 import FIRST_ITERATIONS, WARM_ITERATIONS, L2Steps
@@ -127,6 +128,7 @@ class L2Features(L2Steps):
         ]
         super().__init__(named, config, is_linear, on_error)
         self.chunks = list(chunks)
+        self.micro = MicroSteps(self.chunks, lambda: self.collect)
         whole = [entry for entry in self.linear if not sharded(linear_weight(entry[2]))]
         if len(whole) < len(self.linear):
             logger.warning(
@@ -141,26 +143,10 @@ class L2Features(L2Steps):
     def register(self) -> list:
         if not self.attention:
             return []
-        handles = [
-            chunk.register_forward_pre_hook(self._counter(vpp), prepend=True)
-            for vpp, chunk in enumerate(self.chunks)
-        ]
+        handles = self.micro.register()
         for index, (_, _, module) in enumerate(self.attention):
             handles.append(module.register_forward_hook(self._hook(index)))
         return handles
-
-    def _counter(self, vpp: int) -> Callable:
-        def count() -> None:
-            if torch._C._current_graph_task_id() == -1:  # not a checkpoint's recompute
-                self._micro[vpp] += 1
-
-        counted = eager(count)
-
-        def hook(module: torch.nn.Module, args: Any) -> None:
-            if self.collect and module.training:
-                counted()
-
-        return hook
 
     def _hook(self, index: int) -> Callable:
         measure = eager(functools.partial(self._measure, index))
@@ -179,10 +165,14 @@ class L2Features(L2Steps):
             with torch.no_grad():
                 q, k = tensors[0].detach(), tensors[1].detach()
                 rows = summarise(attention_scores(q, k, self.order, self.heads), self.heads)
-            self.add_attention(index, rows, rows.shape[0])
+            self.add_attention(index, self.micro.of(self.attention[index][0]), rows, rows.shape[0])
         except Exception as exc:
             self.collect = False
             self.on_error("attention_hook", exc)
+
+    def reset(self) -> None:
+        super().reset()
+        self.micro.reset()
 
     def take_attention(self, rank: int) -> tuple[RowSet, torch.Tensor] | None:
         """This step's attention rows and values (on the device); None without any. Resets the step."""

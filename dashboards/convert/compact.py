@@ -60,7 +60,7 @@ def compact(monitor_path: str, output: str | None = None) -> dict[str, int]:
     output = os.path.abspath(output or os.path.join(monitor_path, "dataset"))
     make_private_dir(output)
     manifest_path = os.path.join(output, MANIFEST)
-    old = _read_manifest(manifest_path)
+    old = _read_json_object(manifest_path)
     new: dict[str, list] = {}
     counts = {"written": 0, "kept": 0}
     con = duckdb.connect()
@@ -98,7 +98,8 @@ def _signature(path: str) -> list:
     return [path, stat.st_size, stat.st_mtime_ns]
 
 
-def _read_manifest(path: str) -> dict[str, Any]:
+def _read_json_object(path: str) -> dict[str, Any]:
+    """A JSON file holding an object ({} when it is missing, unreadable or something else)."""
     try:
         with open(path, encoding="utf-8") as handle:
             document = json.load(handle)
@@ -161,7 +162,7 @@ def _write_runs(con: Any, ranks: dict[int, list[str]], target: str) -> None:
     rows = []
     for rank, dirs in ranks.items():
         for directory in dirs:
-            info = _read_manifest(os.path.join(directory, RUN_INFO_FILE))
+            info = _read_json_object(os.path.join(directory, RUN_INFO_FILE))
             rows.append(
                 (
                     rank,
@@ -187,7 +188,7 @@ def _write_anomalies(con: Any, monitor_path: str, target: str) -> None:
     for entry in (
         sorted(os.scandir(anomaly_root), key=lambda e: e.name) if os.path.isdir(anomaly_root) else []
     ):
-        document = _read_manifest(os.path.join(entry.path, "anomaly.json"))
+        document = _read_json_object(os.path.join(entry.path, "anomaly.json"))
         for key, obj in document.items():
             record = parse_record(obj)
             if record is not None:

@@ -23,7 +23,7 @@ import numpy as np
 from dashboards.csvfiles import CsvBounds, CsvTable, csv_bounds, list_csv_files, read_csv_file, read_csv_files
 from dashboards.plugin.cache import ByteLRU
 from monitor.datatypes import RowKey
-from monitor.run_info import read_root_modules
+from monitor.run_info import RUN_INFO_FILE, read_root_modules
 
 logger = logging.getLogger("trainmon")
 _tokens = itertools.count()
@@ -130,6 +130,7 @@ class Source:
         self._checked = 0.0
         self._token = next(_tokens)  # blocks hold row numbers of this source's tables
         self._reported: set[str] = set()
+        self._roots: tuple[int, dict[int, str]] | None = None
 
     def table(self, prefix: str) -> RowTable:
         return self.tables.setdefault(prefix, RowTable())
@@ -143,8 +144,15 @@ class Source:
                 self._scan()
 
     def root_modules(self) -> dict[int, str]:
-        """Chunk -> class name of its root module, from the run-info file ({} without one)."""
-        return read_root_modules(self.path)
+        """Chunk -> class name of its root module, from the run-info file ({} without one); read
+        again only when the file changed."""
+        try:
+            changed = os.stat(os.path.join(self.path, RUN_INFO_FILE)).st_mtime_ns
+        except OSError:
+            return {}
+        if self._roots is None or self._roots[0] != changed:
+            self._roots = (changed, read_root_modules(self.path))
+        return self._roots[1]
 
     def load(self, prefix: str, chunk: Chunk) -> Block:
         """The parsed chunk (cached); a chunk that cannot be read is an empty block, counted as skipped."""
