@@ -188,6 +188,49 @@ static PyObject *stats_at(PyObject *self, PyObject *args) {
     return Py_BuildValue("(ddddLL)", out.low, out.high, out.total, out.squares, out.small, out.nans);
 }
 
+/* The lower / higher of two results' extremes, -0 below +0 as the kernel orders them */
+static double lower(double a, double b) { return (b < a || (b == a && signbit(b))) ? b : a; }
+static double higher(double a, double b) { return (b > a || (b == a && !signbit(b))) ? b : a; }
+
+/* ``rows`` runs of ``run`` contiguous elements, ``stride`` elements apart (a strided view such
+ * as one of the pieces a split gives): each run read in place, the results merged */
+static void run_rows(int kind, const char *data, Py_ssize_t run, Py_ssize_t rows, Py_ssize_t stride,
+                     double eps, Result *out) {
+    Py_ssize_t step = stride * (kind == KIND_F64 ? 8 : kind == KIND_F32 ? 4 : 2);
+    run_kernel(kind, data, run, eps, out);
+    for (Py_ssize_t r = 1; r < rows; r++) {
+        Result part;
+        run_kernel(kind, data + r * step, run, eps, &part);
+        out->low = lower(out->low, part.low);
+        out->high = higher(out->high, part.high);
+        out->total += part.total;
+        out->squares += part.squares;
+        out->small += part.small;
+        out->nans += part.nans;
+    }
+    if (out->nans) out->low = out->high = NAN;
+}
+
+static PyObject *stats_rows(PyObject *self, PyObject *args) {
+    unsigned long long address;
+    Py_ssize_t run, rows, stride;
+    int kind;
+    double eps;
+    if (!PyArg_ParseTuple(args, "Knnnid", &address, &run, &rows, &stride, &kind, &eps)) return NULL;
+    if (check_kind(kind) < 0) return NULL;
+    if (address == 0 || run <= 0 || rows <= 0 || (rows > 1 && stride < run)) {
+        PyErr_Format(PyExc_ValueError,
+                     "stats_rows: expected a non-null address, run > 0, rows > 0 and stride >= run, "
+                     "got run=%zd rows=%zd stride=%zd", run, rows, stride);
+        return NULL;
+    }
+    Result out;
+    Py_BEGIN_ALLOW_THREADS
+    run_rows(kind, (const char *)(uintptr_t)address, run, rows, stride, eps, &out);
+    Py_END_ALLOW_THREADS
+    return Py_BuildValue("(ddddLL)", out.low, out.high, out.total, out.squares, out.small, out.nans);
+}
+
 static void store_row(double *row, const Result *r) {
     row[0] = r->low;
     row[1] = r->high;
@@ -372,6 +415,9 @@ static PyMethodDef methods[] = {
     {"stats_into", stats_into, METH_VARARGS,
      "stats_into(address, n, kind, eps, out, row) -> None: the same tuple into row ``row`` of a "
      "float64 (rows, 6) array, with no object made for it"},
+    {"stats_rows", stats_rows, METH_VARARGS,
+     "stats_rows(address, run, rows, stride, kind, eps) -> the stats_at tuple of rows runs of run "
+     "contiguous elements, stride elements apart (stride >= run), read in place"},
     {"stats_many", stats_many, METH_VARARGS,
      "stats_many(addresses, counts, kind, eps, out) -> None: row i of the float64 (n, 6) out gets "
      "the tuple of counts[i] elements at addresses[i] (int64 buffers; memory the caller keeps alive)"},

@@ -6,8 +6,9 @@ dot, and abs + compare + sum for the zero count): six or seven passes and as man
 The kernel (monitor/_fused_stats.c, built by setup.py at install) reads every element once,
 vectorised, with the GIL released. The extension is optional: where it was not built (no C
 compiler) or TRAINMON_NO_FUSED_STATS is set, ``available()`` is False and callers keep their
-library-call path. ``stats_at`` and ``stats_many`` read memory by address (a tensor's data
-pointer) instead of a buffer object: one call per hook, or one call for a whole step's tensors.
+library-call path. ``stats_at``, ``stats_rows`` and ``stats_many`` read memory by address (a
+tensor's data pointer) instead of a buffer object: one call per hook, or one call for a whole
+step's tensors.
 
 Accuracy: sums accumulate in the buffer's precision over blocks of 16K elements spread over 32
 independent lanes and combine in double, so a float32 sum over millions of elements keeps ~7
@@ -52,6 +53,15 @@ def stats_at(address: int, count: int, kind: int, eps: float) -> tuple[float, fl
     the caller keeps alive while this runs (a tensor it holds). No buffer object is made, which
     matters where it runs once per parameter (a gradient hook). Requires ``available()``."""
     return _fused_stats.stats_at(address, count, kind, eps)
+
+
+def stats_rows(
+    address: int, run: int, rows: int, stride: int, kind: int, eps: float
+) -> tuple[float, float, float, float, int, int]:
+    """The ``stats_at`` tuple of ``rows`` runs of ``run`` contiguous elements, ``stride`` (>= run)
+    elements apart: a strided view (a piece of a split, a slice of rows) read in place instead
+    of copied first. Requires ``available()``."""
+    return _fused_stats.stats_rows(address, run, rows, stride, kind, eps)
 
 
 def stats_into(address: int, count: int, kind: int, eps: float, out: np.ndarray, row: int) -> None:

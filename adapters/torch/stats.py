@@ -312,8 +312,40 @@ def _in_place(t: torch.Tensor) -> tuple[torch.Tensor, int] | None:
     return (t if t.is_contiguous() else t.contiguous()), kind
 
 
+def _row_layout(t: torch.Tensor) -> tuple[int, int, int] | None:
+    """``(run, rows, stride)`` when a non-contiguous tensor's elements are ``rows`` runs of
+    ``run`` contiguous elements, ``stride`` elements apart, starting at its data pointer: a
+    permuted dense tensor (a transpose; one run) or a regular piece of one (a split, a slice);
+    else None. The statistics do not depend on the order of the elements, so the kernel may read
+    them in memory order instead of a contiguous copy."""
+    dims = sorted((stride, size) for size, stride in zip(t.shape, t.stride()) if size != 1)
+    if not dims or dims[0][0] != 1:
+        return None
+    run = dims[0][1]
+    k = 1
+    while k < len(dims) and dims[k][0] == run:
+        run *= dims[k][1]
+        k += 1
+    if k == len(dims):
+        return run, 1, run
+    stride, rows = dims[k]
+    if stride < run:  # overlapping elements
+        return None
+    for outer_stride, size in dims[k + 1 :]:
+        if outer_stride != stride * rows:
+            return None
+        rows *= size
+    return run, rows, stride
+
+
 def _kernel_tuple(t: torch.Tensor, eps: float) -> tuple | None:
-    """The kernel's tuple of a tensor it reads in place (one call, no buffer object), else None."""
+    """The kernel's tuple of a tensor it reads in place (one call, no buffer object), else None.
+    A strided view that ``_row_layout`` describes is read where it lies, not copied."""
+    if not t.is_contiguous():
+        kind = _KIND.get(t.dtype)
+        layout = _row_layout(t) if kind is not None and type(t) in _PLAIN and t.is_cpu else None
+        if layout is not None and fused_stats.available():
+            return fused_stats.stats_rows(t.data_ptr(), *layout, kind, eps)
     found = _in_place(t)
     if found is None:
         return None

@@ -192,6 +192,12 @@ def test_address_entries_refuse_bad_arguments_before_reading_anything():
         fused_stats.stats_at(array.ctypes.data, 0, fused_stats.FLOAT32, 1e-8)
     with pytest.raises(ValueError, match="non-null"):
         fused_stats.stats_at(0, 4, fused_stats.FLOAT32, 1e-8)
+    with pytest.raises(ValueError, match="stride >= run"):  # overlapping rows
+        fused_stats.stats_rows(array.ctypes.data, 2, 2, 1, fused_stats.FLOAT32, 1e-8)
+    with pytest.raises(ValueError, match="run > 0"):
+        fused_stats.stats_rows(array.ctypes.data, 0, 1, 1, fused_stats.FLOAT32, 1e-8)
+    with pytest.raises(ValueError, match="kind"):
+        fused_stats.stats_rows(array.ctypes.data, 2, 2, 2, 7, 1e-8)
     with pytest.raises(ValueError, match="counts > 0"):
         fused_stats.stats_many(address, np.array([0], dtype=np.int64), fused_stats.FLOAT32, 1e-8)
     with pytest.raises(ValueError, match="2 counts"):
@@ -200,6 +206,19 @@ def test_address_entries_refuse_bad_arguments_before_reading_anything():
         fused_stats.stats_many(
             address.astype(np.int32), np.array([4], dtype=np.int64), fused_stats.FLOAT32, 1e-8
         )
+
+
+def test_rows_of_a_strided_layout_match_numpy_on_the_rows_and_keep_signed_zeros():
+    grid = np.arange(-30, 30, dtype=np.float32).reshape(6, 10) / 7
+    grid[2, 0], grid[4, 1] = -0.0, 0.0
+    got = fused_stats.stats_rows(grid.ctypes.data, 4, 6, 10, fused_stats.FLOAT32, 1e-8)
+    rows = grid[:, :4].astype(np.float64)
+    assert got[:2] == (rows.min(), rows.max())
+    assert got[2:4] == pytest.approx((rows.sum(), (rows * rows).sum()), rel=1e-6)
+    assert got[4:] == ((rows == 0).sum(), 0)
+    only_zeros = np.array([[0.0, -0.0], [-0.0, 0.0]], dtype=np.float32)
+    low, high = fused_stats.stats_rows(only_zeros.ctypes.data, 1, 2, 2, fused_stats.FLOAT32, 1e-8)[:2]
+    assert (np.signbit(low), np.signbit(high)) == (True, False)
 
 
 def test_a_row_written_into_an_array_equals_the_tuple_and_rows_are_bounds_checked():

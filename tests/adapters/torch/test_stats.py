@@ -13,7 +13,7 @@ import torch
 import adapters.torch.stats as stats
 from monitor import fused_stats
 from tests.adapters.torch.helpers import ALL_OPS, numpy_stats
-from tests.reference_stats import NON_FINITE_VALUES, assert_same_number
+from tests.reference_stats import NON_FINITE_VALUES, assert_same_number, assert_stats_close
 
 
 @pytest.fixture(autouse=True, params=["fused", "library"])
@@ -200,3 +200,49 @@ def test_sign_shares_match_numpy_for_every_kind_and_count_a_nan_as_sign_zero():
         # torch.sign (what msprobe uses, on CPU and CUDA) gives a NaN the sign 0
         want = sign_agreement(grad.double().nan_to_num(0.0).numpy(), moment.double().nan_to_num(0.0).numpy())
         assert float(share) == pytest.approx(want, abs=1e-12)
+
+
+def _strided_views() -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(5)
+    qkv = torch.randn(2, 5, 12, generator=generator)
+    qkv[1, 2, 4] = -0.0
+    qkv[0, 3, 5] = 0.0
+    with_nan = torch.randn(3, 8, generator=generator)
+    with_nan[2, 1] = float("nan")
+    return {
+        "split piece": qkv.split(4, dim=2)[1],
+        "split piece as heads": qkv.split(4, dim=2)[2].view(2, 5, 2, 2),
+        "transpose": torch.randn(2, 3, 4, 5, generator=generator).transpose(1, 2),
+        "row slice": qkv[:, 1:4],
+        "every other row": qkv[:, ::2],
+        "column": qkv[:, :, 3],
+        "expanded": torch.randn(3, 1, generator=generator).expand(3, 4),
+        "bfloat16 split piece": qkv.to(torch.bfloat16).split(4, dim=2)[0],
+        "nan in a later row": with_nan[:, 2:6],
+        "infinity in a split piece": torch.tensor([[1.0, float("inf"), 2.0, 3.0]] * 3)[:, 1:3],
+    }
+
+
+@pytest.mark.parametrize("name", list(_strided_views()))
+def test_strided_views_read_in_place_match_numpy_on_a_copy(name):
+    view = _strided_views()[name]
+    assert not view.is_contiguous()
+    got = dict(zip(ALL_OPS, stats.tensor_stats(view, ALL_OPS)))
+    assert_stats_close(got, view.float().contiguous().numpy(), what=name)
+
+
+def test_strided_views_are_read_in_place_not_copied(monkeypatch):
+    """The layout the kernel gets for the views an attention block makes, checked by reading the
+    memory it names: only elements of the view, each once."""
+    views = _strided_views()
+    for name in ("split piece", "split piece as heads", "transpose", "row slice", "bfloat16 split piece"):
+        view = views[name]
+        run, rows, stride = stats._row_layout(view)
+        base = view.data_ptr()
+        size = view.element_size()
+        addresses = {base + (r * stride + i) * size for r in range(rows) for i in range(run)}
+        offsets = (sum(i * s for i, s in zip(index, view.stride())) for index in np.ndindex(*view.shape))
+        want = {base + offset * size for offset in offsets}
+        assert addresses == want, name
+    for name in ("every other row", "column", "expanded"):
+        assert stats._row_layout(views[name]) is None, name
