@@ -28,6 +28,7 @@ import torch  # noqa: E402
 from blocks import EVERY_DATA_TYPE  # noqa: E402
 
 from monitor import TrainerMon  # noqa: E402
+from tests.training import MLP, make_batches, train  # noqa: E402
 
 CONFIG = {
     **EVERY_DATA_TYPE,
@@ -55,29 +56,21 @@ def live_objects() -> Counter:
 
 
 class Run:
-    """A small MLP with AdamW and the monitor attached; ``steps(n)`` trains n more steps."""
+    """The shared fixture's MLP with AdamW and the monitor attached; ``steps(n)`` trains n more
+    steps of two micro-batches."""
 
     def __init__(self, config: dict | None = None, width: int = 32, batch: int = 8) -> None:
         torch.manual_seed(0)
-        self.model = torch.nn.Sequential(
-            torch.nn.Linear(16, width),
-            torch.nn.GELU(),
-            torch.nn.Linear(width, width),
-            torch.nn.LayerNorm(width),
-        )
+        self.model = MLP((16, width, width))
         self.batch = batch
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
         self.mon = TrainerMon(config or CONFIG)
         self.mon.set_monitor(self.model, grad_acc_steps=2, optimizer=self.optimizer)
-        self.generator = torch.Generator().manual_seed(1)
         self.done = 0
 
     def steps(self, n: int) -> None:
-        for _ in range(n):
-            for _ in range(2):
-                self.model(torch.randn(self.batch, 16, generator=self.generator)).pow(2).mean().backward()
-            self.optimizer.step()
-            self.optimizer.zero_grad()
+        batches = make_batches(n, 2, seed=self.done + 1, features=16, batch=self.batch)
+        train(self.model, self.optimizer, batches)
         self.done += n
         self.mon.flush()
 

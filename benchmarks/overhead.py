@@ -117,6 +117,7 @@ def _train(args: argparse.Namespace, rank: int, world: int) -> dict | None:
     import monitor.writers.tensorboard  # noqa: F401
     from adapters.torch.demo import GPTConfig, TinyGPT, synthetic_batch
     from monitor import TrainerMon
+    from tests.training import train
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -128,20 +129,13 @@ def _train(args: argparse.Namespace, rank: int, world: int) -> dict | None:
     batches = [synthetic_batch(cfg, args.batch, generator) for _ in range(8)]
     extra, _ = SCENARIOS[args.scenario]
     config = {"targets": {}, "ops": args.ops.split(","), **extra}
-    dist = None
-    if world > 1:
-        import torch.distributed as dist
 
-    def step(i: int) -> None:
-        tokens, targets = batches[i % len(batches)]
-        loss = nn.functional.cross_entropy(model(tokens).reshape(-1, cfg.vocab), targets.reshape(-1))
-        loss.backward()
-        if dist is not None:  # plain data parallelism: one all_reduce per gradient, looked up per call
-            for p in params:
-                dist.all_reduce(p.grad)
-                p.grad.div_(world)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+    def next_token_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        tokens, targets = batch
+        return nn.functional.cross_entropy(model(tokens).reshape(-1, cfg.vocab), targets.reshape(-1))
+
+    def step(i: int) -> None:  # with ranks, plain data parallelism: one all_reduce per gradient
+        train(model, optimizer, [[batches[i % len(batches)]]], loss=next_token_loss, data_parallel=world > 1)
 
     mon: TrainerMon | None = None
     counter = 0

@@ -4,10 +4,10 @@
 type when ``TrainerMon.set_monitor`` is called.
 """
 
-from monitor.config import ConfigError, MonitorConfig, load_config
+from monitor.config.schema import ConfigError, MonitorConfig, load_config
 from monitor.errors import CollectivesLogged, StructurePrinted, TrainingStopped
 from monitor.logs import configure_logging
-from monitor.trainer import TrainerMon
+from monitor.session.trainer import TrainerMon
 
 __version__ = "0.1.0"
 __all__ = [

@@ -17,7 +17,7 @@ import sys
 from dataclasses import fields, is_dataclass
 from pathlib import Path
 
-from monitor.config import MonitorConfig
+from monitor.config.schema import MonitorConfig
 
 #: config key (``section.key`` inside ``alert`` / ``cc_distribution``) -> what it does.
 MEANINGS = {

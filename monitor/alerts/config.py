@@ -14,7 +14,7 @@ from types import MappingProxyType
 from typing import Any
 from urllib.parse import urlsplit
 
-from monitor.config_values import (
+from monitor.config.values import (
     ConfigError,
     as_int,
     as_number,

@@ -1,6 +1,6 @@
 """What a session does about incidents: alerts, batch ids, evidence bundles and the actions.
 
-``IncidentResponses`` is a part of ``monitor.lifecycle.SessionLifecycle`` (which inherits it); it
+``IncidentResponses`` is a part of ``monitor.session.lifecycle.SessionLifecycle`` (which inherits it); it
 uses the session's ``config``, ``rank``, ``step``, ``collection``, ``core`` and
 ``_stop_as_asked``. Adapters supply ``_agree_on_stop`` (a collective across ranks),
 ``_skip_update`` and ``_bundle_contents``.

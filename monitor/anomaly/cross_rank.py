@@ -226,7 +226,7 @@ class Settings:
 
 
 def _check(args: argparse.Namespace) -> Settings:
-    from monitor.config import KNOWN_OPS
+    from monitor.config.schema import KNOWN_OPS
 
     data_dir, k, steps = analyse.check_common(args)
     if not (isinstance(args.k_mad, (int, float)) and math.isfinite(args.k_mad) and args.k_mad > 0):

@@ -29,7 +29,7 @@ import numpy as np
 from monitor.anomaly.detector import NONFINITE_ID, Anomaly, Detector, Verdicts
 from monitor.anomaly.root import choose_root, number, phase_of
 from monitor.anomaly.rules import NONFINITE
-from monitor.datatypes import parse_tag
+from monitor.datatypes.tasks import parse_tag
 
 logger = logging.getLogger("trainmon")
 

@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from monitor.config import ConfigError
+from monitor.config.schema import ConfigError
 
 #: ops whose value is a count of NaN elements: any count above zero is a NaN signal.
 COUNT_OPS = ("nans",)
@@ -330,7 +330,7 @@ def _shown(value: Any) -> str:
 
 def _check_arg(key: str, kind: str, low: float, value: Any, path: str) -> Any:
     """One argument, normalised; raises ConfigError naming ``path.key``, the value and what was expected."""
-    from monitor.config import KNOWN_OPS
+    from monitor.config.schema import KNOWN_OPS
 
     if kind == "ops":
         if not isinstance(value, (list, tuple)) or not value or any(op not in KNOWN_OPS for op in value):

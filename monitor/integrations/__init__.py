@@ -19,8 +19,8 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from monitor.config import MonitorConfig
-from monitor.trainer import TrainerMon
+from monitor.config.schema import MonitorConfig
+from monitor.session.trainer import TrainerMon
 
 logger = logging.getLogger("trainmon")
 

@@ -31,7 +31,7 @@ from tensorboard.compat.proto.types_pb2 import DT_STRING
 from tensorboard.plugins.custom_scalar import layout_pb2
 from tensorboard.plugins.custom_scalar import metadata as cs_metadata
 
-from monitor.datatypes import PREFIX_ORDER, order_key, tasks_of_prefix
+from monitor.datatypes.tasks import PREFIX_ORDER, order_key, tasks_of_prefix
 from monitor.files import FILE_MODE, create_exclusive
 from monitor.record import StepRecord
 from monitor.writers.eventfile import iter_records

@@ -1,4 +1,5 @@
-"""What the reliability tests train and how they look at it: small models, a loop, hook and file probes."""
+"""What the reliability tests train (the shared fixture of ``tests.training``) and how they look at
+it: the everything-on config, hook and file probes."""
 
 from __future__ import annotations
 
@@ -8,10 +9,10 @@ import os
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
-from tests.adapters.torch.helpers import ALL_OPS, MLP, make_batches
+from tests.adapters.torch.helpers import ALL_OPS
 from tests.shared_configs import DATA_TYPES
+from tests.training import MLP, Net, make_batches, train
 
 __all__ = [
     "ALL_OPS",
@@ -27,56 +28,6 @@ __all__ = [
 
 #: every data type the torch adapter collects on one rank (cc needs ranks; see test_observer_effect).
 EVERYTHING = {**DATA_TYPES["all"], "xy_distribution": True, "all_xy": True, "ops": ALL_OPS}
-
-
-class Net(nn.Module):
-    """Linear -> (optionally checkpointed) block with dropout -> Linear.
-
-    Dropout draws from the global RNG, so a monitor that consumed random numbers, or a checkpoint
-    recompute that replayed a different mask, would change the training.
-    """
-
-    def __init__(self, reentrant: bool | None = None, features: int = 6, hidden: int = 16) -> None:
-        super().__init__()
-        self.inp = nn.Linear(features, hidden)
-        self.block = nn.Sequential(
-            nn.Linear(hidden, hidden),
-            nn.GELU(),
-            nn.Dropout(0.2),
-            nn.Linear(hidden, hidden),
-            nn.LayerNorm(hidden),
-        )
-        self.out = nn.Linear(hidden, 3)
-        self.reentrant = reentrant
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = torch.relu(self.inp(x))
-        if self.reentrant is None:
-            x = self.block(x)
-        else:
-            x = checkpoint(self.block, x, use_reentrant=self.reentrant)
-        return self.out(x)
-
-
-def train(
-    model: nn.Module, optimizer: torch.optim.Optimizer, batches, after_step=None, loss_scale=None
-) -> list[float]:
-    """Micro-batches per step, then optimizer.step(); returns every micro-batch loss (exact floats).
-
-    ``after_step(step)`` runs after each step; ``loss_scale`` maps steps to a factor on their loss
-    (a gradient spike).
-    """
-    losses = []
-    for step, step_batches in enumerate(batches):
-        for x in step_batches:
-            loss = model(x).pow(2).mean() * (loss_scale or {}).get(step, 1.0)
-            loss.backward()
-            losses.append(loss.item())
-        optimizer.step()
-        optimizer.zero_grad()
-        if after_step is not None:
-            after_step(step)
-    return losses
 
 
 def hook_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
-
 import numpy as np
 import torch
 
@@ -15,6 +13,7 @@ from tests.reference_stats import (
     sign_agreement,
     update_histogram_reference,
 )
+from tests.training import MLP, make_batches
 
 __all__ = [
     "ALL_OPS",
@@ -29,27 +28,6 @@ __all__ = [
     "replica_references",
     "update_histogram_reference",
 ]
-
-
-class MLP(torch.nn.Module):
-    """A few layers with different shapes, a LayerNorm and a ReLU."""
-
-    def __init__(self, sizes=(6, 16, 12, 4)) -> None:
-        super().__init__()
-        self.layers = torch.nn.ModuleList(torch.nn.Linear(a, b) for a, b in itertools.pairwise(sizes))
-        self.norm = torch.nn.LayerNorm(sizes[-1])
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for i, layer in enumerate(self.layers):
-            x = layer(x)
-            if i < len(self.layers) - 1:
-                x = torch.relu(x)
-        return self.norm(x)
-
-
-def make_batches(steps: int, micro: int, seed: int = 1, features: int = 6, batch: int = 5):
-    generator = torch.Generator().manual_seed(seed)
-    return [[torch.randn(batch, features, generator=generator) for _ in range(micro)] for _ in range(steps)]
 
 
 def latest_rows(got: dict, prefix: str) -> dict[str, dict[str, float]]:

@@ -14,8 +14,8 @@ import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from monitor.config import MonitorConfig, load_config
-from monitor.dynamic import DynamicControl, dynamic_mode
+from monitor.config.schema import MonitorConfig, load_config
+from monitor.session.dynamic import DynamicControl, dynamic_mode
 
 logger = logging.getLogger("trainmon")
 
@@ -118,7 +118,7 @@ class TrainerMon:
             from adapters.torch.session import TorchSession as Session
         else:
             from adapters.mindspore.session import MindSporeSession as Session
-        from monitor.lifecycle import Attachment  # the sessions' machinery loads when attaching
+        from monitor.session.lifecycle import Attachment  # the sessions' machinery loads when attaching
 
         dynamic = self._dynamic is not None
         self._session = Session(

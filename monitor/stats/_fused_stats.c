@@ -1,7 +1,7 @@
 /* One pass over a float32/float64/bfloat16 buffer: min, max, sum, sum of squares, count of |x| < eps,
  * and (only when the sum of squares is not finite) the NaN count.
  *
- * Built by setup.py as the optional extension monitor._fused_stats; monitor/fused_stats.py
+ * Built by setup.py as the optional extension monitor.stats._fused_stats; monitor/stats/fused_stats.py
  * falls back to library calls when it is missing. Plain C, no fast-math: the loops keep LANES
  * independent accumulators so the compiler vectorises them without reassociating anything
  * itself. Min and max run on order-preserving integer keys of the bit patterns (integer

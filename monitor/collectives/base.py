@@ -18,10 +18,10 @@ from typing import Any
 
 import numpy as np
 
-from monitor.callsites import CallSites, Frame
-from monitor.cc_registry import WrapperRegistry
-from monitor.cc_totals import row_name, stat_ops_for, summarise
-from monitor.config import MonitorConfig
+from monitor.collectives.callsites import CallSites, Frame
+from monitor.collectives.registry import WrapperRegistry
+from monitor.collectives.totals import row_name, stat_ops_for, summarise
+from monitor.config.schema import MonitorConfig
 from monitor.errors import CollectivesLogged
 from monitor.record import RowSet
 

@@ -1,6 +1,6 @@
 """Reading a config file as data: JSON, or YAML (by extension) with the safe loader.
 
-Only the parsing lives here; what the values mean and how they are checked is monitor.config's.
+Only the parsing lives here; what the values mean and how they are checked is monitor.config.schema's.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import os
 import re
 from typing import Any
 
-from monitor.config_values import ConfigError
+from monitor.config.values import ConfigError
 
 
 def read_config_file(path: str | os.PathLike) -> dict[str, Any]:

@@ -17,8 +17,8 @@ from types import MappingProxyType
 from typing import Any
 
 from monitor.alerts.config import BundleSpec, SinkSpec, parse_actions, parse_bundle, parse_sinks
-from monitor.config_files import read_config_file
-from monitor.config_values import (
+from monitor.config.files import read_config_file
+from monitor.config.values import (
     ConfigError,
     as_bool,
     as_int,

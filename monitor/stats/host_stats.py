@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from monitor import fused_stats
+from monitor.stats import fused_stats
 
 #: each op from the kernel's (min, max, sum, sum of squares, zero count, NaN count) and the
 #: element count: for one tensor's tuple of numbers, or for the columns of many at once.

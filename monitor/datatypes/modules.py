@@ -17,7 +17,7 @@ import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
-from monitor.config import MonitorConfig
+from monitor.config.schema import MonitorConfig
 from monitor.naming import distinct_names, is_selected_exactly, name_candidates, squash_name
 
 logger = logging.getLogger("trainmon")

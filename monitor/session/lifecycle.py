@@ -17,10 +17,10 @@ from collections.abc import Callable
 from typing import Any
 
 from monitor.alerts.responses import IncidentResponses
-from monitor.collection import BaseCollection
-from monitor.config import MonitorConfig
+from monitor.session.collection import BaseCollection
+from monitor.config.schema import MonitorConfig
 from monitor.errors import CollectivesLogged, StructurePrinted
-from monitor.schedule import rank_enabled
+from monitor.session.schedule import rank_enabled
 
 logger = logging.getLogger("trainmon")
 

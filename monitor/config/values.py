@@ -1,7 +1,7 @@
 """Checks of single config values: each returns the value in its canonical type or raises
 ConfigError naming the key path, the bad value and what was expected.
 
-monitor.config uses them for every key; they know nothing about which keys exist.
+monitor.config.schema uses them for every key; they know nothing about which keys exist.
 """
 
 from __future__ import annotations

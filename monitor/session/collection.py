@@ -16,13 +16,13 @@ from typing import Any
 
 import numpy as np
 
-from monitor.config import MonitorConfig
-from monitor.core import MonitorCore
+from monitor.config.schema import MonitorConfig
+from monitor.session.core import MonitorCore
 from monitor.errors import StructurePrinted
-from monitor.l2 import ATTENTION_PREFIX, LINEAR_OPS, LINEAR_PREFIX
-from monitor.param_rows import unreduced_rows
+from monitor.datatypes.l2 import ATTENTION_PREFIX, LINEAR_OPS, LINEAR_PREFIX
+from monitor.datatypes.params import unreduced_rows
 from monitor.record import RowSet, SameRows, StepRecord
-from monitor.schedule import Schedule
+from monitor.session.schedule import Schedule
 
 logger = logging.getLogger("trainmon")
 

@@ -24,7 +24,7 @@ import logging
 import os
 import re
 
-from monitor.config import ConfigError, MonitorConfig, read_config_file, validate_config
+from monitor.config.schema import ConfigError, MonitorConfig, read_config_file, validate_config
 from monitor.files import atomic_write_text
 
 logger = logging.getLogger("trainmon")

@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from monitor.config import MonitorConfig
+from monitor.config.schema import MonitorConfig
 from monitor.naming import distinct_names, is_selected_exactly, name_candidates, squash_name
 from monitor.record import RowSet
 

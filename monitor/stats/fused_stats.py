@@ -3,7 +3,7 @@
 
 The statistics of a CPU tensor otherwise take one library call per statistic (min, max, sum,
 dot, and abs + compare + sum for the zero count): six or seven passes and as many dispatches.
-The kernel (monitor/_fused_stats.c, built by setup.py at install) reads every element once,
+The kernel (monitor/stats/_fused_stats.c, built by setup.py at install) reads every element once,
 vectorised, with the GIL released. The extension is optional: where it was not built (no C
 compiler) or TRAINMON_NO_FUSED_STATS is set, ``available()`` is False and callers keep their
 library-call path. ``stats_at``, ``stats_rows`` and ``stats_many`` read memory by address (a
@@ -23,7 +23,7 @@ import os
 import numpy as np
 
 try:
-    from monitor import _fused_stats
+    from monitor.stats import _fused_stats
 except ImportError:  # built without a C compiler: the library-call path is used
     _fused_stats = None
 

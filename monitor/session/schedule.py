@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from monitor.config import MonitorConfig
+from monitor.config.schema import MonitorConfig
 
 
 @dataclass
