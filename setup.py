@@ -1,7 +1,7 @@
 """The optional C extensions; everything else about the package is in pyproject.toml.
 
 ``optional=True``: where no C compiler is available the install still succeeds,
-monitor.fused_stats falls back to one library call per statistic and the CSV writer to Python's
+monitor.stats.fused_stats falls back to one library call per statistic and the CSV writer to Python's
 formatting.
 """
 
@@ -10,8 +10,8 @@ from setuptools import Extension, setup
 setup(
     ext_modules=[
         Extension(
-            "monitor._fused_stats",
-            sources=["monitor/_fused_stats.c"],
+            "monitor.stats._fused_stats",
+            sources=["monitor/stats/_fused_stats.c"],
             extra_compile_args=["-O3", "-std=c11"],
             optional=True,
         ),

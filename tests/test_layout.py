@@ -1,6 +1,6 @@
 """Imports go one way: adapters -> monitor, dashboards -> monitor; the core imports no adapter,
 dashboard or framework, except the dispatcher that picks an adapter from the model's type
-(``monitor/trainer.py``) and the trainer callbacks of ``monitor/integrations`` (each written for
+(``monitor/session/trainer.py``) and the trainer callbacks of ``monitor/integrations`` (each written for
 its framework); the two adapters never import each other, and the dashboards no framework. Read
 from the sources with ``ast``, so a lazy import inside a function counts too."""
 
@@ -24,7 +24,10 @@ FRAMEWORKS = (
 )
 #: source folder -> module prefixes it must never import, and the files allowed to anyway.
 RULES = {
-    "monitor": (("adapters", "dashboards", *FRAMEWORKS), ("monitor/trainer.py", "monitor/integrations/")),
+    "monitor": (
+        ("adapters", "dashboards", *FRAMEWORKS),
+        ("monitor/session/trainer.py", "monitor/integrations/"),
+    ),
     "adapters/torch": (("dashboards", "adapters.mindspore", "mindspore"), ()),
     "adapters/mindspore": (("dashboards", "adapters.torch", "torch"), ()),
     "dashboards": (("adapters", *FRAMEWORKS), ()),
@@ -67,3 +70,38 @@ def test_the_rules_see_a_wrong_import(tmp_path):
         "adapters.torch",
         "torch.nn",
     ]
+
+
+#: inside monitor: package -> the packages of monitor it may import besides itself and the shared
+#: modules at the top (naming, record, files, errors, logs, structure); what each package's
+#: docstring promises
+LAYERS = {
+    "stats": (),
+    "config": ("alerts.config", "anomaly.rules"),
+    "datatypes": ("config",),
+    "collectives": ("config",),
+    "writers": ("datatypes",),
+    "anomaly": ("config", "datatypes", "writers.eventfile"),
+    "alerts": ("config.values",),
+}
+SHARED = ("naming", "record", "files", "errors", "logs", "structure")
+
+
+@pytest.mark.parametrize("package", sorted(LAYERS))
+def test_monitor_packages_import_only_what_their_layer_allows(package):
+    allowed = tuple(f"monitor.{name}" for name in (package, *LAYERS[package], *SHARED))
+    wrong = {}
+    for path in sorted((ROOT / "monitor" / package).rglob("*.py")):
+        names = sorted(
+            m
+            for m in imported_modules(path)
+            if (m == "monitor" or m.startswith("monitor.")) and not breaks(m, allowed) and m != "monitor"
+        )
+        if names:
+            wrong[path.relative_to(ROOT).as_posix()] = names
+    assert wrong == {}
+
+
+def test_every_monitor_package_says_what_lives_there():
+    for init in sorted((ROOT / "monitor").glob("*/__init__.py")):
+        assert ast.get_docstring(ast.parse(init.read_text(encoding="utf-8"))), init

@@ -1,6 +1,6 @@
 """Cell activations: statistics of inputs/outputs (``actv``) and their gradients (``actv_grad``).
 
-The design and the row names are the torch adapter's (``monitor.module_io``): a forward pre-hook
+The design and the row names are the torch adapter's (``monitor.datatypes.modules``): a forward pre-hook
 takes a Cell's inputs and a forward hook its outputs; tensor hooks registered on those same
 tensors (``Tensor.register_hook``, PyNative) receive dL/d(output) and dL/d(input) while
 ``value_and_grad`` runs, so ``input_grad`` is the gradient of the loss with respect to the
@@ -35,8 +35,8 @@ from mindspore import ops
 from mindspore.graph.api import _pynative_executor
 
 from adapters.mindspore.stats import StatEngine
-from monitor.config import MonitorConfig
-from monitor.module_io import call_name, direction_tensors, row_names, select_modules
+from monitor.config.schema import MonitorConfig
+from monitor.datatypes.modules import call_name, direction_tensors, row_names, select_modules
 from monitor.record import RowSet
 
 #: held tensor elements (per direction) above which their statistics are taken at once.

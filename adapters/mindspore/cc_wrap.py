@@ -14,7 +14,7 @@ milliseconds, at install and once more at the start of the second step, when the
 loop's own objects exist). Instances created later (``ops.AllReduce()(x)`` written inline makes
 a new one per call) are not seen.
 
-One process-wide ``REGISTRY`` owns the wrapping (``monitor.cc_registry``): the first subscriber
+One process-wide ``REGISTRY`` owns the wrapping (``monitor.collectives.registry``): the first subscriber
 wraps, the last one to leave gives every instance its own class back; monitors in between only
 subscribe.
 
@@ -31,7 +31,7 @@ import weakref
 
 from mindspore import ops
 
-from monitor.cc_registry import WrapperRegistry
+from monitor.collectives.registry import WrapperRegistry
 
 logger = logging.getLogger("trainmon")
 

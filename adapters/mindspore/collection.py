@@ -42,13 +42,13 @@ from adapters.mindspore.optim import OptimizerView
 from adapters.mindspore.params import ParamRegistry
 from adapters.mindspore.stats import StatEngine
 from adapters.mindspore.structure import StackRecorder, StructureRecorder
-from monitor.collection import BaseCollection
-from monitor.config import MonitorConfig
-from monitor.core import MonitorCore
-from monitor.param_rows import param_row_tables, reduced_index
+from monitor.config.schema import MonitorConfig
+from monitor.datatypes.params import param_row_tables, reduced_index
+from monitor.datatypes.update_ratio import adam_histograms, submit_histograms
 from monitor.record import RowSet
-from monitor.run_info import run_info
-from monitor.update_ratio import adam_histograms, submit_histograms
+from monitor.session.collection import BaseCollection
+from monitor.session.core import MonitorCore
+from monitor.session.run_info import run_info
 
 logger = logging.getLogger("trainmon")
 

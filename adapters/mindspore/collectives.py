@@ -7,7 +7,7 @@ inputs before the call (``cc_pre_hook``) and the outputs after it. A PyNative pr
 returns its result, so every call is measured when it returns; calls of steps that are not
 collected are not measured at all.
 
-Rows and values are the torch adapter's (``monitor.cc_totals``): ``{op}.{pre|post}_{k}`` under
+Rows and values are the torch adapter's (``monitor.collectives.totals``): ``{op}.{pre|post}_{k}`` under
 the prefix ``comm``, where k counts the tensor-like arguments (pre) or outputs (post) and a
 tuple of tensors (Broadcast's) is one of them, merged exactly over the step's calls, with a
 ``calls`` column, and with ``cc_codeline`` ``@{file}[{line}]`` of the call site. Op names are
@@ -16,7 +16,7 @@ of its result.
 
 ``cc_log_only`` measures nothing: every distinct (op, call stack) is logged once with dtypes,
 shapes and group size, and the first optimizer call raises ``CollectivesLogged`` after its update.
-What both adapters share (listening, cc_log_only, cc_codeline, row labels) is ``monitor.cc_monitor``.
+What both adapters share (listening, cc_log_only, cc_codeline, row labels) is ``monitor.collectives.base``.
 """
 
 from __future__ import annotations
@@ -35,10 +35,10 @@ import adapters
 import monitor
 from adapters.mindspore.cc_wrap import REGISTRY, PrimitiveCall
 from adapters.mindspore.stats import StatEngine
-from monitor.callsites import CallSites
-from monitor.cc_monitor import CollectiveMonitorBase
-from monitor.cc_totals import StepTotals
-from monitor.config import MonitorConfig
+from monitor.collectives.base import CollectiveMonitorBase
+from monitor.collectives.callsites import CallSites
+from monitor.collectives.totals import StepTotals
+from monitor.config.schema import MonitorConfig
 from monitor.record import RowSet
 
 logger = logging.getLogger("trainmon")

@@ -1,4 +1,4 @@
-"""msprobe's l2 features on MindSpore (see ``monitor.l2``): attention probabilities and linear
+"""msprobe's l2 features on MindSpore (see ``monitor.datatypes.l2``): attention probabilities and linear
 spectral norms, with the torch adapter's names and values.
 
 msprobe's MindSpore monitor writes the attention metric as ``softmax`` and the spectral norm
@@ -22,8 +22,8 @@ import mindspore as ms
 import numpy as np
 
 from adapters.mindspore.activations import RootCalls, is_training_call
-from monitor.config import MonitorConfig
-from monitor.l2 import FIRST_ITERATIONS, WARM_ITERATIONS, L2Steps, attention_rows, lanczos_top
+from monitor.config.schema import MonitorConfig
+from monitor.datatypes.l2 import FIRST_ITERATIONS, WARM_ITERATIONS, L2Steps, attention_rows, lanczos_top
 from monitor.record import RowSet
 
 logger = logging.getLogger("trainmon")

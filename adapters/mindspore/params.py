@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import mindspore as ms
 
-from monitor.config import MonitorConfig
+from monitor.config.schema import MonitorConfig
 from monitor.naming import select_objects
 
 

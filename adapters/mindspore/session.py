@@ -32,7 +32,7 @@ import mindspore as ms
 from adapters.mindspore.collection import Collection, without_hooks
 from adapters.mindspore.dist import any_rank, global_rank, pipeline_info
 from adapters.mindspore.optim import OptimizerView, hookable_optimizer
-from monitor.lifecycle import Attachment, SessionLifecycle, model_chunks
+from monitor.session.lifecycle import Attachment, SessionLifecycle, model_chunks
 
 logger = logging.getLogger("trainmon")
 

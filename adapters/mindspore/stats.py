@@ -36,7 +36,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import mint, ops
 
-from monitor.host_stats import array_matrix
+from monitor.stats.host_stats import array_matrix
 
 #: tensors up to this many elements are packed with others.
 PACK_MAX = 1 << 16
@@ -202,7 +202,7 @@ class StatEngine:
         """Statistics (rows: tensors, columns: ops) as one float64 Tensor on the tensors' device.
 
         On the CPU back-end the tensors are host memory and ``asnumpy()`` is a view of it: the
-        one-pass kernel reads them all in one call (``monitor.host_stats``), with no operator
+        one-pass kernel reads them all in one call (``monitor.stats.host_stats``), with no operator
         launch per statistic.
         """
         if not tensors:

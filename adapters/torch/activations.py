@@ -33,9 +33,9 @@ import torch
 from adapters.torch.compiled import eager
 from adapters.torch.dist import dtensor_type
 from adapters.torch.stats import stack_rows, tensor_stats
-from monitor.config import MonitorConfig
-from monitor.module_io import call_name, direction_tensors, row_names
-from monitor.module_io import select_modules as select_module_names
+from monitor.config.schema import MonitorConfig
+from monitor.datatypes.modules import call_name, direction_tensors, row_names
+from monitor.datatypes.modules import select_modules as select_module_names
 from monitor.record import RowSet, SameRows
 
 

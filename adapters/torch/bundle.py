@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 import monitor
-from monitor.datatypes import ACTIVATION_PREFIXES, parse_tag
+from monitor.datatypes.tasks import ACTIVATION_PREFIXES, parse_tag
 
 #: tensor name -> (array or None when not copied, original dtype, what it is, shape)
 Tensors = dict[str, tuple[np.ndarray | None, str, str, tuple[int, ...]]]

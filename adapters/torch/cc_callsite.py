@@ -2,7 +2,7 @@
 
 Frames of trainmon itself, of ``torch/distributed`` (the functions calling each other) and of
 ``torch/nn/modules/module.py``, ``multiprocessing`` and ``debugpy`` are left out; the stack
-rendering and matching are ``monitor.callsites``.
+rendering and matching are ``monitor.collectives.callsites``.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch.distributed
 
 import adapters
 import monitor
-from monitor import callsites
+from monitor.collectives import callsites
 
 _SKIP_DIRS = tuple(
     os.path.dirname(os.path.abspath(package.__file__)) + os.sep
@@ -24,7 +24,7 @@ _SKIP_PATTERN = r"torch[/\\]nn[/\\]modules[/\\]module\.py$|[/\\](multiprocessing
 
 
 class CallSites(callsites.CallSites):
-    """``monitor.callsites.CallSites`` leaving out the frames of trainmon and torch's internals."""
+    """The framework-free ``CallSites``, leaving out the frames of trainmon and torch's internals."""
 
     def __init__(self, patterns: Sequence[str] = ()) -> None:
         super().__init__(patterns, _SKIP_DIRS, _SKIP_PATTERN)

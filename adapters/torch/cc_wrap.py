@@ -7,7 +7,7 @@ are replaced, on ``torch.distributed`` and on ``torch.distributed.distributed_c1
 module whose functions call each other by global name); ``Work.wait`` and every other part of
 torch.distributed are left alone.
 
-A wrapper (built by ``monitor.cc_registry``) always calls the original with the caller's
+A wrapper (built by ``monitor.collectives.registry``) always calls the original with the caller's
 arguments and returns its result unchanged. A call made while another wrapped call runs on the
 same thread (``send`` calls ``isend``, ``all_gather_into_tensor`` calls ``all_gather_single``,
 ``batch_isend_irecv`` calls ``isend``/``irecv``) goes straight to the original, so each user
@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from monitor.cc_registry import WrapperRegistry
+from monitor.collectives.registry import WrapperRegistry
 
 logger = logging.getLogger("trainmon")
 

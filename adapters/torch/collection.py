@@ -21,17 +21,17 @@ from adapters.torch.grads import unreduced_source
 from adapters.torch.l2 import L2Features
 from adapters.torch.optim import TorchBackend
 from adapters.torch.params import ParamRegistry
-from adapters.torch.shards import SHARD_COLUMNS, shard_reduce
+from adapters.torch.sharded.shards import SHARD_COLUMNS, shard_reduce
 from adapters.torch.stats import sign_shares, stat_matrix
 from adapters.torch.structure import StackRecorder, StructureRecorder
 from adapters.torch.update_ratio import update_histograms
-from monitor.collection import BaseCollection
-from monitor.config import MonitorConfig
-from monitor.core import MonitorCore
-from monitor.host_stats import scalar_matrix
+from monitor.config.schema import MonitorConfig
+from monitor.datatypes.update_ratio import submit_histograms
 from monitor.record import RowSet
-from monitor.run_info import run_info
-from monitor.update_ratio import submit_histograms
+from monitor.session.collection import BaseCollection
+from monitor.session.core import MonitorCore
+from monitor.session.run_info import run_info
+from monitor.stats.host_stats import scalar_matrix
 
 logger = logging.getLogger("trainmon")
 

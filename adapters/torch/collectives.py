@@ -17,11 +17,11 @@ after that step was written is dropped and counted (one warning), never folded i
 Rows: ``{op}.{pre|post}_{k}`` (k: index of the tensor-like argument; a list of tensors or of
 P2POps is one argument, its statistics taken over all its tensors together), with
 ``@{file}[{line}]`` of the matching call site appended when ``cc_codeline`` is set; the merge
-rules are in ``monitor.cc_totals``. Each call costs one stat_matrix and one host copy of its result.
+rules are in ``monitor.collectives.totals``. Each call costs one stat_matrix and one host copy of its result.
 
 ``cc_log_only`` measures nothing: every distinct (op, call stack) is logged once with dtypes,
 shapes and group size, and the first optimizer step raises ``CollectivesLogged``.
-What both adapters share (listening, cc_log_only, cc_codeline, row labels) is ``monitor.cc_monitor``.
+What both adapters share (listening, cc_log_only, cc_codeline, row labels) is ``monitor.collectives.base``.
 """
 
 from __future__ import annotations
@@ -37,9 +37,9 @@ import torch.distributed as dist
 from adapters.torch.cc_callsite import CallSites
 from adapters.torch.cc_wrap import REGISTRY, CallInfo
 from adapters.torch.stats import stat_matrix
-from monitor.cc_monitor import CollectiveMonitorBase
-from monitor.cc_totals import StepTotals
-from monitor.config import MonitorConfig
+from monitor.collectives.base import CollectiveMonitorBase
+from monitor.collectives.totals import StepTotals
+from monitor.config.schema import MonitorConfig
 from monitor.record import RowSet
 
 logger = logging.getLogger("trainmon")

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from monitor import TrainerMon
-from monitor.config import load_config
+from monitor.config.schema import load_config
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,8 @@ import torch
 
 from adapters.torch.dist import dtensor_type
 from adapters.torch.params import ParamRegistry
-from adapters.torch.stats import RowBuffer, stack_rows, tensor_stats
+from adapters.torch.row_buffer import RowBuffer
+from adapters.torch.stats import stack_rows, tensor_stats
 
 logger = logging.getLogger("trainmon")
 
@@ -347,16 +348,16 @@ def unreduced_source(
 ) -> Any:
     """The one source of grad_unreduced (never two: msprobe 1.2.2 could install both under Megatron).
 
-    Megatron DistributedDataParallel chunks: their bucket reductions (adapters.torch.megatron_grads),
+    Megatron DistributedDataParallel chunks: their bucket reductions (adapters.torch.sharded.megatron_grads),
     unless per-micro-batch gradients are asked for; FSDP2 models: hooks on the unsharded
-    parameters (adapters.torch.fsdp); FSDP1 models: hooks on the flat parameters
-    (adapters.torch.fsdp_flat); every other model: per-parameter hooks.
+    parameters (adapters.torch.sharded.fsdp); FSDP1 models: hooks on the flat parameters
+    (adapters.torch.sharded.fsdp_flat); every other model: per-parameter hooks.
     """
-    from adapters.torch.fsdp import UnshardedGrads, fsdp2_modules
+    from adapters.torch.sharded.fsdp import UnshardedGrads, fsdp2_modules
 
     slots = getattr(backend, "slots", None)  # FSDP1's flat parameters
     if slots is not None:
-        from adapters.torch.fsdp_flat import FlatGrads
+        from adapters.torch.sharded.fsdp_flat import FlatGrads
 
         found = {
             i: slots[id(entry.param)] for i, entry in enumerate(registry.params) if id(entry.param) in slots
@@ -370,7 +371,7 @@ def unreduced_source(
             fsdp_modules, registry, grad_acc_steps, ops, eps, per_micro_batch, on_error, last_micro_batch
         )
     if not per_micro_batch and any(type(c).__module__.startswith("megatron.") for c in chunks):
-        from adapters.torch.megatron_grads import BucketGrads, bucket_groups
+        from adapters.torch.sharded.megatron_grads import BucketGrads, bucket_groups
 
         groups = bucket_groups(chunks)
         if groups:

@@ -1,5 +1,5 @@
 """msprobe's l2 features on torch: attention probabilities and linear spectral norms (see
-``monitor.l2`` for what they are and how they differ from msprobe's).
+``monitor.datatypes.l2`` for what they are and how they differ from msprobe's).
 
 Attention: a forward hook on each listed module computes, on the module's device in float32, the
 causal softmax of Q K^T / sqrt(d) of batch 0 (head 0, every head, or each head) and keeps two or
@@ -20,8 +20,8 @@ import torch
 
 from adapters.torch.activations import MicroSteps
 from adapters.torch.compiled import eager
-from monitor.config import MonitorConfig
-from monitor.l2 import FIRST_ITERATIONS, WARM_ITERATIONS, L2Steps
+from monitor.config.schema import MonitorConfig
+from monitor.datatypes.l2 import FIRST_ITERATIONS, WARM_ITERATIONS, L2Steps
 from monitor.record import RowSet
 
 logger = logging.getLogger("trainmon")

@@ -182,7 +182,10 @@ BACKENDS: dict[str, type] = {}
 
 
 #: top-level package of an optimizer class -> the module that registers its back-ends (lazily imported).
-BACKEND_MODULES = {"megatron": "adapters.torch.megatron", "deepspeed": "adapters.torch.deepspeed"}
+BACKEND_MODULES = {
+    "megatron": "adapters.torch.sharded.megatron",
+    "deepspeed": "adapters.torch.sharded.deepspeed",
+}
 
 
 def optimizer_backend(optimizer: Any, chunks: Sequence[torch.nn.Module] = ()) -> TorchBackend:
@@ -194,7 +197,7 @@ def optimizer_backend(optimizer: Any, chunks: Sequence[torch.nn.Module] = ()) ->
     (``engine.optimizer.optimizer``) stands for that wrapper.
     """
     if "deepspeed" in sys.modules:
-        optimizer = importlib.import_module("adapters.torch.deepspeed").deepspeed_owner(optimizer)
+        optimizer = importlib.import_module("adapters.torch.sharded.deepspeed").deepspeed_owner(optimizer)
     chain = unwrap_chain(optimizer)
     for current in chain:
         module = BACKEND_MODULES.get(type(current).__module__.split(".", 1)[0])
@@ -208,8 +211,8 @@ def optimizer_backend(optimizer: Any, chunks: Sequence[torch.nn.Module] = ()) ->
     backend = TorchBackend(optimizer)
     if not torch.distributed.is_available():
         return backend
-    from adapters.torch.dtensor import DTensorBackend, optimizer_has_dtensors
-    from adapters.torch.fsdp_flat import FlatParamBackend, flat_units
+    from adapters.torch.sharded.dtensor import DTensorBackend, optimizer_has_dtensors
+    from adapters.torch.sharded.fsdp_flat import FlatParamBackend, flat_units
 
     units = flat_units(chunks)
     if units:

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from monitor.config import MonitorConfig
+from monitor.config.schema import MonitorConfig
 from monitor.naming import select_objects
 from monitor.record import RowSet
 

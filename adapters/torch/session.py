@@ -21,9 +21,9 @@ from adapters.torch.bundle import record_tensors
 from adapters.torch.collection import Collection
 from adapters.torch.compiled import has_compiled_modules, recompile_with_hooks, uncompiled
 from adapters.torch.dist import any_rank, global_rank, pipeline_info, world_size
-from adapters.torch.dtensor import DTensorBackend
 from adapters.torch.optim import TorchBackend, accumulation_boundary, optimizer_backend
-from monitor.lifecycle import Attachment, SessionLifecycle, model_chunks
+from adapters.torch.sharded.dtensor import DTensorBackend
+from monitor.session.lifecycle import Attachment, SessionLifecycle, model_chunks
 
 logger = logging.getLogger("trainmon")
 

@@ -3,7 +3,7 @@
 ``stat_matrix(tensors, ops, eps)`` returns a float64 tensor (len(tensors), len(ops)) on the
 tensors' device. No whole-tensor float64 (or, for half types, float32) copy is ever made.
 
-CPU: floating tensors go through one pass of monitor.fused_stats (min, max, sum, sum of squares
+CPU: floating tensors go through one pass of monitor.stats.fused_stats (min, max, sum, sum of squares
 and the zero count together; numba) when min, max or zeros are asked for; half types are upcast
 to fp32 in cache-sized chunks (CPU_CHUNK elements) into a reused buffer first. Without numba,
 and for integer types, each chunk gets one library call per statistic while it is in cache.
@@ -34,8 +34,9 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from monitor import fused_stats
-from monitor.host_stats import DERIVED, EMPTY_VALUE, columns
+from adapters.torch.in_place import KINDS, PLAIN, in_place, kernel_parts, kernel_sweep, kernel_tuple
+from monitor.stats import fused_stats
+from monitor.stats.host_stats import DERIVED, EMPTY_VALUE, columns
 
 #: accelerators: elements per chunk for the counting ops (bounds their temporaries).
 COUNT_CHUNK = 1 << 24
@@ -73,47 +74,6 @@ def _scratch(dtype: torch.dtype, numel: int, slot: int) -> torch.Tensor:
     return buffer[:numel]
 
 
-#: dtypes the kernel reads in place, by their element kind
-_KIND = {
-    torch.float32: fused_stats.FLOAT32,
-    torch.float64: fused_stats.FLOAT64,
-    torch.bfloat16: fused_stats.BFLOAT16,
-}
-
-
-#: tensor classes whose memory the kernel may read directly
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
-
-
-def _kernel_sweep(tensors: Sequence[torch.Tensor]) -> tuple[int, list[int], list[int]] | None:
-    """``(element kind, addresses, element counts)`` where the kernel can read every tensor in
-    place: plain, non-empty, contiguous CPU tensors of one dtype it knows; else None. One sweep
-    reading each tensor's few facts once: with thousands of small tensors, these reads are
-    most of the cost."""
-    first = tensors[0]
-    dtype = first.dtype
-    kind = _KIND.get(dtype)
-    if kind is None or not fused_stats.available():
-        return None
-    addresses, counts = [], []
-    for t in tensors:
-        if type(t) not in _PLAIN or t.dtype is not dtype or not t.is_cpu or not t.is_contiguous():
-            return None
-        count = t.numel()
-        if not count:
-            return None
-        addresses.append(t.data_ptr())
-        counts.append(count)
-    return kind, addresses, counts
-
-
-def _kernel_parts(kind: int, addresses: list[int], counts: list[int], eps: float) -> np.ndarray:
-    """The kernel's (n, 6) tuples of tensors of one kind at ``addresses`` (kept alive by the caller)."""
-    return fused_stats.stats_many(
-        np.array(addresses, dtype=np.int64), np.array(counts, dtype=np.int64), kind, eps
-    )
-
-
 def _fused_pays(ops: tuple[str, ...], dtype: torch.dtype) -> bool:
     """Whether the fused pass beats library calls: where the library needs several passes
     (min/max, the zero count) or a widening copy (bf16, which the kernel widens in registers)."""
@@ -128,7 +88,7 @@ def _cpu_block(tensors: Sequence[torch.Tensor], ops: tuple[str, ...], eps: float
         first.is_floating_point()
         and _fused_pays(ops, first.dtype)
         and fused_stats.available()
-        and all(type(t) in _PLAIN for t in tensors)
+        and all(type(t) in PLAIN for t in tensors)
     ):
         parts = _fused_parts(tensors, eps)
     else:
@@ -146,10 +106,10 @@ def _fused_parts(tensors: Sequence[torch.Tensor], eps: float) -> np.ndarray:
     with eps happens in fp32, where a small eps still exists.
     """
     first = tensors[0]
-    kind = _KIND.get(first.dtype)
+    kind = KINDS.get(first.dtype)
     if kind is not None:
         flats = [t if t.is_contiguous() else t.contiguous() for t in tensors]  # alive during the call
-        return _kernel_parts(kind, [t.data_ptr() for t in flats], [t.numel() for t in flats], eps)
+        return kernel_parts(kind, [t.data_ptr() for t in flats], [t.numel() for t in flats], eps)
     upcast = _scratch(torch.float32, min(CPU_CHUNK, max(t.numel() for t in tensors)), 0)
     parts = []
     for t in tensors:
@@ -276,10 +236,10 @@ def stat_matrix(tensors: Sequence[torch.Tensor], ops: Sequence[str], eps: float 
     ops = tuple(ops)
     if not tensors:
         return torch.empty((0, len(ops)), dtype=_F64)
-    swept = _kernel_sweep(tensors) if "id" not in ops and _fused_pays(ops, tensors[0].dtype) else None
+    swept = kernel_sweep(tensors) if "id" not in ops and _fused_pays(ops, tensors[0].dtype) else None
     if swept is not None:  # the common case on the CPU, in one sweep
         kind, addresses, counts = swept
-        parts = _kernel_parts(kind, addresses, counts, eps)
+        parts = kernel_parts(kind, addresses, counts, eps)
         return torch.from_numpy(columns(parts, np.array(counts, dtype=np.float64), ops))
     groups: dict[tuple[torch.dtype, torch.device], list[int]] = {}
     empty = []
@@ -300,59 +260,6 @@ def stat_matrix(tensors: Sequence[torch.Tensor], ops: Sequence[str], eps: float 
     return out
 
 
-def _in_place(t: torch.Tensor) -> tuple[torch.Tensor, int] | None:
-    """``(contiguous tensor, element kind)`` where the kernel can read a tensor in place (a plain
-    CPU fp32/fp64/bf16 tensor with elements; a non-contiguous one is copied); else None. Tensor
-    subclasses (a collective's result still in flight, a DTensor) go through torch's own ops,
-    which know how to read them. The caller keeps the returned tensor alive while the kernel
-    reads its ``data_ptr()``."""
-    kind = _KIND.get(t.dtype)
-    if kind is None or type(t) not in _PLAIN or not t.numel() or not t.is_cpu or not fused_stats.available():
-        return None
-    return (t if t.is_contiguous() else t.contiguous()), kind
-
-
-def _row_layout(t: torch.Tensor) -> tuple[int, int, int] | None:
-    """``(run, rows, stride)`` when a non-contiguous tensor's elements are ``rows`` runs of
-    ``run`` contiguous elements, ``stride`` elements apart, starting at its data pointer: a
-    permuted dense tensor (a transpose; one run) or a regular piece of one (a split, a slice);
-    else None. The statistics do not depend on the order of the elements, so the kernel may read
-    them in memory order instead of a contiguous copy."""
-    dims = sorted((stride, size) for size, stride in zip(t.shape, t.stride()) if size != 1)
-    if not dims or dims[0][0] != 1:
-        return None
-    run = dims[0][1]
-    k = 1
-    while k < len(dims) and dims[k][0] == run:
-        run *= dims[k][1]
-        k += 1
-    if k == len(dims):
-        return run, 1, run
-    stride, rows = dims[k]
-    if stride < run:  # overlapping elements
-        return None
-    for outer_stride, size in dims[k + 1 :]:
-        if outer_stride != stride * rows:
-            return None
-        rows *= size
-    return run, rows, stride
-
-
-def _kernel_tuple(t: torch.Tensor, eps: float) -> tuple | None:
-    """The kernel's tuple of a tensor it reads in place (one call, no buffer object), else None.
-    A strided view that ``_row_layout`` describes is read where it lies, not copied."""
-    if not t.is_contiguous():
-        kind = _KIND.get(t.dtype)
-        layout = _row_layout(t) if kind is not None and type(t) in _PLAIN and t.is_cpu else None
-        if layout is not None and fused_stats.available():
-            return fused_stats.stats_rows(t.data_ptr(), *layout, kind, eps)
-    found = _in_place(t)
-    if found is None:
-        return None
-    flat, kind = found
-    return fused_stats.stats_at(flat.data_ptr(), flat.numel(), kind, eps)
-
-
 def sign_shares(grads: Sequence[torch.Tensor], moments: Sequence[torch.Tensor]) -> list[float | torch.Tensor]:
     """Per pair of equal-sized, non-empty tensors, the share of elements whose signs agree,
     ``(mean(sign(g) * sign(m)) + 1) / 2`` (a NaN's sign is 0, as torch.sign has it): a float for the pairs
@@ -361,7 +268,7 @@ def sign_shares(grads: Sequence[torch.Tensor], moments: Sequence[torch.Tensor]) 
     shares: list[float | torch.Tensor | None] = [None] * len(grads)
     direct: dict[int, list] = {}
     for k, (grad, moment) in enumerate(zip(grads, moments)):
-        first, second = _in_place(grad), _in_place(moment)
+        first, second = in_place(grad), in_place(moment)
         if first is not None and second is not None and first[1] == second[1]:
             direct.setdefault(first[1], []).append((k, first[0], second[0]))
             continue
@@ -385,7 +292,7 @@ def tensor_stats(t: torch.Tensor, ops: Sequence[str], eps: float = 1e-8) -> list
     """Statistics of one tensor: a list of floats for a CPU tensor, a float64 vector (len(ops),)
     on the device for an accelerator's (no host synchronisation). ``stack_rows`` stacks them."""
     ops = tuple(ops)
-    parts = None if "id" in ops else _kernel_tuple(t, eps)
+    parts = None if "id" in ops else kernel_tuple(t, eps)
     if parts is not None:
         numel = t.numel()
         return [float(DERIVED[op](parts, numel)) for op in ops]
@@ -404,92 +311,3 @@ def stack_rows(rows: Sequence[list[float] | torch.Tensor], width: int) -> torch.
     return torch.stack(
         [r if isinstance(r, torch.Tensor) else torch.tensor(r, dtype=_F64, device=device) for r in rows]
     )
-
-
-class RowBuffer:
-    """Statistics rows of tensors measured one at a time (a hook per parameter) or many at
-    once (``put_many``: the gradients of a backward pass), by slot.
-
-    A CPU tensor's kernel tuple goes straight into a preallocated float64 array: no Python
-    object per tensor outlives the call, so hooks on thousands of parameters neither pay for
-    building rows nor wake the garbage collector, whose passes grow with the number of live
-    objects. Other tensors (accelerators, integer types, the ``id`` op) keep the row
-    ``tensor_stats`` gives. ``take`` returns the rows in the order they were put; a slot put
-    again moves to the end.
-    """
-
-    def __init__(self, size: int, ops: Sequence[str], eps: float) -> None:
-        self.ops = tuple(ops)
-        self.eps = eps
-        self._raw = np.empty((size, 6), dtype=np.float64)
-        self._numel = np.zeros(size, dtype=np.float64)
-        self._order: dict[int, None] = {}
-        self._other: dict[int, list[float] | torch.Tensor] = {}
-        self._direct = "id" not in self.ops
-
-    def put(self, slot: int, t: torch.Tensor) -> None:
-        """Measure ``t`` into ``slot`` (replacing what the slot held)."""
-        self._order.pop(slot, None)
-        self._order[slot] = None
-        found = _in_place(t) if self._direct else None
-        if found is not None:
-            flat, kind = found
-            fused_stats.stats_into(flat.data_ptr(), flat.numel(), kind, self.eps, self._raw, slot)
-            self._numel[slot] = flat.numel()
-            self._other.pop(slot, None)
-        else:
-            self._other[slot] = tensor_stats(t, self.ops, self.eps)
-
-    def put_many(self, slots: Sequence[int], tensors: Sequence[torch.Tensor]) -> None:
-        """``put`` of each tensor into its slot, in order; the tensors the kernel reads in place
-        go through one call per element kind."""
-        order, other = self._order, self._other
-        for slot in slots:
-            order.pop(slot, None)
-            order[slot] = None
-        swept = _kernel_sweep(tensors) if self._direct and tensors else None
-        if swept is not None:  # the common case, in one sweep
-            if other:
-                for slot in slots:
-                    other.pop(slot, None)
-            self._raw[slots] = _kernel_parts(*swept, self.eps)
-            self._numel[slots] = swept[2]
-            return
-        direct: dict[int, tuple[list[int], list[torch.Tensor]]] = {}
-        for slot, t in zip(slots, tensors):
-            found = _in_place(t) if self._direct else None
-            if found is None:
-                other[slot] = tensor_stats(t, self.ops, self.eps)
-                continue
-            if other:
-                other.pop(slot, None)
-            kind_slots, flats = direct.setdefault(found[1], ([], []))
-            kind_slots.append(slot)
-            flats.append(found[0])
-        for kind, (kind_slots, flats) in direct.items():
-            counts = [t.numel() for t in flats]
-            self._raw[kind_slots] = _kernel_parts(kind, [t.data_ptr() for t in flats], counts, self.eps)
-            self._numel[kind_slots] = counts
-
-    def clear(self) -> None:
-        """Forget every row."""
-        self._order, self._other = {}, {}
-
-    def drop(self, slot: int) -> None:
-        """Forget the slot's row."""
-        self._order.pop(slot, None)
-        self._other.pop(slot, None)
-
-    def take(self) -> tuple[list[int], torch.Tensor]:
-        """The slots in the order they were put and their (n, len(ops)) rows; the buffer empties."""
-        order, other = list(self._order), self._other
-        self._order, self._other = {}, {}
-        width = len(self.ops)
-        if not order:
-            return order, torch.empty((0, width), dtype=_F64)
-        direct = [slot for slot in order if slot not in other] if other else order
-        values = columns(self._raw[direct], self._numel[direct], self.ops) if direct else None
-        if not other:
-            return order, torch.from_numpy(values)
-        rows = dict(zip(direct, values.tolist())) if direct else {}
-        return order, stack_rows([other[slot] if slot in other else rows[slot] for slot in order], width)

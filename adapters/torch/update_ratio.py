@@ -1,5 +1,5 @@
 """ur_distribution on torch: Adam's update and m/sqrt(v) binned on the device (the buckets and
-kinds are monitor.update_ratio's), all counts of a step stacked and copied to the host once;
+kinds are monitor.datatypes.update_ratio's), all counts of a step stacked and copied to the host once;
 nothing is rendered on the training thread."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from monitor.update_ratio import BINS
+from monitor.datatypes.update_ratio import BINS
 
 
 def _counts(values: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,7 @@ import argparse
 import sys
 from collections.abc import Callable
 
-from monitor.datatypes import PREFIX_TASKS
+from monitor.datatypes.tasks import PREFIX_TASKS
 from monitor.files import TIME_FORMAT
 
 #: data types the converters accept (msprobe 1.2.2 also wrote ``param``).

@@ -35,7 +35,7 @@ from dashboards.convert.runs import ConvertError, select_rank_dirs
 from dashboards.csvfiles import header_ops, list_csv_files
 from monitor.anomaly.ordering import parse_record
 from monitor.files import atomic_write_text, make_private_dir
-from monitor.run_info import RUN_INFO_FILE
+from monitor.session.run_info import RUN_INFO_FILE
 
 logger = logging.getLogger("trainmon")
 

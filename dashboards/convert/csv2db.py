@@ -36,7 +36,7 @@ from dashboards.convert.progress import run_jobs
 from dashboards.convert.runs import ConvertError, Series, job_label, read_series, select_jobs
 from dashboards.csvfiles import header_ops, list_csv_files
 from monitor import __version__
-from monitor.datatypes import OP_ORDER, order_key
+from monitor.datatypes.tasks import OP_ORDER, order_key
 from monitor.files import FILE_MODE, TIME_FORMAT
 
 logger = logging.getLogger("trainmon")

@@ -19,7 +19,7 @@ import numpy as np
 
 from dashboards.convert.commands import DATA_TYPES, MAX_PROCESSES
 from dashboards.csvfiles import list_csv_files, read_csv_file
-from monitor.datatypes import RowKey
+from monitor.datatypes.tasks import RowKey
 from monitor.files import RANK_DIR_PATTERN, TIME_FORMAT, parse_time_tag
 
 logger = logging.getLogger("trainmon")

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from dashboards.plugin.cache import FileVersions
 from monitor.anomaly.ordering import STAGE_NAMES, AnomalyRecord, parse_record, sort_key, stage_of
-from monitor.datatypes import RowKey, parse_tag
+from monitor.datatypes.tasks import RowKey, parse_tag
 from monitor.writers.eventfile import open_regular
 
 INPUT_NAME = "anomaly.json"

@@ -15,7 +15,7 @@ import numpy as np
 from dashboards.plugin.cache import ByteLRU
 from dashboards.plugin.eventscalars import Layout, LayoutCache, event_head, first_scalar_tag
 from dashboards.plugin.sources import Block, Chunk, PrefixInfo, Source
-from monitor.datatypes import parse_scalar_tag
+from monitor.datatypes.tasks import parse_scalar_tag
 from monitor.writers.custom_scalars import LAYOUT_SUFFIX
 from monitor.writers.eventfile import RecordSpan, open_regular, read_head, read_record, scan_records
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dashboards.plugin.sources import Block, Chunk, Source
-from monitor.datatypes import ROW_ORDER_FROM, RowKey
+from monitor.datatypes.tasks import ROW_ORDER_FROM, RowKey
 
 #: columns a view may ask for.
 MAX_COLUMNS = 2000

@@ -39,7 +39,7 @@ from dashboards.plugin.discovery import Run
 from dashboards.plugin.heatmap import MAX_COLUMNS, PRESENT, Matrix, encode, rank_matrix, tag_matrix
 from dashboards.plugin.incidents import select as select_incidents
 from dashboards.plugin.store import RunStore
-from monitor.datatypes import ACTIVATION_PREFIXES, RowKey, scalar_tag_pattern
+from monitor.datatypes.tasks import ACTIVATION_PREFIXES, RowKey, scalar_tag_pattern
 
 logger = logging.getLogger("trainmon")
 

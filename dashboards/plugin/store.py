@@ -18,7 +18,7 @@ from dashboards.plugin.discovery import Run, discover
 from dashboards.plugin.eventsource import EventSource
 from dashboards.plugin.incidents import Incident, IncidentList, IncidentReader
 from dashboards.plugin.sources import CsvSource, PrefixInfo, Source
-from monitor.datatypes import OP_ORDER, PREFIX_ORDER, order_key
+from monitor.datatypes.tasks import OP_ORDER, PREFIX_ORDER, order_key
 
 DISCOVERY_SECONDS = 2.0
 

@@ -1,0 +1,9 @@
+"""Anomalies, during the run and after it: the rules and the detector that apply them to each
+step's records (``rules``, ``detector``), incidents with their roots and the per-rank anomaly
+files (``incidents``, ``root``, ``incident_files``, ``anomaly_files``, ``dump``), and the readers
+behind ``anomaly-analyse`` and its cross-rank comparison (``analyse``, ``ordering``, ``cross_rank``,
+``peers``, ``rank_csv``, ``verdicts``, ``report``, ``workers``).
+
+May import the config, the data types' tag tasks, the TensorBoard event writer (the dump's
+format) and the shared modules at the top of ``monitor``.
+"""

@@ -1,6 +1,6 @@
 """The framework-free half of a collective monitor (cc_distribution), shared by the adapters.
 
-Each adapter's CollectiveMonitor subscribes to its ``cc_wrap`` registry (see ``cc_registry``)
+Each adapter's CollectiveMonitor subscribes to its ``cc_wrap`` registry (see ``monitor.collectives.registry``)
 and knows how to read and measure its framework's tensors. What is the same for both lives
 here: the listening switch (installed, not failed, and a collected step or cc_log_only), the
 cc_log_only stop at the first step after the one it started in, the choice per call (log it

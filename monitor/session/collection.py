@@ -17,11 +17,11 @@ from typing import Any
 import numpy as np
 
 from monitor.config.schema import MonitorConfig
-from monitor.session.core import MonitorCore
-from monitor.errors import StructurePrinted
 from monitor.datatypes.l2 import ATTENTION_PREFIX, LINEAR_OPS, LINEAR_PREFIX
 from monitor.datatypes.params import unreduced_rows
+from monitor.errors import StructurePrinted
 from monitor.record import RowSet, SameRows, StepRecord
+from monitor.session.core import MonitorCore
 from monitor.session.schedule import Schedule
 
 logger = logging.getLogger("trainmon")

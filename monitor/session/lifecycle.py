@@ -17,9 +17,9 @@ from collections.abc import Callable
 from typing import Any
 
 from monitor.alerts.responses import IncidentResponses
-from monitor.session.collection import BaseCollection
 from monitor.config.schema import MonitorConfig
 from monitor.errors import CollectivesLogged, StructurePrinted
+from monitor.session.collection import BaseCollection
 from monitor.session.schedule import rank_enabled
 
 logger = logging.getLogger("trainmon")

@@ -34,7 +34,7 @@ def test_a_step_shorter_than_grad_acc_steps_is_said_once(tmp_path, trainmon_log)
 
 
 def test_a_failure_to_attach_is_reported_and_training_goes_on(tmp_path, trainmon_log, monkeypatch):
-    from monitor.trainer import TrainerMon
+    from monitor.session.trainer import TrainerMon
     from tests.integrations.hf_run import train
 
     def refuse(self, *args, **kwargs):

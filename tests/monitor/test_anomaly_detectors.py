@@ -21,7 +21,7 @@ from monitor.anomaly.rules import (
     RunningMeanTurbulence,
     build_rules,
 )
-from monitor.config import ConfigError, load_config
+from monitor.config.schema import ConfigError, load_config
 from monitor.record import RowSet
 
 

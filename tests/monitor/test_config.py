@@ -1,4 +1,4 @@
-"""Config loading and validation (monitor/config.py) against the reference's keys."""
+"""Config loading and validation (monitor/config/schema.py) against the reference's keys."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import yaml
 import config_templates
 import monitor
 from monitor.anomaly.rules import AnomalyNan, AnomalyTurbulence, build_rules
-from monitor.config import MonitorConfig, load_config
+from monitor.config.schema import MonitorConfig, load_config
 
 TEMPLATE_DIR = Path(config_templates.__file__).parent
 TEMPLATES = sorted(p for p in TEMPLATE_DIR.iterdir() if p.suffix in (".json", ".yaml"))

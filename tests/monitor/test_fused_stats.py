@@ -8,12 +8,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from monitor import fused_stats
+from monitor.stats import fused_stats
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _kernel_compiled():
-    assert fused_stats.available(), "monitor._fused_stats was not built (pip install -e . with a C compiler)"
+    assert fused_stats.available(), (
+        "monitor.stats._fused_stats was not built (pip install -e . with a C compiler)"
+    )
 
 
 def _reference(array: np.ndarray, eps: float) -> tuple:
@@ -46,7 +48,7 @@ LANES = 32
 
 
 def test_block_and_lanes_are_what_the_edge_cases_assume():
-    from monitor import _fused_stats
+    from monitor.stats import _fused_stats
 
     assert (_fused_stats.BLOCK, _fused_stats.LANES) == (BLOCK, LANES)
 

@@ -1,4 +1,4 @@
-"""Statistics of host arrays (monitor.host_stats) against numpy in float64, on copies.
+"""Statistics of host arrays (monitor.stats.host_stats) against numpy in float64, on copies.
 
 Every test runs through the one-pass kernel and through the numpy path used where the C
 extension was not built.
@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from monitor import fused_stats, host_stats
+from monitor.stats import fused_stats, host_stats
 from tests.reference_stats import ALL_OPS, NON_FINITE_VALUES, assert_same_number, numpy_stats
 
 OPS = [*ALL_OPS, "id"]
@@ -18,7 +18,7 @@ OPS = [*ALL_OPS, "id"]
 @pytest.fixture(autouse=True, params=["kernel", "numpy"])
 def path(request, monkeypatch):
     if request.param == "kernel":
-        assert fused_stats.available(), "monitor._fused_stats was not built (pip install -e .)"
+        assert fused_stats.available(), "monitor.stats._fused_stats was not built (pip install -e .)"
     else:
         monkeypatch.setattr(fused_stats, "available", lambda: False)
     return request.param

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from monitor.datatypes.params import PARAM_TASKS, param_row_tables, reduced_index, unreduced_rows
 from monitor.naming import select_names
-from monitor.param_rows import PARAM_TASKS, param_row_tables, reduced_index, unreduced_rows
 from monitor.record import RowSet
 
 

@@ -32,6 +32,7 @@ import torch
 import adapters.torch.activations as activations_module
 import adapters.torch.grads as grads_module
 import adapters.torch.stats as stats_module
+from adapters.torch import in_place, row_buffer
 from monitor import TrainerMon
 from tests.reliability.ranks import FAULT_STEP as CC_FAULT_STEP
 from tests.reliability.training import ALL_OPS, EVERYTHING, Net, csv_steps, hook_state, make_batches, train
@@ -150,7 +151,7 @@ def test_a_statistic_that_raises_switches_off_its_data_type_only(monkeypatch, tr
             raise RuntimeError("injected: statistic failed")
         return original(tensors, ops, eps)
 
-    original_kernel = stats_module._kernel_parts
+    original_kernel = in_place.kernel_parts
 
     def kernel_parts(kind, addresses, counts, eps):  # where the kernel reads CPU tensors in place
         if failing["on"] and set(addresses) & failing["pointers"]:
@@ -158,7 +159,8 @@ def test_a_statistic_that_raises_switches_off_its_data_type_only(monkeypatch, tr
         return original_kernel(kind, addresses, counts, eps)
 
     monkeypatch.setattr(stats_module, "_group_columns", group_columns)
-    monkeypatch.setattr(stats_module, "_kernel_parts", kernel_parts)
+    for reader in (stats_module, row_buffer):  # both read CPU tensors through the kernel
+        monkeypatch.setattr(reader, "kernel_parts", kernel_parts)
 
     def inject(mon):
         optimizer = mon._session.optimizer

@@ -12,7 +12,7 @@ One detail has no public seam: with a ``reduce_dtype`` other than the parameters
 precision) and ``set_requires_gradient_sync(False)``, FSDP2 moves the gradients of the skipped
 micro-batches into its own fp32 accumulator, so the unsharded parameter's ``.grad`` holds only
 the last micro-batch's. That accumulator is read through FSDP2's private state
-(adapters.torch.fsdp_internals); where it is missing, a warning says that such rows are the last
+(adapters.torch.sharded.fsdp_internals); where it is missing, a warning says that such rows are the last
 micro-batch's gradient.
 """
 
@@ -26,9 +26,9 @@ from typing import Any
 import torch
 
 from adapters.torch.compiled import eager
-from adapters.torch.fsdp_internals import FsdpInternalsChanged, check_version, fsdp2_records
 from adapters.torch.grads import UnreducedGrads
 from adapters.torch.params import ParamRegistry
+from adapters.torch.sharded.fsdp_internals import FsdpInternalsChanged, check_version, fsdp2_records
 from monitor.naming import unwrapped_name
 
 logger = logging.getLogger("trainmon")

@@ -14,7 +14,7 @@ under its original name: this rank's piece of it (with its element count), or wi
   before FSDP reduce-scatters it (accumulated over ``no_sync`` micro-batches), and each original
   parameter's part of it is measured whole.
 
-Where each parameter lies in the flat tensors comes from adapters.torch.fsdp_internals.
+Where each parameter lies in the flat tensors comes from adapters.torch.sharded.fsdp_internals.
 """
 
 from __future__ import annotations
@@ -25,15 +25,15 @@ from typing import Any
 
 import torch
 
-from adapters.torch.fsdp_internals import (
+from adapters.torch.grads import UnreducedGrads
+from adapters.torch.optim import TorchBackend
+from adapters.torch.sharded.fsdp_internals import (
     FlatSlot,
     FsdpInternalsChanged,
     check_version,
     flat_layout,
     fsdp1_units,
 )
-from adapters.torch.grads import UnreducedGrads
-from adapters.torch.optim import TorchBackend
 
 logger = logging.getLogger("trainmon")
 

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from adapters.torch.cc_callsite import CallSites
 from adapters.torch.cc_wrap import COLLECTIVES, CallInfo
 from adapters.torch.stats import stat_matrix
-from monitor.cc_totals import StepTotals, stat_ops_for, summarise
+from monitor.collectives.totals import StepTotals, stat_ops_for, summarise
 from tests.adapters.torch.distributed import run_ranks, save_result
 from tests.adapters.torch.helpers import ALL_OPS, assert_stats_close, numpy_stats
 

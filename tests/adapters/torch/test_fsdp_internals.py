@@ -22,7 +22,7 @@ CONFIG = {"wg_distribution": True, "ops": ["norm", "min", "max"], "format": "api
 
 
 def _changed(*args, **kwargs):
-    from adapters.torch.fsdp_internals import FsdpInternalsChanged
+    from adapters.torch.sharded.fsdp_internals import FsdpInternalsChanged
 
     raise FsdpInternalsChanged("moved in this torch")
 
@@ -53,8 +53,12 @@ def _worker(rank: int, world_size: int, workdir: str, case: str, reader: str) ->
 @pytest.mark.parametrize(
     ("case", "reader", "said"),
     [
-        ("fsdp2-bf16", "adapters.torch.fsdp.fsdp2_records", "gradient accumulator elsewhere"),
-        ("fsdp1-flat-params", "adapters.torch.fsdp_flat.flat_layout", "flat-parameter layout elsewhere"),
+        ("fsdp2-bf16", "adapters.torch.sharded.fsdp.fsdp2_records", "gradient accumulator elsewhere"),
+        (
+            "fsdp1-flat-params",
+            "adapters.torch.sharded.fsdp_flat.flat_layout",
+            "flat-parameter layout elsewhere",
+        ),
     ],
 )
 def test_a_changed_fsdp_internal_is_said_once_and_training_goes_on(tmp_path, case, reader, said):

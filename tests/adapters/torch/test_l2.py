@@ -176,7 +176,7 @@ def test_spectral_norm_stays_within_one_percent_while_a_random_weight_moves(shap
     iteration), moved by 5% of their scale between collected steps (training moves weights far
     less), warm-started as in training."""
     from adapters.torch.l2 import lanczos_top
-    from monitor.l2 import FIRST_ITERATIONS, WARM_ITERATIONS
+    from monitor.datatypes.l2 import FIRST_ITERATIONS, WARM_ITERATIONS
 
     generator = torch.Generator().manual_seed(7)
     weight = torch.randn(*shape, generator=generator)

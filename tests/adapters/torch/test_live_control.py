@@ -191,7 +191,7 @@ def _dynamic_rank(rank: int, world_size: int, workdir: str) -> None:
 
 @pytest.mark.distributed
 def test_dynamic_mode_starts_every_rank_at_the_same_step(tmp_path):
-    from monitor.dynamic import DELAY_STEPS
+    from monitor.session.dynamic import DELAY_STEPS
     from tests.adapters.torch.distributed import run_ranks
 
     replace_file(tmp_path / "monitor.json", DYNAMIC_CONFIG)

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from adapters.torch.params import ParamRegistry
-from monitor.config import load_config
+from monitor.config.schema import load_config
 from tests.adapters.torch import megatron_cpu_shim
 from tests.adapters.torch.distributed import run_ranks, save_result
 from tests.adapters.torch.helpers import (

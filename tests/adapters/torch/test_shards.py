@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from adapters.torch.shards import merge_pieces
+from adapters.torch.sharded.shards import merge_pieces
 from adapters.torch.stats import stat_matrix
 from tests.adapters.torch.helpers import ALL_OPS, assert_stats_close
 

@@ -1,6 +1,6 @@
 """CPU statistics against numpy, including non-finite values and odd inputs.
 
-Every test runs twice: through the one-pass kernel (monitor.fused_stats, a C extension) and
+Every test runs twice: through the one-pass kernel (monitor.stats.fused_stats, a C extension) and
 through the library-call path used where the extension was not built.
 """
 
@@ -11,7 +11,9 @@ import pytest
 import torch
 
 import adapters.torch.stats as stats
-from monitor import fused_stats
+from adapters.torch import in_place
+from adapters.torch.row_buffer import RowBuffer
+from monitor.stats import fused_stats
 from tests.adapters.torch.helpers import ALL_OPS, numpy_stats
 from tests.reference_stats import NON_FINITE_VALUES, assert_same_number, assert_stats_close
 
@@ -20,7 +22,7 @@ from tests.reference_stats import NON_FINITE_VALUES, assert_same_number, assert_
 def path(request, monkeypatch):
     """Which CPU path computes the statistics."""
     if request.param == "fused":
-        assert fused_stats.available(), "monitor._fused_stats was not built (pip install -e .)"
+        assert fused_stats.available(), "monitor.stats._fused_stats was not built (pip install -e .)"
     else:
         monkeypatch.setattr(fused_stats, "available", lambda: False)
     return request.param
@@ -144,7 +146,7 @@ def test_a_row_buffer_keeps_the_latest_row_of_each_slot_in_the_order_put():
         torch.arange(-3, 9),  # integers
     ]
     tensors[0][5] = float("nan")
-    buffer = stats.RowBuffer(6, ALL_OPS, 1e-8)
+    buffer = RowBuffer(6, ALL_OPS, 1e-8)
     buffer.put(4, tensors[0])  # replaced below
     for slot, tensor in zip((2, 0, 5, 1, 4), tensors):
         buffer.put(slot, tensor)
@@ -173,7 +175,7 @@ def test_a_row_buffer_measures_many_tensors_at_once_as_numpy_does(mixed):
             torch.randn(40, generator=generator).to(torch.float16),
             torch.arange(-3, 9),
         ]
-    buffer = stats.RowBuffer(len(tensors) + 1, ALL_OPS, 1e-8)
+    buffer = RowBuffer(len(tensors) + 1, ALL_OPS, 1e-8)
     buffer.put(3, torch.ones(3))  # replaced below, and moved to its new place in the order
     slots = [len(tensors) - k for k in range(len(tensors))]
     buffer.put_many(slots, tensors)
@@ -237,7 +239,7 @@ def test_strided_views_are_read_in_place_not_copied(monkeypatch):
     views = _strided_views()
     for name in ("split piece", "split piece as heads", "transpose", "row slice", "bfloat16 split piece"):
         view = views[name]
-        run, rows, stride = stats._row_layout(view)
+        run, rows, stride = in_place.row_layout(view)
         base = view.data_ptr()
         size = view.element_size()
         addresses = {base + (r * stride + i) * size for r in range(rows) for i in range(run)}
@@ -245,4 +247,4 @@ def test_strided_views_are_read_in_place_not_copied(monkeypatch):
         want = {base + offset * size for offset in offsets}
         assert addresses == want, name
     for name in ("every other row", "column", "expanded"):
-        assert stats._row_layout(views[name]) is None, name
+        assert in_place.row_layout(views[name]) is None, name
