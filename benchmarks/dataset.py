@@ -1,9 +1,9 @@
 """The Parquet dataset of ``trainmon compact`` against the CSV outputs it is made from.
 
 Generates a run of R ranks x T tags x S steps (six statistics, values with the CSV writer's six
-significant digits, written by the monitor's own CSV writer), compacts it, and reports the bytes
-of both and the time of a cross-rank query in DuckDB over the dataset: per (data type, tensor,
-op, step), the ranks' median and the rank farthest from it.
+significant digits and a NaN count of 0, written by the monitor's own CSV writer), compacts it,
+and reports the bytes of both and the time of a cross-rank query in DuckDB over the dataset: per
+(data type, tensor, op, step), the ranks' median and the rank farthest from it.
 
     python benchmarks/dataset.py                       # 16 ranks x 500 tags x 200 steps
     python benchmarks/dataset.py --quick               # 4 ranks x 100 tags x 50 steps (CI)
@@ -61,6 +61,7 @@ def main() -> None:
             rows = RowSet.build([0] * tags, names, rank, "post_grad")
             for step in range(steps):
                 values = scale * (1 + 0.01 * rng.standard_normal((tags, len(OPS))))
+                values[:, OPS.index("nans")] = 0.0  # a count, written exactly: no NaN in a healthy run
                 writer.write(StepRecord("grad_reduced", step, OPS, rows, values))
                 writer.end_step(step)
             writer.close()

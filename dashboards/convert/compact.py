@@ -9,12 +9,20 @@ types and ranks it needs::
                             step, micro_step, vpp_stage, name, op, value
     OUT/runs.parquet        per rank directory: rank, directory, versions, world size
     OUT/anomalies.parquet   the records of every anomaly_detected/rank{R}/anomaly.json
-    OUT/compact.json        the source files of each part (size, modification time)
+    OUT/compact.json        the value type, and the source files of each part (size, mtime)
 
 Read with partition discovery (``hive_partitioning``), every value is one row
 ``rank, step, micro_step, vpp_stage, data_type, name, op, value``; ``micro_step`` is NULL for data
-types without one. zstd compression. A value written twice for one row and step (a restarted
-run appending) keeps the later file's, as csv2tb does.
+types without one. A value written twice for one row and step (a restarted run appending) keeps
+the later file's, as csv2tb does.
+
+Size: rows sorted by tensor, op and step, so that a column changes little from row to row;
+Parquet's version 2 encodings (byte-stream split for values, deltas for integers) and zstd at a
+high level. ``value`` is a 32-bit float when every value of the run has at most six significant
+digits (the CSV writer's default ``ndigits``; counts below 2**24), which 32-bit floats hold:
+rounding a stored value to six digits gives back the CSV's text. Otherwise (a larger
+``ndigits``, huge counts, values beyond a 32-bit float's range) it is a 64-bit double, for the
+whole dataset, so that every engine sees one schema; ``compact.json`` records which.
 
 Idempotent and resumable: a part whose source files are unchanged (size and modification time
 in ``compact.json``) is not written again; each file is written under a temporary name and
@@ -40,6 +48,11 @@ from monitor.session.run_info import RUN_INFO_FILE
 logger = logging.getLogger("trainmon")
 
 MANIFEST = "compact.json"
+#: zstd level of the values: 19 makes them about a tenth smaller than zstd's default level 3 for
+#: about 1.7x the compaction time (benchmarks/dataset.py)
+ZSTD_LEVEL = 19
+#: the value's SQL type where every value survives it, and where one does not
+FLOAT, DOUBLE = "FLOAT", "DOUBLE"
 #: what DuckDB may use for one compaction (it spills to disk beyond it).
 MEMORY_LIMIT = os.environ.get("TRAINMON_DUCKDB_MEMORY", "2GB")
 _LABELS = {"vpp_stage": "BIGINT", "name": "VARCHAR", "step": "BIGINT", "micro_step": "BIGINT"}
@@ -61,26 +74,35 @@ def compact(monitor_path: str, output: str | None = None) -> dict[str, int]:
     make_private_dir(output)
     manifest_path = os.path.join(output, MANIFEST)
     old = _read_json_object(manifest_path)
-    new: dict[str, list] = {}
-    counts = {"written": 0, "kept": 0}
+    old_parts = old.get("parts") if isinstance(old.get("parts"), dict) else {}
+    old_type = old.get("value_type") if old_parts and old.get("value_type") in (FLOAT, DOUBLE) else None
     con = duckdb.connect()
     con.execute(f"SET memory_limit = '{MEMORY_LIMIT}'")
     try:
+        parts: dict[str, list] = {}
+        stored: dict[str, str | None] = {}  # part -> the value type it is on disk in
         for rank, dirs in ranks.items():
             for prefix, paths in _files_by_type(dirs).items():
                 part = os.path.join("values", f"data_type={prefix}", f"rank={rank}", "part.parquet")
-                sources = [_signature(p) for p in paths]
-                new[part] = sources
-                if old.get(part) == sources and os.path.isfile(os.path.join(output, part)):
-                    counts["kept"] += 1
-                    continue
-                _write_part(con, paths, os.path.join(output, part))
-                counts["written"] += 1
+                parts[part] = sources = [_signature(p) for p in paths]
+                unchanged = old_parts.get(part) == sources and os.path.isfile(os.path.join(output, part))
+                stored[part] = old_type if unchanged else None
+        value_type = old_type or FLOAT
+        written = set()
+        for rewrite in (False, True):  # the second pass: parts in another type than the dataset's
+            for part, on_disk in stored.items():
+                stale = on_disk != value_type if rewrite else on_disk is None
+                if stale:
+                    paths = [source[0] for source in parts[part]]
+                    value_type = _write_part(con, paths, os.path.join(output, part), value_type)
+                    stored[part] = value_type
+                    written.add(part)
+        counts = {"written": len(written), "kept": len(parts) - len(written)}
         _write_runs(con, ranks, os.path.join(output, "runs.parquet"))
         _write_anomalies(con, monitor_path, os.path.join(output, "anomalies.parquet"))
     finally:
         con.close()
-    atomic_write_text(manifest_path, json.dumps(new, indent=1))
+    atomic_write_text(manifest_path, json.dumps({"value_type": value_type, "parts": parts}, indent=1))
     return counts
 
 
@@ -112,8 +134,9 @@ def _quoted(text: str) -> str:
     return "'" + text.replace("'", "''") + "'"
 
 
-def _write_part(con: Any, paths: Sequence[str], target: str) -> None:
-    """One data type of one rank: every file's rows, unpivoted to one row per value."""
+def _part_query(paths: Sequence[str]) -> str | None:
+    """The rows of one data type of one rank: every file's rows unpivoted to one row per value, a
+    value written twice keeping the later file's (None where the files hold no statistic)."""
     selects, ops = [], []
     for index, path in enumerate(paths):
         file_ops = list(header_ops(path))
@@ -127,30 +150,58 @@ def _write_part(con: Any, paths: Sequence[str], target: str) -> None:
             f"columns = {{{columns}}}, auto_detect = false, null_padding = true, ignore_errors = true)"
         )
     if not ops:
-        return
+        return None
     union = " UNION ALL BY NAME ".join(selects)
     has_micro = any("'micro_step'" in select for select in selects)
     micro = "micro_step" if has_micro else "CAST(NULL AS BIGINT) AS micro_step"
     op_columns = ", ".join(f'"{op}"' for op in ops)
-    query = f"""
+    return f"""
         SELECT step, micro_step, vpp_stage, name, op, value FROM (
             UNPIVOT (SELECT step, {micro}, vpp_stage, name, _file, {op_columns} FROM ({union}))
             ON {op_columns} INTO NAME op VALUE value
         )
         QUALIFY row_number() OVER (PARTITION BY vpp_stage, name, micro_step, step, op ORDER BY _file DESC) = 1
-        ORDER BY step, vpp_stage, name, micro_step, op
     """
-    _copy(con, query, target)
 
 
-def _copy(con: Any, query: str, target: str) -> None:
-    """``query`` into the Parquet file ``target``, through a temporary name in its directory."""
+def _write_part(con: Any, paths: Sequence[str], target: str, value_type: str) -> str:
+    """One part, its values in ``value_type``, or as doubles where one would not survive a 32-bit
+    float (rounded back to six significant digits it is not the value read from the CSV);
+    returns the type written. The rows are read from the CSV once, into a temporary table."""
+    query = _part_query(paths)
+    if query is None:
+        return value_type
+    con.execute(f"CREATE OR REPLACE TEMP TABLE part AS {query}")
+    if value_type == FLOAT:
+        (fits,) = con.execute(
+            """SELECT coalesce(bool_and(NOT isfinite(value) OR coalesce(
+                   TRY_CAST(printf('%.6g', TRY_CAST(value AS FLOAT)) AS DOUBLE) = value, false)), true)
+               FROM part"""
+        ).fetchone()
+        value_type = FLOAT if fits else DOUBLE
+    _copy(
+        con,
+        f"SELECT step, micro_step, vpp_stage, name, op, CAST(value AS {value_type}) AS value FROM part "
+        "ORDER BY vpp_stage, name, op, micro_step, step",
+        target,
+        ZSTD_LEVEL,
+    )
+    con.execute("DROP TABLE part")
+    return value_type
+
+
+def _copy(con: Any, query: str, target: str, level: int = 3) -> None:
+    """``query`` into the Parquet file ``target`` (zstd at ``level``), through a temporary name in
+    its directory."""
     directory = os.path.dirname(target)
     os.makedirs(directory, exist_ok=True)
     fd, temporary = tempfile.mkstemp(prefix=".tmp-", suffix=".parquet", dir=directory)
     os.close(fd)
     try:
-        con.execute(f"COPY ({query}) TO {_quoted(temporary)} (FORMAT parquet, COMPRESSION zstd)")
+        con.execute(
+            f"COPY ({query}) TO {_quoted(temporary)} "
+            f"(FORMAT parquet, COMPRESSION zstd, COMPRESSION_LEVEL {level}, PARQUET_VERSION V2)"
+        )
         os.replace(temporary, target)
     except BaseException:
         if os.path.exists(temporary):

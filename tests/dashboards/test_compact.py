@@ -1,5 +1,6 @@
 """``trainmon compact``: every CSV value in the Parquet dataset, read back with DuckDB and checked
-against the csv module's reading of the files; resumable, and the later of two writes wins."""
+against the csv module's reading of the files (32-bit floats where every value has at most six
+significant digits, else doubles); resumable, and the later of two writes wins."""
 
 from __future__ import annotations
 
@@ -22,6 +23,11 @@ from tests.dashboards.conftest import read_csv_rows, write_run  # noqa: E402
 COLUMNS = {"rank", "step", "micro_step", "vpp_stage", "data_type", "name", "op", "value"}
 
 
+def _value_types(out) -> set[str]:
+    values = f"read_parquet('{out}/values/**/*.parquet', hive_partitioning = true, union_by_name = true)"
+    return {t for (t,) in duckdb.sql(f"SELECT DISTINCT typeof(value) FROM {values}").fetchall()}
+
+
 def _dataset(out) -> dict[tuple, float]:
     rows = duckdb.sql(f"SELECT * FROM read_parquet('{out}/values/**/*.parquet', hive_partitioning = true)")
     assert set(rows.columns) == COLUMNS
@@ -34,10 +40,15 @@ def _dataset(out) -> dict[tuple, float]:
     return found
 
 
-def _same(got: dict, expected: dict) -> None:
+def _same(got: dict, expected: dict, digits: int | None = 6) -> None:
+    """Every value as the csv module read it: exactly, or with ``digits`` the stored 32-bit float
+    rounded to that many significant digits (what the CSV writer wrote)."""
     assert got.keys() == expected.keys()
     for key, value in expected.items():
-        assert (math.isnan(value) and math.isnan(got[key])) or got[key] == value, key
+        stored = got[key]
+        if digits is not None and math.isfinite(stored):
+            stored = float(f"{stored:.{digits}g}")
+        assert (math.isnan(value) and math.isnan(stored)) or stored == value, key
 
 
 def test_every_value_round_trips_and_a_second_run_writes_nothing(tmp_path):
@@ -69,6 +80,7 @@ def test_every_value_round_trips_and_a_second_run_writes_nothing(tmp_path):
                         expected[(rank, prefix, row["vpp"], row["name"], micro, row["step"], op)] = value
     assert compact(str(tmp_path)) == {"written": 4, "kept": 0}
     got = _dataset(tmp_path / "dataset")
+    assert _value_types(tmp_path / "dataset") == {"FLOAT"}
     _same(got, expected)
     assert (
         got[(0, "grad_reduced", 0, expected and next(iter(k[3] for k in expected)), None, 4, "norm")] == -1.5
@@ -81,6 +93,50 @@ def test_every_value_round_trips_and_a_second_run_writes_nothing(tmp_path):
         f"SELECT rank, directory FROM read_parquet('{tmp_path}/dataset/runs.parquet')"
     ).fetchall()
     assert sorted(runs) == sorted([(0, dirs[0].name), (0, later[0].name), (1, dirs[1].name)])
+
+
+def _write_values(directory, values: np.ndarray, ndigits: int, step: int = 0) -> None:
+    directory.mkdir(exist_ok=True)
+    writer = CsvWriter(directory, ndigits, 10)
+    rows = RowSet.build([0] * len(values), [f"w{i}.weight" for i in range(len(values))], 0, "post_grad")
+    writer.write(StepRecord("grad_reduced", step, ("norm", "nans"), rows, values))
+    writer.end_step(step)
+    writer.close()
+
+
+@pytest.mark.parametrize(
+    "values, ndigits",
+    [
+        (np.array([[1.234567891, 0.0], [2.5, 1.0]]), 10),  # a larger ndigits
+        (np.array([[0.5, 2.0**24 + 1], [2.5, 1.0]]), 6),  # a count a 32-bit float cannot hold
+        (np.array([[3.0e39, 0.0], [1.0e-42, 1.0]]), 6),  # beyond a 32-bit float's range
+    ],
+    ids=["ndigits-10", "huge-count", "out-of-range"],
+)
+def test_values_a_float_cannot_hold_make_the_dataset_doubles_and_exact(tmp_path, values, ndigits):
+    _write_values(tmp_path / "Jan02_03-04-05-rank0-00000000", values, ndigits)
+    compact(str(tmp_path))
+    assert _value_types(tmp_path / "dataset") == {"DOUBLE"}
+    expected = {
+        (0, "grad_reduced", row["vpp"], row["name"], None, row["step"], op): value
+        for row in read_csv_rows(tmp_path / "Jan02_03-04-05-rank0-00000000", "grad_reduced")
+        for op, value in row["values"].items()
+    }
+    _same(_dataset(tmp_path / "dataset"), expected, digits=None)
+
+
+def test_a_later_value_a_float_cannot_hold_rewrites_every_part_as_doubles(tmp_path):
+    write_run(tmp_path, ranks=(0, 1), steps=range(3))
+    assert compact(str(tmp_path)) == {"written": 2, "kept": 0}
+    assert _value_types(tmp_path / "dataset") == {"FLOAT"}
+    _write_values(tmp_path / "Jan02_03-04-05-rank2-00000002", np.array([[1.234567891, 0.0]]), 10)
+    assert compact(str(tmp_path)) == {"written": 3, "kept": 0}  # one schema: every part again
+    assert _value_types(tmp_path / "dataset") == {"DOUBLE"}
+    assert compact(str(tmp_path)) == {"written": 0, "kept": 3}
+    manifest = tmp_path / "dataset" / "compact.json"
+    manifest.write_text(manifest.read_text().replace('"DOUBLE"', '"INT); DROP TABLE x; --"'))
+    assert compact(str(tmp_path)) == {"written": 3, "kept": 0}  # an unknown type is not trusted
+    assert _value_types(tmp_path / "dataset") == {"DOUBLE"}
 
 
 def test_micro_steps_anomalies_and_the_command(tmp_path):
