@@ -124,9 +124,16 @@ class UnreducedGrads:
         return handles
 
     def _accumulated_hook(self, index: int) -> Callable[[torch.Tensor], None]:
-        def hook(param: torch.Tensor) -> None:
+        return self._collecting(self.on_accumulated, index)
+
+    def _collecting(
+        self, handle: Callable[[int, torch.Tensor], None], index: int
+    ) -> Callable[[torch.Tensor], None]:
+        """A hook that hands its tensor to ``handle`` with ``index`` while collecting."""
+
+        def hook(tensor: torch.Tensor) -> None:
             if self.collect:
-                self.on_accumulated(index, param)
+                handle(index, tensor)
 
         return hook
 
@@ -264,11 +271,7 @@ class UnreducedGrads:
         return missing
 
     def _micro_batch_hook(self, index: int) -> Callable[[torch.Tensor], None]:
-        def hook(grad: torch.Tensor) -> None:
-            if self.collect:
-                self.on_micro_batch(index, grad)
-
-        return hook
+        return self._collecting(self.on_micro_batch, index)
 
     def on_micro_batch(self, index: int, grad: torch.Tensor) -> None:
         """One micro-batch's own gradient of parameter ``index``, before it is accumulated."""

@@ -20,6 +20,7 @@ from monitor.config.values import (
     as_number,
     as_str_list,
     describe,
+    kind_of,
     not_one_of,
     warn_unknown,
 )
@@ -140,11 +141,7 @@ def parse_actions(value: Any) -> tuple[str, ...]:
 
 
 def _sink(spec: Any, path: str) -> SinkSpec:
-    if not isinstance(spec, dict):
-        raise ConfigError(f"{path}: expected an object with 'type', got {describe(spec)}")
-    kind = spec.get("type")
-    if kind not in SINK_TYPES:
-        raise not_one_of(f"{path}.type", kind, SINK_TYPES)
+    kind = kind_of(spec, path, "type", SINK_TYPES, "an object with 'type'")
     for key in spec:
         if key not in SINK_KEYS[kind]:
             warn_unknown(str(key), SINK_KEYS[kind], f"{path}.")

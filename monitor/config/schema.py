@@ -25,6 +25,7 @@ from monitor.config.values import (
     as_number,
     as_str_list,
     describe,
+    kind_of,
     not_one_of,
     warn_unknown,
 )
@@ -338,11 +339,7 @@ def _alert(value: Any) -> AlertConfig:
 def _rule(spec: Any, path: str) -> RuleSpec:
     from monitor.anomaly.rules import validate_rule_args
 
-    if not isinstance(spec, dict):
-        raise ConfigError(f"{path}: expected an object with 'rule_name' and 'args', got {describe(spec)}")
-    name = spec.get("rule_name")
-    if name not in KNOWN_RULES:
-        raise not_one_of(f"{path}.rule_name", name, KNOWN_RULES)
+    name = kind_of(spec, path, "rule_name", KNOWN_RULES, "an object with 'rule_name' and 'args'")
     args = spec.get("args") or {}
     if not isinstance(args, dict):
         raise ConfigError(f"{path}.args: expected an object, got {describe(args)}")

@@ -32,6 +32,17 @@ def not_one_of(path: str, value: Any, choices: tuple[str, ...] | list[str]) -> C
     return ConfigError(f"{path}: expected one of {', '.join(choices)}, got {describe(value)}{hint}")
 
 
+def kind_of(spec: Any, path: str, key: str, kinds: tuple[str, ...], expected: str) -> str:
+    """The ``key`` of an object that names its kind there (a rule's ``rule_name``, a sink's
+    ``type``), one of ``kinds``; ``expected`` says what the object should look like."""
+    if not isinstance(spec, dict):
+        raise ConfigError(f"{path}: expected {expected}, got {describe(spec)}")
+    kind = spec.get(key)
+    if kind not in kinds:
+        raise not_one_of(f"{path}.{key}", kind, kinds)
+    return kind
+
+
 def describe(value: Any) -> str:
     """The value as an error message shows it: its repr, cut to 80 characters."""
     try:

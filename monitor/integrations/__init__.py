@@ -39,6 +39,23 @@ def as_monitor(source: MonitorSource, **trainer_mon_kwargs: Any) -> TrainerMon:
     return TrainerMon(source, **trainer_mon_kwargs)
 
 
+class MonitorCallback:
+    """What every trainer callback holds: the TrainerMon, built (its config checked) when the
+    callback is, and whether it is attached. Mixed in before the trainer's own callback class.
+
+    Args:
+        config: a config file path, a dict, a MonitorConfig, or a TrainerMon already built.
+        **trainer_mon_kwargs: passed to TrainerMon (e.g. ``params_have_main_grad``).
+
+    Raises:
+        ConfigError: the config is invalid (raised here, before training starts).
+    """
+
+    def __init__(self, config: MonitorSource, **trainer_mon_kwargs: Any) -> None:
+        self.monitor = as_monitor(config, **trainer_mon_kwargs)
+        self.attached = False
+
+
 def attach_or_report(monitor: TrainerMon, trainer: str, **set_monitor_kwargs: Any) -> bool:
     """``monitor.set_monitor(**set_monitor_kwargs)``; a failure is logged, never raised.
 

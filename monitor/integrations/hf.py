@@ -20,23 +20,11 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from monitor.integrations import MonitorSource, as_monitor, attach_or_report, detach
+from monitor.integrations import MonitorCallback, attach_or_report, detach
 
 
-class TrainmonCallback(TrainerCallback):
-    """Attach trainmon to a Hugging Face Trainer run.
-
-    Args:
-        config: a config file path, a dict, a MonitorConfig, or a TrainerMon already built.
-        **trainer_mon_kwargs: passed to TrainerMon (e.g. ``params_have_main_grad``).
-
-    Raises:
-        ConfigError: the config is invalid (raised here, before training starts).
-    """
-
-    def __init__(self, config: MonitorSource, **trainer_mon_kwargs: Any) -> None:
-        self.monitor = as_monitor(config, **trainer_mon_kwargs)
-        self.attached = False
+class TrainmonCallback(MonitorCallback, TrainerCallback):
+    """Attach trainmon to a Hugging Face Trainer run. Arguments: ``MonitorCallback``."""
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.attached = attach_or_report(

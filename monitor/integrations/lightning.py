@@ -23,25 +23,13 @@ try:
 except ImportError:  # the older package name
     from pytorch_lightning.callbacks import Callback
 
-from monitor.integrations import MonitorSource, as_monitor, attach_or_report, detach
+from monitor.integrations import MonitorCallback, attach_or_report, detach
 
 logger = logging.getLogger("trainmon")
 
 
-class TrainmonCallback(Callback):
-    """Attach trainmon to a Lightning run.
-
-    Args:
-        config: a config file path, a dict, a MonitorConfig, or a TrainerMon already built.
-        **trainer_mon_kwargs: passed to TrainerMon (e.g. ``params_have_main_grad``).
-
-    Raises:
-        ConfigError: the config is invalid (raised here, before training starts).
-    """
-
-    def __init__(self, config: MonitorSource, **trainer_mon_kwargs: Any) -> None:
-        self.monitor = as_monitor(config, **trainer_mon_kwargs)
-        self.attached = False
+class TrainmonCallback(MonitorCallback, Callback):
+    """Attach trainmon to a Lightning run. Arguments: ``MonitorCallback``."""
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         optimizers = list(trainer.optimizers)

@@ -21,10 +21,10 @@ from typing import Any
 
 from mindspore.train import Callback
 
-from monitor.integrations import MonitorSource, as_monitor, attach_or_report, detach
+from monitor.integrations import MonitorCallback, MonitorSource, attach_or_report, detach
 
 
-class TrainmonCallback(Callback):
+class TrainmonCallback(MonitorCallback, Callback):
     """Attach trainmon to a ``Model.train`` run.
 
     Args:
@@ -37,9 +37,8 @@ class TrainmonCallback(Callback):
     """
 
     def __init__(self, config: MonitorSource, grad_acc_steps: int = 1, **trainer_mon_kwargs: Any) -> None:
-        self.monitor = as_monitor(config, **trainer_mon_kwargs)
+        super().__init__(config, **trainer_mon_kwargs)
         self.grad_acc_steps = grad_acc_steps
-        self.attached = False
 
     def on_train_begin(self, run_context: Any) -> None:
         args = run_context.original_args()

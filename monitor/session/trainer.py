@@ -253,18 +253,10 @@ class TrainerMon:
         _deprecated("reload_xy", "DYNAMIC_MONITOR or start()/stop()")
         self._restart_with(xy_distribution=xy_distribution)
 
-    def monitor_gnorm_with_ad(
-        self,
-        model: Any,
-        grad_acc_steps: Any = 1,
-        optimizer: Any = None,
-        tp_group: Any = None,
-        dp_group: Any = None,
-        start_iteration: int = 0,
-    ) -> TrainerMon:
-        """Deprecated name of set_monitor (older msprobe); forwards to it."""
+    def monitor_gnorm_with_ad(self, *args: Any, **kwargs: Any) -> TrainerMon:
+        """Deprecated name of set_monitor (older msprobe), with its arguments; forwards to it."""
         _deprecated("monitor_gnorm_with_ad", "set_monitor")
-        return self.set_monitor(model, grad_acc_steps, optimizer, tp_group, dp_group, start_iteration)
+        return self.set_monitor(*args, **kwargs)
 
     def set_wrapped_optimizer(self, optimizer: Any) -> None:
         """Deprecated (older msprobe): remember the optimizer for a later set_monitor call."""
