@@ -25,17 +25,11 @@ if str(ROOT) not in sys.path:
 import duckdb  # noqa: E402
 import numpy as np  # noqa: E402
 
-from dashboards.convert.compact import compact  # noqa: E402
+from dashboards.convert.compact import FARTHEST_RANK_SQL, compact  # noqa: E402
 from monitor.record import RowSet, StepRecord  # noqa: E402
 from monitor.writers.csv import CsvWriter  # noqa: E402
 
 OPS = ("min", "max", "norm", "mean", "zeros", "nans")
-CROSS_RANK = """
-    WITH v AS (SELECT * FROM read_parquet('{out}/values/**/*.parquet', hive_partitioning = true)),
-    m AS (SELECT data_type, name, op, step, median(value) AS mid FROM v GROUP BY ALL)
-    SELECT v.data_type, v.name, v.op, v.step, arg_max(v.rank, abs(v.value - m.mid)) AS farthest
-    FROM v JOIN m USING (data_type, name, op, step) GROUP BY ALL
-"""
 
 
 def directory_bytes(path: str) -> int:
@@ -72,7 +66,10 @@ def main() -> None:
         out = os.path.join(root, "dataset")
         parquet_bytes = directory_bytes(os.path.join(out, "values"))
         started = time.perf_counter()
-        outliers = duckdb.sql(CROSS_RANK.format(out=out)).fetchall()
+        con = duckdb.connect()
+        values = f"read_parquet('{out}/values/**/*.parquet', hive_partitioning = true)"
+        con.execute(f"CREATE VIEW v AS SELECT * FROM {values}")
+        outliers = con.execute(FARTHEST_RANK_SQL).fetchall()
         query_s = time.perf_counter() - started
     values = ranks * tags * steps * len(OPS)
     print(f"{ranks} ranks x {tags} tags x {steps} steps x {len(OPS)} ops = {values:,} values")

@@ -53,6 +53,14 @@ MANIFEST = "compact.json"
 ZSTD_LEVEL = 19
 #: the value's SQL type where every value survives it, and where one does not
 FLOAT, DOUBLE = "FLOAT", "DOUBLE"
+#: per data type, tensor, op and step, the rank farthest from the ranks' median: one SQL text
+#: that DuckDB and Spark SQL both run, over a view ``v`` of ``values/`` read with its partitions
+FARTHEST_RANK_SQL = """
+    WITH m AS (SELECT data_type, name, op, step, median(value) AS mid FROM v GROUP BY ALL)
+    SELECT v.data_type, v.name, v.op, v.step, max_by(v.rank, abs(v.value - m.mid)) AS farthest
+    FROM v JOIN m ON v.data_type = m.data_type AND v.name = m.name AND v.op = m.op AND v.step = m.step
+    GROUP BY ALL
+"""
 #: what DuckDB may use for one compaction (it spills to disk beyond it).
 MEMORY_LIMIT = os.environ.get("TRAINMON_DUCKDB_MEMORY", "2GB")
 _LABELS = {"vpp_stage": "BIGINT", "name": "VARCHAR", "step": "BIGINT", "micro_step": "BIGINT"}

@@ -8,6 +8,7 @@ import math
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -15,7 +16,7 @@ duckdb = pytest.importorskip("duckdb", reason="DuckDB is not installed here (pip
 
 import numpy as np  # noqa: E402
 
-from dashboards.convert.compact import compact  # noqa: E402
+from dashboards.convert.compact import FARTHEST_RANK_SQL, compact  # noqa: E402
 from monitor.record import RowSet, StepRecord  # noqa: E402
 from monitor.writers.csv import CsvWriter  # noqa: E402
 from tests.dashboards.conftest import read_csv_rows, write_run  # noqa: E402
@@ -170,3 +171,8 @@ def test_no_run_is_a_clear_error(tmp_path):
         [sys.executable, "-m", "monitor.cli", "compact", "-d", str(tmp_path)], capture_output=True, text=True
     )
     assert done.returncode == 2 and "no {time}-rank{R}-{id} directory" in done.stderr
+
+
+def test_the_documented_cross_rank_query_is_the_one_the_tests_run():
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "dashboards.md").read_text(encoding="utf-8")
+    assert " ".join(FARTHEST_RANK_SQL.split()) in " ".join(docs.split())
