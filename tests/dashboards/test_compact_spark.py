@@ -58,6 +58,7 @@ def spark():
     session.stop()
 
 
+@pytest.mark.slow
 def test_spark_reads_every_value_and_runs_the_cross_rank_query_as_duckdb_does(tmp_path, spark):
     dirs = _random_run(tmp_path, ranks=4, steps=5, prefixes=("grad_reduced", "exp_avg"))
     compact(str(tmp_path))
