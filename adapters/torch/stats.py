@@ -3,18 +3,19 @@
 ``stat_matrix(tensors, ops, eps)`` returns a float64 tensor (len(tensors), len(ops)) on the
 tensors' device. No whole-tensor float64 (or, for half types, float32) copy is ever made.
 
-CPU: floating tensors go through one pass of monitor.stats.fused_stats (min, max, sum, sum of squares
-and the zero count together; numba) when min, max or zeros are asked for; half types are upcast
-to fp32 in cache-sized chunks (CPU_CHUNK elements) into a reused buffer first. Without numba,
-and for integer types, each chunk gets one library call per statistic while it is in cache.
+CPU: floating tensors go through one pass of the C kernel (monitor.stats.fused_stats: min, max,
+sum, sum of squares and the zero count together) when min, max or zeros are asked for, read where
+they lie (adapters.torch.in_place); fp16 is upcast to fp32 in cache-sized chunks (CPU_CHUNK
+elements) into a reused buffer first. Without the kernel, and for integer types, each chunk gets
+one library call per statistic while it is in cache.
 Sums accumulate in fp32 per chunk (fp64 for fp64 inputs) and chunks combine in float64. NaNs
 are counted only in tensors whose sum of squares (or sum, or min/max) came out non-finite: a
 finite one proves there is no NaN, and on the CPU reading that verdict costs nothing.
 
 Per-tensor cost: the kernel takes the addresses of a whole list of tensors in one call
 (``fused_stats.stats_many``) and one tensor's address in a hook (``stats_at``); the matrix is
-derived column-wise with numpy. ``RowBuffer`` gathers one-at-a-time rows (a hook per parameter)
-into a preallocated array, so thousands of hooks allocate no Python object each.
+derived column-wise with numpy. One-at-a-time rows (a hook per parameter) gather in
+adapters.torch.row_buffer without a Python object each.
 
 Accelerators: ``torch._foreach_norm`` over the list, one aminmax per tensor, fp32 sums, counts
 in COUNT_CHUNK pieces so their temporaries stay bounded; no host synchronisation.

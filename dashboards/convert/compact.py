@@ -18,11 +18,12 @@ the later file's, as csv2tb does.
 
 Size: rows sorted by tensor, op and step, so that a column changes little from row to row;
 Parquet's version 2 encodings (byte-stream split for values, deltas for integers) and zstd at a
-high level. ``value`` is a 32-bit float when every value of the run has at most six significant
-digits (the CSV writer's default ``ndigits``; counts below 2**24), which 32-bit floats hold:
-rounding a stored value to six digits gives back the CSV's text. Otherwise (a larger
-``ndigits``, huge counts, values beyond a 32-bit float's range) it is a 64-bit double, for the
-whole dataset, so that every engine sees one schema; ``compact.json`` records which.
+high level. ``value`` is a 32-bit float when every value of the run is one exactly (counts below
+2**24) or has at most six significant digits (the CSV writer's default ``ndigits``), which 32-bit
+floats hold: rounding a stored value to six digits gives back the CSV's text. Otherwise (a
+larger ``ndigits``, huge counts, values beyond a 32-bit float's range) it is a 64-bit double, for
+the whole dataset, so that every engine sees one schema; ``compact.json`` records which. Part
+files of ranks or data types the run no longer has are deleted.
 
 Idempotent and resumable: a part whose source files are unchanged (size and modification time
 in ``compact.json``) is not written again; each file is written under a temporary name and
@@ -95,16 +96,21 @@ def compact(monitor_path: str, output: str | None = None) -> dict[str, int]:
                 parts[part] = sources = [_signature(p) for p in paths]
                 unchanged = old_parts.get(part) == sources and os.path.isfile(os.path.join(output, part))
                 stored[part] = old_type if unchanged else None
-        value_type = old_type or FLOAT
+        kept = [part for part, on_disk in stored.items() if on_disk is not None]
+        value_type = old_type if kept else FLOAT
         written = set()
         for rewrite in (False, True):  # the second pass: parts in another type than the dataset's
-            for part, on_disk in stored.items():
-                stale = on_disk != value_type if rewrite else on_disk is None
-                if stale:
-                    paths = [source[0] for source in parts[part]]
-                    value_type = _write_part(con, paths, os.path.join(output, part), value_type)
-                    stored[part] = value_type
-                    written.add(part)
+            stale = [
+                p for p, on_disk in stored.items() if (on_disk != value_type if rewrite else on_disk is None)
+            ]
+            if rewrite and stale and os.path.exists(manifest_path):
+                os.unlink(manifest_path)  # interrupted from here on, the next run rewrites every part
+            for part in stale:
+                paths = [source[0] for source in parts[part]]
+                value_type = _write_part(con, paths, os.path.join(output, part), value_type)
+                stored[part] = value_type
+                written.add(part)
+        _remove_other_parts(output, parts)
         counts = {"written": len(written), "kept": len(parts) - len(written)}
         _write_runs(con, ranks, os.path.join(output, "runs.parquet"))
         _write_anomalies(con, monitor_path, os.path.join(output, "anomalies.parquet"))
@@ -126,6 +132,20 @@ def _files_by_type(dirs: Sequence[str]) -> dict[str, list[str]]:
 def _signature(path: str) -> list:
     stat = os.stat(path)
     return [path, stat.st_size, stat.st_mtime_ns]
+
+
+def _remove_other_parts(output: str, parts: dict[str, list]) -> None:
+    """Delete the part files of data types and ranks the run no longer has (a rank directory
+    removed, say), so that every file under ``values/`` is current and of one value type."""
+    root = os.path.join(output, "values")
+    for directory, _, files in os.walk(root, topdown=False):
+        for name in files:
+            path = os.path.join(directory, name)
+            ours = name == "part.parquet" or (name.startswith(".tmp-") and name.endswith(".parquet"))
+            if ours and os.path.relpath(path, output) not in parts:
+                os.unlink(path)
+        if directory != root and not os.listdir(directory):
+            os.rmdir(directory)
 
 
 def _read_json_object(path: str) -> dict[str, Any]:
@@ -177,13 +197,17 @@ def _write_part(con: Any, paths: Sequence[str], target: str, value_type: str) ->
     float (rounded back to six significant digits it is not the value read from the CSV);
     returns the type written. The rows are read from the CSV once, into a temporary table."""
     query = _part_query(paths)
-    if query is None:
+    if query is None:  # the files hold no statistic: no part
+        if os.path.exists(target):
+            os.unlink(target)
         return value_type
     con.execute(f"CREATE OR REPLACE TEMP TABLE part AS {query}")
-    if value_type == FLOAT:
+    if value_type == FLOAT:  # a 32-bit float holds it exactly (counts), or to the CSV's six digits
         (fits,) = con.execute(
-            """SELECT coalesce(bool_and(NOT isfinite(value) OR coalesce(
-                   TRY_CAST(printf('%.6g', TRY_CAST(value AS FLOAT)) AS DOUBLE) = value, false)), true)
+            """SELECT coalesce(bool_and(NOT isfinite(value)
+                   OR coalesce(CAST(TRY_CAST(value AS FLOAT) AS DOUBLE) = value, false)
+                   OR coalesce(TRY_CAST(printf('%.6g', TRY_CAST(value AS FLOAT)) AS DOUBLE) = value, false)),
+                   true)
                FROM part"""
         ).fetchone()
         value_type = FLOAT if fits else DOUBLE

@@ -170,24 +170,6 @@ static int check_kind(int kind) {
     return -1;
 }
 
-static PyObject *stats_at(PyObject *self, PyObject *args) {
-    unsigned long long address;
-    Py_ssize_t n;
-    int kind;
-    double eps;
-    if (!PyArg_ParseTuple(args, "Knid", &address, &n, &kind, &eps)) return NULL;
-    if (check_kind(kind) < 0) return NULL;
-    if (address == 0 || n <= 0) {
-        PyErr_Format(PyExc_ValueError, "stats_at: expected a non-null address and n > 0, got n=%zd", n);
-        return NULL;
-    }
-    Result out;
-    Py_BEGIN_ALLOW_THREADS
-    run_kernel(kind, (const void *)(uintptr_t)address, n, eps, &out);
-    Py_END_ALLOW_THREADS
-    return Py_BuildValue("(ddddLL)", out.low, out.high, out.total, out.squares, out.small, out.nans);
-}
-
 /* The lower / higher of two results' extremes, -0 below +0 as the kernel orders them */
 static double lower(double a, double b) { return (b < a || (b == a && signbit(b))) ? b : a; }
 static double higher(double a, double b) { return (b > a || (b == a && !signbit(b))) ? b : a; }
@@ -196,7 +178,7 @@ static double higher(double a, double b) { return (b > a || (b == a && !signbit(
  * as one of the pieces a split gives): each run read in place, the results merged */
 static void run_rows(int kind, const char *data, Py_ssize_t run, Py_ssize_t rows, Py_ssize_t stride,
                      double eps, Result *out) {
-    Py_ssize_t step = stride * (kind == KIND_F64 ? 8 : kind == KIND_F32 ? 4 : 2);
+    Py_ssize_t step = stride * (kind == KIND_F64 ? 8 : kind == KIND_F32 ? 4 : 2); /* checked by the caller */
     run_kernel(kind, data, run, eps, out);
     for (Py_ssize_t r = 1; r < rows; r++) {
         Result part;
@@ -218,10 +200,12 @@ static PyObject *stats_rows(PyObject *self, PyObject *args) {
     double eps;
     if (!PyArg_ParseTuple(args, "Knnnid", &address, &run, &rows, &stride, &kind, &eps)) return NULL;
     if (check_kind(kind) < 0) return NULL;
-    if (address == 0 || run <= 0 || rows <= 0 || (rows > 1 && stride < run)) {
+    Py_ssize_t size = kind == KIND_F64 ? 8 : kind == KIND_F32 ? 4 : 2;
+    if (address == 0 || run <= 0 || rows <= 0 || (rows > 1 && stride < run) ||
+        (rows > 1 && stride > PY_SSIZE_T_MAX / size / rows)) {
         PyErr_Format(PyExc_ValueError,
-                     "stats_rows: expected a non-null address, run > 0, rows > 0 and stride >= run, "
-                     "got run=%zd rows=%zd stride=%zd", run, rows, stride);
+                     "stats_rows: expected a non-null address, run > 0, rows > 0 and run <= stride "
+                     "within the address space, got run=%zd rows=%zd stride=%zd", run, rows, stride);
         return NULL;
     }
     Result out;
@@ -402,25 +386,12 @@ static PyObject *sign_sums_many(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-static PyMethodDef methods[] = {
-    {"sign_sums_many", sign_sums_many, METH_VARARGS,
-     "sign_sums_many(first, second, counts, kind, out) -> None: out[i] = sum of sign(x) * sign(y) "
-     "over counts[i] elements at first[i] and second[i] (the sign of a NaN is 0)"},
-    {"stats", stats, METH_VARARGS,
-     "stats(buffer, eps, bfloat16=False) -> (min, max, sum, sum of squares, count of |x| < eps, "
-     "NaN count); with bfloat16=True the buffer holds the raw 16-bit patterns (int16)"},
-    {"stats_at", stats_at, METH_VARARGS,
-     "stats_at(address, n, kind, eps) -> the same tuple for n elements of a kind (0 float32, "
-     "1 float64, 2 bfloat16) at a memory address the caller keeps alive"},
-    {"stats_into", stats_into, METH_VARARGS,
-     "stats_into(address, n, kind, eps, out, row) -> None: the same tuple into row ``row`` of a "
-     "float64 (rows, 6) array, with no object made for it"},
-    {"stats_rows", stats_rows, METH_VARARGS,
-     "stats_rows(address, run, rows, stride, kind, eps) -> the stats_at tuple of rows runs of run "
-     "contiguous elements, stride elements apart (stride >= run), read in place"},
-    {"stats_many", stats_many, METH_VARARGS,
-     "stats_many(addresses, counts, kind, eps, out) -> None: row i of the float64 (n, 6) out gets "
-     "the tuple of counts[i] elements at addresses[i] (int64 buffers; memory the caller keeps alive)"},
+static PyMethodDef methods[] = {  /* documented in monitor/stats/fused_stats.py */
+    {"sign_sums_many", sign_sums_many, METH_VARARGS, "sign_sums_many(first, second, counts, kind, out)"},
+    {"stats", stats, METH_VARARGS, "stats(buffer, eps, bfloat16=False) -> (min, max, sum, squares, small, nans)"},
+    {"stats_rows", stats_rows, METH_VARARGS, "stats_rows(address, run, rows, stride, kind, eps) -> the tuple"},
+    {"stats_into", stats_into, METH_VARARGS, "stats_into(address, n, kind, eps, out, row)"},
+    {"stats_many", stats_many, METH_VARARGS, "stats_many(addresses, counts, kind, eps, out)"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -52,7 +52,7 @@ def stats_at(address: int, count: int, kind: int, eps: float) -> tuple[float, fl
     """The ``stats`` tuple of ``count`` (> 0) contiguous elements of ``kind`` at ``address``: memory
     the caller keeps alive while this runs (a tensor it holds). No buffer object is made, which
     matters where it runs once per parameter (a gradient hook). Requires ``available()``."""
-    return _fused_stats.stats_at(address, count, kind, eps)
+    return _fused_stats.stats_rows(address, count, 1, count, kind, eps)
 
 
 def stats_rows(

@@ -194,8 +194,10 @@ def test_address_entries_refuse_bad_arguments_before_reading_anything():
         fused_stats.stats_at(array.ctypes.data, 0, fused_stats.FLOAT32, 1e-8)
     with pytest.raises(ValueError, match="non-null"):
         fused_stats.stats_at(0, 4, fused_stats.FLOAT32, 1e-8)
-    with pytest.raises(ValueError, match="stride >= run"):  # overlapping rows
+    with pytest.raises(ValueError, match="run <= stride"):  # overlapping rows
         fused_stats.stats_rows(array.ctypes.data, 2, 2, 1, fused_stats.FLOAT32, 1e-8)
+    with pytest.raises(ValueError, match="address space"):  # offsets beyond any address
+        fused_stats.stats_rows(array.ctypes.data, 2, 2**40, 2**40, fused_stats.FLOAT32, 1e-8)
     with pytest.raises(ValueError, match="run > 0"):
         fused_stats.stats_rows(array.ctypes.data, 0, 1, 1, fused_stats.FLOAT32, 1e-8)
     with pytest.raises(ValueError, match="kind"):

@@ -211,7 +211,10 @@ def _strided_views() -> dict[str, torch.Tensor]:
     qkv[0, 3, 5] = 0.0
     with_nan = torch.randn(3, 8, generator=generator)
     with_nan[2, 1] = float("nan")
+    wide = torch.randn(2, 5, 3 * in_place.MIN_RUN, generator=generator)
+    wide[1, 3, in_place.MIN_RUN + 7] = -0.0
     return {
+        "wide split piece": wide.split(in_place.MIN_RUN, dim=2)[1],
         "split piece": qkv.split(4, dim=2)[1],
         "split piece as heads": qkv.split(4, dim=2)[2].view(2, 5, 2, 2),
         "transpose": torch.randn(2, 3, 4, 5, generator=generator).transpose(1, 2),
@@ -248,3 +251,16 @@ def test_strided_views_are_read_in_place_not_copied(monkeypatch):
         assert addresses == want, name
     for name in ("every other row", "column", "expanded"):
         assert in_place.row_layout(views[name]) is None, name
+
+
+def test_views_with_long_runs_go_to_the_kernel_where_they_lie(monkeypatch):
+    if not fused_stats.available():
+        pytest.skip("the library path reads no address")
+    calls = []
+    original = fused_stats.stats_rows
+    monkeypatch.setattr(fused_stats, "stats_rows", lambda *args: calls.append(args[1:4]) or original(*args))
+    views = _strided_views()
+    stats.tensor_stats(views["wide split piece"], ALL_OPS)
+    stats.tensor_stats(views["transpose"], ALL_OPS)
+    stats.tensor_stats(views["split piece"], ALL_OPS)  # runs of 4: copied, one call is cheaper
+    assert calls == [(in_place.MIN_RUN, 10, 3 * in_place.MIN_RUN), (120, 1, 120)]
