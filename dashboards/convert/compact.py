@@ -1,15 +1,18 @@
 """``trainmon compact``: the monitor's outputs as one columnar dataset (Parquet) for SQL engines.
 
-Per-rank CSV files are what msprobe's tools read, and they stay the monitor's output. For runs
-too large to parse CSV again and again, ``compact`` writes the same values once in a standard
-long layout that DuckDB, Spark, pandas or any Parquet reader can query, reading only the data
-types and ranks it needs::
+Per-rank CSV files (or TensorBoard event files) are what msprobe's tools read, and they stay the
+monitor's output. For runs too large to parse them again and again, ``compact`` writes the same
+values once in a standard long layout that DuckDB, Spark, pandas or any Parquet reader can query,
+reading only the data types and ranks it needs::
 
     OUT/values/data_type={data type}/rank={R}/part.parquet
                             step, micro_step, vpp_stage, name, op, value
     OUT/runs.parquet        per rank directory: rank, directory, versions, world size
     OUT/anomalies.parquet   the records of every anomaly_detected/rank{R}/anomaly.json
     OUT/compact.json        the value type, and the source files of each part (size, mtime)
+
+A data type with CSV files is read from them; one only in event files (``format: tensorboard``)
+from every event file of the rank, as TensorBoard has the values (32-bit floats).
 
 Read with partition discovery (``hive_partitioning``), every value is one row
 ``rank, step, micro_step, vpp_stage, data_type, name, op, value``; ``micro_step`` is NULL for data
@@ -40,8 +43,12 @@ import tempfile
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from dashboards.convert.runs import ConvertError, select_rank_dirs
 from dashboards.csvfiles import header_ops, list_csv_files
+from dashboards.plugin.cache import ByteLRU
+from dashboards.plugin.eventsource import EventSource
 from monitor.anomaly.ordering import parse_record
 from monitor.files import atomic_write_text, make_private_dir
 from monitor.session.run_info import RUN_INFO_FILE
@@ -64,6 +71,8 @@ FARTHEST_RANK_SQL = """
 """
 #: what DuckDB may use for one compaction (it spills to disk beyond it).
 MEMORY_LIMIT = os.environ.get("TRAINMON_DUCKDB_MEMORY", "2GB")
+#: bytes of decoded events a compaction keeps in memory per rank directory
+EVENT_CACHE_BYTES = 64 * 2**20
 _LABELS = {"vpp_stage": "BIGINT", "name": "VARCHAR", "step": "BIGINT", "micro_step": "BIGINT"}
 
 
@@ -89,10 +98,12 @@ def compact(monitor_path: str, output: str | None = None) -> dict[str, int]:
     con.execute(f"SET memory_limit = '{MEMORY_LIMIT}'")
     try:
         parts: dict[str, list] = {}
+        prefixes: dict[str, str] = {}  # part -> its data type
         stored: dict[str, str | None] = {}  # part -> the value type it is on disk in
         for rank, dirs in ranks.items():
             for prefix, paths in _files_by_type(dirs).items():
                 part = os.path.join("values", f"data_type={prefix}", f"rank={rank}", "part.parquet")
+                prefixes[part] = prefix
                 parts[part] = sources = [_signature(p) for p in paths]
                 unchanged = old_parts.get(part) == sources and os.path.isfile(os.path.join(output, part))
                 stored[part] = old_type if unchanged else None
@@ -107,7 +118,7 @@ def compact(monitor_path: str, output: str | None = None) -> dict[str, int]:
                 os.unlink(manifest_path)  # interrupted from here on, the next run rewrites every part
             for part in stale:
                 paths = [source[0] for source in parts[part]]
-                value_type = _write_part(con, paths, os.path.join(output, part), value_type)
+                value_type = _write_part(con, prefixes[part], paths, os.path.join(output, part), value_type)
                 stored[part] = value_type
                 written.add(part)
         _remove_other_parts(output, parts)
@@ -121,12 +132,63 @@ def compact(monitor_path: str, output: str | None = None) -> dict[str, int]:
 
 
 def _files_by_type(dirs: Sequence[str]) -> dict[str, list[str]]:
-    """data type -> its CSV files in the rank's directories, oldest directory first."""
+    """data type -> the files its part is made from: its CSV files in the rank's directories
+    (oldest directory first), or, for a data type only in TensorBoard event files, every event
+    file of the rank (one file holds every data type)."""
     found: dict[str, list[str]] = {}
+    events: list[str] = []
     for directory in dirs:
         for prefix, items in list_csv_files(directory).items():
             found.setdefault(prefix, []).extend(item.path for item in items)
+        events += EventSource.event_files(directory)
+    for prefix in _event_prefixes(events):
+        found.setdefault(prefix, events)
     return found
+
+
+def _event_prefixes(paths: Sequence[str]) -> list[str]:
+    """The data types in the rank directories of these event files."""
+    prefixes: dict[str, None] = {}
+    for directory in dict.fromkeys(os.path.dirname(path) for path in paths):
+        source = EventSource(directory, ByteLRU(EVENT_CACHE_BYTES, lambda block: block.values.nbytes))
+        source.refresh(force=True)
+        prefixes.update(dict.fromkeys(source.prefixes()))
+    return list(prefixes)
+
+
+def _event_frame(prefix: str, paths: Sequence[str]) -> Any:
+    """One data type's values in these event files as a long table (pandas), ``_file`` ordering
+    the rank's directories and events so that a step written twice keeps the later value."""
+    import pandas as pd
+
+    columns: dict[str, list[np.ndarray]] = {name: [] for name in ("step", "micro_step", "vpp_stage", "name")}
+    columns.update(op=[], value=[], _file=[])
+    order = 0
+    for directory in dict.fromkeys(os.path.dirname(path) for path in paths):
+        source = EventSource(directory, ByteLRU(EVENT_CACHE_BYTES, lambda block: block.values.nbytes))
+        source.refresh(force=True)
+        blocks = [source.load(prefix, chunk) for chunk in source.chunks(prefix)]
+        keys = source.table(prefix).keys  # complete once every block is loaded
+        vpp = np.array([key.vpp_stage for key in keys], dtype=np.int64)
+        names = np.array([key.name for key in keys], dtype=object)
+        micro = np.array([key.micro_step for key in keys], dtype=np.float64)
+        for block in blocks:
+            for column, op in enumerate(block.ops):
+                keep = slice(None) if block.present is None else block.present[:, column]
+                rows = block.rows[keep]
+                columns["step"].append(block.steps[keep])
+                columns["micro_step"].append(micro[rows])
+                columns["vpp_stage"].append(vpp[rows])
+                columns["name"].append(names[rows])
+                columns["op"].append(np.full(len(rows), op, dtype=object))
+                columns["value"].append(block.values[keep, column])
+                columns["_file"].append(np.full(len(rows), order, dtype=np.int64))
+            order += 1
+    frame = pd.DataFrame(
+        {name: np.concatenate(parts) if parts else np.empty(0) for name, parts in columns.items()}
+    )
+    frame["micro_step"] = frame["micro_step"].where(frame["micro_step"] >= 0).astype("Int64")
+    return frame
 
 
 def _signature(path: str) -> list:
@@ -162,6 +224,21 @@ def _quoted(text: str) -> str:
     return "'" + text.replace("'", "''") + "'"
 
 
+def _part_rows(con: Any, prefix: str, paths: Sequence[str]) -> str | None:
+    """The query of one part's rows (step, micro_step, vpp_stage, name, op, value), from its CSV
+    files or, where they are event files, from their values registered as a table."""
+    if not paths or not os.path.basename(paths[0]).startswith("events") or "tfevents" not in paths[0]:
+        return _part_query(paths)
+    frame = _event_frame(prefix, paths)
+    if frame.empty:
+        return None
+    con.register("events", frame)
+    return """
+        SELECT step, micro_step, vpp_stage, name, op, value FROM events
+        QUALIFY row_number() OVER (PARTITION BY vpp_stage, name, micro_step, step, op ORDER BY _file DESC) = 1
+    """
+
+
 def _part_query(paths: Sequence[str]) -> str | None:
     """The rows of one data type of one rank: every file's rows unpivoted to one row per value, a
     value written twice keeping the later file's (None where the files hold no statistic)."""
@@ -192,11 +269,11 @@ def _part_query(paths: Sequence[str]) -> str | None:
     """
 
 
-def _write_part(con: Any, paths: Sequence[str], target: str, value_type: str) -> str:
+def _write_part(con: Any, prefix: str, paths: Sequence[str], target: str, value_type: str) -> str:
     """One part, its values in ``value_type``, or as doubles where one would not survive a 32-bit
     float (rounded back to six significant digits it is not the value read from the CSV);
-    returns the type written. The rows are read from the CSV once, into a temporary table."""
-    query = _part_query(paths)
+    returns the type written. The rows are read from the files once, into a temporary table."""
+    query = _part_rows(con, prefix, paths)
     if query is None:  # the files hold no statistic: no part
         if os.path.exists(target):
             os.unlink(target)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -198,3 +199,25 @@ def test_no_run_is_a_clear_error(tmp_path):
 def test_the_documented_cross_rank_query_is_the_one_the_tests_run():
     docs = (Path(__file__).resolve().parents[2] / "docs" / "dashboards.md").read_text(encoding="utf-8")
     assert " ".join(FARTHEST_RANK_SQL.split()) in " ".join(docs.split())
+
+
+def test_tensorboard_outputs_are_compacted_as_tensorboard_reads_them(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import SCALARS, EventAccumulator
+
+    prefixes = ("grad_reduced", "grad_unreduced")
+    dirs = write_run(tmp_path, ranks=(0, 1), steps=range(4), fmt="tensorboard", prefixes=prefixes)
+    task_of = {"post_grad": "grad_reduced", "acc_grad": "grad_unreduced"}
+    tag = re.compile(r"^(\d+):(.+)/rank(\d+)/(post_grad|acc_grad)_(\w+)$")
+    expected = {}
+    for rank, directory in dirs.items():
+        events = EventAccumulator(str(directory), size_guidance={SCALARS: 0})
+        events.Reload()
+        for name in events.Tags()["scalars"]:
+            vpp, tensor, tag_rank, task, op = tag.match(name).groups()
+            assert int(tag_rank) == rank
+            for event in events.Scalars(name):
+                expected[(rank, task_of[task], int(vpp), tensor, None, event.step, op)] = event.value
+    assert compact(str(tmp_path)) == {"written": 4, "kept": 0}
+    _same(_dataset(tmp_path / "dataset"), expected, digits=None)
+    assert _value_types(tmp_path / "dataset") == {"FLOAT"}  # TensorBoard keeps 32-bit floats
+    assert compact(str(tmp_path)) == {"written": 0, "kept": 4}
