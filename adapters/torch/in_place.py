@@ -58,14 +58,22 @@ def kernel_parts(kind: int, addresses: list[int], counts: list[int], eps: float)
     )
 
 
-def in_place(t: torch.Tensor) -> tuple[torch.Tensor, int] | None:
-    """``(contiguous tensor, element kind)`` where the kernel can read a tensor in place (a plain
-    CPU fp32/fp64/bf16 tensor with elements; a non-contiguous one is copied); else None. Tensor
-    subclasses (a collective's result still in flight, a DTensor) go through torch's own ops,
-    which know how to read them. The caller keeps the returned tensor alive while the kernel
-    reads its ``data_ptr()``."""
+def readable_kind(t: torch.Tensor) -> int | None:
+    """The element kind of a tensor whose memory the kernel may read (a plain CPU fp32/fp64/bf16
+    tensor with elements), else None. Tensor subclasses (a collective's result still in flight, a
+    DTensor) go through torch's own ops, which know how to read them."""
     kind = KINDS.get(t.dtype)
     if kind is None or type(t) not in PLAIN or not t.numel() or not t.is_cpu or not fused_stats.available():
+        return None
+    return kind
+
+
+def in_place(t: torch.Tensor) -> tuple[torch.Tensor, int] | None:
+    """``(contiguous tensor, element kind)`` where the kernel can read a tensor (``readable_kind``;
+    a non-contiguous one is copied); else None. The caller keeps the returned tensor alive while
+    the kernel reads its ``data_ptr()``."""
+    kind = readable_kind(t)
+    if kind is None:
         return None
     return (t if t.is_contiguous() else t.contiguous()), kind
 
@@ -102,16 +110,15 @@ MIN_RUN = 64
 
 
 def kernel_tuple(t: torch.Tensor, eps: float) -> tuple | None:
-    """The kernel's tuple of a tensor it reads in place (one call, no buffer object), else None.
-    A strided view that ``row_layout`` describes with runs of MIN_RUN elements or more is read
-    where it lies, not copied."""
-    if not t.is_contiguous():
-        kind = KINDS.get(t.dtype)
-        layout = row_layout(t) if kind is not None and type(t) in PLAIN and t.is_cpu else None
-        if layout is not None and (layout[0] >= MIN_RUN or layout[1] == 1) and fused_stats.available():
-            return fused_stats.stats_rows(t.data_ptr(), *layout, kind, eps)
-    found = in_place(t)
-    if found is None:
+    """The kernel's tuple of a tensor it reads (one call, no buffer object), else None. A strided
+    view that ``row_layout`` describes with runs of MIN_RUN elements or more is read where it
+    lies; any other non-contiguous tensor is copied first."""
+    kind = readable_kind(t)
+    if kind is None:
         return None
-    flat, kind = found
-    return fused_stats.stats_at(flat.data_ptr(), flat.numel(), kind, eps)
+    if not t.is_contiguous():
+        layout = row_layout(t)
+        if layout is not None and (layout[0] >= MIN_RUN or layout[1] == 1):
+            return fused_stats.stats_rows(t.data_ptr(), *layout, kind, eps)
+        t = t.contiguous()
+    return fused_stats.stats_at(t.data_ptr(), t.numel(), kind, eps)

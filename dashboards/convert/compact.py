@@ -96,12 +96,13 @@ def compact(monitor_path: str, output: str | None = None) -> dict[str, int]:
     old_type = old.get("value_type") if old_parts and old.get("value_type") in (FLOAT, DOUBLE) else None
     con = duckdb.connect()
     con.execute(f"SET memory_limit = '{MEMORY_LIMIT}'")
+    events = _EventDirs()
     try:
         parts: dict[str, list] = {}
         prefixes: dict[str, str] = {}  # part -> its data type
         stored: dict[str, str | None] = {}  # part -> the value type it is on disk in
         for rank, dirs in ranks.items():
-            for prefix, paths in _files_by_type(dirs).items():
+            for prefix, paths in _files_by_type(dirs, events).items():
                 part = os.path.join("values", f"data_type={prefix}", f"rank={rank}", "part.parquet")
                 prefixes[part] = prefix
                 parts[part] = sources = [_signature(p) for p in paths]
@@ -118,7 +119,10 @@ def compact(monitor_path: str, output: str | None = None) -> dict[str, int]:
                 os.unlink(manifest_path)  # interrupted from here on, the next run rewrites every part
             for part in stale:
                 paths = [source[0] for source in parts[part]]
-                value_type = _write_part(con, prefixes[part], paths, os.path.join(output, part), value_type)
+                target = os.path.join(output, part)
+                value_type = _write_part(
+                    con, _part_rows(con, prefixes[part], paths, events), target, value_type
+                )
                 stored[part] = value_type
                 written.add(part)
         _remove_other_parts(output, parts)
@@ -131,64 +135,77 @@ def compact(monitor_path: str, output: str | None = None) -> dict[str, int]:
     return counts
 
 
-def _files_by_type(dirs: Sequence[str]) -> dict[str, list[str]]:
+class _EventDirs:
+    """The rank directories' TensorBoard event files, each directory indexed once per compaction."""
+
+    def __init__(self) -> None:
+        self._sources: dict[str, EventSource] = {}
+
+    def source(self, directory: str) -> EventSource:
+        found = self._sources.get(directory)
+        if found is None:
+            found = self._sources[directory] = EventSource(
+                directory, ByteLRU(EVENT_CACHE_BYTES, lambda block: block.values.nbytes)
+            )
+            found.refresh(force=True)
+        return found
+
+    def prefixes(self, paths: Sequence[str]) -> list[str]:
+        """The data types in the directories of these event files."""
+        found: dict[str, None] = {}
+        for directory in dict.fromkeys(os.path.dirname(path) for path in paths):
+            found.update(dict.fromkeys(self.source(directory).prefixes()))
+        return list(found)
+
+    def frame(self, prefix: str, paths: Sequence[str]) -> Any:
+        """One data type's values in these event files as a long table (pandas), ``_file``
+        ordering the rank's directories and events so that a step written twice keeps the later
+        value."""
+        import pandas as pd
+
+        columns: dict[str, list[np.ndarray]] = {
+            name: [] for name in ("step", "micro_step", "vpp_stage", "name", "op", "value", "_file")
+        }
+        order = 0
+        for directory in dict.fromkeys(os.path.dirname(path) for path in paths):
+            source = self.source(directory)
+            blocks = [source.load(prefix, chunk) for chunk in source.chunks(prefix)]
+            keys = source.table(prefix).keys  # complete once every block is loaded
+            vpp = np.array([key.vpp_stage for key in keys], dtype=np.int64)
+            names = np.array([key.name for key in keys], dtype=object)
+            micro = np.array([key.micro_step for key in keys], dtype=np.float64)
+            for block in blocks:
+                for column, op in enumerate(block.ops):
+                    keep = slice(None) if block.present is None else block.present[:, column]
+                    rows = block.rows[keep]
+                    columns["step"].append(block.steps[keep])
+                    columns["micro_step"].append(micro[rows])
+                    columns["vpp_stage"].append(vpp[rows])
+                    columns["name"].append(names[rows])
+                    columns["op"].append(np.full(len(rows), op, dtype=object))
+                    columns["value"].append(block.values[keep, column])
+                    columns["_file"].append(np.full(len(rows), order, dtype=np.int64))
+                order += 1
+        frame = pd.DataFrame(
+            {name: np.concatenate(parts) if parts else np.empty(0) for name, parts in columns.items()}
+        )
+        frame["micro_step"] = frame["micro_step"].where(frame["micro_step"] >= 0).astype("Int64")
+        return frame
+
+
+def _files_by_type(dirs: Sequence[str], events: _EventDirs) -> dict[str, list[str]]:
     """data type -> the files its part is made from: its CSV files in the rank's directories
     (oldest directory first), or, for a data type only in TensorBoard event files, every event
     file of the rank (one file holds every data type)."""
     found: dict[str, list[str]] = {}
-    events: list[str] = []
+    event_files: list[str] = []
     for directory in dirs:
         for prefix, items in list_csv_files(directory).items():
             found.setdefault(prefix, []).extend(item.path for item in items)
-        events += EventSource.event_files(directory)
-    for prefix in _event_prefixes(events):
-        found.setdefault(prefix, events)
+        event_files += EventSource.event_files(directory)
+    for prefix in events.prefixes(event_files):
+        found.setdefault(prefix, event_files)
     return found
-
-
-def _event_prefixes(paths: Sequence[str]) -> list[str]:
-    """The data types in the rank directories of these event files."""
-    prefixes: dict[str, None] = {}
-    for directory in dict.fromkeys(os.path.dirname(path) for path in paths):
-        source = EventSource(directory, ByteLRU(EVENT_CACHE_BYTES, lambda block: block.values.nbytes))
-        source.refresh(force=True)
-        prefixes.update(dict.fromkeys(source.prefixes()))
-    return list(prefixes)
-
-
-def _event_frame(prefix: str, paths: Sequence[str]) -> Any:
-    """One data type's values in these event files as a long table (pandas), ``_file`` ordering
-    the rank's directories and events so that a step written twice keeps the later value."""
-    import pandas as pd
-
-    columns: dict[str, list[np.ndarray]] = {name: [] for name in ("step", "micro_step", "vpp_stage", "name")}
-    columns.update(op=[], value=[], _file=[])
-    order = 0
-    for directory in dict.fromkeys(os.path.dirname(path) for path in paths):
-        source = EventSource(directory, ByteLRU(EVENT_CACHE_BYTES, lambda block: block.values.nbytes))
-        source.refresh(force=True)
-        blocks = [source.load(prefix, chunk) for chunk in source.chunks(prefix)]
-        keys = source.table(prefix).keys  # complete once every block is loaded
-        vpp = np.array([key.vpp_stage for key in keys], dtype=np.int64)
-        names = np.array([key.name for key in keys], dtype=object)
-        micro = np.array([key.micro_step for key in keys], dtype=np.float64)
-        for block in blocks:
-            for column, op in enumerate(block.ops):
-                keep = slice(None) if block.present is None else block.present[:, column]
-                rows = block.rows[keep]
-                columns["step"].append(block.steps[keep])
-                columns["micro_step"].append(micro[rows])
-                columns["vpp_stage"].append(vpp[rows])
-                columns["name"].append(names[rows])
-                columns["op"].append(np.full(len(rows), op, dtype=object))
-                columns["value"].append(block.values[keep, column])
-                columns["_file"].append(np.full(len(rows), order, dtype=np.int64))
-            order += 1
-    frame = pd.DataFrame(
-        {name: np.concatenate(parts) if parts else np.empty(0) for name, parts in columns.items()}
-    )
-    frame["micro_step"] = frame["micro_step"].where(frame["micro_step"] >= 0).astype("Int64")
-    return frame
 
 
 def _signature(path: str) -> list:
@@ -224,24 +241,27 @@ def _quoted(text: str) -> str:
     return "'" + text.replace("'", "''") + "'"
 
 
-def _part_rows(con: Any, prefix: str, paths: Sequence[str]) -> str | None:
+def _part_rows(con: Any, prefix: str, paths: Sequence[str], events: _EventDirs) -> str | None:
     """The query of one part's rows (step, micro_step, vpp_stage, name, op, value), from its CSV
-    files or, where they are event files, from their values registered as a table."""
-    if not paths or not os.path.basename(paths[0]).startswith("events") or "tfevents" not in paths[0]:
-        return _part_query(paths)
-    frame = _event_frame(prefix, paths)
-    if frame.empty:
+    files or its event files, a value written twice keeping the later file's (None where the
+    files hold no statistic)."""
+    if paths and "tfevents" in os.path.basename(paths[0]):
+        frame = events.frame(prefix, paths)
+        con.register("events", frame)
+        source = None if frame.empty else "SELECT * FROM events"
+    else:
+        source = _csv_values(paths)
+    if source is None:
         return None
-    con.register("events", frame)
-    return """
-        SELECT step, micro_step, vpp_stage, name, op, value FROM events
+    return f"""
+        SELECT step, micro_step, vpp_stage, name, op, value FROM ({source})
         QUALIFY row_number() OVER (PARTITION BY vpp_stage, name, micro_step, step, op ORDER BY _file DESC) = 1
     """
 
 
-def _part_query(paths: Sequence[str]) -> str | None:
-    """The rows of one data type of one rank: every file's rows unpivoted to one row per value, a
-    value written twice keeping the later file's (None where the files hold no statistic)."""
+def _csv_values(paths: Sequence[str]) -> str | None:
+    """Every value of these CSV files as a row (step, micro_step, vpp_stage, name, _file, op,
+    value), ``_file`` the file's place in ``paths`` (None where they hold no statistic)."""
     selects, ops = [], []
     for index, path in enumerate(paths):
         file_ops = list(header_ops(path))
@@ -261,19 +281,15 @@ def _part_query(paths: Sequence[str]) -> str | None:
     micro = "micro_step" if has_micro else "CAST(NULL AS BIGINT) AS micro_step"
     op_columns = ", ".join(f'"{op}"' for op in ops)
     return f"""
-        SELECT step, micro_step, vpp_stage, name, op, value FROM (
-            UNPIVOT (SELECT step, {micro}, vpp_stage, name, _file, {op_columns} FROM ({union}))
-            ON {op_columns} INTO NAME op VALUE value
-        )
-        QUALIFY row_number() OVER (PARTITION BY vpp_stage, name, micro_step, step, op ORDER BY _file DESC) = 1
+        UNPIVOT (SELECT step, {micro}, vpp_stage, name, _file, {op_columns} FROM ({union}))
+        ON {op_columns} INTO NAME op VALUE value
     """
 
 
-def _write_part(con: Any, prefix: str, paths: Sequence[str], target: str, value_type: str) -> str:
+def _write_part(con: Any, query: str | None, target: str, value_type: str) -> str:
     """One part, its values in ``value_type``, or as doubles where one would not survive a 32-bit
     float (rounded back to six significant digits it is not the value read from the CSV);
-    returns the type written. The rows are read from the files once, into a temporary table."""
-    query = _part_rows(con, prefix, paths)
+    returns the type written. The rows of ``query`` are read once, into a temporary table."""
     if query is None:  # the files hold no statistic: no part
         if os.path.exists(target):
             os.unlink(target)

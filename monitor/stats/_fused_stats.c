@@ -170,6 +170,8 @@ static int check_kind(int kind) {
     return -1;
 }
 
+static Py_ssize_t kind_size(int kind) { return kind == KIND_F64 ? 8 : kind == KIND_F32 ? 4 : 2; }
+
 /* The lower / higher of two results' extremes, -0 below +0 as the kernel orders them */
 static double lower(double a, double b) { return (b < a || (b == a && signbit(b))) ? b : a; }
 static double higher(double a, double b) { return (b > a || (b == a && !signbit(b))) ? b : a; }
@@ -178,7 +180,7 @@ static double higher(double a, double b) { return (b > a || (b == a && !signbit(
  * as one of the pieces a split gives): each run read in place, the results merged */
 static void run_rows(int kind, const char *data, Py_ssize_t run, Py_ssize_t rows, Py_ssize_t stride,
                      double eps, Result *out) {
-    Py_ssize_t step = stride * (kind == KIND_F64 ? 8 : kind == KIND_F32 ? 4 : 2); /* checked by the caller */
+    Py_ssize_t step = stride * kind_size(kind); /* no overflow: checked by the caller */
     run_kernel(kind, data, run, eps, out);
     for (Py_ssize_t r = 1; r < rows; r++) {
         Result part;
@@ -200,7 +202,7 @@ static PyObject *stats_rows(PyObject *self, PyObject *args) {
     double eps;
     if (!PyArg_ParseTuple(args, "Knnnid", &address, &run, &rows, &stride, &kind, &eps)) return NULL;
     if (check_kind(kind) < 0) return NULL;
-    Py_ssize_t size = kind == KIND_F64 ? 8 : kind == KIND_F32 ? 4 : 2;
+    Py_ssize_t size = kind_size(kind);
     if (address == 0 || run <= 0 || rows <= 0 || (rows > 1 && stride < run) ||
         (rows > 1 && stride > PY_SSIZE_T_MAX / size / rows)) {
         PyErr_Format(PyExc_ValueError,
