@@ -1,7 +1,8 @@
 """Scalars per second of the output writers, side by side in one run.
 
 Compares trainmon's TensorBoardWriter, torch's SummaryWriter.add_scalar once per scalar (what the
-reference does; skipped when torch is missing) and trainmon's CsvWriter (skipped when missing).
+reference does; skipped when torch is missing), trainmon's CsvWriter and its ParquetWriter (skipped
+when pyarrow is missing; its time includes merging the steps' files into one at close).
 Each writer gets the same records; the time covers writing, the per-step flush and close. Every
 output is read back afterwards (not timed) and its scalar count checked.
 
@@ -81,6 +82,22 @@ def bench_csv(out: str, rowset: RowSet, values: list[np.ndarray]) -> float:
     return time.perf_counter() - start
 
 
+def bench_parquet(out: str, rowset: RowSet, values: list[np.ndarray]) -> float:
+    from monitor.writers.parquet import ParquetWriter
+
+    start = time.perf_counter()
+    run_trainmon(ParquetWriter(out, rank=0), rowset, values)
+    return time.perf_counter() - start
+
+
+def count_parquet_scalars(out: str) -> int:
+    import pyarrow.parquet as pq
+
+    from monitor.writers.parquet import live_prefixes
+
+    return sum(pq.read_table(paths).num_rows for paths in live_prefixes(out).values())
+
+
 def count_event_scalars(out: str) -> int:
     """Scalars in all event files of ``out`` (TFRecord framing parsed here; CRCs are the tests' job)."""
     from tensorboard.compat.proto.event_pb2 import Event
@@ -122,11 +139,17 @@ def available() -> list[tuple[str, Callable[[str, RowSet, list[np.ndarray]], flo
         print(f"skipping CsvWriter: {exc}")
     else:
         found.append(("trainmon CsvWriter", bench_csv, count_csv_scalars))
+    try:
+        import pyarrow  # noqa: F401
+    except ImportError as exc:
+        print(f"skipping ParquetWriter: {exc}")
+    else:
+        found.append(("trainmon ParquetWriter", bench_parquet, count_parquet_scalars))
     return found
 
 
 def du(out: str) -> int:
-    return sum(p.stat().st_size for p in Path(out).iterdir() if p.is_file())
+    return sum(p.stat().st_size for p in Path(out).rglob("*") if p.is_file())
 
 
 def main(argv: list[str] | None = None) -> int:

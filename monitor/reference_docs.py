@@ -49,11 +49,14 @@ MEANINGS = {
         "`shape`/`dtype` (later msprobe) are accepted and ignored"
     ),
     "eps": "`zeros` counts `|x| < eps`",
-    "format": "`csv`, `tensorboard` or `api` (in memory, no files); anything else is an error",
+    "format": (
+        "`csv`, `tensorboard`, `parquet` (the dataset's long rows, live; needs the `dataset` extra) or "
+        "`api` (in memory, no files); anything else is an error"
+    ),
     "ndigits": (
         "**significant digits** in CSV (msprobe rounds to decimal places, so every `exp_avg_sq` prints 0.0)"
     ),
-    "step_count_per_record": "steps per CSV file",
+    "step_count_per_record": "steps per CSV file (Parquet merges its files per 100 steps)",
     "start_step": "first step eligible for collection",
     "step_interval": (
         "collect when `(step - start_step) % step_interval == 0` (0 is an error, not a ZeroDivisionError)"

@@ -51,7 +51,10 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
         help="output root (default: $MONITOR_OUTPUT_DIR or ./monitor_output)",
     )
     demo.add_argument(
-        "--format", choices=("csv", "tensorboard"), default=None, help="output format (default csv)"
+        "--format",
+        choices=("csv", "tensorboard", "parquet"),
+        default=None,
+        help="output format (default csv)",
     )
     spike = demo.add_mutually_exclusive_group()
     spike.add_argument(
@@ -100,5 +103,9 @@ def _run_demo(args: argparse.Namespace) -> int:
     anomaly_dir = os.path.join(summary["root"], "anomaly_detected")
     if os.path.isdir(anomaly_dir):
         print(f"Next:        trainmon anomaly-analyse -d {anomaly_dir}")
-    print(f"Look at it:  tensorboard --logdir {summary['root']}")
+    if os.path.isdir(os.path.join(summary["output_dir"], "values")):  # format: parquet
+        pattern = os.path.join(summary["root"], "*", "values", "*", "*.parquet")
+        print(f"Query it:    SELECT * FROM read_parquet('{pattern}', hive_partitioning = true)  -- DuckDB")
+    else:
+        print(f"Look at it:  tensorboard --logdir {summary['root']}")
     return 0

@@ -11,8 +11,9 @@ reading only the data types and ranks it needs::
     OUT/anomalies.parquet   the records of every anomaly_detected/rank{R}/anomaly.json
     OUT/compact.json        the value type, and the source files of each part (size, mtime)
 
-A data type with CSV files is read from them; one only in event files (``format: tensorboard``)
-from every event file of the rank, as TensorBoard has the values (32-bit floats).
+A data type with CSV files is read from them; one written live as Parquet (``format: parquet``)
+from those files; one only in event files (``format: tensorboard``) from every event file of the
+rank, as TensorBoard has the values (32-bit floats).
 
 Read with partition discovery (``hive_partitioning``), every value is one row
 ``rank, step, micro_step, vpp_stage, data_type, name, op, value``; ``micro_step`` is NULL for data
@@ -52,6 +53,7 @@ from dashboards.plugin.eventsource import EventSource
 from monitor.anomaly.ordering import parse_record
 from monitor.files import atomic_write_text, make_private_dir
 from monitor.session.run_info import RUN_INFO_FILE
+from monitor.writers.parquet import live_prefixes
 
 logger = logging.getLogger("trainmon")
 
@@ -194,14 +196,16 @@ class _EventDirs:
 
 
 def _files_by_type(dirs: Sequence[str], events: _EventDirs) -> dict[str, list[str]]:
-    """data type -> the files its part is made from: its CSV files in the rank's directories
-    (oldest directory first), or, for a data type only in TensorBoard event files, every event
-    file of the rank (one file holds every data type)."""
+    """data type -> the files its part is made from: its CSV files or live Parquet files in the
+    rank's directories (oldest directory first), or, for a data type only in TensorBoard event
+    files, every event file of the rank (one file holds every data type)."""
     found: dict[str, list[str]] = {}
     event_files: list[str] = []
     for directory in dirs:
         for prefix, items in list_csv_files(directory).items():
             found.setdefault(prefix, []).extend(item.path for item in items)
+        for prefix, paths in live_prefixes(directory).items():
+            found.setdefault(prefix, []).extend(paths)
         event_files += EventSource.event_files(directory)
     for prefix in events.prefixes(event_files):
         found.setdefault(prefix, event_files)
@@ -243,14 +247,14 @@ def _quoted(text: str) -> str:
 
 def _part_rows(con: Any, prefix: str, paths: Sequence[str], events: _EventDirs) -> str | None:
     """The query of one part's rows (step, micro_step, vpp_stage, name, op, value), from its CSV
-    files or its event files, a value written twice keeping the later file's (None where the
+    and live Parquet files or its event files, a value written twice keeping the later file's (None where the
     files hold no statistic)."""
     if paths and "tfevents" in os.path.basename(paths[0]):
         frame = events.frame(prefix, paths)
         con.register("events", frame)
         source = None if frame.empty else "SELECT * FROM events"
     else:
-        source = _csv_values(paths)
+        source = _table_values(paths)
     if source is None:
         return None
     return f"""
@@ -259,11 +263,31 @@ def _part_rows(con: Any, prefix: str, paths: Sequence[str], events: _EventDirs) 
     """
 
 
-def _csv_values(paths: Sequence[str]) -> str | None:
-    """Every value of these CSV files as a row (step, micro_step, vpp_stage, name, _file, op,
-    value), ``_file`` the file's place in ``paths`` (None where they hold no statistic)."""
-    selects, ops = [], []
+def _table_values(paths: Sequence[str]) -> str | None:
+    """Every value of these CSV and live Parquet files as a row (step, micro_step, vpp_stage,
+    name, _file, op, value), ``_file`` the place in ``paths`` of the CSV file, or of a rank
+    directory's first Parquet file (None where they hold no statistic)."""
+    csv_files, parquet_dirs = {}, {}
     for index, path in enumerate(paths):
+        if path.endswith(".parquet"):  # values/data_type=*/ in a rank directory
+            rank_dir = os.path.dirname(os.path.dirname(os.path.dirname(path)))
+            parquet_dirs.setdefault(rank_dir, (index, []))[1].append(path)
+        else:
+            csv_files[index] = path
+    selects = [
+        f"SELECT step, micro_step, vpp_stage, name, {index} AS _file, op, value "
+        f"FROM read_parquet([{', '.join(_quoted(p) for p in files)}])"
+        for index, files in parquet_dirs.values()
+    ]
+    csv_rows = _csv_values(csv_files)
+    return " UNION ALL ".join(([csv_rows] if csv_rows else []) + selects) or None
+
+
+def _csv_values(paths: dict[int, str]) -> str | None:
+    """Every value of these CSV files (by their ``_file``) as a row (step, micro_step,
+    vpp_stage, name, _file, op, value); None where they hold no statistic."""
+    selects, ops = [], []
+    for index, path in paths.items():
         file_ops = list(header_ops(path))
         ops += [op for op in file_ops if op not in ops]
         with open(path, encoding="utf-8", errors="replace") as handle:
@@ -281,8 +305,9 @@ def _csv_values(paths: Sequence[str]) -> str | None:
     micro = "micro_step" if has_micro else "CAST(NULL AS BIGINT) AS micro_step"
     op_columns = ", ".join(f'"{op}"' for op in ops)
     return f"""
-        UNPIVOT (SELECT step, {micro}, vpp_stage, name, _file, {op_columns} FROM ({union}))
-        ON {op_columns} INTO NAME op VALUE value
+        SELECT step, micro_step, vpp_stage, name, _file, op, value FROM (
+            UNPIVOT (SELECT step, {micro}, vpp_stage, name, _file, {op_columns} FROM ({union}))
+            ON {op_columns} INTO NAME op VALUE value)
     """
 
 

@@ -8,6 +8,7 @@ warning naming the closest known key.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import re
@@ -37,7 +38,7 @@ logger = logging.getLogger("trainmon")
 KNOWN_OPS = ("min", "max", "norm", "zeros", "nans", "mean", "id")
 #: later reference versions always add these; they are not scalars, so we accept and ignore them.
 IGNORED_OPS = ("shape", "dtype")
-FORMATS = ("csv", "tensorboard", "api")
+FORMATS = ("csv", "tensorboard", "parquet", "api")
 #: anomaly rules known to the config; the rule classes live in monitor.anomaly.rules.
 KNOWN_RULES = ("AnomalyTurbulence", "AnomalyNan", "AnomalyZScore")
 CC_KEYS = ("enable", "cc_codeline", "cc_pre_hook", "cc_log_only")
@@ -122,7 +123,7 @@ class MonitorConfig:
     shard_reduce: bool = False
     cc_distribution: CCConfig = field(default_factory=CCConfig)
     alert: AlertConfig = field(default_factory=AlertConfig)
-    #: output format: csv, tensorboard or api (in memory).
+    #: output format: csv, tensorboard, parquet or api (in memory).
     format: str = "csv"
     #: statistics computed for every monitored tensor.
     ops: tuple[str, ...] = ("norm",)
@@ -205,6 +206,11 @@ def validate_config(raw: Mapping[str, Any]) -> MonitorConfig:
         fmt = raw["format"]
         if not isinstance(fmt, str) or fmt.lower() not in FORMATS:
             raise not_one_of("format", fmt, FORMATS)
+        if fmt.lower() == "parquet" and importlib.util.find_spec("pyarrow") is None:
+            raise ConfigError(
+                "format: 'parquet' is written through pyarrow, which is not installed; "
+                "install it with pip install 'trainmon[dataset]', or choose 'csv' or 'tensorboard'"
+            )
         values["format"] = fmt.lower()
     if "ops" in raw:
         values["ops"] = _ops(raw["ops"])

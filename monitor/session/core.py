@@ -100,6 +100,10 @@ class MonitorCore:
             from monitor.writers.tensorboard import TensorBoardWriter
 
             return TensorBoardWriter(self.output_dir)
+        if self.config.format == "parquet":
+            from monitor.writers.parquet import ParquetWriter
+
+            return ParquetWriter(self.output_dir, self.rank)
         return CsvWriter(self.output_dir, self.config.ndigits, self.config.step_count_per_record)
 
     @property

@@ -106,6 +106,16 @@ def same(a: float, b: float) -> bool:
     return (np.isnan(a) and np.isnan(b)) or a == b
 
 
+def _writer(fmt: str, path: Path, rank: int, window: int):
+    if fmt == "csv":
+        return CsvWriter(path, 6, window)
+    if fmt == "parquet":
+        from monitor.writers.parquet import ParquetWriter
+
+        return ParquetWriter(path, rank, merge_steps=window)
+    return TensorBoardWriter(path)
+
+
 def write_run(
     root: Path,
     *,
@@ -121,7 +131,8 @@ def write_run(
     detect: bool = False,
     stamp: str = "Jan02_03-04-05",
 ) -> dict[int, Path]:
-    """A run of generated values written by the monitor's writers; returns rank -> directory.
+    """A run of generated values written by the monitor's writers; returns rank -> directory
+    (``window``: steps per CSV file, or per merged Parquet file).
 
     ``special`` maps (rank, prefix, step, row, op) to a value (NaN, Inf, ...); ``skip`` maps
     (rank, prefix, step) to row indices left out of that step. ``anomalies`` are
@@ -136,7 +147,7 @@ def write_run(
         path = root / f"{stamp}-rank{rank}-{rank:08x}"
         make_private_dir(path)
         dirs[rank] = path
-        writer = CsvWriter(path, 6, window) if fmt == "csv" else TensorBoardWriter(path)
+        writer = _writer(fmt, path, rank, window)
         rowsets = {p: RowSet.build([0] * len(names), names, rank, TASKS[p]) for p in prefixes}
         sink = AnomalySink(Detector([], rank), AnomalyDump(root, rank)) if detect else None
         for step in steps:

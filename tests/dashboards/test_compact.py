@@ -21,7 +21,7 @@ import numpy as np  # noqa: E402
 from dashboards.convert.compact import FARTHEST_RANK_SQL, compact  # noqa: E402
 from monitor.record import RowSet, StepRecord  # noqa: E402
 from monitor.writers.csv import CsvWriter  # noqa: E402
-from tests.dashboards.conftest import read_csv_rows, write_run  # noqa: E402
+from tests.dashboards.conftest import NAMES, read_csv_rows, write_run  # noqa: E402
 
 COLUMNS = {"rank", "step", "micro_step", "vpp_stage", "data_type", "name", "op", "value"}
 
@@ -220,4 +220,38 @@ def test_tensorboard_outputs_are_compacted_as_tensorboard_reads_them(tmp_path):
     assert compact(str(tmp_path)) == {"written": 4, "kept": 0}
     _same(_dataset(tmp_path / "dataset"), expected, digits=None)
     assert _value_types(tmp_path / "dataset") == {"FLOAT"}  # TensorBoard keeps 32-bit floats
+    assert compact(str(tmp_path)) == {"written": 0, "kept": 4}
+
+
+def test_live_parquet_outputs_are_compacted_and_a_later_directory_wins(tmp_path):
+    import pyarrow.parquet as pq
+
+    from monitor.writers.parquet import live_prefixes
+
+    csv_dirs = write_run(tmp_path, ranks=(0,), steps=range(6), prefixes=("grad_reduced",))
+    later = write_run(  # rank 0 restarted with format parquet and wrote steps 4-7, step 4 anew
+        tmp_path,
+        ranks=(0, 1),
+        steps=range(4, 8),
+        window=3,
+        fmt="parquet",
+        prefixes=("grad_reduced", "exp_avg"),
+        stamp="Jan02_03-04-09",
+        special={(0, "grad_reduced", 4, 0, "norm"): -1.5, (1, "exp_avg", 5, 2, "max"): float("nan")},
+    )
+    expected = {
+        (0, "grad_reduced", row["vpp"], row["name"], None, row["step"], op): value
+        for row in read_csv_rows(csv_dirs[0], "grad_reduced")
+        for op, value in row["values"].items()
+    }
+    for rank, directory in later.items():
+        for prefix, paths in live_prefixes(str(directory)).items():
+            table = pq.read_table(paths).to_pylist()
+            for r in table:
+                key = (rank, prefix, r["vpp_stage"], r["name"], r["micro_step"], r["step"], r["op"])
+                expected[key] = r["value"]
+    assert expected[(0, "grad_reduced", 0, NAMES[0], None, 4, "norm")] == -1.5
+    assert compact(str(tmp_path)) == {"written": 4, "kept": 0}
+    assert _value_types(tmp_path / "dataset") == {"DOUBLE"}  # live values are exact doubles
+    _same(_dataset(tmp_path / "dataset"), expected, digits=None)
     assert compact(str(tmp_path)) == {"written": 0, "kept": 4}

@@ -249,7 +249,7 @@ BAD_CONFIGS = [
     ("collect_times_zero", {"collect_times": 0}, "collect_times", "got 0"),
     ("mg_direction_string", {"mg_direction": "yes"}, "mg_direction", "got 'yes'"),
     ("wg_distribution_int", {"wg_distribution": 1}, "wg_distribution", "got 1"),
-    ("format_unknown", {"format": "parquet"}, "format", "got 'parquet'"),
+    ("format_unknown", {"format": "hdf5"}, "format", "got 'hdf5'"),
     ("ops_not_a_list", {"ops": "norm"}, "ops", "got 'norm'"),
     ("ops_misspelt", {"ops": ["norm", "nrom"]}, "ops[1]", "got 'nrom'; did you mean 'norm'?"),
     ("format_misspelt", {"format": "tensorbord"}, "format", "got 'tensorbord'; did you mean 'tensorboard'?"),

@@ -9,7 +9,12 @@ anomaly dump on, and kills its own process with SIGKILL:
 * ``writer``: on the writer thread, in the middle of writing step ``kill_step`` (after its third
   record has gone to the file writer), so a write is cut short;
 * ``slow_disk``: like ``training`` without the pause, with a file writer that needs 50 ms per
-  record (a slow or busy disk), so the writer is behind when the process dies.
+  record (a slow or busy disk), so the writer is behind when the process dies;
+* ``merge`` (format parquet): on the writer thread, when the first merged file is in place and
+  the step files it replaces are not yet deleted.
+
+Parquet windows are merged every ``step_count_per_record`` steps here, so that merges happen
+while the run goes on (the product merges per 100 steps).
 """
 
 from __future__ import annotations
@@ -44,6 +49,11 @@ def _file_writer_class(fmt: str) -> type:
         from monitor.writers.csv import CsvWriter
 
         return CsvWriter
+    if fmt == "parquet":
+        from monitor.writers.parquet import ParquetWriter
+
+        ParquetWriter.merge_steps = config(fmt)["step_count_per_record"]
+        return ParquetWriter
     from monitor.writers.tensorboard import TensorBoardWriter
 
     return TensorBoardWriter
@@ -71,6 +81,8 @@ def run(out_dir: str, fmt: str, kill_step: int, where: str) -> None:
         time.sleep(0.05)
         write(self, record)
 
+    if where == "merge":
+        writer._remove_merged = staticmethod(lambda paths: _kill())
     if where == "writer":
         writer.write = write_then_die
     elif where == "slow_disk":

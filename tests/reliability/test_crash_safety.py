@@ -1,11 +1,12 @@
 """Promise 3: a crash loses nothing that was complete.
 
 A training process (tests.reliability.crash_child, forked from a server that has torch imported,
-so each run costs a fraction of a second) is killed with SIGKILL at ten different steps, for CSV
-and TensorBoard output. Afterwards every output file must be parseable: CSV files have their
-header and only complete lines and complete steps; anomaly.json is valid JSON; TensorBoard files
-consist of whole records with valid checksums (checked with TensorBoard's own CRC) and are read by
-EventAccumulator. They hold every collected step before the one the process died in.
+so each run costs a fraction of a second) is killed with SIGKILL at ten different steps, for CSV,
+TensorBoard and Parquet output. Afterwards every output file must be parseable: CSV files have
+their header and only complete lines and complete steps; anomaly.json is valid JSON; TensorBoard
+files consist of whole records with valid checksums (checked with TensorBoard's own CRC) and are
+read by EventAccumulator; Parquet files are whole files that pyarrow reads, each value once.
+They hold every collected step before the one the process died in.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ def _forkserver():
                 "torch._dynamo",
                 "torch.optim",
                 "monitor",
+                "pyarrow.parquet",
                 "adapters.torch.session",
                 crash_child.__name__,
             ]
@@ -144,6 +146,41 @@ def _check_tensorboard(directory: str, complete_before: int) -> None:
         assert steps == list(range(complete_before)), f"{tag}: steps {steps}"
 
 
+# -- Parquet -------------------------------------------------------------------------------------
+
+
+def _check_parquet(directory: str, complete_before: int) -> None:
+    """Every file under values/ is a whole Parquet file (temporary ones are never named
+    ``*.parquet``); the files ``live_parts`` lists hold every step before the kill, each value once."""
+    import pyarrow.parquet as pq
+
+    from monitor.writers.parquet import live_prefixes
+
+    for path in glob.glob(os.path.join(directory, "values", "*", "*.parquet")):
+        pq.read_table(path)
+    found = live_prefixes(directory)
+    assert set(found) == set(PREFIXES), sorted(found)
+    for prefix, paths in found.items():
+        table = pq.read_table(paths).to_pydict()
+        keys = Counter(
+            zip(table["step"], table["micro_step"], table["vpp_stage"], table["name"], table["op"])
+        )
+        assert max(keys.values()) == 1, f"{prefix}: a value twice"
+        counts = Counter(table["step"])
+        assert sorted(counts) == list(range(complete_before)), f"{prefix}: steps {sorted(counts)}"
+        assert len(set(counts.values())) == 1, f"{prefix}: rows per step {counts}"
+
+
+def _check(out: str, fmt: str, complete_before: int, partial_at: int | None = None) -> None:
+    directory = _rank_dir(out)
+    if fmt == "csv":
+        _check_csv(directory, complete_before, partial_at)
+    elif fmt == "parquet":  # records reach a file at the end of their step: none of a cut one
+        _check_parquet(directory, complete_before)
+    else:
+        _check_tensorboard(directory, complete_before)
+
+
 # -- anomaly.json --------------------------------------------------------------------------------
 
 
@@ -160,33 +197,35 @@ def _check_anomalies(out: str, complete_before: int) -> None:
 # -- the tests -----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("fmt", ["csv", "tensorboard"])
+FORMATS = ["csv", "tensorboard", "parquet"]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("kill_step", KILL_STEPS)
 def test_sigkill_in_a_training_step_keeps_every_step_before_it(tmp_path, fmt, kill_step):
     out = _killed_run(tmp_path, fmt, kill_step, "training")
-    if fmt == "csv":
-        _check_csv(_rank_dir(out), complete_before=kill_step)
-    else:
-        _check_tensorboard(_rank_dir(out), complete_before=kill_step)
+    _check(out, fmt, complete_before=kill_step)
     _check_anomalies(out, complete_before=kill_step)
 
 
-@pytest.mark.parametrize("fmt", ["csv", "tensorboard"])
+@pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("kill_step", KILL_STEPS[::4])
 def test_sigkill_while_the_writer_writes_leaves_only_whole_records(tmp_path, fmt, kill_step):
     out = _killed_run(tmp_path, fmt, kill_step, "writer")
-    if fmt == "csv":
-        _check_csv(_rank_dir(out), complete_before=kill_step, partial_at=kill_step)
-    else:
-        _check_tensorboard(_rank_dir(out), complete_before=kill_step)
+    _check(out, fmt, complete_before=kill_step, partial_at=kill_step)
     _check_anomalies(out, complete_before=kill_step)
 
 
-@pytest.mark.parametrize("fmt", ["csv", "tensorboard"])
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_a_completed_step_is_on_disk_even_when_the_disk_is_slow(tmp_path, fmt):
     kill_step = 4
     out = _killed_run(tmp_path, fmt, kill_step, "slow_disk")
-    if fmt == "csv":
-        _check_csv(_rank_dir(out), complete_before=kill_step)
-    else:
-        _check_tensorboard(_rank_dir(out), complete_before=kill_step)
+    _check(out, fmt, complete_before=kill_step)
+
+
+def test_sigkill_between_a_parquet_merge_and_its_deletions_loses_and_repeats_nothing(tmp_path):
+    """The first merge (steps 0-3) runs when the first record of step 5 arrives, after step 4 ended."""
+    out = _killed_run(tmp_path, "parquet", 12, "merge")
+    covered = glob.glob(os.path.join(_rank_dir(out), "values", "*", "step-000000000[0-3].parquet"))
+    assert covered, "the kill came after the step files were deleted"
+    _check(out, "parquet", complete_before=5)

@@ -1,0 +1,287 @@
+"""Live Parquet output (``format: parquet``): the long rows of the dataset, written as training runs.
+
+In the rank's directory, per data type::
+
+    values/data_type={prefix}/step-{step}.parquet          one collected step
+    values/data_type={prefix}/steps-{first}-{last}.parquet  the steps of a finished window, merged
+
+Every file has the columns ``rank, step, micro_step, vpp_stage, name, op, value`` (``micro_step``
+NULL for data types without one, ``value`` a 64-bit float, exact), so a whole run is one table
+for DuckDB, Spark or pandas with the data type from the directory name (hive partitioning)::
+
+    SELECT * FROM read_parquet('OUT/*/values/*/*.parquet', hive_partitioning = true)
+
+Crash safety: a step's file is written under a temporary name (which no ``*.parquet`` pattern
+matches) and renamed into place when the step ends, before the training thread goes on, so
+every ended step is a whole, closed file after a SIGKILL. Small files would pile up over a long
+run, so once a window of ``merge_steps`` steps has passed, its files are merged into one (each
+value's series of steps together, which compresses best) on the writer thread while training
+goes on; the merged file is renamed into place before the step files are deleted. A kill between the
+two leaves step files that the merged file covers: ``live_parts`` leaves them out and the next
+writer on the directory deletes them. A resumed run (``append_output``) does not write a step
+again that the directory already has, as with CSV.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import tempfile
+import weakref
+from typing import Any
+
+import numpy as np
+
+from monitor.files import FILE_MODE, make_private_dir
+from monitor.record import RowSet, StepRecord
+
+logger = logging.getLogger("trainmon")
+
+#: the subdirectory of a rank's directory that holds the values
+VALUES_DIR = "values"
+#: steps whose files are merged into one once the window has passed
+MERGE_STEPS = 100
+#: zstd levels: a step's file is written before training goes on; a merge runs beside training
+STEP_ZSTD_LEVEL, MERGED_ZSTD_LEVEL = 3, 9
+_STEP_FILE = re.compile(r"step-(\d+)(?:\.\d+)?\.parquet")
+_MERGED_FILE = re.compile(r"steps-(\d+)-(\d+)\.parquet")
+_COLUMNS = ("rank", "step", "micro_step", "vpp_stage", "name", "op", "value")
+
+
+def _schema() -> Any:
+    import pyarrow as pa
+
+    return pa.schema(
+        [
+            ("rank", pa.int64()),
+            ("step", pa.int64()),
+            ("micro_step", pa.int64()),
+            ("vpp_stage", pa.int64()),
+            ("name", pa.string()),
+            ("op", pa.string()),
+            ("value", pa.float64()),
+        ]
+    )
+
+
+def _scan(directory: str) -> tuple[list[tuple[int, int, str]], list[tuple[int, str]]]:
+    """The merged files (first, last, path) and the step files (step, path) of one data type."""
+    merged, steps = [], []
+    for name in sorted(os.listdir(directory)) if os.path.isdir(directory) else ():
+        path = os.path.join(directory, name)
+        if match := _MERGED_FILE.fullmatch(name):
+            merged.append((int(match[1]), int(match[2]), path))
+        elif match := _STEP_FILE.fullmatch(name):
+            steps.append((int(match[1]), path))
+    return merged, steps
+
+
+def _covered(step: int, merged: list[tuple[int, int, str]]) -> bool:
+    return any(first <= step <= last for first, last, _ in merged)
+
+
+def live_parts(directory: str) -> list[str]:
+    """The files of one data type's directory (``values/data_type={prefix}``) that hold its
+    values once each: merged files, and step files that no merged file covers."""
+    merged, steps = _scan(directory)
+    return [path for *_, path in merged] + [path for step, path in steps if not _covered(step, merged)]
+
+
+def live_prefixes(rank_dir: str) -> dict[str, list[str]]:
+    """data type -> its live Parquet files, for a rank directory written with ``format: parquet``."""
+    root = os.path.join(rank_dir, VALUES_DIR)
+    found = {}
+    for name in sorted(os.listdir(root)) if os.path.isdir(root) else ():
+        if name.startswith("data_type=") and (parts := live_parts(os.path.join(root, name))):
+            found[name.removeprefix("data_type=")] = parts
+    return found
+
+
+def _series_first(table: Any, parts: list) -> Any:
+    """The rows of ``table`` (``parts`` one after the other) value series by value series: where
+    every part has the same number of rows (the usual case: one layout of tensors and ops per
+    step), the i-th rows of all parts together, so that a column changes little from row to row
+    and compresses well; otherwise as they are."""
+    sizes = {part.num_rows for part in parts}
+    if len(sizes) != 1:
+        return table
+    (size,) = sizes
+    return table.take(np.arange(size * len(parts)).reshape(len(parts), size).T.ravel())
+
+
+class ParquetWriter:
+    """Writes StepRecords as the dataset's long rows, one closed Parquet file per data type and
+    ended step, merged per window of ``merge_steps`` steps."""
+
+    #: steps per merged file (a class attribute, so that a test can make windows short)
+    merge_steps = MERGE_STEPS
+
+    def __init__(self, out_dir: str | os.PathLike, rank: int, merge_steps: int | None = None) -> None:
+        import pyarrow as pa
+
+        self._pa = pa
+        self.out_dir = os.fspath(out_dir)
+        self.rank = rank
+        if merge_steps is not None:
+            self.merge_steps = merge_steps
+        self._schema = _schema()
+        #: per RowSet and ops, the label columns (micro_step, vpp_stage, name, op) of a record
+        self._labels: weakref.WeakKeyDictionary[RowSet, dict[tuple[str, ...], list]] = (
+            weakref.WeakKeyDictionary()
+        )
+        #: per data type, the tables of records not yet in a file, by step
+        self._pending: dict[str, dict[int, list]] = {}
+        #: per data type, its step files not yet merged (step, path)
+        self._unmerged: dict[str, list[tuple[int, str]]] = {}
+        #: per data type, the last step the directory already had when this writer first saw it
+        self._resumed_last: dict[str, int] = {}
+        self._skipped: set[str] = set()
+        self._merge_due = False
+        #: the window of the last ended step: the files of earlier windows are due for merging
+        self._window = 0
+
+    def directory(self, prefix: str) -> str:
+        return os.path.join(self.out_dir, VALUES_DIR, f"data_type={prefix}")
+
+    def _open(self, prefix: str) -> None:
+        """First record of a data type: note what a resumed directory already has, and delete
+        step files that a merged file covers (a kill between merging and deleting)."""
+        directory = make_private_dir(self.directory(prefix))
+        merged, steps = _scan(directory)
+        for step, path in steps:
+            if _covered(step, merged):
+                os.unlink(path)
+        self._unmerged[prefix] = [(step, path) for step, path in steps if not _covered(step, merged)]
+        self._resumed_last[prefix] = max([last for _, last, _ in merged] + [s for s, _ in steps], default=-1)
+
+    def _label_columns(self, rows: RowSet, ops: tuple[str, ...]) -> list:
+        """micro_step, vpp_stage, name and op of every value of a record (op by op, row by row),
+        built once per RowSet and ops."""
+        pa = self._pa
+        by_ops = self._labels.get(rows)
+        if by_ops is None:
+            by_ops = self._labels[rows] = {}
+        columns = by_ops.get(ops)
+        if columns is None:
+            count = len(ops)
+            micro = (
+                pa.nulls(len(rows) * count, pa.int64())
+                if rows.micro_steps is None
+                else pa.array(np.tile(np.asarray(rows.micro_steps, dtype=np.int64), count))
+            )
+            columns = by_ops[ops] = [
+                micro,
+                pa.array(np.tile(np.asarray(rows.vpp_stages, dtype=np.int64), count)),
+                pa.array(list(rows.names) * count, pa.string()),
+                pa.array([op for op in ops for _ in range(len(rows))], pa.string()),
+            ]
+        return columns
+
+    def write(self, record: StepRecord) -> None:
+        if self._merge_due:
+            self._merge(final=False)
+        if len(record.rows) == 0:
+            return
+        prefix = record.prefix
+        if prefix not in self._resumed_last:
+            self._open(prefix)
+        if record.step <= self._resumed_last[prefix]:
+            if prefix not in self._skipped:  # a resumed run repeats steps: first write wins
+                self._skipped.add(prefix)
+                logger.warning(
+                    "trainmon: %s: step %d and earlier are already in %s; not written again",
+                    prefix,
+                    self._resumed_last[prefix],
+                    self.directory(prefix),
+                )
+            return
+        pa = self._pa
+        values = np.ascontiguousarray(record.resolve().T, dtype=np.float64).ravel()
+        count = len(values)
+        table = pa.Table.from_arrays(
+            [
+                pa.repeat(pa.scalar(self.rank, pa.int64()), count),
+                pa.repeat(pa.scalar(record.step, pa.int64()), count),
+                *self._label_columns(record.rows, record.ops),
+                pa.array(values),
+            ],
+            schema=self._schema,
+        )
+        self._pending.setdefault(prefix, {}).setdefault(record.step, []).append(table)
+
+    def end_step(self, step: int) -> None:
+        """Every record so far into closed files, one per data type and step."""
+        for prefix, by_step in self._pending.items():
+            for record_step, tables in sorted(by_step.items()):
+                path = self._free_name(prefix, record_step)
+                self._write(self._pa.concat_tables(tables), path, STEP_ZSTD_LEVEL)
+                self._unmerged[prefix].append((record_step, path))
+        self._pending.clear()
+        self._window = step // self.merge_steps
+        self._merge_due = any(
+            s // self.merge_steps < self._window for files in self._unmerged.values() for s, _ in files
+        )
+
+    def _free_name(self, prefix: str, step: int) -> str:
+        """``step-{step}.parquet``, or ``step-{step}.{n}.parquet`` for records of a step that
+        arrive after its file was written."""
+        base = os.path.join(self.directory(prefix), f"step-{step:010d}")
+        path, n = base + ".parquet", 1
+        while os.path.exists(path):
+            path, n = f"{base}.{n}.parquet", n + 1
+        return path
+
+    def _write(self, table: Any, path: str, level: int) -> None:
+        import pyarrow.parquet as pq
+
+        fd, temporary = tempfile.mkstemp(prefix=".tmp-", suffix=".parquet.tmp", dir=os.path.dirname(path))
+        try:
+            with os.fdopen(fd, "wb") as handle:
+                pq.write_table(
+                    table,
+                    handle,
+                    compression="zstd",
+                    compression_level=level,
+                    use_byte_stream_split=["value"],
+                    data_page_version="2.0",
+                )
+            os.chmod(temporary, FILE_MODE)
+            os.replace(temporary, path)
+        except BaseException:
+            if os.path.exists(temporary):
+                os.unlink(temporary)
+            raise
+
+    def _merge(self, final: bool) -> None:
+        """Merge the step files of every finished window (at ``final``, of every window) into one
+        file per window and data type; then delete the step files."""
+        import pyarrow.parquet as pq
+
+        self._merge_due = False
+        for prefix, files in self._unmerged.items():
+            windows: dict[int, list[tuple[int, str]]] = {}
+            for step, path in files:
+                if final or step // self.merge_steps < self._window:
+                    windows.setdefault(step // self.merge_steps, []).append((step, path))
+            for window_files in windows.values():
+                steps = [step for step, _ in window_files]
+                paths = [path for _, path in window_files]
+                tables = [pq.read_table(path, schema=self._schema) for path in paths]
+                target = os.path.join(
+                    self.directory(prefix), f"steps-{min(steps):010d}-{max(steps):010d}.parquet"
+                )
+                self._write(_series_first(self._pa.concat_tables(tables), tables), target, MERGED_ZSTD_LEVEL)
+                self._remove_merged(paths)
+                done = set(paths)
+                files[:] = [(s, p) for s, p in files if p not in done]
+
+    @staticmethod
+    def _remove_merged(paths: list[str]) -> None:
+        for path in paths:
+            os.unlink(path)
+
+    def close(self) -> None:
+        if self._pending:
+            self.end_step(max(step for by_step in self._pending.values() for step in by_step))
+        self._merge(final=True)

@@ -1,0 +1,210 @@
+"""ParquetWriter (monitor/writers/parquet.py): the dataset's long rows written live, one closed
+file per data type and ended step, merged per window; read back with DuckDB and pyarrow."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+import numpy as np
+import pytest
+
+pytest.importorskip("pyarrow", reason="format: parquet needs the dataset extra (pyarrow)")
+duckdb = pytest.importorskip("duckdb", reason="the dataset extra (duckdb) reads the files back")
+
+from monitor.config.schema import load_config  # noqa: E402
+from monitor.config.values import ConfigError  # noqa: E402
+from monitor.writers.parquet import ParquetWriter, live_parts, live_prefixes  # noqa: E402
+
+OPS = ("norm", "min", "max", "nans")
+NAMES = ("layers.0.fc1.weight", "layers.0.fc2.weight", 'it\'s, "quoted"')
+
+
+def _values(step: int) -> np.ndarray:
+    rng = np.random.default_rng(step)
+    values = rng.standard_normal((len(NAMES), len(OPS)))
+    values[:, 3] = rng.integers(0, 5, len(NAMES))
+    values[0, 0] = np.nan if step == 2 else values[0, 0]
+    values[1, 2] = np.inf if step == 3 else values[1, 2]
+    return values
+
+
+def _read(directory) -> list[tuple]:
+    """Every row under ``directory``'s values/, as DuckDB reads it with the documented pattern."""
+    pattern = os.path.join(directory, "values", "*", "*.parquet")
+    return duckdb.sql(
+        f"SELECT rank, step, micro_step, vpp_stage, name, op, value, data_type "
+        f"FROM read_parquet('{pattern}', hive_partitioning = true)"
+    ).fetchall()
+
+
+def _expected(steps, prefix="grad_reduced", rank=3, vpp=(0, 1, 0)) -> set[tuple]:
+    return {
+        (rank, step, None, vpp[row], NAMES[row], op, _values(step)[row, column], prefix)
+        for step in steps
+        for row in range(len(NAMES))
+        for column, op in enumerate(OPS)
+    }
+
+
+def _same(rows: list[tuple], expected: set[tuple]) -> bool:
+    """Equal as sets of rows, with NaN equal to NaN."""
+
+    def key(row):
+        return tuple("nan" if isinstance(v, float) and np.isnan(v) else v for v in row)
+
+    return len(rows) == len(expected) and {key(r) for r in rows} == {key(r) for r in expected}
+
+
+def _write(tmp_path, make_record, steps, merge_steps=100, close=True, prefix="grad_reduced"):
+    writer = ParquetWriter(tmp_path, rank=3, merge_steps=merge_steps)
+    for step in steps:
+        writer.write(make_record(prefix, step, NAMES, _values(step), OPS, vpp_stages=[0, 1, 0]))
+        writer.end_step(step)
+    if close:
+        writer.close()
+    return writer
+
+
+def _files(tmp_path, prefix="grad_reduced") -> list[str]:
+    return sorted(os.listdir(os.path.join(tmp_path, "values", f"data_type={prefix}")))
+
+
+def test_every_value_reads_back_exactly_with_its_labels(tmp_path, make_record):
+    _write(tmp_path, make_record, range(6))
+    assert _same(_read(tmp_path), _expected(range(6)))
+
+
+def test_an_ended_step_is_a_closed_file_before_the_writer_is_closed(tmp_path, make_record):
+    _write(tmp_path, make_record, range(3), close=False)
+    assert _files(tmp_path) == [f"step-{s:010d}.parquet" for s in range(3)]
+    assert _same(_read(tmp_path), _expected(range(3)))
+
+
+def test_a_record_not_yet_ended_is_not_in_any_file(tmp_path, make_record):
+    writer = _write(tmp_path, make_record, range(2), close=False)
+    writer.write(make_record("grad_reduced", 2, NAMES, _values(2), OPS, vpp_stages=[0, 1, 0]))
+    assert _same(_read(tmp_path), _expected(range(2)))
+
+
+def test_finished_windows_are_merged_while_the_run_goes_on_and_the_rest_at_close(tmp_path, make_record):
+    writer = _write(tmp_path, make_record, range(11), merge_steps=4, close=False)
+    writer.write(make_record("grad_reduced", 11, NAMES, _values(11), OPS, vpp_stages=[0, 1, 0]))
+    files = _files(tmp_path)
+    assert "steps-0000000000-0000000003.parquet" in files and "steps-0000000004-0000000007.parquet" in files
+    assert "step-0000000008.parquet" in files and not any(
+        f.startswith("step-000000000") and f < "step-0000000008" for f in files
+    )
+    writer.end_step(11)
+    writer.close()
+    assert _files(tmp_path) == [
+        "steps-0000000000-0000000003.parquet",
+        "steps-0000000004-0000000007.parquet",
+        "steps-0000000008-0000000011.parquet",
+    ]
+    assert _same(_read(tmp_path), _expected(range(12)))
+
+
+def test_merged_rows_hold_each_series_of_steps_together(tmp_path, make_record):
+    import pyarrow.parquet as pq
+
+    _write(tmp_path, make_record, range(5), merge_steps=8)
+    (name,) = _files(tmp_path)
+    table = pq.read_table(os.path.join(tmp_path, "values", "data_type=grad_reduced", name)).to_pydict()
+    series = list(zip(table["vpp_stage"], table["name"], table["op"]))
+    for start in range(0, len(series), 5):
+        assert len(set(series[start : start + 5])) == 1
+        assert table["step"][start : start + 5] == list(range(5))
+    assert len(set(series)) == len(NAMES) * len(OPS)
+
+
+def test_micro_steps_and_several_data_types(tmp_path, make_record):
+    writer = ParquetWriter(tmp_path, rank=0)
+    for step in range(2):
+        for micro in range(2):
+            values = _values(10 * step + micro)
+            writer.write(make_record("actv", step, NAMES, values, OPS, micro_steps=[micro] * 3))
+        writer.write(make_record("exp_avg", step, NAMES, _values(step), OPS))
+        writer.end_step(step)
+    writer.close()
+    rows = _read(tmp_path)
+    actv = {(r[1], r[2], r[4], r[5]): r[6] for r in rows if r[7] == "actv"}
+    assert len(actv) == 2 * 2 * len(NAMES) * len(OPS)
+    assert actv[(1, 1, NAMES[2], "min")] == _values(11)[2, 1]
+    assert {r[2] for r in rows if r[7] == "exp_avg"} == {None}
+    assert set(live_prefixes(str(tmp_path))) == {"actv", "exp_avg"}
+
+
+def test_files_are_private_and_no_temporary_file_is_left(tmp_path, make_record):
+    old = os.umask(0o077)
+    try:
+        _write(tmp_path, make_record, range(3), merge_steps=2)
+    finally:
+        os.umask(old)
+    directory = os.path.join(tmp_path, "values", "data_type=grad_reduced")
+    for name in os.listdir(directory):
+        assert name.endswith(".parquet"), name
+        assert stat.S_IMODE(os.stat(os.path.join(directory, name)).st_mode) == 0o640
+
+
+def test_a_kill_between_merging_and_deleting_leaves_no_value_twice(tmp_path, make_record, monkeypatch):
+    """The merged file is in place, the step files it covers are not yet deleted (the writer
+    stands for a process killed there); a later writer on the directory deletes them."""
+    with monkeypatch.context() as patch:
+        patch.setattr(ParquetWriter, "_remove_merged", staticmethod(lambda paths: None))
+        writer = _write(tmp_path, make_record, range(3), merge_steps=2, close=False)
+        writer.write(make_record("grad_reduced", 3, NAMES, _values(3), OPS, vpp_stages=[0, 1, 0]))
+    assert "step-0000000000.parquet" in _files(tmp_path)
+    directory = os.path.join(tmp_path, "values", "data_type=grad_reduced")
+    assert [os.path.basename(p) for p in live_parts(directory)] == [
+        "steps-0000000000-0000000001.parquet",
+        "step-0000000002.parquet",
+    ]
+    resumed = ParquetWriter(tmp_path, rank=3, merge_steps=2)
+    resumed.write(make_record("grad_reduced", 3, NAMES, _values(3), OPS, vpp_stages=[0, 1, 0]))
+    resumed.end_step(3)
+    assert _files(tmp_path) == [
+        "step-0000000002.parquet",
+        "step-0000000003.parquet",
+        "steps-0000000000-0000000001.parquet",
+    ]
+    assert _same(_read(tmp_path), _expected(range(4)))
+
+
+def test_a_resumed_run_does_not_write_a_step_again(tmp_path, make_record, caplog):
+    _write(tmp_path, make_record, range(3))
+    writer = ParquetWriter(tmp_path, rank=3)
+    for step in range(2, 5):
+        values = _values(step) + (100.0 if step == 2 else 0.0)  # the repeated step differs
+        writer.write(make_record("grad_reduced", step, NAMES, values, OPS, vpp_stages=[0, 1, 0]))
+        writer.end_step(step)
+    writer.close()
+    assert _same(_read(tmp_path), _expected(range(5)))
+    assert "step 2 and earlier are already in" in caplog.text
+
+
+def test_a_record_arriving_after_its_step_ended_gets_a_file_of_its_own(tmp_path, make_record):
+    writer = _write(tmp_path, make_record, range(2), close=False)
+    writer.write(make_record("grad_reduced", 1, ("late",), [[1.0, 2.0, 3.0, 0.0]], OPS))
+    writer.end_step(1)
+    assert "step-0000000001.1.parquet" in _files(tmp_path)
+    writer.close()
+    rows = _read(tmp_path)
+    assert sorted(r[6] for r in rows if r[4] == "late") == [0.0, 1.0, 2.0, 3.0]
+
+
+def test_format_parquet_in_the_config():
+    assert load_config({"format": "Parquet"}).format == "parquet"
+    with pytest.raises(ConfigError, match=r"format.*'parquets'"):
+        load_config({"format": "parquets"})
+
+
+def test_format_parquet_without_pyarrow_is_refused_at_the_door(monkeypatch):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name: None if name == "pyarrow" else find_spec(name)
+    )
+    with pytest.raises(ConfigError, match=r"format: 'parquet'.*pyarrow.*trainmon\[dataset\]"):
+        load_config({"format": "parquet"})
