@@ -93,7 +93,7 @@ def bench_parquet(out: str, rowset: RowSet, values: list[np.ndarray]) -> float:
 def count_parquet_scalars(out: str) -> int:
     import pyarrow.parquet as pq
 
-    from monitor.writers.parquet import live_prefixes
+    from monitor.writers.parquet_files import live_prefixes
 
     return sum(pq.read_table(paths).num_rows for paths in live_prefixes(out).values())
 

@@ -83,7 +83,7 @@ LAYERS = {
     "datatypes": ("config",),
     "collectives": ("config",),
     "writers": ("datatypes",),
-    "anomaly": ("config", "datatypes", "writers.eventfile"),
+    "anomaly": ("config", "datatypes", "writers.eventfile", "writers.parquet_files"),
     "alerts": ("config.values",),
     "session": ("config", "stats", "datatypes", "collectives", "writers", "anomaly", "alerts"),
     "integrations": ("config", "session"),

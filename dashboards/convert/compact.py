@@ -53,7 +53,7 @@ from dashboards.plugin.eventsource import EventSource
 from monitor.anomaly.ordering import parse_record
 from monitor.files import atomic_write_text, make_private_dir
 from monitor.session.run_info import RUN_INFO_FILE
-from monitor.writers.parquet import live_prefixes
+from monitor.writers.parquet_files import live_prefixes
 
 logger = logging.getLogger("trainmon")
 

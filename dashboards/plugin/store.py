@@ -17,6 +17,7 @@ from dashboards.plugin.cache import ByteLRU, cache_bytes_from_env
 from dashboards.plugin.discovery import Run, discover
 from dashboards.plugin.eventsource import EventSource
 from dashboards.plugin.incidents import Incident, IncidentList, IncidentReader
+from dashboards.plugin.parquetsource import ParquetSource
 from dashboards.plugin.sources import CsvSource, PrefixInfo, Source
 from monitor.datatypes.tasks import OP_ORDER, PREFIX_ORDER, order_key
 
@@ -24,11 +25,13 @@ DISCOVERY_SECONDS = 2.0
 
 
 def open_source(path: str, cache: ByteLRU) -> Source | None:
-    """A CsvSource when the directory has monitor CSV files, else an EventSource when it has event
-    files, else None."""
+    """A CsvSource when the directory has monitor CSV files, else a ParquetSource when it has live
+    Parquet files, else an EventSource when it has event files, else None."""
     try:
         if list_csv_files(path):
             return CsvSource(path, cache)
+        if ParquetSource.holds(path):
+            return ParquetSource(path, cache)
         if EventSource.event_files(path):
             return EventSource(path, cache)
     except OSError:

@@ -5,5 +5,6 @@ behind ``anomaly-analyse`` and its cross-rank comparison (``analyse``, ``orderin
 ``peers``, ``rank_csv``, ``verdicts``, ``report``, ``workers``).
 
 May import the config, the data types' tag tasks, the TensorBoard event writer (the dump's
-format) and the shared modules at the top of ``monitor``.
+format), the live Parquet layout (a run written with ``format: parquet``) and the shared modules
+at the top of ``monitor``.
 """

@@ -1,9 +1,9 @@
 """``anomaly-analyse --cross-rank``: ranks whose statistics depart from their peers' (post hoc).
 
-Reads the CSV files of every rank directory ``{time}-rank{R}-{id}/`` of one run (rank_csv), flags
-the outliers (peers: a rank's value against the median of the other ranks holding the same tensor,
-in units of median absolute deviations), prints them as a section after the ranking of the
-detected anomalies, and writes ``OUT/cross_rank_outliers.json`` atomically.
+Reads the CSV (or live Parquet) files of every rank directory ``{time}-rank{R}-{id}/`` of one run
+(rank_csv), flags the outliers (peers: a rank's value against the median of the other ranks holding
+the same tensor, in units of median absolute deviations), prints them as a section after the
+ranking of the detected anomalies, and writes ``OUT/cross_rank_outliers.json`` atomically.
 
 Only like is compared with like. By default only ``grad_unreduced``: every data-parallel rank's own
 gradient of the same parameter, from different data but the same distribution. ``--types`` picks
@@ -30,6 +30,7 @@ import numpy as np
 
 from monitor.anomaly import analyse, peers, rank_csv
 from monitor.anomaly.analyse import UsageError
+from monitor.writers.parquet_files import live_prefixes
 
 OUTPUT_NAME = "cross_rank_outliers.json"
 DEFAULT_TYPES = "grad_unreduced"
@@ -241,7 +242,11 @@ def _check(args: argparse.Namespace) -> Settings:
         ) from None
     try:
         rank_dirs = rank_csv.find_rank_dirs(data_dir, ranks)
-        present = {prefix for path in rank_dirs.values() for prefix in rank_csv.list_type_files(path)}
+        present = {
+            prefix
+            for path in rank_dirs.values()
+            for prefix in (*rank_csv.list_type_files(path), *live_prefixes(path))
+        }
     except rank_csv.DuplicateRankError as exc:
         raise UsageError(
             f"{exc}: point -d at a directory that holds the rank directories of one run"
@@ -255,7 +260,8 @@ def _check(args: argparse.Namespace) -> Settings:
         )
     if not present.intersection(types):
         raise UsageError(
-            f"no CSV files of type {', '.join(types)} in {len(rank_dirs)} rank directories under {data_dir} "
+            f"no CSV or Parquet files of type {', '.join(types)} in {len(rank_dirs)} rank directories "
+            f"under {data_dir} "
             f"(types found: {', '.join(sorted(present)) or 'none'}; expected {where})"
         )
     return Settings(data_dir, analyse.make_out_dir(args, data_dir), k, steps, types, ops, rank_dirs)

@@ -4,10 +4,11 @@ A run's output root holds ``{time}-rank{R}-{id}/`` directories with ``{prefix}_{
 (``.{n}.csv`` when an appended run had other columns), header ``vpp_stage,name,step[,micro_step],
 <ops>`` (msprobe's layout; its ``shape``/``dtype`` columns are ignored). The listing, header and
 complete-line helpers here also serve the dashboards' reader (dashboards.csvfiles); the arrays are
-for the cross-rank analysis. All files of one data type and header on a rank are parsed with one
-pandas call. A file being written is read up to its last complete line; a row with a wrong field
-count or a cell that is not a number is dropped and counted, never guessed. Symlinked files and
-directories are not followed.
+for the cross-rank analysis, which also reads a data type written with ``format: parquet``
+(monitor.writers.parquet_files) into the same arrays. All files of one data type and header on a
+rank are parsed with one pandas call. A file being written is read up to its last complete line; a
+row with a wrong field count or a cell that is not a number is dropped and counted, never guessed.
+Symlinked files and directories are not followed.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import pandas as pd
 from monitor.anomaly.workers import map_in_workers, max_workers, total_size
 from monitor.files import RANK_DIR_PATTERN
 from monitor.writers.eventfile import open_regular
+from monitor.writers.parquet_files import live_prefixes, read_wide
 
 #: ``{prefix}_{a}-{b}.csv``; ``.{n}.csv`` when an appended run had other columns (monitor.writers.csv).
 CSV_NAME = re.compile(r"^(?P<prefix>[A-Za-z0-9_]+?)_(?P<start>\d+)-(?P<end>\d+)(?:\.(?P<part>\d+))?\.csv$")
@@ -229,7 +231,33 @@ def load_rank(
                 tables.setdefault(prefix, []).append(table)
             if dropped:
                 warnings.append(f"{rank_dir}: dropped {dropped} malformed {prefix} row(s)")
+    for prefix, paths in live_prefixes(rank_dir, types).items():
+        if prefix not in tables:
+            try:
+                table = _parquet_table(paths, steps)
+            except (ImportError, OSError, ValueError) as exc:
+                warnings.append(f"skipping the {prefix} Parquet files in {rank_dir}: {exc}")
+                continue
+            if len(table.steps):
+                tables[prefix] = [table]
     return tables, warnings
+
+
+def _parquet_table(paths: list[str], steps: frozenset[int] | None) -> Table:
+    """One data type's live Parquet files as a Table (a value the files lack is NaN)."""
+    wide = read_wide(paths)
+    keep = slice(None) if steps is None else np.isin(wide.steps, np.fromiter(steps, np.int64, len(steps)))
+    names, name_codes = np.unique(np.array(wide.names, dtype=object), return_inverse=True)
+    row_of = wide.row_of[keep]
+    return Table(
+        wide.ops,
+        names.tolist(),
+        name_codes[row_of].astype(np.int32),
+        wide.vpp[row_of].astype(np.int32),
+        None if wide.micro is None else wide.micro[row_of],
+        wide.steps[keep],
+        wide.values[keep],
+    )
 
 
 def load_ranks(

@@ -1,6 +1,6 @@
 """Live Parquet output (``format: parquet``): the long rows of the dataset, written as training runs.
 
-In the rank's directory, per data type::
+In the rank's directory, per data type (the layout, and its reading, in monitor.writers.parquet_files)::
 
     values/data_type={prefix}/step-{step}.parquet          one collected step
     values/data_type={prefix}/steps-{first}-{last}.parquet  the steps of a finished window, merged
@@ -17,7 +17,7 @@ every ended step is a whole, closed file after a SIGKILL. Small files would pile
 run, so once a window of ``merge_steps`` steps has passed, its files are merged into one (each
 value's series of steps together, which compresses best) on the writer thread while training
 goes on; the merged file is renamed into place before the step files are deleted. A kill between the
-two leaves step files that the merged file covers: ``live_parts`` leaves them out and the next
+two leaves step files that the merged file covers: readers leave them out and the next
 writer on the directory deletes them. A resumed run (``append_output``) does not write a step
 again that the directory already has, as with CSV.
 """
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import tempfile
 import weakref
 from typing import Any
@@ -35,17 +34,14 @@ import numpy as np
 
 from monitor.files import FILE_MODE, make_private_dir
 from monitor.record import RowSet, StepRecord
+from monitor.writers.parquet_files import VALUES_DIR, covered, merged_file_name, scan, step_file_name
 
 logger = logging.getLogger("trainmon")
 
-#: the subdirectory of a rank's directory that holds the values
-VALUES_DIR = "values"
 #: steps whose files are merged into one once the window has passed
 MERGE_STEPS = 100
 #: zstd levels: a step's file is written before training goes on; a merge runs beside training
 STEP_ZSTD_LEVEL, MERGED_ZSTD_LEVEL = 3, 9
-_STEP_FILE = re.compile(r"step-(\d+)(?:\.\d+)?\.parquet")
-_MERGED_FILE = re.compile(r"steps-(\d+)-(\d+)\.parquet")
 _COLUMNS = ("rank", "step", "micro_step", "vpp_stage", "name", "op", "value")
 
 
@@ -63,39 +59,6 @@ def _schema() -> Any:
             ("value", pa.float64()),
         ]
     )
-
-
-def _scan(directory: str) -> tuple[list[tuple[int, int, str]], list[tuple[int, str]]]:
-    """The merged files (first, last, path) and the step files (step, path) of one data type."""
-    merged, steps = [], []
-    for name in sorted(os.listdir(directory)) if os.path.isdir(directory) else ():
-        path = os.path.join(directory, name)
-        if match := _MERGED_FILE.fullmatch(name):
-            merged.append((int(match[1]), int(match[2]), path))
-        elif match := _STEP_FILE.fullmatch(name):
-            steps.append((int(match[1]), path))
-    return merged, steps
-
-
-def _covered(step: int, merged: list[tuple[int, int, str]]) -> bool:
-    return any(first <= step <= last for first, last, _ in merged)
-
-
-def live_parts(directory: str) -> list[str]:
-    """The files of one data type's directory (``values/data_type={prefix}``) that hold its
-    values once each: merged files, and step files that no merged file covers."""
-    merged, steps = _scan(directory)
-    return [path for *_, path in merged] + [path for step, path in steps if not _covered(step, merged)]
-
-
-def live_prefixes(rank_dir: str) -> dict[str, list[str]]:
-    """data type -> its live Parquet files, for a rank directory written with ``format: parquet``."""
-    root = os.path.join(rank_dir, VALUES_DIR)
-    found = {}
-    for name in sorted(os.listdir(root)) if os.path.isdir(root) else ():
-        if name.startswith("data_type=") and (parts := live_parts(os.path.join(root, name))):
-            found[name.removeprefix("data_type=")] = parts
-    return found
 
 
 def _series_first(table: Any, parts: list) -> Any:
@@ -148,11 +111,11 @@ class ParquetWriter:
         """First record of a data type: note what a resumed directory already has, and delete
         step files that a merged file covers (a kill between merging and deleting)."""
         directory = make_private_dir(self.directory(prefix))
-        merged, steps = _scan(directory)
+        merged, steps = scan(directory)
         for step, path in steps:
-            if _covered(step, merged):
+            if covered(step, merged):
                 os.unlink(path)
-        self._unmerged[prefix] = [(step, path) for step, path in steps if not _covered(step, merged)]
+        self._unmerged[prefix] = [(step, path) for step, path in steps if not covered(step, merged)]
         self._resumed_last[prefix] = max([last for _, last, _ in merged] + [s for s, _ in steps], default=-1)
 
     def _label_columns(self, rows: RowSet, ops: tuple[str, ...]) -> list:
@@ -226,10 +189,9 @@ class ParquetWriter:
     def _free_name(self, prefix: str, step: int) -> str:
         """``step-{step}.parquet``, or ``step-{step}.{n}.parquet`` for records of a step that
         arrive after its file was written."""
-        base = os.path.join(self.directory(prefix), f"step-{step:010d}")
-        path, n = base + ".parquet", 1
-        while os.path.exists(path):
-            path, n = f"{base}.{n}.parquet", n + 1
+        copy = 0
+        while os.path.exists(path := os.path.join(self.directory(prefix), step_file_name(step, copy))):
+            copy += 1
         return path
 
     def _write(self, table: Any, path: str, level: int) -> None:
@@ -268,9 +230,7 @@ class ParquetWriter:
                 steps = [step for step, _ in window_files]
                 paths = [path for _, path in window_files]
                 tables = [pq.read_table(path, schema=self._schema) for path in paths]
-                target = os.path.join(
-                    self.directory(prefix), f"steps-{min(steps):010d}-{max(steps):010d}.parquet"
-                )
+                target = os.path.join(self.directory(prefix), merged_file_name(min(steps), max(steps)))
                 self._write(_series_first(self._pa.concat_tables(tables), tables), target, MERGED_ZSTD_LEVEL)
                 self._remove_merged(paths)
                 done = set(paths)

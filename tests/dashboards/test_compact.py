@@ -226,7 +226,7 @@ def test_tensorboard_outputs_are_compacted_as_tensorboard_reads_them(tmp_path):
 def test_live_parquet_outputs_are_compacted_and_a_later_directory_wins(tmp_path):
     import pyarrow.parquet as pq
 
-    from monitor.writers.parquet import live_prefixes
+    from monitor.writers.parquet_files import live_prefixes
 
     csv_dirs = write_run(tmp_path, ranks=(0,), steps=range(6), prefixes=("grad_reduced",))
     later = write_run(  # rank 0 restarted with format parquet and wrote steps 4-7, step 4 anew

@@ -25,6 +25,7 @@ from monitor.writers.tensorboard import TensorBoardWriter
 from tests.dashboards.conftest import (
     DEMO_SPIKE,
     DEMO_STEPS,
+    NAMES,
     Api,
     anomaly_records,
     incident_documents,
@@ -166,6 +167,47 @@ def test_nan_inf_and_missing_cells_are_told_apart(tmp_path):
     assert not present[3, 5] and present.sum() == len(rows)
 
 
+def test_parquet_heatmap_holds_every_value_the_files_hold(tmp_path, fresh):
+    """format parquet: every value as pyarrow reads it from the files, NaN, Inf and missing cells
+    told apart, rows of several merged files and a step file, micro-steps as their own rows."""
+    import pyarrow.parquet as pq
+
+    from monitor.writers.parquet import ParquetWriter
+    from monitor.writers.parquet_files import live_prefixes
+
+    special = {
+        (0, "grad_reduced", 2, 1, "norm"): float("nan"),
+        (0, "grad_reduced", 3, 2, "norm"): float("inf"),
+    }
+    write_run(
+        tmp_path, fmt="parquet", window=2, steps=range(5), special=special, skip={(0, "grad_reduced", 4): [3]}
+    )
+    directory = next(tmp_path.glob("*-rank0-*"))
+    expected = {}
+    for path in live_prefixes(str(directory))["grad_reduced"]:
+        for r in pq.read_table(path).to_pylist():
+            expected[(r["name"], r["step"], r["op"])] = r["value"]
+    assert len(expected) == (4 * 5 - 1) * 4
+    api = Api(tmp_path)
+    (run,) = api.runs().values()
+    assert run["format"] == "parquet" and run["prefixes"]["grad_reduced"]["last_step"] == 4
+    for op in ("norm", "max", "nans"):
+        view = api.heatmap(run=run["id"], prefix="grad_reduced", op=op, rank=0)
+        assert view["steps"] == list(range(5)) and view["rows"] == list(NAMES)
+        for (name, step, value_op), value in expected.items():
+            if value_op == op:
+                assert same(view["values"][view["rows"].index(name), step], value), (name, step, op)
+        assert view["present"].sum() == 4 * 5 - 1 and not view["present"][3, 4]
+    micro_dir = tmp_path / "Jan02_03-04-05-rank1-00000001"
+    writer = ParquetWriter(micro_dir, 1)
+    rows = RowSet.build([0, 0], ["a", "a"], 1, "actv", micro_steps=[0, 1])
+    writer.write(StepRecord("actv", 0, ("norm",), rows, np.array([[1.5], [2.5]])))
+    writer.close()
+    (run,) = api.runs().values()
+    view = api.heatmap(run=run["id"], prefix="actv", op="norm", rank=1)
+    assert view["rows"] == ["a:0", "a:1"] and view["values"][:, 0].tolist() == [1.5, 2.5]
+
+
 def test_sampling_keeps_first_last_and_anomaly_steps(tmp_path):
     write_run(tmp_path, steps=range(200), anomalies=[(0, "grad_reduced", 137, 2, "norm")])
     api = Api(tmp_path)
@@ -250,7 +292,7 @@ def test_landing_without_anomalies_opens_the_newest_data(tmp_path):
     assert run["incidents"] is None  # no anomaly files at all
 
 
-@pytest.mark.parametrize("fmt", ["csv", "tensorboard"])
+@pytest.mark.parametrize("fmt", ["csv", "tensorboard", "parquet"])
 def test_new_steps_appear_while_the_run_goes_on(tmp_path, fresh, fmt):
     dirs = write_run(tmp_path, fmt=fmt, steps=range(3), window=10)
     api = Api(tmp_path)
@@ -264,6 +306,10 @@ def test_new_steps_appear_while_the_run_goes_on(tmp_path, fresh, fmt):
         from monitor.writers.csv import CsvWriter
 
         writer = CsvWriter(dirs[0], 6, 10)
+    elif fmt == "parquet":  # a step file next to the merged one
+        from monitor.writers.parquet import ParquetWriter
+
+        writer = ParquetWriter(dirs[0], 0)
     else:
         writer = TensorBoardWriter(dirs[0])
     writer.write(StepRecord("grad_reduced", 3, ("norm", "min", "max", "nans"), rows, values))
@@ -277,11 +323,14 @@ def test_new_steps_appear_while_the_run_goes_on(tmp_path, fresh, fmt):
     assert np.array_equal(after["values"][:, :3], before["values"])
 
 
-@pytest.mark.parametrize("fmt", ["csv", "tensorboard"])
+@pytest.mark.parametrize("fmt", ["csv", "tensorboard", "parquet"])
 def test_unreadable_files_are_skipped_not_fatal(tmp_path, fmt):
     directory = write_run(tmp_path, fmt=fmt, steps=range(4))[0]
     if fmt == "csv":
         (directory / "grad_reduced_2-2.csv").write_text("something,else\n1,2\n")  # not a monitor file
+    elif fmt == "parquet":  # one step's file cut short
+        part = directory / "values" / "data_type=grad_reduced" / "steps-0000000002-0000000002.parquet"
+        part.write_bytes(part.read_bytes()[:-100])
     else:
         (event_file,) = directory.glob("events.out.tfevents.*")
         data = bytearray(event_file.read_bytes())
@@ -290,7 +339,7 @@ def test_unreadable_files_are_skipped_not_fatal(tmp_path, fmt):
     api = Api(tmp_path)
     (run,) = api.runs().values()
     view = api.heatmap(run=run["id"], prefix="grad_reduced", op="norm", rank=0)
-    assert view["steps"] == ([0, 1, 3] if fmt == "csv" else [0, 1, 2]) and view["skipped"] == 1
+    assert view["steps"] == ([0, 1, 2] if fmt == "tensorboard" else [0, 1, 3]) and view["skipped"] == 1
     assert view["present"].all()
 
 

@@ -48,8 +48,9 @@ def write_run(
     micro_steps: int | None = None,
     seed: int = 0,
     per_record: int = 5,
+    fmt: str = "csv",
 ) -> None:
-    """A run in our CSV format: per (tensor, step) a common level, per rank 5% noise.
+    """A run in our CSV (or live Parquet) format: per (tensor, step) a common level, per rank 5% noise.
 
     ``scaled=(rank, step, factor)`` multiplies that rank's norm/min/max/mean at that step (every
     micro-step, or only the last one with micro_steps).
@@ -61,7 +62,12 @@ def write_run(
     for rank in range(ranks):
         directory = root / rank_dir_name(rank)
         directory.mkdir(parents=True)
-        writer = CsvWriter(directory, step_count_per_record=per_record)
+        if fmt == "parquet":
+            from monitor.writers.parquet import ParquetWriter
+
+            writer = ParquetWriter(directory, rank, merge_steps=per_record)
+        else:
+            writer = CsvWriter(directory, step_count_per_record=per_record)
         rows = RowSet.build([0] * len(names), names, rank, "acc_grad", micro_steps=micro)
         for step in range(steps):
             noise = rng.lognormal(0.0, 0.05, size=(len(names), 3))
@@ -79,6 +85,7 @@ def write_run(
                 target = slice(None) if micro is None else np.array(micro) == micro_steps - 1
                 values[target, :4] *= scaled[2]
             writer.write(StepRecord(prefix, step, OPS, rows, values))
+            writer.end_step(step)
         writer.close()
 
 
@@ -96,6 +103,19 @@ def read_back(root: Path, prefix: str) -> dict[tuple, dict[int, float]]:
                     for op in OPS:
                         key = (int(row["vpp_stage"]), row["name"], micro, int(row["step"]), op)
                         found.setdefault(key, {})[int(match.group(2))] = float(row[op])
+    return found
+
+
+def read_back_parquet(root: Path, prefix: str) -> dict[tuple, dict[int, float]]:
+    """read_back of a run written with format parquet, with pyarrow."""
+    import pyarrow.parquet as pq
+
+    found: dict[tuple, dict[int, float]] = {}
+    for path in root.glob(f"*/values/data_type={prefix}/*.parquet"):
+        for r in pq.read_table(path).to_pylist():
+            micro = -1 if r["micro_step"] is None else r["micro_step"]
+            key = (r["vpp_stage"], r["name"], micro, r["step"], r["op"])
+            found.setdefault(key, {})[r["rank"]] = r["value"]
     return found
 
 
@@ -191,6 +211,17 @@ def test_outliers_and_their_numbers_match_the_reference(tmp_path):
         assert outlier["value"] == values[outlier["rank"]]
         others = [v for r, v in values.items() if r != outlier["rank"]]
         assert outlier["peers_median"] == pytest.approx(statistics.median(others), rel=1e-12)
+
+
+def test_a_parquet_run_gives_the_reference_outliers_per_micro_step(tmp_path):
+    pytest.importorskip("pyarrow", reason="format parquet needs the dataset extra")
+    write_run(tmp_path, scaled=(3, 5, 1.8), seed=4, micro_steps=2, fmt="parquet", per_record=4)
+    assert run_cli("-d", str(tmp_path), "--k-mad", "5") == 0
+    found = found_keys(load(tmp_path / cross_rank.OUTPUT_NAME))
+    expected = reference_outliers(read_back_parquet(tmp_path, "grad_unreduced"), 5.0)
+    assert found.keys() == expected.keys() and (3, 5, 1, NAMES[0], "norm") in found
+    for key, score in found.items():
+        assert score == pytest.approx(expected[key], rel=1e-9)
 
 
 def test_unscaled_run_reports_nothing(tmp_path, capsys):
@@ -331,7 +362,7 @@ def test_no_csv_files_exit_2_with_a_clear_message(tmp_path, capsys):
     write_run(tmp_path, prefix="exp_avg")
     assert run_cli("-d", str(tmp_path)) == 2
     error = capsys.readouterr().err
-    assert "no CSV files of type grad_unreduced" in error
+    assert "no CSV or Parquet files of type grad_unreduced" in error
     assert "types found: exp_avg" in error
     assert not (tmp_path / cross_rank.OUTPUT_NAME).exists()
 

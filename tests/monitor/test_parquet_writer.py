@@ -14,7 +14,8 @@ duckdb = pytest.importorskip("duckdb", reason="the dataset extra (duckdb) reads 
 
 from monitor.config.schema import load_config  # noqa: E402
 from monitor.config.values import ConfigError  # noqa: E402
-from monitor.writers.parquet import ParquetWriter, live_parts, live_prefixes  # noqa: E402
+from monitor.writers.parquet import ParquetWriter  # noqa: E402
+from monitor.writers.parquet_files import live_parts, live_prefixes  # noqa: E402
 
 OPS = ("norm", "min", "max", "nans")
 NAMES = ("layers.0.fc1.weight", "layers.0.fc2.weight", 'it\'s, "quoted"')

@@ -154,7 +154,7 @@ def _check_parquet(directory: str, complete_before: int) -> None:
     ``*.parquet``); the files ``live_parts`` lists hold every step before the kill, each value once."""
     import pyarrow.parquet as pq
 
-    from monitor.writers.parquet import live_prefixes
+    from monitor.writers.parquet_files import live_prefixes
 
     for path in glob.glob(os.path.join(directory, "values", "*", "*.parquet")):
         pq.read_table(path)

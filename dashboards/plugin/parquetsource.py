@@ -1,0 +1,91 @@
+"""A rank directory written with ``format: parquet`` (monitor.writers.parquet_files), read lazily.
+
+Each live file (one step's, or a merged window's) is a chunk, its steps taken from its name; it is
+read back as one entry per tensor row and step with a column per op, ``present`` marking the
+values the file has.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from dashboards.plugin.cache import ByteLRU
+from dashboards.plugin.sources import Block, Chunk, PrefixInfo, Source
+from monitor.writers.parquet_files import live_prefixes, part_steps, read_wide
+
+#: files whose ops are remembered, at most
+OPS_CACHE = 4096
+
+
+class ParquetSource(Source):
+    """A rank directory of the monitor's live Parquet files."""
+
+    kind = "parquet"
+
+    def __init__(self, path: str, cache: ByteLRU) -> None:
+        super().__init__(path, cache)
+        self._chunks: dict[str, list[Chunk]] = {}
+        self._ops: dict[tuple, tuple[str, ...]] = {}
+        self._version = ""
+
+    @staticmethod
+    def holds(path: str) -> bool:
+        """Whether a directory has live Parquet files."""
+        return bool(live_prefixes(path))
+
+    def _scan(self) -> None:
+        chunks: dict[str, list[Chunk]] = {}
+        for prefix, paths in live_prefixes(self.path).items():
+            for path in paths:
+                first, last = part_steps(path)
+                try:
+                    st = os.stat(path, follow_symlinks=False)
+                except OSError:  # merged away since it was listed
+                    continue
+                chunks.setdefault(prefix, []).append(
+                    Chunk((path, st.st_size, st.st_mtime_ns), first, last, st.st_size)
+                )
+        self._chunks = {prefix: sorted(found, key=lambda c: c.first) for prefix, found in chunks.items()}
+        self._version = repr(sorted((p, len(c), c[-1].key) for p, c in self._chunks.items()))
+
+    def chunks(self, prefix: str) -> list[Chunk]:
+        with self._lock:
+            return list(self._chunks.get(prefix, ()))
+
+    def version(self) -> str:
+        with self._lock:
+            return self._version
+
+    def prefixes(self) -> dict[str, PrefixInfo]:
+        with self._lock:
+            listed = dict(self._chunks)
+        found = {}
+        for prefix, chunks in listed.items():
+            ops = self._chunk_ops(chunks[-1])
+            if ops:
+                found[prefix] = PrefixInfo(ops, chunks[0].first, chunks[-1].last, len(chunks))
+        return found
+
+    def _chunk_ops(self, chunk: Chunk) -> tuple[str, ...]:
+        """The ops a file holds (read once per file version; () when it cannot be read)."""
+        ops = self._ops.get(chunk.key)
+        if ops is None:
+            import pyarrow.parquet as pq
+
+            try:
+                column = pq.read_table(chunk.key[0], columns=["op"])["op"]
+                ops = tuple(column.combine_chunks().dictionary_encode().dictionary.to_pylist())
+            except (OSError, ValueError):  # pyarrow's errors are ValueErrors or OSErrors
+                ops = ()
+            if len(self._ops) > OPS_CACHE:
+                self._ops.clear()
+            self._ops[chunk.key] = ops
+        return ops
+
+    def _load(self, prefix: str, chunk: Chunk) -> Block:
+        wide = read_wide([chunk.key[0]])
+        with self._lock:
+            numbers = self.table(prefix).numbers(wide.vpp, wide.names, wide.micro)
+        return Block(wide.ops, numbers[wide.row_of].astype(np.int32), wide.steps, wide.values, wide.present)

@@ -1,0 +1,158 @@
+"""The files of ``format: parquet`` (written by monitor.writers.parquet), for every reader.
+
+In a rank directory, per data type::
+
+    values/data_type={prefix}/step-{step:010d}[.{n}].parquet         one ended step
+    values/data_type={prefix}/steps-{first:010d}-{last:010d}.parquet  a merged window of steps
+
+with one row per value: ``rank, step, micro_step, vpp_stage, name, op, value``. A step file that a
+merged file covers is left from a kill between merging and deleting: readers skip it. ``read_wide``
+turns the long rows back into one row per tensor and step with a column per op, the shape the
+CSV files have, for the dashboard and the cross-rank analysis.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+#: the subdirectory of a rank's directory that holds the values
+VALUES_DIR = "values"
+_STEP_FILE = re.compile(r"step-(\d+)(?:\.\d+)?\.parquet")
+_MERGED_FILE = re.compile(r"steps-(\d+)-(\d+)\.parquet")
+#: the columns a reader needs (``rank`` is the directory's)
+COLUMNS = ["step", "micro_step", "vpp_stage", "name", "op", "value"]
+
+
+def step_file_name(step: int, copy: int = 0) -> str:
+    """The name of a step's file; ``copy`` > 0 for records of the step that came after it."""
+    return f"step-{step:010d}.parquet" if copy == 0 else f"step-{step:010d}.{copy}.parquet"
+
+
+def merged_file_name(first: int, last: int) -> str:
+    return f"steps-{first:010d}-{last:010d}.parquet"
+
+
+def scan(directory: str) -> tuple[list[tuple[int, int, str]], list[tuple[int, str]]]:
+    """The merged files (first, last, path) and the step files (step, path) of one data type."""
+    merged, steps = [], []
+    for name in sorted(os.listdir(directory)) if os.path.isdir(directory) else ():
+        path = os.path.join(directory, name)
+        if match := _MERGED_FILE.fullmatch(name):
+            merged.append((int(match[1]), int(match[2]), path))
+        elif match := _STEP_FILE.fullmatch(name):
+            steps.append((int(match[1]), path))
+    return merged, steps
+
+
+def covered(step: int, merged: list[tuple[int, int, str]]) -> bool:
+    """Whether a merged file holds ``step``."""
+    return any(first <= step <= last for first, last, _ in merged)
+
+
+def part_steps(path: str) -> tuple[int, int] | None:
+    """The first and last step of a live Parquet file, from its name (None: not one of ours)."""
+    name = os.path.basename(path)
+    if match := _MERGED_FILE.fullmatch(name):
+        return int(match[1]), int(match[2])
+    if match := _STEP_FILE.fullmatch(name):
+        return int(match[1]), int(match[1])
+    return None
+
+
+def live_parts(directory: str) -> list[str]:
+    """The files of one data type's directory (``values/data_type={prefix}``) that hold its
+    values once each: merged files, and step files that no merged file covers."""
+    merged, steps = scan(directory)
+    return [path for *_, path in merged] + [path for step, path in steps if not covered(step, merged)]
+
+
+def live_prefixes(rank_dir: str, types: Sequence[str] | None = None) -> dict[str, list[str]]:
+    """data type -> its live Parquet files in a rank directory (only ``types`` unless None)."""
+    root = os.path.join(rank_dir, VALUES_DIR)
+    found = {}
+    for name in sorted(os.listdir(root)) if os.path.isdir(root) else ():
+        prefix = name.removeprefix("data_type=")
+        wanted = name.startswith("data_type=") and (types is None or prefix in types)
+        if wanted and (parts := live_parts(os.path.join(root, name))):
+            found[prefix] = parts
+    return found
+
+
+@dataclass
+class WideRows:
+    """Long rows as one entry per tensor row and step, one column per op.
+
+    Attributes:
+        ops: the statistics, in the order first seen.
+        vpp, names, micro: the distinct row labels (``micro`` None where no row has a micro-step).
+        row_of: int64 (n,) the label of each entry.
+        steps: int64 (n,) the step of each entry.
+        values: float64 (n, ops); ``present`` (n, ops) marks the values the files have (None: all).
+    """
+
+    ops: tuple[str, ...]
+    vpp: np.ndarray
+    names: list[str]
+    micro: np.ndarray | None
+    row_of: np.ndarray
+    steps: np.ndarray
+    values: np.ndarray
+    present: np.ndarray | None
+
+
+def _encoded(column) -> tuple[np.ndarray, list[str]]:
+    """Codes and distinct values of a string column, the values in first-seen order."""
+    encoded = column.combine_chunks().dictionary_encode()
+    return encoded.indices.to_numpy(zero_copy_only=False).astype(np.int64), encoded.dictionary.to_pylist()
+
+
+def read_wide(paths: Sequence[str]) -> WideRows:
+    """The values of these files (of one data type) as WideRows.
+
+    Raises:
+        ValueError: a file is not a whole Parquet file of the layout.
+        OSError: a file cannot be read.
+    """
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.read_table(list(paths), columns=COLUMNS)
+    except pa.ArrowException as exc:  # cut short, or other columns
+        raise ValueError(str(exc)) from exc
+    if table.num_rows == 0:
+        empty = np.zeros(0, dtype=np.int64)
+        return WideRows((), empty, [], None, empty, empty, np.zeros((0, 0)), None)
+    names, name_list = _encoded(table["name"])
+    op_codes, ops = _encoded(table["op"])
+    steps = table["step"].to_numpy()
+    vpp = table["vpp_stage"].to_numpy()
+    has_micro = table["micro_step"].null_count < table.num_rows
+    micro = table["micro_step"].fill_null(-1).to_numpy()
+    # one integer per row label, then one per label and step
+    vpp_low, micro_span, count = int(vpp.min()), int(micro.max()) + 2, len(name_list)
+    labels, label_of = np.unique(
+        ((vpp - vpp_low) * micro_span + (micro + 1)) * count + names, return_inverse=True
+    )
+    first = int(steps.min())
+    entries, entry_of = np.unique((steps - first) * len(labels) + label_of, return_inverse=True)
+    values = np.full((len(entries), len(ops)), np.nan)
+    present = np.zeros(values.shape, dtype=bool)
+    values[entry_of, op_codes] = table["value"].to_numpy()
+    present[entry_of, op_codes] = True
+    rest = labels // count
+    return WideRows(
+        tuple(ops),
+        rest // micro_span + vpp_low,
+        [name_list[i] for i in labels % count],
+        rest % micro_span - 1 if has_micro else None,
+        entries % len(labels),
+        entries // len(labels) + first,
+        values,
+        None if present.all() else present,
+    )
