@@ -106,8 +106,14 @@ class WideRows:
 
 
 def _encoded(column) -> tuple[np.ndarray, list[str]]:
-    """Codes and distinct values of a string column, the values in first-seen order."""
-    encoded = column.combine_chunks().dictionary_encode()
+    """Codes and distinct values of a string column (plain or dictionary-encoded, as the writer
+    stores it)."""
+    import pyarrow as pa
+
+    if pa.types.is_dictionary(column.type):
+        encoded = column.unify_dictionaries().combine_chunks()
+    else:
+        encoded = column.combine_chunks().dictionary_encode()
     return encoded.indices.to_numpy(zero_copy_only=False).astype(np.int64), encoded.dictionary.to_pylist()
 
 

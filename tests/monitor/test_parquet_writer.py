@@ -106,17 +106,18 @@ def test_finished_windows_are_merged_while_the_run_goes_on_and_the_rest_at_close
     assert _same(_read(tmp_path), _expected(range(12)))
 
 
-def test_merged_rows_hold_each_series_of_steps_together(tmp_path, make_record):
+def test_a_merge_writes_row_groups_of_bounded_size(tmp_path, make_record, monkeypatch):
     import pyarrow.parquet as pq
 
+    import monitor.writers.parquet as parquet_writer
+
+    monkeypatch.setattr(parquet_writer, "MERGE_ROWS", 2 * len(NAMES) * len(OPS))
     _write(tmp_path, make_record, range(5), merge_steps=8)
     (name,) = _files(tmp_path)
-    table = pq.read_table(os.path.join(tmp_path, "values", "data_type=grad_reduced", name)).to_pydict()
-    series = list(zip(table["vpp_stage"], table["name"], table["op"]))
-    for start in range(0, len(series), 5):
-        assert len(set(series[start : start + 5])) == 1
-        assert table["step"][start : start + 5] == list(range(5))
-    assert len(set(series)) == len(NAMES) * len(OPS)
+    metadata = pq.ParquetFile(os.path.join(tmp_path, "values", "data_type=grad_reduced", name)).metadata
+    rows = [metadata.row_group(i).num_rows for i in range(metadata.num_row_groups)]
+    assert rows == [24, 24, 12]
+    assert _same(_read(tmp_path), _expected(range(5)))
 
 
 def test_micro_steps_and_several_data_types(tmp_path, make_record):
