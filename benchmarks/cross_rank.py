@@ -11,6 +11,7 @@ share of values flagged (false positives) and the share of one rank's values fou
 1.25, 1.5 and 3 at every 50th step.
 
     python benchmarks/cross_rank.py [--ranks 64] [--tags 1000] [--steps 1000] [--per-file 1]
+    python benchmarks/cross_rank.py --format parquet    # the same run as format: parquet writes it
     python benchmarks/cross_rank.py --rates
 """
 
@@ -57,11 +58,52 @@ def generate(root: str, ranks: int, tags: int, steps: int, per_file: int, seed: 
     return total
 
 
+def generate_parquet(root: str, ranks: int, tags: int, steps: int, seed: int = 0) -> int:
+    """The run in the layout of ``format: parquet`` (merged files of 100 steps); returns the bytes."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from monitor.writers.parquet import MERGE_STEPS, _schema
+    from monitor.writers.parquet_files import VALUES_DIR, merged_file_name
+
+    rng = np.random.default_rng(seed)
+    names = pa.array([f"layers.{t // 8}.mlp.fc{t % 8}.weight" for t in range(tags)])
+    total = 0
+    for rank in range(ranks):
+        directory = os.path.join(root, f"Jan01_00-00-00-rank{rank}-{rank:08x}", VALUES_DIR)
+        directory = os.path.join(directory, "data_type=grad_unreduced")
+        os.makedirs(directory)
+        for first in range(0, steps, MERGE_STEPS):
+            last = min(first + MERGE_STEPS, steps) - 1
+            count = (last - first + 1) * tags
+            table = pa.Table.from_arrays(
+                [
+                    pa.array(np.full(count, rank, np.int64)),
+                    pa.array(np.repeat(np.arange(first, last + 1), tags)),
+                    pa.nulls(count, pa.int64()),
+                    pa.array(np.zeros(count, np.int64)),
+                    pa.DictionaryArray.from_arrays(
+                        np.tile(np.arange(tags, dtype=np.int32), last - first + 1), names
+                    ),
+                    pa.DictionaryArray.from_arrays(np.zeros(count, np.int32), pa.array(["norm"])),
+                    pa.array(rng.lognormal(0.0, 0.05, count)),
+                ],
+                schema=_schema(),
+            )
+            path = os.path.join(directory, merged_file_name(first, last))
+            pq.write_table(table, path, compression="zstd", use_byte_stream_split=["value"])
+            total += os.path.getsize(path)
+    return total
+
+
 def speed(args: argparse.Namespace) -> int:
     root = tempfile.mkdtemp(prefix="trainmon-cross-rank-bench-")
     try:
         start = time.perf_counter()
-        size = generate(root, args.ranks, args.tags, args.steps, args.per_file)
+        if args.format == "parquet":
+            size = generate_parquet(root, args.ranks, args.tags, args.steps)
+        else:
+            size = generate(root, args.ranks, args.tags, args.steps, args.per_file)
         values = args.ranks * args.tags * args.steps
         took = time.perf_counter() - start
         print(
@@ -143,6 +185,7 @@ def main() -> int:
     parser.add_argument("--tags", type=int, default=1000)
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--per-file", type=int, default=1)
+    parser.add_argument("--format", choices=("csv", "parquet"), default="csv", help="the run's output format")
     parser.add_argument("--rates", action="store_true", help="false-positive and detection rates instead")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()

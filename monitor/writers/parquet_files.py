@@ -118,7 +118,9 @@ def _encoded(column) -> tuple[np.ndarray, list[str]]:
 
 
 def read_wide(paths: Sequence[str]) -> WideRows:
-    """The values of these files (of one data type) as WideRows.
+    """The values of these files (of one data type) as WideRows. Each value is one row of the
+    files (the writer never writes a tensor's value of a step twice), so with one op every row is
+    an entry of its own.
 
     Raises:
         ValueError: a file is not a whole Parquet file of the layout.
@@ -140,6 +142,17 @@ def read_wide(paths: Sequence[str]) -> WideRows:
     vpp = table["vpp_stage"].to_numpy()
     has_micro = table["micro_step"].null_count < table.num_rows
     micro = table["micro_step"].fill_null(-1).to_numpy()
+    if len(ops) == 1 and not has_micro and vpp.min() == vpp.max():  # the common case, without sorting
+        return WideRows(
+            tuple(ops),
+            np.full(len(name_list), vpp[0]),
+            name_list,
+            None,
+            names,
+            steps,
+            table["value"].to_numpy().reshape(-1, 1),
+            None,
+        )
     # one integer per row label, then one per label and step
     vpp_low, micro_span, count = int(vpp.min()), int(micro.max()) + 2, len(name_list)
     labels, label_of = np.unique(

@@ -210,3 +210,30 @@ def test_format_parquet_without_pyarrow_is_refused_at_the_door(monkeypatch):
     )
     with pytest.raises(ConfigError, match=r"format: 'parquet'.*pyarrow.*trainmon\[dataset\]"):
         load_config({"format": "parquet"})
+
+
+@pytest.mark.parametrize("ops", [("norm",), OPS], ids=["one-op", "four-ops"])
+def test_read_wide_gives_one_entry_per_tensor_and_step(tmp_path, make_record, ops):
+    from monitor.writers.parquet_files import read_wide
+
+    writer = ParquetWriter(tmp_path, rank=0, merge_steps=2)
+    for step in range(3):
+        values = _values(step)[:, : len(ops)]
+        writer.write(make_record("grad_reduced", step, NAMES, values, ops, vpp_stages=[1, 1, 1]))
+        writer.end_step(step)
+    writer.close()
+    wide = read_wide(live_prefixes(str(tmp_path))["grad_reduced"])
+    assert wide.present is None and wide.micro is None and len(wide.steps) == 3 * len(NAMES)
+    got = {}
+    for entry, (row, step) in enumerate(zip(wide.row_of, wide.steps)):
+        assert wide.vpp[row] == 1
+        for column, op in enumerate(wide.ops):
+            got[(wide.names[row], int(step), op)] = wide.values[entry, column]
+    expected = {
+        (name, step, op): _values(step)[row, column]
+        for step in range(3)
+        for row, name in enumerate(NAMES)
+        for column, op in enumerate(ops)
+    }
+    assert got.keys() == expected.keys()
+    assert all(got[k] == v or (np.isnan(got[k]) and np.isnan(v)) for k, v in expected.items())
