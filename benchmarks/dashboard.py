@@ -1,16 +1,17 @@
 """How fast the trainmon tab's first heatmap comes up on a big run (target: under 3 s).
 
-Writes a run with the monitor's own writers (CSV or TensorBoard): ROWS parameters x STEPS steps x
-RANKS ranks of one data type, plus an anomaly file with one anomaly per rank late in the run, then
-builds a fresh plugin (cold caches; the files are in the OS page cache, as they are for a run that
-was just written) and times (wall clock, and this process's CPU time, which a busy machine
-inflates less), in-process, what the page asks for on load: /runs, /anomalies and the
+Writes a run with the monitor's own writers (CSV, TensorBoard or live Parquet): ROWS parameters x
+STEPS steps x RANKS ranks of one data type, plus an anomaly file with one anomaly per rank late in
+the run, then builds a fresh plugin (cold caches; the files are in the OS page cache, as they are
+for a run that was just written) and times (wall clock, and this process's CPU time, which a busy
+machine inflates less), in-process, what the page asks for on load: /runs, /anomalies and the
 landing heatmap (the first anomaly's data type, op and rank, 330 columns: a 1,200-pixel-wide view).
 Then, warm: the same heatmap again, another op, one tag across all ranks, a 300-step range at full
 resolution and the line chart of one tag on every rank.
 
     python benchmarks/dashboard.py                      # 2,000 x 5,000 x 4, csv then tensorboard
     python benchmarks/dashboard.py --format csv --window 10
+    python benchmarks/dashboard.py --format parquet
     python benchmarks/dashboard.py --quick              # 200 x 300 x 2, seconds, for CI
 """
 
@@ -54,7 +55,12 @@ def write_run(root: Path, rows: int, steps: int, ranks: int, fmt: str, window: i
     for rank in range(ranks):
         directory = root / f"Jan02_03-04-05-rank{rank}-{rank:08x}"
         directory.mkdir(parents=True)
-        writer = CsvWriter(directory, 6, window) if fmt == "csv" else TensorBoardWriter(directory)
+        if fmt == "parquet":
+            from monitor.writers.parquet import ParquetWriter
+
+            writer = ParquetWriter(directory, rank)
+        else:
+            writer = CsvWriter(directory, 6, window) if fmt == "csv" else TensorBoardWriter(directory)
         rowset = RowSet.build([0] * rows, names, rank, "post_grad")
         for step in range(steps):
             writer.write(StepRecord("grad_reduced", step, OPS, rowset, base * (1 + 1e-4 * step)))
@@ -133,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=5000)
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--window", type=int, default=1, help="step_count_per_record of the CSV files")
-    parser.add_argument("--format", choices=("csv", "tensorboard", "both"), default="both")
+    parser.add_argument("--format", choices=("csv", "tensorboard", "parquet", "both"), default="both")
     parser.add_argument("--quick", action="store_true", help="200 rows x 300 steps x 2 ranks")
     parser.add_argument("--keep", default=None, help="write the runs here and keep them")
     args = parser.parse_args(argv)

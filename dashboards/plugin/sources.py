@@ -64,7 +64,11 @@ class Block:
     skipped: int = 0
 
     def __post_init__(self) -> None:
-        self.unique_steps = np.unique(self.steps)
+        steps = self.steps
+        if len(steps) > 1 and bool((steps[1:] >= steps[:-1]).all()):  # in order: no sort needed
+            self.unique_steps = steps[np.concatenate(([True], steps[1:] != steps[:-1]))]
+        else:
+            self.unique_steps = np.unique(steps)
 
     @property
     def nbytes(self) -> int:

@@ -117,6 +117,20 @@ def _encoded(column) -> tuple[np.ndarray, list[str]]:
     return encoded.indices.to_numpy(zero_copy_only=False).astype(np.int64), encoded.dictionary.to_pylist()
 
 
+def _distinct(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``np.unique(keys, return_inverse=True)`` of non-negative integers, without sorting where
+    their range is small (the usual case: tensors x steps, most of them present)."""
+    span = int(keys.max()) + 1
+    if span > 4 * len(keys):
+        return np.unique(keys, return_inverse=True)
+    used = np.zeros(span, dtype=bool)
+    used[keys] = True
+    distinct = np.flatnonzero(used)
+    position = np.empty(span, dtype=np.int64)
+    position[distinct] = np.arange(len(distinct))
+    return distinct, position[keys]
+
+
 def read_wide(paths: Sequence[str]) -> WideRows:
     """The values of these files (of one data type) as WideRows. Each value is one row of the
     files (the writer never writes a tensor's value of a step twice), so with one op every row is
@@ -155,11 +169,9 @@ def read_wide(paths: Sequence[str]) -> WideRows:
         )
     # one integer per row label, then one per label and step
     vpp_low, micro_span, count = int(vpp.min()), int(micro.max()) + 2, len(name_list)
-    labels, label_of = np.unique(
-        ((vpp - vpp_low) * micro_span + (micro + 1)) * count + names, return_inverse=True
-    )
+    labels, label_of = _distinct(((vpp - vpp_low) * micro_span + (micro + 1)) * count + names)
     first = int(steps.min())
-    entries, entry_of = np.unique((steps - first) * len(labels) + label_of, return_inverse=True)
+    entries, entry_of = _distinct((steps - first) * len(labels) + label_of)
     values = np.full((len(entries), len(ops)), np.nan)
     present = np.zeros(values.shape, dtype=bool)
     values[entry_of, op_codes] = table["value"].to_numpy()
