@@ -63,8 +63,8 @@ def generate_parquet(root: str, ranks: int, tags: int, steps: int, seed: int = 0
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from monitor.writers.parquet import MERGE_STEPS, _schema
-    from monitor.writers.parquet_files import VALUES_DIR, merged_file_name
+    from monitor.writers.parquet import MERGE_STEPS
+    from monitor.writers.parquet_files import VALUES_DIR, merged_file_name, schema
 
     rng = np.random.default_rng(seed)
     names = pa.array([f"layers.{t // 8}.mlp.fc{t % 8}.weight" for t in range(tags)])
@@ -88,7 +88,7 @@ def generate_parquet(root: str, ranks: int, tags: int, steps: int, seed: int = 0
                     pa.DictionaryArray.from_arrays(np.zeros(count, np.int32), pa.array(["norm"])),
                     pa.array(rng.lognormal(0.0, 0.05, count)),
                 ],
-                schema=_schema(),
+                schema=schema(),
             )
             path = os.path.join(directory, merged_file_name(first, last))
             pq.write_table(table, path, compression="zstd", use_byte_stream_split=["value"])

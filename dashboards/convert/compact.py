@@ -44,11 +44,9 @@ import tempfile
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
-
+from dashboards.convert.event_values import EventDirs
 from dashboards.convert.runs import ConvertError, select_rank_dirs
 from dashboards.csvfiles import header_ops, list_csv_files
-from dashboards.plugin.cache import ByteLRU
 from dashboards.plugin.eventsource import EventSource
 from monitor.anomaly.ordering import parse_record
 from monitor.files import atomic_write_text, make_private_dir
@@ -71,20 +69,36 @@ FARTHEST_RANK_SQL = """
     FROM v JOIN m ON v.data_type = m.data_type AND v.name = m.name AND v.op = m.op AND v.step = m.step
     GROUP BY ALL
 """
+#: times a compaction starts again when a file it listed went away (a live Parquet merge)
+RETRIES = 3
 #: what DuckDB may use for one compaction (it spills to disk beyond it).
 MEMORY_LIMIT = os.environ.get("TRAINMON_DUCKDB_MEMORY", "2GB")
-#: bytes of decoded events a compaction keeps in memory per rank directory
-EVENT_CACHE_BYTES = 64 * 2**20
 _LABELS = {"vpp_stage": "BIGINT", "name": "VARCHAR", "step": "BIGINT", "micro_step": "BIGINT"}
 
 
 def compact(monitor_path: str, output: str | None = None) -> dict[str, int]:
     """Write or bring up to date the dataset of ``monitor_path`` in ``output`` (default
-    ``monitor_path/dataset``); returns counts of parts written and kept.
+    ``monitor_path/dataset``); returns counts of parts written and kept. A run written with
+    ``format: parquet`` merges its files while it trains: when a file listed here is gone before
+    it is read, the compaction starts again (at most RETRIES times; the parts it wrote are kept).
 
     Raises:
         ConvertError: ``monitor_path`` holds no rank directory, or ``output`` is inside a rank directory.
     """
+    import duckdb
+
+    attempts = 0
+    while True:
+        try:
+            return _compact_once(monitor_path, output)
+        except (FileNotFoundError, duckdb.IOException) as exc:
+            attempts += 1
+            if attempts > RETRIES:
+                raise
+            logger.info("trainmon compact: a file changed while it was read (%s); starting again", exc)
+
+
+def _compact_once(monitor_path: str, output: str | None) -> dict[str, int]:
     import duckdb
 
     ranks = select_rank_dirs(monitor_path)
@@ -98,7 +112,7 @@ def compact(monitor_path: str, output: str | None = None) -> dict[str, int]:
     old_type = old.get("value_type") if old_parts and old.get("value_type") in (FLOAT, DOUBLE) else None
     con = duckdb.connect()
     con.execute(f"SET memory_limit = '{MEMORY_LIMIT}'")
-    events = _EventDirs()
+    events = EventDirs()
     try:
         parts: dict[str, list] = {}
         prefixes: dict[str, str] = {}  # part -> its data type
@@ -137,65 +151,7 @@ def compact(monitor_path: str, output: str | None = None) -> dict[str, int]:
     return counts
 
 
-class _EventDirs:
-    """The rank directories' TensorBoard event files, each directory indexed once per compaction."""
-
-    def __init__(self) -> None:
-        self._sources: dict[str, EventSource] = {}
-
-    def source(self, directory: str) -> EventSource:
-        found = self._sources.get(directory)
-        if found is None:
-            found = self._sources[directory] = EventSource(
-                directory, ByteLRU(EVENT_CACHE_BYTES, lambda block: block.values.nbytes)
-            )
-            found.refresh(force=True)
-        return found
-
-    def prefixes(self, paths: Sequence[str]) -> list[str]:
-        """The data types in the directories of these event files."""
-        found: dict[str, None] = {}
-        for directory in dict.fromkeys(os.path.dirname(path) for path in paths):
-            found.update(dict.fromkeys(self.source(directory).prefixes()))
-        return list(found)
-
-    def frame(self, prefix: str, paths: Sequence[str]) -> Any:
-        """One data type's values in these event files as a long table (pandas), ``_file``
-        ordering the rank's directories and events so that a step written twice keeps the later
-        value."""
-        import pandas as pd
-
-        columns: dict[str, list[np.ndarray]] = {
-            name: [] for name in ("step", "micro_step", "vpp_stage", "name", "op", "value", "_file")
-        }
-        order = 0
-        for directory in dict.fromkeys(os.path.dirname(path) for path in paths):
-            source = self.source(directory)
-            blocks = [source.load(prefix, chunk) for chunk in source.chunks(prefix)]
-            keys = source.table(prefix).keys  # complete once every block is loaded
-            vpp = np.array([key.vpp_stage for key in keys], dtype=np.int64)
-            names = np.array([key.name for key in keys], dtype=object)
-            micro = np.array([key.micro_step for key in keys], dtype=np.float64)
-            for block in blocks:
-                for column, op in enumerate(block.ops):
-                    keep = slice(None) if block.present is None else block.present[:, column]
-                    rows = block.rows[keep]
-                    columns["step"].append(block.steps[keep])
-                    columns["micro_step"].append(micro[rows])
-                    columns["vpp_stage"].append(vpp[rows])
-                    columns["name"].append(names[rows])
-                    columns["op"].append(np.full(len(rows), op, dtype=object))
-                    columns["value"].append(block.values[keep, column])
-                    columns["_file"].append(np.full(len(rows), order, dtype=np.int64))
-                order += 1
-        frame = pd.DataFrame(
-            {name: np.concatenate(parts) if parts else np.empty(0) for name, parts in columns.items()}
-        )
-        frame["micro_step"] = frame["micro_step"].where(frame["micro_step"] >= 0).astype("Int64")
-        return frame
-
-
-def _files_by_type(dirs: Sequence[str], events: _EventDirs) -> dict[str, list[str]]:
+def _files_by_type(dirs: Sequence[str], events: EventDirs) -> dict[str, list[str]]:
     """data type -> the files its part is made from: its CSV files or live Parquet files in the
     rank's directories (oldest directory first), or, for a data type only in TensorBoard event
     files, every event file of the rank (one file holds every data type)."""
@@ -245,7 +201,7 @@ def _quoted(text: str) -> str:
     return "'" + text.replace("'", "''") + "'"
 
 
-def _part_rows(con: Any, prefix: str, paths: Sequence[str], events: _EventDirs) -> str | None:
+def _part_rows(con: Any, prefix: str, paths: Sequence[str], events: EventDirs) -> str | None:
     """The query of one part's rows (step, micro_step, vpp_stage, name, op, value), from its CSV
     and live Parquet files or its event files, a value written twice keeping the later file's (None where the
     files hold no statistic)."""

@@ -36,17 +36,21 @@ class ParquetSource(Source):
         return bool(live_prefixes(path))
 
     def _scan(self) -> None:
+        """List the files; only new ones are looked at (a file is never rewritten under its name:
+        new data comes in new files)."""
+        known = {chunk.key[0]: chunk for found in self._chunks.values() for chunk in found}
         chunks: dict[str, list[Chunk]] = {}
         for prefix, paths in live_prefixes(self.path).items():
             for path in paths:
-                first, last = part_steps(path)
-                try:
-                    st = os.stat(path, follow_symlinks=False)
-                except OSError:  # merged away since it was listed
-                    continue
-                chunks.setdefault(prefix, []).append(
-                    Chunk((path, st.st_size, st.st_mtime_ns), first, last, st.st_size)
-                )
+                chunk = known.get(path)
+                if chunk is None:
+                    first, last = part_steps(path)
+                    try:
+                        st = os.stat(path, follow_symlinks=False)
+                    except OSError:  # merged away since it was listed
+                        continue
+                    chunk = Chunk((path, st.st_size, st.st_mtime_ns), first, last, st.st_size)
+                chunks.setdefault(prefix, []).append(chunk)
         self._chunks = {prefix: sorted(found, key=lambda c: c.first) for prefix, found in chunks.items()}
         self._version = repr(sorted((p, len(c), c[-1].key) for p, c in self._chunks.items()))
 

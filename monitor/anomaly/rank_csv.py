@@ -234,30 +234,48 @@ def load_rank(
     for prefix, paths in live_prefixes(rank_dir, types).items():
         if prefix not in tables:
             try:
-                table = _parquet_table(paths, steps)
+                try:
+                    found = _parquet_tables(paths, steps)
+                except FileNotFoundError:  # merged away since it was listed: list once more
+                    found = _parquet_tables(live_prefixes(rank_dir, (prefix,)).get(prefix, []), steps)
             except (ImportError, OSError, ValueError) as exc:
                 warnings.append(f"skipping the {prefix} Parquet files in {rank_dir}: {exc}")
                 continue
-            if len(table.steps):
-                tables[prefix] = [table]
+            if found:
+                tables[prefix] = found
     return tables, warnings
 
 
-def _parquet_table(paths: list[str], steps: frozenset[int] | None) -> Table:
-    """One data type's live Parquet files as a Table (a value the files lack is NaN)."""
+def _parquet_tables(paths: list[str], steps: frozenset[int] | None) -> list[Table]:
+    """One data type's live Parquet files as Tables: one per set of ops the entries have (a
+    config that changed its ops mid-run), as CSV files with other headers are."""
+    if not paths:
+        return []
     wide = read_wide(paths)
-    keep = slice(None) if steps is None else np.isin(wide.steps, np.fromiter(steps, np.int64, len(steps)))
+    keep = np.ones(len(wide.steps), dtype=bool)
+    if steps is not None:
+        keep = np.isin(wide.steps, np.fromiter(steps, np.int64, len(steps)))
+    present = np.ones(wide.values.shape, dtype=bool) if wide.present is None else wide.present
     names, name_codes = np.unique(np.array(wide.names, dtype=object), return_inverse=True)
-    row_of = wide.row_of[keep]
-    return Table(
-        wide.ops,
-        names.tolist(),
-        name_codes[row_of].astype(np.int32),
-        wide.vpp[row_of].astype(np.int32),
-        None if wide.micro is None else wide.micro[row_of],
-        wide.steps[keep],
-        wide.values[keep],
-    )
+    patterns, pattern_of = np.unique(present, axis=0, return_inverse=True)
+    tables = []
+    for index, pattern in enumerate(patterns):
+        chosen = keep & (pattern_of.reshape(-1) == index)
+        if not pattern.any() or not chosen.any():
+            continue
+        row_of = wide.row_of[chosen]
+        tables.append(
+            Table(
+                tuple(op for op, there in zip(wide.ops, pattern) if there),
+                names.tolist(),
+                name_codes[row_of].astype(np.int32),
+                wide.vpp[row_of].astype(np.int32),
+                None if wide.micro is None else wide.micro[row_of],
+                wide.steps[chosen],
+                wide.values[chosen][:, pattern],
+            )
+        )
+    return tables
 
 
 def load_ranks(

@@ -15,10 +15,13 @@ Crash safety: a step's file is written under a temporary name (which no ``*.parq
 matches) and renamed into place when the step ends, before the training thread goes on, so every
 ended step is a whole, closed file after a SIGKILL. Small files would pile up over a long run, so
 once a window of ``merge_steps`` steps has passed, its files are merged into one on the writer
-thread while training goes on, a bounded number of rows at a time; the merged file is renamed into
-place before the step files are deleted. A kill between the two leaves step files that the merged
-file covers: readers leave them out and the next writer on the directory deletes them. A resumed
-run (``append_output``) does not write a step again that the directory already has, as with CSV.
+thread, one row group of at most MERGE_ROWS rows for each record written afterwards: the end of a
+step never waits for a whole window, and memory holds one row group. The merged file is renamed
+into place before the step files are deleted; a kill between the two leaves step files that the
+merged file covers: readers leave them out, and the next writer on the directory deletes them.
+Records of a step whose window is merged (or being merged) go to a late file that no merge
+covers. A resumed run (``append_output``) does not write a step again that the directory already
+has, as with CSV. A merge that fails (an unreadable step file) leaves its files as they are.
 """
 
 from __future__ import annotations
@@ -27,14 +30,22 @@ import logging
 import os
 import tempfile
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from typing import Any
 
 import numpy as np
 
 from monitor.files import FILE_MODE, make_private_dir
 from monitor.record import RowSet, StepRecord
-from monitor.writers.parquet_files import VALUES_DIR, covered, merged_file_name, scan, step_file_name
+from monitor.writers.parquet_files import (
+    VALUES_DIR,
+    covered,
+    late_file_name,
+    merged_file_name,
+    scan,
+    schema,
+    step_file_name,
+)
 
 logger = logging.getLogger("trainmon")
 
@@ -44,23 +55,6 @@ MERGE_STEPS = 100
 MERGE_ROWS = 500_000
 #: zstd levels: a step's file is written before training goes on; a merge runs beside training
 STEP_ZSTD_LEVEL, MERGED_ZSTD_LEVEL = 3, 9
-_COLUMNS = ("rank", "step", "micro_step", "vpp_stage", "name", "op", "value")
-
-
-def _schema() -> Any:
-    import pyarrow as pa
-
-    return pa.schema(
-        [
-            ("rank", pa.int64()),
-            ("step", pa.int64()),
-            ("micro_step", pa.int64()),
-            ("vpp_stage", pa.int64()),
-            ("name", pa.dictionary(pa.int32(), pa.string())),
-            ("op", pa.dictionary(pa.int32(), pa.string())),
-            ("value", pa.float64()),
-        ]
-    )
 
 
 class ParquetWriter:
@@ -78,7 +72,7 @@ class ParquetWriter:
         self.rank = rank
         if merge_steps is not None:
             self.merge_steps = merge_steps
-        self._schema = _schema()
+        self._schema = schema()
         #: per RowSet and ops, the label columns (micro_step, vpp_stage, name, op) of a record
         self._labels: weakref.WeakKeyDictionary[RowSet, dict[tuple[str, ...], list]] = (
             weakref.WeakKeyDictionary()
@@ -87,26 +81,34 @@ class ParquetWriter:
         self._pending: dict[str, dict[int, list]] = {}
         #: per data type, its step files not yet merged (step, path)
         self._unmerged: dict[str, list[tuple[int, str]]] = {}
+        #: per data type, the last step of its windows merged or queued for merging: a record of
+        #: such a step that comes now is late, and gets a file that no merge covers
+        self._merged_until: dict[str, int] = {}
         #: per data type, the last step the directory already had when this writer first saw it
         self._resumed_last: dict[str, int] = {}
         self._skipped: set[str] = set()
-        self._merge_due = False
-        #: the window of the last ended step: the files of earlier windows are due for merging
-        self._window = 0
+        #: merges under way or due, advanced by one row group per record written
+        self._merges: list[Generator[None, None, None]] = []
+        self._merge_failed = False
 
     def directory(self, prefix: str) -> str:
         return os.path.join(self.out_dir, VALUES_DIR, f"data_type={prefix}")
 
     def _open(self, prefix: str) -> None:
-        """First record of a data type: note what a resumed directory already has, and delete
-        step files that a merged file covers (a kill between merging and deleting)."""
+        """First record of a data type: note what a resumed directory already has; delete step
+        files that a merged file covers and temporary files (both left by a kill)."""
         directory = make_private_dir(self.directory(prefix))
-        merged, steps = scan(directory)
+        for entry in os.scandir(directory):
+            if entry.name.startswith(".tmp-") and entry.name.endswith(".parquet.tmp"):
+                os.unlink(entry.path)
+        merged, steps, late = scan(directory)
         for step, path in steps:
             if covered(step, merged):
                 os.unlink(path)
         self._unmerged[prefix] = [(step, path) for step, path in steps if not covered(step, merged)]
-        self._resumed_last[prefix] = max([last for _, last, _ in merged] + [s for s, _ in steps], default=-1)
+        self._merged_until[prefix] = max((last for _, last, _ in merged), default=-1)
+        every = [last for _, last, _ in merged] + [step for step, _ in steps + late]
+        self._resumed_last[prefix] = max(every, default=-1)
 
     def _label_columns(self, rows: RowSet, ops: tuple[str, ...]) -> list:
         """micro_step, vpp_stage, name and op of every value of a record (op by op, row by row),
@@ -135,8 +137,7 @@ class ParquetWriter:
         return columns
 
     def write(self, record: StepRecord) -> None:
-        if self._merge_due:
-            self._merge(final=False)
+        self._advance_merge()
         if len(record.rows) == 0:
             return
         prefix = record.prefix
@@ -167,28 +168,42 @@ class ParquetWriter:
         self._pending.setdefault(prefix, {}).setdefault(record.step, []).append(table)
 
     def end_step(self, step: int) -> None:
-        """Every record so far into closed files, one per data type and step."""
-        for prefix, by_step in self._pending.items():
-            for record_step, tables in sorted(by_step.items()):
-                path = self._free_name(prefix, record_step)
-                self._write([self._pa.concat_tables(tables)], path, STEP_ZSTD_LEVEL)
-                self._unmerged[prefix].append((record_step, path))
-        self._pending.clear()
-        self._window = step // self.merge_steps
-        self._merge_due = any(
-            s // self.merge_steps < self._window for files in self._unmerged.values() for s, _ in files
-        )
+        """Every record so far into closed files, one per data type and step (each taken off the
+        pending ones before it is written, so a failed write never writes another twice); the
+        merges of the windows before this step's are queued."""
+        while self._pending:
+            prefix, by_step = next(iter(self._pending.items()))
+            record_step = min(by_step)
+            tables = by_step.pop(record_step)
+            if not by_step:
+                del self._pending[prefix]
+            if record_step <= self._merged_until[prefix]:  # its window is merged already
+                late = self._free_name(prefix, record_step, late=True)
+                self._write([self._pa.concat_tables(tables)], late, STEP_ZSTD_LEVEL)
+                continue
+            path = self._free_name(prefix, record_step)
+            self._write([self._pa.concat_tables(tables)], path, STEP_ZSTD_LEVEL)
+            self._unmerged[prefix].append((record_step, path))
+        self._queue_merges(lambda window: window < step // self.merge_steps)
 
-    def _free_name(self, prefix: str, step: int) -> str:
-        """``step-{step}.parquet``, or ``step-{step}.{n}.parquet`` for records of a step that
-        arrive after its file was written."""
+    def _free_name(self, prefix: str, step: int, late: bool = False) -> str:
+        """A file name for records of ``step`` that no file has: ``step-{step}.parquet``, then
+        copies for records of the step that come after its file was written; ``late-{step}-{n}``
+        for records of a step whose window was merged before they came."""
         copy = 0
-        while os.path.exists(path := os.path.join(self.directory(prefix), step_file_name(step, copy))):
+        name = late_file_name if late else step_file_name
+        while os.path.exists(path := os.path.join(self.directory(prefix), name(step, copy))):
             copy += 1
         return path
 
     def _write(self, row_groups: Iterable[Any], path: str, level: int) -> None:
         """Tables, one row group each, into the file ``path``, through a temporary name."""
+        for _ in self._writing(row_groups, path, level):
+            pass
+
+    def _writing(self, row_groups: Iterable[Any], path: str, level: int) -> Generator[None, None, None]:
+        """``_write`` a row group at a time: yields after each but the last, with which the file
+        is closed and renamed into place; the temporary file is removed if it never is."""
         import pyarrow.parquet as pq
 
         fd, temporary = tempfile.mkstemp(prefix=".tmp-", suffix=".parquet.tmp", dir=os.path.dirname(path))
@@ -204,8 +219,14 @@ class ParquetWriter:
                     data_page_version="2.0",
                 ) as out,
             ):
+                ready = None
                 for table in row_groups:
-                    out.write_table(table, row_group_size=table.num_rows)
+                    if ready is not None:
+                        out.write_table(ready, row_group_size=ready.num_rows)
+                        yield
+                    ready = table
+                if ready is not None:  # the last one: written, closed and renamed in one go
+                    out.write_table(ready, row_group_size=ready.num_rows)
             os.chmod(temporary, FILE_MODE)
             os.replace(temporary, path)
         except BaseException:
@@ -213,23 +234,53 @@ class ParquetWriter:
                 os.unlink(temporary)
             raise
 
-    def _merge(self, final: bool) -> None:
-        """Merge the step files of every finished window (at ``final``, of every window) into one
-        file per window and data type; then delete the step files."""
-        self._merge_due = False
+    def _queue_merges(self, due: Callable[[int], bool]) -> None:
+        """Queue the merge of every window ``due`` says is; a window of one step file stays as
+        it is (merging would only rewrite it)."""
         for prefix, files in self._unmerged.items():
             windows: dict[int, list[tuple[int, str]]] = {}
             for step, path in files:
-                if final or step // self.merge_steps < self._window:
+                if due(step // self.merge_steps):
                     windows.setdefault(step // self.merge_steps, []).append((step, path))
             for window_files in windows.values():
-                steps = [step for step, _ in window_files]
-                paths = [path for _, path in window_files]
-                target = os.path.join(self.directory(prefix), merged_file_name(min(steps), max(steps)))
-                self._write(self._row_groups(paths), target, MERGED_ZSTD_LEVEL)
-                self._remove_merged(paths)
-                done = set(paths)
+                done = {path for _, path in window_files}
                 files[:] = [(s, p) for s, p in files if p not in done]
+                last = max(step for step, _ in window_files)
+                self._merged_until[prefix] = max(self._merged_until[prefix], last)  # later: late
+                if len(window_files) > 1:
+                    self._merges.append(self._merging(prefix, window_files))
+
+    def _merging(self, prefix: str, window_files: list[tuple[int, str]]) -> Generator[None, None, None]:
+        """One window's step files into one merged file, a row group per resumption; then the
+        step files are deleted."""
+        steps = [step for step, _ in window_files]
+        paths = [path for _, path in window_files]
+        target = os.path.join(self.directory(prefix), merged_file_name(min(steps), max(steps)))
+        if os.path.exists(target):  # never replace a merged file: keep the step files
+            return
+        yield from self._writing(self._row_groups(paths), target, MERGED_ZSTD_LEVEL)
+        self._remove_merged(paths)
+
+    def _advance_merge(self, everything: bool = False) -> None:
+        """One row group of the oldest merge (every merge with ``everything``): a record's write
+        waits for one row group, not a window. A merge that fails leaves its step files as they
+        are, said once."""
+        while self._merges:
+            try:
+                next(self._merges[0])
+                if not everything:
+                    return
+            except StopIteration:
+                self._merges.pop(0)
+            except Exception as exc:  # an unreadable step file (a disk fault): keep it, go on
+                self._merges.pop(0)
+                if not self._merge_failed:
+                    self._merge_failed = True
+                    logger.warning(
+                        "trainmon: could not merge Parquet step files in %s (%r); they stay as they are",
+                        self.out_dir,
+                        exc,
+                    )
 
     def _row_groups(self, paths: list[str]) -> Iterator[Any]:
         """The rows of these step files, in row groups of about MERGE_ROWS rows: a merge holds one
@@ -252,6 +303,8 @@ class ParquetWriter:
             os.unlink(path)
 
     def close(self) -> None:
+        """Write what is pending, then merge every window (the last one too)."""
         if self._pending:
             self.end_step(max(step for by_step in self._pending.values() for step in by_step))
-        self._merge(final=True)
+        self._queue_merges(lambda window: True)
+        self._advance_merge(everything=True)

@@ -4,9 +4,12 @@ In a rank directory, per data type::
 
     values/data_type={prefix}/step-{step:010d}[.{n}].parquet         one ended step
     values/data_type={prefix}/steps-{first:010d}-{last:010d}.parquet  a merged window of steps
+    values/data_type={prefix}/late-{step:010d}-{n}.parquet           records of a step that came
+                                                                     after its window was merged
 
 with one row per value: ``rank, step, micro_step, vpp_stage, name, op, value``. A step file that a
-merged file covers is left from a kill between merging and deleting: readers skip it. ``read_wide``
+merged file covers is left from a kill between merging and deleting: readers skip it. Late files
+are never merged nor covered. ``read_wide``
 turns the long rows back into one row per tensor and step with a column per op, the shape the
 CSV files have, for the dashboard and the cross-rank analysis.
 """
@@ -17,6 +20,7 @@ import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -24,6 +28,7 @@ import numpy as np
 VALUES_DIR = "values"
 _STEP_FILE = re.compile(r"step-(\d+)(?:\.\d+)?\.parquet")
 _MERGED_FILE = re.compile(r"steps-(\d+)-(\d+)\.parquet")
+_LATE_FILE = re.compile(r"late-(\d+)-\d+\.parquet")
 #: the columns a reader needs (``rank`` is the directory's)
 COLUMNS = ["step", "micro_step", "vpp_stage", "name", "op", "value"]
 
@@ -37,16 +42,48 @@ def merged_file_name(first: int, last: int) -> str:
     return f"steps-{first:010d}-{last:010d}.parquet"
 
 
-def scan(directory: str) -> tuple[list[tuple[int, int, str]], list[tuple[int, str]]]:
-    """The merged files (first, last, path) and the step files (step, path) of one data type."""
-    merged, steps = [], []
-    for name in sorted(os.listdir(directory)) if os.path.isdir(directory) else ():
-        path = os.path.join(directory, name)
+def late_file_name(step: int, copy: int) -> str:
+    return f"late-{step:010d}-{copy}.parquet"
+
+
+def schema() -> Any:
+    """The columns of every file (names and ops dictionary-encoded: a few distinct strings)."""
+    import pyarrow as pa
+
+    text = pa.dictionary(pa.int32(), pa.string())
+    return pa.schema(
+        [
+            ("rank", pa.int64()),
+            ("step", pa.int64()),
+            ("micro_step", pa.int64()),
+            ("vpp_stage", pa.int64()),
+            ("name", text),
+            ("op", text),
+            ("value", pa.float64()),
+        ]
+    )
+
+
+def scan(directory: str) -> tuple[list[tuple[int, int, str]], list[tuple[int, str]], list[tuple[int, str]]]:
+    """The merged files (first, last, path), the step files (step, path) and the late files
+    (step, path) of one data type; regular files only, never through a symbolic link."""
+    merged, steps, late = [], [], []
+    try:
+        entries = sorted(
+            (entry.name, entry.path)
+            for entry in os.scandir(directory)
+            if entry.is_file(follow_symlinks=False)
+        )
+    except (FileNotFoundError, NotADirectoryError):
+        entries = []
+    for name, path in entries:
         if match := _MERGED_FILE.fullmatch(name):
             merged.append((int(match[1]), int(match[2]), path))
         elif match := _STEP_FILE.fullmatch(name):
             steps.append((int(match[1]), path))
-    return merged, steps
+        elif match := _LATE_FILE.fullmatch(name):
+            late.append((int(match[1]), path))
+    return merged, steps, late
 
 
 def covered(step: int, merged: list[tuple[int, int, str]]) -> bool:
@@ -59,23 +96,28 @@ def part_steps(path: str) -> tuple[int, int] | None:
     name = os.path.basename(path)
     if match := _MERGED_FILE.fullmatch(name):
         return int(match[1]), int(match[2])
-    if match := _STEP_FILE.fullmatch(name):
+    if match := _STEP_FILE.fullmatch(name) or _LATE_FILE.fullmatch(name):
         return int(match[1]), int(match[1])
     return None
 
 
 def live_parts(directory: str) -> list[str]:
     """The files of one data type's directory (``values/data_type={prefix}``) that hold its
-    values once each: merged files, and step files that no merged file covers."""
-    merged, steps = scan(directory)
-    return [path for *_, path in merged] + [path for step, path in steps if not covered(step, merged)]
+    values once each: merged files, step files that no merged file covers, and late files."""
+    merged, steps, late = scan(directory)
+    uncovered = [path for step, path in steps if not covered(step, merged)]
+    return [path for *_, path in merged] + uncovered + [path for _, path in late]
 
 
 def live_prefixes(rank_dir: str, types: Sequence[str] | None = None) -> dict[str, list[str]]:
     """data type -> its live Parquet files in a rank directory (only ``types`` unless None)."""
     root = os.path.join(rank_dir, VALUES_DIR)
     found = {}
-    for name in sorted(os.listdir(root)) if os.path.isdir(root) else ():
+    try:
+        names = sorted(e.name for e in os.scandir(root) if e.is_dir(follow_symlinks=False))
+    except (FileNotFoundError, NotADirectoryError):
+        names = []
+    for name in names:
         prefix = name.removeprefix("data_type=")
         wanted = name.startswith("data_type=") and (types is None or prefix in types)
         if wanted and (parts := live_parts(os.path.join(root, name))):

@@ -106,6 +106,13 @@ def same(a: float, b: float) -> bool:
     return (np.isnan(a) and np.isnan(b)) or a == b
 
 
+def generated_value(rank: int, prefix_index: int, step: int, row: int, op: str) -> float:
+    """The value write_run writes (before ``special``) for the ``prefix_index``-th data type."""
+    if op == "nans":
+        return 0.0
+    return (1 + row) * 10.0 ** (prefix_index - OPS.index(op)) * (1 + 0.01 * step + 0.1 * rank)
+
+
 def _writer(fmt: str, path: Path, rank: int, window: int):
     if fmt == "csv":
         return CsvWriter(path, 6, window)
@@ -153,15 +160,8 @@ def write_run(
         for step in steps:
             for p_index, prefix in enumerate(prefixes):
                 values = np.array(
-                    [
-                        [
-                            (1 + r) * 10.0 ** (p_index - o) * (1 + 0.01 * step + 0.1 * rank)
-                            for o in range(len(OPS))
-                        ]
-                        for r in range(len(names))
-                    ]
+                    [[generated_value(rank, p_index, step, r, op) for op in OPS] for r in range(len(names))]
                 )
-                values[:, OPS.index("nans")] = 0
                 for (s_rank, s_prefix, s_step, row, op), value in special.items():
                     if (s_rank, s_prefix, s_step) == (rank, prefix, step):
                         values[row, OPS.index(op)] = value

@@ -21,7 +21,7 @@ import numpy as np  # noqa: E402
 from dashboards.convert.compact import FARTHEST_RANK_SQL, compact  # noqa: E402
 from monitor.record import RowSet, StepRecord  # noqa: E402
 from monitor.writers.csv import CsvWriter  # noqa: E402
-from tests.dashboards.conftest import NAMES, read_csv_rows, write_run  # noqa: E402
+from tests.dashboards.conftest import NAMES, OPS, generated_value, read_csv_rows, write_run  # noqa: E402
 
 COLUMNS = {"rank", "step", "micro_step", "vpp_stage", "data_type", "name", "op", "value"}
 
@@ -224,10 +224,6 @@ def test_tensorboard_outputs_are_compacted_as_tensorboard_reads_them(tmp_path):
 
 
 def test_live_parquet_outputs_are_compacted_and_a_later_directory_wins(tmp_path):
-    import pyarrow.parquet as pq
-
-    from monitor.writers.parquet_files import live_prefixes
-
     csv_dirs = write_run(tmp_path, ranks=(0,), steps=range(6), prefixes=("grad_reduced",))
     later = write_run(  # rank 0 restarted with format parquet and wrote steps 4-7, step 4 anew
         tmp_path,
@@ -244,14 +240,49 @@ def test_live_parquet_outputs_are_compacted_and_a_later_directory_wins(tmp_path)
         for row in read_csv_rows(csv_dirs[0], "grad_reduced")
         for op, value in row["values"].items()
     }
-    for rank, directory in later.items():
-        for prefix, paths in live_prefixes(str(directory)).items():
-            table = pq.read_table(paths).to_pylist()
-            for r in table:
-                key = (rank, prefix, r["vpp_stage"], r["name"], r["micro_step"], r["step"], r["op"])
-                expected[key] = r["value"]
-    assert expected[(0, "grad_reduced", 0, NAMES[0], None, 4, "norm")] == -1.5
+    for rank in later:  # what write_run wrote into the Parquet directories
+        for p_index, prefix in enumerate(("grad_reduced", "exp_avg")):
+            for step in range(4, 8):
+                for row, name in enumerate(NAMES):
+                    for op in OPS:
+                        value = generated_value(rank, p_index, step, row, op)
+                        expected[(rank, prefix, 0, name, None, step, op)] = value
+    expected[(0, "grad_reduced", 0, NAMES[0], None, 4, "norm")] = -1.5
+    expected[(1, "exp_avg", 0, NAMES[2], None, 5, "max")] = float("nan")
     assert compact(str(tmp_path)) == {"written": 4, "kept": 0}
     assert _value_types(tmp_path / "dataset") == {"DOUBLE"}  # live values are exact doubles
     _same(_dataset(tmp_path / "dataset"), expected, digits=None)
     assert compact(str(tmp_path)) == {"written": 0, "kept": 4}
+
+
+def test_a_merge_during_compaction_makes_it_start_again(tmp_path, monkeypatch):
+    """format parquet merges a window while compact has already listed its step files: the
+    files it listed are gone when it reads them, so it lists again."""
+    import dashboards.convert.compact as compact_module
+    from monitor.writers.parquet import ParquetWriter
+
+    directory = tmp_path / "Jan02_03-04-05-rank0-00000000"
+    writer = ParquetWriter(directory, 0, merge_steps=2)
+    rows = RowSet.build([0, 0], ["a.weight", "b.weight"], 0, "post_grad")
+    expected = {}
+    for step in range(4):
+        values = np.array([[1.0 + step, 0.0], [2.5 * step, 1.0]])
+        writer.write(StepRecord("grad_reduced", step, ("norm", "nans"), rows, values))
+        writer.end_step(step)
+        for row, name in enumerate(("a.weight", "b.weight")):
+            for column, op in enumerate(("norm", "nans")):
+                expected[(0, "grad_reduced", 0, name, None, step, op)] = values[row, column]
+    listing = compact_module._files_by_type
+    calls = []
+
+    def list_then_merge(dirs, events):
+        found = listing(dirs, events)
+        if not calls:
+            writer.close()  # the training's writer merges its windows meanwhile
+        calls.append(found)
+        return found
+
+    monkeypatch.setattr(compact_module, "_files_by_type", list_then_merge)
+    assert compact(str(tmp_path)) == {"written": 1, "kept": 0}
+    assert len(calls) == 2 and calls[0] != calls[1]
+    _same(_dataset(tmp_path / "dataset"), expected, digits=None)

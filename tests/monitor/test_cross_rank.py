@@ -224,6 +224,30 @@ def test_a_parquet_run_gives_the_reference_outliers_per_micro_step(tmp_path):
         assert score == pytest.approx(expected[key], rel=1e-9)
 
 
+def test_a_parquet_run_whose_ops_change_on_one_rank_has_no_false_outliers(tmp_path):
+    """Rank 0 stops recording ``max`` at step 3 (its config changed): the values it lacks are not
+    NaNs, and its other values are still compared."""
+    pytest.importorskip("pyarrow", reason="format parquet needs the dataset extra")
+    from monitor.writers.parquet import ParquetWriter
+
+    rng = np.random.default_rng(2)
+    level = rng.lognormal(0.0, 0.5, size=(6, len(NAMES)))
+    for rank in range(4):
+        writer = ParquetWriter(tmp_path / rank_dir_name(rank), rank, merge_steps=4)
+        rows = RowSet.build([0] * len(NAMES), NAMES, rank, "acc_grad")
+        for step in range(6):
+            ops = ("norm", "max") if rank or step < 3 else ("norm",)
+            values = level[step][:, None] * rng.lognormal(0.0, 0.05, size=(len(NAMES), len(ops)))
+            values[:, 0] *= 3.0 if (rank, step) == (1, 4) else 1.0
+            writer.write(StepRecord("grad_unreduced", step, ops, rows, values))
+            writer.end_step(step)
+        writer.close()
+    assert run_cli("-d", str(tmp_path), "--ops", "norm,max") == 0
+    document = load(tmp_path / cross_rank.OUTPUT_NAME)
+    assert {(rank, step, op) for rank, step, _, _, op in found_keys(document)} == {(1, 4, "norm")}
+    assert document["judged"] == 6 * len(NAMES) * 2  # max at steps 3-5: three ranks, still judged
+
+
 def test_unscaled_run_reports_nothing(tmp_path, capsys):
     write_run(tmp_path, seed=11)
     assert run_cli("-d", str(tmp_path)) == 0

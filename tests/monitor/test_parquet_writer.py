@@ -237,3 +237,109 @@ def test_read_wide_gives_one_entry_per_tensor_and_step(tmp_path, make_record, op
     }
     assert got.keys() == expected.keys()
     assert all(got[k] == v or (np.isnan(got[k]) and np.isnan(v)) for k, v in expected.items())
+
+
+def _record(make_record, step, names=NAMES, offset=0.0):
+    return make_record("grad_reduced", step, names, _values(step) + offset, OPS, vpp_stages=[0, 1, 0])
+
+
+def test_a_record_of_a_merged_window_gets_a_late_file_that_no_merge_hides(tmp_path, make_record):
+    writer = _write(tmp_path, make_record, range(4), merge_steps=2, close=False)
+    writer.write(_record(make_record, 4))  # merges window 0 (steps 0-1)
+    writer.end_step(4)
+    late = [("late.a",), ("late.b",)]
+    for names in late:  # two late records of step 1, each ended on its own
+        writer.write(make_record("grad_reduced", 1, names, [[1.0, 2.0, 3.0, 0.0]], OPS))
+        writer.end_step(4)
+    files = _files(tmp_path)
+    assert {"late-0000000001-0.parquet", "late-0000000001-1.parquet"} <= set(files)
+    writer.close()
+    resumed = ParquetWriter(tmp_path, rank=3, merge_steps=2)  # a restart on the directory
+    resumed.write(_record(make_record, 5))
+    resumed.close()
+    rows = _read(tmp_path)
+    assert sorted(r[4] for r in rows if r[4].startswith("late")) == ["late.a"] * 4 + ["late.b"] * 4
+    assert _same([r for r in rows if not r[4].startswith("late")], _expected(range(6)))
+
+
+def test_a_failed_write_never_writes_another_data_type_twice(tmp_path, make_record, monkeypatch):
+    writer = ParquetWriter(tmp_path, rank=3)
+    writer.write(_record(make_record, 0))
+    writer.write(make_record("exp_avg", 0, NAMES, _values(0), OPS))
+    write = ParquetWriter._write
+
+    def fail_for_exp_avg(self, row_groups, path, level):
+        if "exp_avg" in path:
+            raise OSError(28, "No space left on device")
+        write(self, row_groups, path, level)
+
+    monkeypatch.setattr(ParquetWriter, "_write", fail_for_exp_avg)
+    with pytest.raises(OSError):
+        writer.end_step(0)
+    writer.close()  # what the writer thread does after a failure
+    assert _same([r for r in _read(tmp_path) if r[7] == "grad_reduced"], _expected([0]))
+
+
+def test_an_unreadable_step_file_stays_and_the_run_goes_on(tmp_path, make_record, caplog):
+    directory = os.path.join(tmp_path, "values", "data_type=grad_reduced")
+    os.makedirs(directory)
+    with open(os.path.join(directory, "step-0000000002.parquet"), "wb"):
+        pass  # a file a power loss left empty
+    writer = ParquetWriter(tmp_path, rank=3, merge_steps=2)
+    for step in range(3, 7):
+        writer.write(_record(make_record, step))
+        writer.end_step(step)
+    writer.close()
+    assert "could not merge Parquet step files" in caplog.text
+    files = _files(tmp_path)
+    assert {"step-0000000002.parquet", "step-0000000003.parquet"} <= set(files)  # as they were
+    assert "steps-0000000004-0000000005.parquet" in files  # the next window merged
+    good = [os.path.join(directory, f) for f in files if f != "step-0000000002.parquet"]
+    rows = duckdb.sql(
+        f"SELECT rank, step, micro_step, vpp_stage, name, op, value, 'grad_reduced' FROM read_parquet({good})"
+    ).fetchall()
+    assert _same(rows, _expected(range(3, 7)))
+
+
+def test_temporary_files_of_a_killed_run_are_removed_and_merged_files_never_replaced(tmp_path, make_record):
+    directory = os.path.join(tmp_path, "values", "data_type=grad_reduced")
+    os.makedirs(directory)
+    stale = os.path.join(directory, ".tmp-abc.parquet.tmp")
+    with open(stale, "wb") as handle:
+        handle.write(b"half a merge")
+    writer = ParquetWriter(tmp_path, rank=3, merge_steps=4)
+    writer.write(_record(make_record, 0))
+    assert not os.path.exists(stale)
+    writer.end_step(0)
+    writer.write(_record(make_record, 1))
+    writer.end_step(1)
+    taken = os.path.join(directory, "steps-0000000000-0000000001.parquet")
+    with open(taken, "wb") as handle:
+        handle.write(b"not ours to replace")
+    writer.close()
+    with open(taken, "rb") as handle:
+        assert handle.read() == b"not ours to replace"
+    assert "step-0000000000.parquet" in _files(tmp_path)
+
+
+def test_a_window_of_one_step_file_is_not_rewritten(tmp_path, make_record):
+    _write(tmp_path, make_record, [0, 4, 8], merge_steps=4)
+    assert _files(tmp_path) == [f"step-{s:010d}.parquet" for s in (0, 4, 8)]
+    assert _same(_read(tmp_path), _expected([0, 4, 8]))
+
+
+def test_a_merge_advances_one_row_group_per_record_written(tmp_path, make_record, monkeypatch):
+    """A big window's merge never holds up the end of a step for long: each record written
+    advances it by one row group."""
+    import monitor.writers.parquet as parquet_writer
+
+    monkeypatch.setattr(parquet_writer, "MERGE_ROWS", len(NAMES) * len(OPS))  # a step a row group
+    writer = _write(tmp_path, make_record, range(5), merge_steps=4, close=False)
+    for step in (5, 6, 7):  # the first three of four row groups
+        writer.write(_record(make_record, step))
+        assert "steps-0000000000-0000000003.parquet" not in _files(tmp_path)  # under way
+    writer.write(_record(make_record, 8))
+    assert "steps-0000000000-0000000003.parquet" in _files(tmp_path)
+    assert not any(f.startswith("step-000000000") and f < "step-0000000004" for f in _files(tmp_path))
+    writer.close()
+    assert _same(_read(tmp_path), _expected(range(9)))

@@ -149,16 +149,20 @@ def _check_tensorboard(directory: str, complete_before: int) -> None:
 # -- Parquet -------------------------------------------------------------------------------------
 
 
-def _check_parquet(directory: str, complete_before: int) -> None:
+def _check_parquet(directory: str, complete_before: int, merge_cut: bool = False) -> None:
     """Every file under values/ is a whole Parquet file (temporary ones are never named
-    ``*.parquet``); the files ``live_parts`` lists hold every step before the kill, each value once."""
+    ``*.parquet``); the files ``live_parts`` lists hold every step before the kill, each value
+    once, and they are every file there unless the kill cut a merge (``merge_cut``) short."""
     import pyarrow.parquet as pq
 
     from monitor.writers.parquet_files import live_prefixes
 
-    for path in glob.glob(os.path.join(directory, "values", "*", "*.parquet")):
+    every = glob.glob(os.path.join(directory, "values", "*", "*.parquet"))
+    for path in every:
         pq.read_table(path)
     found = live_prefixes(directory)
+    if not merge_cut:  # the documented glob reads what trainmon's readers read
+        assert sorted(every) == sorted(p for paths in found.values() for p in paths)
     assert set(found) == set(PREFIXES), sorted(found)
     for prefix, paths in found.items():
         table = pq.read_table(paths).to_pydict()
@@ -171,12 +175,14 @@ def _check_parquet(directory: str, complete_before: int) -> None:
         assert len(set(counts.values())) == 1, f"{prefix}: rows per step {counts}"
 
 
-def _check(out: str, fmt: str, complete_before: int, partial_at: int | None = None) -> None:
+def _check(
+    out: str, fmt: str, complete_before: int, partial_at: int | None = None, merge_cut: bool = False
+) -> None:
     directory = _rank_dir(out)
     if fmt == "csv":
         _check_csv(directory, complete_before, partial_at)
     elif fmt == "parquet":  # records reach a file at the end of their step: none of a cut one
-        _check_parquet(directory, complete_before)
+        _check_parquet(directory, complete_before, merge_cut)
     else:
         _check_tensorboard(directory, complete_before)
 
@@ -228,4 +234,4 @@ def test_sigkill_between_a_parquet_merge_and_its_deletions_loses_and_repeats_not
     out = _killed_run(tmp_path, "parquet", 12, "merge")
     covered = glob.glob(os.path.join(_rank_dir(out), "values", "*", "step-000000000[0-3].parquet"))
     assert covered, "the kill came after the step files were deleted"
-    _check(out, "parquet", complete_before=5)
+    _check(out, "parquet", complete_before=5, merge_cut=True)
