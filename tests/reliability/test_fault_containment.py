@@ -23,7 +23,9 @@ import errno
 import os
 import shutil
 import subprocess
+import tempfile
 import threading
+import types
 from collections.abc import Callable
 
 import pytest
@@ -267,11 +269,34 @@ def _fill_the_disk(mon: TrainerMon) -> None:
         os.close(full)
 
 
-@pytest.mark.parametrize("fmt", ["csv", "tensorboard"])
-def test_a_full_disk_switches_off_the_file_writer_and_nothing_else(fmt, trainmon_log):
+def _fill_the_disk_for_new_files(monkeypatch) -> Callable[[TrainerMon], None]:
+    """From now on every file the Parquet writer creates writes to /dev/full (ENOSPC from the
+    kernel): it closes its files after each step, so there is no open descriptor to redirect."""
+    import monitor.writers.parquet as parquet_writer
+
+    def fill(mon: TrainerMon) -> None:
+        mkstemp = tempfile.mkstemp
+
+        def full_mkstemp(*args, **kwargs):
+            fd, path = mkstemp(*args, **kwargs)
+            full = os.open("/dev/full", os.O_WRONLY)
+            os.dup2(full, fd)
+            os.close(full)
+            return fd, path
+
+        # only the Parquet writer's files: the anomaly files stay writable, as with the other formats
+        monkeypatch.setattr(parquet_writer, "tempfile", types.SimpleNamespace(mkstemp=full_mkstemp))
+
+    return fill
+
+
+@pytest.mark.parametrize("fmt", ["csv", "tensorboard", "parquet"])
+def test_a_full_disk_switches_off_the_file_writer_and_nothing_else(fmt, trainmon_log, monkeypatch):
     config = {**ALL_CONFIG, "format": fmt, "step_count_per_record": 100}
-    outcome = _faulted_run(config, _fill_the_disk)
-    writer = "CsvWriter" if fmt == "csv" else "TensorBoardWriter"
+    outcome = _faulted_run(
+        config, _fill_the_disk_for_new_files(monkeypatch) if fmt == "parquet" else _fill_the_disk
+    )
+    writer = {"csv": "CsvWriter", "tensorboard": "TensorBoardWriter", "parquet": "ParquetWriter"}[fmt]
     _the_one_error(trainmon_log, writer, "No space left on device")
     # the rest keeps working: the in-memory values reach the last step, anomalies are still found
     assert set(outcome.latest_steps.values()) == {STEPS - 1}
@@ -279,6 +304,14 @@ def test_a_full_disk_switches_off_the_file_writer_and_nothing_else(fmt, trainmon
     if fmt == "csv":  # what was written before the disk filled up is intact
         for prefix in ("grad_reduced", "param_updated", "actv"):
             assert set(outcome.steps(prefix)) == set(range(FAULT_STEP)), prefix
+    if fmt == "parquet":
+        import pyarrow.parquet as pq
+
+        from monitor.writers.parquet_files import live_prefixes
+
+        found = live_prefixes(outcome.output_dir)
+        for prefix in ("grad_reduced", "param_updated", "actv"):
+            assert set(pq.read_table(found[prefix]).column("step").to_pylist()) == set(range(FAULT_STEP))
 
 
 def _replace_dump_directory_by_a_file(mon: TrainerMon) -> None:
