@@ -67,9 +67,11 @@ class ParquetSource(Source):
             listed = dict(self._chunks)
         found = {}
         for prefix, chunks in listed.items():
-            ops = self._chunk_ops(chunks[-1])
+            # the newest steps' file says the ops (a late file, of an older step, may sort last)
+            newest = max(chunks, key=lambda c: (c.last, "late-" not in os.path.basename(c.key[0])))
+            ops = self._chunk_ops(newest)
             if ops:
-                found[prefix] = PrefixInfo(ops, chunks[0].first, chunks[-1].last, len(chunks))
+                found[prefix] = PrefixInfo(ops, chunks[0].first, newest.last, len(chunks))
         return found
 
     def _chunk_ops(self, chunk: Chunk) -> tuple[str, ...]:

@@ -26,7 +26,7 @@ import pandas as pd
 from monitor.anomaly.workers import map_in_workers, max_workers, total_size
 from monitor.files import RANK_DIR_PATTERN
 from monitor.writers.eventfile import open_regular
-from monitor.writers.parquet_files import live_prefixes, read_wide
+from monitor.writers.parquet_files import live_prefixes, read_wide, readable
 
 #: ``{prefix}_{a}-{b}.csv``; ``.{n}.csv`` when an appended run had other columns (monitor.writers.csv).
 CSV_NAME = re.compile(r"^(?P<prefix>[A-Za-z0-9_]+?)_(?P<start>\d+)-(?P<end>\d+)(?:\.(?P<part>\d+))?\.csv$")
@@ -237,7 +237,12 @@ def load_rank(
                 try:
                     found = _parquet_tables(paths, steps)
                 except FileNotFoundError:  # merged away since it was listed: list once more
-                    found = _parquet_tables(live_prefixes(rank_dir, (prefix,)).get(prefix, []), steps)
+                    paths = live_prefixes(rank_dir, (prefix,)).get(prefix, [])
+                    found = _parquet_tables(paths, steps)
+                except ValueError:  # a file cut short (a disk fault): read the others
+                    bad = [path for path in paths if not readable(path)]
+                    warnings.append(f"skipping unreadable Parquet files: {', '.join(bad)}")
+                    found = _parquet_tables([path for path in paths if path not in bad], steps)
             except (ImportError, OSError, ValueError) as exc:
                 warnings.append(f"skipping the {prefix} Parquet files in {rank_dir}: {exc}")
                 continue

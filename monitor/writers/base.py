@@ -31,7 +31,9 @@ STEP_WAIT_S = 10.0
 class Writer(Protocol):
     """Where a StepRecord goes: CSV files, TensorBoard events, memory, the anomaly detector.
 
-    A writer may also define ``end_step(step)``, called once when a collected step is complete.
+    A writer may also define ``end_step(step)``, called once when a collected step is complete,
+    and ``idle()``, called while nothing is queued to do a piece of background work (returning
+    whether more remains).
     """
 
     def write(self, record: StepRecord) -> None: ...
@@ -133,8 +135,14 @@ class WriterThread:
         return True
 
     def _run(self) -> None:
+        idle_work = True  # whether a sink may have background work for an empty queue
         while True:
-            item = self._queue.get()
+            try:
+                item = self._queue.get(block=not idle_work)
+            except queue.Empty:
+                idle_work = self._idle()
+                continue
+            idle_work = True
             if item is _STOP:
                 break
             if isinstance(item, StepRecord):
@@ -150,6 +158,16 @@ class WriterThread:
         for index in range(len(self._sinks)):
             self._call_sink(index, "close")
 
+    def _idle(self) -> bool:
+        """The queue is empty: one piece of background work of each sink that has some (an
+        ``idle()`` method returning whether more remains). A record that arrives waits for one
+        piece at most, never for all of it."""
+        more = False
+        for index, sink in enumerate(self._sinks):
+            if sink is not None and getattr(sink, "idle", None) is not None:
+                more |= bool(self._call_sink(index, "idle"))
+        return more
+
     def _each_sink(self, method: str, arg: object) -> None:
         if isinstance(arg, StepRecord):
             try:
@@ -162,15 +180,16 @@ class WriterThread:
         for index in range(len(self._sinks)):
             self._call_sink(index, method, arg)
 
-    def _call_sink(self, index: int, method: str, *args: object) -> None:
+    def _call_sink(self, index: int, method: str, *args: object) -> object:
+        """``sink.method(*args)``'s result; a sink that raises is switched off (None)."""
         sink = self._sinks[index]
         if sink is None:
-            return
+            return None
         fn = getattr(sink, method, None)
         if fn is None:
-            return
+            return None
         try:
-            fn(*args)
+            return fn(*args)
         except Exception as exc:
             self._sinks[index] = None
             logger.error(
@@ -184,6 +203,7 @@ class WriterThread:
                     sink.close()
                 except Exception:
                     pass
+            return None
 
 
 def _weak_close(writer: WriterThread) -> Callable[[], None]:

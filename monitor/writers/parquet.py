@@ -14,14 +14,15 @@ for DuckDB, Spark or pandas with the data type from the directory name (hive par
 Crash safety: a step's file is written under a temporary name (which no ``*.parquet`` pattern
 matches) and renamed into place when the step ends, before the training thread goes on, so every
 ended step is a whole, closed file after a SIGKILL. Small files would pile up over a long run, so
-once a window of ``merge_steps`` steps has passed, its files are merged into one on the writer
-thread, one row group of at most MERGE_ROWS rows for each record written afterwards: the end of a
-step never waits for a whole window, and memory holds one row group. The merged file is renamed
-into place before the step files are deleted; a kill between the two leaves step files that the
-merged file covers: readers leave them out, and the next writer on the directory deletes them.
-Records of a step whose window is merged (or being merged) go to a late file that no merge
-covers. A resumed run (``append_output``) does not write a step again that the directory already
-has, as with CSV. A merge that fails (an unreadable step file) leaves its files as they are.
+once a window of ``merge_steps`` steps has passed, its files are merged into one by the writer
+thread while nothing is queued (``idle``), one row group of at most MERGE_ROWS rows at a time: a
+record waits for one row group at most, and memory holds two. The merged file is synced to disk
+and renamed into place before the step files are deleted; a kill between the two leaves step
+files that the merged file covers: readers leave them out, and the next writer on the directory
+deletes them (if the merged file is whole). Records of a step whose window is merged or queued
+for merging go to a late file that no merge covers. A resumed run (``append_output``) does not
+write a step again that the directory already has, as with CSV. A merge that fails (an unreadable
+step file) leaves its files as they are.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from monitor.record import RowSet, StepRecord
 from monitor.writers.parquet_files import (
     VALUES_DIR,
     covered,
+    existing_prefixes,
     late_file_name,
     merged_file_name,
     scan,
@@ -51,10 +53,37 @@ logger = logging.getLogger("trainmon")
 
 #: steps whose files are merged into one once the window has passed
 MERGE_STEPS = 100
-#: rows of step files merged into one row group, at most (plus one step's): what a merge holds
+#: rows of step files merged into one row group, at most (plus one step's); a merge holds two
 MERGE_ROWS = 500_000
 #: zstd levels: a step's file is written before training goes on; a merge runs beside training
 STEP_ZSTD_LEVEL, MERGED_ZSTD_LEVEL = 3, 9
+
+
+def _fsync_directory(directory: str) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _whole(path: str, rows: int) -> bool:
+    """Whether ``path`` is a readable Parquet file of at least ``rows`` rows (its footer says)."""
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.read_metadata(path).num_rows >= rows
+    except Exception:  # cut short, empty, not Parquet
+        return False
+
+
+def _rows_or_zero(path: str) -> int:
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.read_metadata(path).num_rows
+    except Exception:  # an unreadable step file adds nothing the merged file must hold
+        return 0
 
 
 class ParquetWriter:
@@ -90,21 +119,28 @@ class ParquetWriter:
         #: merges under way or due, advanced by one row group per record written
         self._merges: list[Generator[None, None, None]] = []
         self._merge_failed = False
+        for prefix in existing_prefixes(self.out_dir):  # what a killed writer left, cleaned now
+            self._open(prefix)
 
     def directory(self, prefix: str) -> str:
         return os.path.join(self.out_dir, VALUES_DIR, f"data_type={prefix}")
 
     def _open(self, prefix: str) -> None:
-        """First record of a data type: note what a resumed directory already has; delete step
-        files that a merged file covers and temporary files (both left by a kill)."""
+        """A data type's directory, at the writer's start or its first record: note what a
+        resumed directory already has; delete temporary files and the step files that a whole
+        merged file covers (both left by a kill)."""
         directory = make_private_dir(self.directory(prefix))
         for entry in os.scandir(directory):
             if entry.name.startswith(".tmp-") and entry.name.endswith(".parquet.tmp"):
                 os.unlink(entry.path)
         merged, steps, late = scan(directory)
-        for step, path in steps:
-            if covered(step, merged):
-                os.unlink(path)
+        for first, last, merged_path in merged:
+            inside = [path for step, path in steps if first <= step <= last]
+            rows = sum(_rows_or_zero(path) for path in inside)
+            if inside and _whole(merged_path, rows):
+                for path in inside:
+                    os.unlink(path)
+        merged, steps, late = scan(directory)
         self._unmerged[prefix] = [(step, path) for step, path in steps if not covered(step, merged)]
         self._merged_until[prefix] = max((last for _, last, _ in merged), default=-1)
         every = [last for _, last, _ in merged] + [step for step, _ in steps + late]
@@ -137,7 +173,6 @@ class ParquetWriter:
         return columns
 
     def write(self, record: StepRecord) -> None:
-        self._advance_merge()
         if len(record.rows) == 0:
             return
         prefix = record.prefix
@@ -201,9 +236,13 @@ class ParquetWriter:
         for _ in self._writing(row_groups, path, level):
             pass
 
-    def _writing(self, row_groups: Iterable[Any], path: str, level: int) -> Generator[None, None, None]:
+    def _writing(
+        self, row_groups: Iterable[Any], path: str, level: int, durable: bool = False
+    ) -> Generator[None, None, None]:
         """``_write`` a row group at a time: yields after each but the last, with which the file
-        is closed and renamed into place; the temporary file is removed if it never is."""
+        is closed and renamed into place; the temporary file is removed if it never is. ``durable``:
+        the file and the rename reach the disk before it returns (a merged file, whose step files
+        are deleted next: a power loss must not leave an empty merged file in their place)."""
         import pyarrow.parquet as pq
 
         fd, temporary = tempfile.mkstemp(prefix=".tmp-", suffix=".parquet.tmp", dir=os.path.dirname(path))
@@ -227,8 +266,13 @@ class ParquetWriter:
                     ready = table
                 if ready is not None:  # the last one: written, closed and renamed in one go
                     out.write_table(ready, row_group_size=ready.num_rows)
+                if durable:
+                    handle.flush()
+                    os.fsync(handle.fileno())
             os.chmod(temporary, FILE_MODE)
             os.replace(temporary, path)
+            if durable:
+                _fsync_directory(os.path.dirname(path))
         except BaseException:
             if os.path.exists(temporary):
                 os.unlink(temporary)
@@ -258,18 +302,21 @@ class ParquetWriter:
         target = os.path.join(self.directory(prefix), merged_file_name(min(steps), max(steps)))
         if os.path.exists(target):  # never replace a merged file: keep the step files
             return
-        yield from self._writing(self._row_groups(paths), target, MERGED_ZSTD_LEVEL)
+        yield from self._writing(self._row_groups(paths), target, MERGED_ZSTD_LEVEL, durable=True)
         self._remove_merged(paths)
 
+    def idle(self) -> bool:
+        """One row group of the oldest merge (the writer thread calls this while nothing is
+        queued, so a record waits for one row group at most); whether merges remain."""
+        self._advance_merge()
+        return bool(self._merges)
+
     def _advance_merge(self, everything: bool = False) -> None:
-        """One row group of the oldest merge (every merge with ``everything``): a record's write
-        waits for one row group, not a window. A merge that fails leaves its step files as they
-        are, said once."""
+        """One row group of the oldest merge (every merge with ``everything``). A merge that
+        fails leaves the files it has not deleted as they are, said once."""
         while self._merges:
             try:
                 next(self._merges[0])
-                if not everything:
-                    return
             except StopIteration:
                 self._merges.pop(0)
             except Exception as exc:  # an unreadable step file (a disk fault): keep it, go on
@@ -277,10 +324,12 @@ class ParquetWriter:
                 if not self._merge_failed:
                     self._merge_failed = True
                     logger.warning(
-                        "trainmon: could not merge Parquet step files in %s (%r); they stay as they are",
+                        "trainmon: could not merge Parquet step files in %s (%r); the files stay",
                         self.out_dir,
                         exc,
                     )
+            if not everything:
+                return
 
     def _row_groups(self, paths: list[str]) -> Iterator[Any]:
         """The rows of these step files, in row groups of about MERGE_ROWS rows: a merge holds one

@@ -109,20 +109,36 @@ def live_parts(directory: str) -> list[str]:
     return [path for *_, path in merged] + uncovered + [path for _, path in late]
 
 
-def live_prefixes(rank_dir: str, types: Sequence[str] | None = None) -> dict[str, list[str]]:
-    """data type -> its live Parquet files in a rank directory (only ``types`` unless None)."""
+def existing_prefixes(rank_dir: str) -> list[str]:
+    """The data types that have a directory under ``values/`` (with files or not)."""
     root = os.path.join(rank_dir, VALUES_DIR)
-    found = {}
     try:
         names = sorted(e.name for e in os.scandir(root) if e.is_dir(follow_symlinks=False))
     except (FileNotFoundError, NotADirectoryError):
-        names = []
-    for name in names:
-        prefix = name.removeprefix("data_type=")
-        wanted = name.startswith("data_type=") and (types is None or prefix in types)
-        if wanted and (parts := live_parts(os.path.join(root, name))):
+        return []
+    return [name.removeprefix("data_type=") for name in names if name.startswith("data_type=")]
+
+
+def live_prefixes(rank_dir: str, types: Sequence[str] | None = None) -> dict[str, list[str]]:
+    """data type -> its live Parquet files in a rank directory (only ``types`` unless None)."""
+    found = {}
+    for prefix in existing_prefixes(rank_dir):
+        wanted = types is None or prefix in types
+        if wanted and (parts := live_parts(os.path.join(rank_dir, VALUES_DIR, f"data_type={prefix}"))):
             found[prefix] = parts
     return found
+
+
+def readable(path: str) -> bool:
+    """Whether ``path`` is a whole Parquet file (its footer can be read): a disk fault can leave
+    one cut short, which readers skip rather than fail on."""
+    import pyarrow.parquet as pq
+
+    try:
+        pq.read_metadata(path)
+    except Exception:  # cut short, empty, not Parquet
+        return False
+    return True
 
 
 @dataclass

@@ -286,3 +286,16 @@ def test_a_merge_during_compaction_makes_it_start_again(tmp_path, monkeypatch):
     assert compact(str(tmp_path)) == {"written": 1, "kept": 0}
     assert len(calls) == 2 and calls[0] != calls[1]
     _same(_dataset(tmp_path / "dataset"), expected, digits=None)
+
+
+def test_an_unreadable_live_parquet_file_is_skipped_and_the_rest_compacted(tmp_path, caplog):
+    dirs = write_run(tmp_path, ranks=(0,), steps=range(4), window=2, fmt="parquet")
+    (bad,) = dirs[0].glob("values/*/steps-0000000000-0000000001.parquet")
+    bad.write_bytes(b"")  # a power loss left it empty
+    assert compact(str(tmp_path)) == {"written": 1, "kept": 0}
+    got = _dataset(tmp_path / "dataset")
+    assert {key[5] for key in got} == {2, 3}
+    for key, value in got.items():
+        _, _, _, name, _, step, op = key
+        assert value == generated_value(0, 0, step, NAMES.index(name), op)
+    assert "not a whole Parquet file" in caplog.text

@@ -448,3 +448,28 @@ def test_root_module_rows_show_its_class_and_files_keep_msprobe_names(tmp_path, 
     (run,) = api.runs().values()
     rows = api.heatmap(run=run["id"], prefix="actv", op="norm", rank=0)["rows"]
     assert set(rows) == {"_Doubler.input:0", "_Doubler.output:0", "inner.input:0", "inner.output:0"}
+
+
+def test_a_late_parquet_file_does_not_hide_the_newest_steps(tmp_path):
+    """A record of the last step that came after its window was merged: its file sorts last, but
+    the data type's ops are those of its steps' files."""
+    from monitor.writers.parquet import ParquetWriter
+
+    directory = tmp_path / "Jan02_03-04-05-rank0-00000000"
+    writer = ParquetWriter(directory, 0, merge_steps=2)
+    rows = RowSet.build([0, 0], ["a", "b"], 0, "post_grad")
+    for step in range(6):
+        writer.write(StepRecord("grad_reduced", step, ("norm", "max"), rows, np.full((2, 2), float(step))))
+        writer.end_step(step)
+    writer.end_step(6)  # a step without this data type: the window of steps 4-5 is merged
+    while writer.idle():
+        pass
+    late = RowSet.build([0], ["c"], 0, "post_grad")
+    writer.write(StepRecord("grad_reduced", 5, ("min",), late, np.array([[-1.0]])))
+    writer.end_step(6)
+    writer.close()
+    names = sorted(p.name for p in (directory / "values" / "data_type=grad_reduced").iterdir())
+    assert names[-1].startswith("steps-") and any(name.startswith("late-") for name in names)
+    (run,) = Api(tmp_path).runs().values()
+    info = run["prefixes"]["grad_reduced"]
+    assert info["last_step"] == 5 and {"norm", "max"} <= set(info["ops"])

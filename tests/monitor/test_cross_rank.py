@@ -452,3 +452,14 @@ def test_reading_in_worker_processes_matches_this_process(tmp_path):
         assert a.names == b.names
         np.testing.assert_array_equal(a.values, b.values)
         np.testing.assert_array_equal(a.steps, b.steps)
+
+
+def test_an_unreadable_parquet_file_is_skipped_with_a_warning_and_the_rest_compared(tmp_path, capsys):
+    pytest.importorskip("pyarrow", reason="format parquet needs the dataset extra")
+    write_run(tmp_path, scaled=(2, 7, 3.0), fmt="parquet", per_record=4)
+    (bad,) = tmp_path.glob("*rank1-*/values/*/steps-0000000000-0000000003.parquet")
+    bad.write_bytes(bad.read_bytes()[:100])  # cut short
+    assert run_cli("-d", str(tmp_path)) == 0
+    document = load(tmp_path / cross_rank.OUTPUT_NAME)
+    assert {(rank, step) for rank, step, *_ in found_keys(document)} == {(2, 7)}
+    assert "skipping unreadable Parquet files" in capsys.readouterr().err + json.dumps(document)

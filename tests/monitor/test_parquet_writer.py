@@ -91,6 +91,8 @@ def test_a_record_not_yet_ended_is_not_in_any_file(tmp_path, make_record):
 def test_finished_windows_are_merged_while_the_run_goes_on_and_the_rest_at_close(tmp_path, make_record):
     writer = _write(tmp_path, make_record, range(11), merge_steps=4, close=False)
     writer.write(make_record("grad_reduced", 11, NAMES, _values(11), OPS, vpp_stages=[0, 1, 0]))
+    while writer.idle():  # the writer thread's calls while nothing is queued
+        pass
     files = _files(tmp_path)
     assert "steps-0000000000-0000000003.parquet" in files and "steps-0000000004-0000000007.parquet" in files
     assert "step-0000000008.parquet" in files and not any(
@@ -156,6 +158,7 @@ def test_a_kill_between_merging_and_deleting_leaves_no_value_twice(tmp_path, mak
         patch.setattr(ParquetWriter, "_remove_merged", staticmethod(lambda paths: None))
         writer = _write(tmp_path, make_record, range(3), merge_steps=2, close=False)
         writer.write(make_record("grad_reduced", 3, NAMES, _values(3), OPS, vpp_stages=[0, 1, 0]))
+        writer.idle()
     assert "step-0000000000.parquet" in _files(tmp_path)
     directory = os.path.join(tmp_path, "values", "data_type=grad_reduced")
     assert [os.path.basename(p) for p in live_parts(directory)] == [
@@ -245,8 +248,10 @@ def _record(make_record, step, names=NAMES, offset=0.0):
 
 def test_a_record_of_a_merged_window_gets_a_late_file_that_no_merge_hides(tmp_path, make_record):
     writer = _write(tmp_path, make_record, range(4), merge_steps=2, close=False)
-    writer.write(_record(make_record, 4))  # merges window 0 (steps 0-1)
+    writer.write(_record(make_record, 4))
     writer.end_step(4)
+    while writer.idle():  # merges windows 0 and 1
+        pass
     late = [("late.a",), ("late.b",)]
     for names in late:  # two late records of step 1, each ended on its own
         writer.write(make_record("grad_reduced", 1, names, [[1.0, 2.0, 3.0, 0.0]], OPS))
@@ -328,18 +333,21 @@ def test_a_window_of_one_step_file_is_not_rewritten(tmp_path, make_record):
     assert _same(_read(tmp_path), _expected([0, 4, 8]))
 
 
-def test_a_merge_advances_one_row_group_per_record_written(tmp_path, make_record, monkeypatch):
-    """A big window's merge never holds up the end of a step for long: each record written
-    advances it by one row group."""
+def test_a_merge_advances_one_row_group_per_idle_call(tmp_path, make_record, monkeypatch):
+    """A big window's merge never holds up a record for long: the writer thread advances it by
+    one row group at a time, while nothing is queued."""
     import monitor.writers.parquet as parquet_writer
 
     monkeypatch.setattr(parquet_writer, "MERGE_ROWS", len(NAMES) * len(OPS))  # a step a row group
     writer = _write(tmp_path, make_record, range(5), merge_steps=4, close=False)
-    for step in (5, 6, 7):  # the first three of four row groups
-        writer.write(_record(make_record, step))
+    writer.write(_record(make_record, 5))
+    assert "steps-0000000000-0000000003.parquet" not in _files(tmp_path)  # records never merge
+    for _ in range(3):  # the first three of four row groups
+        assert writer.idle()
         assert "steps-0000000000-0000000003.parquet" not in _files(tmp_path)  # under way
-    writer.write(_record(make_record, 8))
+    assert not writer.idle()
     assert "steps-0000000000-0000000003.parquet" in _files(tmp_path)
     assert not any(f.startswith("step-000000000") and f < "step-0000000004" for f in _files(tmp_path))
+    writer.end_step(5)
     writer.close()
-    assert _same(_read(tmp_path), _expected(range(9)))
+    assert _same(_read(tmp_path), _expected(range(6)))

@@ -233,3 +233,59 @@ def test_sink_failing_in_close_does_not_stop_the_other_sinks_closing(trainmon_lo
     writer.close()
     assert (first.closed, second.closed) == (1, 1)
     assert any("cannot close" in m for m in trainmon_log.at(logging.ERROR))
+
+
+class BackgroundSink(RecordingSink):
+    """Has ``pieces`` pieces of background work, one per idle() call; ``fail`` makes idle raise."""
+
+    def __init__(self, pieces: int, fail: bool = False) -> None:
+        super().__init__()
+        self.pieces = pieces
+        self.fail = fail
+        self.idle_threads: set[str] = set()
+        self.empty_calls = 0
+
+    def idle(self) -> bool:
+        self.idle_threads.add(threading.current_thread().name)
+        if self.fail:
+            raise OSError(5, "Input/output error")
+        if self.pieces == 0:
+            self.empty_calls += 1
+            return False
+        self.events.append(("idle", self.pieces))
+        self.pieces -= 1
+        return self.pieces > 0
+
+
+def test_background_work_runs_piece_by_piece_while_nothing_is_queued_and_then_stops():
+    sink = BackgroundSink(pieces=3)
+    writer = WriterThread([sink])
+    writer.submit(_record(0))
+    writer.end_step(0)
+    assert writer.flush(5.0)
+    deadline = time.monotonic() + 5.0
+    while sink.pieces and time.monotonic() < deadline:
+        time.sleep(0.01)
+    writer.submit(_record(1))
+    writer.close()
+    idle = [event for event in sink.events if event[0] == "idle"]
+    assert idle == [("idle", 3), ("idle", 2), ("idle", 1)]
+    assert sink.empty_calls <= 2  # asked again only after an item (it may bring work), never in a loop
+    assert sink.events[-1][:3] == ("write", "grad_reduced", 1)
+    assert sink.idle_threads == {"trainmon-writer"}
+
+
+def test_a_sink_whose_background_work_fails_is_switched_off_and_the_others_go_on(caplog):
+    failing, healthy = BackgroundSink(pieces=1, fail=True), RecordingSink()
+    writer = WriterThread([failing, healthy])
+    writer.submit(_record(0))
+    writer.end_step(0)
+    assert writer.flush(5.0)
+    writer.submit(_record(1))
+    writer.close()
+    assert [e[:3] for e in healthy.events if e[0] == "write"] == [
+        ("write", "grad_reduced", 0),
+        ("write", "grad_reduced", 1),
+    ]
+    assert ("write", "grad_reduced", 1) not in [e[:3] for e in failing.events]
+    assert "BackgroundSink failed in idle" in caplog.text
