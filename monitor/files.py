@@ -124,6 +124,12 @@ def atomic_write_text(path: str | os.PathLike, text: str, file_mode: int = FILE_
         except OSError:
             pass
         raise
+    fsync_directory(directory)
+
+
+def fsync_directory(directory: str | os.PathLike) -> None:
+    """Make the renames in ``directory`` durable, where the platform allows it (a no-op where a
+    directory cannot be opened or synced)."""
     try:
         directory_fd = os.open(directory, os.O_RDONLY)
     except OSError:

@@ -51,7 +51,7 @@ from dashboards.plugin.eventsource import EventSource
 from monitor.anomaly.ordering import parse_record
 from monitor.files import atomic_write_text, make_private_dir
 from monitor.session.run_info import RUN_INFO_FILE
-from monitor.writers.parquet_files import live_prefixes, readable
+from monitor.writers.parquet_files import live_prefixes, row_count
 
 logger = logging.getLogger("trainmon")
 
@@ -225,7 +225,7 @@ def _table_values(paths: Sequence[str]) -> str | None:
     directory's first Parquet file (None where they hold no statistic)."""
     csv_files, parquet_dirs = {}, {}
     for index, path in enumerate(paths):
-        if path.endswith(".parquet") and not readable(path):  # a disk fault cut it short
+        if path.endswith(".parquet") and row_count(path) is None:  # a disk fault cut it short
             logger.warning("trainmon compact: skipping %s: not a whole Parquet file", path)
         elif path.endswith(".parquet"):  # values/data_type=*/ in a rank directory
             rank_dir = os.path.dirname(os.path.dirname(os.path.dirname(path)))

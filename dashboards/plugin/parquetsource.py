@@ -13,7 +13,7 @@ import numpy as np
 
 from dashboards.plugin.cache import ByteLRU
 from dashboards.plugin.sources import Block, Chunk, PrefixInfo, Source
-from monitor.writers.parquet_files import live_prefixes, part_steps, read_wide
+from monitor.writers.parquet_files import file_ops, live_prefixes, part_steps, read_wide
 
 #: files whose ops are remembered, at most
 OPS_CACHE = 4096
@@ -78,11 +78,8 @@ class ParquetSource(Source):
         """The ops a file holds (read once per file version; () when it cannot be read)."""
         ops = self._ops.get(chunk.key)
         if ops is None:
-            import pyarrow.parquet as pq
-
             try:
-                column = pq.read_table(chunk.key[0], columns=["op"])["op"]
-                ops = tuple(column.combine_chunks().dictionary_encode().dictionary.to_pylist())
+                ops = file_ops(chunk.key[0])
             except (OSError, ValueError):  # pyarrow's errors are ValueErrors or OSErrors
                 ops = ()
             if len(self._ops) > OPS_CACHE:

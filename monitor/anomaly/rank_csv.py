@@ -26,7 +26,7 @@ import pandas as pd
 from monitor.anomaly.workers import map_in_workers, max_workers, total_size
 from monitor.files import RANK_DIR_PATTERN
 from monitor.writers.eventfile import open_regular
-from monitor.writers.parquet_files import live_prefixes, read_wide, readable
+from monitor.writers.parquet_files import live_prefixes, read_wide, row_count
 
 #: ``{prefix}_{a}-{b}.csv``; ``.{n}.csv`` when an appended run had other columns (monitor.writers.csv).
 CSV_NAME = re.compile(r"^(?P<prefix>[A-Za-z0-9_]+?)_(?P<start>\d+)-(?P<end>\d+)(?:\.(?P<part>\d+))?\.csv$")
@@ -234,15 +234,7 @@ def load_rank(
     for prefix, paths in live_prefixes(rank_dir, types).items():
         if prefix not in tables:
             try:
-                try:
-                    found = _parquet_tables(paths, steps)
-                except FileNotFoundError:  # merged away since it was listed: list once more
-                    paths = live_prefixes(rank_dir, (prefix,)).get(prefix, [])
-                    found = _parquet_tables(paths, steps)
-                except ValueError:  # a file cut short (a disk fault): read the others
-                    bad = [path for path in paths if not readable(path)]
-                    warnings.append(f"skipping unreadable Parquet files: {', '.join(bad)}")
-                    found = _parquet_tables([path for path in paths if path not in bad], steps)
+                found = _parquet_tables(rank_dir, prefix, paths, steps, warnings)
             except (ImportError, OSError, ValueError) as exc:
                 warnings.append(f"skipping the {prefix} Parquet files in {rank_dir}: {exc}")
                 continue
@@ -251,12 +243,22 @@ def load_rank(
     return tables, warnings
 
 
-def _parquet_tables(paths: list[str], steps: frozenset[int] | None) -> list[Table]:
+def _parquet_tables(
+    rank_dir: str, prefix: str, paths: list[str], steps: frozenset[int] | None, warnings: list[str]
+) -> list[Table]:
     """One data type's live Parquet files as Tables: one per set of ops the entries have (a
-    config that changed its ops mid-run), as CSV files with other headers are."""
-    if not paths:
+    config that changed its ops mid-run), as CSV files with other headers are. A file merged away
+    since it was listed makes the files be listed once more; a file cut short is skipped."""
+    try:
+        wide = read_wide(paths)
+    except FileNotFoundError:
+        wide = read_wide(live_prefixes(rank_dir, (prefix,)).get(prefix, []))
+    except ValueError:
+        bad = [path for path in paths if row_count(path) is None]
+        warnings.append(f"skipping unreadable Parquet files: {', '.join(bad)}")
+        wide = read_wide([path for path in paths if path not in bad])
+    if not len(wide.steps):
         return []
-    wide = read_wide(paths)
     keep = np.ones(len(wide.steps), dtype=bool)
     if steps is not None:
         keep = np.isin(wide.steps, np.fromiter(steps, np.int64, len(steps)))

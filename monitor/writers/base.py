@@ -163,9 +163,8 @@ class WriterThread:
         ``idle()`` method returning whether more remains). A record that arrives waits for one
         piece at most, never for all of it."""
         more = False
-        for index, sink in enumerate(self._sinks):
-            if sink is not None and getattr(sink, "idle", None) is not None:
-                more |= bool(self._call_sink(index, "idle"))
+        for index in range(len(self._sinks)):
+            more |= bool(self._call_sink(index, "idle"))
         return more
 
     def _each_sink(self, method: str, arg: object) -> None:

@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from monitor.files import FILE_MODE, make_private_dir
+from monitor.files import FILE_MODE, fsync_directory, make_private_dir
 from monitor.record import RowSet, StepRecord
 from monitor.writers.parquet_files import (
     VALUES_DIR,
@@ -44,6 +44,7 @@ from monitor.writers.parquet_files import (
     existing_prefixes,
     late_file_name,
     merged_file_name,
+    row_count,
     scan,
     schema,
     step_file_name,
@@ -57,33 +58,6 @@ MERGE_STEPS = 100
 MERGE_ROWS = 500_000
 #: zstd levels: a step's file is written before training goes on; a merge runs beside training
 STEP_ZSTD_LEVEL, MERGED_ZSTD_LEVEL = 3, 9
-
-
-def _fsync_directory(directory: str) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _whole(path: str, rows: int) -> bool:
-    """Whether ``path`` is a readable Parquet file of at least ``rows`` rows (its footer says)."""
-    import pyarrow.parquet as pq
-
-    try:
-        return pq.read_metadata(path).num_rows >= rows
-    except Exception:  # cut short, empty, not Parquet
-        return False
-
-
-def _rows_or_zero(path: str) -> int:
-    import pyarrow.parquet as pq
-
-    try:
-        return pq.read_metadata(path).num_rows
-    except Exception:  # an unreadable step file adds nothing the merged file must hold
-        return 0
 
 
 class ParquetWriter:
@@ -116,7 +90,7 @@ class ParquetWriter:
         #: per data type, the last step the directory already had when this writer first saw it
         self._resumed_last: dict[str, int] = {}
         self._skipped: set[str] = set()
-        #: merges under way or due, advanced by one row group per record written
+        #: merges under way or due, advanced by one row group per ``idle`` call
         self._merges: list[Generator[None, None, None]] = []
         self._merge_failed = False
         for prefix in existing_prefixes(self.out_dir):  # what a killed writer left, cleaned now
@@ -136,11 +110,11 @@ class ParquetWriter:
         merged, steps, late = scan(directory)
         for first, last, merged_path in merged:
             inside = [path for step, path in steps if first <= step <= last]
-            rows = sum(_rows_or_zero(path) for path in inside)
-            if inside and _whole(merged_path, rows):
+            held = row_count(merged_path)  # a step file that cannot be read adds no rows
+            if inside and held is not None and held >= sum(row_count(path) or 0 for path in inside):
                 for path in inside:
                     os.unlink(path)
-        merged, steps, late = scan(directory)
+                steps = [(step, path) for step, path in steps if path not in inside]
         self._unmerged[prefix] = [(step, path) for step, path in steps if not covered(step, merged)]
         self._merged_until[prefix] = max((last for _, last, _ in merged), default=-1)
         every = [last for _, last, _ in merged] + [step for step, _ in steps + late]
@@ -212,13 +186,11 @@ class ParquetWriter:
             tables = by_step.pop(record_step)
             if not by_step:
                 del self._pending[prefix]
-            if record_step <= self._merged_until[prefix]:  # its window is merged already
-                late = self._free_name(prefix, record_step, late=True)
-                self._write([self._pa.concat_tables(tables)], late, STEP_ZSTD_LEVEL)
-                continue
-            path = self._free_name(prefix, record_step)
+            late = record_step <= self._merged_until[prefix]  # its window is merged already
+            path = self._free_name(prefix, record_step, late)
             self._write([self._pa.concat_tables(tables)], path, STEP_ZSTD_LEVEL)
-            self._unmerged[prefix].append((record_step, path))
+            if not late:
+                self._unmerged[prefix].append((record_step, path))
         self._queue_merges(lambda window: window < step // self.merge_steps)
 
     def _free_name(self, prefix: str, step: int, late: bool = False) -> str:
@@ -272,7 +244,7 @@ class ParquetWriter:
             os.chmod(temporary, FILE_MODE)
             os.replace(temporary, path)
             if durable:
-                _fsync_directory(os.path.dirname(path))
+                fsync_directory(os.path.dirname(path))
         except BaseException:
             if os.path.exists(temporary):
                 os.unlink(temporary)
@@ -332,8 +304,8 @@ class ParquetWriter:
                 return
 
     def _row_groups(self, paths: list[str]) -> Iterator[Any]:
-        """The rows of these step files, in row groups of about MERGE_ROWS rows: a merge holds one
-        row group in memory, not the window. (Putting each value's series of steps together
+        """The rows of these step files, in row groups of about MERGE_ROWS rows: a merge holds two
+        row groups in memory, not the window. (Putting each value's series of steps together
         instead made the files only about 3% smaller: exact doubles compress little either way.)"""
         import pyarrow.parquet as pq
 

@@ -9,9 +9,9 @@ In a rank directory, per data type::
 
 with one row per value: ``rank, step, micro_step, vpp_stage, name, op, value``. A step file that a
 merged file covers is left from a kill between merging and deleting: readers skip it. Late files
-are never merged nor covered. ``read_wide``
-turns the long rows back into one row per tensor and step with a column per op, the shape the
-CSV files have, for the dashboard and the cross-rank analysis.
+(of a step whose window was merged or queued for merging) are never merged nor covered.
+``read_wide`` turns the long rows back into one row per tensor and step with a column per op, the
+shape the CSV files have, for the dashboard and the cross-rank analysis.
 """
 
 from __future__ import annotations
@@ -64,6 +64,16 @@ def schema() -> Any:
     )
 
 
+def _parsed(name: str) -> tuple[str, int, int] | None:
+    """``("merged" | "step" | "late", first step, last step)`` of a file name, None: not ours."""
+    if match := _MERGED_FILE.fullmatch(name):
+        return "merged", int(match[1]), int(match[2])
+    for kind, pattern in (("step", _STEP_FILE), ("late", _LATE_FILE)):
+        if match := pattern.fullmatch(name):
+            return kind, int(match[1]), int(match[1])
+    return None
+
+
 def scan(directory: str) -> tuple[list[tuple[int, int, str]], list[tuple[int, str]], list[tuple[int, str]]]:
     """The merged files (first, last, path), the step files (step, path) and the late files
     (step, path) of one data type; regular files only, never through a symbolic link."""
@@ -77,12 +87,14 @@ def scan(directory: str) -> tuple[list[tuple[int, int, str]], list[tuple[int, st
     except (FileNotFoundError, NotADirectoryError):
         entries = []
     for name, path in entries:
-        if match := _MERGED_FILE.fullmatch(name):
-            merged.append((int(match[1]), int(match[2]), path))
-        elif match := _STEP_FILE.fullmatch(name):
-            steps.append((int(match[1]), path))
-        elif match := _LATE_FILE.fullmatch(name):
-            late.append((int(match[1]), path))
+        parsed = _parsed(name)
+        if parsed is None:
+            continue
+        kind, first, last = parsed
+        if kind == "merged":
+            merged.append((first, last, path))
+        else:
+            (steps if kind == "step" else late).append((first, path))
     return merged, steps, late
 
 
@@ -93,12 +105,8 @@ def covered(step: int, merged: list[tuple[int, int, str]]) -> bool:
 
 def part_steps(path: str) -> tuple[int, int] | None:
     """The first and last step of a live Parquet file, from its name (None: not one of ours)."""
-    name = os.path.basename(path)
-    if match := _MERGED_FILE.fullmatch(name):
-        return int(match[1]), int(match[2])
-    if match := _STEP_FILE.fullmatch(name) or _LATE_FILE.fullmatch(name):
-        return int(match[1]), int(match[1])
-    return None
+    parsed = _parsed(os.path.basename(path))
+    return None if parsed is None else parsed[1:]
 
 
 def live_parts(directory: str) -> list[str]:
@@ -129,16 +137,26 @@ def live_prefixes(rank_dir: str, types: Sequence[str] | None = None) -> dict[str
     return found
 
 
-def readable(path: str) -> bool:
-    """Whether ``path`` is a whole Parquet file (its footer can be read): a disk fault can leave
-    one cut short, which readers skip rather than fail on."""
+def row_count(path: str) -> int | None:
+    """The rows of a Parquet file, from its footer; None where it is not a whole Parquet file (a
+    disk fault can leave one cut short, which readers skip rather than fail on)."""
     import pyarrow.parquet as pq
 
     try:
-        pq.read_metadata(path)
+        return pq.read_metadata(path).num_rows
     except Exception:  # cut short, empty, not Parquet
-        return False
-    return True
+        return None
+
+
+def file_ops(path: str) -> tuple[str, ...]:
+    """The ops a file holds, in the order first seen.
+
+    Raises:
+        ValueError, OSError: the file cannot be read.
+    """
+    import pyarrow.parquet as pq
+
+    return tuple(_encoded(pq.read_table(path, columns=["op"])["op"])[1])
 
 
 @dataclass
@@ -202,10 +220,10 @@ def read_wide(paths: Sequence[str]) -> WideRows:
     import pyarrow.parquet as pq
 
     try:
-        table = pq.read_table(list(paths), columns=COLUMNS)
+        table = pq.read_table(list(paths), columns=COLUMNS) if paths else None
     except pa.ArrowException as exc:  # cut short, or other columns
         raise ValueError(str(exc)) from exc
-    if table.num_rows == 0:
+    if table is None or table.num_rows == 0:
         empty = np.zeros(0, dtype=np.int64)
         return WideRows((), empty, [], None, empty, empty, np.zeros((0, 0)), None)
     names, name_list = _encoded(table["name"])

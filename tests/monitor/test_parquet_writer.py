@@ -57,10 +57,14 @@ def _same(rows: list[tuple], expected: set[tuple]) -> bool:
     return len(rows) == len(expected) and {key(r) for r in rows} == {key(r) for r in expected}
 
 
-def _write(tmp_path, make_record, steps, merge_steps=100, close=True, prefix="grad_reduced"):
+def _record(make_record, step):
+    return make_record("grad_reduced", step, NAMES, _values(step), OPS, vpp_stages=[0, 1, 0])
+
+
+def _write(tmp_path, make_record, steps, merge_steps=100, close=True):
     writer = ParquetWriter(tmp_path, rank=3, merge_steps=merge_steps)
     for step in steps:
-        writer.write(make_record(prefix, step, NAMES, _values(step), OPS, vpp_stages=[0, 1, 0]))
+        writer.write(_record(make_record, step))
         writer.end_step(step)
     if close:
         writer.close()
@@ -84,13 +88,13 @@ def test_an_ended_step_is_a_closed_file_before_the_writer_is_closed(tmp_path, ma
 
 def test_a_record_not_yet_ended_is_not_in_any_file(tmp_path, make_record):
     writer = _write(tmp_path, make_record, range(2), close=False)
-    writer.write(make_record("grad_reduced", 2, NAMES, _values(2), OPS, vpp_stages=[0, 1, 0]))
+    writer.write(_record(make_record, 2))
     assert _same(_read(tmp_path), _expected(range(2)))
 
 
 def test_finished_windows_are_merged_while_the_run_goes_on_and_the_rest_at_close(tmp_path, make_record):
     writer = _write(tmp_path, make_record, range(11), merge_steps=4, close=False)
-    writer.write(make_record("grad_reduced", 11, NAMES, _values(11), OPS, vpp_stages=[0, 1, 0]))
+    writer.write(_record(make_record, 11))
     while writer.idle():  # the writer thread's calls while nothing is queued
         pass
     files = _files(tmp_path)
@@ -157,7 +161,7 @@ def test_a_kill_between_merging_and_deleting_leaves_no_value_twice(tmp_path, mak
     with monkeypatch.context() as patch:
         patch.setattr(ParquetWriter, "_remove_merged", staticmethod(lambda paths: None))
         writer = _write(tmp_path, make_record, range(3), merge_steps=2, close=False)
-        writer.write(make_record("grad_reduced", 3, NAMES, _values(3), OPS, vpp_stages=[0, 1, 0]))
+        writer.write(_record(make_record, 3))
         writer.idle()
     assert "step-0000000000.parquet" in _files(tmp_path)
     directory = os.path.join(tmp_path, "values", "data_type=grad_reduced")
@@ -166,7 +170,7 @@ def test_a_kill_between_merging_and_deleting_leaves_no_value_twice(tmp_path, mak
         "step-0000000002.parquet",
     ]
     resumed = ParquetWriter(tmp_path, rank=3, merge_steps=2)
-    resumed.write(make_record("grad_reduced", 3, NAMES, _values(3), OPS, vpp_stages=[0, 1, 0]))
+    resumed.write(_record(make_record, 3))
     resumed.end_step(3)
     assert _files(tmp_path) == [
         "step-0000000002.parquet",
@@ -240,10 +244,6 @@ def test_read_wide_gives_one_entry_per_tensor_and_step(tmp_path, make_record, op
     }
     assert got.keys() == expected.keys()
     assert all(got[k] == v or (np.isnan(got[k]) and np.isnan(v)) for k, v in expected.items())
-
-
-def _record(make_record, step, names=NAMES, offset=0.0):
-    return make_record("grad_reduced", step, names, _values(step) + offset, OPS, vpp_stages=[0, 1, 0])
 
 
 def test_a_record_of_a_merged_window_gets_a_late_file_that_no_merge_hides(tmp_path, make_record):
