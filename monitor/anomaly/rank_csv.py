@@ -262,12 +262,15 @@ def _parquet_tables(
     keep = np.ones(len(wide.steps), dtype=bool)
     if steps is not None:
         keep = np.isin(wide.steps, np.fromiter(steps, np.int64, len(steps)))
-    present = np.ones(wide.values.shape, dtype=bool) if wide.present is None else wide.present
     names, name_codes = np.unique(np.array(wide.names, dtype=object), return_inverse=True)
-    patterns, pattern_of = np.unique(present, axis=0, return_inverse=True)
+    if wide.present is None:  # every op of every entry: one Table
+        pattern_of = np.zeros(len(wide.steps), dtype=np.int64)
+    else:  # the set of ops an entry has, as one integer (a bit per op)
+        pattern_of = wide.present.astype(np.int64) @ (1 << np.arange(len(wide.ops), dtype=np.int64))
     tables = []
-    for index, pattern in enumerate(patterns):
-        chosen = keep & (pattern_of.reshape(-1) == index)
+    for code in np.unique(pattern_of).tolist():
+        pattern = np.array([wide.present is None or bool(code >> i & 1) for i in range(len(wide.ops))])
+        chosen = keep & (pattern_of == code)
         if not pattern.any() or not chosen.any():
             continue
         row_of = wide.row_of[chosen]
