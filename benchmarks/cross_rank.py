@@ -96,6 +96,45 @@ def generate_parquet(root: str, ranks: int, tags: int, steps: int, seed: int = 0
     return total
 
 
+class TreeMemory:
+    """The peak of the proportional set size (shared pages split between the processes that map
+    them) of a process and its children together, sampled every 20 ms from /proc."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid, self.pss = pid, 0
+
+    def follow(self, proc: subprocess.Popen) -> None:
+        while proc.poll() is None:
+            self.pss = max(self.pss, sum(_pss(pid) for pid in _tree(self.pid)))
+            time.sleep(0.02)
+
+
+def _read(file) -> str:
+    file.seek(0)
+    return file.read()
+
+
+def _tree(pid: int) -> list[int]:
+    found, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        found.append(current)
+        try:
+            with open(f"/proc/{current}/task/{current}/children") as f:
+                todo += [int(child) for child in f.read().split()]
+        except OSError:
+            pass
+    return found
+
+
+def _pss(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("Pss:"))
+    except (OSError, StopIteration):
+        return 0
+
+
 def speed(args: argparse.Namespace) -> int:
     root = tempfile.mkdtemp(prefix="trainmon-cross-rank-bench-")
     try:
@@ -111,16 +150,22 @@ def speed(args: argparse.Namespace) -> int:
             f"{args.per_file} step(s) per file), {size / 2**20:.0f} MiB, in {took:.1f} s"
         )
         command = [sys.executable, "-m", "monitor.anomaly_analyse", "--cross-rank", "-d", root, "-k", "3"]
+        command += ["--memory-limit", args.memory_limit] if args.memory_limit else []
         start = time.perf_counter()
-        proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True, check=False)
-        wall = time.perf_counter() - start
+        with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:  # no pipe to fill
+            proc = subprocess.Popen(command, cwd=REPO, stdout=out, stderr=err, text=True)
+            peak = TreeMemory(proc.pid)
+            peak.follow(proc)
+            wall = time.perf_counter() - start
+            stdout, stderr = (_read(f) for f in (out, err))
         usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-        print(proc.stdout.rstrip())
+        print(stdout.rstrip())
         if proc.returncode != 0:
-            print(proc.stderr.rstrip(), file=sys.stderr)
+            print(stderr.rstrip(), file=sys.stderr)
             return 1
         print(
             f"analysis: wall {wall:.1f} s, CPU {usage.ru_utime + usage.ru_stime:.1f} s (all its processes), "
+            f"peak memory {peak.pss / 2**20:.0f} MiB (PSS of all its processes together), "
             f"peak RSS {usage.ru_maxrss / 1024:.0f} MiB (largest process)"
         )
     finally:
@@ -186,6 +231,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--per-file", type=int, default=1)
     parser.add_argument("--format", choices=("csv", "parquet"), default="csv", help="the run's output format")
+    parser.add_argument("--memory-limit", default=None, help="the analysis' --memory-limit")
     parser.add_argument("--rates", action="store_true", help="false-positive and detection rates instead")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()

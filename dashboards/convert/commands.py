@@ -12,6 +12,7 @@ import argparse
 import sys
 from collections.abc import Callable
 
+from monitor import memory_limit
 from monitor.datatypes.tasks import PREFIX_TASKS
 from monitor.files import TIME_FORMAT
 
@@ -129,6 +130,7 @@ def add_compact_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "-o", "--output", default=None, help="dataset directory (default MONITOR_PATH/dataset)"
     )
+    memory_limit.add_argument(parser, memory_limit.COMPACT_DEFAULT)
 
 
 def run_compact(args: argparse.Namespace) -> int:
@@ -141,7 +143,12 @@ def run_compact(args: argparse.Namespace) -> int:
         print("trainmon compact: needs DuckDB: pip install -e '.[dataset]'", file=sys.stderr)
         return 2
     try:
-        counts = compact(args.monitor_path, args.output)
+        limit = memory_limit.memory_limit(args.memory_limit, memory_limit.COMPACT_DEFAULT)
+    except ValueError as exc:
+        print(f"trainmon compact: {exc}", file=sys.stderr)
+        return 2
+    try:
+        counts = compact(args.monitor_path, args.output, limit)
     except ConvertError as exc:
         print(f"trainmon compact: {exc}", file=sys.stderr)
         return 2

@@ -50,6 +50,7 @@ from dashboards.csvfiles import header_ops, list_csv_files
 from dashboards.plugin.eventsource import EventSource
 from monitor.anomaly.ordering import parse_record
 from monitor.files import atomic_write_text, make_private_dir
+from monitor.memory_limit import COMPACT_DEFAULT, parse_size
 from monitor.session.run_info import RUN_INFO_FILE
 from monitor.writers.parquet_files import live_prefixes, row_count
 
@@ -71,12 +72,12 @@ FARTHEST_RANK_SQL = """
 """
 #: times a compaction starts again when a file it listed went away (a live Parquet merge)
 RETRIES = 3
-#: what DuckDB may use for one compaction (it spills to disk beyond it).
-MEMORY_LIMIT = os.environ.get("TRAINMON_DUCKDB_MEMORY", "2GB")
 _LABELS = {"vpp_stage": "BIGINT", "name": "VARCHAR", "step": "BIGINT", "micro_step": "BIGINT"}
 
 
-def compact(monitor_path: str, output: str | None = None) -> dict[str, int]:
+def compact(
+    monitor_path: str, output: str | None = None, memory_limit: int = parse_size(COMPACT_DEFAULT)
+) -> dict[str, int]:
     """Write or bring up to date the dataset of ``monitor_path`` in ``output`` (default
     ``monitor_path/dataset``); returns counts of parts written and kept. A run written with
     ``format: parquet`` merges its files while it trains: when a file listed here is gone before
@@ -90,7 +91,7 @@ def compact(monitor_path: str, output: str | None = None) -> dict[str, int]:
     attempts = 0
     while True:
         try:
-            return _compact_once(monitor_path, output)
+            return _compact_once(monitor_path, output, memory_limit)
         except (FileNotFoundError, duckdb.IOException) as exc:
             attempts += 1
             if attempts > RETRIES:
@@ -98,7 +99,7 @@ def compact(monitor_path: str, output: str | None = None) -> dict[str, int]:
             logger.info("trainmon compact: a file changed while it was read (%s); starting again", exc)
 
 
-def _compact_once(monitor_path: str, output: str | None) -> dict[str, int]:
+def _compact_once(monitor_path: str, output: str | None, memory_limit: int) -> dict[str, int]:
     import duckdb
 
     ranks = select_rank_dirs(monitor_path)
@@ -111,7 +112,7 @@ def _compact_once(monitor_path: str, output: str | None) -> dict[str, int]:
     old_parts = old.get("parts") if isinstance(old.get("parts"), dict) else {}
     old_type = old.get("value_type") if old_parts and old.get("value_type") in (FLOAT, DOUBLE) else None
     con = duckdb.connect()
-    con.execute(f"SET memory_limit = '{MEMORY_LIMIT}'")
+    con.execute(f"SET memory_limit = '{int(memory_limit)}B'")
     events = EventDirs()
     try:
         parts: dict[str, list] = {}

@@ -23,12 +23,12 @@ import math
 import os
 import re
 import sys
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
-from monitor.anomaly import analyse, peers, rank_csv
+from monitor import memory_limit
+from monitor.anomaly import analyse, peers, rank_csv, windows
 from monitor.anomaly.analyse import UsageError
 from monitor.writers.parquet_files import live_prefixes
 
@@ -72,38 +72,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--ranks", default="[]", metavar="LIST", help="Python list of ranks compared (default: all)"
     )
-
-
-# ----------------------------------------------------------------------------------------- the run
-
-
-def find_outliers(
-    rank_dirs: dict[int, str],
-    types: tuple[str, ...],
-    k_mad: float = DEFAULT_K_MAD,
-    steps: frozenset[int] | None = None,
-    ops: tuple[str, ...] | None = None,
-    warn: Callable[[str], None] | None = None,
-) -> peers.Outliers:
-    """Read the ranks' CSV files of the given data types and flag the cross-rank outliers.
-
-    ``ops`` (None: all) are compared; ``steps`` (None: all) are reported, but every step of the run
-    feeds the pooled MAD.
-    """
-    warn = warn or analyse._warn
-    by_type: dict[str, dict[int, list[rank_csv.Table]]] = {}
-    loaded = rank_csv.load_ranks(list(rank_dirs.values()), types)
-    for rank, (tables, warnings) in zip(rank_dirs, loaded):
-        for text in warnings:
-            warn(text)
-        for prefix, found in tables.items():
-            by_type.setdefault(prefix, {})[rank] = found
-    del loaded
-    out = peers.Outliers(k_mad, ops, steps)
-    for prefix in types:
-        if prefix in by_type:
-            peers.compare_type(prefix, by_type.pop(prefix), out)
-    return out
+    memory_limit.add_argument(group, memory_limit.CROSS_RANK_DEFAULT)
 
 
 def _number(value: float) -> float | str:
@@ -224,12 +193,17 @@ class Settings:
     types: tuple[str, ...]
     ops: tuple[str, ...]
     rank_dirs: dict[int, str]
+    memory: int
 
 
 def _check(args: argparse.Namespace) -> Settings:
     from monitor.config.schema import KNOWN_OPS
 
     data_dir, k, steps = analyse.check_common(args)
+    try:
+        memory = memory_limit.memory_limit(args.memory_limit, memory_limit.CROSS_RANK_DEFAULT)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     if not (isinstance(args.k_mad, (int, float)) and math.isfinite(args.k_mad) and args.k_mad > 0):
         raise UsageError(f"--k-mad must be a number > 0, got {args.k_mad!r}")
     types = _parse_names(args.types, "--types", "grad_unreduced,actv")
@@ -264,7 +238,7 @@ def _check(args: argparse.Namespace) -> Settings:
             f"under {data_dir} "
             f"(types found: {', '.join(sorted(present)) or 'none'}; expected {where})"
         )
-    return Settings(data_dir, analyse.make_out_dir(args, data_dir), k, steps, types, ops, rank_dirs)
+    return Settings(data_dir, analyse.make_out_dir(args, data_dir), k, steps, types, ops, rank_dirs, memory)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -284,7 +258,9 @@ def run(args: argparse.Namespace) -> int:
             print(
                 f"No anomaly files under {anomaly_dir} (alert.dump off?): no ranking of detected anomalies."
             )
-    out = find_outliers(run_.rank_dirs, run_.types, args.k_mad, run_.steps, run_.ops)
+    out = windows.find_outliers(
+        run_.rank_dirs, run_.types, args.k_mad, run_.steps, run_.ops, run_.memory, analyse._warn
+    )
     doc = document(out, run_.data_dir)
     out_file = os.path.join(run_.out_dir, OUTPUT_NAME)
     try:

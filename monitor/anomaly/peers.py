@@ -35,6 +35,11 @@ import pandas as pd
 
 from monitor.anomaly.rank_csv import Table
 
+try:
+    from monitor.anomaly import _peer_rows
+except ImportError:  # built without a C compiler: numpy partitions instead
+    _peer_rows = None
+
 MIN_RANKS = 3
 #: smallest scale, relative to the median magnitude.
 REL_FLOOR = 1e-3
@@ -42,7 +47,7 @@ REL_FLOOR = 1e-3
 #: zeros) would otherwise leave no unit at all, and a 3% share would be 1e306 "MADs" away.
 ABS_FLOOR = {"zeros": 0.01}
 #: elements of one (rows x ranks) block.
-BLOCK = 1 << 22
+BLOCK = 1 << 20
 _TINY = np.finfo(np.float64).tiny
 
 
@@ -89,6 +94,13 @@ def peer_stats(values: np.ndarray, present: np.ndarray) -> PeerStats:
 
 def _full_rows(values: np.ndarray, finite: np.ndarray, count: np.ndarray) -> tuple[np.ndarray, ...]:
     """peer_stats of rows with n >= MIN_RANKS finite values: three order statistics per row suffice."""
+    if _peer_rows is not None and len(values):
+        values = np.ascontiguousarray(values, dtype=np.float64)
+        rows, n = values.shape
+        median, size, mad = np.empty(rows), np.empty(rows), np.empty(rows)
+        peers, deviation = np.empty((rows, n)), np.empty((rows, n))
+        _peer_rows.full_rows(rows, n, values, np.sort(values, axis=1), median, size, peers, deviation, mad)
+        return median, size, peers, deviation, mad
     n = values.shape[1]
     middle = n // 2
     if n % 2 == 0:  # removing a value of the lower half leaves the upper middle, and vice versa
@@ -103,7 +115,10 @@ def _full_rows(values: np.ndarray, finite: np.ndarray, count: np.ndarray) -> tup
         peers = np.where(values < centre, (centre + above) / 2.0, (below + centre) / 2.0)
         peers = np.where(values == centre, (below + above) / 2.0, peers)
     middles = (middle - 1 + n % 2, middle)
-    size = np.partition(np.abs(values), middles, axis=1)[:, middles].mean(axis=1)
+    if values.min(initial=0.0) >= 0:  # norms, shares, counts: the magnitudes are the values
+        size = median
+    else:
+        size = np.partition(np.abs(values), middles, axis=1)[:, middles].mean(axis=1)
     deviation = np.abs(values - peers)
     mad = np.partition(deviation, middles, axis=1)[:, middles].mean(axis=1)
     return median, size, peers, deviation, mad
@@ -146,9 +161,9 @@ def _prepare(column: int, table: Table, label_ids: dict[tuple[int, str], int]) -
     low, high = int(table.vpp.min()), int(table.vpp.max())
     pair = table.codes if low == high else (table.vpp.astype(np.int64) - low) * len(table.names) + table.codes
     lut = np.zeros((high - low + 1) * len(table.names), dtype=np.int32)
-    for index in np.flatnonzero(np.bincount(pair, minlength=len(lut))):
-        vpp, code = divmod(int(index), len(table.names))
-        lut[index] = label_ids.setdefault((vpp + low, table.names[code]), len(label_ids))
+    used = np.flatnonzero(np.bincount(pair, minlength=len(lut))).tolist()
+    keys = [(low + index // len(table.names), table.names[index % len(table.names)]) for index in used]
+    lut[used] = [label_ids.setdefault(key, len(label_ids)) for key in keys]
     micro: np.ndarray | int = table.micro + 1 if table.micro is not None else 0
     labels, steps, values = lut[pair], table.steps, table.values
     if np.any(steps[1:] < steps[:-1]):
@@ -171,6 +186,10 @@ class _Columns:
     def __getitem__(self, name: str) -> np.ndarray:
         parts = self.parts.get(name)
         return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+
+    def joined(self) -> dict[str, np.ndarray]:
+        """Every column as one array."""
+        return {name: self[name] for name in self.parts}
 
 
 @dataclass
@@ -196,32 +215,47 @@ class Outliers:
         return self.columns[name]
 
 
-def compare_type(prefix: str, per_rank: dict[int, list[Table]], out: Outliers) -> None:
-    """Flag the outliers of one data type across the ranks that hold it (empties ``per_rank``)."""
-    ranks = np.array(sorted(per_rank), dtype=np.int64)
+@dataclass
+class Partial:
+    """The first pass of one data type over some of its steps: per-row statistics and the values
+    that may be outliers, with tensor labels and ops indexing this Partial's own lists."""
+
+    labels: list[tuple[int, str]]
+    ops: list[str]
+    rows: dict[str, np.ndarray]
+    candidates: dict[str, np.ndarray]
+    judged: int
+
+
+def first_pass(
+    tables: list[tuple[int, Table]],
+    ranks: int,
+    k_mad: float,
+    only_ops: tuple[str, ...] | None = None,
+    only_steps: frozenset[int] | None = None,
+) -> Partial:
+    """Compare the ranks' Tables of one data type, given as (rank column, Table) with columns in
+    range(ranks), in blocks of at most BLOCK values (empties ``tables``)."""
     label_ids: dict[tuple[int, str], int] = {}
-    prepared = [
-        _prepare(c, table, label_ids) for c, rank in enumerate(ranks) for table in per_rank[int(rank)]
-    ]
-    per_rank.clear()  # the prepared arrays replace the tables
-    out.types.append(prefix)
-    out.labels.append(list(label_ids))
-    out.ranks[prefix] = ranks.tolist()
+    prepared = [_prepare(column, table, label_ids) for column, table in tables]
+    tables.clear()  # the prepared arrays replace the tables
+    ops: list[str] = []
+    rows, candidates, judged_total = _Columns(), _Columns(), 0
+    if not prepared:
+        return Partial([], ops, {}, {}, 0)
     steps = np.unique(np.concatenate([p.steps[np.r_[True, p.steps[1:] != p.steps[:-1]]] for p in prepared]))
     n_micro, n_labels = 1 + max(int(np.max(p.micro, initial=0)) for p in prepared), len(label_ids)
     per_step = n_micro * n_labels
-    chunk = max(1, BLOCK // (per_step * len(ranks)))
-    rows, candidates = _Columns(), _Columns()
+    chunk = max(1, BLOCK // (per_step * ranks))
     for op in dict.fromkeys(op for p in prepared for op in p.ops):
-        if out.only_ops is not None and op not in out.only_ops:
+        if only_ops is not None and op not in only_ops:
             continue
-        if op not in out.ops:
-            out.ops.append(op)
+        ops.append(op)
         holders = [(p, p.ops.index(op)) for p in prepared if op in p.ops]
         for first in range(0, len(steps), chunk):
             window = steps[first : first + chunk]
             # filled rank by rank (contiguous writes), then one transposition to rows x ranks
-            values = np.full((len(ranks), len(window) * per_step), np.nan)
+            values = np.full((ranks, len(window) * per_step), np.nan)
             present = np.zeros(values.shape, dtype=bool)
             for p, op_column in holders:
                 lo, hi = np.searchsorted(p.steps, window[0]), np.searchsorted(p.steps, window[-1], "right")
@@ -235,17 +269,42 @@ def compare_type(prefix: str, per_rank: dict[int, list[Table]], out: Outliers) -
                 values, present = values[keys], present[keys]
             labels = (keys % n_labels, window[keys // per_step], (keys % per_step) // n_labels - 1)
             judged = _block(
-                values,
-                present,
-                labels,
-                out.ops.index(op),
-                ABS_FLOOR.get(op, 0.0),
-                out.k_mad,
-                rows,
-                candidates,
+                values, present, labels, len(ops) - 1, ABS_FLOOR.get(op, 0.0), k_mad, rows, candidates
             )
-            out.judged += int((judged & _chosen(labels[1], out.only_steps)).sum())
-    _judge(rows, candidates, ranks, out)
+            judged_total += int((judged & _chosen(labels[1], only_steps)).sum())
+    return Partial(list(label_ids), ops, rows.joined(), candidates.joined(), judged_total)
+
+
+def judge(prefix: str, ranks: list[int], partials: list[Partial], out: Outliers) -> None:
+    """Second pass over one data type's Partials (in any order): its outliers into ``out``."""
+    label_ids: dict[tuple[int, str], int] = {}
+    rows, candidates = _Columns(), _Columns()
+    for part in partials:
+        label_map = np.array([label_ids.setdefault(label, len(label_ids)) for label in part.labels], np.int32)
+        op_map = np.array([_index(out.ops, op) for op in part.ops], np.int16)
+        for target, columns in ((rows, part.rows), (candidates, part.candidates)):
+            if columns:
+                target.add(**{**columns, "label": label_map[columns["label"]], "op": op_map[columns["op"]]})
+        out.judged += part.judged
+    out.types.append(prefix)
+    out.labels.append(list(label_ids))
+    out.ranks[prefix] = list(ranks)
+    _judge(rows, candidates, np.asarray(ranks, dtype=np.int64), out)
+
+
+def compare_type(prefix: str, per_rank: dict[int, list[Table]], out: Outliers) -> None:
+    """Flag the outliers of one data type across the ranks that hold it, all in memory (empties
+    ``per_rank``)."""
+    ranks = sorted(per_rank)
+    tables = [(column, table) for column, rank in enumerate(ranks) for table in per_rank[rank]]
+    per_rank.clear()
+    judge(prefix, ranks, [first_pass(tables, len(ranks), out.k_mad, out.only_ops, out.only_steps)], out)
+
+
+def _index(names: list[str], name: str) -> int:
+    if name not in names:
+        names.append(name)
+    return names.index(name)
 
 
 def _chosen(steps: np.ndarray, only: frozenset[int] | None) -> np.ndarray:
@@ -273,7 +332,9 @@ def _block(
     with np.errstate(invalid="ignore"):
         maybe = judged[:, None] & present & (~stats.finite | (stats.deviation > k_mad * floor[:, None]))
     label, step, micro = labels
-    rows.add(label=label, op=np.full(len(label), op), size=stats.size, mad=stats.mad, judged=judged)
+    with np.errstate(divide="ignore", invalid="ignore"):  # kept per judged row for the pooled MAD
+        ratio = stats.mad[judged] / stats.size[judged]
+    rows.add(label=label[judged].astype(np.int32), op=np.full(len(ratio), op, np.int16), ratio=ratio)
     row, column = np.nonzero(maybe)
     candidates.add(
         step=step[row],
@@ -292,17 +353,16 @@ def _block(
 
 def _judge(rows: _Columns, candidates: _Columns, ranks: np.ndarray, out: Outliers) -> None:
     """Second pass: pool the MADs over the run and keep the candidates beyond k_mad scales."""
-    judged = rows["judged"]
-    with np.errstate(divide="ignore", invalid="ignore"):
-        ratio = pd.Series((rows["mad"] / rows["size"])[judged]).replace([np.inf, -np.inf], np.nan)
-    op = rows["op"][judged]
-    per_tensor = ratio.groupby(rows["label"][judged] * len(out.ops) + op).median()
-    per_op = ratio.groupby(op).median()
-    tensor = per_tensor.reindex(candidates["label"] * len(out.ops) + candidates["op"]).to_numpy(np.float64)
-    typical = np.fmax(tensor, per_op.reindex(candidates["op"]).to_numpy(np.float64))
+    ratio = pd.Series(rows["ratio"]).replace([np.inf, -np.inf], np.nan)
+    row_op = rows["op"].astype(np.int64)
+    per_tensor = ratio.groupby(rows["label"].astype(np.int64) * len(out.ops) + row_op).median()
+    per_op = ratio.groupby(row_op).median()
+    label, op = candidates["label"].astype(np.int64), candidates["op"].astype(np.int64)
+    tensor = per_tensor.reindex(label * len(out.ops) + op).to_numpy(np.float64)
+    typical = np.fmax(tensor, per_op.reindex(op).to_numpy(np.float64))
     typical = np.nan_to_num(typical, nan=0.0)
     size = candidates["size"]
-    absolute = np.array([ABS_FLOOR.get(name, 0.0) for name in out.ops])[candidates["op"]]
+    absolute = np.array([ABS_FLOOR.get(name, 0.0) for name in out.ops])[op]
     scale = np.maximum.reduce([candidates["mad"], typical * size, REL_FLOOR * size, absolute])
     scale = np.where(scale > 0, scale, _TINY)
     deviation = candidates["deviation"]
@@ -314,8 +374,8 @@ def _judge(rows: _Columns, candidates: _Columns, ranks: np.ndarray, out: Outlier
         type=np.full(int(keep.sum()), len(out.types) - 1),
         step=candidates["step"][keep],
         micro=candidates["micro"][keep],
-        label=candidates["label"][keep],
-        op=candidates["op"][keep],
+        label=label[keep],
+        op=op[keep],
         rank=ranks[candidates["column"][keep]],
         value=candidates["value"][keep],
         peers=candidates["peers"][keep],

@@ -23,10 +23,9 @@ from typing import NamedTuple
 import numpy as np
 import pandas as pd
 
-from monitor.anomaly.workers import map_in_workers, max_workers, total_size
 from monitor.files import RANK_DIR_PATTERN
 from monitor.writers.eventfile import open_regular
-from monitor.writers.parquet_files import live_prefixes, read_wide, row_count
+from monitor.writers.parquet_files import live_prefixes, part_steps, read_wide, row_count
 
 #: ``{prefix}_{a}-{b}.csv``; ``.{n}.csv`` when an appended run had other columns (monitor.writers.csv).
 CSV_NAME = re.compile(r"^(?P<prefix>[A-Za-z0-9_]+?)_(?P<start>\d+)-(?P<end>\d+)(?:\.(?P<part>\d+))?\.csv$")
@@ -36,8 +35,6 @@ LABELS = ("vpp_stage", "name", "step", "micro_step")
 IGNORED_COLUMNS = ("shape", "dtype")
 #: how a NaN value is written.
 NAN_TEXT = ("nan", "-nan", "+nan", "NaN")
-#: CSV bytes above which ranks are read in worker processes.
-PARALLEL_BYTES = 32 * 2**20
 
 
 class DuplicateRankError(ValueError):
@@ -158,8 +155,9 @@ def read_complete_lines(path: str | os.PathLike) -> bytes:
     return data if end == len(data) - 1 else data[: end + 1]  # no copy when the last line is whole
 
 
-def parse_rows(header: bytes, body: bytes, steps: frozenset[int] | None = None) -> tuple[Table | None, int]:
-    """Rows under one header as a Table (None: not a monitor header) and the count dropped as malformed."""
+def parse_rows(header: bytes, body: bytes, window: tuple[int, int] | None = None) -> tuple[Table | None, int]:
+    """Rows under one header as a Table (None: not a monitor header) and the count dropped as
+    malformed; only the steps of ``window`` (first, last) unless None."""
     try:
         has_micro, ops = header_columns(header.decode("utf-8", "replace"))
     except ValueError:
@@ -173,8 +171,8 @@ def parse_rows(header: bytes, body: bytes, steps: frozenset[int] | None = None) 
         frame, dropped = pd.read_csv(io.BytesIO(data), dtype=dtypes, na_values=na_values, **common), 0
     except (ValueError, pd.errors.ParserError):
         frame, dropped = _parse_leniently(data, labels, ops, common)
-    if steps is not None:
-        frame = frame[frame["step"].isin(steps)]
+    if window is not None:
+        frame = frame[frame["step"].between(*window)]
     names = frame["name"].astype("category").cat
     table = Table(
         ops,
@@ -206,101 +204,116 @@ def _parse_leniently(
     return frame, data.count(b"\n") - 1 - len(frame)
 
 
-def load_rank(
-    rank_dir: str, types: tuple[str, ...], steps: frozenset[int] | None = None
-) -> tuple[dict[str, list[Table]], list[str]]:
-    """prefix -> Tables of one rank directory, and warnings (unreadable files, dropped rows)."""
-    tables: dict[str, list[Table]] = {}
-    warnings: list[str] = []
-    for prefix, paths in list_type_files(rank_dir, types).items():
-        groups: dict[bytes, list[bytes]] = {}
-        for path in paths:
-            try:
-                data = read_complete_lines(path)
-            except OSError as exc:
-                warnings.append(f"skipping {path}: {exc.strerror or exc}")
-                continue
-            if data:
-                end = data.index(b"\n")
-                groups.setdefault(data[:end].rstrip(b"\r"), []).append(data[end + 1 :])
-        for header, bodies in groups.items():
-            table, dropped = parse_rows(header, b"".join(bodies), steps)
-            if table is None:
-                warnings.append(f"skipping {prefix} files in {rank_dir}: not a monitor CSV header")
-            elif len(table.steps):
-                tables.setdefault(prefix, []).append(table)
-            if dropped:
-                warnings.append(f"{rank_dir}: dropped {dropped} malformed {prefix} row(s)")
+class Part(NamedTuple):
+    """One file of a data type on a rank, with the steps its name says it holds."""
+
+    path: str
+    start: int
+    end: int
+    parquet: bool
+
+
+def list_parts(rank_dir: str, types: tuple[str, ...] | None = None) -> dict[str, list[Part]]:
+    """prefix -> its files on a rank: its CSV files, or where it has none its live Parquet files.
+
+    Raises:
+        OSError: the directory cannot be listed.
+    """
+    found = {
+        prefix: [Part(f.path, f.start, f.end, False) for f in files]
+        for prefix, files in list_csv_files(rank_dir, types).items()
+    }
     for prefix, paths in live_prefixes(rank_dir, types).items():
-        if prefix not in tables:
-            try:
-                found = _parquet_tables(rank_dir, prefix, paths, steps, warnings)
-            except (ImportError, OSError, ValueError) as exc:
-                warnings.append(f"skipping the {prefix} Parquet files in {rank_dir}: {exc}")
-                continue
-            if found:
-                tables[prefix] = found
-    return tables, warnings
+        if prefix not in found:
+            found[prefix] = [Part(path, *part_steps(path), True) for path in paths]  # type: ignore[misc]
+    return found
+
+
+def read_parts(
+    rank_dir: str, prefix: str, parts: list[Part], window: tuple[int, int], warnings: list[str]
+) -> list[Table]:
+    """The rows of steps ``window`` (first, last) in these files of one data type on a rank, as
+    Tables (one per CSV header or set of Parquet ops); what cannot be read is skipped and told in
+    ``warnings``."""
+    csv_paths = [part.path for part in parts if not part.parquet]
+    if csv_paths:
+        return _csv_tables(rank_dir, prefix, csv_paths, window, warnings)
+    try:
+        return _parquet_tables(rank_dir, prefix, [part.path for part in parts], window, warnings)
+    except (ImportError, OSError, ValueError) as exc:
+        warnings.append(f"skipping the {prefix} Parquet files in {rank_dir}: {exc}")
+        return []
+
+
+def _csv_tables(
+    rank_dir: str, prefix: str, paths: list[str], window: tuple[int, int], warnings: list[str]
+) -> list[Table]:
+    groups: dict[bytes, list[bytes]] = {}
+    for path in paths:
+        try:
+            data = read_complete_lines(path)
+        except OSError as exc:
+            warnings.append(f"skipping {path}: {exc.strerror or exc}")
+            continue
+        if data:
+            end = data.index(b"\n")
+            groups.setdefault(data[:end].rstrip(b"\r"), []).append(data[end + 1 :])
+    tables = []
+    for header, bodies in groups.items():
+        table, dropped = parse_rows(header, b"".join(bodies), window)
+        if table is None:
+            warnings.append(f"skipping {prefix} files in {rank_dir}: not a monitor CSV header")
+        elif len(table.steps):
+            tables.append(table)
+        if dropped:
+            warnings.append(f"{rank_dir}: dropped {dropped} malformed {prefix} row(s)")
+    return tables
 
 
 def _parquet_tables(
-    rank_dir: str, prefix: str, paths: list[str], steps: frozenset[int] | None, warnings: list[str]
+    rank_dir: str, prefix: str, paths: list[str], window: tuple[int, int], warnings: list[str]
 ) -> list[Table]:
     """One data type's live Parquet files as Tables: one per set of ops the entries have (a
     config that changed its ops mid-run), as CSV files with other headers are. A file merged away
     since it was listed makes the files be listed once more; a file cut short is skipped."""
     try:
-        wide = read_wide(paths)
+        wide = read_wide(paths, window)
     except FileNotFoundError:
-        wide = read_wide(live_prefixes(rank_dir, (prefix,)).get(prefix, []))
+        relisted = [p for p in live_prefixes(rank_dir, (prefix,)).get(prefix, []) if _overlaps(p, window)]
+        wide = read_wide(relisted, window)
     except ValueError:
         bad = [path for path in paths if row_count(path) is None]
         warnings.append(f"skipping unreadable Parquet files: {', '.join(bad)}")
-        wide = read_wide([path for path in paths if path not in bad])
+        wide = read_wide([path for path in paths if path not in bad], window)
     if not len(wide.steps):
         return []
-    keep = np.ones(len(wide.steps), dtype=bool)
-    if steps is not None:
-        keep = np.isin(wide.steps, np.fromiter(steps, np.int64, len(steps)))
     names, name_codes = np.unique(np.array(wide.names, dtype=object), return_inverse=True)
     if wide.present is None:  # every op of every entry: one Table
         pattern_of = np.zeros(len(wide.steps), dtype=np.int64)
     else:  # the set of ops an entry has, as one integer (a bit per op)
         pattern_of = wide.present.astype(np.int64) @ (1 << np.arange(len(wide.ops), dtype=np.int64))
+    codes = np.unique(pattern_of).tolist()
     tables = []
-    for code in np.unique(pattern_of).tolist():
+    for code in codes:
         pattern = np.array([wide.present is None or bool(code >> i & 1) for i in range(len(wide.ops))])
-        chosen = keep & (pattern_of == code)
-        if not pattern.any() or not chosen.any():
+        if not pattern.any():
             continue
+        chosen = slice(None) if len(codes) == 1 else pattern_of == code  # slices: no copies
         row_of = wide.row_of[chosen]
         tables.append(
             Table(
                 tuple(op for op, there in zip(wide.ops, pattern) if there),
                 names.tolist(),
-                name_codes[row_of].astype(np.int32),
-                wide.vpp[row_of].astype(np.int32),
+                name_codes.astype(np.int32)[row_of],
+                wide.vpp.astype(np.int32)[row_of],
                 None if wide.micro is None else wide.micro[row_of],
                 wide.steps[chosen],
-                wide.values[chosen][:, pattern],
+                wide.values[chosen] if pattern.all() else wide.values[chosen][:, pattern],
             )
         )
     return tables
 
 
-def load_ranks(
-    rank_dirs: list[str], types: tuple[str, ...], steps: frozenset[int] | None = None, jobs: int | None = None
-) -> list[tuple[dict[str, list[Table]], list[str]]]:
-    """load_rank for every directory, in order.
-
-    jobs=None decides: worker processes (up to the cores, at most workers.MAX_JOBS) for more than
-    PARALLEL_BYTES of CSV, else this process. A pool that cannot start falls back to serial.
-    """
-    if jobs is None:
-        big = len(rank_dirs) > 1 and total_size(_csv_paths(rank_dirs, types)) > PARALLEL_BYTES
-        jobs = max_workers() if big else 1
-    return map_in_workers(load_rank, rank_dirs, jobs, types, steps)
-
-
-def _csv_paths(rank_dirs: list[str], types: tuple[str, ...]) -> list[str]:
-    return [path for d in rank_dirs for paths in list_type_files(d, types).values() for path in paths]
+def _overlaps(path: str, window: tuple[int, int]) -> bool:
+    steps = part_steps(path)
+    return steps is not None and steps[0] <= window[1] and steps[1] >= window[0]

@@ -207,10 +207,10 @@ def _distinct(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return distinct, position[keys]
 
 
-def read_wide(paths: Sequence[str]) -> WideRows:
-    """The values of these files (of one data type) as WideRows. Each value is one row of the
-    files (the writer never writes a tensor's value of a step twice), so with one op every row is
-    an entry of its own.
+def read_wide(paths: Sequence[str], window: tuple[int, int] | None = None) -> WideRows:
+    """The values of these files (of one data type) as WideRows, only of the steps ``window``
+    (first, last) unless None. Each value is one row of the files (the writer never writes a
+    tensor's value of a step twice), so with one op every row is an entry of its own.
 
     Raises:
         ValueError: a file is not a whole Parquet file of the layout.
@@ -220,7 +220,8 @@ def read_wide(paths: Sequence[str]) -> WideRows:
     import pyarrow.parquet as pq
 
     try:
-        table = pq.read_table(list(paths), columns=COLUMNS) if paths else None
+        steps = None if window is None else [("step", ">=", window[0]), ("step", "<=", window[1])]
+        table = pq.read_table(list(paths), columns=COLUMNS, filters=steps) if paths else None
     except pa.ArrowException as exc:  # cut short, or other columns
         raise ValueError(str(exc)) from exc
     if table is None or table.num_rows == 0:

@@ -172,8 +172,9 @@ def test_micro_steps_anomalies_and_the_command(tmp_path):
     writer.end_step(0)
     writer.close()
     write_run(tmp_path, ranks=(1,), steps=range(3), anomalies=[(1, "grad_reduced", 2, 0, "norm")])
+    command = ["compact", "-d", str(tmp_path), "-o", str(tmp_path / "ds"), "--memory-limit", "300MB"]
     done = subprocess.run(
-        [sys.executable, "-m", "monitor.cli", "compact", "-d", str(tmp_path), "-o", str(tmp_path / "ds")],
+        [sys.executable, "-m", "monitor.cli", *command],
         capture_output=True,
         text=True,
     )
@@ -194,6 +195,18 @@ def test_no_run_is_a_clear_error(tmp_path):
         [sys.executable, "-m", "monitor.cli", "compact", "-d", str(tmp_path)], capture_output=True, text=True
     )
     assert done.returncode == 2 and "no {time}-rank{R}-{id} directory" in done.stderr
+
+
+def test_a_memory_limit_that_is_not_a_size_is_refused_before_anything_is_written(tmp_path):
+    write_run(tmp_path, ranks=(0,), steps=range(2))
+    done = subprocess.run(
+        [sys.executable, "-m", "monitor.cli", "compact", "-d", str(tmp_path), "--memory-limit", "much"],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 2
+    assert "--memory-limit: expected a size such as '512MB', '4GB' or '2GiB', got 'much'" in done.stderr
+    assert not (tmp_path / "dataset").exists()
 
 
 def test_the_documented_cross_rank_query_is_the_one_the_tests_run():

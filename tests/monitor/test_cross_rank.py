@@ -16,7 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from monitor.anomaly import analyse, cross_rank, incident_files, peers, rank_csv
+from monitor import memory_limit
+from monitor.anomaly import analyse, cross_rank, incident_files, peers, rank_csv, windows
 from monitor.anomaly.detector import Anomaly
 from monitor.anomaly.dump import AnomalyDump
 from monitor.cli import main as trainmon
@@ -302,8 +303,12 @@ def _loop_stats(values: np.ndarray, present: np.ndarray):
     return np.array(median), np.array(size), peer, np.array(mad)
 
 
+@pytest.mark.parametrize("compiled", [True, False], ids=["C", "numpy"])
 @pytest.mark.parametrize("ranks", [3, 4, 5, 8])
-def test_peer_stats_match_a_loop_with_missing_nan_and_ties(ranks):
+def test_peer_stats_match_a_loop_with_missing_nan_and_ties(ranks, compiled, monkeypatch):
+    assert peers._peer_rows is not None, "setup.py builds monitor.anomaly._peer_rows at install"
+    if not compiled:
+        monkeypatch.setattr(peers, "_peer_rows", None)
     rng = np.random.default_rng(ranks)
     values = rng.normal(size=(400, ranks)).round(1)  # rounding makes ties
     present = rng.random(values.shape) > 0.15
@@ -317,6 +322,25 @@ def test_peer_stats_match_a_loop_with_missing_nan_and_ties(ranks):
     np.testing.assert_allclose(stats.size, size, rtol=0, atol=1e-12, equal_nan=True)
     np.testing.assert_allclose(np.where(stats.finite, stats.peers, np.nan), peer, atol=1e-12, equal_nan=True)
     np.testing.assert_allclose(stats.mad, mad, atol=1e-12, equal_nan=True)
+
+
+@pytest.mark.parametrize("ranks", [3, 4, 7, 64, 65])
+def test_the_compiled_rows_give_the_bits_of_the_numpy_path(ranks, monkeypatch):
+    rng = np.random.default_rng(ranks)
+    values = np.concatenate(
+        [
+            rng.lognormal(size=(300, ranks)),  # norms: non-negative
+            rng.normal(size=(300, ranks)).round(1),  # signed, with ties
+            np.full((10, ranks), 2.5),  # every rank equal
+            np.where(rng.random((50, ranks)) < 0.5, 0.0, 1e300),  # zeros and values near overflow
+        ]
+    )
+    present = np.ones(values.shape, dtype=bool)
+    compiled = peers.peer_stats(values, present)
+    monkeypatch.setattr(peers, "_peer_rows", None)
+    reference = peers.peer_stats(values, present)
+    for name in ("median", "size", "peers", "deviation", "mad"):
+        np.testing.assert_array_equal(getattr(compiled, name), getattr(reference, name), err_msg=name)
 
 
 def _run_from(tmp_path: Path, by_rank: dict[int, list[float]], op: str = "norm") -> dict:
@@ -442,16 +466,61 @@ def test_the_anomaly_ranking_comes_first_in_the_same_report(tmp_path, capsys):
     )
 
 
-def test_reading_in_worker_processes_matches_this_process(tmp_path):
-    write_run(tmp_path, scaled=(2, 7, 3.0), ranks=5)
-    dirs = list(rank_csv.find_rank_dirs(str(tmp_path)).values())
-    serial = rank_csv.load_ranks(dirs, ("grad_unreduced",), jobs=1)
-    parallel = rank_csv.load_ranks(dirs, ("grad_unreduced",), jobs=2)
-    for (one, _), (two, _) in zip(serial, parallel, strict=True):
-        (a,), (b,) = one["grad_unreduced"], two["grad_unreduced"]
-        assert a.names == b.names
-        np.testing.assert_array_equal(a.values, b.values)
-        np.testing.assert_array_equal(a.steps, b.steps)
+@pytest.mark.parametrize("fmt", ["csv", "parquet"])
+def test_windows_of_steps_in_worker_processes_find_what_one_window_finds(tmp_path, monkeypatch, fmt):
+    if fmt == "parquet":
+        pytest.importorskip("pyarrow", reason="format parquet needs the dataset extra")
+    write_run(tmp_path, scaled=(2, 7, 3.0), ranks=5, steps=23, per_record=4, fmt=fmt, micro_steps=2)
+    dirs = rank_csv.find_rank_dirs(str(tmp_path))
+    types = ("grad_unreduced",)
+    whole = windows.find_outliers(dirs, types, 8.0, None, COMPARED, 2**40, print)
+    monkeypatch.setattr(windows, "PARALLEL_VALUES", 0)  # workers even for a small run
+    monkeypatch.setattr(windows, "PROCESS_BYTES", 0)
+    listed = {rank: rank_csv.list_parts(path, types)["grad_unreduced"] for rank, path in dirs.items()}
+    per_step = windows.plan_windows(listed, 2**40, 2, print).values_per_step
+    assert per_step == 5 * len(NAMES) * 2 * len(OPS)  # ranks x tensors x micro-steps x ops
+    memory = int(2 * 4.5 * windows.BYTES_PER_VALUE * per_step)  # two workers, 4 steps each
+    plan = windows.plan_windows(listed, memory, 2, print)
+    assert plan.jobs == 2 and plan.windows == [(0, 3), (4, 7), (8, 11), (12, 15), (16, 19), (20, 23)]
+    cut = windows.find_outliers(dirs, types, 8.0, None, COMPARED, memory, print)
+    assert cut.judged == whole.judged > 0
+    assert cross_rank.records(cut) == cross_rank.records(whole)
+    found = found_keys(cross_rank.document(cut, str(tmp_path)))
+    data = (read_back_parquet if fmt == "parquet" else read_back)(tmp_path, "grad_unreduced")
+    expected = reference_outliers(data, 8.0)
+    assert found.keys() == expected.keys() and (2, 7, 1, NAMES[0], "norm") in found
+    for key, score in found.items():
+        assert score == pytest.approx(expected[key], rel=1e-9)
+
+
+def test_a_memory_limit_below_one_step_reads_one_step_at_a_time_and_says_so(tmp_path):
+    write_run(tmp_path, scaled=(2, 7, 3.0), ranks=4, steps=9, per_record=4)
+    dirs = rank_csv.find_rank_dirs(str(tmp_path))
+    listed = {rank: rank_csv.list_parts(path)["grad_unreduced"] for rank, path in dirs.items()}
+    told: list[str] = []
+    plan = windows.plan_windows(listed, 1000, 2, told.append)
+    assert plan.windows == [(s, s) for s in range(12)] and plan.jobs == 1  # files of 4 steps: 0-11
+    assert "below what one step of this run needs" in told[0]
+
+
+@pytest.mark.parametrize("setting", ["lots", "0GB", "-1GB", "4 parsecs"])
+def test_a_memory_limit_that_is_not_a_size_exits_2_naming_it(tmp_path, capsys, monkeypatch, setting):
+    write_run(tmp_path, ranks=3, steps=2)
+    assert run_cli("-d", str(tmp_path), f"--memory-limit={setting}") == 2
+    assert f"--memory-limit: expected a size such as '512MB', '4GB' or '2GiB', got {setting!r}" in (
+        capsys.readouterr().err
+    )
+    monkeypatch.setenv("TRAINMON_MEMORY_LIMIT", setting)
+    assert run_cli("-d", str(tmp_path)) == 2
+    assert "TRAINMON_MEMORY_LIMIT: expected a size" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("text", "size"),
+    [("512MB", 512 * 10**6), ("4GB", 4 * 10**9), ("1.5GiB", 3 * 2**29), ("2g", 2 * 10**9), ("100", 100)],
+)
+def test_sizes_are_read_as_duckdb_writes_them(text, size):
+    assert memory_limit.parse_size(text) == size
 
 
 def test_an_unreadable_parquet_file_is_skipped_with_a_warning_and_the_rest_compared(tmp_path, capsys):
