@@ -12,6 +12,7 @@ share of values flagged (false positives) and the share of one rank's values fou
 
     python benchmarks/cross_rank.py [--ranks 64] [--tags 1000] [--steps 1000] [--per-file 1]
     python benchmarks/cross_rank.py --format parquet    # the same run as format: parquet writes it
+    python benchmarks/cross_rank.py --format parquet --ranks 1000 --memory-limit 4GB --keep DIR
     python benchmarks/cross_rank.py --rates
 """
 
@@ -136,19 +137,20 @@ def _pss(pid: int) -> int:
 
 
 def speed(args: argparse.Namespace) -> int:
-    root = tempfile.mkdtemp(prefix="trainmon-cross-rank-bench-")
+    root = args.keep or tempfile.mkdtemp(prefix="trainmon-cross-rank-bench-")
     try:
-        start = time.perf_counter()
-        if args.format == "parquet":
-            size = generate_parquet(root, args.ranks, args.tags, args.steps)
-        else:
-            size = generate(root, args.ranks, args.tags, args.steps, args.per_file)
-        values = args.ranks * args.tags * args.steps
-        took = time.perf_counter() - start
-        print(
-            f"generated {values:,} values ({args.ranks} ranks x {args.tags} tags x {args.steps} steps, "
-            f"{args.per_file} step(s) per file), {size / 2**20:.0f} MiB, in {took:.1f} s"
-        )
+        if not (args.keep and os.path.isdir(args.keep) and os.listdir(args.keep)):
+            start = time.perf_counter()
+            if args.format == "parquet":
+                size = generate_parquet(root, args.ranks, args.tags, args.steps)
+            else:
+                size = generate(root, args.ranks, args.tags, args.steps, args.per_file)
+            values = args.ranks * args.tags * args.steps
+            took = time.perf_counter() - start
+            print(
+                f"generated {values:,} values ({args.ranks} ranks x {args.tags} tags x {args.steps} steps, "
+                f"{args.per_file} step(s) per file), {size / 2**20:.0f} MiB, in {took:.1f} s"
+            )
         command = [sys.executable, "-m", "monitor.anomaly_analyse", "--cross-rank", "-d", root, "-k", "3"]
         command += ["--memory-limit", args.memory_limit] if args.memory_limit else []
         start = time.perf_counter()
@@ -169,7 +171,8 @@ def speed(args: argparse.Namespace) -> int:
             f"peak RSS {usage.ru_maxrss / 1024:.0f} MiB (largest process)"
         )
     finally:
-        shutil.rmtree(root, ignore_errors=True)
+        if not args.keep:
+            shutil.rmtree(root, ignore_errors=True)
     return 0
 
 
@@ -232,6 +235,9 @@ def main() -> int:
     parser.add_argument("--per-file", type=int, default=1)
     parser.add_argument("--format", choices=("csv", "parquet"), default="csv", help="the run's output format")
     parser.add_argument("--memory-limit", default=None, help="the analysis' --memory-limit")
+    parser.add_argument(
+        "--keep", default=None, metavar="DIR", help="write the run here and keep it (analyse it if there)"
+    )
     parser.add_argument("--rates", action="store_true", help="false-positive and detection rates instead")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()

@@ -9,6 +9,7 @@ count, a value that is not a number) is skipped and counted, never guessed; the 
 from __future__ import annotations
 
 import csv
+import importlib.util
 import io
 import os
 from collections.abc import Sequence
@@ -18,8 +19,18 @@ from typing import NamedTuple
 import numpy as np
 import pandas as pd
 
-from monitor.anomaly.rank_csv import NAN_TEXT, header_columns, list_csv_files, read_complete_lines
+from monitor.anomaly.rank_csv import (
+    NAN_TEXT,
+    header_columns,
+    list_csv_files,
+    op_values,
+    parse_arrow,
+    read_complete_lines,
+)
 from monitor.writers.eventfile import open_regular
+from monitor.writers.parquet_files import encoded
+
+_HAS_PYARROW = importlib.util.find_spec("pyarrow") is not None
 
 __all__ = [
     "CsvBounds",
@@ -180,7 +191,20 @@ def _table(data: bytes) -> CsvTable:
 
 
 def _parse(data: bytes, has_micro: bool, ops: tuple[str, ...]) -> CsvTable | None:
-    """The fast path (pandas' C parser); None when any row does not parse."""
+    """The fast path (pyarrow's CSV reader, else pandas' C parser); None when any row does not parse."""
+    arrow = parse_arrow(data, has_micro, ops)
+    if arrow is not None:
+        codes, distinct = encoded(arrow["name"])
+        return CsvTable(
+            ops,
+            arrow["vpp_stage"].to_numpy(),
+            np.array(distinct, dtype=object)[codes].tolist(),
+            arrow["micro_step"].to_numpy() if has_micro else None,
+            arrow["step"].to_numpy(),
+            op_values(arrow, ops),
+        )
+    if _HAS_PYARROW:  # it read the text and found a row that does not parse
+        return None
     labels = ["vpp_stage", "name", "step", *(["micro_step"] if has_micro else [])]
     dtypes = {"vpp_stage": np.int64, "name": object, "step": np.int64, "micro_step": np.int64}
     dtypes.update(dict.fromkeys(ops, np.float64))

@@ -11,7 +11,6 @@ import threading
 import time
 from collections.abc import Sequence
 
-from dashboards.csvfiles import list_csv_files
 from dashboards.plugin.anomalies import AnomalyItem, AnomalyList, AnomalyReader
 from dashboards.plugin.cache import ByteLRU, cache_bytes_from_env
 from dashboards.plugin.discovery import Run, discover
@@ -19,6 +18,7 @@ from dashboards.plugin.eventsource import EventSource
 from dashboards.plugin.incidents import Incident, IncidentList, IncidentReader
 from dashboards.plugin.parquetsource import ParquetSource
 from dashboards.plugin.sources import CsvSource, PrefixInfo, Source
+from monitor.anomaly.rank_csv import has_csv_files
 from monitor.datatypes.tasks import OP_ORDER, PREFIX_ORDER, order_key
 
 DISCOVERY_SECONDS = 2.0
@@ -28,7 +28,7 @@ def open_source(path: str, cache: ByteLRU) -> Source | None:
     """A CsvSource when the directory has monitor CSV files, else a ParquetSource when it has live
     Parquet files, else an EventSource when it has event files, else None."""
     try:
-        if list_csv_files(path):
+        if has_csv_files(path):
             return CsvSource(path, cache)
         if ParquetSource.holds(path):
             return ParquetSource(path, cache)

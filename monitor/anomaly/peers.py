@@ -157,20 +157,41 @@ class Prepared:
     values: np.ndarray
 
 
-def _prepare(column: int, table: Table, label_ids: dict[tuple[int, str], int]) -> Prepared:
+class _Labels:
+    """Ids of (vpp stage, name) labels in the order first seen, and the lookup table from the row
+    codes of each distinct list of names (the ranks' Tables usually share one) to those ids."""
+
+    def __init__(self) -> None:
+        self.ids: dict[tuple[int, str], int] = {}
+        self._tables: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
+
+    def lookup(self, low: int, stages: int, names: list[str], codes: np.ndarray) -> np.ndarray:
+        """The ids of codes ``(vpp - low) * len(names) + name code``, for the codes used."""
+        key = (low, stages, tuple(names))
+        if key not in self._tables:
+            size = stages * len(names)
+            self._tables[key] = (np.zeros(size, dtype=np.int32), np.zeros(size, dtype=bool))
+        lut, known = self._tables[key]
+        missing = np.flatnonzero((np.bincount(codes, minlength=len(lut)) > 0) & ~known).tolist()
+        if missing:
+            keys = [(low + index // len(names), names[index % len(names)]) for index in missing]
+            lut[missing] = [self.ids.setdefault(label, len(self.ids)) for label in keys]
+            known[missing] = True
+        return lut
+
+
+def _prepare(column: int, table: Table, labels: _Labels) -> Prepared:
     low, high = int(table.vpp.min()), int(table.vpp.max())
     pair = table.codes if low == high else (table.vpp.astype(np.int64) - low) * len(table.names) + table.codes
-    lut = np.zeros((high - low + 1) * len(table.names), dtype=np.int32)
-    used = np.flatnonzero(np.bincount(pair, minlength=len(lut))).tolist()
-    keys = [(low + index // len(table.names), table.names[index % len(table.names)]) for index in used]
-    lut[used] = [label_ids.setdefault(key, len(label_ids)) for key in keys]
+    lut = labels.lookup(low, high - low + 1, table.names, pair)
     micro: np.ndarray | int = table.micro + 1 if table.micro is not None else 0
-    labels, steps, values = lut[pair], table.steps, table.values
+    steps, values = table.steps, table.values
+    ids = lut[pair]
     if np.any(steps[1:] < steps[:-1]):
         order = np.argsort(steps, kind="stable")
-        labels, steps, values = labels[order], steps[order], values[order]
+        ids, steps, values = ids[order], steps[order], values[order]
         micro = micro[order] if isinstance(micro, np.ndarray) else 0
-    return Prepared(column, table.ops, labels, micro, steps, values)
+    return Prepared(column, table.ops, ids, micro, steps, values)
 
 
 class _Columns:
@@ -236,8 +257,9 @@ def first_pass(
 ) -> Partial:
     """Compare the ranks' Tables of one data type, given as (rank column, Table) with columns in
     range(ranks), in blocks of at most BLOCK values (empties ``tables``)."""
-    label_ids: dict[tuple[int, str], int] = {}
-    prepared = [_prepare(column, table, label_ids) for column, table in tables]
+    registry = _Labels()
+    prepared = [_prepare(column, table, registry) for column, table in tables]
+    label_ids = registry.ids
     tables.clear()  # the prepared arrays replace the tables
     ops: list[str] = []
     rows, candidates, judged_total = _Columns(), _Columns(), 0

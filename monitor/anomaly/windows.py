@@ -21,10 +21,13 @@ from monitor.anomaly import peers, rank_csv
 from monitor.anomaly.workers import map_in_workers, max_workers
 from monitor.writers.parquet_files import row_count
 
-#: bytes a window holds per value it reads (file contents, arrays, blocks; benchmarks/cross_rank.py).
-BYTES_PER_VALUE = 48
-#: bytes of a worker process before it reads anything (interpreter, numpy, pandas, pyarrow).
-PROCESS_BYTES = 160 * 2**20
+#: bytes a window holds per value it reads (file contents, arrays, blocks), measured with
+#: benchmarks/cross_rank.py as the proportional set size of the processes together.
+BYTES_PER_VALUE = 32
+#: bytes of this process before it reads anything (interpreter, numpy, pandas, pyarrow).
+MAIN_BYTES = 160 * 2**20
+#: bytes of a forked worker process of its own before it reads (it shares the rest with this one).
+WORKER_BYTES = 100 * 2**20
 #: ranks whose largest file gives the estimate of the values per step.
 SAMPLED_RANKS = 4
 #: windows per worker at least, where the files allow: the last ones to finish wait less.
@@ -53,6 +56,7 @@ class Task:
     k_mad: float
     ops: tuple[str, ...] | None
     steps: frozenset[int] | None
+    in_worker: bool = False
 
 
 def find_outliers(
@@ -87,9 +91,12 @@ def find_outliers(
                 k_mad,
                 ops,
                 steps,
+                plan.jobs > 1,
             )
             for window in plan.windows
         ]
+        if plan.jobs > 1 and any(p.parquet for parts in holders.values() for p in parts):
+            import pyarrow.parquet  # noqa: F401  (once here, not in every worker)
         partials = []
         for partial, warnings in map_in_workers(compare_window, tasks, plan.jobs):
             for text in warnings:
@@ -101,6 +108,10 @@ def find_outliers(
 
 def compare_window(task: Task) -> tuple[peers.Partial, list[str]]:
     """Read one window from every rank and compare it (in a worker process)."""
+    if task.in_worker and any(p.parquet for *_, parts in task.files for p in parts):
+        import pyarrow
+
+        pyarrow.set_cpu_count(1)  # the other cores run the other workers
     warnings: list[str] = []
     tables = [
         (column, table)
@@ -117,8 +128,8 @@ def plan_windows(
     per_step, span = _sample(holders)
     first = min(p.start for parts in holders.values() for p in parts)
 
-    def steps_fitting(jobs: int) -> float:
-        share = (memory - (jobs + 1) * PROCESS_BYTES) / jobs
+    def steps_fitting(jobs: int) -> float:  # one job runs in this process, more in workers
+        share = (memory - MAIN_BYTES - (jobs > 1) * jobs * WORKER_BYTES) / jobs
         return share / (BYTES_PER_VALUE * max(per_step, 1.0))
 
     last = max(p.end for parts in holders.values() for p in parts)
@@ -126,12 +137,20 @@ def plan_windows(
     while jobs > 1 and steps_fitting(jobs) < span:
         jobs -= 1
     width = steps_fitting(jobs)
-    if width < 1:
-        needed = (BYTES_PER_VALUE * per_step + 2 * PROCESS_BYTES) / 2**20
-        warn(
-            f"memory limit {memory / 2**20:.0f} MiB is below what one step of this run needs "
-            f"(about {needed:.0f} MiB): reading one step at a time"
-        )
+    if width < span:
+        if width < 1:
+            needed = (MAIN_BYTES + BYTES_PER_VALUE * per_step) / 2**20
+            told = (
+                f"is below what one step of this run needs (about {needed:.0f} MiB): "
+                "reading one step at a time"
+            )
+        else:
+            needed = (MAIN_BYTES + BYTES_PER_VALUE * per_step * span) / 2**20
+            told = (
+                f"holds {int(width)} of the {span} steps a file has: each file is read about "
+                f"{-(-span // int(width))} times (about {needed:.0f} MiB would read each once)"
+            )
+        warn(f"memory limit {memory / 2**20:.0f} MiB {told}")
     width = max(1, int(width) // span * span if width >= span else int(width))
     balanced = span * max(1, (last - first + 1) // (WINDOWS_PER_JOB * jobs * span))
     width = max(1, min(width, balanced))

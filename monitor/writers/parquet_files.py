@@ -137,6 +137,11 @@ def live_prefixes(rank_dir: str, types: Sequence[str] | None = None) -> dict[str
     return found
 
 
+def _within(path: str, window: tuple[int, int]) -> bool:
+    steps = part_steps(path)
+    return steps is not None and window[0] <= steps[0] and steps[1] <= window[1]
+
+
 def row_count(path: str) -> int | None:
     """The rows of a Parquet file, from its footer; None where it is not a whole Parquet file (a
     disk fault can leave one cut short, which readers skip rather than fail on)."""
@@ -156,7 +161,7 @@ def file_ops(path: str) -> tuple[str, ...]:
     """
     import pyarrow.parquet as pq
 
-    return tuple(_encoded(pq.read_table(path, columns=["op"])["op"])[1])
+    return tuple(encoded(pq.read_table(path, columns=["op"])["op"])[1])
 
 
 @dataclass
@@ -181,9 +186,9 @@ class WideRows:
     present: np.ndarray | None
 
 
-def _encoded(column) -> tuple[np.ndarray, list[str]]:
-    """Codes and distinct values of a string column (plain or dictionary-encoded, as the writer
-    stores it)."""
+def encoded(column: Any) -> tuple[np.ndarray, list[str]]:
+    """Codes and distinct values of an Arrow string column (plain or dictionary-encoded, as the
+    writer stores it and the CSV reader reads names)."""
     import pyarrow as pa
 
     if pa.types.is_dictionary(column.type):
@@ -220,15 +225,17 @@ def read_wide(paths: Sequence[str], window: tuple[int, int] | None = None) -> Wi
     import pyarrow.parquet as pq
 
     try:
-        steps = None if window is None else [("step", ">=", window[0]), ("step", "<=", window[1])]
+        steps = None
+        if window is not None and not all(_within(path, window) for path in paths):  # a filter costs a third
+            steps = [("step", ">=", window[0]), ("step", "<=", window[1])]
         table = pq.read_table(list(paths), columns=COLUMNS, filters=steps) if paths else None
     except pa.ArrowException as exc:  # cut short, or other columns
         raise ValueError(str(exc)) from exc
     if table is None or table.num_rows == 0:
         empty = np.zeros(0, dtype=np.int64)
         return WideRows((), empty, [], None, empty, empty, np.zeros((0, 0)), None)
-    names, name_list = _encoded(table["name"])
-    op_codes, ops = _encoded(table["op"])
+    names, name_list = encoded(table["name"])
+    op_codes, ops = encoded(table["op"])
     steps = table["step"].to_numpy()
     vpp = table["vpp_stage"].to_numpy()
     has_micro = table["micro_step"].null_count < table.num_rows

@@ -10,12 +10,24 @@ import pytest
 from tensorboard.compat.proto.event_pb2 import Event
 from tensorboard.compat.proto.summary_pb2 import HistogramProto
 
+from dashboards import csvfiles
 from dashboards.csvfiles import csv_bounds, read_csv_file, read_csv_files
 from dashboards.plugin.eventscalars import LayoutCache, event_head, first_scalar_tag
 from monitor.writers.eventfile import iter_records, open_regular, read_record, scan_records
 from monitor.writers.tensorboard import frame_record
 
 HEADER = "vpp_stage,name,step,norm,min\n"
+
+
+@pytest.fixture(params=["pyarrow", "pandas"])
+def engine(request, monkeypatch):
+    """The CSV files read by pyarrow's reader (installed with the dataset extra) or without it."""
+    if request.param == "pandas":
+        monkeypatch.setattr(csvfiles, "parse_arrow", lambda *args: None)
+        monkeypatch.setattr(csvfiles, "_HAS_PYARROW", False)
+    else:
+        assert csvfiles._HAS_PYARROW, "pyarrow comes with the dataset extra the README installs"
+    return request.param
 
 
 def _write(path, text: str):
@@ -28,7 +40,7 @@ def _rows_by_csv_module(path) -> list[list[str]]:
         return list(csv.reader(handle))[1:]
 
 
-def test_one_file_many_forms_of_value(tmp_path):
+def test_one_file_many_forms_of_value(tmp_path, engine):
     path = _write(
         tmp_path / "grad_reduced_0-0.csv",
         HEADER + '0,a.weight,0,1.5,-2\n1,"b,c ""q""",0,nan,inf\n0,nan,0,-inf,1e-300\n0,partial,0,1',
@@ -41,14 +53,14 @@ def test_one_file_many_forms_of_value(tmp_path):
     assert table.micro_steps is None and table.skipped == 0
 
 
-def test_rows_that_do_not_parse_are_skipped_and_counted(tmp_path):
+def test_rows_that_do_not_parse_are_skipped_and_counted(tmp_path, engine):
     path = _write(tmp_path / "x_0-0.csv", HEADER + "0,a,0,1,2\n0,b,zero,1,2\n0,c,1,one,2\n0,d,1\n0,e,2,3,4\n")
     table = read_csv_file(path)
     assert table.names == ["a", "e"] and table.skipped == 3
     assert table.values.tolist() == [[1.0, 2.0], [3.0, 4.0]]
 
 
-def test_many_files_at_once_equal_one_by_one(tmp_path):
+def test_many_files_at_once_equal_one_by_one(tmp_path, engine):
     paths = []
     rng = np.random.default_rng(0)
     for step in range(30):

@@ -196,7 +196,10 @@ def test_one_rank_scaled_at_step_7_is_exactly_what_is_reported(tmp_path, capsys)
     assert f"rank 2: {len(found)} outliers, first at step 7, most at step 7 ({len(found)})" in printed
 
 
-def test_outliers_and_their_numbers_match_the_reference(tmp_path):
+@pytest.mark.parametrize("engine", ["pyarrow", "pandas"])
+def test_outliers_and_their_numbers_match_the_reference(tmp_path, monkeypatch, engine):
+    if engine == "pandas":  # the reader without the dataset extra
+        monkeypatch.setattr(rank_csv, "parse_arrow", lambda *args: None)
     write_run(tmp_path, scaled=(1, 4, 1.6), seed=3)
     assert run_cli("-d", str(tmp_path), "--k-mad", "5", "--ops", ",".join(OPS)) == 0
     document = load(tmp_path / cross_rank.OUTPUT_NAME)
@@ -475,7 +478,8 @@ def test_windows_of_steps_in_worker_processes_find_what_one_window_finds(tmp_pat
     types = ("grad_unreduced",)
     whole = windows.find_outliers(dirs, types, 8.0, None, COMPARED, 2**40, print)
     monkeypatch.setattr(windows, "PARALLEL_VALUES", 0)  # workers even for a small run
-    monkeypatch.setattr(windows, "PROCESS_BYTES", 0)
+    monkeypatch.setattr(windows, "MAIN_BYTES", 0)
+    monkeypatch.setattr(windows, "WORKER_BYTES", 0)
     listed = {rank: rank_csv.list_parts(path, types)["grad_unreduced"] for rank, path in dirs.items()}
     per_step = windows.plan_windows(listed, 2**40, 2, print).values_per_step
     assert per_step == 5 * len(NAMES) * 2 * len(OPS)  # ranks x tensors x micro-steps x ops
@@ -501,6 +505,12 @@ def test_a_memory_limit_below_one_step_reads_one_step_at_a_time_and_says_so(tmp_
     plan = windows.plan_windows(listed, 1000, 2, told.append)
     assert plan.windows == [(s, s) for s in range(12)] and plan.jobs == 1  # files of 4 steps: 0-11
     assert "below what one step of this run needs" in told[0]
+    per_step = plan.values_per_step
+    plan = windows.plan_windows(
+        listed, windows.MAIN_BYTES + int(2.5 * windows.BYTES_PER_VALUE * per_step), 2, told.append
+    )
+    assert plan.windows == [(0, 1), (2, 3), (4, 5), (6, 7), (8, 9), (10, 11)]
+    assert "holds 2 of the 4 steps a file has: each file is read about 2 times" in told[1]
 
 
 @pytest.mark.parametrize("setting", ["lots", "0GB", "-1GB", "4 parsecs"])
