@@ -16,9 +16,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import pandas as pd
 
 from dashboards.convert.commands import DATA_TYPES, MAX_PROCESSES
-from dashboards.csvfiles import list_csv_files, read_csv_file
+from dashboards.csvfiles import list_csv_files, read_csv_files
 from monitor.datatypes.tasks import RowKey
 from monitor.files import RANK_DIR_PATTERN, TIME_FORMAT, parse_time_tag
 
@@ -153,29 +154,32 @@ class Series:
 
 def read_series(dirs: Sequence[str], prefix: str) -> Series | None:
     """All rows of ``prefix`` in ``dirs`` (in order; later files win on a repeated (row, step))."""
-    tables = []
-    for path in dirs:
-        for item in list_csv_files(path).get(prefix, []):
-            tables.append(read_csv_file(item.path))
+    tables = read_csv_files([item.path for path in dirs for item in list_csv_files(path).get(prefix, [])])
     skipped = sum(t.skipped for t in tables)
     tables = [t for t in tables if len(t)]
     if not tables:
         return None
     ops = tuple(dict.fromkeys(op for t in tables for op in t.ops))
-    number: dict[RowKey, int] = {}
-    ids, steps, values, present = [], [], [], []
-    for table in tables:
-        micro = table.micro_steps if table.micro_steps is not None else [-1] * len(table)
-        ids.append(
-            np.fromiter(
-                (
-                    number.setdefault(RowKey(int(v), n, int(m)), len(number))
-                    for v, n, m in zip(table.vpp_stages, table.names, micro)
-                ),
-                dtype=np.int64,
-                count=len(table),
-            )
+    steps, values, present = [], [], []
+    # the distinct rows in the order first seen, numbered once each
+    micro = [t.micro_steps if t.micro_steps is not None else np.full(len(t), -1) for t in tables]
+    levels = [
+        pd.factorize(column)
+        for column in (
+            np.concatenate([t.vpp_stages for t in tables]),
+            np.array([n for t in tables for n in t.names], dtype=object),
+            np.concatenate(micro),
         )
+    ]
+    (vpp, vpps), (name, names), (micro_code, micros) = levels
+    all_ids, first = pd.factorize((vpp * len(names) + name) * len(micros) + micro_code)
+    rest, m = np.divmod(first, len(micros))
+    v, n = np.divmod(rest, len(names))
+    number = {
+        RowKey(int(a), b, int(c)): index for index, (a, b, c) in enumerate(zip(vpps[v], names[n], micros[m]))
+    }
+    all_ids = all_ids.astype(np.int64)
+    for table in tables:
         steps.append(table.steps)
         block = np.full((len(table), len(ops)), np.nan)
         mask = np.zeros((len(table), len(ops)), dtype=bool)
@@ -184,7 +188,7 @@ def read_series(dirs: Sequence[str], prefix: str) -> Series | None:
         mask[:, columns] = True
         values.append(block)
         present.append(mask)
-    all_ids, all_steps = np.concatenate(ids), np.concatenate(steps)
+    all_steps = np.concatenate(steps)
     # the last occurrence of each (row, step) wins; then sort by step, rows in first-seen order
     order = np.lexsort((-np.arange(len(all_ids)), all_ids, all_steps))
     keep = np.ones(len(order), dtype=bool)

@@ -2,13 +2,14 @@
 
 A run's output root holds ``{time}-rank{R}-{id}/`` directories with ``{prefix}_{a}-{b}.csv`` files
 (``.{n}.csv`` when an appended run had other columns), header ``vpp_stage,name,step[,micro_step],
-<ops>`` (msprobe's layout; its ``shape``/``dtype`` columns are ignored). The listing, header and
-complete-line helpers here also serve the dashboards' reader (dashboards.csvfiles); the arrays are
-for the cross-rank analysis, which also reads a data type written with ``format: parquet``
-(monitor.writers.parquet_files) into the same arrays. All files of one data type and header on a
-rank are parsed with one pandas call. A file being written is read up to its last complete line; a
-row with a wrong field count or a cell that is not a number is dropped and counted, never guessed.
-Symlinked files and directories are not followed.
+<ops>`` (msprobe's layout; its ``shape``/``dtype`` columns are ignored). The listing, header,
+complete-line and parsing helpers here also serve the dashboards' reader (dashboards.csvfiles);
+the arrays are for the cross-rank analysis (monitor.anomaly.windows), which also reads a data type
+written with ``format: parquet`` (monitor.writers.parquet_files) into the same arrays, a window of
+steps at a time. The files of one data type and header on a rank are parsed in one call, by
+pyarrow's CSV reader where it is installed, else by pandas'. A file being written is read up to
+its last complete line; a row with a wrong field count or a cell that is not a number is dropped
+and counted, never guessed. Symlinked files and directories are not followed.
 """
 
 from __future__ import annotations

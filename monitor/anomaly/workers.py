@@ -1,7 +1,8 @@
 """Reading many files in worker processes when they are large, in this process otherwise.
 
-The offline analyses (anomaly files, per-rank CSVs) read one input per task and ship back small
-results; below a few tens of MiB the cost of starting a pool outweighs the gain.
+The offline analyses (anomaly files; the cross-rank analysis' windows of steps) read one input per
+task and ship back small results; below a few tens of MiB the cost of starting a pool outweighs
+the gain.
 """
 
 from __future__ import annotations
