@@ -18,6 +18,7 @@ if shutil.which("java") is None:
     pytest.skip("no Java runtime for Spark on this machine", allow_module_level=True)
 
 from dashboards.convert.compact import FARTHEST_RANK_SQL, compact  # noqa: E402
+from monitor.anomaly.peers_sql import cross_rank_sql  # noqa: E402
 from monitor.files import make_private_dir  # noqa: E402
 from monitor.record import RowSet, StepRecord  # noqa: E402
 from monitor.writers.csv import CsvWriter  # noqa: E402
@@ -91,3 +92,17 @@ def test_spark_reads_every_value_and_runs_the_cross_rank_query_as_duckdb_does(tm
         reference.add((prefix, name, op, step, ranks[int(np.argmax(np.abs(column - np.median(column))))]))
     assert on_duckdb == reference
     assert on_spark == reference
+
+    # the cross-rank analysis itself, as SQL: the same outliers on both engines
+    query = cross_rank_sql(k_mad=3.0, types=("grad_reduced", "exp_avg"))
+    key = ("data_type", "rank", "step", "micro_step", "name", "op")
+    spark_rows = {tuple(r[k] for k in key): r.asDict() for r in spark.sql(query).collect()}
+    cursor = con.execute(query)
+    columns = [d[0] for d in cursor.description]
+    duckdb_rows = {
+        tuple(r[k] for k in key): r for r in (dict(zip(columns, row)) for row in cursor.fetchall())
+    }
+    assert spark_rows.keys() == duckdb_rows.keys() and len(spark_rows) > 0
+    for found, row in spark_rows.items():
+        for column in ("value", "peers_median", "scale", "deviation_mads"):
+            assert row[column] == pytest.approx(duckdb_rows[found][column], rel=1e-6), (found, column)

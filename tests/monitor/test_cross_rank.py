@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from monitor import memory_limit
-from monitor.anomaly import analyse, cross_rank, incident_files, peers, rank_csv, windows
+from monitor.anomaly import analyse, cross_rank, incident_files, peers, peers_sql, rank_csv, windows
 from monitor.anomaly.detector import Anomaly
 from monitor.anomaly.dump import AnomalyDump
 from monitor.cli import main as trainmon
@@ -50,6 +50,7 @@ def write_run(
     seed: int = 0,
     per_record: int = 5,
     fmt: str = "csv",
+    nan_at: tuple[int, int] | None = None,
 ) -> None:
     """A run in our CSV (or live Parquet) format: per (tensor, step) a common level, per rank 5% noise.
 
@@ -85,6 +86,8 @@ def write_run(
             if scaled is not None and scaled[:2] == (rank, step):
                 target = slice(None) if micro is None else np.array(micro) == micro_steps - 1
                 values[target, :4] *= scaled[2]
+            if nan_at == (rank, step):  # the first tensor's norm is NaN, its NaN count 3
+                values[0, 0], values[0, 5] = np.nan, 3.0
             writer.write(StepRecord(prefix, step, OPS, rows, values))
             writer.end_step(step)
         writer.close()
@@ -542,3 +545,41 @@ def test_an_unreadable_parquet_file_is_skipped_with_a_warning_and_the_rest_compa
     document = load(tmp_path / cross_rank.OUTPUT_NAME)
     assert {(rank, step) for rank, step, *_ in found_keys(document)} == {(2, 7)}
     assert "skipping unreadable Parquet files" in capsys.readouterr().err + json.dumps(document)
+
+
+@pytest.mark.parametrize("ranks", [4, 5])
+def test_the_documented_sql_finds_what_the_command_finds(tmp_path, ranks):
+    duckdb = pytest.importorskip("duckdb", reason="DuckDB comes with the dataset extra")
+    write_run(
+        tmp_path, scaled=(2, 7, 3.0), ranks=ranks, fmt="parquet", per_record=4, micro_steps=2, nan_at=(1, 4)
+    )
+    assert run_cli("-d", str(tmp_path), "--k-mad", "5") == 0
+    document = load(tmp_path / cross_rank.OUTPUT_NAME)
+    con = duckdb.connect()
+    files = f"{tmp_path}/*/values/**/*.parquet"
+    con.execute(f"CREATE VIEW v AS SELECT * FROM read_parquet('{files}', hive_partitioning = true)")
+    rows = con.execute(peers_sql.cross_rank_sql(k_mad=5.0)).fetchall()
+    columns = [d[0] for d in con.description]
+    keys = ("rank", "step", "micro_step", "name", "op")
+    found = {tuple(row[k] for k in keys): row for row in (dict(zip(columns, r)) for r in rows)}
+    expected = {tuple(row[k] for k in keys): row for row in document["outliers"]}
+    assert found.keys() == expected.keys() and len(found) == document["outliers_total"] > 1
+    assert math.isnan(found[(1, 4, 0, NAMES[0], "norm")]["value"])  # and its NaN count:
+    assert (
+        found[(1, 4, 0, NAMES[0], "nans")]["deviation_mads"]
+        == expected[(1, 4, 0, NAMES[0], "nans")]["deviation_mads"]
+    )
+    for key, row in found.items():  # the command's order is its own (tensors and ops as first seen)
+        command = expected[key]
+        if math.isnan(row["value"]):
+            assert (command["value"], row["deviation_mads"], command["deviation_mads"]) == (
+                "nan",
+                None,
+                "inf",
+            )
+            row, command = (
+                {**row, "value": 0.0, "deviation_mads": 0.0},
+                {**command, "value": 0.0, "deviation_mads": 0.0},
+            )
+        for column in ("value", "peers_median", "scale", "deviation_mads"):
+            assert row[column] == pytest.approx(command[column], rel=1e-12), (key, column)
