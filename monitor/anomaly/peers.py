@@ -23,24 +23,21 @@ MIN_RANKS ranks hold finite values. Fewer than MIN_RANKS (3) finite values: no v
 ranks neither can be told to be the odd one). False-positive rates on noise: see
 benchmarks/cross_rank.py and docs/anomalies.md.
 
-Everything is vectorised with numpy over blocks of (tensor x step) rows x ranks, bounded in memory.
+Everything is vectorised with numpy over blocks of (tensor x step) rows x ranks, bounded in memory;
+the statistics of a block's rows are monitor.anomaly.peer_rows.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
 import pandas as pd
 
+from monitor.anomaly.peer_rows import MIN_RANKS, peer_stats
 from monitor.anomaly.rank_csv import Table
 
-try:
-    from monitor.anomaly import _peer_rows
-except ImportError:  # built without a C compiler: numpy partitions instead
-    _peer_rows = None
-
-MIN_RANKS = 3
 #: smallest scale, relative to the median magnitude.
 REL_FLOOR = 1e-3
 #: smallest scale of ops whose values are shares in [0, 1]: peers all at exactly 0 (a share of
@@ -49,100 +46,6 @@ ABS_FLOOR = {"zeros": 0.01}
 #: elements of one (rows x ranks) block.
 BLOCK = 1 << 20
 _TINY = np.finfo(np.float64).tiny
-
-
-def _order_stat(sorted_rows: np.ndarray, count: np.ndarray) -> np.ndarray:
-    """Median of the first ``count`` entries of each sorted row (NaN where count is 0)."""
-    low = np.take_along_axis(sorted_rows, np.maximum((count - 1) // 2, 0)[:, None], axis=1)[:, 0]
-    high = np.take_along_axis(sorted_rows, np.maximum(count // 2 - (count == 0), 0)[:, None], axis=1)[:, 0]
-    return np.where(count > 0, (low + high) / 2.0, np.nan)
-
-
-@dataclass
-class PeerStats:
-    """Per row (a tensor at a step) and column (a rank) of one block."""
-
-    finite: np.ndarray
-    count: np.ndarray
-    median: np.ndarray
-    size: np.ndarray
-    peers: np.ndarray
-    deviation: np.ndarray
-    mad: np.ndarray
-
-
-def peer_stats(values: np.ndarray, present: np.ndarray) -> PeerStats:
-    """Median, leave-one-out peer medians, deviations and MAD of a (rows x ranks) block.
-
-    Only finite present values take part; a NaN/Inf value's peers are all finite values of its row.
-    Rows where every rank holds a finite value (the usual case) take a selection-based fast path.
-    """
-    finite = present & np.isfinite(values)
-    count = finite.sum(axis=1)
-    median, size, mad = np.empty(len(values)), np.empty(len(values)), np.empty(len(values))
-    peers, deviation = np.empty(values.shape), np.empty(values.shape)
-    full = count == values.shape[1] if values.shape[1] >= MIN_RANKS else np.zeros(len(values), dtype=bool)
-    for rows, method in ((full, _full_rows), (~full, _partial_rows)):
-        if rows.all():
-            median, size, peers, deviation, mad = method(values, finite, count)
-        elif rows.any():
-            median[rows], size[rows], peers[rows], deviation[rows], mad[rows] = method(
-                values[rows], finite[rows], count[rows]
-            )
-    return PeerStats(finite, count, median, size, peers, deviation, mad)
-
-
-def _full_rows(values: np.ndarray, finite: np.ndarray, count: np.ndarray) -> tuple[np.ndarray, ...]:
-    """peer_stats of rows with n >= MIN_RANKS finite values: three order statistics per row suffice."""
-    if _peer_rows is not None and len(values):
-        values = np.ascontiguousarray(values, dtype=np.float64)
-        rows, n = values.shape
-        median, size, mad = np.empty(rows), np.empty(rows), np.empty(rows)
-        peers, deviation = np.empty((rows, n)), np.empty((rows, n))
-        _peer_rows.full_rows(rows, n, values, np.sort(values, axis=1), median, size, peers, deviation, mad)
-        return median, size, peers, deviation, mad
-    n = values.shape[1]
-    middle = n // 2
-    if n % 2 == 0:  # removing a value of the lower half leaves the upper middle, and vice versa
-        part = np.partition(values, (middle - 1, middle), axis=1)
-        low, high = part[:, middle - 1 : middle], part[:, middle : middle + 1]
-        median = (low + high)[:, 0] / 2.0
-        peers = np.where(values <= low, high, low)
-    else:
-        part = np.partition(values, (middle - 1, middle, middle + 1), axis=1)
-        below, centre, above = (part[:, i : i + 1] for i in (middle - 1, middle, middle + 1))
-        median = centre[:, 0]
-        peers = np.where(values < centre, (centre + above) / 2.0, (below + centre) / 2.0)
-        peers = np.where(values == centre, (below + above) / 2.0, peers)
-    middles = (middle - 1 + n % 2, middle)
-    if values.min(initial=0.0) >= 0:  # norms, shares, counts: the magnitudes are the values
-        size = median
-    else:
-        size = np.partition(np.abs(values), middles, axis=1)[:, middles].mean(axis=1)
-    deviation = np.abs(values - peers)
-    mad = np.partition(deviation, middles, axis=1)[:, middles].mean(axis=1)
-    return median, size, peers, deviation, mad
-
-
-def _partial_rows(values: np.ndarray, finite: np.ndarray, count: np.ndarray) -> tuple[np.ndarray, ...]:
-    """peer_stats of rows with missing or non-finite values: sorted rows, per-row order statistics."""
-    clean = np.where(finite, values, np.nan)
-    order = np.argsort(clean, axis=1, kind="stable")  # NaN last
-    ranked = np.take_along_axis(clean, order, axis=1)
-    position = np.empty_like(order)
-    np.put_along_axis(position, order, np.broadcast_to(np.arange(values.shape[1]), order.shape), axis=1)
-    median = _order_stat(ranked, count)
-    # the median of the count - 1 others: indices into the sorted row with this rank's entry removed
-    last = values.shape[1] - 1
-    low, high = ((count[:, None] - 2) // 2), ((count[:, None] - 1) // 2)
-    low = np.clip(low + (low >= position), 0, last)
-    high = np.clip(high + (high >= position), 0, last)
-    peers = (np.take_along_axis(ranked, low, axis=1) + np.take_along_axis(ranked, high, axis=1)) / 2.0
-    peers = np.where(finite, peers, median[:, None])
-    deviation = np.where(finite, np.abs(values - peers), np.nan)
-    size = _order_stat(np.sort(np.abs(clean), axis=1), count)
-    mad = _order_stat(np.sort(deviation, axis=1), count)
-    return median, size, peers, deviation, mad
 
 
 @dataclass
@@ -267,34 +170,80 @@ def first_pass(
         return Partial([], ops, {}, {}, 0)
     steps = np.unique(np.concatenate([p.steps[np.r_[True, p.steps[1:] != p.steps[:-1]]] for p in prepared]))
     n_micro, n_labels = 1 + max(int(np.max(p.micro, initial=0)) for p in prepared), len(label_ids)
-    per_step = n_micro * n_labels
-    chunk = max(1, BLOCK // (per_step * ranks))
+    aligned = _aligned(prepared, ranks, n_micro, n_labels)
     for op in dict.fromkeys(op for p in prepared for op in p.ops):
         if only_ops is not None and op not in only_ops:
             continue
         ops.append(op)
         holders = [(p, p.ops.index(op)) for p in prepared if op in p.ops]
-        for first in range(0, len(steps), chunk):
-            window = steps[first : first + chunk]
-            # filled rank by rank (contiguous writes), then one transposition to rows x ranks
-            values = np.full((ranks, len(window) * per_step), np.nan)
-            present = np.zeros(values.shape, dtype=bool)
-            for p, op_column in holders:
-                lo, hi = np.searchsorted(p.steps, window[0]), np.searchsorted(p.steps, window[-1], "right")
-                micro = p.micro[lo:hi] if isinstance(p.micro, np.ndarray) else 0
-                key = (np.searchsorted(window, p.steps[lo:hi]) * n_micro + micro) * n_labels + p.labels[lo:hi]
-                values[p.column, key] = p.values[lo:hi, op_column]
-                present[p.column, key] = True
-            values, present = np.ascontiguousarray(values.T), np.ascontiguousarray(present.T)
-            keys = np.flatnonzero(present.sum(axis=1) >= MIN_RANKS)
-            if len(keys) < len(values):
-                values, present = values[keys], present[keys]
-            labels = (keys % n_labels, window[keys // per_step], (keys % per_step) // n_labels - 1)
+        if aligned and len(holders) == ranks:
+            blocks = _aligned_blocks(holders, ranks)
+        else:
+            blocks = _scattered_blocks(holders, ranks, steps, n_micro, n_labels)
+        for values, present, labels in blocks:
             judged = _block(
                 values, present, labels, len(ops) - 1, ABS_FLOOR.get(op, 0.0), k_mad, rows, candidates
             )
             judged_total += int((judged & _chosen(labels[1], only_steps)).sum())
     return Partial(list(label_ids), ops, rows.joined(), candidates.joined(), judged_total)
+
+
+_Block = tuple[np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray, np.ndarray]]
+
+
+def _aligned(prepared: list[Prepared], ranks: int, n_micro: int, n_labels: int) -> bool:
+    """Whether every rank has one table holding the same entries (step, micro-step, tensor) in the
+    same order, each once: the usual case, whose blocks need no scattering."""
+    first = prepared[0]
+    if ranks < MIN_RANKS or sorted(p.column for p in prepared) != list(range(ranks)):
+        return False
+    same = all(
+        np.array_equal(p.steps, first.steps)
+        and np.array_equal(p.labels, first.labels)
+        and np.array_equal(p.micro, first.micro)
+        for p in prepared[1:]
+    )
+    if not same or not len(first.steps):
+        return False
+    key = ((first.steps - first.steps[0]) * n_micro + first.micro) * n_labels + first.labels
+    return len(np.unique(key)) == len(key)
+
+
+def _aligned_blocks(holders: list[tuple[Prepared, int]], ranks: int) -> Iterator[_Block]:
+    """Blocks of aligned tables: each rank's values side by side."""
+    holders = sorted(holders, key=lambda holder: holder[0].column)
+    first = holders[0][0]
+    micro = first.micro - 1 if isinstance(first.micro, np.ndarray) else np.full(len(first.steps), -1)
+    height = max(1, BLOCK // ranks)
+    for lo in range(0, len(first.steps), height):
+        values = np.column_stack([p.values[lo : lo + height, column] for p, column in holders])
+        labels = (first.labels[lo : lo + height], first.steps[lo : lo + height], micro[lo : lo + height])
+        yield values, np.ones(values.shape, dtype=bool), labels
+
+
+def _scattered_blocks(
+    holders: list[tuple[Prepared, int]], ranks: int, steps: np.ndarray, n_micro: int, n_labels: int
+) -> Iterator[_Block]:
+    """Blocks of any tables: each rank's values placed at their (step, micro-step, tensor) row,
+    rows held by fewer than MIN_RANKS ranks left out."""
+    per_step = n_micro * n_labels
+    chunk = max(1, BLOCK // (per_step * ranks))
+    for first in range(0, len(steps), chunk):
+        window = steps[first : first + chunk]
+        # filled rank by rank (contiguous writes), then one transposition to rows x ranks
+        values = np.full((ranks, len(window) * per_step), np.nan)
+        present = np.zeros(values.shape, dtype=bool)
+        for p, op_column in holders:
+            lo, hi = np.searchsorted(p.steps, window[0]), np.searchsorted(p.steps, window[-1], "right")
+            micro = p.micro[lo:hi] if isinstance(p.micro, np.ndarray) else 0
+            key = (np.searchsorted(window, p.steps[lo:hi]) * n_micro + micro) * n_labels + p.labels[lo:hi]
+            values[p.column, key] = p.values[lo:hi, op_column]
+            present[p.column, key] = True
+        values, present = np.ascontiguousarray(values.T), np.ascontiguousarray(present.T)
+        keys = np.flatnonzero(present.sum(axis=1) >= MIN_RANKS)
+        if len(keys) < len(values):
+            values, present = values[keys], present[keys]
+        yield values, present, (keys % n_labels, window[keys // per_step], (keys % per_step) // n_labels - 1)
 
 
 def judge(prefix: str, ranks: list[int], partials: list[Partial], out: Outliers) -> None:

@@ -17,7 +17,16 @@ import numpy as np
 import pytest
 
 from monitor import memory_limit
-from monitor.anomaly import analyse, cross_rank, incident_files, peers, peers_sql, rank_csv, windows
+from monitor.anomaly import (
+    analyse,
+    cross_rank,
+    incident_files,
+    peer_rows,
+    peers,
+    peers_sql,
+    rank_csv,
+    windows,
+)
 from monitor.anomaly.detector import Anomaly
 from monitor.anomaly.dump import AnomalyDump
 from monitor.cli import main as trainmon
@@ -312,9 +321,9 @@ def _loop_stats(values: np.ndarray, present: np.ndarray):
 @pytest.mark.parametrize("compiled", [True, False], ids=["C", "numpy"])
 @pytest.mark.parametrize("ranks", [3, 4, 5, 8])
 def test_peer_stats_match_a_loop_with_missing_nan_and_ties(ranks, compiled, monkeypatch):
-    assert peers._peer_rows is not None, "setup.py builds monitor.anomaly._peer_rows at install"
+    assert peer_rows._peer_rows is not None, "setup.py builds monitor.anomaly._peer_rows at install"
     if not compiled:
-        monkeypatch.setattr(peers, "_peer_rows", None)
+        monkeypatch.setattr(peer_rows, "_peer_rows", None)
     rng = np.random.default_rng(ranks)
     values = rng.normal(size=(400, ranks)).round(1)  # rounding makes ties
     present = rng.random(values.shape) > 0.15
@@ -322,7 +331,7 @@ def test_peer_stats_match_a_loop_with_missing_nan_and_ties(ranks, compiled, monk
     values[rng.random(values.shape) < 0.05] = np.nan
     values[:100] = values[:100].round(0)
     values[150:200] = np.nan_to_num(values[150:200])
-    stats = peers.peer_stats(values, present)
+    stats = peer_rows.peer_stats(values, present)
     median, size, peer, mad = _loop_stats(values, present)
     np.testing.assert_allclose(stats.median, median, rtol=0, atol=1e-12, equal_nan=True)
     np.testing.assert_allclose(stats.size, size, rtol=0, atol=1e-12, equal_nan=True)
@@ -342,9 +351,9 @@ def test_the_compiled_rows_give_the_bits_of_the_numpy_path(ranks, monkeypatch):
         ]
     )
     present = np.ones(values.shape, dtype=bool)
-    compiled = peers.peer_stats(values, present)
-    monkeypatch.setattr(peers, "_peer_rows", None)
-    reference = peers.peer_stats(values, present)
+    compiled = peer_rows.peer_stats(values, present)
+    monkeypatch.setattr(peer_rows, "_peer_rows", None)
+    reference = peer_rows.peer_stats(values, present)
     for name in ("median", "size", "peers", "deviation", "mad"):
         np.testing.assert_array_equal(getattr(compiled, name), getattr(reference, name), err_msg=name)
 
@@ -583,3 +592,21 @@ def test_the_documented_sql_finds_what_the_command_finds(tmp_path, ranks):
             )
         for column in ("value", "peers_median", "scale", "deviation_mads"):
             assert row[column] == pytest.approx(command[column], rel=1e-12), (key, column)
+
+
+@pytest.mark.parametrize("fmt", ["csv", "parquet"])
+def test_aligned_ranks_side_by_side_find_what_scattering_finds(tmp_path, monkeypatch, fmt):
+    if fmt == "parquet":
+        pytest.importorskip("pyarrow", reason="format parquet needs the dataset extra")
+    write_run(tmp_path, scaled=(2, 7, 3.0), ranks=5, micro_steps=2, fmt=fmt, nan_at=(1, 4))
+    dirs = rank_csv.find_rank_dirs(str(tmp_path))
+    aligned_calls = []
+    original = peers._aligned
+    monkeypatch.setattr(peers, "_aligned", lambda *a: aligned_calls.append(original(*a)) or aligned_calls[-1])
+    side_by_side = windows.find_outliers(dirs, ("grad_unreduced",), 5.0, None, None, 2**40, print)
+    assert aligned_calls and all(aligned_calls)
+    monkeypatch.setattr(peers, "_aligned", lambda *a: False)
+    scattered = windows.find_outliers(dirs, ("grad_unreduced",), 5.0, None, None, 2**40, print)
+    assert side_by_side.judged == scattered.judged > 0
+    assert cross_rank.records(side_by_side) == cross_rank.records(scattered)
+    assert len(cross_rank.records(scattered)) > 2
