@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import numpy as np
-import pandas as pd
 
 from monitor.files import RANK_DIR_PATTERN
 from monitor.writers.eventfile import open_regular
@@ -221,6 +220,8 @@ def parse_rows(header: bytes, body: bytes, window: tuple[int, int] | None = None
             steps[keep],
             op_values(arrow, ops)[keep],
         ), 0
+    import pandas as pd  # without pyarrow only: it is slow to import
+
     common = {"usecols": labels + list(ops), "keep_default_na": False, "encoding_errors": "replace"}
     dtypes = {**dict.fromkeys(ops, np.float64), **dict.fromkeys(labels, np.int64), "name": "category"}
     na_values = dict.fromkeys(ops, NAN_TEXT)  # a tensor may be called "nan"
@@ -243,10 +244,10 @@ def parse_rows(header: bytes, body: bytes, window: tuple[int, int] | None = None
     return table, dropped
 
 
-def _parse_leniently(
-    data: bytes, labels: list[str], ops: tuple[str, ...], common: dict
-) -> tuple[pd.DataFrame, int]:
+def _parse_leniently(data: bytes, labels: list[str], ops: tuple[str, ...], common: dict) -> tuple[Any, int]:
     """Drop rows with a wrong field count, a non-integer label or a value cell that is not a number."""
+    import pandas as pd
+
     frame = pd.read_csv(io.BytesIO(data), dtype=str, on_bad_lines="skip", **common)
     good = np.ones(len(frame), dtype=bool)
     for column in [c for c in labels if c != "name"] + list(ops):

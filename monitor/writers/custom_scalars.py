@@ -34,8 +34,7 @@ from tensorboard.plugins.custom_scalar import metadata as cs_metadata
 from monitor.datatypes.tasks import PREFIX_ORDER, order_key, tasks_of_prefix
 from monitor.files import FILE_MODE, create_exclusive
 from monitor.record import StepRecord
-from monitor.writers.eventfile import iter_records
-from monitor.writers.tensorboard import frame_record
+from monitor.writers.eventfile import frame_record, iter_records
 
 LAYOUT_SUFFIX = ".trainmon-layout"
 _EVENT_PREFIX = "events.out.tfevents."

@@ -1,4 +1,4 @@
-"""Reading TensorBoard event files record by record (TFRecord framing), safely and incrementally.
+"""TensorBoard event files' TFRecord framing, and reading them record by record, safely and incrementally.
 
 A record is ``length (u64) | masked crc32c(length) | data | masked crc32c(data)``. Files that are
 still being written are read up to their last complete record; a record whose length CRC does not
@@ -14,10 +14,26 @@ import struct
 from collections.abc import Iterator
 from typing import NamedTuple
 
-from monitor.writers.tensorboard import masked_crc32c
+import google_crc32c
 
+_MASK32 = 0xFFFFFFFF
 _HEADER = struct.Struct("<QI")
 _CRC = struct.Struct("<I")
+
+
+def masked_crc32c(data: bytes) -> int:
+    """The TFRecord "masked" CRC32C of ``data`` (google-crc32c's C implementation)."""
+    crc = google_crc32c.value(data)
+    return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & _MASK32
+
+
+def frame_record(data: bytes) -> bytes:
+    """One TFRecord: length, masked CRC of the length, data, masked CRC of the data."""
+    header = struct.pack("<Q", len(data))
+    crcs = (struct.pack("<I", masked_crc32c(header)), struct.pack("<I", masked_crc32c(data)))
+    return b"".join((header, crcs[0], data, crcs[1]))
+
+
 #: records longer than this are treated as corruption (TensorBoard events are far smaller).
 MAX_RECORD_BYTES = 1 << 31
 

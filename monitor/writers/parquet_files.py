@@ -137,6 +137,36 @@ def live_prefixes(rank_dir: str, types: Sequence[str] | None = None) -> dict[str
     return found
 
 
+def _constant_columns(paths: Sequence[str]) -> dict[str, Any]:
+    """The label columns that hold one value in every row group of these files (None: only
+    nulls, as ``micro_step`` without micro-steps), from the files' footers: a column known to be
+    constant need not be decoded, which saves a third of a read.
+
+    Raises:
+        pyarrow.ArrowException: a file is not a whole Parquet file.
+        OSError: a file cannot be read.
+    """
+    import pyarrow.parquet as pq
+
+    seen: dict[str, set] = {"micro_step": set(), "vpp_stage": set(), "op": set()}
+    for path in paths:
+        meta = pq.read_metadata(path)
+        names = [meta.schema.column(i).name for i in range(meta.num_columns)]
+        for group in range(meta.num_row_groups):
+            for column, values in list(seen.items()):
+                chunk = meta.row_group(group).column(names.index(column)) if column in names else None
+                stats = chunk.statistics if chunk is not None else None
+                if stats is None:
+                    del seen[column]
+                elif stats.null_count == chunk.num_values:
+                    values.add(None)
+                elif stats.null_count == 0 and stats.has_min_max and stats.min == stats.max:
+                    values.add(stats.min)
+                else:
+                    del seen[column]
+    return {column: values.pop() for column, values in seen.items() if len(values) == 1}
+
+
 def _within(path: str, window: tuple[int, int]) -> bool:
     steps = part_steps(path)
     return steps is not None and window[0] <= steps[0] and steps[1] <= window[1]
@@ -228,18 +258,28 @@ def read_wide(paths: Sequence[str], window: tuple[int, int] | None = None) -> Wi
         steps = None
         if window is not None and not all(_within(path, window) for path in paths):  # a filter costs a third
             steps = [("step", ">=", window[0]), ("step", "<=", window[1])]
-        table = pq.read_table(list(paths), columns=COLUMNS, filters=steps) if paths else None
+        constant = _constant_columns(paths)
+        columns = [column for column in COLUMNS if column not in constant]
+        table = pq.read_table(list(paths), columns=columns, filters=steps) if paths else None
     except pa.ArrowException as exc:  # cut short, or other columns
         raise ValueError(str(exc)) from exc
     if table is None or table.num_rows == 0:
         empty = np.zeros(0, dtype=np.int64)
         return WideRows((), empty, [], None, empty, empty, np.zeros((0, 0)), None)
+    rows = table.num_rows
     names, name_list = encoded(table["name"])
-    op_codes, ops = encoded(table["op"])
+    if "op" in constant:
+        op_codes, ops = np.zeros(rows, dtype=np.int64), [constant["op"]]
+    else:
+        op_codes, ops = encoded(table["op"])
     steps = table["step"].to_numpy()
-    vpp = table["vpp_stage"].to_numpy()
-    has_micro = table["micro_step"].null_count < table.num_rows
-    micro = table["micro_step"].fill_null(-1).to_numpy()
+    vpp = np.full(rows, constant["vpp_stage"]) if "vpp_stage" in constant else table["vpp_stage"].to_numpy()
+    if "micro_step" in constant:
+        has_micro = constant["micro_step"] is not None
+        micro = np.full(rows, -1 if constant["micro_step"] is None else constant["micro_step"])
+    else:
+        has_micro = table["micro_step"].null_count < rows
+        micro = table["micro_step"].fill_null(-1).to_numpy()
     if len(ops) == 1 and not has_micro and vpp.min() == vpp.max():  # the common case, without sorting
         return WideRows(
             tuple(ops),

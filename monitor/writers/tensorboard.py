@@ -16,13 +16,11 @@ from __future__ import annotations
 import itertools
 import os
 import socket
-import struct
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
 
-import google_crc32c
 import numpy as np
 from tensorboard.compat.proto.event_pb2 import Event
 from tensorboard.compat.proto.summary_pb2 import HistogramProto
@@ -30,6 +28,7 @@ from tensorboard.summary.writer.record_writer import RecordWriter
 
 from monitor.files import FILE_MODE, create_exclusive
 from monitor.record import RowSet, StepRecord
+from monitor.writers.eventfile import frame_record
 
 #: buffered bytes past which whole records are written out before the step ends.
 FLUSH_BYTES = 8 << 20
@@ -39,14 +38,6 @@ TEMPLATE_CACHE_SIZE = 32
 TEMPLATE_CACHE_SCALARS = 1_000_000
 
 _file_counter = itertools.count()
-
-_MASK32 = 0xFFFFFFFF
-
-
-def masked_crc32c(data: bytes) -> int:
-    """The TFRecord "masked" CRC32C of ``data`` (google-crc32c's C implementation)."""
-    crc = google_crc32c.value(data)
-    return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & _MASK32
 
 
 class _WholeRecordFile:
@@ -86,13 +77,6 @@ class _WholeRecordFile:
             self.flush()
         finally:
             os.close(self._fd)
-
-
-def frame_record(data: bytes) -> bytes:
-    """One TFRecord: length, masked CRC of the length, data, masked CRC of the data."""
-    header = struct.pack("<Q", len(data))
-    crcs = (struct.pack("<I", masked_crc32c(header)), struct.pack("<I", masked_crc32c(data)))
-    return b"".join((header, crcs[0], data, crcs[1]))
 
 
 class _FastRecordWriter(RecordWriter):

@@ -13,8 +13,7 @@ from tensorboard.compat.proto.summary_pb2 import HistogramProto
 from dashboards import csvfiles
 from dashboards.csvfiles import csv_bounds, read_csv_file, read_csv_files
 from dashboards.plugin.eventscalars import LayoutCache, event_head, first_scalar_tag
-from monitor.writers.eventfile import iter_records, open_regular, read_record, scan_records
-from monitor.writers.tensorboard import frame_record
+from monitor.writers.eventfile import frame_record, iter_records, open_regular, read_record, scan_records
 
 HEADER = "vpp_stage,name,step,norm,min\n"
 

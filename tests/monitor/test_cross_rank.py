@@ -610,3 +610,14 @@ def test_aligned_ranks_side_by_side_find_what_scattering_finds(tmp_path, monkeyp
     assert side_by_side.judged == scattered.judged > 0
     assert cross_rank.records(side_by_side) == cross_rank.records(scattered)
     assert len(cross_rank.records(scattered)) > 2
+
+
+def test_the_pooled_medians_are_pandas_medians_per_group():
+    pandas = pytest.importorskip("pandas")
+    rng = np.random.default_rng(0)
+    keys, values = rng.integers(0, 50, 10_000), rng.normal(size=10_000)
+    values[rng.random(10_000) < 0.1] = np.nan
+    values[keys == 3] = np.nan  # a group without a value: NaN, as pandas has it
+    asked = np.arange(-2, 55)
+    expected = pandas.Series(values).groupby(keys).median().reindex(asked).to_numpy()
+    np.testing.assert_array_equal(peers._GroupMedians(keys, values).of(asked), expected)
