@@ -2,9 +2,10 @@
 step's records (``rules``, ``detector``), incidents with their roots and the per-rank anomaly
 files (``incidents``, ``root``, ``incident_files``, ``anomaly_files``, ``dump``), and the readers
 behind ``anomaly-analyse`` and its cross-rank comparison (``analyse``, ``ordering``, ``cross_rank``,
-``peers``, ``rank_csv``, ``verdicts``, ``report``, ``workers``).
+``windows``, ``peers``, ``peer_rows`` with its C kernel ``_peer_rows``, ``peers_sql``, ``rank_csv``,
+``verdicts``, ``report``, ``workers``).
 
-May import the config, the data types' tag tasks, the TensorBoard event writer (the dump's
+May import the config, the data types' tag tasks, the TensorBoard event files (the dump's
 format), the live Parquet layout (a run written with ``format: parquet``) and the shared modules
 at the top of ``monitor``.
 """

@@ -11,7 +11,8 @@
  * ascending runs (below and above the middle) whose middle is found by merging them halfway. The
  * magnitudes of a sorted row are two ascending runs as well (the negative values reversed, the
  * others). The arithmetic is the numpy path's, operation for operation, so both give the same
- * bits. The GIL is released.
+ * bits (but for the sign of a zero, and the size of rows holding values beyond half the largest
+ * double, where numpy's mean of a value with itself overflows). The GIL is released.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>

@@ -16,7 +16,7 @@ from __future__ import annotations
 from monitor.anomaly.cross_rank import DEFAULT_K_MAD, DEFAULT_OPS, DEFAULT_TYPES
 from monitor.anomaly.peers import ABS_FLOOR, MIN_RANKS, REL_FLOOR
 
-_GROUP = "data_type, vpp_stage, name, micro_step, step, op"
+_GROUP = "data_type, vpp_stage, name, micro, step, op"
 _JOIN = " AND ".join(f"a.{c} = b.{c}" for c in _GROUP.split(", "))
 
 
@@ -38,7 +38,7 @@ def cross_rank_sql(
     floors = " ".join(f"WHEN b.op = '{op}' THEN {floor!r}" for op, floor in ABS_FLOOR.items())
     return f"""
 WITH x AS (  -- the values compared; finite ones make a group's medians
-    SELECT data_type, vpp_stage, name, coalesce(micro_step, -1) AS micro_step, step, op, rank, value,
+    SELECT data_type, vpp_stage, name, coalesce(micro_step, -1) AS micro, step, op, rank, value,
            abs(value) <= 1.7976931348623157e308 AS finite
     FROM v WHERE data_type IN ({listed[0]}) AND op IN ({listed[1]})
 ),
@@ -83,9 +83,10 @@ s AS (
     JOIN t ON t.data_type = b.data_type AND t.vpp_stage = b.vpp_stage AND t.name = b.name AND t.op = b.op
     JOIN o ON o.data_type = b.data_type AND o.op = b.op
 )
-SELECT data_type, rank, step, micro_step, vpp_stage, name, op, value, peers AS peers_median, scale,
+SELECT data_type, rank, step, CASE WHEN micro >= 0 THEN micro END AS micro_step, vpp_stage, name, op, value,
+       peers AS peers_median, scale,
        CASE WHEN finite THEN abs(value - peers) / scale END AS deviation_mads
 FROM (SELECT *, CASE WHEN unit > 0 THEN unit ELSE 2.2250738585072014e-308 END AS scale FROM s) AS u
 WHERE NOT finite OR abs(value - peers) > {float(k_mad)!r} * scale
-ORDER BY step, micro_step, data_type, vpp_stage, name, op, rank
+ORDER BY step, micro, data_type, vpp_stage, name, op, rank
 """

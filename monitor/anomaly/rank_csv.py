@@ -197,9 +197,9 @@ def op_values(arrow: Any, ops: tuple[str, ...]) -> np.ndarray:
     return np.column_stack([arrow[op].to_numpy() for op in ops])
 
 
-def parse_rows(header: bytes, body: bytes, window: tuple[int, int] | None = None) -> tuple[Table | None, int]:
+def parse_rows(header: bytes, body: bytes) -> tuple[Table | None, int]:
     """Rows under one header as a Table (None: not a monitor header) and the count dropped as
-    malformed; only the steps of ``window`` (first, last) unless None."""
+    malformed."""
     try:
         has_micro, ops = header_columns(header.decode("utf-8", "replace"))
     except ValueError:
@@ -208,17 +208,15 @@ def parse_rows(header: bytes, body: bytes, window: tuple[int, int] | None = None
     data = header + b"\n" + body
     arrow = parse_arrow(data, has_micro, ops)
     if arrow is not None:
-        steps = arrow["step"].to_numpy()
-        keep = slice(None) if window is None else (steps >= window[0]) & (steps <= window[1])
         codes, names = encoded(arrow["name"])
         return Table(
             ops,
             names,
-            codes.astype(np.int32)[keep],
-            arrow["vpp_stage"].to_numpy().astype(np.int32)[keep],
-            arrow["micro_step"].to_numpy()[keep] if has_micro else None,
-            steps[keep],
-            op_values(arrow, ops)[keep],
+            codes.astype(np.int32),
+            arrow["vpp_stage"].to_numpy().astype(np.int32),
+            arrow["micro_step"].to_numpy() if has_micro else None,
+            arrow["step"].to_numpy(),
+            op_values(arrow, ops),
         ), 0
     import pandas as pd  # without pyarrow only: it is slow to import
 
@@ -229,8 +227,6 @@ def parse_rows(header: bytes, body: bytes, window: tuple[int, int] | None = None
         frame, dropped = pd.read_csv(io.BytesIO(data), dtype=dtypes, na_values=na_values, **common), 0
     except (ValueError, pd.errors.ParserError):
         frame, dropped = _parse_leniently(data, labels, ops, common)
-    if window is not None:
-        frame = frame[frame["step"].between(*window)]
     names = frame["name"].astype("category").cat
     table = Table(
         ops,
@@ -293,9 +289,9 @@ def read_parts(
     """The rows of steps ``window`` (first, last) in these files of one data type on a rank, as
     Tables (one per CSV header or set of Parquet ops); what cannot be read is skipped and told in
     ``warnings``."""
-    csv_paths = [part.path for part in parts if not part.parquet]
-    if csv_paths:
-        return _csv_tables(rank_dir, prefix, csv_paths, window, warnings)
+    csv_parts = [part for part in parts if not part.parquet]
+    if csv_parts:
+        return _csv_tables(rank_dir, prefix, csv_parts, window, warnings)
     try:
         return _parquet_tables(rank_dir, prefix, [part.path for part in parts], window, warnings)
     except (ImportError, OSError, ValueError) as exc:
@@ -304,28 +300,58 @@ def read_parts(
 
 
 def _csv_tables(
-    rank_dir: str, prefix: str, paths: list[str], window: tuple[int, int], warnings: list[str]
+    rank_dir: str, prefix: str, parts: list[Part], window: tuple[int, int], warnings: list[str]
 ) -> list[Table]:
-    groups: dict[bytes, list[bytes]] = {}
-    for path in paths:
+    """The rows of ``window`` in these CSV files, each file's rows only within the steps its name
+    gives (so that what is compared does not depend on how the steps are cut into windows)."""
+    groups: dict[bytes, list[tuple[Part, bytes]]] = {}
+    for part in parts:
         try:
-            data = read_complete_lines(path)
+            data = read_complete_lines(part.path)
         except OSError as exc:
-            warnings.append(f"skipping {path}: {exc.strerror or exc}")
+            warnings.append(f"skipping {part.path}: {exc.strerror or exc}")
             continue
         if data:
             end = data.index(b"\n")
-            groups.setdefault(data[:end].rstrip(b"\r"), []).append(data[end + 1 :])
+            groups.setdefault(data[:end].rstrip(b"\r"), []).append((part, data[end + 1 :]))
     tables = []
-    for header, bodies in groups.items():
-        table, dropped = parse_rows(header, b"".join(bodies), window)
+    for header, members in groups.items():
+        table, dropped = parse_rows(header, b"".join(body for _, body in members))
         if table is None:
             warnings.append(f"skipping {prefix} files in {rank_dir}: not a monitor CSV header")
-        elif len(table.steps):
-            tables.append(table)
+            continue
         if dropped:
             warnings.append(f"{rank_dir}: dropped {dropped} malformed {prefix} row(s)")
+        keep = (table.steps >= window[0]) & (table.steps <= window[1])
+        counts = [body.count(b"\n") for _, body in members]
+        if sum(counts) == len(table.steps):  # every row parsed: each file's rows are known
+            named = (table.steps >= np.repeat([p.start for p, _ in members], counts)) & (
+                table.steps <= np.repeat([p.end for p, _ in members], counts)
+            )
+            if not named.all():
+                warnings.append(
+                    f"{rank_dir}: {prefix} rows whose step lies outside the steps their file's name "
+                    "gives are left out"
+                )
+            keep &= named
+        if keep.any():
+            tables.append(_subset(table, keep))
     return tables
+
+
+def _subset(table: Table, keep: np.ndarray) -> Table:
+    if keep.all():
+        return table
+    micro = None if table.micro is None else table.micro[keep]
+    return Table(
+        table.ops,
+        table.names,
+        table.codes[keep],
+        table.vpp[keep],
+        micro,
+        table.steps[keep],
+        table.values[keep],
+    )
 
 
 def _parquet_tables(

@@ -11,6 +11,7 @@ the ranks' values, so the memory a run needs grows with its tensors and steps, n
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -56,7 +57,6 @@ class Task:
     k_mad: float
     ops: tuple[str, ...] | None
     steps: frozenset[int] | None
-    in_worker: bool = False
 
 
 def find_outliers(
@@ -91,24 +91,26 @@ def find_outliers(
                 k_mad,
                 ops,
                 steps,
-                plan.jobs > 1,
             )
             for window in plan.windows
         ]
         if plan.jobs > 1 and any(p.parquet for parts in holders.values() for p in parts):
             import pyarrow.parquet  # noqa: F401  (once here, not in every worker)
-        partials = []
+        partials, told = [], set()
         for partial, warnings in map_in_workers(compare_window, tasks, plan.jobs):
             for text in warnings:
-                warn(text)
+                if text not in told:  # a file read for several windows says it once
+                    told.add(text)
+                    warn(text)
             partials.append(partial)
         peers.judge(prefix, ranks, partials, out)
     return out
 
 
 def compare_window(task: Task) -> tuple[peers.Partial, list[str]]:
-    """Read one window from every rank and compare it (in a worker process)."""
-    if task.in_worker and any(p.parquet for *_, parts in task.files for p in parts):
+    """Read one window from every rank and compare it (in a worker process, or this one)."""
+    in_worker = multiprocessing.parent_process() is not None
+    if in_worker and any(p.parquet for *_, parts in task.files for p in parts):
         import pyarrow
 
         pyarrow.set_cpu_count(1)  # the other cores run the other workers
@@ -150,7 +152,8 @@ def plan_windows(
                 f"holds {int(width)} of the {span} steps a file has: each file is read about "
                 f"{-(-span // int(width))} times (about {needed:.0f} MiB would read each once)"
             )
-        warn(f"memory limit {memory / 2**20:.0f} MiB {told}")
+        limit = f"{memory / 2**20:.0f} MiB" if memory >= 2**20 else f"{memory} bytes"
+        warn(f"memory limit {limit} {told}")
     width = max(1, int(width) // span * span if width >= span else int(width))
     balanced = span * max(1, (last - first + 1) // (WINDOWS_PER_JOB * jobs * span))
     width = max(1, min(width, balanced))

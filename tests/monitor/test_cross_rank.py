@@ -556,11 +556,17 @@ def test_an_unreadable_parquet_file_is_skipped_with_a_warning_and_the_rest_compa
     assert "skipping unreadable Parquet files" in capsys.readouterr().err + json.dumps(document)
 
 
-@pytest.mark.parametrize("ranks", [4, 5])
-def test_the_documented_sql_finds_what_the_command_finds(tmp_path, ranks):
+@pytest.mark.parametrize(("ranks", "micro_steps"), [(4, 2), (5, 2), (5, None)])
+def test_the_documented_sql_finds_what_the_command_finds(tmp_path, ranks, micro_steps):
     duckdb = pytest.importorskip("duckdb", reason="DuckDB comes with the dataset extra")
     write_run(
-        tmp_path, scaled=(2, 7, 3.0), ranks=ranks, fmt="parquet", per_record=4, micro_steps=2, nan_at=(1, 4)
+        tmp_path,
+        scaled=(2, 7, 3.0),
+        ranks=ranks,
+        fmt="parquet",
+        per_record=4,
+        micro_steps=micro_steps,
+        nan_at=(1, 4),
     )
     assert run_cli("-d", str(tmp_path), "--k-mad", "5") == 0
     document = load(tmp_path / cross_rank.OUTPUT_NAME)
@@ -573,10 +579,11 @@ def test_the_documented_sql_finds_what_the_command_finds(tmp_path, ranks):
     found = {tuple(row[k] for k in keys): row for row in (dict(zip(columns, r)) for r in rows)}
     expected = {tuple(row[k] for k in keys): row for row in document["outliers"]}
     assert found.keys() == expected.keys() and len(found) == document["outliers_total"] > 1
-    assert math.isnan(found[(1, 4, 0, NAMES[0], "norm")]["value"])  # and its NaN count:
+    micro = None if micro_steps is None else 0
+    assert math.isnan(found[(1, 4, micro, NAMES[0], "norm")]["value"])  # and its NaN count:
     assert (
-        found[(1, 4, 0, NAMES[0], "nans")]["deviation_mads"]
-        == expected[(1, 4, 0, NAMES[0], "nans")]["deviation_mads"]
+        found[(1, 4, micro, NAMES[0], "nans")]["deviation_mads"]
+        == expected[(1, 4, micro, NAMES[0], "nans")]["deviation_mads"]
     )
     for key, row in found.items():  # the command's order is its own (tensors and ops as first seen)
         command = expected[key]
@@ -621,3 +628,22 @@ def test_the_pooled_medians_are_pandas_medians_per_group():
     asked = np.arange(-2, 55)
     expected = pandas.Series(values).groupby(keys).median().reindex(asked).to_numpy()
     np.testing.assert_array_equal(peers._GroupMedians(keys, values).of(asked), expected)
+
+
+def test_csv_rows_outside_their_files_named_steps_are_left_out_whatever_the_windows(tmp_path):
+    """A file named for steps 10-14 that also holds steps 6-9 (not our writer's doing): those rows
+    are left out, and said, however the memory limit cuts the steps into windows."""
+    for rank in range(4):
+        directory = tmp_path / rank_dir_name(rank)
+        directory.mkdir()
+        rows = "".join(
+            f"0,w,{step},{1.0 + rank * 0.01 + (rank == 2) * (step == 12)}\n" for step in range(6, 15)
+        )
+        (directory / "grad_unreduced_10-14.csv").write_text("vpp_stage,name,step,norm\n" + rows)
+    dirs = rank_csv.find_rank_dirs(str(tmp_path))
+    for memory in (2**40, 1000):
+        told: list[str] = []
+        out = windows.find_outliers(dirs, ("grad_unreduced",), 8.0, None, None, memory, told.append)
+        assert out.judged == 5  # steps 10-14 of one tensor
+        assert {(r["rank"], r["step"]) for r in cross_rank.records(out)} == {(2, 12)}
+        assert sum("outside the steps their file's name gives" in text for text in told) == 4  # a rank once
