@@ -100,7 +100,7 @@ def generate_parquet(root: str, ranks: int, tags: int, steps: int, seed: int = 0
 
 class TreeMemory:
     """The peak of the proportional set size (shared pages split between the processes that map
-    them) of a process and its children together, sampled every 100 ms from /proc (more often
+    them) of a process and its children together, sampled every 250 ms from /proc (more often
     costs the measured processes time: the kernel walks their page tables)."""
 
     def __init__(self, pid: int) -> None:
@@ -109,7 +109,7 @@ class TreeMemory:
     def follow(self, proc: subprocess.Popen) -> None:
         while proc.poll() is None:
             self.pss = max(self.pss, sum(_pss(pid) for pid in _tree(self.pid)))
-            time.sleep(0.1)
+            time.sleep(0.25)
 
 
 def _read(file) -> str:
