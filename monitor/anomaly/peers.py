@@ -337,13 +337,10 @@ class _GroupMedians:
 
     def of(self, keys: np.ndarray) -> np.ndarray:
         """The median of each key's values, NaN for keys without one."""
-        index = np.searchsorted(self.keys, keys).clip(max=max(len(self.keys) - 1, 0))
-        found = (
-            (index < len(self.keys)) & (self.keys[index] == keys)
-            if len(self.keys)
-            else np.zeros(len(keys), bool)
-        )
-        return np.where(found, self.medians[index] if len(self.keys) else np.nan, np.nan)
+        if not len(self.keys):
+            return np.full(len(keys), np.nan)
+        index = np.searchsorted(self.keys, keys).clip(max=len(self.keys) - 1)
+        return np.where(self.keys[index] == keys, self.medians[index], np.nan)
 
 
 def _judge(rows: _Columns, candidates: _Columns, ranks: np.ndarray, out: Outliers) -> None:

@@ -25,7 +25,7 @@ import numpy as np
 
 from monitor.files import RANK_DIR_PATTERN
 from monitor.writers.eventfile import open_regular
-from monitor.writers.parquet_files import encoded, live_prefixes, part_steps, read_wide, row_count
+from monitor.writers.parquet_files import encoded, live_prefixes, overlaps, part_steps, read_wide, row_count
 
 #: ``{prefix}_{a}-{b}.csv``; ``.{n}.csv`` when an appended run had other columns (monitor.writers.csv).
 CSV_NAME = re.compile(r"^(?P<prefix>[A-Za-z0-9_]+?)_(?P<start>\d+)-(?P<end>\d+)(?:\.(?P<part>\d+))?\.csv$")
@@ -363,7 +363,7 @@ def _parquet_tables(
     try:
         wide = read_wide(paths, window)
     except FileNotFoundError:
-        relisted = [p for p in live_prefixes(rank_dir, (prefix,)).get(prefix, []) if _overlaps(p, window)]
+        relisted = [p for p in live_prefixes(rank_dir, (prefix,)).get(prefix, []) if overlaps(p, window)]
         wide = read_wide(relisted, window)
     except ValueError:
         bad = [path for path in paths if row_count(path) is None]
@@ -396,8 +396,3 @@ def _parquet_tables(
             )
         )
     return tables
-
-
-def _overlaps(path: str, window: tuple[int, int]) -> bool:
-    steps = part_steps(path)
-    return steps is not None and steps[0] <= window[1] and steps[1] >= window[0]

@@ -12,14 +12,13 @@ the ranks' values, so the memory a run needs grows with its tensors and steps, n
 from __future__ import annotations
 
 import multiprocessing
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
 from monitor.anomaly import peers, rank_csv
-from monitor.anomaly.workers import map_in_workers, max_workers
+from monitor.anomaly.workers import map_in_workers, max_workers, total_size
 from monitor.writers.parquet_files import row_count
 
 #: bytes a window holds per value it reads (file contents, arrays, blocks), measured with
@@ -176,7 +175,7 @@ def _sample(holders: dict[int, list[rank_csv.Part]]) -> tuple[float, int]:
     chosen = ranks[:: max(1, len(ranks) // SAMPLED_RANKS)][:SAMPLED_RANKS]
     rates, spans = [], []
     for rank in chosen:
-        part = max(holders[rank], key=lambda p: _size(p.path))
+        part = max(holders[rank], key=lambda p: total_size((p.path,)))
         steps = part.end - part.start + 1
         rates.append(_values(part) / steps)
         spans.append(steps)
@@ -198,10 +197,3 @@ def _values(part: rank_csv.Part) -> int:
     except ValueError:
         return 0
     return max(0, data.count(b"\n") - 1) * len(ops)
-
-
-def _size(path: str) -> int:
-    try:
-        return os.path.getsize(path)
-    except OSError:
-        return 0

@@ -172,6 +172,12 @@ def _within(path: str, window: tuple[int, int]) -> bool:
     return steps is not None and window[0] <= steps[0] and steps[1] <= window[1]
 
 
+def overlaps(path: str, window: tuple[int, int]) -> bool:
+    """Whether a live file's name says it holds some of the steps ``window`` (first, last)."""
+    steps = part_steps(path)
+    return steps is not None and steps[0] <= window[1] and steps[1] >= window[0]
+
+
 def row_count(path: str) -> int | None:
     """The rows of a Parquet file, from its footer; None where it is not a whole Parquet file (a
     disk fault can leave one cut short, which readers skip rather than fail on)."""
