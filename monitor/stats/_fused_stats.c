@@ -17,6 +17,23 @@
 
 #define LANES 32
 #define BLOCK 16384
+/* Software prefetch distance in bytes. The kernel is compute-bound at about 30 GB/s on cached
+ * data, and on data that must come from memory (an activation just written by a matmul, moments
+ * after the optimizer's step) the core's own miss handling and the arithmetic did not overlap:
+ * 8-10 GB/s without prefetching, 14 GB/s (what torch.sum reaches) with it; 8 KiB ahead and more
+ * all gave the same. */
+#define AHEAD 8192
+#define LINE 64
+
+/* ask for the cache lines of bytes [at, at + span) of a buffer of ``size`` bytes; past its end,
+ * for its last byte again (clamped, not branched on: GCC drops a prefetch under a condition
+ * when it vectorises the loop) */
+static inline void prefetch_lines(const void *buffer, Py_ssize_t at, Py_ssize_t span, Py_ssize_t size) {
+    for (Py_ssize_t offset = 0; offset < span; offset += LINE) {
+        Py_ssize_t byte = at + offset < size ? at + offset : size - 1;
+        __builtin_prefetch((const char *)buffer + byte, 0, 2);
+    }
+}
 
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
 /* a baseline build plus AVX-512 and AVX2 clones, picked when the module loads: never an
@@ -47,6 +64,7 @@ typedef struct {
         INT low[LANES], high[LANES];                                                          \
         long long small = 0;                                                                  \
         double total = 0.0, squares = 0.0;                                                    \
+        const Py_ssize_t bytes = sizeof(STORED);                                              \
         INT first = NAME##_key(LOAD(a[0]));                                                   \
         for (int j = 0; j < LANES; j++) {                                                     \
             low[j] = first;                                                                   \
@@ -58,6 +76,7 @@ typedef struct {
             FLOAT s[LANES] = {0}, q[LANES] = {0};                                             \
             INT z[LANES] = {0};                                                               \
             for (Py_ssize_t i = start; i < full; i += LANES) {                                \
+                prefetch_lines(a, (i + LANES) * bytes + AHEAD, LANES * bytes, n * bytes);     \
                 for (int j = 0; j < LANES; j++) {                                             \
                     FLOAT v = LOAD(a[i + j]);                                                 \
                     INT key = NAME##_key(v);                                                  \
@@ -181,9 +200,11 @@ static double higher(double a, double b) { return (b > a || (b == a && !signbit(
 static void run_rows(int kind, const char *data, Py_ssize_t run, Py_ssize_t rows, Py_ssize_t stride,
                      double eps, Result *out) {
     Py_ssize_t step = stride * kind_size(kind); /* no overflow: checked by the caller */
+    Py_ssize_t ahead = AHEAD / step + 1, span = run * kind_size(kind), size = (rows - 1) * step + span;
     run_kernel(kind, data, run, eps, out);
     for (Py_ssize_t r = 1; r < rows; r++) {
         Result part;
+        prefetch_lines(data, (r + ahead) * step, span, size); /* short runs: the row ahead */
         run_kernel(kind, data + r * step, run, eps, &part);
         out->low = lower(out->low, part.low);
         out->high = higher(out->high, part.high);
@@ -321,7 +342,17 @@ static PyObject *stats_many(PyObject *self, PyObject *args) {
 #define DEFINE_SIGNS(NAME, STORED, FLOAT, LOAD)                                         \
     CLONES static double NAME(const STORED *restrict a, const STORED *restrict b, Py_ssize_t n) { \
         long long sum = 0;                                                              \
-        for (Py_ssize_t i = 0; i < n; i++) {                                            \
+        const Py_ssize_t bytes = sizeof(STORED), run = 4 * LINE / sizeof(STORED);         \
+        const Py_ssize_t full = n / run * run;                                          \
+        for (Py_ssize_t start = 0; start < full; start += run) {                        \
+            prefetch_lines(a, start * bytes + AHEAD, 4 * LINE, n * bytes);              \
+            prefetch_lines(b, start * bytes + AHEAD, 4 * LINE, n * bytes);              \
+            for (Py_ssize_t i = start; i < start + run; i++) {                          \
+                FLOAT x = LOAD(a[i]), y = LOAD(b[i]);                                   \
+                sum += ((x > 0) - (x < 0)) * ((y > 0) - (y < 0));                       \
+            }                                                                           \
+        }                                                                               \
+        for (Py_ssize_t i = full; i < n; i++) {                                         \
             FLOAT x = LOAD(a[i]), y = LOAD(b[i]);                                       \
             sum += ((x > 0) - (x < 0)) * ((y > 0) - (y < 0));                           \
         }                                                                               \
