@@ -65,8 +65,8 @@ def generate_parquet(root: str, ranks: int, tags: int, steps: int, seed: int = 0
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from monitor.writers.parquet import MERGE_STEPS
-    from monitor.writers.parquet_files import VALUES_DIR, merged_file_name, schema
+    from monitor.writers.parquet import MERGE_STEPS, MERGED_ZSTD_LEVEL
+    from monitor.writers.parquet_files import VALUES_DIR, file_options, merged_file_name, schema
 
     rng = np.random.default_rng(seed)
     names = pa.array([f"layers.{t // 8}.mlp.fc{t % 8}.weight" for t in range(tags)])
@@ -93,7 +93,7 @@ def generate_parquet(root: str, ranks: int, tags: int, steps: int, seed: int = 0
                 schema=schema(),
             )
             path = os.path.join(directory, merged_file_name(first, last))
-            pq.write_table(table, path, compression="zstd", use_byte_stream_split=["value"])
+            pq.write_table(table, path, **file_options(MERGED_ZSTD_LEVEL))
             total += os.path.getsize(path)
     return total
 

@@ -74,6 +74,8 @@ class _Labels:
             size = stages * len(names)
             self._tables[key] = (np.zeros(size, dtype=np.int32), np.zeros(size, dtype=bool))
         lut, known = self._tables[key]
+        if known.all():  # the usual case after a run's first file
+            return lut
         missing = np.flatnonzero((np.bincount(codes, minlength=len(lut)) > 0) & ~known).tolist()
         if missing:
             keys = [(low + index // len(names), names[index % len(names)]) for index in missing]
@@ -215,7 +217,8 @@ def _aligned_blocks(holders: list[tuple[Prepared, int]], ranks: int) -> Iterator
     micro = first.micro - 1 if isinstance(first.micro, np.ndarray) else np.full(len(first.steps), -1)
     height = max(1, BLOCK // ranks)
     for lo in range(0, len(first.steps), height):
-        values = np.column_stack([p.values[lo : lo + height, column] for p, column in holders])
+        # rank by rank (contiguous reads), then one transposition: twice column_stack's speed
+        values = np.stack([p.values[lo : lo + height, column] for p, column in holders]).T.copy()
         labels = (first.labels[lo : lo + height], first.steps[lo : lo + height], micro[lo : lo + height])
         yield values, np.ones(values.shape, dtype=bool), labels
 

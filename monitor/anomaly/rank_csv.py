@@ -15,6 +15,7 @@ and counted, never guessed. Symlinked files and directories are not followed.
 from __future__ import annotations
 
 import csv
+import functools
 import io
 import os
 import re
@@ -354,6 +355,14 @@ def _subset(table: Table, keep: np.ndarray) -> Table:
     )
 
 
+@functools.lru_cache(maxsize=8)
+def _distinct_names(names: tuple[str, ...]) -> tuple[list[str], np.ndarray]:
+    """The sorted distinct names and each name's index among them (int32): the files of a
+    run nearly always share one list of names, sorted once."""
+    distinct, codes = np.unique(np.array(names, dtype=object), return_inverse=True)
+    return distinct.tolist(), codes.astype(np.int32)
+
+
 def _parquet_tables(
     rank_dir: str, prefix: str, paths: list[str], window: tuple[int, int], warnings: list[str]
 ) -> list[Table]:
@@ -371,15 +380,15 @@ def _parquet_tables(
         wide = read_wide([path for path in paths if path not in bad], window)
     if not len(wide.steps):
         return []
-    names, name_codes = np.unique(np.array(wide.names, dtype=object), return_inverse=True)
+    names, name_codes = _distinct_names(tuple(wide.names))
     if wide.present is None:  # every op of every entry: one Table
-        pattern_of = np.zeros(len(wide.steps), dtype=np.int64)
+        pattern_of, codes = None, [(1 << len(wide.ops)) - 1]
     else:  # the set of ops an entry has, as one integer (a bit per op)
         pattern_of = wide.present.astype(np.int64) @ (1 << np.arange(len(wide.ops), dtype=np.int64))
-    codes = np.unique(pattern_of).tolist()
+        codes = np.unique(pattern_of).tolist()
     tables = []
     for code in codes:
-        pattern = np.array([wide.present is None or bool(code >> i & 1) for i in range(len(wide.ops))])
+        pattern = np.array([bool(code >> i & 1) for i in range(len(wide.ops))])
         if not pattern.any():
             continue
         chosen = slice(None) if len(codes) == 1 else pattern_of == code  # slices: no copies
@@ -387,8 +396,8 @@ def _parquet_tables(
         tables.append(
             Table(
                 tuple(op for op, there in zip(wide.ops, pattern) if there),
-                names.tolist(),
-                name_codes.astype(np.int32)[row_of],
+                names,
+                name_codes[row_of],
                 wide.vpp.astype(np.int32)[row_of],
                 None if wide.micro is None else wide.micro[row_of],
                 wide.steps[chosen],

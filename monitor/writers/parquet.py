@@ -42,6 +42,7 @@ from monitor.writers.parquet_files import (
     VALUES_DIR,
     covered,
     existing_prefixes,
+    file_options,
     late_file_name,
     merged_file_name,
     row_count,
@@ -221,14 +222,7 @@ class ParquetWriter:
         try:
             with (
                 os.fdopen(fd, "wb") as handle,
-                pq.ParquetWriter(
-                    handle,
-                    self._schema,
-                    compression="zstd",
-                    compression_level=level,
-                    use_byte_stream_split=["value"],
-                    data_page_version="2.0",
-                ) as out,
+                pq.ParquetWriter(handle, self._schema, **file_options(level)) as out,
             ):
                 ready = None
                 for table in row_groups:

@@ -64,6 +64,20 @@ def schema() -> Any:
     )
 
 
+def file_options(level: int) -> dict[str, Any]:
+    """How every file is encoded (pyarrow's writer options): zstd at ``level``; the labels as
+    dictionaries (a few distinct values, long runs), the values never (nearly all distinct: a
+    dictionary of them is larger and slower to decode than their bytes split by significance,
+    7.9 against 9.4 bytes a value compressed and 12 against 26 ns a value to decode)."""
+    return {
+        "compression": "zstd",
+        "compression_level": level,
+        "use_dictionary": [column for column in ("rank", *COLUMNS) if column != "value"],
+        "use_byte_stream_split": ["value"],
+        "data_page_version": "2.0",
+    }
+
+
 def _parsed(name: str) -> tuple[str, int, int] | None:
     """``("merged" | "step" | "late", first step, last step)`` of a file name, None: not ours."""
     if match := _MERGED_FILE.fullmatch(name):
@@ -275,14 +289,15 @@ def read_wide(paths: Sequence[str], window: tuple[int, int] | None = None) -> Wi
     rows = table.num_rows
     names, name_list = encoded(table["name"])
     if "op" in constant:
-        op_codes, ops = np.zeros(rows, dtype=np.int64), [constant["op"]]
+        op_codes, ops = 0, [constant["op"]]  # one op: column 0 of every row
     else:
         op_codes, ops = encoded(table["op"])
     steps = table["step"].to_numpy()
-    vpp = np.full(rows, constant["vpp_stage"]) if "vpp_stage" in constant else table["vpp_stage"].to_numpy()
+    # a constant column as one element (broadcast below)
+    vpp = np.full(1, constant["vpp_stage"]) if "vpp_stage" in constant else table["vpp_stage"].to_numpy()
     if "micro_step" in constant:
         has_micro = constant["micro_step"] is not None
-        micro = np.full(rows, -1 if constant["micro_step"] is None else constant["micro_step"])
+        micro = np.full(1, -1 if constant["micro_step"] is None else constant["micro_step"])
     else:
         has_micro = table["micro_step"].null_count < rows
         micro = table["micro_step"].fill_null(-1).to_numpy()
