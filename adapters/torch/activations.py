@@ -148,6 +148,7 @@ class Activations:
         #: that is one module's output and the next one's input (or its gradient, seen by both
         #: modules' hooks) is measured once.
         self._seen: dict[int, tuple[weakref.ref, int, list[float] | torch.Tensor]] = {}
+        self._dtensor = dtensor_type()
 
     def register(self) -> list:
         """Register the hooks; returns removable handles."""
@@ -221,7 +222,7 @@ class Activations:
         seen = self._seen
         rows = []
         for t in tensors:
-            if isinstance(t, dtensor_type()):  # tensor parallelism without local outputs: this rank's piece
+            if isinstance(t, self._dtensor):  # tensor parallelism without local outputs: this rank's piece
                 t = t.to_local()
             hit = seen.get(id(t))
             if hit is not None and hit[0]() is t and hit[1] == t._version:

@@ -37,7 +37,7 @@ import torch
 
 from adapters.torch.in_place import KINDS, PLAIN, in_place, kernel_parts, kernel_sweep, kernel_tuple
 from monitor.stats import fused_stats
-from monitor.stats.host_stats import DERIVED, EMPTY_VALUE, columns
+from monitor.stats.host_stats import EMPTY_VALUE, columns, kernel_row
 
 #: accelerators: elements per chunk for the counting ops (bounds their temporaries).
 COUNT_CHUNK = 1 << 24
@@ -295,8 +295,7 @@ def tensor_stats(t: torch.Tensor, ops: Sequence[str], eps: float = 1e-8) -> list
     ops = tuple(ops)
     parts = None if "id" in ops else kernel_tuple(t, eps)
     if parts is not None:
-        numel = t.numel()
-        return [float(DERIVED[op](parts, numel)) for op in ops]
+        return kernel_row(parts, t.numel(), ops)
     row = stat_matrix((t,), ops, eps)[0]
     return row.tolist() if row.device.type == "cpu" else row
 
@@ -307,8 +306,8 @@ def stack_rows(rows: Sequence[list[float] | torch.Tensor], width: int) -> torch.
     if not rows:
         return torch.empty((0, width), dtype=_F64)
     device = next((r.device for r in rows if isinstance(r, torch.Tensor)), None)
-    if device is None:
-        return torch.tensor(rows, dtype=_F64).reshape(len(rows), width)
+    if device is None:  # numpy builds a matrix from lists of floats several times faster
+        return torch.from_numpy(np.array(rows, dtype=np.float64).reshape(len(rows), width))
     return torch.stack(
         [r if isinstance(r, torch.Tensor) else torch.tensor(r, dtype=_F64, device=device) for r in rows]
     )
