@@ -149,6 +149,8 @@ class Activations:
         #: modules' hooks) is measured once.
         self._seen: dict[int, tuple[weakref.ref, int, list[float] | torch.Tensor]] = {}
         self._dtensor = dtensor_type()
+        #: this step's tensors with a gradient hook: id -> (weak reference, version, the rows it names)
+        self._watched: dict[int, tuple[weakref.ref, int, list[tuple[int, str, int]]]] = {}
 
     def register(self) -> list:
         """Register the hooks; returns removable handles."""
@@ -235,17 +237,29 @@ class Activations:
         self._stats[prefix].extend(rows)
 
     def _watch(self, vpp: int, name: str, micro: int, tensors: list[torch.Tensor]) -> None:
-        """Register gradient hooks on the tensors that take part in autograd."""
+        """Have the gradients of the tensors that take part in autograd measured: one hook per
+        tensor, which names every row watching it (a module's output is usually the next one's
+        input: half the hooks, whose registration is most of a watch's cost). A tensor changed
+        in place since gets a hook of its own: its gradient is that of the new version."""
+        watched = self._watched
         for tensor, row in zip(tensors, row_names(name, len(tensors))):
-            if tensor.requires_grad:
-                tensor.register_hook(self._grad_hook(vpp, row, micro))
+            if not tensor.requires_grad:
+                continue
+            hit = watched.get(id(tensor))
+            if hit is not None and hit[0]() is tensor and hit[1] == tensor._version:
+                hit[2].append((vpp, row, micro))
+                continue
+            rows = [(vpp, row, micro)]
+            watched[id(tensor)] = (weakref.ref(tensor), tensor._version, rows)
+            tensor.register_hook(self._grad_hook(rows))
 
-    def _grad_hook(self, vpp: int, name: str, micro: int) -> Callable:
+    def _grad_hook(self, rows: list[tuple[int, str, int]]) -> Callable:
         def hook(grad: torch.Tensor) -> None:
             if not self.collect:
                 return None
             try:
-                self._measure("actv_grad", vpp, name, micro, [grad])
+                for vpp, name, micro in rows:  # the gradient is measured once (``_seen``)
+                    self._measure("actv_grad", vpp, name, micro, [grad])
             except Exception as exc:
                 self.collect = False
                 self.on_error("actv_grad", exc)
@@ -270,6 +284,7 @@ class Activations:
         self._calls.clear()
         self._recomputed.clear()
         self._seen.clear()
+        self._watched.clear()
         for prefix in self._rows:
             self._rows[prefix] = []
             self._stats[prefix] = []
