@@ -177,9 +177,9 @@ def test_inplace_op_after_a_hooked_module_and_a_returned_view_work():
     assert_stats_close(actv["0:1.output:0/rank0/actv"], np.maximum(pre_relu, 0), ["norm", "min", "max"])
     relu_grad = (np.ones((3, 2)) * 2.0) @ last_weight
     assert_stats_close(grads["0:1.output_grad:0/rank0/actv_grad"], relu_grad, ["norm", "min", "max"])
-    assert_stats_close(
-        grads["0:0.output_grad:0/rank0/actv_grad"], relu_grad * (pre_relu > 0), ["norm", "min", "max"]
-    )
+    before_relu = relu_grad * (pre_relu > 0)  # ReLU's input: Linear's output before ReLU changed it
+    assert_stats_close(grads["0:0.output_grad:0/rank0/actv_grad"], before_relu, ["norm", "min", "max"])
+    assert_stats_close(grads["0:1.input_grad:0/rank0/actv_grad"], before_relu, ["norm", "min", "max"])
 
 
 @dataclasses.dataclass
