@@ -217,7 +217,7 @@ def _aligned_blocks(holders: list[tuple[Prepared, int]], ranks: int) -> Iterator
     micro = first.micro - 1 if isinstance(first.micro, np.ndarray) else np.full(len(first.steps), -1)
     height = max(1, BLOCK // ranks)
     for lo in range(0, len(first.steps), height):
-        # rank by rank (contiguous reads), then one transposition: twice column_stack's speed
+        # rank by rank (contiguous writes), then one transposition: twice column_stack's speed
         values = np.stack([p.values[lo : lo + height, column] for p, column in holders]).T.copy()
         labels = (first.labels[lo : lo + height], first.steps[lo : lo + height], micro[lo : lo + height])
         yield values, np.ones(values.shape, dtype=bool), labels

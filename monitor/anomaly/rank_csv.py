@@ -15,7 +15,6 @@ and counted, never guessed. Symlinked files and directories are not followed.
 from __future__ import annotations
 
 import csv
-import functools
 import io
 import os
 import re
@@ -25,8 +24,8 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from monitor.files import RANK_DIR_PATTERN
+from monitor.writers import parquet_files
 from monitor.writers.eventfile import open_regular
-from monitor.writers.parquet_files import encoded, live_prefixes, overlaps, part_steps, read_wide, row_count
 
 #: ``{prefix}_{a}-{b}.csv``; ``.{n}.csv`` when an appended run had other columns (monitor.writers.csv).
 CSV_NAME = re.compile(r"^(?P<prefix>[A-Za-z0-9_]+?)_(?P<start>\d+)-(?P<end>\d+)(?:\.(?P<part>\d+))?\.csv$")
@@ -209,7 +208,7 @@ def parse_rows(header: bytes, body: bytes) -> tuple[Table | None, int]:
     data = header + b"\n" + body
     arrow = parse_arrow(data, has_micro, ops)
     if arrow is not None:
-        codes, names = encoded(arrow["name"])
+        codes, names = parquet_files.encoded(arrow["name"])
         return Table(
             ops,
             names,
@@ -278,9 +277,9 @@ def list_parts(rank_dir: str, types: tuple[str, ...] | None = None) -> dict[str,
         prefix: [Part(f.path, f.start, f.end, False) for f in files]
         for prefix, files in list_csv_files(rank_dir, types).items()
     }
-    for prefix, paths in live_prefixes(rank_dir, types).items():
+    for prefix, paths in parquet_files.live_prefixes(rank_dir, types).items():
         if prefix not in found:
-            found[prefix] = [Part(path, *part_steps(path), True) for path in paths]  # type: ignore[misc]
+            found[prefix] = [Part(path, *parquet_files.part_steps(path), True) for path in paths]  # type: ignore[misc]
     return found
 
 
@@ -355,14 +354,6 @@ def _subset(table: Table, keep: np.ndarray) -> Table:
     )
 
 
-@functools.lru_cache(maxsize=8)
-def _distinct_names(names: tuple[str, ...]) -> tuple[list[str], np.ndarray]:
-    """The sorted distinct names and each name's index among them (int32): the files of a
-    run nearly always share one list of names, sorted once."""
-    distinct, codes = np.unique(np.array(names, dtype=object), return_inverse=True)
-    return distinct.tolist(), codes.astype(np.int32)
-
-
 def _parquet_tables(
     rank_dir: str, prefix: str, paths: list[str], window: tuple[int, int], warnings: list[str]
 ) -> list[Table]:
@@ -370,17 +361,18 @@ def _parquet_tables(
     config that changed its ops mid-run), as CSV files with other headers are. A file merged away
     since it was listed makes the files be listed once more; a file cut short is skipped."""
     try:
-        wide = read_wide(paths, window)
+        wide = parquet_files.read_wide(paths, window)
     except FileNotFoundError:
-        relisted = [p for p in live_prefixes(rank_dir, (prefix,)).get(prefix, []) if overlaps(p, window)]
-        wide = read_wide(relisted, window)
+        listed = parquet_files.live_prefixes(rank_dir, (prefix,)).get(prefix, [])
+        relisted = [p for p in listed if parquet_files.overlaps(p, window)]
+        wide = parquet_files.read_wide(relisted, window)
     except ValueError:
-        bad = [path for path in paths if row_count(path) is None]
+        bad = [path for path in paths if parquet_files.row_count(path) is None]
         warnings.append(f"skipping unreadable Parquet files: {', '.join(bad)}")
-        wide = read_wide([path for path in paths if path not in bad], window)
+        wide = parquet_files.read_wide([path for path in paths if path not in bad], window)
     if not len(wide.steps):
         return []
-    names, name_codes = _distinct_names(tuple(wide.names))
+    names, name_codes = parquet_files.distinct_names(tuple(wide.names))
     if wide.present is None:  # every op of every entry: one Table
         pattern_of, codes = None, [(1 << len(wide.ops)) - 1]
     else:  # the set of ops an entry has, as one integer (a bit per op)

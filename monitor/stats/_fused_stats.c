@@ -199,12 +199,15 @@ static double higher(double a, double b) { return (b > a || (b == a && !signbit(
  * as one of the pieces a split gives): each run read in place, the results merged */
 static void run_rows(int kind, const char *data, Py_ssize_t run, Py_ssize_t rows, Py_ssize_t stride,
                      double eps, Result *out) {
-    Py_ssize_t step = stride * kind_size(kind); /* no overflow: checked by the caller */
-    Py_ssize_t ahead = AHEAD / step + 1, span = run * kind_size(kind), size = (rows - 1) * step + span;
     run_kernel(kind, data, run, eps, out);
+    if (rows < 2) return; /* one run: the stride means nothing (and may be 0) */
+    Py_ssize_t step = stride * kind_size(kind); /* no overflow, and >= run: checked by the caller */
+    Py_ssize_t span = run * kind_size(kind), size = (rows - 1) * step + span;
+    /* the start of the row AHEAD bytes on: a run's own prefetching stops at its end */
+    Py_ssize_t ahead = AHEAD / step + 1, head = span < AHEAD ? span : AHEAD;
     for (Py_ssize_t r = 1; r < rows; r++) {
         Result part;
-        prefetch_lines(data, (r + ahead) * step, span, size); /* short runs: the row ahead */
+        prefetch_lines(data, (r + ahead) * step, head, size);
         run_kernel(kind, data + r * step, run, eps, &part);
         out->low = lower(out->low, part.low);
         out->high = higher(out->high, part.high);

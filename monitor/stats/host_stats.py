@@ -2,7 +2,7 @@
 
 Framework-free: an adapter whose tensors live in host memory hands their numpy views here
 (MindSpore's ``asnumpy()`` of a CPU tensor is a view, not a copy); the torch adapter hands the
-kernel tensor addresses itself and shares ``columns`` and ``DERIVED``.
+kernel tensor addresses itself and shares ``columns`` (many tensors) and ``kernel_row`` (one).
 
 ``array_matrix(arrays, ops, eps)``: float64 (len(arrays), len(ops)). float32, float64 and
 bfloat16 arrays (numpy dtype named ``bfloat16``) are read in place by the one-pass kernel, all of

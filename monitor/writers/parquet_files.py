@@ -16,6 +16,7 @@ shape the CSV files have, for the dashboard and the cross-rank analysis.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from collections.abc import Sequence
@@ -260,6 +261,15 @@ def _distinct(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     position = np.empty(span, dtype=np.int64)
     position[distinct] = np.arange(len(distinct))
     return distinct, position[keys]
+
+
+@functools.lru_cache(maxsize=8)
+def distinct_names(names: tuple[str, ...]) -> tuple[list[str], np.ndarray]:
+    """The sorted distinct names and each name's index among them (int32). Cached: the files of
+    a run nearly always share one list of names, so it is sorted once (callers do not change
+    the list they get)."""
+    distinct, codes = np.unique(np.array(names, dtype=object), return_inverse=True)
+    return distinct.tolist(), codes.astype(np.int32)
 
 
 def read_wide(paths: Sequence[str], window: tuple[int, int] | None = None) -> WideRows:

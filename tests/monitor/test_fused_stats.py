@@ -225,6 +225,18 @@ def test_rows_of_a_strided_layout_match_numpy_on_the_rows_and_keep_signed_zeros(
     assert (np.signbit(low), np.signbit(high)) == (True, False)
 
 
+def test_one_row_ignores_its_stride_and_long_rows_match_numpy():
+    array = np.random.default_rng(12).normal(size=(5, 6000)).astype(np.float32)
+    whole = fused_stats.stats(np.ascontiguousarray(array[0, :5000]), 1e-8)
+    for stride in (0, 1, 5000):  # one run: any stride, even 0, reads just that run
+        assert fused_stats.stats_rows(array.ctypes.data, 5000, 1, stride, fused_stats.FLOAT32, 1e-8) == whole
+    got = fused_stats.stats_rows(array.ctypes.data, 5000, 5, 6000, fused_stats.FLOAT32, 1e-8)
+    rows = array[:, :5000].astype(np.float64)  # runs of 20 KB: longer than the prefetch distance
+    assert got[:2] == (rows.min(), rows.max())
+    assert got[2:4] == pytest.approx((rows.sum(), (rows * rows).sum()), rel=1e-5)
+    assert got[4:] == (0, 0)
+
+
 def test_a_row_written_into_an_array_equals_the_tuple_and_rows_are_bounds_checked():
     array = np.random.default_rng(11).normal(size=300).astype(np.float32)
     out = np.full((3, 6), -1.0)

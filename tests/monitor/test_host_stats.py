@@ -80,3 +80,24 @@ def test_scalars_give_what_one_element_arrays_give():
     got = host_stats.scalar_matrix(values, OPS, 1e-8)
     want = host_stats.array_matrix([np.array([v]) for v in values], OPS, 1e-8)
     np.testing.assert_array_equal(got, want)
+
+
+def test_one_tensors_row_matches_numpy_and_the_columns_of_many():
+    array = np.random.default_rng(3).normal(size=1000).astype(np.float32)
+    array[::7] = 0.0
+    parts = fused_stats.stats(array, 1e-8)
+    ops = ["zeros", "norm", "nans", "mean", "max", "min"]
+    wide = array.astype(np.float64)
+    expected = [
+        (wide == 0).mean(),
+        np.sqrt((wide * wide).sum()),
+        0.0,
+        wide.mean(),
+        wide.max(),
+        wide.min(),
+    ]
+    row = host_stats.kernel_row(parts, array.size, ops)
+    assert all(type(value) is float for value in row)
+    assert row == pytest.approx(expected, rel=1e-6)
+    many = host_stats.columns(np.array([parts]), np.array([float(array.size)]), ops)
+    assert row == many[0].tolist()
