@@ -23,8 +23,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+import monitor.writers.parquet_files as parquet_files
 from monitor.files import RANK_DIR_PATTERN
-from monitor.writers import parquet_files
 from monitor.writers.eventfile import open_regular
 
 #: ``{prefix}_{a}-{b}.csv``; ``.{n}.csv`` when an appended run had other columns (monitor.writers.csv).
