@@ -18,23 +18,15 @@ data; ``nans`` counts NaN elements; ``zeros`` is the share of ``|x| < eps`` comp
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
 from monitor.stats import fused_stats
 
-#: each op from the kernel's (min, max, sum, sum of squares, zero count, NaN count) and the
-#: element count: for one tensor's tuple of numbers, or for the columns of many at once.
-DERIVED = {
-    "min": lambda p, n: p[0],
-    "max": lambda p, n: p[1],
-    "mean": lambda p, n: p[2] / n,
-    "norm": lambda p, n: p[3] ** 0.5,
-    "zeros": lambda p, n: p[4] / n,
-    "nans": lambda p, n: p[5] * 1.0,
-}
-#: where each op lies among the values of ``kernel_row``
-_ROW_POSITION = {"min": 0, "max": 1, "mean": 2, "norm": 3, "zeros": 4, "nans": 5}
+#: the ops ``_derived`` gives, in its order, and where each lies
+_DERIVED_OPS = ("min", "max", "mean", "norm", "zeros", "nans")
+_POSITION = {op: index for index, op in enumerate(_DERIVED_OPS)}
 #: the value of each op for an empty array
 EMPTY_VALUE = {"norm": 0.0, "nans": 0.0}
 #: elements per chunk where an array is widened (512 KiB of float32)
@@ -42,20 +34,26 @@ CHUNK = 1 << 17
 _KINDS = {"float32": fused_stats.FLOAT32, "float64": fused_stats.FLOAT64, "bfloat16": fused_stats.BFLOAT16}
 
 
+def _derived(parts: Sequence, numel: Any) -> tuple:
+    """Every op of ``_DERIVED_OPS`` from the kernel's (min, max, sum, sum of squares, zero count,
+    NaN count) and the element count: of one tensor (numbers) or of many at once (columns)."""
+    low, high, total, squares, small, nans = parts
+    return (low, high, total / numel, squares**0.5, small / numel, nans * 1.0)
+
+
 def columns(
     parts: np.ndarray, numel: np.ndarray, ops: Sequence[str], identity: np.ndarray | None = None
 ) -> np.ndarray:
     """The (n, len(ops)) statistics of n kernel tuples (rows of ``parts``) and element counts."""
-    by_column = parts.T
-    return np.stack([identity if op == "id" else DERIVED[op](by_column, numel) for op in ops], axis=1)
+    every = _derived(parts.T, numel)
+    return np.stack([identity if op == "id" else every[_POSITION[op]] for op in ops], axis=1)
 
 
 def kernel_row(parts: tuple, numel: int, ops: Sequence[str]) -> list[float]:
-    """One tensor's statistics in the order of ``ops`` (not ``id``) from its kernel tuple: the
-    ``DERIVED`` values, computed at once (a hook measures hundreds of tensors a step)."""
-    low, high, total, squares, small, nans = parts
-    every = (low, high, total / numel, squares**0.5, small / numel, float(nans))
-    return [every[_ROW_POSITION[op]] for op in ops]
+    """One tensor's statistics in the order of ``ops`` (not ``id``) from its kernel tuple, as
+    floats (a hook measures hundreds of tensors a step: no array per tensor)."""
+    every = _derived(parts, numel)
+    return [every[_POSITION[op]] for op in ops]
 
 
 def _chunk_parts(array: np.ndarray, eps: float) -> tuple:
