@@ -1,36 +1,23 @@
 """Reading the monitor's CSV files as tables, one per file, for the dashboards (the layout msprobe writes).
 
-The layout (file names, header, complete lines only) is monitor.anomaly.rank_csv's, the one place
-that knows it; ``list_csv_files`` is re-exported from there. A row that does not parse (wrong field
-count, a value that is not a number) is skipped and counted, never guessed; the msprobe columns
-``shape`` and ``dtype`` are ignored.
+The layout (file names, header, complete lines only) and the parsing are monitor.anomaly.rank_csv's,
+the one place that knows them; ``list_csv_files`` is re-exported from there. A row that does not
+parse (wrong field count, a value that is not a number) is skipped and counted, never guessed; the
+msprobe columns ``shape`` and ``dtype`` are ignored.
 """
 
 from __future__ import annotations
 
 import csv
-import importlib.util
-import io
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
-import pandas as pd
 
-from monitor.anomaly.rank_csv import (
-    NAN_TEXT,
-    header_columns,
-    list_csv_files,
-    op_values,
-    parse_arrow,
-    read_complete_lines,
-)
+from monitor.anomaly.rank_csv import header_columns, list_csv_files, parse_rows, read_complete_lines
 from monitor.writers.eventfile import open_regular
-from monitor.writers.parquet_files import encoded
-
-_HAS_PYARROW = importlib.util.find_spec("pyarrow") is not None
 
 __all__ = [
     "CsvBounds",
@@ -165,14 +152,13 @@ def read_csv_files(paths: Sequence[str | os.PathLike]) -> list[CsvTable]:
     for header, members in groups.items():
         if len(members) < 2:
             continue
-        try:
-            has_micro, ops = header_columns(header.decode("utf-8", errors="replace"))
-        except ValueError:
-            continue  # not monitor files: read_csv_file says so for each
         skip = len(header)
         counts = [texts[i].count(b"\n", skip) for i in members]
-        joined = _parse(b"".join([header, *(memoryview(texts[i])[skip:] for i in members)]), has_micro, ops)
-        if joined is None or len(joined) != sum(counts):
+        try:
+            joined = _parse(header[:-1].rstrip(b"\r"), b"".join(memoryview(texts[i])[skip:] for i in members))
+        except ValueError:
+            continue  # not monitor files: read_csv_file says so for each
+        if joined.skipped or len(joined) != sum(counts):
             continue
         start = 0
         for index, count in zip(members, counts):
@@ -185,92 +171,32 @@ def read_csv_files(paths: Sequence[str | os.PathLike]) -> list[CsvTable]:
 def _table(data: bytes) -> CsvTable:
     if not data:
         return _empty(())
-    header = data[: data.index(b"\n")].decode("utf-8", errors="replace")
-    has_micro, ops = header_columns(header)
-    return _parse(data, has_micro, ops) or _read_slowly(data, has_micro, ops)
+    end = data.index(b"\n")
+    return _parse(data[:end].rstrip(b"\r"), memoryview(data)[end + 1 :])
 
 
-def _parse(data: bytes, has_micro: bool, ops: tuple[str, ...]) -> CsvTable | None:
-    """The fast path (pyarrow's CSV reader, else pandas' C parser); None when any row does not parse."""
-    arrow = parse_arrow(data, has_micro, ops)
-    if arrow is not None:
-        codes, distinct = encoded(arrow["name"])
-        return CsvTable(
-            ops,
-            arrow["vpp_stage"].to_numpy(),
-            np.array(distinct, dtype=object)[codes].tolist(),
-            arrow["micro_step"].to_numpy() if has_micro else None,
-            arrow["step"].to_numpy(),
-            op_values(arrow, ops),
-        )
-    if _HAS_PYARROW:  # it read the text and found a row that does not parse
-        return None
-    labels = ["vpp_stage", "name", "step", *(["micro_step"] if has_micro else [])]
-    dtypes = {"vpp_stage": np.int64, "name": object, "step": np.int64, "micro_step": np.int64}
-    dtypes.update(dict.fromkeys(ops, np.float64))
-    header = data[: data.index(b"\n")]
-    try:
-        frame = pd.read_csv(
-            io.BytesIO(data),
-            usecols=[*labels, *ops] if len(ops) + len(labels) != header.count(b",") + 1 else None,
-            dtype=dtypes,
-            keep_default_na=False,
-            na_values=list(NAN_TEXT),
-            encoding_errors="replace",
-            float_precision="round_trip",
-        )
-    except (ValueError, pd.errors.ParserError):
-        return None
-    if frame["name"].isna().any():  # a name that reads as NaN: the slow path keeps it as text
-        return None
+def _parse(header: bytes, body: bytes | memoryview) -> CsvTable:
+    """Rows under one header as a CSV table, by the cross-rank reader's parser (monitor.anomaly.
+    rank_csv.parse_rows: pyarrow's CSV reader, else pandas', rows that do not parse dropped and
+    counted).
+
+    Raises:
+        ValueError: the header is not a monitor CSV header.
+    """
+    table, dropped = parse_rows(header, body)
+    if table is None:
+        raise ValueError(f"not a monitor CSV header: {header[:200].decode('utf-8', 'replace')!r}")
     return CsvTable(
-        ops,
-        frame["vpp_stage"].to_numpy(np.int64),
-        frame["name"].tolist(),
-        frame["micro_step"].to_numpy(np.int64) if has_micro else None,
-        frame["step"].to_numpy(np.int64),
-        frame[list(ops)].to_numpy(np.float64).reshape(len(frame), len(ops)),
+        table.ops,
+        table.vpp.astype(np.int64),
+        np.array(table.names, dtype=object)[table.codes].tolist(),
+        table.micro,
+        table.steps,
+        table.values,
+        dropped,
     )
 
 
-def _empty(ops: tuple[str, ...], micro: bool = False) -> CsvTable:
+def _empty(ops: tuple[str, ...]) -> CsvTable:
     ints = np.zeros(0, np.int64)
-    return CsvTable(ops, ints, [], ints.copy() if micro else None, ints.copy(), np.zeros((0, len(ops))))
-
-
-def _read_slowly(data: bytes, has_micro: bool, ops: tuple[str, ...]) -> CsvTable:
-    """Row by row, skipping (and counting) rows that do not parse."""
-    lines = io.StringIO(data.decode("utf-8", errors="replace"))
-    reader = csv.reader(lines)
-    header = next(reader)
-    index = {name: i for i, name in enumerate(header)}
-    columns = [index[op] for op in ops]
-    vpp, names, micro, steps, values, skipped = [], [], [], [], [], 0
-    for fields in reader:
-        if len(fields) != len(header):
-            skipped += 1
-            continue
-        try:
-            row = [float(fields[c]) for c in columns]  # nan/inf in any case; raises on text
-            head = (int(fields[0]), int(fields[2]), int(fields[3]) if has_micro else -1)
-        except ValueError:
-            skipped += 1
-            continue
-        vpp.append(head[0])
-        names.append(fields[1])
-        steps.append(head[1])
-        micro.append(head[2])
-        values.append(row)
-    if not names:
-        table = _empty(ops, has_micro)
-        table.skipped = skipped
-        return table
-    return CsvTable(
-        ops,
-        np.array(vpp, np.int64),
-        names,
-        np.array(micro, np.int64) if has_micro else None,
-        np.array(steps, np.int64),
-        np.array(values, np.float64).reshape(len(names), len(ops)),
-        skipped,
-    )
+    return CsvTable(ops, ints, [], None, ints.copy(), np.zeros((0, len(ops))))

@@ -197,7 +197,7 @@ def op_values(arrow: Any, ops: tuple[str, ...]) -> np.ndarray:
     return np.column_stack([arrow[op].to_numpy() for op in ops])
 
 
-def parse_rows(header: bytes, body: bytes) -> tuple[Table | None, int]:
+def parse_rows(header: bytes, body: bytes | memoryview) -> tuple[Table | None, int]:
     """Rows under one header as a Table (None: not a monitor header) and the count dropped as
     malformed."""
     try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import importlib.util
 import os
 
 import numpy as np
@@ -10,9 +11,9 @@ import pytest
 from tensorboard.compat.proto.event_pb2 import Event
 from tensorboard.compat.proto.summary_pb2 import HistogramProto
 
-from dashboards import csvfiles
 from dashboards.csvfiles import csv_bounds, read_csv_file, read_csv_files
 from dashboards.plugin.eventscalars import LayoutCache, event_head, first_scalar_tag
+from monitor.anomaly import rank_csv
 from monitor.writers.eventfile import frame_record, iter_records, open_regular, read_record, scan_records
 
 HEADER = "vpp_stage,name,step,norm,min\n"
@@ -22,10 +23,9 @@ HEADER = "vpp_stage,name,step,norm,min\n"
 def engine(request, monkeypatch):
     """The CSV files read by pyarrow's reader (installed with the dataset extra) or without it."""
     if request.param == "pandas":
-        monkeypatch.setattr(csvfiles, "parse_arrow", lambda *args: None)
-        monkeypatch.setattr(csvfiles, "_HAS_PYARROW", False)
+        monkeypatch.setattr(rank_csv, "parse_arrow", lambda *args: None)
     else:
-        assert csvfiles._HAS_PYARROW, "pyarrow comes with the dataset extra the README installs"
+        assert importlib.util.find_spec("pyarrow"), "pyarrow comes with the dataset extra the README installs"
     return request.param
 
 
