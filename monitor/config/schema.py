@@ -2,8 +2,9 @@
 
 Reads the reference's JSON config files (and YAML by extension). The result is an immutable
 MonitorConfig; the user's dict and file are never changed. Wrong types and ranges raise
-ConfigError naming the key path, the bad value and what was expected; unknown keys get one
-warning naming the closest known key.
+ConfigError naming the key path, the bad value and what was expected; an unknown top-level or
+``alert`` key gets one warning naming the closest known key (a config shared with msprobe may
+hold keys of its other versions), an unknown key inside another section is an error.
 """
 
 from __future__ import annotations
