@@ -79,6 +79,39 @@ def test_demo_rejects_a_spike_after_the_last_step(tmp_path):
     assert done.returncode == 2 and "--spike-step 9" in done.stderr
 
 
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["--config", "missing.yaml"], "trainmon demo: config file 'missing.yaml': cannot be read"),
+        (["--config", "bad_op.yaml"], "ops[1]: expected one of"),
+        (["--output", "a_file"], "a_file' exists and is not a directory"),
+    ],
+)
+def test_demo_says_what_is_wrong_in_one_line(tmp_path, args, says):
+    (tmp_path / "bad_op.yaml").write_text("wg_distribution: true\nops: [norm, nan]\n")
+    (tmp_path / "a_file").write_text("")
+    done = _demo("--steps", "3", "--no-spike", *args, cwd=tmp_path)
+    assert done.returncode == 2 and says in done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+
+
+def test_demo_reports_a_stop_its_config_asked_for(tmp_path):
+    from adapters.torch.demo_command import DEMO_TEMPLATE, template_path
+
+    with open(template_path(DEMO_TEMPLATE), encoding="utf-8") as handle:
+        template = handle.read()
+    assert "  dump: true\n" in template
+    stop = template.replace("  dump: true\n", "  dump: true\n  actions: [stop]\n")
+    (tmp_path / "stop.yaml").write_text(stop)
+    done = _demo("--steps", "20", "--spike-step", "10", "--config", "stop.yaml", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "Traceback" not in done.stderr
+    stopped = [line for line in done.stdout.splitlines() if line.startswith("Stopped:")]
+    assert len(stopped) == 1 and "incident 1 at step 10" in stopped[0]
+    trained = int(done.stdout.split("GPT-like model for ")[1].split(" steps")[0])
+    assert 11 <= trained < 20  # the faulty step ran (its update with it), the rest did not
+
+
 def test_console_script_is_installed():
     assert shutil.which("trainmon") or os.path.exists(
         os.path.join(os.path.dirname(sys.executable), "trainmon")

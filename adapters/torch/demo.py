@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from monitor import TrainerMon
+from monitor import CollectivesLogged, StructurePrinted, TrainerMon, TrainingStopped
 from monitor.config.schema import load_config
 
 
@@ -106,7 +106,11 @@ def run_demo(
     grad_acc_steps: int = 2,
     seed: int = 0,
 ) -> dict:
-    """Train the demo model with the monitor attached; returns a summary for the CLI to print."""
+    """Train the demo model with the monitor attached; returns a summary for the CLI to print.
+
+    A stop the config asked for (an alert action ``stop``, ``cc_log_only``, ``print_struct``) ends
+    the training early and is told in the summary's ``stopped``.
+    """
     if output:
         os.environ["MONITOR_OUTPUT_DIR"] = os.path.abspath(output)
     config = load_config(config_path)
@@ -120,8 +124,42 @@ def run_demo(
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     monitor = TrainerMon(config)
     monitor.set_monitor(model, grad_acc_steps=grad_acc_steps, optimizer=optimizer)
-    losses = []
+    losses: list[float] = []
     started = time.perf_counter()
+    try:
+        _train(model, optimizer, cfg, generator, steps, grad_acc_steps, spike_step, spike_scale, losses)
+        stopped = None
+    except (TrainingStopped, CollectivesLogged, StructurePrinted) as stop:
+        stopped = str(stop)
+    elapsed = time.perf_counter() - started
+    monitor.stop()
+    return {
+        "output_dir": monitor.output_dir,
+        "root": os.path.dirname(monitor.output_dir) if monitor.output_dir else None,
+        "anomalies": monitor.anomalies,
+        "incidents": monitor.incidents,
+        "losses": losses,
+        "seconds": elapsed,
+        "steps": len(losses),
+        "stopped": stopped,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "first_loss": losses[0] if losses else math.nan,
+        "last_loss": losses[-1] if losses else math.nan,
+    }
+
+
+def _train(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    cfg: GPTConfig,
+    generator: torch.Generator,
+    steps: int,
+    grad_acc_steps: int,
+    spike_step: int | None,
+    spike_scale: float,
+    losses: list[float],
+) -> None:
+    """The demo's training loop; each step's loss is appended to ``losses`` as it ends."""
     for step in range(steps):
         total = 0.0
         for _ in range(grad_acc_steps):
@@ -135,19 +173,6 @@ def run_demo(
                 loss = loss * spike_scale  # the injected gradient spike
             loss.backward()
             total += loss.detach().item()
+        losses.append(total)  # the step's losses were computed whether or not a stop follows
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        losses.append(total)
-    elapsed = time.perf_counter() - started
-    monitor.stop()
-    return {
-        "output_dir": monitor.output_dir,
-        "root": os.path.dirname(monitor.output_dir) if monitor.output_dir else None,
-        "anomalies": monitor.anomalies,
-        "incidents": monitor.incidents,
-        "losses": losses,
-        "seconds": elapsed,
-        "parameters": sum(p.numel() for p in model.parameters()),
-        "first_loss": losses[0] if losses else math.nan,
-        "last_loss": losses[-1] if losses else math.nan,
-    }

@@ -70,19 +70,29 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
 def _run_demo(args: argparse.Namespace) -> int:
     from adapters.torch.demo import run_demo
     from monitor.anomaly.incidents import describe_root
+    from monitor.config.values import ConfigError
 
     config = args.config or template_path(DEMO_TEMPLATE)
     spike_step = None if args.no_spike else args.spike_step
     if spike_step is not None and spike_step >= args.steps:
         print(f"trainmon demo: --spike-step {spike_step} is not below --steps {args.steps}", file=sys.stderr)
         return 2
-    summary = run_demo(config, steps=args.steps, spike_step=spike_step, output=args.output, fmt=args.format)
+    try:
+        summary = run_demo(
+            config, steps=args.steps, spike_step=spike_step, output=args.output, fmt=args.format
+        )
+    except (ConfigError, OSError) as exc:  # a bad config or output directory: one line, no traceback
+        message = str(exc)
+        print(message if message.startswith("trainmon") else f"trainmon demo: {message}", file=sys.stderr)
+        return 2
     anomalies = summary["anomalies"]
     print()
     print(
-        f"Trained {summary['parameters']:,}-parameter GPT-like model for {args.steps} steps "
+        f"Trained {summary['parameters']:,}-parameter GPT-like model for {summary['steps']} steps "
         f"in {summary['seconds']:.1f} s (loss {summary['first_loss']:.3f} -> {summary['last_loss']:.3f})."
     )
+    if summary["stopped"]:
+        print(f"Stopped:     {summary['stopped']}")
     print(f"Config:      {config}")
     print(f"Outputs:     {summary['output_dir']}")
     print(f"Anomalies:   {os.path.join(summary['root'], 'anomaly_detected')}")
