@@ -115,7 +115,8 @@ def select_jobs(
     """Check a converter's common arguments and list its jobs (data types: the requested, or every one found).
 
     Raises:
-        ConvertError: a bad argument, or no rank directory in the time range.
+        ConvertError: a bad argument, no rank directory in the time range, or none of them holds
+            a CSV file (of the requested data types).
     """
     processes = check_processes(process_num)
     types = check_types(data_type_list)
@@ -124,7 +125,20 @@ def select_jobs(
         raise ConvertError(
             f"monitor_path: no {{time}}-rank{{R}}-{{id}} directory in range under {monitor_path!r}"
         )
-    jobs = [(rank, dirs, prefix) for rank, dirs in ranks.items() for prefix in (types or found_types(dirs))]
+    found = {rank: found_types(dirs) for rank, dirs in ranks.items()}
+    if not any(set(types or prefixes) & set(prefixes) for prefixes in found.values()):
+        there = sorted({prefix for prefixes in found.values() for prefix in prefixes})
+        where = f"in the {len(ranks)} rank director{'y' if len(ranks) == 1 else 'ies'} under {monitor_path!r}"
+        if there:
+            raise ConvertError(
+                f"data_type_list: no CSV files of {', '.join(types or ())} {where}; "
+                f"they hold {', '.join(there)}"
+            )
+        raise ConvertError(
+            f"monitor_path: no CSV files {where}; a run written with format tensorboard or parquet "
+            "has none: TensorBoard reads it as it is, `trainmon compact` turns it into a Parquet dataset"
+        )
+    jobs = [(rank, dirs, prefix) for rank, dirs in ranks.items() for prefix in (types or found[rank])]
     return Selection(processes, ranks, jobs)
 
 

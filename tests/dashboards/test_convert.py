@@ -129,6 +129,22 @@ def test_bad_arguments_are_refused_up_front(tmp_path, convert, kwargs, words):
     assert not any(p.name.endswith(("-csv2tensorboard_by_step", "-csv2db")) for p in tmp_path.iterdir())
 
 
+@pytest.mark.parametrize("fmt", ["tensorboard", "parquet"])
+@pytest.mark.parametrize("convert", [csv2tensorboard_by_step, csv2db])
+def test_a_run_without_csv_files_is_refused_up_front(tmp_path, convert, fmt):
+    write_run(tmp_path, fmt=fmt)
+    with pytest.raises(ConvertError, match=r"no CSV files in the 1 rank directory .* tensorboard or parquet"):
+        convert(str(tmp_path), progress=False)
+    assert not any(p.name.endswith(("-csv2tensorboard_by_step", "-csv2db")) for p in tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("convert", [csv2tensorboard_by_step, csv2db])
+def test_a_data_type_without_csv_files_is_refused_naming_those_there(tmp_path, convert):
+    write_run(tmp_path, prefixes=("grad_reduced", "exp_avg"))
+    with pytest.raises(ConvertError, match=r"no CSV files of param_origin .*; they hold exp_avg, grad_r"):
+        convert(str(tmp_path), data_type_list=["param_origin"], progress=False)
+
+
 def test_missing_monitor_path_is_refused(tmp_path):
     with pytest.raises(ConvertError, match="monitor_path: expected an existing directory"):
         csv2db(str(tmp_path / "nowhere"))
