@@ -5,6 +5,7 @@ Everything here runs at attach time; hooks only look up precomputed strings.
 
 from __future__ import annotations
 
+import difflib
 import re
 from collections import Counter
 from collections.abc import Hashable, Iterable, Sequence
@@ -164,6 +165,26 @@ def select_names(
         chosen.append((position, vpp, raw))
     names = distinct_names([(vpp, raw) for _, vpp, raw in chosen], squash)
     return [(position, name) for (position, _, _), name in zip(chosen, names)]
+
+
+def unmatched_targets(
+    targets: Iterable[str], named: Iterable[tuple[int, str]]
+) -> list[tuple[str, str | None]]:
+    """Each targets key that selects none of the ``(vpp_stage, raw_name)`` pairs (a model's
+    modules and parameters), with the closest spelling of a name there (None when none is close):
+    such a key is a typo or a name of another model, and would otherwise be ignored in silence."""
+    keys = [key for key in targets if key]
+    if not keys:
+        return []
+    spellings = list(
+        dict.fromkeys(c for vpp, raw in named for c in name_candidates(vpp, raw, squash_name(raw)))
+    )
+    unmatched = []
+    for key in keys:
+        if not any(key_selects(key, candidate) for candidate in spellings):
+            close = difflib.get_close_matches(key, spellings, n=1)
+            unmatched.append((key, close[0] if close else None))
+    return unmatched
 
 
 def select_objects(

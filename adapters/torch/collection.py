@@ -91,6 +91,13 @@ class Collection(BaseCollection):
         self.eps = config.eps
         self.update_ratio = self._update_ratio_wanted()
         self.registry = ParamRegistry(chunks, config, main_grad, backend.named_parameters)
+        self._warn_unmatched_targets(
+            (vpp, raw)
+            for vpp, chunk in enumerate(chunks)
+            for names in (chunk.named_modules(), backend.named_parameters(chunk))
+            for raw, _ in names
+        )
+        self._moments_checked = not config.mv_distribution or backend.sharded  # a shard may hold none
         backend.prepare([entry.param for entry in self.registry.params], self.registry.grad)
         info = run_info("torch", torch.__version__, rank, world_size(), [type(c).__name__ for c in chunks])
         self.core = MonitorCore(config, rank, pp_stage, group_mates, output_dir=output_dir, info=info)
@@ -192,6 +199,9 @@ class Collection(BaseCollection):
             return
         cfg = self.config
         moment = self.backend.moment
+        if not self._moments_checked:
+            self._moments_checked = True
+            self._guard("exp_avg", self._warn_without_moments)
         for prefix in ("exp_avg", "exp_avg_sq"):
             if self._wanted(prefix, cfg.mv_distribution):
                 self._guard(prefix, self._submit_tensors, prefix, lambda p, k=prefix: moment(p, k))
@@ -200,6 +210,14 @@ class Collection(BaseCollection):
         if self._wanted("ur", self.update_ratio):
             self._guard("ur", self._submit_update_histograms)
         self._end_step()
+
+    def _warn_without_moments(self) -> None:
+        """mv_distribution with an optimizer that, after its update, holds no ``exp_avg`` for any
+        monitored parameter (SGD, Adagrad, ...): say so once instead of writing no rows in silence."""
+        params = self.registry.params
+        if params and all(self.backend.moment(p.param, "exp_avg") is None for p in params):
+            name = type(getattr(self.backend, "optimizer", None)).__name__
+            logger.warning("trainmon: mv_distribution: %s holds no exp_avg/exp_avg_sq; no moment rows", name)
 
     # -- statistics --------------------------------------------------------------------------
 

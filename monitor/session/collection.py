@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from abc import ABC, abstractmethod
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -20,6 +20,7 @@ from monitor.config.schema import MonitorConfig
 from monitor.datatypes.l2 import ATTENTION_PREFIX, LINEAR_OPS, LINEAR_PREFIX
 from monitor.datatypes.params import unreduced_rows
 from monitor.errors import StructurePrinted
+from monitor.naming import unmatched_targets
 from monitor.record import RowSet, SameRows, StepRecord
 from monitor.session.core import MonitorCore
 from monitor.session.schedule import Schedule
@@ -218,6 +219,18 @@ class BaseCollection(ABC):
                 micro_batches,
                 expected,
                 micro_batches,
+            )
+
+    def _warn_unmatched_targets(self, named: Iterable[tuple[int, str]]) -> None:
+        """One warning per ``targets`` key that names none of the model's modules and parameters
+        (``named``: their ``(vpp_stage, raw_name)``), with the closest name there."""
+        for key, close in unmatched_targets(self.config.targets, named):
+            hint = f"did you mean {close!r}?" if close else "print_struct: true lists the model's names"
+            logger.warning(
+                "trainmon config: targets key %r selects no module or parameter of the model and is "
+                "ignored; %s",
+                key,
+                hint,
             )
 
     # -- print_struct and stack_info ---------------------------------------------------------

@@ -121,6 +121,7 @@ class SessionLifecycle(IncidentResponses, ABC):
         self._output_dir = self.collection.core.output_dir
         self._connect_alerts()
         kinds = [k for k in _KINDS if getattr(self.collection.config, k)]  # what this collection can see
+        self._warn_if_nothing_selected(kinds)
         logger.info(
             "trainmon: monitoring %d %s (%s) on rank %d from step %d, output %s",
             len(self.collection.registry),
@@ -130,6 +131,18 @@ class SessionLifecycle(IncidentResponses, ABC):
             self.step,
             self.collection.core.output_dir or "in memory (format api)",
         )
+
+    def _warn_if_nothing_selected(self, kinds: list[str]) -> None:
+        """A config that switches nothing on (a misspelt key, say) records nothing: say so loudly,
+        unless dynamic mode may switch something on later."""
+        config = self.collection.config
+        extras = config.cc_distribution.enable or config.recording_l2_features or config.print_struct
+        if not kinds and not extras and not config.stack_info and not config.dynamic_on:
+            logger.warning(
+                "trainmon: nothing to record: the config switches on none of %s, cc_distribution or "
+                "recording_l2_features",
+                ", ".join(_KINDS),
+            )
 
     def resume_step_count(self, step: int | None) -> None:
         """After stop() no hook counts steps: go on from ``step``, else by the optimizer's own count

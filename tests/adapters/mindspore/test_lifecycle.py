@@ -129,6 +129,17 @@ def test_targets_select_on_name_boundaries():
     mon.stop()
 
 
+def test_a_targets_key_that_names_nothing_is_warned_about(caplog):
+    net, optimizer = _fresh("Adam")
+    targets = {"layers.1": {}, "layers.1.weigth": {}}
+    with caplog.at_level(logging.WARNING, logger="trainmon"):
+        mon = TrainerMon({"targets": targets, "wg_distribution": True, "format": "api"})
+        mon.set_monitor(net, grad_acc_steps=1, optimizer=optimizer)
+        mon.stop()
+    (told,) = [r.getMessage() for r in caplog.records if "targets key" in r.getMessage()]
+    assert "'layers.1.weigth' selects no module or parameter" in told and "'layers.1.weight'?" in told
+
+
 @pytest.mark.parametrize("ranks", [[1], ["1"]])
 def test_a_rank_outside_module_ranks_attaches_nothing(ranks, hook_calls):
     net, optimizer = _fresh()

@@ -144,6 +144,61 @@ def test_targets_select_on_name_boundaries():
     ]
 
 
+def _warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def test_a_targets_key_that_names_nothing_is_warned_about_with_the_closest_name(caplog):
+    from tests.training import Net
+
+    torch.manual_seed(0)
+    mlp = MLP()
+    targets = {"layers.1": {}, "norm.weght": {}, "lm_head": {}, "0:layers.0.weight": {}}
+    model = Net()  # block.1 is a GELU: a module without parameters, which xy may target
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    with caplog.at_level(logging.WARNING, logger="trainmon"):
+        mon = TrainerMon({"wg_distribution": True, "format": "api", "targets": targets})
+        mon.set_monitor(mlp, 1, torch.optim.AdamW(mlp.parameters()))
+        mon.stop()
+        told = _warnings(caplog)
+        caplog.clear()
+        other = TrainerMon({"xy_distribution": True, "format": "api", "targets": {"block.1": {}}})
+        other.set_monitor(model, 1, optimizer)
+        other.stop()
+    unmatched = [m for m in told if "targets key" in m]
+    assert len(unmatched) == 2, told
+    assert "'norm.weght' selects no module or parameter" in unmatched[0] and "'norm.weight'?" in unmatched[0]
+    assert "'lm_head'" in unmatched[1] and "print_struct: true lists" in unmatched[1]
+    assert not [m for m in _warnings(caplog) if "targets key" in m]
+
+
+def test_moments_of_an_optimizer_without_them_are_warned_about_once(caplog):
+    for optimizer_type, warned in ((torch.optim.SGD, 1), (torch.optim.Adagrad, 1), (torch.optim.AdamW, 0)):
+        caplog.clear()
+        torch.manual_seed(0)
+        model = MLP()
+        optimizer = optimizer_type(model.parameters(), lr=0.01)
+        with caplog.at_level(logging.WARNING, logger="trainmon"):
+            mon = TrainerMon({"mv_distribution": True, "format": "api"})
+            mon.set_monitor(model, 2, optimizer)
+            _train(model, optimizer, 3)
+            mon.stop()
+        about = [m for m in _warnings(caplog) if "holds no exp_avg/exp_avg_sq" in m]
+        assert len(about) == warned, (optimizer_type, _warnings(caplog))
+        assert all(optimizer_type.__name__ in m for m in about)
+
+
+def test_a_config_that_switches_nothing_on_is_warned_about(caplog):
+    model, optimizer = _fresh()
+    with caplog.at_level(logging.WARNING, logger="trainmon"):
+        mon = TrainerMon({"wg_distributon": True, "format": "api"})  # misspelt
+        mon.set_monitor(model, 2, optimizer)
+        mon.stop()
+    told = _warnings(caplog)
+    assert any("unknown key 'wg_distributon'" in m and "'wg_distribution'" in m for m in told), told
+    assert any(m.startswith("trainmon: nothing to record") for m in told), told
+
+
 def test_module_ranks_without_this_rank_monitors_nothing(_output_dir):
     model, optimizer = _fresh()
     before = _hook_state(model, optimizer)
