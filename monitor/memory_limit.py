@@ -17,6 +17,8 @@ ENV = "TRAINMON_MEMORY_LIMIT"
 COMPACT_DEFAULT = "2GB"
 #: ``anomaly-analyse --cross-rank``'s default: it reads the run in windows of steps that fit.
 CROSS_RANK_DEFAULT = "1GB"
+#: the least a reader is given: below it DuckDB cannot hold its own buffers.
+MINIMUM = 64 * 10**6
 _UNITS = {
     "": 1,
     "B": 1,
@@ -51,14 +53,17 @@ def memory_limit(flag: str | None, default: str) -> int:
     """Bytes allowed: the flag's value, else TRAINMON_MEMORY_LIMIT, else ``default``.
 
     Raises:
-        ValueError: the chosen setting is not a size.
+        ValueError: the chosen setting is not a size, or is below MINIMUM.
     """
-    if flag is not None:
-        return parse_size(flag, "--memory-limit")
-    setting = os.environ.get(ENV)
-    if setting:
-        return parse_size(setting, ENV)
-    return parse_size(default, "default")
+    where, text = ("--memory-limit", flag) if flag is not None else (ENV, os.environ.get(ENV) or None)
+    if text is None:
+        where, text = "default", default
+    size = parse_size(text, where)
+    if size < MINIMUM:
+        raise ValueError(
+            f"{where}: expected at least 64MB, got {text!r} ({size:,} bytes; a bare number is bytes)"
+        )
+    return size
 
 
 def add_argument(parser: argparse.ArgumentParser, default: str) -> None:

@@ -9,6 +9,7 @@ add_arguments(parser), run(args) -> exit status); exit status 0 done, 2 bad inpu
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable
 
@@ -147,15 +148,21 @@ def run_compact(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"trainmon compact: {exc}", file=sys.stderr)
         return 2
+    import duckdb
+
+    out = args.output or os.path.join(args.monitor_path, "dataset")
+    existed = os.path.exists(out)
     try:
         counts = compact(args.monitor_path, args.output, limit)
-    except ConvertError as exc:
-        print(f"trainmon compact: {exc}", file=sys.stderr)
+    except (ConvertError, duckdb.Error) as exc:
+        if not existed and os.path.isdir(out) and not os.listdir(out):
+            os.rmdir(out)  # nothing half-written left behind
+        hint = " (a larger --memory-limit may help)" if isinstance(exc, duckdb.OutOfMemoryException) else ""
+        print(f"trainmon compact: {str(exc).splitlines()[0]}{hint}", file=sys.stderr)
         return 2
-    out = args.output or f"{args.monitor_path}/dataset"
     print(f"Written:     {out} ({counts['written']} part(s) written, {counts['kept']} up to date)")
-    values = f"read_parquet('{out}/values/**/*.parquet', hive_partitioning=true)"
-    print(f'Query it:    duckdb -c "SELECT * FROM {values}"')
+    values = f"read_parquet('{out}/values/**/*.parquet', hive_partitioning = true)"
+    print(f'Query it:    python -c "import duckdb; duckdb.sql(\\"SELECT * FROM {values}\\").show()"')
     return 0
 
 

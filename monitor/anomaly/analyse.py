@@ -234,9 +234,17 @@ def make_out_dir(args: argparse.Namespace, data_dir: str) -> str:
 
 
 def _check(args: argparse.Namespace) -> tuple[str, int, frozenset[int] | None, list[str]]:
+    from monitor.anomaly import cross_rank
+
+    given = cross_rank.flags_given(args)
+    if given:
+        raise UsageError(f"{', '.join(given)}: only used with --cross-rank")
     data_dir, k, steps = check_common(args)
     try:
         paths = find_anomaly_files(data_dir)
+        if not paths and os.path.isdir(os.path.join(data_dir, "anomaly_detected")):
+            data_dir = os.path.join(data_dir, "anomaly_detected")  # the run's root: its anomaly files
+            paths = find_anomaly_files(data_dir)
     except OSError as exc:
         raise UsageError(f"cannot list {data_dir}: {exc.strerror or exc}") from None
     if not paths:

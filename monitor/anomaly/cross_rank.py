@@ -75,6 +75,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     memory_limit.add_argument(group, memory_limit.CROSS_RANK_DEFAULT)
 
 
+def flags_given(args: argparse.Namespace) -> list[str]:
+    """The cross-rank flags set to other than their defaults (meaningless without --cross-rank)."""
+    defaults = {
+        "k_mad": DEFAULT_K_MAD,
+        "types": DEFAULT_TYPES,
+        "ops": DEFAULT_OPS,
+        "ranks": "[]",
+        "memory_limit": None,
+    }
+    return [
+        "--" + name.replace("_", "-")
+        for name, value in defaults.items()
+        if getattr(args, name, value) != value
+    ]
+
+
 def _number(value: float) -> float | str:
     return float(value) if math.isfinite(value) else str(float(value))
 

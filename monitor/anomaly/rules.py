@@ -22,6 +22,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from monitor.config.schema import ConfigError
+from monitor.config.values import unknown_key
 
 #: ops whose value is a count of NaN elements: any count above zero is a NaN signal.
 COUNT_OPS = ("nans",)
@@ -373,7 +374,7 @@ def validate_rule_args(name: str, args: Mapping[str, Any], path: str) -> dict[st
     result: dict[str, Any] = {}
     for key, value in args.items():
         if key not in known:
-            raise ConfigError(f"{path}.{key}: unknown argument of {name}; expected one of {', '.join(known)}")
+            raise unknown_key(f"{path}.{key}", key, tuple(known), f"unknown argument of {name}")
         result[key] = _check_arg(key, *known[key], value, path)
     if name == "AnomalyTurbulence":
         if "threshold" not in result:

@@ -29,6 +29,7 @@ from monitor.config.values import (
     describe,
     kind_of,
     not_one_of,
+    unknown_key,
     warn_unknown,
 )
 from monitor.files import parse_time_tag
@@ -298,7 +299,7 @@ def _cc(value: Any) -> CCConfig:
         raise ConfigError(f"cc_distribution: expected an object, got {describe(value)}")
     for key in value:
         if key not in CC_KEYS:
-            raise ConfigError(f"cc_distribution.{key}: unknown key; expected one of {', '.join(CC_KEYS)}")
+            raise unknown_key(f"cc_distribution.{key}", key, CC_KEYS)
     return CCConfig(
         enable=as_bool(value.get("enable", False), "cc_distribution.enable"),
         cc_codeline=_codelines(value.get("cc_codeline", [])),
@@ -387,6 +388,6 @@ def _l2_targets(value: Any) -> Mapping[str, tuple[str, ...]]:
     result = {}
     for key, names in value.items():
         if key not in L2_HOOK_KEYS:
-            raise ConfigError(f"l2_targets.{key}: expected one of {', '.join(L2_HOOK_KEYS)}")
+            raise unknown_key(f"l2_targets.{key}", key, L2_HOOK_KEYS)
         result[key] = as_str_list(names, f"l2_targets.{key}")
     return MappingProxyType(result)

@@ -25,6 +25,15 @@ def warn_unknown(key: str, known: tuple[str, ...], path: str) -> None:
     logger.warning("trainmon config: unknown key %r ignored%s", f"{path}{key}", hint)
 
 
+def unknown_key(
+    path: str, key: str, known: tuple[str, ...] | list[str], what: str = "unknown key"
+) -> ConfigError:
+    """The error for a key a section does not have, naming the keys it has and the closest one."""
+    close = difflib.get_close_matches(str(key), known, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    return ConfigError(f"{path}: {what}; expected one of {', '.join(known)}{hint}")
+
+
 def not_one_of(path: str, value: Any, choices: tuple[str, ...] | list[str]) -> ConfigError:
     """The error for a value outside ``choices``, naming the closest choice when there is one."""
     close = difflib.get_close_matches(value, choices, n=1) if isinstance(value, str) else []

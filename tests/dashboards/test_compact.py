@@ -197,15 +197,24 @@ def test_no_run_is_a_clear_error(tmp_path):
     assert done.returncode == 2 and "no {time}-rank{R}-{id} directory" in done.stderr
 
 
-def test_a_memory_limit_that_is_not_a_size_is_refused_before_anything_is_written(tmp_path):
+@pytest.mark.parametrize(
+    ("setting", "says"),
+    [
+        ("much", "--memory-limit: expected a size such as '512MB', '4GB' or '2GiB', got 'much'"),
+        ("10", "--memory-limit: expected at least 64MB, got '10' (10 bytes: a bare number is bytes)"),
+    ],
+)
+def test_a_memory_limit_that_is_not_a_usable_size_is_refused_before_anything_is_written(
+    tmp_path, setting, says
+):
     write_run(tmp_path, ranks=(0,), steps=range(2))
     done = subprocess.run(
-        [sys.executable, "-m", "monitor.cli", "compact", "-d", str(tmp_path), "--memory-limit", "much"],
+        [sys.executable, "-m", "monitor.cli", "compact", "-d", str(tmp_path), "--memory-limit", setting],
         capture_output=True,
         text=True,
     )
-    assert done.returncode == 2
-    assert "--memory-limit: expected a size such as '512MB', '4GB' or '2GiB', got 'much'" in done.stderr
+    assert done.returncode == 2 and says in done.stderr
+    assert "Traceback" not in done.stderr
     assert not (tmp_path / "dataset").exists()
 
 

@@ -469,6 +469,28 @@ def test_bad_arguments_exit_2_with_one_line(tree: Path, capsys, argv: list[str],
     assert not (tree / "anomaly_analyse.json").exists()
 
 
+def test_the_run_root_is_read_through_its_anomaly_detected_directory(tmp_path: Path, tree: Path) -> None:
+    root = tmp_path / "monitor_output"
+    root.mkdir()
+    tree.rename(root / "anomaly_detected")
+    assert main(["-d", str(root)]) == 0
+    through_root = output(root / "anomaly_detected")
+    assert main(["-d", str(root / "anomaly_detected"), "-o", str(tmp_path / "direct")]) == 0
+    assert through_root and through_root == output(tmp_path / "direct")
+
+
+@pytest.mark.parametrize(
+    ("argv", "flags"),
+    [
+        (["--ranks", "[0, 1]"], "--ranks"),
+        (["--k-mad", "4", "--memory-limit", "2GB"], "--k-mad, --memory-limit"),
+    ],
+)
+def test_cross_rank_flags_without_cross_rank_exit_2(tree: Path, capsys, argv: list[str], flags: str) -> None:
+    assert_usage_error(capsys, main(["-d", str(tree), *argv]), f"{flags}: only used with --cross-rank")
+    assert not (tree / "anomaly_analyse.json").exists()
+
+
 def test_bad_paths_exit_2_with_one_line(tmp_path: Path, tree: Path, capsys) -> None:
     assert_usage_error(capsys, main(["-d", str(tmp_path / "missing")]), "data path does not exist")
     a_file = tmp_path / "file"

@@ -259,6 +259,20 @@ BAD_CONFIGS = [
         "alert.rules[0].rule_name",
         "did you mean 'AnomalyZScore'?",
     ),
+    (
+        "rule_argument_misspelt",
+        {"alert": {"rules": [{"rule_name": "AnomalyZScore", "args": {"treshold": 3}}]}},
+        "alert.rules[0].args.treshold",
+        "unknown argument of AnomalyZScore; expected one of threshold, ops, warmup, beta, min_ratio; "
+        "did you mean 'threshold'?",
+    ),
+    (
+        "cc_key_misspelt",
+        {"cc_distribution": {"enabel": True}},
+        "cc_distribution.enabel",
+        "unknown key; expected one of enable, cc_codeline, cc_pre_hook, cc_log_only; did you mean 'enable'?",
+    ),
+    ("l2_key_misspelt", {"l2_targets": {"attention_hok": []}}, "l2_targets.attention_hok", "'attention_hook"),
     ("eps_zero", {"eps": 0}, "eps", "got 0"),
     ("eps_string", {"eps": "small"}, "eps", "got 'small'"),
     ("ndigits_zero", {"ndigits": 0}, "ndigits", "got 0"),
