@@ -61,7 +61,7 @@ def memory_limit(flag: str | None, default: str) -> int:
     size = parse_size(text, where)
     if size < MINIMUM:
         raise ValueError(
-            f"{where}: expected at least 64MB, got {text!r} ({size:,} bytes; a bare number is bytes)"
+            f"{where}: expected at least 64MB, got {text!r} ({size:,} bytes: a bare number is bytes)"
         )
     return size
 

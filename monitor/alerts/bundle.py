@@ -115,6 +115,16 @@ def load_bundle(path: str | os.PathLike) -> Bundle:
     return Bundle(path, manifest, tensors)
 
 
+def _generators(manifest: dict[str, Any]) -> list[str]:
+    """The random generators whose state a bundle kept: in its manifest (Python's, numpy's
+    position) or as tensors named ``rng.{generator}`` (numpy's key, torch's CPU and GPU states)."""
+    names = set(manifest.get("rng", {}))
+    names.update(
+        e["name"].removeprefix("rng.") for e in manifest.get("tensors", []) if e["name"].startswith("rng.")
+    )
+    return sorted(names)
+
+
 def describe_bundle(bundle: Bundle) -> str:
     """The text ``trainmon bundle show`` prints: the incident, where it ran, and each tensor."""
     m = bundle.manifest
@@ -132,7 +142,7 @@ def describe_bundle(bundle: Bundle) -> str:
         f"rank {topology.get('rank')} of {topology.get('world_size')}, pipeline stage "
         f"{topology.get('pp_stage')}, model chunks {topology.get('chunks')}",
         "versions: " + ", ".join(f"{k} {v}" for k, v in sorted(m.get("versions", {}).items())),
-        f"random generator states: {', '.join(sorted(m.get('rng', {}))) or 'none'}",
+        f"random generator states: {', '.join(_generators(m)) or 'none'}",
         "tensors:",
     ]
     for entry in m.get("tensors", []):

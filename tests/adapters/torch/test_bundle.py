@@ -95,6 +95,7 @@ def test_the_bundle_holds_the_faulty_tensors_and_the_generators_of_its_step(tmp_
         f"incident 1 on rank 0: onset step {AT} (micro-batch 0), written at the end of step {written}"
         in shown
     )
+    assert "random generator states: numpy, python, torch\n" in shown
     grad_line = next(line for line in shown.splitlines() if f"0:{FAULTY} grad" in line)
     assert "float32 (12, 16)" in grad_line and f"nan {int(np.isnan(copy['grad']).sum())}" in grad_line
 
