@@ -17,8 +17,8 @@ ENV = "TRAINMON_MEMORY_LIMIT"
 COMPACT_DEFAULT = "2GB"
 #: ``anomaly-analyse --cross-rank``'s default: it reads the run in windows of steps that fit.
 CROSS_RANK_DEFAULT = "1GB"
-#: the least a reader is given: below it DuckDB cannot hold its own buffers.
-MINIMUM = 64 * 10**6
+#: a size written without a unit below this is a slip (``--memory-limit 10`` meaning 10GB), not bytes.
+BARE_MINIMUM = 2**20
 _UNITS = {
     "": 1,
     "B": 1,
@@ -53,15 +53,15 @@ def memory_limit(flag: str | None, default: str) -> int:
     """Bytes allowed: the flag's value, else TRAINMON_MEMORY_LIMIT, else ``default``.
 
     Raises:
-        ValueError: the chosen setting is not a size, or is below MINIMUM.
+        ValueError: the chosen setting is not a size, or is a number below BARE_MINIMUM without a unit.
     """
     where, text = ("--memory-limit", flag) if flag is not None else (ENV, os.environ.get(ENV) or None)
     if text is None:
         where, text = "default", default
     size = parse_size(text, where)
-    if size < MINIMUM:
+    if size < BARE_MINIMUM and str(text).strip().replace(".", "", 1).isdigit():
         raise ValueError(
-            f"{where}: expected at least 64MB, got {text!r} ({size:,} bytes: a bare number is bytes)"
+            f"{where}: a bare number is bytes: expected a size with a unit such as '10GB', got {text!r}"
         )
     return size
 

@@ -168,23 +168,43 @@ def select_names(
 
 
 def unmatched_targets(
-    targets: Iterable[str], named: Iterable[tuple[int, str]]
+    targets: Iterable[str], named: Iterable[tuple[int, str]], suggest: int = 5
 ) -> list[tuple[str, str | None]]:
     """Each targets key that selects none of the ``(vpp_stage, raw_name)`` pairs (a model's
-    modules and parameters), with the closest spelling of a name there (None when none is close):
-    such a key is a typo or a name of another model, and would otherwise be ignored in silence."""
+    modules and parameters), with the closest name there for the first ``suggest`` of them (None
+    when none is close): such a key is a typo or a name of another model, and would otherwise be
+    ignored in silence.
+
+    One pass over the names: a key selects a name when it is one of the name's spellings or a
+    dotted prefix of one (``key_selects``), so the set of every spelling's dotted prefixes answers
+    each key at once.
+    """
     keys = [key for key in targets if key]
     if not keys:
         return []
-    spellings = list(
-        dict.fromkeys(c for vpp, raw in named for c in name_candidates(vpp, raw, squash_name(raw)))
-    )
-    unmatched = []
-    for key in keys:
-        if not any(key_selects(key, candidate) for candidate in spellings):
-            close = difflib.get_close_matches(key, spellings, n=1)
-            unmatched.append((key, close[0] if close else None))
-    return unmatched
+    named = list(named)
+    spellings = {c for vpp, raw in named for c in name_candidates(vpp, raw, squash_name(raw))}
+    parents: set[str] = set()  # dotted prefixes that have a child
+    for spelling in spellings:
+        cut = spelling.rfind(".")
+        while cut > 0 and spelling[:cut] not in parents:
+            parents.add(spelling[:cut])
+            cut = spelling.rfind(".", 0, cut)
+    unmatched = [
+        key
+        for key in keys
+        if not (key in spellings or key in parents or (key.endswith(".") and key[:-1] in parents))
+    ]
+    bare = list(dict.fromkeys(unwrapped_name(raw) for _, raw in named)) if unmatched else []
+    return [(key, _closest(key, bare) if i < suggest else None) for i, key in enumerate(unmatched)]
+
+
+def _closest(key: str, names: list[str]) -> str | None:
+    """The name closest to ``key``, among at most 500 that share its first segment where possible."""
+    head = key.split(".", 1)[0]
+    near = [name for name in names if name.split(".", 1)[0] == head]
+    close = difflib.get_close_matches(key, (near or names)[:500], n=1)
+    return close[0] if close else None
 
 
 def select_objects(

@@ -32,12 +32,14 @@ class ParamRegistry:
     """
 
     def __init__(self, chunks: Sequence[ms.nn.Cell], config: MonitorConfig) -> None:
-        trainable = [
+        every = [
             (vpp, raw, param)
             for vpp, chunk in enumerate(chunks)
             for raw, param in chunk.parameters_and_names()
-            if param.requires_grad
         ]
+        #: ``(vpp_stage, raw_name)`` of every parameter, trainable or not (what targets may name)
+        self.names = [(vpp, raw) for vpp, raw, _ in every]
+        trainable = [found for found in every if found[2].requires_grad]
         self.params = [
             MonitoredParam(*found) for found in select_objects(trainable, config.targets, config.squash_name)
         ]

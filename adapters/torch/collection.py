@@ -19,7 +19,7 @@ from adapters.torch.activations import Activations, select_modules
 from adapters.torch.dist import rank_in_group, world_size
 from adapters.torch.grads import unreduced_source
 from adapters.torch.l2 import L2Features
-from adapters.torch.optim import TorchBackend
+from adapters.torch.optim import TorchBackend, without_adam_moments
 from adapters.torch.params import ParamRegistry
 from adapters.torch.sharded.shards import SHARD_COLUMNS, shard_reduce
 from adapters.torch.stats import sign_shares, stat_matrix
@@ -91,13 +91,10 @@ class Collection(BaseCollection):
         self.eps = config.eps
         self.update_ratio = self._update_ratio_wanted()
         self.registry = ParamRegistry(chunks, config, main_grad, backend.named_parameters)
-        self._warn_unmatched_targets(
-            (vpp, raw)
-            for vpp, chunk in enumerate(chunks)
-            for names in (chunk.named_modules(), backend.named_parameters(chunk))
-            for raw, _ in names
-        )
-        self._moments_checked = not config.mv_distribution or backend.sharded  # a shard may hold none
+        modules = [(vpp, raw) for vpp, chunk in enumerate(chunks) for raw, _ in chunk.named_modules()]
+        self._warn_unmatched_targets(modules + self.registry.names, len(group_mates) > 1)
+        #: collected steps left to tell whether the optimizer keeps Adam's moments (a shard may hold none)
+        self._moment_checks_left = 20 if config.mv_distribution and not backend.sharded else 0
         backend.prepare([entry.param for entry in self.registry.params], self.registry.grad)
         info = run_info("torch", torch.__version__, rank, world_size(), [type(c).__name__ for c in chunks])
         self.core = MonitorCore(config, rank, pp_stage, group_mates, output_dir=output_dir, info=info)
@@ -199,9 +196,8 @@ class Collection(BaseCollection):
             return
         cfg = self.config
         moment = self.backend.moment
-        if not self._moments_checked:
-            self._moments_checked = True
-            self._guard("exp_avg", self._warn_without_moments)
+        if self._moment_checks_left:
+            self._guard("exp_avg", self._check_moments)
         for prefix in ("exp_avg", "exp_avg_sq"):
             if self._wanted(prefix, cfg.mv_distribution):
                 self._guard(prefix, self._submit_tensors, prefix, lambda p, k=prefix: moment(p, k))
@@ -211,13 +207,15 @@ class Collection(BaseCollection):
             self._guard("ur", self._submit_update_histograms)
         self._end_step()
 
-    def _warn_without_moments(self) -> None:
-        """mv_distribution with an optimizer that, after its update, holds no ``exp_avg`` for any
-        monitored parameter (SGD, Adagrad, ...): say so once instead of writing no rows in silence."""
-        params = self.registry.params
-        if params and all(self.backend.moment(p.param, "exp_avg") is None for p in params):
-            name = type(getattr(self.backend, "optimizer", None)).__name__
-            logger.warning("trainmon: mv_distribution: %s holds no exp_avg/exp_avg_sq; no moment rows", name)
+    def _check_moments(self) -> None:
+        """mv_distribution with an optimizer that keeps no Adam moments (SGD, Adagrad, ...): said
+        once, instead of writing no rows in silence."""
+        verdict = without_adam_moments(self.backend, [p.param for p in self.registry.params])
+        self._moment_checks_left = self._moment_checks_left - 1 if verdict is None else 0
+        if verdict:
+            logger.warning(
+                "trainmon: mv_distribution: %s keeps no exp_avg/exp_avg_sq; no moment rows", verdict
+            )
 
     # -- statistics --------------------------------------------------------------------------
 

@@ -188,6 +188,24 @@ BACKEND_MODULES = {
 }
 
 
+def without_adam_moments(backend: TorchBackend, params: Sequence[torch.nn.Parameter]) -> str | bool | None:
+    """Whether the optimizer behind ``params`` keeps no Adam moments, after an update: the name of
+    its type when it holds state for them without ``exp_avg`` or its groups have no ``betas`` (a
+    stateless SGD); False when a parameter has ``exp_avg``; None while it cannot tell (no update
+    has made any state yet, as when a loss scaler skipped the first steps)."""
+    if any(backend.moment(param, "exp_avg") is not None for param in params):
+        return False
+    owners = [owner for owner in map(backend.state_owner, params) if owner is not None]
+    if not owners:
+        return None
+    optimizer = owners[0][0]
+    if any(owner.state.get(tensor) for owner, tensor in owners):
+        return type(optimizer).__name__
+    if not any("betas" in group for owner, _ in owners for group in owner.param_groups):
+        return type(optimizer).__name__
+    return None
+
+
 def optimizer_backend(optimizer: Any, chunks: Sequence[torch.nn.Module] = ()) -> TorchBackend:
     """The back-end registered for a class name in the optimizer's wrapper chain, else FSDP1's for
     model ``chunks`` wrapped in FullyShardedDataParallel, else the DTensor one where parameters

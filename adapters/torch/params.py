@@ -44,12 +44,10 @@ class ParamRegistry:
         whose framework flattened the parameters away names stand-ins for them)."""
         self.main_grad = main_grad
         named = named or (lambda chunk: chunk.named_parameters())
-        trainable = [
-            (vpp, raw, param)
-            for vpp, chunk in enumerate(chunks)
-            for raw, param in named(chunk)
-            if param.requires_grad
-        ]
+        every = [(vpp, raw, param) for vpp, chunk in enumerate(chunks) for raw, param in named(chunk)]
+        #: ``(vpp_stage, raw_name)`` of every parameter, trainable or not (what targets may name)
+        self.names = [(vpp, raw) for vpp, raw, _ in every]
+        trainable = [found for found in every if found[2].requires_grad]
         # a parameter shared by several chunks is registered once, in the first
         self.params = [
             MonitoredParam(*found) for found in select_objects(trainable, config.targets, config.squash_name)

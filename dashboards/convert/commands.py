@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 from collections.abc import Callable
 
@@ -139,6 +140,8 @@ def run_compact(args: argparse.Namespace) -> int:
     from dashboards.convert.runs import ConvertError
 
     try:
+        import duckdb
+
         from dashboards.convert.compact import compact
     except ImportError:
         print("trainmon compact: needs DuckDB: pip install -e '.[dataset]'", file=sys.stderr)
@@ -148,15 +151,13 @@ def run_compact(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"trainmon compact: {exc}", file=sys.stderr)
         return 2
-    import duckdb
-
     out = args.output or os.path.join(args.monitor_path, "dataset")
     existed = os.path.exists(out)
     try:
         counts = compact(args.monitor_path, args.output, limit)
     except (ConvertError, duckdb.Error) as exc:
-        if not existed and os.path.isdir(out) and not os.listdir(out):
-            os.rmdir(out)  # nothing half-written left behind
+        if not existed:  # nothing half-written left behind: all of it was this compaction's
+            shutil.rmtree(out, ignore_errors=True)
         hint = " (a larger --memory-limit may help)" if isinstance(exc, duckdb.OutOfMemoryException) else ""
         print(f"trainmon compact: {str(exc).splitlines()[0]}{hint}", file=sys.stderr)
         return 2

@@ -37,6 +37,8 @@ DEFAULT_TYPES = "grad_unreduced"
 DEFAULT_K_MAD = 8.0
 #: signed statistics near zero (mean, id) have no steady unit across a few ranks: opt-in only.
 DEFAULT_OPS = "norm,min,max,zeros,nans"
+#: every rank.
+DEFAULT_RANKS = "[]"
 #: outliers written to the JSON file (earliest first); the rest are only counted.
 MAX_RECORDS = 100_000
 _TYPE = re.compile(r"^[A-Za-z0-9_]+$")
@@ -70,7 +72,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"comma-separated ops compared (default {DEFAULT_OPS})",
     )
     group.add_argument(
-        "--ranks", default="[]", metavar="LIST", help="Python list of ranks compared (default: all)"
+        "--ranks", default=DEFAULT_RANKS, metavar="LIST", help="Python list of ranks compared (default: all)"
     )
     memory_limit.add_argument(group, memory_limit.CROSS_RANK_DEFAULT)
 
@@ -81,8 +83,8 @@ def flags_given(args: argparse.Namespace) -> list[str]:
         "k_mad": DEFAULT_K_MAD,
         "types": DEFAULT_TYPES,
         "ops": DEFAULT_OPS,
-        "ranks": "[]",
-        "memory_limit": None,
+        "ranks": DEFAULT_RANKS,
+        "memory_limit": None,  # memory_limit.add_argument's: unset
     }
     return [
         "--" + name.replace("_", "-")

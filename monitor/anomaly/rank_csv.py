@@ -218,15 +218,9 @@ def parse_rows(header: bytes, body: bytes | memoryview) -> tuple[Table | None, i
             arrow["step"].to_numpy(),
             op_values(arrow, ops),
         ), 0
-    import pandas as pd  # without pyarrow only: it is slow to import
+    from monitor.anomaly.csv_pandas import read_frame  # without pyarrow only: pandas is slow to import
 
-    common = {"usecols": labels + list(ops), "keep_default_na": False, "encoding_errors": "replace"}
-    dtypes = {**dict.fromkeys(ops, np.float64), **dict.fromkeys(labels, np.int64), "name": "category"}
-    na_values = dict.fromkeys(ops, NAN_TEXT)  # a tensor may be called "nan"
-    try:
-        frame, dropped = pd.read_csv(io.BytesIO(data), dtype=dtypes, na_values=na_values, **common), 0
-    except (ValueError, pd.errors.ParserError):
-        frame, dropped = _parse_leniently(data, labels, ops, common)
+    frame, dropped = read_frame(data, labels, ops)
     names = frame["name"].astype("category").cat
     table = Table(
         ops,
@@ -238,24 +232,6 @@ def parse_rows(header: bytes, body: bytes | memoryview) -> tuple[Table | None, i
         frame[list(ops)].to_numpy(np.float64).reshape(len(frame), len(ops)),
     )
     return table, dropped
-
-
-def _parse_leniently(data: bytes, labels: list[str], ops: tuple[str, ...], common: dict) -> tuple[Any, int]:
-    """Drop rows with a wrong field count, a non-integer label or a value cell that is not a number."""
-    import pandas as pd
-
-    frame = pd.read_csv(io.BytesIO(data), dtype=str, on_bad_lines="skip", **common)
-    good = np.ones(len(frame), dtype=bool)
-    for column in [c for c in labels if c != "name"] + list(ops):
-        text = frame[column].fillna("")
-        number = pd.to_numeric(text, errors="coerce")
-        if column in ops:
-            good &= ~(number.isna() & ~text.isin(NAN_TEXT)).to_numpy()
-        else:
-            good &= (number.notna() & (number % 1 == 0)).to_numpy()
-        frame[column] = number
-    frame = frame[good].astype(dict.fromkeys((c for c in labels if c != "name"), np.int64))
-    return frame, data.count(b"\n") - 1 - len(frame)
 
 
 class Part(NamedTuple):

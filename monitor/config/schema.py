@@ -348,6 +348,9 @@ def _rule(spec: Any, path: str) -> RuleSpec:
     from monitor.anomaly.rules import validate_rule_args
 
     name = kind_of(spec, path, "rule_name", KNOWN_RULES, "an object with 'rule_name' and 'args'")
+    for key in spec:
+        if key not in ("rule_name", "args"):  # a misspelt "args" would drop the rule's arguments
+            raise unknown_key(f"{path}.{key}", str(key), ("rule_name", "args"))
     args = spec.get("args") or {}
     if not isinstance(args, dict):
         raise ConfigError(f"{path}.args: expected an object, got {describe(args)}")

@@ -221,15 +221,20 @@ class BaseCollection(ABC):
                 micro_batches,
             )
 
-    def _warn_unmatched_targets(self, named: Iterable[tuple[int, str]]) -> None:
+    def _warn_unmatched_targets(self, named: Iterable[tuple[int, str]], pipeline: bool) -> None:
         """One warning per ``targets`` key that names none of the model's modules and parameters
-        (``named``: their ``(vpp_stage, raw_name)``), with the closest name there."""
+        (``named``: their ``(vpp_stage, raw_name)``), with the closest name there. Under pipeline
+        parallelism (``pipeline``) a rank holds only its stage's part: a key naming another stage's
+        is expected, so it is said at info level only."""
+        level = logging.INFO if pipeline else logging.WARNING
+        where = "this pipeline stage" if pipeline else "the model"
         for key, close in unmatched_targets(self.config.targets, named):
             hint = f"did you mean {close!r}?" if close else "print_struct: true lists the model's names"
-            logger.warning(
-                "trainmon config: targets key %r selects no module or parameter of the model and is "
-                "ignored; %s",
+            logger.log(
+                level,
+                "trainmon config: targets key %r selects no module or parameter of %s; %s",
                 key,
+                where,
                 hint,
             )
 

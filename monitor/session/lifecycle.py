@@ -136,11 +136,11 @@ class SessionLifecycle(IncidentResponses, ABC):
         """A config that switches nothing on (a misspelt key, say) records nothing: say so loudly,
         unless dynamic mode may switch something on later."""
         config = self.collection.config
-        extras = config.cc_distribution.enable or config.recording_l2_features or config.print_struct
-        if not kinds and not extras and not config.stack_info and not config.dynamic_on:
+        others = ("recording_l2_features", "ur_distribution", "print_struct", "stack_info", "dynamic_on")
+        if not kinds and not config.cc_distribution.enable and not any(getattr(config, k) for k in others):
             logger.warning(
-                "trainmon: nothing to record: the config switches on none of %s, cc_distribution or "
-                "recording_l2_features",
+                "trainmon: nothing to record: the config switches on none of %s, cc_distribution, "
+                "ur_distribution or recording_l2_features",
                 ", ".join(_KINDS),
             )
 

@@ -201,7 +201,7 @@ def test_no_run_is_a_clear_error(tmp_path):
     ("setting", "says"),
     [
         ("much", "--memory-limit: expected a size such as '512MB', '4GB' or '2GiB', got 'much'"),
-        ("10", "--memory-limit: expected at least 64MB, got '10' (10 bytes: a bare number is bytes)"),
+        ("10", "--memory-limit: a bare number is bytes: expected a size with a unit such as '10GB'"),
     ],
 )
 def test_a_memory_limit_that_is_not_a_usable_size_is_refused_before_anything_is_written(

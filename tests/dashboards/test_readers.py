@@ -52,6 +52,20 @@ def test_one_file_many_forms_of_value(tmp_path, engine):
     assert table.micro_steps is None and table.skipped == 0
 
 
+@pytest.mark.parametrize("malformed", [False, True])
+def test_every_value_is_read_exactly_as_written(tmp_path, engine, malformed):
+    """ndigits up to 17 writes values that only a correctly rounding parser reads back exactly
+    (pyarrow's reader, pandas' round_trip parser and, for files with a malformed row, Python's float)."""
+    values = np.random.default_rng(3).lognormal(0, 30, (500, 2)) * np.random.default_rng(4).choice(
+        [-1, 1], (500, 2)
+    )
+    rows = "".join(f"0,t{i},{i},{a!r},{b!r}\n" for i, (a, b) in enumerate(values))
+    path = _write(tmp_path / "x_0-499.csv", HEADER + rows + ("0,bad,1,one,2\n" if malformed else ""))
+    table = read_csv_file(path)
+    assert table.skipped == int(malformed)
+    assert table.values.tobytes() == values.tobytes()
+
+
 def test_rows_that_do_not_parse_are_skipped_and_counted(tmp_path, engine):
     path = _write(tmp_path / "x_0-0.csv", HEADER + "0,a,0,1,2\n0,b,zero,1,2\n0,c,1,one,2\n0,d,1\n0,e,2,3,4\n")
     table = read_csv_file(path)

@@ -273,6 +273,12 @@ BAD_CONFIGS = [
         "unknown key; expected one of enable, cc_codeline, cc_pre_hook, cc_log_only; did you mean 'enable'?",
     ),
     ("l2_key_misspelt", {"l2_targets": {"attention_hok": []}}, "l2_targets.attention_hok", "'attention_hook"),
+    (
+        "rule_key_misspelt",
+        {"alert": {"rules": [{"rule_name": "AnomalyZScore", "arg": {"threshold": 3}}]}},
+        "alert.rules[0].arg",
+        "unknown key; expected one of rule_name, args; did you mean 'args'?",
+    ),
     ("eps_zero", {"eps": 0}, "eps", "got 0"),
     ("eps_string", {"eps": "small"}, "eps", "got 'small'"),
     ("ndigits_zero", {"ndigits": 0}, "ndigits", "got 0"),

@@ -183,9 +183,28 @@ def test_moments_of_an_optimizer_without_them_are_warned_about_once(caplog):
             mon.set_monitor(model, 2, optimizer)
             _train(model, optimizer, 3)
             mon.stop()
-        about = [m for m in _warnings(caplog) if "holds no exp_avg/exp_avg_sq" in m]
+        about = [m for m in _warnings(caplog) if "keeps no exp_avg/exp_avg_sq" in m]
         assert len(about) == warned, (optimizer_type, _warnings(caplog))
         assert all(optimizer_type.__name__ in m for m in about)
+
+
+def test_whether_an_optimizer_keeps_adam_moments_is_told_only_once_an_update_made_state():
+    from adapters.torch.optim import TorchBackend, without_adam_moments
+
+    def verdicts(optimizer_type, **kwargs):
+        torch.manual_seed(0)
+        model = MLP()
+        params = list(model.parameters())
+        backend = TorchBackend(optimizer_type(params, lr=0.01, **kwargs))
+        before = without_adam_moments(backend, params)
+        model(torch.ones(2, 6)).sum().backward()
+        backend.optimizer.step()
+        return before, without_adam_moments(backend, params)
+
+    assert verdicts(torch.optim.AdamW) == (None, False)  # before its first update it cannot tell
+    assert verdicts(torch.optim.SGD, momentum=0.9) == ("SGD", "SGD")  # no betas; then state, no exp_avg
+    assert verdicts(torch.optim.SGD) == ("SGD", "SGD")  # no state ever, and no betas
+    assert verdicts(torch.optim.Adagrad) == ("Adagrad", "Adagrad")
 
 
 def test_a_config_that_switches_nothing_on_is_warned_about(caplog):
@@ -197,6 +216,14 @@ def test_a_config_that_switches_nothing_on_is_warned_about(caplog):
     told = _warnings(caplog)
     assert any("unknown key 'wg_distributon'" in m and "'wg_distribution'" in m for m in told), told
     assert any(m.startswith("trainmon: nothing to record") for m in told), told
+    recording = ({"ur_distribution": True, "format": "tensorboard"}, {"cc_distribution": {"enable": True}})
+    for something in recording:
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="trainmon"):
+            mon = TrainerMon(something)
+            mon.set_monitor(model, 2, optimizer)
+            mon.stop()
+        assert not [m for m in _warnings(caplog) if "nothing to record" in m], something
 
 
 def test_module_ranks_without_this_rank_monitors_nothing(_output_dir):
