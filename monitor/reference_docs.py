@@ -47,7 +47,8 @@ MEANINGS = {
     ),
     "ops": (
         "any of `min`, `max`, `norm`, `mean`, `zeros`, `nans`, `id`; unknown names are an error; "
-        "`shape`/`dtype` (later msprobe) are accepted and ignored"
+        "`shape`/`dtype` (later msprobe) are accepted and ignored. `id` is the value of a one-element "
+        "tensor and NaN (no value; msprobe writes none) for any other, never an anomaly by itself"
     ),
     "eps": "`zeros` counts `|x| < eps`",
     "format": (

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from monitor.anomaly.root import ALONE_FACTOR
-from monitor.anomaly.rules import COUNT_OPS, MOVED_ALONE, NONFINITE
+from monitor.anomaly.rules import MOVED_ALONE, NONFINITE, non_finite_cells
 from monitor.anomaly.verdicts import REFERENCE_FIELDS, Anomaly, Verdicts
 from monitor.record import RowSet, StepRecord
 
@@ -98,9 +98,7 @@ class Detector:
         rows, cols, ids, baselines = [], [], [], []
         reported = np.zeros(values.shape, dtype=bool)
         if self.non_finite:
-            counts = np.array([op in COUNT_OPS for op in record.ops], dtype=bool)[None, :]
-            with np.errstate(invalid="ignore"):
-                reported = ~np.isfinite(values) | (counts & (values > 0))
+            reported = non_finite_cells(values, record.ops)
             if reported.any():
                 row, col = np.nonzero(reported)
                 rows.append(row), cols.append(col), baselines.append(np.full(len(row), np.nan))

@@ -26,6 +26,10 @@ from monitor.config.values import unknown_key
 
 #: ops whose value is a count of NaN elements: any count above zero is a NaN signal.
 COUNT_OPS = ("nans",)
+#: ops whose NaN means "no value" rather than a NaN in the tensor: ``id`` is the value of a
+#: one-element tensor only (msprobe writes nothing for others), so the non-finite check leaves its
+#: NaN to the tensor's other statistics (a NaN in it shows in ``nans``, ``min``, ``norm``...).
+NAN_IS_ABSENT_OPS = ("id",)
 #: the verdicts the detector adds to the rules' own: a NaN/Inf statistic, and a tensor that moved
 #: against the common move of its data type while that common move was flagged.
 NONFINITE = "NonFinite"
@@ -42,6 +46,15 @@ State = dict[str, np.ndarray]
 def _op_columns(ops: tuple[str, ...] | None, op_names: tuple[str, ...]) -> np.ndarray:
     """Boolean row vector: which columns a rule looks at (``None``: all of them)."""
     return np.array([ops is None or op in ops for op in op_names], dtype=bool)[None, :]
+
+
+def non_finite_cells(values: np.ndarray, op_names: tuple[str, ...]) -> np.ndarray:
+    """The cells that signal a NaN/Inf in their tensor: a non-finite statistic (but not an absent
+    ``id``) or a NaN count above zero."""
+    counts = _op_columns(COUNT_OPS, op_names)
+    absent = _op_columns(NAN_IS_ABSENT_OPS, op_names)
+    with np.errstate(invalid="ignore"):
+        return (~np.isfinite(values) & ~(absent & np.isnan(values))) | (counts & (values > 0))
 
 
 def _folded(values: np.ndarray, skip_nonfinite: bool) -> np.ndarray:
@@ -194,7 +207,7 @@ class AnomalyNan:
         self, values: np.ndarray, state: State, op_names: tuple[str, ...]
     ) -> tuple[np.ndarray, np.ndarray]:
         counts = _op_columns(COUNT_OPS, op_names)
-        mask = ~np.isfinite(values) | (counts & (values > 0))
+        mask = non_finite_cells(values, op_names)
         if self.threshold is not None:
             with np.errstate(invalid="ignore"):
                 mask |= ~counts & (np.abs(values) > self.threshold)

@@ -180,6 +180,26 @@ def test_nan_rule_flags_a_positive_nan_count(make_record):
     assert [(a.tag_name, a.op, a.value) for a in found] == [(_tag("dirty"), "nans", 2.0)]
 
 
+@pytest.mark.parametrize("judge", ["AnomalyNan", "the detector's own check"])
+def test_id_of_a_tensor_with_many_elements_is_no_nan_signal(make_record, judge):
+    """``id`` is the value of a one-element tensor, NaN (no value) for any other: msprobe writes
+    nothing there, and a NaN signal would open a false incident at step 0 that hides real NaNs."""
+    if judge == "AnomalyNan":
+        detector = rules_only([AnomalyNan()], rank=0)
+    else:
+        detector = Detector([], non_finite=True, moved_alone=False, rank=0)
+    ops = ("norm", "nans", "id")
+    names = ("matrix", "scalar", "broken", "inf_scalar")
+    values = [[2.0, 0.0, math.nan], [0.5, 0.0, 0.5], [math.nan, 3.0, math.nan], [math.inf, 0.0, math.inf]]
+    found = detector.evaluate(_rec(make_record, 0, names, values, ops))
+    assert sorted((a.tag_name, a.op) for a in found) == [
+        (_tag("broken"), "nans"),
+        (_tag("broken"), "norm"),
+        (_tag("inf_scalar"), "id"),
+        (_tag("inf_scalar"), "norm"),
+    ]
+
+
 def test_nan_rule_threshold_flags_large_magnitudes_but_not_counts(make_record):
     detector = rules_only([AnomalyNan(threshold=100.0)], rank=0)
     values = [[50.0, -150.0, 0.0], [101.0, 10.0, 0.0]]
