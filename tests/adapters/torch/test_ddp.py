@@ -18,6 +18,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 from tests.adapters.torch.distributed import run_ranks, save_result
 from tests.adapters.torch.helpers import ALL_OPS, MLP, assert_stats_close, make_batches
+from tests.log_capture import trainmon_records
+
+#: what is said when DDP reduces a micro-batch that is not the step's last
+SYNCED_EARLY = "DDP reduced a micro-batch before the step's last"
 
 pytestmark = pytest.mark.distributed
 
@@ -48,6 +52,15 @@ def _worker(rank: int, world_size: int, workdir: str) -> None:
     )
     mon.set_monitor(ddp, grad_acc_steps=GRAD_ACC, optimizer=optimizer)
     result = {"unreduced_norm": [], "reduced_norm": []}
+    with trainmon_records() as records:
+        _train_and_check(rank, mon, model, replica, ddp, optimizer, result)
+    result["warnings"] = records.warnings()
+    mon.stop()
+    result["output_dir"] = mon.output_dir
+    save_result(workdir, rank, result)
+
+
+def _train_and_check(rank, mon, model, replica, ddp, optimizer, result) -> None:
     for step_batches, count in zip(make_batches(STEPS, GRAD_ACC, seed=100 + rank), MICRO_BATCHES):
         replica.load_state_dict(model.state_dict())
         replica.zero_grad()
@@ -96,13 +109,31 @@ def _worker(rank: int, world_size: int, workdir: str) -> None:
             {n: got_unreduced[f"0:{n}/rank{rank}/acc_grad"]["norm"] for n in local}
         )
         result["reduced_norm"].append({n: got_reduced[f"0:{n}/rank{rank}/post_grad"]["norm"] for n in local})
+
+
+def _worker_without_no_sync(rank: int, world_size: int, workdir: str) -> None:
+    """Accumulation as many plain scripts do it: DDP reduces every micro-batch."""
+    from monitor import TrainerMon
+
+    os.environ["MONITOR_OUTPUT_DIR"] = os.path.join(workdir, "out")
+    torch.manual_seed(0)
+    ddp = DistributedDataParallel(MLP())
+    optimizer = torch.optim.AdamW(ddp.parameters(), lr=0.05)
+    mon = TrainerMon({"wg_distribution": True, "format": "api"})
+    mon.set_monitor(ddp, grad_acc_steps=GRAD_ACC, optimizer=optimizer)
+    with trainmon_records() as records:
+        for step_batches in make_batches(STEPS, GRAD_ACC, seed=100 + rank):
+            for x in step_batches:
+                ddp(x).pow(2).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
     mon.stop()
-    result["output_dir"] = mon.output_dir
-    save_result(workdir, rank, result)
+    save_result(workdir, rank, {"warnings": records.warnings()})
 
 
 def test_unreduced_is_each_ranks_own_and_reduced_is_shared(tmp_path):
     rank0, rank1 = run_ranks(_worker, 2, str(tmp_path))
+    assert not [m for m in rank0["warnings"] + rank1["warnings"] if SYNCED_EARLY in m]
     for step in range(STEPS):
         for name, norm in rank0["unreduced_norm"][step].items():
             assert norm != pytest.approx(rank1["unreduced_norm"][step][name], rel=1e-3)
@@ -114,3 +145,8 @@ def test_unreduced_is_each_ranks_own_and_reduced_is_shared(tmp_path):
     assert sorted(os.listdir(tmp_path / "out")) == sorted(
         [os.path.basename(rank0["output_dir"]), os.path.basename(rank1["output_dir"])]
     )
+
+
+def test_accumulating_without_no_sync_is_said_once_per_rank(tmp_path):
+    for result in run_ranks(_worker_without_no_sync, 2, str(tmp_path)):
+        assert len([m for m in result["warnings"] if SYNCED_EARLY in m]) == 1, result["warnings"]
