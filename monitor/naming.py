@@ -34,6 +34,20 @@ _SQUASH_PATTERNS = tuple(
 _WRAPPER_SEGMENTS = frozenset({"_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
 
 
+def wrapped_twins(named: Iterable[tuple[int, str]]) -> set[tuple[int, str]]:
+    """The modules among ``(vpp_stage, raw_name)`` that a wrapper holds as its only child (DDP's
+    ``module``, FSDP1's and checkpointing's wrapped module): the wrapper's call is theirs, with
+    the same tensors, so their rows would repeat the wrapper's under another name."""
+    named = list(named)
+    children: Counter = Counter((vpp, raw.rpartition(".")[0]) for vpp, raw in named if raw)
+    twins = set()
+    for vpp, raw in named:
+        parent, _, last = raw.rpartition(".")
+        if raw and (last == "module" or last in _WRAPPER_SEGMENTS) and children[(vpp, parent)] == 1:
+            twins.add((vpp, raw))
+    return twins
+
+
 def unwrapped_name(name: str) -> str:
     """The name without what wrappers add: leading ``module.`` (DDP, DeepSpeed, Megatron's
     Float16Module) and the segments of torch.compile, FSDP1 and activation checkpointing."""

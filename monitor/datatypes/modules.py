@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 from monitor.config.schema import MonitorConfig
-from monitor.naming import distinct_names, is_selected_exactly, name_candidates, squash_name
+from monitor.naming import distinct_names, is_selected_exactly, name_candidates, squash_name, wrapped_twins
 
 logger = logging.getLogger("trainmon")
 
@@ -44,12 +44,17 @@ def select_modules(
     """The modules among ``(vpp_stage, raw_name)`` pairs whose inputs/outputs are monitored.
 
     Every module with ``all_xy`` (or ``every``) or without targets, else those a targets key
-    names exactly (raw, squashed or ``N:``-prefixed). Names are made distinct within a chunk
+    names exactly (raw, squashed or ``N:``-prefixed); never a wrapper's only child, whose tensors
+    are the wrapper's (``wrapped_twins``). Names are made distinct within a chunk
     (``distinct_names``).
     """
     keys = tuple(config.targets)
+    named = list(named)
+    twins = wrapped_twins(named)
     selected = []
     for position, (vpp, raw) in enumerate(named):
+        if (vpp, raw) in twins:
+            continue
         candidates = name_candidates(vpp, raw, squash_name(raw))
         formats: Mapping[str, str] = {}
         for key in keys:

@@ -308,6 +308,56 @@ def test_eval_mode_forward_is_not_recorded():
     }
 
 
+class _Holder(nn.Module):
+    """A wrapper as DDP is one: its only child is ``module``, and its call is the child's."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.module = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.module(x)
+
+
+class _WithAModuleCalledModule(nn.Module):
+    """A model of its own with a child that happens to be called ``module``, next to another."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.module, self.head = nn.Linear(2, 2), nn.Linear(2, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.module(x))
+
+
+def _activation_rows(model: nn.Module) -> dict:
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = TrainerMon({"xy_distribution": True, "all_xy": True, "format": "api"})
+    mon.set_monitor(model, 1, optimizer)
+    model(torch.ones(3, 2)).sum().backward()
+    optimizer.step()
+    rows = dict(mon._session.core.latest.latest("actv"))
+    mon.stop()
+    return rows
+
+
+def test_a_wrappers_only_child_gives_no_second_row_of_the_same_tensors():
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    def plain() -> nn.Sequential:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 1))
+
+    alone = _activation_rows(plain())
+    assert _activation_rows(_Holder(plain())) == alone  # DDP's "module": no ".input" twice
+    checkpointed = plain()
+    checkpointed[0] = checkpoint_wrapper(checkpointed[0])
+    assert _activation_rows(checkpointed) == alone
+    assert {"0:module.input:0/rank0/actv", "0:head.input:0/rank0/actv"} <= set(
+        _activation_rows(_WithAModuleCalledModule())
+    )
+
+
 @pytest.mark.parametrize("reentrant", [None, True, False], ids=["plain", "reentrant", "non-reentrant"])
 def test_training_is_bit_identical_with_activations_monitored(reentrant):
     batches = _batches(4, 2)
