@@ -138,6 +138,9 @@ def select_jobs(
             f"monitor_path: no CSV files {where}; a run written with format tensorboard or parquet "
             "has none: TensorBoard reads it as it is, `trainmon compact` turns it into a Parquet dataset"
         )
+    absent = [t for t in types or () if not any(t in prefixes for prefixes in found.values())]
+    if absent:
+        logger.warning("trainmon: no CSV files of %s in the rank directories; converting the rest", absent)
     jobs = [(rank, dirs, prefix) for rank, dirs in ranks.items() for prefix in (types or found[rank])]
     return Selection(processes, ranks, jobs)
 
