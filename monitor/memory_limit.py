@@ -44,7 +44,7 @@ def parse_size(text: str, where: str = ENV) -> int:
     unit = match[2].upper() if match else ""
     if unit in ("K", "M", "G", "T"):
         unit += "B"
-    if not match or unit not in _UNITS or float(match[1]) <= 0:
+    if not match or unit not in _UNITS or float(match[1]) * _UNITS.get(unit, 0) < 1:
         raise ValueError(f"{where}: expected a size such as '512MB', '4GB' or '2GiB', got {text!r}")
     return int(float(match[1]) * _UNITS[unit])
 

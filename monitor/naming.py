@@ -32,18 +32,23 @@ _SQUASH_PATTERNS = tuple(
 
 #: name segments that wrappers insert and no model names itself: torch.compile, FSDP1, checkpointing.
 _WRAPPER_SEGMENTS = frozenset({"_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
+#: the module a model chunk's wrappers hold (DDP, DeepSpeed, Float16Module, nested).
+_CHUNK_WRAPPER_CHILD = re.compile(r"(module\.)*module")
 
 
 def wrapped_twins(named: Iterable[tuple[int, str]]) -> set[tuple[int, str]]:
-    """The modules among ``(vpp_stage, raw_name)`` that a wrapper holds as its only child (DDP's
-    ``module``, FSDP1's and checkpointing's wrapped module): the wrapper's call is theirs, with
-    the same tensors, so their rows would repeat the wrapper's under another name."""
+    """The modules among ``(vpp_stage, raw_name)`` that a wrapper holds as its only child: the
+    ``module`` of a model chunk's wrappers (DDP, DeepSpeed, Megatron's Float16Module) and the
+    wrapped module of FSDP1, checkpointing and torch.compile anywhere. The wrapper's call is
+    theirs, with the same tensors (Float16Module casts fp32 inputs to fp16 on the way in), so
+    their rows would repeat the wrapper's under another name."""
     named = list(named)
     children: Counter = Counter((vpp, raw.rpartition(".")[0]) for vpp, raw in named if raw)
     twins = set()
     for vpp, raw in named:
         parent, _, last = raw.rpartition(".")
-        if raw and (last == "module" or last in _WRAPPER_SEGMENTS) and children[(vpp, parent)] == 1:
+        wrapper_child = last in _WRAPPER_SEGMENTS or _CHUNK_WRAPPER_CHILD.fullmatch(raw) is not None
+        if raw and wrapper_child and children[(vpp, parent)] == 1:
             twins.add((vpp, raw))
     return twins
 
@@ -209,8 +214,8 @@ def unmatched_targets(
         for key in keys
         if not (key in spellings or key in parents or (key.endswith(".") and key[:-1] in parents))
     ]
-    bare = list(dict.fromkeys(unwrapped_name(raw) for _, raw in named)) if unmatched else []
-    return [(key, _closest(key, bare) if i < suggest else None) for i, key in enumerate(unmatched)]
+    short = list(dict.fromkeys(squash_name(raw) for _, raw in named)) if unmatched else []  # a spelling
+    return [(key, _closest(key, short) if i < suggest else None) for i, key in enumerate(unmatched)]
 
 
 def _closest(key: str, names: list[str]) -> str | None:

@@ -87,10 +87,6 @@ class UnreducedGrads:
         self._waiting: dict[int, tuple[weakref.ref, int]] = {}
         #: after a short step whose gradients changed before the optimizer step: measure every pass.
         self._every_micro_batch = False
-        #: parameters measured this step at a micro-batch that a reduction ended before its count
-        #: (DDP synchronising it); another micro-batch after it means DDP reduces every one
-        self._synced_early: set[int] = set()
-        self._told_synced_early = False
         #: after take(): (micro-batches of the step, parameters whose row is missing).
         self.counted: tuple[int, int] = (0, 0)
         #: after take(): the statistics it returned (``measured_rows`` indexes them).
@@ -150,11 +146,7 @@ class UnreducedGrads:
             grad = self.accumulated(index, param)
             if grad is None:
                 return
-            if index in self._synced_early:
-                self._warn_synced_early()
             last = count >= self.grad_acc_steps or self._every_micro_batch or self._last_micro_batch()
-            if last and count < self.grad_acc_steps and not self._every_micro_batch:
-                self._synced_early.add(index)
             if self.sum_micro_batches:
                 grad = self._add_to_sum(index, grad, count, last)
             if not last:
@@ -223,17 +215,6 @@ class UnreducedGrads:
         except Exception as exc:
             self.collect = False
             self.on_error("grad_unreduced", exc)
-
-    def _warn_synced_early(self) -> None:
-        """A micro-batch followed one that DDP reduced: said once, since from then on ``.grad``
-        holds the other ranks' gradients too."""
-        if not self._told_synced_early:
-            self._told_synced_early = True
-            logger.warning(
-                "trainmon: wg_distribution: DDP reduced a micro-batch before the step's last (outside "
-                "model.no_sync()), so grad_unreduced holds other ranks' gradients too; accumulate under "
-                "no_sync(), as torch recommends, or set monitor_mbs_grad for each micro-batch's own"
-            )
 
     def _await_later_micro_batch(self, index: int, grad: torch.Tensor) -> None:
         """Not the step's last micro-batch (as far as is known): no row yet; the gradient and its
@@ -352,7 +333,6 @@ class UnreducedGrads:
         self._held = [None] * len(self.registry)
         self._waiting = {}
         self._sums = {}
-        self._synced_early.clear()
         self._noted.clear()
         self._end_queued = False
         self.release()

@@ -190,10 +190,10 @@ BACKEND_MODULES = {
 
 def without_adam_moments(backend: TorchBackend, params: Sequence[torch.nn.Parameter]) -> str | bool | None:
     """Whether the optimizer behind ``params`` keeps no Adam moments, after an update: the name of
-    its type when it holds state for them without ``exp_avg`` or its groups have no ``betas`` (a
-    stateless SGD); False when a parameter has ``exp_avg``; None while it cannot tell (no update
-    has made any state yet, as when a loss scaler skipped the first steps)."""
-    if any(backend.moment(param, "exp_avg") is not None for param in params):
+    its type when it holds state for them without ``exp_avg``/``exp_avg_sq`` or its groups have no
+    ``betas`` (a stateless SGD); False when a parameter has either; None while it cannot tell (no
+    update has made any state yet, as when a loss scaler skipped the first steps)."""
+    if any(backend.moment(param, key) is not None for param in params for key in ("exp_avg", "exp_avg_sq")):
         return False
     owners = [owner for owner in map(backend.state_owner, params) if owner is not None]
     if not owners:

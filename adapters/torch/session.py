@@ -54,6 +54,12 @@ class TorchSession(SessionLifecycle):
         self._in_closure = False
         #: the optimizer was called with a closure whose end has not been seen yet.
         self._closure_pending = False
+        self.ddp_chunks = [c for c in self.chunks if isinstance(c, torch.nn.parallel.DistributedDataParallel)]
+        #: per DDP chunk: whether its latest training forward will have its backward reduced; and
+        #: the chunks that ran a forward since the last optimizer step
+        self._ddp_syncing: dict[int, bool] = {}
+        self._ddp_forwarded: set[int] = set()
+        self._told_ddp_sync = False
         self._boundaries = self._micro_batch_boundaries(a.optimizer)
         self._attach(a.dormant)
 
@@ -63,10 +69,32 @@ class TorchSession(SessionLifecycle):
         wrapper = accumulation_boundary(optimizer)
         if wrapper is not None:
             boundaries.append(wrapper)
-        for chunk in self.chunks:  # DDP synchronises the last micro-batch only, when no_sync is used
-            if isinstance(chunk, torch.nn.parallel.DistributedDataParallel):
-                boundaries.append(lambda chunk=chunk: bool(chunk.require_backward_grad_sync))
+        for chunk in self.ddp_chunks:  # DDP synchronises the last micro-batch only, when no_sync is used
+            boundaries.append(lambda chunk=chunk: self._ddp_syncs(chunk))
         return boundaries
+
+    def _note_ddp_sync(self, chunk: torch.nn.Module, args: tuple) -> None:
+        """DDP forward pre-hook: whether this micro-batch's backward will be reduced, as DDP decides
+        it, at the forward (under ``no_sync()`` or not); a micro-batch after a reduced one in the
+        same step is said once, since its gradients then hold other ranks' too."""
+        if not (torch.is_grad_enabled() and chunk.training):
+            return
+        key = id(chunk)
+        reduced_before = key in self._ddp_forwarded and self._ddp_syncing.get(key, False)
+        if reduced_before and self.config.wg_distribution and not self._told_ddp_sync:
+            self._told_ddp_sync = True
+            logger.warning(
+                "trainmon: wg_distribution: DDP reduced a micro-batch before the step's last "
+                "(outside model.no_sync()), so grad_unreduced holds other ranks' gradients too; "
+                "accumulate under no_sync(), as torch recommends, or set monitor_mbs_grad for each "
+                "micro-batch's own"
+            )
+        self._ddp_syncing[key] = bool(chunk.require_backward_grad_sync)
+        self._ddp_forwarded.add(key)
+
+    def _ddp_syncs(self, chunk: torch.nn.Module) -> bool:
+        """Whether DDP reduces the backward of ``chunk``'s latest forward."""
+        return self._ddp_syncing.get(id(chunk), bool(chunk.require_backward_grad_sync))
 
     def _last_micro_batch(self) -> bool:
         return any(boundary() for boundary in self._boundaries)
@@ -116,6 +144,7 @@ class TorchSession(SessionLifecycle):
 
     def _attach_optimizer_hooks(self) -> None:
         self._hooks = self.backend.register_step_hooks(self._before_update, self._after_step)
+        self._hooks += [chunk.register_forward_pre_hook(self._note_ddp_sync) for chunk in self.ddp_chunks]
 
     def _optimizer_step_count(self) -> int | None:
         return self.backend.step_count()
@@ -161,6 +190,7 @@ class TorchSession(SessionLifecycle):
         if self._closure_pending:
             self._closure_pending = False
             self._begin_update()
+        self._ddp_forwarded.clear()
         self._after_update()
 
     def _bundle_contents(

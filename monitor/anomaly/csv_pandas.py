@@ -20,23 +20,20 @@ from monitor.anomaly.rank_csv import NAN_TEXT
 def read_frame(data: bytes, labels: list[str], ops: tuple[str, ...]) -> tuple[Any, int]:
     """The label and op columns of CSV text (header first) as a DataFrame, and the count of rows
     dropped as malformed."""
-    common = {
-        "usecols": labels + list(ops),
-        "keep_default_na": False,
-        "encoding_errors": "replace",
-        "float_precision": "round_trip",  # pandas' default parser does not round-trip
-    }
+    # every column read (no usecols), so that a row with too many fields is an error, not kept
+    common = {"keep_default_na": False, "encoding_errors": "replace", "float_precision": "round_trip"}
     dtypes = {**dict.fromkeys(ops, np.float64), **dict.fromkeys(labels, np.int64), "name": "category"}
     na_values = dict.fromkeys(ops, NAN_TEXT)  # a tensor may be called "nan"
     try:
-        return pd.read_csv(io.BytesIO(data), dtype=dtypes, na_values=na_values, **common), 0
+        frame = pd.read_csv(io.BytesIO(data), dtype=dtypes, na_values=na_values, **common)
+        return frame[labels + list(ops)], 0
     except (ValueError, pd.errors.ParserError):
         return _read_leniently(data, labels, ops, common)
 
 
 def _read_leniently(data: bytes, labels: list[str], ops: tuple[str, ...], common: dict) -> tuple[Any, int]:
     """Drop rows with a wrong field count, a non-integer label or a value cell that is not a number."""
-    frame = pd.read_csv(io.BytesIO(data), dtype=str, on_bad_lines="skip", **common)
+    frame = pd.read_csv(io.BytesIO(data), dtype=str, on_bad_lines="skip", **common)[labels + list(ops)]
     good = np.ones(len(frame), dtype=bool)
     for column in [c for c in labels if c != "name"] + list(ops):
         text = frame[column].fillna("")

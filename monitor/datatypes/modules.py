@@ -44,18 +44,18 @@ def select_modules(
     """The modules among ``(vpp_stage, raw_name)`` pairs whose inputs/outputs are monitored.
 
     Every module with ``all_xy`` (or ``every``) or without targets, else those a targets key
-    names exactly (raw, squashed or ``N:``-prefixed); never a wrapper's only child, whose tensors
-    are the wrapper's (``wrapped_twins``). Names are made distinct within a chunk
-    (``distinct_names``).
+    names exactly (raw, squashed or ``N:``-prefixed); a wrapper's only child, whose tensors are
+    the wrapper's (``wrapped_twins``), only where a targets key names it. Names are made distinct
+    within a chunk (``distinct_names``).
     """
     keys = tuple(config.targets)
     named = list(named)
     twins = wrapped_twins(named)
     selected = []
     for position, (vpp, raw) in enumerate(named):
-        if (vpp, raw) in twins:
-            continue
         candidates = name_candidates(vpp, raw, squash_name(raw))
+        if (vpp, raw) in twins and not is_selected_exactly(keys, candidates):  # named: the user's choice
+            continue
         formats: Mapping[str, str] = {}
         for key in keys:
             if key in candidates:

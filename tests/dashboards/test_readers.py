@@ -67,9 +67,9 @@ def test_every_value_is_read_exactly_as_written(tmp_path, engine, malformed):
 
 
 def test_rows_that_do_not_parse_are_skipped_and_counted(tmp_path, engine):
-    path = _write(tmp_path / "x_0-0.csv", HEADER + "0,a,0,1,2\n0,b,zero,1,2\n0,c,1,one,2\n0,d,1\n0,e,2,3,4\n")
-    table = read_csv_file(path)
-    assert table.names == ["a", "e"] and table.skipped == 3
+    rows = "0,a,0,1,2\n0,b,zero,1,2\n0,c,1,one,2\n0,d,1\n0,e,2,3,4\n0,f,2,3,4,5\n"  # f: one field too many
+    table = read_csv_file(_write(tmp_path / "x_0-0.csv", HEADER + rows))
+    assert table.names == ["a", "e"] and table.skipped == 4
     assert table.values.tolist() == [[1.0, 2.0], [3.0, 4.0]]
 
 

@@ -319,6 +319,17 @@ class _Holder(nn.Module):
         return self.module(x)
 
 
+class _Residual(nn.Module):
+    """A block of the model whose only child is called ``module``: its call is not the child's."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.module = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.module(x)
+
+
 class _WithAModuleCalledModule(nn.Module):
     """A model of its own with a child that happens to be called ``module``, next to another."""
 
@@ -356,6 +367,20 @@ def test_a_wrappers_only_child_gives_no_second_row_of_the_same_tensors():
     assert {"0:module.input:0/rank0/actv", "0:head.input:0/rank0/actv"} <= set(
         _activation_rows(_WithAModuleCalledModule())
     )
+    inside = set(_activation_rows(nn.Sequential(_Residual(nn.Linear(2, 2)), nn.Linear(2, 1))))
+    assert {"0:0.output:0/rank0/actv", "0:0.module.output:0/rank0/actv"} <= inside
+
+
+def test_a_wrappers_only_child_named_in_targets_is_monitored():
+    model = _Holder(nn.Linear(2, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = TrainerMon({"xy_distribution": True, "format": "api", "targets": {"module": {}}})
+    mon.set_monitor(model, 1, optimizer)
+    model(torch.ones(3, 2)).sum().backward()
+    optimizer.step()
+    tags = set(mon._session.core.latest.latest("actv"))
+    mon.stop()
+    assert tags == {"0:module.input:0/rank0/actv", "0:module.output:0/rank0/actv"}
 
 
 @pytest.mark.parametrize("reentrant", [None, True, False], ids=["plain", "reentrant", "non-reentrant"])

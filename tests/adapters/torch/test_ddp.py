@@ -112,7 +112,10 @@ def _train_and_check(rank, mon, model, replica, ddp, optimizer, result) -> None:
 
 
 def _worker_without_no_sync(rank: int, world_size: int, workdir: str) -> None:
-    """Accumulation as many plain scripts do it: DDP reduces every micro-batch."""
+    """Accumulation as many plain scripts do it: DDP reduces every micro-batch. With
+    FORWARD_IN_NO_SYNC set, the forwards before the last run under no_sync() and their backwards
+    outside it: DDP decides at the forward, so nothing is reduced early then."""
+    forward_only = bool(os.environ.get("FORWARD_IN_NO_SYNC"))
     from monitor import TrainerMon
 
     os.environ["MONITOR_OUTPUT_DIR"] = os.path.join(workdir, "out")
@@ -123,8 +126,11 @@ def _worker_without_no_sync(rank: int, world_size: int, workdir: str) -> None:
     mon.set_monitor(ddp, grad_acc_steps=GRAD_ACC, optimizer=optimizer)
     with trainmon_records() as records:
         for step_batches in make_batches(STEPS, GRAD_ACC, seed=100 + rank):
-            for x in step_batches:
-                ddp(x).pow(2).mean().backward()
+            for micro, x in enumerate(step_batches):
+                last = micro == len(step_batches) - 1
+                with contextlib.nullcontext() if last or not forward_only else ddp.no_sync():
+                    loss = ddp(x).pow(2).mean()
+                loss.backward()
             optimizer.step()
             optimizer.zero_grad()
     mon.stop()
@@ -147,6 +153,8 @@ def test_unreduced_is_each_ranks_own_and_reduced_is_shared(tmp_path):
     )
 
 
-def test_accumulating_without_no_sync_is_said_once_per_rank(tmp_path):
-    for result in run_ranks(_worker_without_no_sync, 2, str(tmp_path)):
-        assert len([m for m in result["warnings"] if SYNCED_EARLY in m]) == 1, result["warnings"]
+@pytest.mark.parametrize(("forward_in_no_sync", "said"), [(False, 1), (True, 0)])
+def test_accumulating_without_no_sync_is_said_once_per_rank(tmp_path, forward_in_no_sync, said):
+    env = {"FORWARD_IN_NO_SYNC": "1"} if forward_in_no_sync else {}
+    for result in run_ranks(_worker_without_no_sync, 2, str(tmp_path), env):
+        assert len([m for m in result["warnings"] if SYNCED_EARLY in m]) == said, result["warnings"]
