@@ -24,12 +24,14 @@ import os
 import re
 import sys
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from monitor import memory_limit
 from monitor.anomaly import analyse, peers, rank_csv, windows
 from monitor.anomaly.analyse import UsageError
+from monitor.files import TIME_FORMAT, parse_time_tag
 from monitor.writers.parquet_files import live_prefixes
 
 OUTPUT_NAME = "cross_rank_outliers.json"
@@ -74,7 +76,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--ranks", default=DEFAULT_RANKS, metavar="LIST", help="Python list of ranks compared (default: all)"
     )
+    example = TIME_FORMAT.replace("%", "%%")  # argparse %-formats help texts
+    for flag, which in (("--start", "first"), ("--end", "last")):
+        group.add_argument(
+            flag,
+            default=None,
+            metavar="TIME",
+            help=f"the {which} time tag of the run's rank directories to compare, e.g. Dec03_21-34-40 "
+            f"({example}); to pick one run where -d holds several",
+        )
     memory_limit.add_argument(group, memory_limit.CROSS_RANK_DEFAULT)
+
+
+def _time_bounds(args: argparse.Namespace) -> tuple[Any, Any]:
+    """``--start`` and ``--end`` as datetimes (None where not given)."""
+    bounds = []
+    for flag, text in (("--start", args.start), ("--end", args.end)):
+        stamp = None if text is None else parse_time_tag(text)
+        if text is not None and stamp is None:
+            raise UsageError(
+                f"{flag}: expected a time tag like 'Dec03_21-34-40' ({TIME_FORMAT}), got {text!r}"
+            )
+        bounds.append(stamp)
+    if bounds[0] and bounds[1] and bounds[0] > bounds[1]:
+        raise UsageError(f"--start {args.start!r} is after --end {args.end!r}")
+    return bounds[0], bounds[1]
 
 
 def flags_given(args: argparse.Namespace) -> list[str]:
@@ -85,6 +111,8 @@ def flags_given(args: argparse.Namespace) -> list[str]:
         "ops": DEFAULT_OPS,
         "ranks": DEFAULT_RANKS,
         "memory_limit": None,  # memory_limit.add_argument's: unset
+        "start": None,
+        "end": None,
     }
     return [
         "--" + name.replace("_", "-")
@@ -233,7 +261,7 @@ def _check(args: argparse.Namespace) -> Settings:
             f"--ranks: expected a Python list of integers such as '[0, 2]', got {args.ranks!r}"
         ) from None
     try:
-        rank_dirs = rank_csv.find_rank_dirs(data_dir, ranks)
+        rank_dirs = rank_csv.find_rank_dirs(data_dir, ranks, _time_bounds(args))
         present = {
             prefix
             for path in rank_dirs.values()
@@ -241,7 +269,8 @@ def _check(args: argparse.Namespace) -> Settings:
         }
     except rank_csv.DuplicateRankError as exc:
         raise UsageError(
-            f"{exc}: point -d at a directory that holds the rank directories of one run"
+            f"{exc}: choose one run with --start/--end (the time tags of its directory names), or point "
+            "-d at a directory that holds the rank directories of one run"
         ) from None
     except OSError as exc:
         raise UsageError(f"cannot list {exc.filename}: {exc.strerror or exc}") from None

@@ -454,6 +454,23 @@ def test_two_runs_in_one_root_are_refused(tmp_path, capsys):
     assert "rank 1 has 2 output directories" in capsys.readouterr().err
 
 
+def test_one_run_of_several_in_a_root_is_chosen_by_its_time_tags(tmp_path, capsys):
+    root = tmp_path / "monitor_output"
+    root.mkdir()
+    for run, stamp, scaled in (("a", "Jan01_10-00-00", (1, 3, 3.0)), ("b", "Jan02_10-00-05", (2, 7, 3.0))):
+        write_run(tmp_path / run, ranks=4, steps=10, scaled=scaled)
+        for directory in (tmp_path / run).iterdir():
+            directory.rename(root / (stamp + directory.name[len(stamp) :]))
+    assert run_cli("-d", str(root)) == 2
+    assert "choose one run with --start/--end" in capsys.readouterr().err
+    assert run_cli("-d", str(root), "--start", "Jan02_00-00-00") == 0
+    assert {(rank, step) for rank, step, *_ in found_keys(load(root / cross_rank.OUTPUT_NAME))} == {(2, 7)}
+    assert run_cli("-d", str(root), "--end", "Jan01_23-59-59") == 0
+    assert {(rank, step) for rank, step, *_ in found_keys(load(root / cross_rank.OUTPUT_NAME))} == {(1, 3)}
+    assert run_cli("-d", str(root), "--start", "yesterday") == 2
+    assert "--start: expected a time tag like 'Dec03_21-34-40'" in capsys.readouterr().err
+
+
 def test_malformed_rows_and_a_truncated_line_are_dropped_with_a_warning(tmp_path, capsys):
     write_run(tmp_path, scaled=(2, 7, 3.0), per_record=20)
     (path,) = next(tmp_path.glob("*-rank0-*")).glob("grad_unreduced_*.csv")
