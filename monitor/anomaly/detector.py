@@ -101,8 +101,8 @@ class Detector:
             reported = non_finite_cells(values, record.ops)
             if reported.any():
                 row, col = np.nonzero(reported)
-                rows.append(row), cols.append(col), baselines.append(np.full(len(row), np.nan))
-                ids.append(np.full(len(row), NONFINITE_ID))
+                rows.append(row), cols.append(col), ids.append(np.full(len(row), NONFINITE_ID))
+                baselines.append(self._norm_levels(record, index, row, col))
         for number, (rule, state) in enumerate(zip(self.rules, states)):
             # a rule sees only the columns it judges (AnomalyZScore: norm alone, 1 of 6)
             judged = _columns(rule, record.ops)
@@ -194,6 +194,21 @@ class Detector:
         with np.errstate(invalid="ignore"):
             moves = np.where((count > 0) & np.isfinite(logs), logs - level, np.nan)
         return logs, moves
+
+    def _norm_levels(
+        self, record: StepRecord, index: np.ndarray | None, row: np.ndarray, col: np.ndarray
+    ) -> np.ndarray:
+        """Baselines of non-finite cells: where the cell is a norm with a level, that level before
+        this step (the tensor's typical norm, so a NaN record still says where it came from), else NaN."""
+        baselines = np.full(len(row), np.nan)
+        if "norm" not in record.ops:
+            return baselines
+        level, count = self._level_arrays(record.prefix)
+        if index is not None:
+            level, count = level[index], count[index]
+        known = (col == record.ops.index("norm")) & (count[row] > 0)
+        baselines[known] = np.exp(level[row[known]])
+        return baselines
 
     def _level_arrays(self, prefix: str) -> tuple[np.ndarray, np.ndarray]:
         """(level, count) of a data type's norms, grown to its tag table."""

@@ -52,9 +52,11 @@ def non_finite_cells(values: np.ndarray, op_names: tuple[str, ...]) -> np.ndarra
     """The cells that signal a NaN/Inf in their tensor: a non-finite statistic (but not an absent
     ``id``) or a NaN count above zero."""
     counts = _op_columns(COUNT_OPS, op_names)
-    absent = _op_columns(NAN_IS_ABSENT_OPS, op_names)
     with np.errstate(invalid="ignore"):
-        return (~np.isfinite(values) & ~(absent & np.isnan(values))) | (counts & (values > 0))
+        cells = ~np.isfinite(values) | (counts & (values > 0))
+    if any(op in NAN_IS_ABSENT_OPS for op in op_names):
+        cells &= ~(_op_columns(NAN_IS_ABSENT_OPS, op_names) & np.isnan(values))
+    return cells
 
 
 def _folded(values: np.ndarray, skip_nonfinite: bool) -> np.ndarray:

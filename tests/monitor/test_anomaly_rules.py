@@ -200,6 +200,20 @@ def test_id_of_a_tensor_with_many_elements_is_no_nan_signal(make_record, judge):
     ]
 
 
+def test_a_norm_that_turns_nan_reports_the_norms_level_as_its_baseline(make_record):
+    detector = Detector([], non_finite=True, moved_alone=False, rank=0)
+    rows = RowSet.build([0, 0], ["a", "b"], 0, "post_grad")
+    norms = [[2.0, 3.0], [2.0, 3.0], [2.0, 3.0], [math.nan, 3.0]]
+    for step, (a, b) in enumerate(norms):
+        values = np.array([[a, 0.0], [b, 0.0]])
+        found = detector.evaluate(
+            make_record("grad_reduced", step, ("a", "b"), values, ("norm", "nans"), rows=rows)
+        )
+    (anomaly,) = found
+    assert (anomaly.tag_name, anomaly.op, anomaly.rule) == (_tag("a"), "norm", "NonFinite")
+    assert anomaly.baseline == pytest.approx(2.0, rel=1e-12)  # a steady norm's level is the norm
+
+
 def test_nan_rule_threshold_flags_large_magnitudes_but_not_counts(make_record):
     detector = rules_only([AnomalyNan(threshold=100.0)], rank=0)
     values = [[50.0, -150.0, 0.0], [101.0, 10.0, 0.0]]
