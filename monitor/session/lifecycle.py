@@ -120,8 +120,16 @@ class SessionLifecycle(IncidentResponses, ABC):
         self.collection = self._new_collection()
         self._output_dir = self.collection.core.output_dir
         self._connect_alerts()
-        kinds = [k for k in _KINDS if getattr(self.collection.config, k)]  # what this collection can see
-        self._warn_if_nothing_selected(kinds)
+        config = self.collection.config
+        kinds = [k for k in _KINDS if getattr(config, k)]  # what this collection records
+        kinds += [k for k in ("ur_distribution", "recording_l2_features") if getattr(config, k)]
+        kinds += ["cc_distribution"] if config.cc_distribution.enable else []
+        if not kinds and not (config.print_struct or config.stack_info or config.dynamic_on):
+            logger.warning(
+                "trainmon: nothing to record: the config switches on none of %s, cc_distribution, "
+                "ur_distribution or recording_l2_features",
+                ", ".join(_KINDS),
+            )
         logger.info(
             "trainmon: monitoring %d %s (%s) on rank %d from step %d, output %s",
             len(self.collection.registry),
@@ -131,18 +139,6 @@ class SessionLifecycle(IncidentResponses, ABC):
             self.step,
             self.collection.core.output_dir or "in memory (format api)",
         )
-
-    def _warn_if_nothing_selected(self, kinds: list[str]) -> None:
-        """A config that switches nothing on (a misspelt key, say) records nothing: say so loudly,
-        unless dynamic mode may switch something on later."""
-        config = self.collection.config
-        others = ("recording_l2_features", "ur_distribution", "print_struct", "stack_info", "dynamic_on")
-        if not kinds and not config.cc_distribution.enable and not any(getattr(config, k) for k in others):
-            logger.warning(
-                "trainmon: nothing to record: the config switches on none of %s, cc_distribution, "
-                "ur_distribution or recording_l2_features",
-                ", ".join(_KINDS),
-            )
 
     def resume_step_count(self, step: int | None) -> None:
         """After stop() no hook counts steps: go on from ``step``, else by the optimizer's own count
