@@ -150,6 +150,32 @@ def parse_time_tag(text: str) -> _dt.datetime | None:
         return None
 
 
+def time_bounds(
+    start: str | None, end: str | None, names: tuple[str, str] = ("start", "end")
+) -> tuple[_dt.datetime | None, _dt.datetime | None]:
+    """``start`` and ``end`` time tags (as in rank directory names) as datetimes, None where not
+    given; the readers' choice of one run among several under a root.
+
+    Raises:
+        ValueError: a tag that is not one, or a start after the end; ``names`` say which was given how.
+    """
+    bounds = []
+    for name, text in zip(names, (start, end)):
+        stamp = None if text is None else parse_time_tag(text) if isinstance(text, str) else None
+        if text is not None and stamp is None:
+            raise ValueError(f"{name}: expected a time like 'Dec03_21-34-40' ({TIME_FORMAT}), got {text!r}")
+        bounds.append(stamp)
+    if bounds[0] is not None and bounds[1] is not None and bounds[0] > bounds[1]:
+        raise ValueError(f"{names[0]} {start!r} is after {names[1]} {end!r}")
+    return bounds[0], bounds[1]
+
+
+def in_time_range(stamp: _dt.datetime, bounds: tuple[_dt.datetime | None, _dt.datetime | None]) -> bool:
+    """Whether ``stamp`` lies in ``bounds`` (from ``time_bounds``; None: open on that side)."""
+    low, high = bounds
+    return (low is None or stamp >= low) and (high is None or stamp <= high)
+
+
 def rank_dir_name(rank: int, now: _dt.datetime | None = None) -> str:
     """``{%b%d_%H-%M-%S}-rank{R}-{uuid8}`` in host-local time."""
     now = now or _dt.datetime.now().astimezone()

@@ -59,7 +59,7 @@ def memory_limit(flag: str | None, default: str) -> int:
     if text is None:
         where, text = "default", default
     size = parse_size(text, where)
-    if size < BARE_MINIMUM and str(text).strip().replace(".", "", 1).isdigit():
+    if size < BARE_MINIMUM and not _SIZE.match(str(text))[2]:  # no unit
         raise ValueError(
             f"{where}: a bare number is bytes: expected a size with a unit such as '10GB', got {text!r}"
         )

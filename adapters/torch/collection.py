@@ -197,7 +197,7 @@ class Collection(BaseCollection):
         cfg = self.config
         moment = self.backend.moment
         if self._moment_checks_left:
-            self._guard("exp_avg", self._check_moments)
+            self._guard("the check of the optimizer's moments", self._check_moments)  # not exp_avg's rows
         for prefix in ("exp_avg", "exp_avg_sq"):
             if self._wanted(prefix, cfg.mv_distribution):
                 self._guard(prefix, self._submit_tensors, prefix, lambda p, k=prefix: moment(p, k))
@@ -210,8 +210,10 @@ class Collection(BaseCollection):
     def _check_moments(self) -> None:
         """mv_distribution with an optimizer that keeps no Adam moments (SGD, Adagrad, ...): said
         once, instead of writing no rows in silence."""
+        self._moment_checks_left -= 1
         verdict = without_adam_moments(self.backend, [p.param for p in self.registry.params])
-        self._moment_checks_left = self._moment_checks_left - 1 if verdict is None else 0
+        if verdict is not None:
+            self._moment_checks_left = 0
         if verdict:
             logger.warning(
                 "trainmon: mv_distribution: %s keeps no exp_avg/exp_avg_sq; no moment rows", verdict

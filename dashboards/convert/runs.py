@@ -21,7 +21,7 @@ import pandas as pd
 from dashboards.convert.commands import DATA_TYPES, MAX_PROCESSES
 from dashboards.csvfiles import list_csv_files, read_csv_files
 from monitor.datatypes.tasks import RowKey
-from monitor.files import RANK_DIR_PATTERN, TIME_FORMAT, parse_time_tag
+from monitor.files import RANK_DIR_PATTERN, in_time_range, parse_time_tag, time_bounds
 
 logger = logging.getLogger("trainmon")
 
@@ -50,24 +50,16 @@ def check_types(data_type_list: object) -> tuple[str, ...] | None:
     return tuple(dict.fromkeys(data_type_list))
 
 
-def _bound(name: str, text: str | None) -> _dt.datetime | None:
-    if text is None:
-        return None
-    stamp = parse_time_tag(text) if isinstance(text, str) else None
-    if stamp is None:
-        raise ConvertError(f"{name}: expected a time like 'Dec03_21-34-40' ({TIME_FORMAT}), got {text!r}")
-    return stamp
-
-
 def select_rank_dirs(
     monitor_path: str, time_start: str | None = None, time_end: str | None = None
 ) -> dict[int, list[str]]:
     """rank -> its directories under ``monitor_path`` with a time tag in [start, end], oldest first."""
     if not isinstance(monitor_path, (str, os.PathLike)) or not os.path.isdir(monitor_path):
         raise ConvertError(f"monitor_path: expected an existing directory, got {monitor_path!r}")
-    low, high = _bound("time_start", time_start), _bound("time_end", time_end)
-    if low is not None and high is not None and low > high:
-        raise ConvertError(f"time_start {time_start!r} is after time_end {time_end!r}")
+    try:
+        bounds = time_bounds(time_start, time_end, ("time_start", "time_end"))
+    except ValueError as exc:
+        raise ConvertError(str(exc)) from None
     found: dict[int, list[tuple[_dt.datetime, str]]] = {}
     for entry in sorted(os.scandir(monitor_path), key=lambda e: e.name):
         match = RANK_DIR_PATTERN.match(entry.name)
@@ -77,7 +69,7 @@ def select_rank_dirs(
         if stamp is None or not entry.is_dir(follow_symlinks=False):
             logger.warning("trainmon: skipping %s: not a rank directory with a valid time tag", entry.path)
             continue
-        if (low is None or stamp >= low) and (high is None or stamp <= high):
+        if in_time_range(stamp, bounds):
             found.setdefault(int(match.group(2)), []).append((stamp, entry.path))
     return {rank: [path for _, path in sorted(items)] for rank, items in sorted(found.items())}
 
@@ -126,19 +118,19 @@ def select_jobs(
             f"monitor_path: no {{time}}-rank{{R}}-{{id}} directory in range under {monitor_path!r}"
         )
     found = {rank: found_types(dirs) for rank, dirs in ranks.items()}
-    if not any(set(types or prefixes) & set(prefixes) for prefixes in found.values()):
-        there = sorted({prefix for prefixes in found.values() for prefix in prefixes})
-        where = f"in the {len(ranks)} rank director{'y' if len(ranks) == 1 else 'ies'} under {monitor_path!r}"
-        if there:
-            raise ConvertError(
-                f"data_type_list: no CSV files of {', '.join(types or ())} {where}; "
-                f"they hold {', '.join(there)}"
-            )
+    there = {prefix for prefixes in found.values() for prefix in prefixes}
+    where = f"in the {len(ranks)} rank director{'y' if len(ranks) == 1 else 'ies'} under {monitor_path!r}"
+    if not there:
         raise ConvertError(
             f"monitor_path: no CSV files {where}; a run written with format tensorboard or parquet "
             "has none: TensorBoard reads it as it is, `trainmon compact` turns it into a Parquet dataset"
         )
-    absent = [t for t in types or () if not any(t in prefixes for prefixes in found.values())]
+    absent = [t for t in types or () if t not in there]
+    if types and len(absent) == len(types):
+        raise ConvertError(
+            f"data_type_list: no CSV files of {', '.join(types)} {where}; "
+            f"they hold {', '.join(sorted(there))}"
+        )
     if absent:
         logger.warning("trainmon: no CSV files of %s in the rank directories; converting the rest", absent)
     jobs = [(rank, dirs, prefix) for rank, dirs in ranks.items() for prefix in (types or found[rank])]

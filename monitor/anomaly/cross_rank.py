@@ -24,14 +24,13 @@ import os
 import re
 import sys
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
 from monitor import memory_limit
 from monitor.anomaly import analyse, peers, rank_csv, windows
 from monitor.anomaly.analyse import UsageError
-from monitor.files import TIME_FORMAT, parse_time_tag
+from monitor.files import TIME_FORMAT, time_bounds
 from monitor.writers.parquet_files import live_prefixes
 
 OUTPUT_NAME = "cross_rank_outliers.json"
@@ -86,21 +85,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             f"({example}); to pick one run where -d holds several",
         )
     memory_limit.add_argument(group, memory_limit.CROSS_RANK_DEFAULT)
-
-
-def _time_bounds(args: argparse.Namespace) -> tuple[Any, Any]:
-    """``--start`` and ``--end`` as datetimes (None where not given)."""
-    bounds = []
-    for flag, text in (("--start", args.start), ("--end", args.end)):
-        stamp = None if text is None else parse_time_tag(text)
-        if text is not None and stamp is None:
-            raise UsageError(
-                f"{flag}: expected a time tag like 'Dec03_21-34-40' ({TIME_FORMAT}), got {text!r}"
-            )
-        bounds.append(stamp)
-    if bounds[0] and bounds[1] and bounds[0] > bounds[1]:
-        raise UsageError(f"--start {args.start!r} is after --end {args.end!r}")
-    return bounds[0], bounds[1]
 
 
 def flags_given(args: argparse.Namespace) -> list[str]:
@@ -261,7 +245,11 @@ def _check(args: argparse.Namespace) -> Settings:
             f"--ranks: expected a Python list of integers such as '[0, 2]', got {args.ranks!r}"
         ) from None
     try:
-        rank_dirs = rank_csv.find_rank_dirs(data_dir, ranks, _time_bounds(args))
+        within = time_bounds(args.start, args.end, ("--start", "--end"))
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    try:
+        rank_dirs = rank_csv.find_rank_dirs(data_dir, ranks, within)
         present = {
             prefix
             for path in rank_dirs.values()

@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 import monitor.writers.parquet_files as parquet_files
-from monitor.files import RANK_DIR_PATTERN, parse_time_tag
+from monitor.files import RANK_DIR_PATTERN, in_time_range, parse_time_tag
 from monitor.writers.eventfile import open_regular
 
 #: ``{prefix}_{a}-{b}.csv``; ``.{n}.csv`` when an appended run had other columns (monitor.writers.csv).
@@ -78,21 +78,20 @@ def find_rank_dirs(
     root: str, ranks: frozenset[int] | None = None, within: tuple[Any, Any] = (None, None)
 ) -> dict[int, str]:
     """rank -> its directory under root, in rank order (only ``ranks`` unless None, and only
-    those whose time tag lies in ``within``, (first, last) datetimes, either None for open).
+    those whose time tag lies in ``within``, from ``monitor.files.time_bounds``).
 
     Raises:
         DuplicateRankError: a rank has more than one directory (the root holds several runs).
     """
     found: dict[int, list[str]] = {}
-    first, last = within
     with os.scandir(root) as entries:
         for entry in entries:
             match = RANK_DIR_PATTERN.match(entry.name)
             if match and entry.is_dir(follow_symlinks=False):
                 rank = int(match.group(2))
-                if first is not None or last is not None:
+                if within != (None, None):
                     stamp = parse_time_tag(match.group(1))
-                    if stamp is None or (first and stamp < first) or (last and stamp > last):
+                    if stamp is None or not in_time_range(stamp, within):
                         continue
                 if ranks is None or rank in ranks:
                     found.setdefault(rank, []).append(entry.path)

@@ -468,7 +468,7 @@ def test_one_run_of_several_in_a_root_is_chosen_by_its_time_tags(tmp_path, capsy
     assert run_cli("-d", str(root), "--end", "Jan01_23-59-59") == 0
     assert {(rank, step) for rank, step, *_ in found_keys(load(root / cross_rank.OUTPUT_NAME))} == {(1, 3)}
     assert run_cli("-d", str(root), "--start", "yesterday") == 2
-    assert "--start: expected a time tag like 'Dec03_21-34-40'" in capsys.readouterr().err
+    assert "--start: expected a time like 'Dec03_21-34-40'" in capsys.readouterr().err
 
 
 def test_malformed_rows_and_a_truncated_line_are_dropped_with_a_warning(tmp_path, capsys):
