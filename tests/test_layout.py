@@ -79,7 +79,7 @@ def test_the_rules_see_a_wrong_import(tmp_path):
 #: docstring promises
 LAYERS = {
     "stats": (),
-    "config": ("alerts.config", "anomaly.rules"),
+    "config": ("alerts.config", "anomaly.rule_args"),
     "datatypes": ("config",),
     "collectives": ("config",),
     "writers": ("datatypes",),

@@ -345,7 +345,7 @@ def _alert(value: Any) -> AlertConfig:
 
 
 def _rule(spec: Any, path: str) -> RuleSpec:
-    from monitor.anomaly.rules import validate_rule_args
+    from monitor.anomaly.rule_args import validate_rule_args
 
     name = kind_of(spec, path, "rule_name", KNOWN_RULES, "an object with 'rule_name' and 'args'")
     for key in spec:
