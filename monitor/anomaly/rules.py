@@ -305,6 +305,7 @@ class AnomalyZScore:
 
 RULES: dict[str, type] = {cls.name: cls for cls in (AnomalyTurbulence, AnomalyNan, AnomalyZScore)}
 
+
 def make_rule(name: str, args: Mapping[str, Any]) -> Any:
     """One rule object from its (validated) name and args; ``semantics`` picks the turbulence rule."""
     args = dict(args)
