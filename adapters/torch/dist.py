@@ -22,6 +22,20 @@ def dtensor_type() -> type | tuple:
     return DTensor
 
 
+def partials_summed(tensor: Any) -> Any:
+    """A DTensor with its pending partial sums done (one all-reduce over the mesh dimensions
+    that are partial); the same object when there are none. A gradient of a replicated parameter
+    whose input was sharded (a LayerNorm under sequence parallelism) is such a partial sum: its
+    local piece alone is not the rank's gradient."""
+    if not any(placement.is_partial() for placement in tensor.placements):
+        return tensor
+    from torch.distributed.tensor import Replicate
+
+    placements = [Replicate() if p.is_partial() else p for p in tensor.placements]
+    with torch.no_grad():
+        return tensor.redistribute(tensor.device_mesh, placements)
+
+
 def initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
 

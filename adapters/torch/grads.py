@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from adapters.torch.dist import dtensor_type
+from adapters.torch.dist import dtensor_type, partials_summed
 from adapters.torch.params import ParamRegistry
 from adapters.torch.row_buffer import RowBuffer
 from adapters.torch.stats import stack_rows, tensor_stats
@@ -240,10 +240,12 @@ class UnreducedGrads:
         return total
 
     def _local(self, index: int, grad: torch.Tensor) -> torch.Tensor:
-        """The gradient itself, or this rank's piece of a DTensor gradient (noted in ``pieces``)."""
+        """The gradient itself, or this rank's piece of a DTensor gradient (noted in ``pieces``),
+        its partial sums over tensor-parallel ranks done first (a collective of that mesh's
+        ranks, which all run the same hooks in the same order)."""
         if not isinstance(grad, dtensor_type()):
             return grad
-        local = grad.to_local()
+        local = partials_summed(grad).to_local()
         self.pieces[index] = (local.numel(), grad.numel())
         return local
 

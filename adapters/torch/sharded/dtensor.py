@@ -26,22 +26,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor
 
+from adapters.torch.dist import partials_summed
 from adapters.torch.optim import TorchBackend
 
 
 def optimizer_has_dtensors(optimizer: torch.optim.Optimizer) -> bool:
     """Whether any parameter the optimizer updates is a DTensor."""
     return any(isinstance(p, DTensor) for group in optimizer.param_groups for p in group["params"])
-
-
-def _summed(tensor: DTensor) -> DTensor:
-    """A DTensor with its pending partial sums done (the same object when there are none)."""
-    if not any(placement.is_partial() for placement in tensor.placements):
-        return tensor
-    placements = [Replicate() if p.is_partial() else p for p in tensor.placements]
-    return tensor.redistribute(tensor.device_mesh, placements)
 
 
 class DTensorBackend(TorchBackend):
@@ -116,7 +109,7 @@ class DTensorBackend(TorchBackend):
         if tensor is None:
             return None
         if isinstance(tensor, DTensor):
-            tensor = _summed(tensor)
+            tensor = partials_summed(tensor)
             if not self._counted_here(tensor):
                 return None
             with torch.no_grad():

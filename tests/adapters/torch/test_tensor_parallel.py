@@ -10,11 +10,19 @@ replica's on every rank; pieces written with their element counts must merge to 
 element counted once (no row from a replica); unreduced rows are this rank's tensor-parallel
 piece of its dp rank's gradient; activations of the column-parallel module are this rank's
 columns of the replica's.
+
+Tensor parallelism alone, with sequence parallelism, on a 1-D mesh of two ranks: ``norm`` is
+``SequenceParallel`` (each rank normalises its half of the sequence), so its gradient comes out
+as a partial sum over the tp ranks, which every gradient row must complete (one rank's partial
+sum is not its gradient); ``up`` is column-parallel on the gathered sequence, ``down``
+row-parallel back to sequence shards. The replica sees the whole sequence.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
+from dataclasses import dataclass
 
 import numpy as np
 import pytest
@@ -34,7 +42,7 @@ from tests.shared_configs import DATA_TYPES, STEP_PREFIXES
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
-STEPS, WORLD, DP, TP = 3, 4, 2, 2
+STEPS = 3
 #: tensor-parallel matmuls sum in another order than the replica's (a replica counted twice, or
 #: one shard's norm, is off by 41% or more)
 TOLERANCE = 1e-3
@@ -53,15 +61,65 @@ class Block(torch.nn.Module):
         return self.norm(self.down(torch.relu(self.up(x))))
 
 
-def _parallel() -> tuple[torch.nn.Module, torch.nn.Module]:
+class SequenceBlock(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(6)
+        self.up = torch.nn.Linear(6, 16)
+        self.down = torch.nn.Linear(16, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.relu(self.up(self.norm(x))))
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A parallel layout: ranks, the mesh's dp and tp sizes, and whether tp shards the sequence."""
+
+    dp: int
+    tp: int
+    sequence_parallel: bool = False
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp
+
+
+LAYOUTS = {
+    "fsdp2-tp-2d": Layout(dp=2, tp=2),
+    "tp-sequence-parallel": Layout(dp=1, tp=2, sequence_parallel=True),
+}
+
+
+def _parallel(layout: Layout) -> tuple[torch.nn.Module, torch.nn.Module]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
 
     torch.manual_seed(0)
+    if layout.sequence_parallel:
+        model = SequenceBlock()
+        with torch.no_grad():  # not LayerNorm's initial ones and zeros, which hide a wrong sum
+            model.norm.weight.uniform_(0.5, 1.5)
+            model.norm.bias.uniform_(-0.5, 0.5)
+        replica = copy.deepcopy(model)
+        mesh = init_device_mesh("cpu", (layout.tp,), mesh_dim_names=("tp",))
+        plan = {
+            "norm": SequenceParallel(),
+            "up": ColwiseParallel(input_layouts=Shard(1)),
+            "down": RowwiseParallel(output_layouts=Shard(1)),
+        }
+        parallelize_module(model, mesh, plan)
+        return model, replica
     model = Block()
     replica = copy.deepcopy(model)
-    mesh = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp", "tp"))
+    mesh = init_device_mesh("cpu", (layout.dp, layout.tp), mesh_dim_names=("dp", "tp"))
     parallelize_module(model, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
     fully_shard(model, mesh=mesh["dp"])
     return model, replica
@@ -71,21 +129,38 @@ def _optimizer(params) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=0.05, weight_decay=0.1)
 
 
-def _batch(dp_rank: int, step: int) -> torch.Tensor:
-    return torch.randn(4, 6, generator=torch.Generator().manual_seed(1000 * step + dp_rank))
+def _batch(layout: Layout, dp_rank: int, step: int) -> torch.Tensor:
+    """The whole batch of a dp rank (the replica's input)."""
+    shape = (2, 4, 6) if layout.sequence_parallel else (4, 6)
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(1000 * step + dp_rank))
 
 
-def _train_step(model, optimizer, dp_rank: int, step: int) -> None:
-    model(_batch(dp_rank, step)).pow(2).mean().backward()
+def _model_input(layout: Layout, rank: int, step: int) -> torch.Tensor:
+    """What this rank's model sees: its dp rank's batch, or its part of the sequence."""
+    batch = _batch(layout, rank // layout.tp, step)
+    if not layout.sequence_parallel:
+        return batch
+    length = batch.shape[1] // layout.tp
+    return batch[:, (rank % layout.tp) * length : (rank % layout.tp + 1) * length]
+
+
+def _loss(output: torch.Tensor, layout: Layout, step: int) -> torch.Tensor:
+    """Mean square over the whole batch's outputs: the sequence parts' losses add up to it."""
+    rows = _batch(layout, 0, step).numel() // 6  # input features: 6
+    return output.pow(2).sum() / (rows * output.shape[-1])
+
+
+def _train_step(model, optimizer, layout: Layout, rank: int, step: int) -> None:
+    _loss(model(_model_input(layout, rank, step)), layout, step).backward()
     optimizer.step()
     optimizer.zero_grad()
 
 
-def _worker(rank: int, world_size: int, workdir: str) -> None:
+def _worker(rank: int, world_size: int, workdir: str, layout: Layout) -> None:
     from monitor import TrainerMon
 
-    dp_rank = rank // TP
-    model, replica = _parallel()
+    dp_rank, tp_rank = divmod(rank, layout.tp)
+    model, replica = _parallel(layout)
     optimizer, replica_optimizer = _optimizer(model.parameters()), _optimizer(replica.parameters())
     monitors = {
         "merged": TrainerMon({**CONFIG, "shard_reduce": True}).set_monitor(model, 1, optimizer),
@@ -96,17 +171,19 @@ def _worker(rank: int, world_size: int, workdir: str) -> None:
     steps = []
     for step in range(STEPS):
         replica.zero_grad()
-        hidden = replica.up(_batch(dp_rank, step))  # column-parallel: this rank holds columns of it
-        columns = hidden.shape[1] // TP
-        up_output = flat_values(hidden[:, (rank % TP) * columns : (rank % TP + 1) * columns])
-        replica(_batch(dp_rank, step)).pow(2).mean().backward()
+        batch = _batch(layout, dp_rank, step)
+        up_input = replica.norm(batch) if layout.sequence_parallel else batch
+        hidden = replica.up(up_input)  # column-parallel: this rank holds columns of it
+        columns = hidden.shape[-1] // layout.tp
+        up_output = flat_values(hidden[..., tp_rank * columns : (tp_rank + 1) * columns])
+        _loss(replica(batch), layout, step).backward()
         local = [p.grad.clone() for p in replica.parameters()]
         reduced = [g.clone() for g in local]
         for g in reduced:  # every dp rank's gradient is on its TP ranks: the mean over all ranks
             dist.all_reduce(g)
-            g /= WORLD
+            g /= layout.world
         ref = replica_references(replica, replica_optimizer, local, reduced)
-        _train_step(model, optimizer, dp_rank, step)
+        _train_step(model, optimizer, layout, rank, step)
         got = {key: {prefix: mon._latest(prefix) for prefix in PREFIXES} for key, mon in monitors.items()}
         up_row = activations._latest("actv")[f"0:up.output:0/rank{rank}/actv"]
         steps.append({"ref": ref, "got": got, "up_output": [up_output, up_row]})
@@ -114,18 +191,18 @@ def _worker(rank: int, world_size: int, workdir: str) -> None:
     trained = [p.to_local().detach().clone() for p in model.parameters()]
     for mon in (*monitors.values(), activations):
         mon.stop()
-    plain, _ = _parallel()
+    plain, _ = _parallel(layout)
     plain_optimizer = _optimizer(plain.parameters())
     for step in range(STEPS):
-        _train_step(plain, plain_optimizer, dp_rank, step)
+        _train_step(plain, plain_optimizer, layout, rank, step)
     identical = all(torch.equal(a, p.to_local()) for a, p in zip(trained, plain.parameters()))
     save_result(workdir, rank, {"steps": steps, "backends": backends, "identical": identical})
 
 
-def _check_unreduced(step: int, per_rank: list[dict]) -> None:
+def _check_unreduced(layout: Layout, step: int, per_rank: list[dict]) -> None:
     """Per dp rank: whole rows equal its gradient; tensor-parallel pieces merge to it."""
-    for dp_rank in range(DP):
-        ranks = [dp_rank * TP + tp for tp in range(TP)]
+    for dp_rank in range(layout.dp):
+        ranks = [dp_rank * layout.tp + tp for tp in range(layout.tp)]
         want = per_rank[ranks[0]]["steps"][step]["ref"]["grad_unreduced"]
         for name, values in want.items():
             for key in ("merged", "pieces"):
@@ -143,14 +220,14 @@ def _check_unreduced(step: int, per_rank: list[dict]) -> None:
                 assert_stats_close(whole, np.array(values), what=what, rel=TOLERANCE)
 
 
-def _check_step(step: int, per_rank: list[dict]) -> None:
+def _check_step(layout: Layout, step: int, per_rank: list[dict]) -> None:
     for rank, result in enumerate(per_rank):  # activations of a tensor-parallel module: the local piece
         want, row = result["steps"][step]["up_output"]
         assert_stats_close(row, np.array(want), what=f"step {step} rank {rank} up.output", rel=TOLERANCE)
     ref = per_rank[0]["steps"][step]["ref"]
     for prefix in PREFIXES:
         if prefix == "grad_unreduced":
-            _check_unreduced(step, per_rank)
+            _check_unreduced(layout, step, per_rank)
             continue
         pieces = [latest_rows(r["steps"][step]["got"]["pieces"], prefix) for r in per_rank]
         for name, values in ref[prefix].items():
@@ -172,10 +249,12 @@ def _check_step(step: int, per_rank: list[dict]) -> None:
             assert_stats_close(merge_piece_rows(rows), np.array(values), what=f"{what} pieces", rel=TOLERANCE)
 
 
-def test_fsdp2_with_tensor_parallelism_on_a_2d_mesh_equals_an_unsharded_replica(tmp_path):
-    per_rank = run_ranks(_worker, WORLD, str(tmp_path))
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_tensor_parallel_statistics_equal_an_unsharded_replica(tmp_path, name):
+    layout = LAYOUTS[name]
+    per_rank = run_ranks(functools.partial(_worker, layout=layout), layout.world, str(tmp_path))
     for result in per_rank:
         assert result["backends"] == ["DTensorBackend"], result["backends"]
         assert result["identical"], "training changed by the monitors"
     for step in range(STEPS):
-        _check_step(step, per_rank)
+        _check_step(layout, step, per_rank)
