@@ -187,12 +187,12 @@ def select_names(
 
 
 def unmatched_targets(
-    targets: Iterable[str], named: Iterable[tuple[int, str]], suggest: int = 5
+    targets: Iterable[str], named: Iterable[tuple[int, str]], suggest: int = 5, prefixes: bool = True
 ) -> list[tuple[str, str | None]]:
     """Each targets key that selects none of the ``(vpp_stage, raw_name)`` pairs (a model's
     modules and parameters), with the closest name there for the first ``suggest`` of them (None
     when none is close): such a key is a typo or a name of another model, and would otherwise be
-    ignored in silence.
+    ignored in silence. Without ``prefixes`` a key must be a whole name (``l2_targets``).
 
     One pass over the names: a key selects a name when it is one of the name's spellings or a
     dotted prefix of one (``key_selects``), so the set of every spelling's dotted prefixes answers
@@ -212,7 +212,9 @@ def unmatched_targets(
     unmatched = [
         key
         for key in keys
-        if not (key in spellings or key in parents or (key.endswith(".") and key[:-1] in parents))
+        if not (
+            key in spellings or (prefixes and (key in parents or (key.endswith(".") and key[:-1] in parents)))
+        )
     ]
     short = list(dict.fromkeys(squash_name(raw) for _, raw in named)) if unmatched else []  # a spelling
     return [(key, _closest(key, short) if i < suggest else None) for i, key in enumerate(unmatched)]

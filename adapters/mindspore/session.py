@@ -13,8 +13,9 @@ from inside that Cell's call. When ``collect_times`` (or print_struct) ends the 
 the optimizer's hooks, the collection's parameter and Cell hooks are removed at once and the two
 optimizer hooks stay, doing nothing, until ``stop()``.
 
-Graph mode (``GRAPH_MODE``): the compiled step runs no Python hook, and a hook on a Cell inside
-it can break its compilation, so nothing is hooked. The loop calls ``step_end()`` after each
+Graph mode (``GRAPH_MODE``, or ``set_monitor(..., graph_mode=True)`` for a step compiled with
+``mindspore.jit`` in PyNative mode): the compiled step runs no Python hook, and a hook on a Cell
+inside it breaks its compilation, so nothing is hooked. The loop calls ``step_end()`` after each
 step (``monitor.integrations.mindspore`` does it for ``Model.train``); the parameters and Adam's
 moments are then read from the host, the step numbered by the optimizer's own update count, so
 a call after several steps (dataset sinking) is numbered right. What needs hooks (gradients,
@@ -51,7 +52,9 @@ class MindSporeSession(SessionLifecycle):
         chunks = model_chunks(a.model, ms.nn.Cell, "mindspore.nn.Cell")
         if a.optimizer is None:
             raise ValueError("set_monitor: optimizer: required (its call marks the end of a training step)")
-        self.graph_mode = ms.get_context("mode") != ms.PYNATIVE_MODE
+        self.graph_mode = (
+            a.graph_mode if a.graph_mode is not None else ms.get_context("mode") != ms.PYNATIVE_MODE
+        )
         if a.params_have_main_grad:
             logger.warning(
                 "trainmon: params_have_main_grad is ignored: MindSpore parameters have no main_grad"

@@ -26,6 +26,7 @@ from adapters.torch.stats import sign_shares, stat_matrix
 from adapters.torch.structure import StackRecorder, StructureRecorder
 from adapters.torch.update_ratio import update_histograms
 from monitor.config.schema import MonitorConfig
+from monitor.datatypes.params import PARAM_TASKS, param_row_tables, reduced_index
 from monitor.datatypes.update_ratio import submit_histograms
 from monitor.record import RowSet
 from monitor.session.collection import BaseCollection
@@ -137,6 +138,7 @@ class Collection(BaseCollection):
         """The config keys whose data this collection reads through module hooks."""
         users = {
             "xy_distribution": self.activations is not None,
+            "recording_l2_features": self.l2 is not None and bool(self.l2.attention),
             "print_struct": self.structure is not None,
             "stack_info": self.stacks is not None,
             "wg_distribution": getattr(self.grads, "uses_module_hooks", False),
@@ -147,31 +149,17 @@ class Collection(BaseCollection):
 
     def _build_rows(self, tp_group: Any, dp_group: Any) -> dict[str, tuple[list[int], RowSet]]:
         """Parameter index lists and row labels per data type, computed once."""
-        everything = list(range(len(self.registry)))
+        params = self.registry.params
         # sharded optimizers: every data-parallel rank holds its own pieces, none is a duplicate
         dp_rank = None if self.backend.sharded else rank_in_group(dp_group)
-        tp_rank = rank_in_group(tp_group)
-        reduced = [
-            i
-            for i in everything
-            if dp_rank in (None, 0)
-            and (
-                tp_rank in (None, 0) or getattr(self.registry.params[i].param, "tensor_model_parallel", False)
-            )
-        ]
-        tables = {
-            "grad_reduced": (reduced, "post_grad"),
-            "param_origin": (everything, "param_origin"),
-            "param_updated": (everything, "param_updated"),
-            "exp_avg": (everything, "exp_avg"),
-            "exp_avg_sq": (everything, "exp_avg_sq"),
-            "other": (everything, "mg_direction"),
-            "grad_unreduced": (everything, self.grads.task if self.grads is not None else "acc_grad"),
-        }
-        return {
-            prefix: (index, self.registry.rows(self.rank, task, index))
-            for prefix, (index, task) in tables.items()
-        }
+        shards = [bool(getattr(p.param, "tensor_model_parallel", False)) for p in params]
+        return param_row_tables(
+            [p.vpp_stage for p in params],
+            [p.name for p in params],
+            self.rank,
+            reduced_index(shards, dp_rank, rank_in_group(tp_group)),
+            self.grads.task if self.grads is not None else PARAM_TASKS["grad_unreduced"],
+        )
 
     # -- the step ----------------------------------------------------------------------------
 

@@ -152,12 +152,16 @@ class L2Features(L2Steps):
         measure = eager(functools.partial(self._measure, index))
 
         def hook(module: torch.nn.Module, args: tuple, output: Any) -> None:
-            if self.collect and module.training and torch._C._current_graph_task_id() == -1:
+            if self.collect and module.training:
                 measure(args)
 
         return hook
 
     def _measure(self, index: int, args: tuple) -> None:
+        """One call's rows, unless the call is a checkpoint's recompute in the backward pass
+        (checked here, in eager code: traced into a compiled hook, the check breaks the graph)."""
+        if torch._C._current_graph_task_id() != -1:
+            return
         try:
             tensors = [a for a in args if isinstance(a, torch.Tensor)][:2]
             if len(tensors) < 2 or any(t.dim() != 4 for t in tensors):

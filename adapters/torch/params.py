@@ -15,7 +15,6 @@ import torch
 
 from monitor.config.schema import MonitorConfig
 from monitor.naming import select_objects
-from monitor.record import RowSet
 
 logger = logging.getLogger("trainmon")
 
@@ -56,11 +55,6 @@ class ParamRegistry:
 
     def __len__(self) -> int:
         return len(self.params)
-
-    def rows(self, rank: int | None, task: str, index: Sequence[int] | None = None) -> RowSet:
-        """Row labels for the given parameters (all by default) with tags of ``task``."""
-        chosen = self.params if index is None else [self.params[i] for i in index]
-        return RowSet.build([p.vpp_stage for p in chosen], [p.name for p in chosen], rank, task)
 
     def grad(self, param: torch.nn.Parameter) -> torch.Tensor | None:
         """The gradient the monitor reads: ``main_grad`` (Megatron style) where used, else ``.grad``."""

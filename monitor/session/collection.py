@@ -222,21 +222,27 @@ class BaseCollection(ABC):
             )
 
     def _warn_unmatched_targets(self, named: Iterable[tuple[int, str]], pipeline: bool) -> None:
-        """One warning per ``targets`` key that names none of the model's modules and parameters
-        (``named``: their ``(vpp_stage, raw_name)``), with the closest name there. Under pipeline
-        parallelism (``pipeline``) a rank holds only its stage's part: a key naming another stage's
-        is expected, so it is said at info level only."""
+        """One warning per ``targets`` (or ``l2_targets``) key that names none of the model's
+        modules and parameters (``named``: their ``(vpp_stage, raw_name)``), with the closest name
+        there. Under pipeline parallelism (``pipeline``) a rank holds only its stage's part: a key
+        naming another stage's is expected, so it is said at info level only."""
         level = logging.INFO if pipeline else logging.WARNING
         where = "this pipeline stage" if pipeline else "the model"
-        for key, close in unmatched_targets(self.config.targets, named):
-            hint = f"did you mean {close!r}?" if close else "print_struct: true lists the model's names"
-            logger.log(
-                level,
-                "trainmon config: targets key %r selects no module or parameter of %s; %s",
-                key,
-                where,
-                hint,
-            )
+        named = list(named)
+        lists = [("targets", self.config.targets, True)]
+        if self.config.recording_l2_features:  # l2 lists name whole modules, not prefixes
+            lists += [(f"l2_targets.{kind}", keys, False) for kind, keys in self.config.l2_targets.items()]
+        for where_key, keys, prefixes in lists:
+            for key, close in unmatched_targets(keys, named, prefixes=prefixes):
+                hint = f"did you mean {close!r}?" if close else "print_struct: true lists the model's names"
+                logger.log(
+                    level,
+                    "trainmon config: %s key %r selects no module or parameter of %s; %s",
+                    where_key,
+                    key,
+                    where,
+                    hint,
+                )
 
     # -- print_struct and stack_info ---------------------------------------------------------
 

@@ -47,6 +47,8 @@ class Attachment:
     on_step_end: Callable[[int], None] | None = None
     #: torch: the collectives monitor that wrapped torch.distributed when TrainerMon was made
     early_collectives: Any = None
+    #: MindSpore: whether the step is compiled (no hooks; None: the context's mode says)
+    graph_mode: bool | None = None
 
 
 def model_chunks(model: Any, chunk_type: type, type_name: str) -> list:

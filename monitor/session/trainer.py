@@ -94,11 +94,16 @@ class TrainerMon:
         tp_group: Any = None,
         dp_group: Any = None,
         start_iteration: int = 0,
+        *,
+        graph_mode: bool | None = None,
     ) -> TrainerMon:
         """Attach to a model (or a list of virtual-pipeline chunks) and its optimizer.
 
         Both argument orders of msprobe are accepted: ``(model, grad_acc_steps, optimizer)`` (1.2.2)
-        and ``(model, optimizer, grad_acc_steps)`` (later versions).
+        and ``(model, optimizer, grad_acc_steps)`` (later versions). MindSpore only:
+        ``graph_mode=True`` for a training step compiled with ``mindspore.jit`` in PyNative mode,
+        whose compilation fails on any hook of a Cell it calls: nothing is hooked, and the loop
+        calls ``step_end()`` after each step, as in ``GRAPH_MODE`` (the default: the context's mode).
 
         Raises:
             ValueError / TypeError: a bad argument (named in the message).
@@ -113,7 +118,14 @@ class TrainerMon:
             )
         if self._session is not None:
             raise RuntimeError("set_monitor: this TrainerMon is already attached; call stop() first")
+        if graph_mode is not None and not isinstance(graph_mode, bool):
+            raise ValueError(f"set_monitor: graph_mode: expected true, false or None, got {graph_mode!r}")
         framework = _framework_of(model)
+        if framework == "torch" and graph_mode is not None:
+            raise ValueError(
+                "set_monitor: graph_mode: MindSpore only (torch.compile runs the monitor's hooks: "
+                f"leave it out), got {graph_mode!r}"
+            )
         if framework == "torch":
             from adapters.torch.session import TorchSession as Session
         else:
@@ -135,6 +147,7 @@ class TrainerMon:
                 dormant=dynamic,
                 on_step_end=self._poll_dynamic if dynamic else None,
                 early_collectives=self._early_collectives,
+                graph_mode=graph_mode,
             )
         )
         for callback in self._incident_callbacks:

@@ -1,4 +1,4 @@
-"""Helpers for the MindSpore adapter tests: a small network, a training loop that keeps copies."""
+"""Helpers for the MindSpore adapter tests: small networks, a training loop that keeps copies."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import itertools
 
 import mindspore as ms
 import numpy as np
-from mindspore import nn
+from mindspore import nn, ops
 
 OPTIMIZERS = {
     "Adam": lambda params: nn.Adam(params, learning_rate=0.05),
@@ -46,6 +46,39 @@ def make_batches(steps: int, micro: int, seed: int = 1, features: int = 6, batch
     return [
         [rng.normal(size=(batch, features)).astype(np.float32) for _ in range(micro)] for _ in range(steps)
     ]
+
+
+#: the attention network's sequence length, heads and head size
+SEQ, HEADS, DIM = 6, 2, 4
+
+
+class CoreAttention(nn.Cell):
+    """Causal attention of (batch, seq, heads, dim) Q, K, V."""
+
+    def construct(self, q, k, v):
+        scores = ops.matmul(q.transpose(0, 2, 1, 3), k.transpose(0, 2, 3, 1)) / np.sqrt(DIM)
+        mask = ms.Tensor(np.triu(np.full((SEQ, SEQ), -1e9, np.float32), 1))
+        return ops.matmul(ops.softmax(scores + mask, -1), v.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
+
+
+class AttentionNet(nn.Cell):
+    """Q, K, V from one Dense, a core attention Cell on (batch, seq, heads, dim), a Dense out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        rng = np.random.default_rng(0)
+        hidden = HEADS * DIM
+        self.qkv = nn.Dense(hidden, 3 * hidden)
+        self.attention = CoreAttention()
+        self.out = nn.Dense(hidden, 5)
+        for _, param in self.parameters_and_names():
+            param.set_data(ms.Tensor(rng.normal(0.0, 0.5, param.shape).astype(np.float32)))
+
+    def construct(self, x):
+        b = x.shape[0]
+        q, k, v = ops.split(self.qkv(x), HEADS * DIM, -1)
+        q, k, v = (t.reshape(b, SEQ, HEADS, DIM) for t in (q, k, v))
+        return self.out(self.attention(q, k, v).reshape(b, SEQ, HEADS * DIM))
 
 
 def copies(tensors) -> list[np.ndarray]:

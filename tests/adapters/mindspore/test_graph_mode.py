@@ -1,5 +1,7 @@
 """Graph mode: no hooks run, so parameters and Adam's moments are read from the host at each
-``step_end()``; every statistic equals numpy's on copies made by the test."""
+``step_end()``; every statistic equals numpy's on copies made by the test. The same for a step
+compiled with ``mindspore.jit`` in PyNative mode (``set_monitor(..., graph_mode=True)``), whose
+compilation fails on any hook of the optimizer Cell."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import pandas as pd
 from mindspore import nn
 
 from monitor import TrainerMon
-from tests.adapters.mindspore.helpers import Net, copies, make_batches
+from tests.adapters.mindspore.helpers import DIM, HEADS, SEQ, AttentionNet, Net, copies, make_batches
 from tests.reference_stats import ALL_OPS, assert_stats_close
 from tests.shared_outputs import collected_steps
 
@@ -155,3 +157,80 @@ def test_update_histograms_in_graph_mode_equal_numpy(graph_mode):
             for kind, (counts, nans) in expected.items():
                 got_counts, got_nans = found[(f"0:{name}/rank0/{kind}", step)]
                 assert np.array_equal(got_counts, counts) and got_nans == nans, (step, name, kind)
+
+
+def test_a_jit_compiled_step_in_pynative_mode_is_read_between_steps(caplog):
+    net = Net()
+    optimizer = nn.Adam(net.trainable_params(), learning_rate=0.05)
+
+    def loss_of(x, y):
+        return ((net(x) - y) ** 2).mean()
+
+    grad_fn = ms.value_and_grad(loss_of, None, optimizer.parameters)
+
+    @ms.jit
+    def train_step(x, y):
+        loss, grads = grad_fn(x, y)
+        optimizer(grads)
+        return loss
+
+    mon = TrainerMon({**CONFIG, "wg_distribution": True, "format": "api"})
+    with caplog.at_level(logging.WARNING, logger="trainmon"):
+        mon.set_monitor(net, 1, optimizer, graph_mode=True)
+    assert any("wg_distribution" in r.getMessage() for r in caplog.records), caplog.records
+    names = [p.name for p in optimizer.parameters]
+    for step, (x,) in enumerate(make_batches(3, 1)):
+        origin = copies(optimizer.parameters)
+        train_step(ms.Tensor(x), _target(x))
+        mon.step_end()
+        assert mon.step == step + 1
+        updated, exp_avg = copies(optimizer.parameters), copies(optimizer.moment1)
+        params, mv = mon.generate_param_metrics(), mon.generate_mv_metrics()
+        for k, name in enumerate(names):
+            head = f"0:{name}/rank0"
+            assert_stats_close(params[f"{head}/param_origin"], origin[k], what=f"{name} origin")
+            assert_stats_close(params[f"{head}/param_updated"], updated[k], what=f"{name} updated")
+            assert_stats_close(mv[f"{head}/exp_avg"], exp_avg[k], what=f"{name} exp_avg")
+    mon.stop()
+
+
+def test_a_bad_graph_mode_argument_is_refused_at_the_door():
+    net = Net()
+    optimizer = nn.Adam(net.trainable_params(), learning_rate=0.05)
+    with pytest.raises(ValueError, match="graph_mode: expected true, false or None, got 'yes'"):
+        TrainerMon({"param_distribution": True, "format": "api"}).set_monitor(
+            net, 1, optimizer, graph_mode="yes"
+        )
+
+
+def test_attention_features_are_off_in_graph_mode_and_linear_ones_read_the_updated_weights(
+    graph_mode, caplog
+):
+    """Attention features need a hook on a Cell inside the compiled step (which breaks its
+    compilation): off, and said; the linear ones read the weights at step_end(), after the update."""
+    net = AttentionNet()
+    train, optimizer = _train_network(net)
+    config = {
+        "recording_l2_features": True,
+        "l2_targets": {"attention_hook": ["attention"], "linear_hook": []},
+        "sa_order": "b,s,h,d",
+        "format": "api",
+    }
+    mon = TrainerMon(config)
+    with caplog.at_level(logging.WARNING, logger="trainmon"):
+        mon.set_monitor(net, grad_acc_steps=1, optimizer=optimizer)
+    (warning,) = [r.getMessage() for r in caplog.records if "graph mode" in r.getMessage()]
+    assert "l2_targets.attention_hook" in warning, warning
+    rng = np.random.default_rng(3)
+    for step in range(2):
+        x = rng.normal(size=(2, SEQ, HEADS * DIM)).astype(np.float32)
+        train(ms.Tensor(x), ms.Tensor(np.zeros((2, SEQ, 5), np.float32)))
+        mon.step_end()
+        assert mon._latest("attention_hook") == {}
+        rows = mon._latest("linear_hook")
+        for name in ("qkv", "out"):
+            weight = getattr(net, name).weight.asnumpy().astype(np.float64)
+            sigma = np.linalg.svd(weight, compute_uv=False)[0]
+            row = rows[f"0:{name}.linear/rank0/sr"]  # a module's row, under the tag of its last op
+            assert row["kernel_norm"] == pytest.approx(sigma, rel=0.01), (step, name)
+    mon.stop()

@@ -18,43 +18,19 @@ import os
 import mindspore as ms
 import numpy as np
 import pandas as pd
-from mindspore import nn, ops
+from mindspore import nn
 
 from monitor import TrainerMon
+from tests.adapters.mindspore.helpers import DIM, HEADS, SEQ, AttentionNet
 from tests.reference_stats import expected_attention
 
-SEQ, HEADS, DIM, STEPS, MICRO = 6, 2, 4, 4, 2
-
-
-class CoreAttention(nn.Cell):
-    def construct(self, q, k, v):
-        scores = ops.matmul(q.transpose(0, 2, 1, 3), k.transpose(0, 2, 3, 1)) / np.sqrt(DIM)
-        mask = ms.Tensor(np.triu(np.full((SEQ, SEQ), -1e9, np.float32), 1))
-        return ops.matmul(ops.softmax(scores + mask, -1), v.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
-
-
-class Net(nn.Cell):
-    def __init__(self) -> None:
-        super().__init__()
-        rng = np.random.default_rng(0)
-        hidden = HEADS * DIM
-        self.qkv = nn.Dense(hidden, 3 * hidden)
-        self.attention = CoreAttention()
-        self.out = nn.Dense(hidden, 5)
-        for _, param in self.parameters_and_names():
-            param.set_data(ms.Tensor(rng.normal(0.0, 0.5, param.shape).astype(np.float32)))
-
-    def construct(self, x):
-        b = x.shape[0]
-        q, k, v = ops.split(self.qkv(x), HEADS * DIM, -1)
-        q, k, v = (t.reshape(b, SEQ, HEADS, DIM) for t in (q, k, v))
-        return self.out(self.attention(q, k, v).reshape(b, SEQ, HEADS * DIM))
+STEPS, MICRO = 4, 2
 
 
 @pytest.mark.parametrize("heads", ["first", "each"])
 def test_attention_and_linear_rows_equal_numpy(tmp_path, monkeypatch, heads):
     monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path))
-    net = Net()
+    net = AttentionNet()
     optimizer = nn.Adam(net.trainable_params(), learning_rate=0.05)
     config = {
         "recording_l2_features": True,

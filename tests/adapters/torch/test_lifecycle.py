@@ -172,6 +172,28 @@ def test_a_targets_key_that_names_nothing_is_warned_about_with_the_closest_name(
     assert not [m for m in _warnings(caplog) if "targets key" in m]
 
 
+def test_graph_mode_is_refused_for_torch_at_the_door():
+    mlp = MLP()
+    with pytest.raises(ValueError, match="graph_mode: MindSpore only"):
+        TrainerMon({"param_distribution": True, "format": "api"}).set_monitor(
+            mlp, 1, torch.optim.AdamW(mlp.parameters()), graph_mode=True
+        )
+
+
+def test_an_l2_targets_key_that_names_no_module_is_warned_about(caplog):
+    torch.manual_seed(0)
+    mlp = MLP()
+    l2 = {"attention_hook": ["atention"], "linear_hook": ["layers.0", "layer.1"]}
+    with caplog.at_level(logging.WARNING, logger="trainmon"):
+        mon = TrainerMon({"recording_l2_features": True, "l2_targets": l2, "format": "api"})
+        mon.set_monitor(mlp, 1, torch.optim.AdamW(mlp.parameters()))
+        mon.stop()
+    unmatched = [m for m in _warnings(caplog) if "l2_targets" in m]
+    assert len(unmatched) == 2, _warnings(caplog)
+    assert "l2_targets.attention_hook key 'atention' selects no module" in unmatched[0], unmatched
+    assert "l2_targets.linear_hook key 'layer.1'" in unmatched[1] and "'layers.1'?" in unmatched[1]
+
+
 def test_moments_of_an_optimizer_without_them_are_warned_about_once(caplog):
     for optimizer_type, warned in ((torch.optim.SGD, 1), (torch.optim.Adagrad, 1), (torch.optim.AdamW, 0)):
         caplog.clear()
