@@ -60,12 +60,14 @@ class TorchSession(SessionLifecycle):
         self._ddp_syncing: dict[int, bool] = {}
         self._ddp_forwarded: set[int] = set()
         self._told_ddp_sync = False
+        #: the training loop's word that the running micro-batch is its step's last
+        self._told_last = False
         self._boundaries = self._micro_batch_boundaries(a.optimizer)
         self._attach(a.dormant)
 
     def _micro_batch_boundaries(self, optimizer: Any) -> list[Callable[[], bool]]:
         """What can tell, while a backward pass runs, that its micro-batch is the step's last."""
-        boundaries: list[Callable[[], bool]] = [lambda: self._in_closure]
+        boundaries: list[Callable[[], bool]] = [lambda: self._in_closure, lambda: self._told_last]
         wrapper = accumulation_boundary(optimizer)
         if wrapper is not None:
             boundaries.append(wrapper)
@@ -98,6 +100,10 @@ class TorchSession(SessionLifecycle):
 
     def _last_micro_batch(self) -> bool:
         return any(boundary() for boundary in self._boundaries)
+
+    def set_last_micro_batch(self, last: bool) -> None:
+        """The loop says whether the micro-batch about to run backward is its step's last."""
+        self._told_last = last
 
     # -- public control ----------------------------------------------------------------------
 
@@ -191,6 +197,7 @@ class TorchSession(SessionLifecycle):
             self._closure_pending = False
             self._begin_update()
         self._ddp_forwarded.clear()
+        self._told_last = False
         self._after_update()
 
     def _bundle_contents(

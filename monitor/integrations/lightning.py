@@ -46,6 +46,22 @@ class TrainmonCallback(MonitorCallback, Callback):
             start_iteration=trainer.global_step,
         )
 
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        """Whether this micro-batch ends its step: the monitor cannot see it where a precision
+        plugin (a loss scaler) runs the closure itself, before ``optimizer.step``, and an epoch's
+        last step is shorter. Lightning ends a step every ``accumulate_grad_batches`` batches and
+        at the epoch's last batch; with an epoch of unknown length the monitor counts."""
+        if self.attached:
+            total = trainer.num_training_batches
+            last = (batch_idx + 1) % trainer.accumulate_grad_batches == 0 or (
+                isinstance(total, int) and batch_idx + 1 >= total
+            )
+            self.monitor.set_last_micro_batch(last)
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        """A failed fit: the hooks go and the outputs are closed, as at its end."""
+        self.on_train_end(trainer, pl_module)
+
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         if self.attached:
             detach(self.monitor)

@@ -116,8 +116,8 @@ class TrainerMon:
             raise ValueError(
                 f"set_monitor: start_iteration: expected an integer >= 0, got {start_iteration!r}"
             )
-        if self._session is not None:
-            raise RuntimeError("set_monitor: this TrainerMon is already attached; call stop() first")
+        if self._session is not None and self._session.active:
+            raise RuntimeError("set_monitor: this TrainerMon is attached and monitoring; call stop() first")
         if graph_mode is not None and not isinstance(graph_mode, bool):
             raise ValueError(f"set_monitor: graph_mode: expected true, false or None, got {graph_mode!r}")
         framework = _framework_of(model)
@@ -133,6 +133,7 @@ class TrainerMon:
         from monitor.session.lifecycle import Attachment  # the sessions' machinery loads when attaching
 
         dynamic = self._dynamic is not None
+        stopped = self._session  # kept if the new attachment fails
         self._session = Session(
             Attachment(
                 config=self.config,
@@ -150,6 +151,8 @@ class TrainerMon:
                 graph_mode=graph_mode,
             )
         )
+        if stopped is not None:  # attached again after stop() (a trainer's second fit): the old
+            stopped.stop()  # attachment's hooks go (a dormant one's too), once the new one stands
         for callback in self._incident_callbacks:
             self._session.add_incident_callback(callback)
         self._session.checkpoint_function = self._checkpoint_function
@@ -204,6 +207,17 @@ class TrainerMon:
             ) from None
         if self._session is not None:
             self._session.set_batch_ids(ids)
+
+    def set_last_micro_batch(self, last: bool) -> None:
+        """Say, before a micro-batch's backward, whether it is the last of its step, where the
+        monitor cannot see it: a loop that runs the last backward outside ``optimizer.step``
+        (Lightning with a loss scaler) and may end a step early (an epoch's shorter last step).
+        Elsewhere the micro-batches are counted and this is not needed. PyTorch only."""
+        if not isinstance(last, bool):
+            raise TypeError(f"set_last_micro_batch: last: expected true or false, got {last!r}")
+        told = getattr(self._session, "set_last_micro_batch", None)
+        if told is not None:
+            told(last)
 
     # -- live control ------------------------------------------------------------------------
 

@@ -48,8 +48,10 @@ class TinyGPT(L.LightningModule):
         self.reads.after_update(self.trainer.global_step, optimizer.optimizer)
 
 
-def train(workdir: str, grad_acc: int, monitor_config: dict | None = None):
-    """Train 2 epochs; returns the test's reads, the callback and the trainer."""
+def train(workdir: str, grad_acc: int, monitor_config: dict | None = None, loss_scaling: bool = False):
+    """Train 2 epochs; returns the test's reads, the callback and the trainer. With
+    ``loss_scaling``, fp16 mixed precision with a loss scaler: Lightning then runs the closure
+    itself and calls ``optimizer.step`` without it."""
     torch.manual_seed(0)
     module = TinyGPT()
     module.reads = reads = StepReads(module)
@@ -73,7 +75,14 @@ def train(workdir: str, grad_acc: int, monitor_config: dict | None = None):
         enable_checkpointing=False,
         enable_model_summary=False,
         use_distributed_sampler=False,
+        plugins=[_loss_scaled_fp16()] if loss_scaling else None,
     )
     trainer.fit(module, data)
     reads.remove()
     return reads, callback, trainer
+
+
+def _loss_scaled_fp16():
+    from lightning.pytorch.plugins import MixedPrecision
+
+    return MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=1024.0))

@@ -172,6 +172,36 @@ def test_a_targets_key_that_names_nothing_is_warned_about_with_the_closest_name(
     assert not [m for m in _warnings(caplog) if "targets key" in m]
 
 
+def test_attaching_again_after_stop_monitors_the_new_run_and_only_it():
+    """A trainer's second fit() with the same callback: stop(), then set_monitor on a new optimizer.
+    The new run's parameters are recorded; the first attachment's hooks are gone; attaching while
+    monitoring is refused."""
+    model, optimizer = _fresh()
+    before = _hook_state(model, optimizer)
+    mon = TrainerMon({"param_distribution": True, "format": "api"})
+    mon.set_monitor(model, grad_acc_steps=2, optimizer=optimizer)
+    with pytest.raises(RuntimeError, match="attached and monitoring; call stop"):
+        mon.set_monitor(model, grad_acc_steps=2, optimizer=optimizer)
+    _train(model, optimizer, 2)
+    mon.stop()
+    second = torch.optim.SGD(model.parameters(), lr=0.1)
+    clean = _hook_state(model, second)
+    mon.set_monitor(model, grad_acc_steps=2, optimizer=second)
+    assert _hook_state(model, optimizer)["optimizer"] == before["optimizer"]  # the first run's: gone
+    _train(model, second, 1)
+    rows = mon.generate_param_metrics()
+    for name, param in model.named_parameters():
+        want = float(np.linalg.norm(param.detach().numpy().astype(np.float64)))
+        assert rows[f"0:{name}/rank0/param_updated"]["norm"] == pytest.approx(want, rel=1e-6), name
+    mon.stop()
+    assert _hook_state(model, second) == clean
+
+
+def test_set_last_micro_batch_takes_a_bool_only():
+    with pytest.raises(TypeError, match="set_last_micro_batch: last: expected true or false, got 1"):
+        TrainerMon({"param_distribution": True, "format": "api"}).set_last_micro_batch(1)
+
+
 def test_graph_mode_is_refused_for_torch_at_the_door():
     mlp = MLP()
     with pytest.raises(ValueError, match="graph_mode: MindSpore only"):
