@@ -4,7 +4,8 @@ Reads ``DIR/<sub-directory>/incidents.json`` (one per rank, written while traini
 the incidents that start together on several ranks: a fault on one rank reaches every rank
 through the gradient reduction within the same step, so per-rank incidents whose onsets are at
 most ``MERGE_WINDOW`` steps apart (and on different ranks) are one incident. The merged root is
-chosen again (:mod:`monitor.anomaly.root`) from the first-step records of every rank, which is
+chosen again (:mod:`monitor.anomaly.root`) from the records of the merged onset step, of every
+rank that was abnormal then (a rank abnormal only a step later is not where it began), which is
 where the rank evidence comes from: the ranks that show the earliest phase while their peers do
 not. A file that cannot be read is skipped with a warning, never fatal.
 """
@@ -52,16 +53,47 @@ class MergedIncident:
     def tensors(self) -> int:
         return sum(int(m.get("tensors", 0)) for m in self.members)
 
+    @property
+    def onset_rank(self) -> int:
+        """The rank where it began: the root's, else the lowest abnormal at the onset step."""
+        rank = self.root.get("rank") if isinstance(self.root, dict) else None
+        if type(rank) is int:
+            return rank
+        return min(int(m["rank"]) for m in self.members if m["onset_step"] == self.onset_step)
+
+    @property
+    def onset_micro_step(self) -> int:
+        """The micro-step where it began: the root's, else the earliest at the onset step."""
+        micro = self.root.get("micro_step") if isinstance(self.root, dict) else None
+        if type(micro) is int:
+            return micro
+        firsts = [m.get("onset_micro_step", 0) for m in self.members if m["onset_step"] == self.onset_step]
+        return min((m for m in firsts if type(m) is int), default=0)
+
+    @property
+    def data_types(self) -> dict[str, int]:
+        """Records per data type (CSV prefix), over every rank."""
+        totals: dict[str, int] = {}
+        for member in self.members:
+            counts = member.get("data_types")
+            for task, count in counts.items() if isinstance(counts, dict) else ():
+                if isinstance(task, str) and type(count) is int:
+                    totals[task] = totals.get(task, 0) + count
+        return dict(sorted(totals.items()))
+
     def to_json(self, number: int) -> dict[str, Any]:
         return {
             "id": number,
             "onset_step": self.onset_step,
+            "onset_micro_step": self.onset_micro_step,
+            "onset_rank": self.onset_rank,
             "ranks": self.ranks,
             "state": self.state,
             "last_abnormal_step": max(
                 int(m.get("last_abnormal_step", self.onset_step)) for m in self.members
             ),
             "tensors": self.tensors,
+            "data_types": self.data_types,
             "records": self.records,
             "root": self.root,
             "evidence": self.evidence,
@@ -131,7 +163,13 @@ def merge(incidents: list[dict[str, Any]], window: int = MERGE_WINDOW) -> list[M
         else:
             merged.append(MergedIncident(onset_step=incident["onset_step"], members=[incident]))
     for item in merged:
-        first = [r for m in item.members for r in m["records"] if r.get("step") == m["onset_step"]]
+        first = [
+            r
+            for m in item.members
+            if m["onset_step"] == item.onset_step
+            for r in m["records"]
+            if r.get("step") == item.onset_step
+        ]
         if first:
             item.root, item.evidence = choose_root(first)
         else:  # records trimmed away: keep the first member's own verdict
@@ -144,11 +182,12 @@ def merge(incidents: list[dict[str, Any]], window: int = MERGE_WINDOW) -> list[M
 
 def format_incidents(incidents: list[MergedIncident]) -> str:
     """An aligned table of merged incidents with their evidence below each."""
-    header = ("#", "onset", "ranks", "state", "tensors", "records", "root")
+    header = ("#", "onset", "micro-step", "ranks", "state", "tensors", "records", "root")
     rows = [
         (
             str(number),
             str(item.onset_step),
+            str(item.onset_micro_step),
             ",".join(map(str, item.ranks)),
             item.state,
             str(item.tensors),

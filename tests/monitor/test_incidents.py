@@ -181,6 +181,27 @@ def test_merged_across_ranks_the_rank_whose_local_gradient_broke_is_named():
     assert any("only rank 2 shows it" in line for line in merged.evidence)
 
 
+def test_merged_the_rank_abnormal_first_is_the_root_though_another_shows_an_earlier_phase_later():
+    """Rank 0's reduced gradient breaks at step 15; rank 1's activations only at step 16 (within
+    the merge window): the root is rank 0's at step 15, not rank 1's earlier phase a step later."""
+    incidents = []
+    for rank, step, task in ((0, 15, "post_grad"), (1, 16, "actv")):
+        run = Run(rank=rank)
+        rng = np.random.default_rng(20 + rank)
+        _clean(run, rng, range(step), tasks=("actv", "post_grad"))
+        values = {"actv": _noise(rng), "post_grad": _noise(rng)}
+        values[task][1] *= 1e4
+        run.step(step, values)
+        incidents += [incident.to_json() for incident in run.incidents]
+    (merged,) = merge(incidents)
+    assert merged.ranks == [0, 1] and merged.onset_step == 15
+    assert merged.root["tag_name"] == "0:layers.1.fc/rank0/post_grad", merged.root
+    assert merged.root["step"] == 15 and merged.onset_rank == 0
+    as_json = merged.to_json(1)
+    assert (as_json["onset_rank"], as_json["onset_micro_step"]) == (0, 0)
+    assert as_json["data_types"] == {"actv": 1, "post_grad": 1}, as_json["data_types"]
+
+
 def test_choose_root_prefers_non_finite_within_the_first_phase():
     records = [
         {
