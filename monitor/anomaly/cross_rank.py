@@ -10,9 +10,10 @@ gradient of the same parameter, from different data but the same distribution. `
 others (docs/anomalies.md says which are comparable); ``--ranks`` restricts the comparison to the ranks of
 one data-parallel group when tensor parallelism gives other ranks other shards of the same name.
 ``--ops`` defaults to the statistics with a steady magnitude (not mean: see peers). The JSON holds
-at most MAX_RECORDS outliers (earliest first) and counts per rank; each outlier has its value, the
-median of the other ranks (``peers_median``), the MAD unit used (``scale``) and the deviation in
-those units (``deviation_mads``; ``"inf"`` for NaN/Inf values).
+at most MAX_RECORDS outliers (earliest first), the STRONGEST farthest from their peers (a real
+fault is often far stronger, and later, than a run's first outliers) and counts per rank; each
+outlier has its value, the median of the other ranks (``peers_median``), the MAD unit used
+(``scale``) and the deviation in those units (``deviation_mads``; ``"inf"`` for NaN/Inf values).
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ DEFAULT_K_MAD = 8.0
 DEFAULT_OPS = "norm,min,max,zeros,nans"
 #: every rank.
 DEFAULT_RANKS = "[]"
+#: the outliers farthest from their peers, written to the JSON file besides the earliest.
+STRONGEST = 100
 #: outliers written to the JSON file (earliest first); the rest are only counted.
 MAX_RECORDS = 100_000
 _TYPE = re.compile(r"^[A-Za-z0-9_]+$")
@@ -112,10 +115,16 @@ def _number(value: float) -> float | str:
 _FIELDS = ("type", "step", "micro", "label", "op", "rank", "value", "peers", "scale", "score")
 
 
-def records(out: peers.Outliers, limit: int | None = None) -> list[dict[str, object]]:
-    """The outliers, earliest first: (step, micro_step, type, tensor, op, rank), at most ``limit``."""
+def records(
+    out: peers.Outliers, limit: int | None = None, strongest: bool = False
+) -> list[dict[str, object]]:
+    """The outliers, earliest first: (step, micro_step, type, tensor, op, rank), at most ``limit``;
+    or, with ``strongest``, farthest from their peers first."""
     c = {name: out[name] for name in _FIELDS}
-    order = np.lexsort((c["rank"], c["op"], c["label"], c["type"], c["micro"], c["step"]))[:limit]
+    if strongest:
+        order = np.argsort(-c["score"], kind="stable")[:limit]  # inf (NaN/Inf values) first
+    else:
+        order = np.lexsort((c["rank"], c["op"], c["label"], c["type"], c["micro"], c["step"]))[:limit]
     c = {name: array[order].tolist() for name, array in c.items()}
     result = []
     for i in range(len(order)):
@@ -168,6 +177,7 @@ def document(out: peers.Outliers, data_dir: str) -> dict[str, object]:
         "outliers_written": min(total, MAX_RECORDS),
         "by_rank": by_rank(out),
         "outliers": records(out, MAX_RECORDS),
+        "strongest": records(out, STRONGEST, strongest=True),
     }
 
 
@@ -335,6 +345,9 @@ def _print_section(doc: dict, k: int, out_file: str | None, rank_count: int) -> 
             print(f"  ... and {len(ranks) - 10} more ranks (see the JSON file)")
         print(f"First {min(k, len(doc['outliers']))}:")
         print(format_outliers(doc["outliers"][:k]))
+        if total > k:  # a real fault is often far stronger than the first outliers of a run
+            print(f"Farthest from their peers, {min(k, len(doc['strongest']))}:")
+            print(format_outliers(doc["strongest"][:k]))
     if out_file:
         print(f"written to {out_file}")
 

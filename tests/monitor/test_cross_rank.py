@@ -221,6 +221,8 @@ def test_outliers_and_their_numbers_match_the_reference(tmp_path, monkeypatch, e
     assert (1, 4, -1, NAMES[0], "norm") in found
     for key, score in found.items():
         assert score == pytest.approx(expected[key], rel=1e-9)
+    strongest = found_keys({"outliers": document["strongest"]})
+    assert list(strongest.values()) == pytest.approx(sorted(expected.values(), reverse=True)[:100], rel=1e-9)
     data = read_back(tmp_path, "grad_unreduced")
     for outlier in document["outliers"]:
         values = data[(0, outlier["name"], -1, outlier["step"], outlier["op"])]
