@@ -285,6 +285,68 @@ def test_turbulence_warmup_suppresses_verdicts_until_enough_values(make_record):
     assert _drive(detector, make_record, series, names=("early", "late")) == [(3, _tag("late"), "norm")]
 
 
+# ------------------------------------------------- turbulence's own defaults (warm-up, noise, floor)
+
+
+def _adam_moment(beta: float, signal: np.ndarray) -> np.ndarray:
+    """An Adam moment of ``signal`` growing from zero, as the optimizer computes it."""
+    moment, out = 0.0, np.empty(len(signal))
+    for t, value in enumerate(signal):
+        moment = beta * moment + (1 - beta) * value
+        out[t] = abs(moment)
+    return out
+
+
+def test_default_turbulence_is_silent_on_training_trends_msprobes_rule_floods(make_record):
+    """Adam's moments growing from zero, a learning-rate warm-up, a steady 2% growth per step:
+    msprobe's later rule (threshold 0.5) flags them; the defaults judge each against its noise."""
+    rng = np.random.default_rng(7)
+    trends = {
+        "exp_avg_sq": _adam_moment(0.999, rng.lognormal(0, 0.3, 400) ** 2),
+        "exp_avg": _adam_moment(0.9, rng.normal(0.5, 0.3, 400)),
+        "warm_up": np.minimum(np.arange(1, 401) / 100, 1.0) * rng.lognormal(0, 0.1, 400),
+        "growth": 1.02 ** np.arange(400),
+    }
+    for name, series in trends.items():
+        assert _drive(rules_only([AnomalyTurbulence(0.5)], rank=0), make_record, series) == [], name
+    flooded = [_drive(rules_only([msprobe_later(0.5)], rank=0), make_record, s) for s in trends.values()]
+    assert all(flooded), "the reference rule should flag these trends (else the test proves nothing)"
+
+
+def test_default_turbulence_flags_a_spike_in_noise_at_its_step(make_record):
+    """A x5 or x100 spike in lognormal noise (sigma 0.3) is flagged at its step; the noise itself
+    passes the rule's bars about once in a thousand values (a 3-sigma draw), never more than 1%."""
+    rng = np.random.default_rng(8)
+    for factor in (5.0, 100.0):
+        series = rng.lognormal(0, 0.3, 300)
+        series[200] *= factor
+        hits = _drive(rules_only([AnomalyTurbulence(0.5)], rank=0), make_record, series)
+        assert (200, _tag("w"), "norm") in hits, (factor, hits)
+        assert len(hits) - 1 <= 3, (factor, hits)
+
+
+def test_default_turbulence_warmup_is_twenty_values(make_record):
+    series = [1.0] * 40
+    series[19], series[30] = 50.0, 50.0  # the twentieth value: 19 seen before it
+    assert _drive(rules_only([AnomalyTurbulence(0.5)], rank=0), make_record, series) == [
+        (30, _tag("w"), "norm")
+    ]
+
+
+def test_default_turbulence_leaves_a_mean_near_zero_to_the_floor_of_the_elements_scale(make_record):
+    """A mean of 1e-3 that doubles, next to elements of size 1: below a tenth of their scale."""
+    rng = np.random.default_rng(9)
+    steps = 300
+    mean = np.abs(rng.normal(1e-3, 1e-4, steps))
+    mean[200] *= 20
+    columns = [np.ones(steps), mean, -np.abs(rng.normal(1, 0.05, steps)), np.abs(rng.normal(1, 0.05, steps))]
+    series = np.stack(columns, axis=1)
+    ops = ("norm", "mean", "min", "max")
+    assert _drive(rules_only([AnomalyTurbulence(0.5)], rank=0), make_record, series, ops=ops) == []
+    floor_off = rules_only([AnomalyTurbulence(0.5, floor=0.0)], rank=0)
+    assert (200, _tag("w"), "mean") in _drive(floor_off, make_record, series, ops=ops)
+
+
 def test_zscore_warmup_suppresses_verdicts_until_enough_values(make_record):
     series = np.ones((15, 2, 1))
     series[9, 0, 0] = 10.0  # 9 values seen: default warmup 10 not reached
