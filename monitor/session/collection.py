@@ -212,13 +212,18 @@ class BaseCollection(ABC):
             )
         elif unexpected and "micro-batch count" not in self._told:
             self._told.add("micro-batch count")
+            described = (
+                "has a row per micro-batch it had"
+                if self.config.monitor_mbs_grad
+                else f"describes the gradient accumulated over the {micro_batches} it had"
+            )
             logger.info(
-                "trainmon: step %d had %d micro-batch(es), grad_acc_steps is %d; grad_unreduced describes "
-                "the gradient accumulated over the %d it had (said once)",
+                "trainmon: step %d had %d micro-batch(es), grad_acc_steps is %d; grad_unreduced %s "
+                "(said once)",
                 self._step,
                 micro_batches,
                 expected,
-                micro_batches,
+                described,
             )
 
     def _warn_unmatched_targets(self, named: Iterable[tuple[int, str]], pipeline: bool) -> None:

@@ -115,6 +115,45 @@ def test_a_closure_step_is_collected_after_its_closure_ran():
         assert torch.equal(a, b)
 
 
+def test_per_micro_batch_rows_of_closure_steps_with_a_short_step(trainmon_log):
+    """``monitor_mbs_grad`` with the last micro-batch inside ``optimizer.step(closure)`` (Lightning),
+    grad_acc_steps 2 and a step of one micro-batch: a row per micro-batch it really had, each
+    equal to that micro-batch's own gradient (computed on a twin), clipping inside the closure
+    changing none of them."""
+    torch.manual_seed(0)
+    model, twin = MLP(), MLP()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    mon = TrainerMon({**CONFIG, "monitor_mbs_grad": True})
+    mon.set_monitor(model, grad_acc_steps=2, optimizer=optimizer)
+    for step, (batches, count) in enumerate(zip(make_batches(3, 2), (2, 1, 2))):
+        twin.load_state_dict(model.state_dict())
+        own = []
+        for x in batches[:count]:
+            twin.zero_grad()
+            _loss(twin, x).backward()
+            own.append(_copies(twin))
+        for x in batches[: count - 1]:  # every micro-batch but the last, outside the step
+            _loss(model, x).backward()
+
+        def closure(x=batches[count - 1]):
+            loss = _loss(model, x)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1e-3)
+            return loss
+
+        optimizer.step(closure)
+        optimizer.zero_grad()
+        _, unreduced = mon.generate_wgrad_metrics()
+        assert len(unreduced) == count * len(own[0]), f"step {step}: {sorted(unreduced)}"
+        for micro, grads in enumerate(own):
+            for name, grad in grads.items():
+                row = unreduced[f"0:{name}:{micro}/rank0/acc_grad"]
+                assert_stats_close(row, grad, what=f"step {step} {name} micro {micro}")
+    mon.stop()
+    said = [r.getMessage() for r in trainmon_log.records if "micro-batch" in r.getMessage()]
+    assert len(said) == 1 and "step 1 had 1 micro-batch(es)" in said[0] and "a row per micro-batch" in said[0]
+
+
 def test_an_optimizer_that_calls_its_closure_several_times_records_the_first_evaluation():
     """LBFGS evaluates the closure again in its line search; the step records the gradient of
     the first evaluation, from which the update starts, and the training is unchanged."""
