@@ -30,6 +30,8 @@ from typing import Any
 
 import mindspore as ms
 
+from adapters.mindspore.bundle import facts as bundle_facts
+from adapters.mindspore.bundle import record_tensors
 from adapters.mindspore.collection import Collection, without_hooks
 from adapters.mindspore.dist import any_rank, global_rank, pipeline_info
 from adapters.mindspore.optim import OptimizerView, hookable_optimizer
@@ -148,6 +150,12 @@ class MindSporeSession(SessionLifecycle):
 
     def _optimizer_step_count(self) -> int | None:
         return self.view.step_count()
+
+    def _bundle_contents(
+        self, incident: dict[str, Any], budget: int
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        info, generators = bundle_facts(self)
+        return info, {**record_tensors(self, incident, budget), **generators}
 
     def _agree_on_stop(self, asked_here: bool) -> bool:
         return any_rank(asked_here)

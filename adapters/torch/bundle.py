@@ -8,19 +8,14 @@ activation the parameters of that module (activations themselves are not kept af
 
 from __future__ import annotations
 
-import random
-import re
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import torch
 
 import monitor
-from monitor.datatypes.tasks import ACTIVATION_PREFIXES, parse_tag
-
-#: tensor name -> (array or None when not copied, original dtype, what it is, shape)
-Tensors = dict[str, tuple[np.ndarray | None, str, str, tuple[int, ...]]]
+from monitor.alerts.bundle import Tensors, host_generators
+from monitor.datatypes.tasks import record_tensors_named
 
 
 def as_array(tensor: torch.Tensor) -> tuple[np.ndarray, str]:
@@ -36,10 +31,7 @@ def as_array(tensor: torch.Tensor) -> tuple[np.ndarray, str]:
 
 def facts(session: Any) -> tuple[dict[str, Any], Tensors]:
     """Topology, versions and random generator states of a torch session."""
-    tensors: Tensors = {}
-    state = np.random.get_state()
-    key = np.asarray(state[1])
-    tensors["rng.numpy"] = (key, "uint32", "numpy's global generator: key", key.shape)
+    rng, tensors = host_generators()
     generators = [("rng.torch", torch.get_rng_state(), "torch's CPU generator state")]
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         generators += [
@@ -58,15 +50,7 @@ def facts(session: Any) -> tuple[dict[str, Any], Tensors]:
             "chunks": [type(chunk).__name__ for chunk in session.chunks],
         },
         "versions": {"trainmon": monitor.__version__, "torch": torch.__version__, "numpy": np.__version__},
-        "rng": {
-            "python": random.getstate(),
-            "numpy": {
-                "algorithm": state[0],
-                "pos": state[2],
-                "has_gauss": state[3],
-                "cached_gaussian": state[4],
-            },
-        },
+        "rng": rng,
     }
     return info, tensors
 
@@ -80,7 +64,7 @@ def record_tensors(session: Any, incident: dict[str, Any], budget: int) -> Tenso
     registry, backend = collection.registry, session.backend
     by_name = {(p.vpp_stage, p.name): p for p in registry.params}
     tensors: Tensors = {}
-    for vpp, name in _rows(incident):
+    for vpp, name in record_tensors_named([incident.get("root", {}), *incident.get("records", [])]):
         entries = (
             [p for (v, n), p in by_name.items() if v == vpp and n.startswith(f"{name}.")]
             if (vpp, name) not in by_name
@@ -107,19 +91,3 @@ def record_tensors(session: Any, incident: dict[str, Any], budget: int) -> Tenso
                 budget -= size
                 tensors[f"{label} {part}"] = (*as_array(tensor), what, shape)
     return tensors
-
-
-def _rows(incident: dict[str, Any]) -> Iterator[tuple[int, str]]:
-    """(chunk, parameter or module name) of the root, then of each record, in order."""
-    seen = set()
-    for record in [incident.get("root", {}), *incident.get("records", [])]:
-        parsed = parse_tag(str(record.get("tag_name", "")))
-        if parsed is None:
-            continue
-        name = parsed.row.name
-        if parsed.prefix in ACTIVATION_PREFIXES:  # layers.1[1].output_0 -> the module layers.1
-            name = re.sub(r"\[\d+\]$", "", name.rsplit(".", 1)[0] if "." in name else "")
-        key = (parsed.row.vpp_stage, name)
-        if key not in seen:
-            seen.add(key)
-            yield key

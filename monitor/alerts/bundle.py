@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import random
 import shutil
 import tempfile
 from collections.abc import Mapping
@@ -35,6 +36,20 @@ from monitor.files import atomic_write_text, make_private_dir
 
 MANIFEST = "manifest.json"
 BUNDLE_VERSION = 1
+#: tensor name -> (array or None when not copied, original dtype, what it is, shape)
+Tensors = dict[str, tuple[np.ndarray | None, str, str, tuple[int, ...]]]
+
+
+def host_generators() -> tuple[dict[str, Any], Tensors]:
+    """Python's and NumPy's global random generators: their states for the manifest, NumPy's
+    key as an array."""
+    state = np.random.get_state()
+    key = np.asarray(state[1])
+    rng = {
+        "python": random.getstate(),
+        "numpy": {"algorithm": state[0], "pos": state[2], "has_gauss": state[3], "cached_gaussian": state[4]},
+    }
+    return rng, {"rng.numpy": (key, "uint32", "numpy's global generator: key", key.shape)}
 
 
 @dataclass

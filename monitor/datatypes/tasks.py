@@ -8,7 +8,8 @@ so a tag's task is mapped back to its data type here, in one place.
 from __future__ import annotations
 
 import re
-from typing import NamedTuple
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any, NamedTuple
 
 from monitor.naming import build_tag, split_tag
 
@@ -131,3 +132,20 @@ def parse_scalar_tag(tag: str) -> tuple[ParsedTag, str] | None:
         return None
     parsed = parse_tag(base)
     return None if parsed is None else (parsed, op)
+
+
+def record_tensors_named(records: Iterable[Mapping[str, Any]]) -> Iterator[tuple[int, str]]:
+    """(chunk, parameter or module name) of the tensors the records' tags point at, in order,
+    each once: an activation points at its module (what evidence bundles look up)."""
+    seen = set()
+    for record in records:
+        parsed = parse_tag(str(record.get("tag_name", "")))
+        if parsed is None:
+            continue
+        name = parsed.row.name
+        if parsed.prefix in ACTIVATION_PREFIXES:  # layers.1[1].output_0 -> the module layers.1
+            name = re.sub(r"\[\d+\]$", "", name.rsplit(".", 1)[0] if "." in name else "")
+        key = (parsed.row.vpp_stage, name)
+        if key not in seen:
+            seen.add(key)
+            yield key
