@@ -23,8 +23,9 @@ import torch
 
 logger = logging.getLogger("trainmon")
 
-#: torch versions whose FSDP internals these readers were checked against (inclusive).
-TESTED = ((2, 4), (2, 13))
+#: torch versions these readers are tested on (inclusive): 2.13; older versions warn once, since
+#: the private state they read may differ there (each reader still checks what it finds).
+TESTED = ((2, 13), (2, 13))
 
 _warned_version = False
 
@@ -34,14 +35,14 @@ class FsdpInternalsChanged(RuntimeError):
 
 
 def check_version() -> None:
-    """Warn once where torch is outside the versions these readers were checked against."""
+    """Warn once where torch is outside the versions these readers are tested on."""
     global _warned_version
     major, minor = (int(part) for part in torch.__version__.split(".")[:2])
     if TESTED[0] <= (major, minor) <= TESTED[1] or _warned_version:
         return
     _warned_version = True
     logger.warning(
-        "trainmon: FSDP: torch %s is outside the versions trainmon's FSDP support was checked against "
+        "trainmon: FSDP: torch %s is outside the versions trainmon's FSDP support is tested on "
         "(%d.%d to %d.%d); if FSDP's internals changed, the affected rows are left out and said so",
         torch.__version__,
         *TESTED[0],
