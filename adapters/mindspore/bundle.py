@@ -17,7 +17,7 @@ import numpy as np
 import monitor
 from adapters.mindspore.dist import world_size
 from monitor.alerts.bundle import Tensors, host_generators
-from monitor.datatypes.tasks import record_tensors_named
+from monitor.datatypes.tasks import params_of_records
 
 
 def as_array(tensor: Any) -> tuple[np.ndarray, str]:
@@ -57,32 +57,24 @@ def record_tensors(session: Any, incident: dict[str, Any], budget: int) -> Tenso
     collection = session.collection
     if collection is None:
         return {}
-    by_name = {(p.vpp_stage, p.name): p for p in collection.registry.params}
     tensors: Tensors = {}
-    records = [incident.get("root", {}), *incident.get("records", [])]
-    for vpp, name in record_tensors_named(records):
-        entries = (
-            [by_name[(vpp, name)]]
-            if (vpp, name) in by_name
-            else [p for (v, n), p in by_name.items() if v == vpp and n.startswith(f"{name}.")]
-        )
-        for entry in entries:
-            label = f"{entry.vpp_stage}:{entry.name}"
-            if f"{label} value" in tensors:
+    for entry in params_of_records(
+        [incident.get("root", {}), *incident.get("records", [])], collection.registry.params
+    ):
+        label = f"{entry.vpp_stage}:{entry.name}"
+        parts = [
+            ("value", entry.param, "the parameter now (after the update of the step that ended)"),
+            ("exp_avg", session.view.moment(entry.param, "exp_avg"), "Adam's first moment"),
+            ("exp_avg_sq", session.view.moment(entry.param, "exp_avg_sq"), "Adam's second moment"),
+        ]
+        for part, tensor, what in parts:
+            if tensor is None:
                 continue
-            parts = [
-                ("value", entry.param, "the parameter now (after the update of the step that ended)"),
-                ("exp_avg", session.view.moment(entry.param, "exp_avg"), "Adam's first moment"),
-                ("exp_avg_sq", session.view.moment(entry.param, "exp_avg_sq"), "Adam's second moment"),
-            ]
-            for part, tensor, what in parts:
-                if tensor is None:
-                    continue
-                shape = tuple(tensor.shape)
-                size = int(np.prod(shape, dtype=np.int64)) * max(tensor.itemsize, 4)
-                if size > budget:
-                    tensors[f"{label} {part}"] = (None, str(tensor.dtype), what, shape)
-                    continue
-                budget -= size
-                tensors[f"{label} {part}"] = (*as_array(tensor), what, shape)
+            shape = tuple(tensor.shape)
+            size = int(np.prod(shape, dtype=np.int64)) * max(tensor.itemsize, 4)
+            if size > budget:
+                tensors[f"{label} {part}"] = (None, str(tensor.dtype), what, shape)
+                continue
+            budget -= size
+            tensors[f"{label} {part}"] = (*as_array(tensor), what, shape)
     return tensors

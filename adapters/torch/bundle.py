@@ -15,7 +15,7 @@ import torch
 
 import monitor
 from monitor.alerts.bundle import Tensors, host_generators
-from monitor.datatypes.tasks import record_tensors_named
+from monitor.datatypes.tasks import params_of_records
 
 
 def as_array(tensor: torch.Tensor) -> tuple[np.ndarray, str]:
@@ -62,32 +62,23 @@ def record_tensors(session: Any, incident: dict[str, Any], budget: int) -> Tenso
     if collection is None:
         return {}
     registry, backend = collection.registry, session.backend
-    by_name = {(p.vpp_stage, p.name): p for p in registry.params}
     tensors: Tensors = {}
-    for vpp, name in record_tensors_named([incident.get("root", {}), *incident.get("records", [])]):
-        entries = (
-            [p for (v, n), p in by_name.items() if v == vpp and n.startswith(f"{name}.")]
-            if (vpp, name) not in by_name
-            else [by_name[(vpp, name)]]
-        )
-        for entry in entries:
-            label = f"{entry.vpp_stage}:{entry.name}"
-            if f"{label} value" in tensors:
+    for entry in params_of_records([incident.get("root", {}), *incident.get("records", [])], registry.params):
+        label = f"{entry.vpp_stage}:{entry.name}"
+        parts = [
+            ("value", entry.param, "the parameter now (after the update of the step that ended)"),
+            ("grad", registry.grad(entry.param), "its gradient as the optimizer used it"),
+            ("exp_avg", backend.moment(entry.param, "exp_avg"), "Adam's first moment"),
+            ("exp_avg_sq", backend.moment(entry.param, "exp_avg_sq"), "Adam's second moment"),
+        ]
+        for part, tensor, what in parts:
+            if not isinstance(tensor, torch.Tensor):
                 continue
-            parts = [
-                ("value", entry.param, "the parameter now (after the update of the step that ended)"),
-                ("grad", registry.grad(entry.param), "its gradient as the optimizer used it"),
-                ("exp_avg", backend.moment(entry.param, "exp_avg"), "Adam's first moment"),
-                ("exp_avg_sq", backend.moment(entry.param, "exp_avg_sq"), "Adam's second moment"),
-            ]
-            for part, tensor, what in parts:
-                if not isinstance(tensor, torch.Tensor):
-                    continue
-                size = tensor.numel() * max(tensor.element_size(), 4)  # float32 where NumPy lacks the dtype
-                shape = tuple(tensor.shape)
-                if size > budget:
-                    tensors[f"{label} {part}"] = (None, str(tensor.dtype).removeprefix("torch."), what, shape)
-                    continue
-                budget -= size
-                tensors[f"{label} {part}"] = (*as_array(tensor), what, shape)
+            size = tensor.numel() * max(tensor.element_size(), 4)  # float32 where NumPy lacks the dtype
+            shape = tuple(tensor.shape)
+            if size > budget:
+                tensors[f"{label} {part}"] = (None, str(tensor.dtype).removeprefix("torch."), what, shape)
+                continue
+            budget -= size
+            tensors[f"{label} {part}"] = (*as_array(tensor), what, shape)
     return tensors

@@ -8,7 +8,7 @@ so a tag's task is mapped back to its data type here, in one place.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from monitor.naming import build_tag, split_tag
@@ -134,9 +134,26 @@ def parse_scalar_tag(tag: str) -> tuple[ParsedTag, str] | None:
     return None if parsed is None else (parsed, op)
 
 
-def record_tensors_named(records: Iterable[Mapping[str, Any]]) -> Iterator[tuple[int, str]]:
+def params_of_records(records: Iterable[Mapping[str, Any]], params: Sequence[Any]) -> Iterator[Any]:
+    """The monitored parameters (entries with ``vpp_stage`` and ``name``) the records' tags point
+    at, in order, each once: a parameter's own rows, or every parameter of the module whose
+    activation a row describes (what evidence bundles keep)."""
+    by_name = {(p.vpp_stage, p.name): p for p in params}
+    seen: set[tuple[int, str]] = set()
+    for vpp, name in _tensors_named(records):
+        if (vpp, name) in by_name:
+            found = [by_name[(vpp, name)]]
+        else:
+            found = [p for (v, n), p in by_name.items() if v == vpp and n.startswith(f"{name}.")]
+        for entry in found:
+            if (entry.vpp_stage, entry.name) not in seen:
+                seen.add((entry.vpp_stage, entry.name))
+                yield entry
+
+
+def _tensors_named(records: Iterable[Mapping[str, Any]]) -> Iterator[tuple[int, str]]:
     """(chunk, parameter or module name) of the tensors the records' tags point at, in order,
-    each once: an activation points at its module (what evidence bundles look up)."""
+    each once: an activation points at its module."""
     seen = set()
     for record in records:
         parsed = parse_tag(str(record.get("tag_name", "")))

@@ -56,6 +56,14 @@ def test_parameters_and_moments_match_numpy_and_hook_data_types_are_named(graph_
         mon.set_monitor(net, grad_acc_steps=1, optimizer=optimizer)
     (warning,) = [r.getMessage() for r in caplog.records if "graph mode" in r.getMessage()]
     assert "wg_distribution, xy_distribution" in warning and "PyNative" in warning
+    _train_and_compare(mon, optimizer, train)
+    assert mon.generate_wgrad_metrics() == ({}, {})
+    mon.stop()
+
+
+def _train_and_compare(mon: TrainerMon, optimizer: nn.Optimizer, train) -> None:
+    """Three steps, each followed by step_end(): parameters before and after the update and both
+    moments equal numpy's on the test's copies."""
     names = [p.name for p in optimizer.parameters]
     for step, (x,) in enumerate(make_batches(3, 1)):
         origin = copies(optimizer.parameters)
@@ -72,8 +80,6 @@ def test_parameters_and_moments_match_numpy_and_hook_data_types_are_named(graph_
             assert_stats_close(mv[f"{head}/exp_avg"], moments[0][k], what=f"{name} exp_avg")
             assert_stats_close(mv[f"{head}/exp_avg_sq"], moments[1][k], what=f"{name} exp_avg_sq")
             assert not np.array_equal(origin[k], updated[k])
-        assert mon.generate_wgrad_metrics() == ({}, {})
-    mon.stop()
 
 
 def test_steps_run_together_are_numbered_by_the_update_count(graph_mode, tmp_path, monkeypatch):
@@ -178,19 +184,7 @@ def test_a_jit_compiled_step_in_pynative_mode_is_read_between_steps(caplog):
     with caplog.at_level(logging.WARNING, logger="trainmon"):
         mon.set_monitor(net, 1, optimizer, graph_mode=True)
     assert any("wg_distribution" in r.getMessage() for r in caplog.records), caplog.records
-    names = [p.name for p in optimizer.parameters]
-    for step, (x,) in enumerate(make_batches(3, 1)):
-        origin = copies(optimizer.parameters)
-        train_step(ms.Tensor(x), _target(x))
-        mon.step_end()
-        assert mon.step == step + 1
-        updated, exp_avg = copies(optimizer.parameters), copies(optimizer.moment1)
-        params, mv = mon.generate_param_metrics(), mon.generate_mv_metrics()
-        for k, name in enumerate(names):
-            head = f"0:{name}/rank0"
-            assert_stats_close(params[f"{head}/param_origin"], origin[k], what=f"{name} origin")
-            assert_stats_close(params[f"{head}/param_updated"], updated[k], what=f"{name} updated")
-            assert_stats_close(mv[f"{head}/exp_avg"], exp_avg[k], what=f"{name} exp_avg")
+    _train_and_compare(mon, optimizer, train_step)
     mon.stop()
 
 
