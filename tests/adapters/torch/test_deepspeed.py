@@ -3,7 +3,8 @@
 Each case trains a small model (odd sizes, two parameter groups, so that parameters straddle
 partitions and ZeRO-3's last partition is padded) for a few steps under three monitors at once:
 whole values (``shard_reduce``, attached with the engine), pieces with element counts (attached
-with ``engine.optimizer``) and a ``targets`` selection (attached with the torch optimizer inside).
+with ``engine.optimizer``), a ``targets`` selection (attached with the torch optimizer inside)
+and each micro-batch's own unreduced gradient (``monitor_mbs_grad``).
 The references are full tensors from DeepSpeed (``safe_get_full_grad`` / ``_fp32_param`` /
 ``_optimizer_state`` on every rank; stage 0 keeps whole tensors, read directly) and, for the
 unreduced gradient, a replica of the model run on the rank's own batch. The pieces are merged
@@ -180,6 +181,9 @@ def _monitors(engine):
         "targets": TrainerMon({**config, "targets": {t: {} for t in TARGETS}}).set_monitor(
             engine.module, GAS, inner
         ),
+        "micro": TrainerMon(
+            {"wg_distribution": True, "monitor_mbs_grad": True, "ops": ALL_OPS, "format": "api"}
+        ).set_monitor(engine.module, GAS, engine),
     }
 
 
@@ -190,7 +194,7 @@ def _final_params(engine) -> list[np.ndarray]:
 def _unreduced_reference(replica, rank: int, step: int, dtype, stage: int, precision: str) -> dict:
     """This rank's gradient of the step (losses divided by GAS, as DeepSpeed does), accumulated as
     DeepSpeed leaves it: the fp32 sum of each micro-batch's gradient where DeepSpeed frees them,
-    else autograd's accumulation in ``.grad``."""
+    else autograd's accumulation in ``.grad`` ("total"); and each micro-batch's own ("micro")."""
     names = [name for name, _ in replica.named_parameters()]
     total: dict[str, np.ndarray] = {}
     replica.zero_grad()
@@ -204,7 +208,14 @@ def _unreduced_reference(replica, rank: int, step: int, dtype, stage: int, preci
                 total[name] = grad if name not in total else total[name] + grad
             else:
                 total[name] = grad
-    return {name: grad.tolist() for name, grad in total.items()}
+    per_micro = []
+    for micro in range(GAS):  # each micro-batch's own gradient (monitor_mbs_grad)
+        replica.zero_grad()
+        (replica(_batch(rank, step, micro, dtype)).float().pow(2).mean() / GAS).backward()
+        per_micro.append(
+            {n: q.grad.float().numpy().ravel().tolist() for n, q in zip(names, replica.parameters())}
+        )
+    return {"total": {name: grad.tolist() for name, grad in total.items()}, "micro": per_micro}
 
 
 def _case(rank: int, stage: int, precision: str) -> dict:
@@ -282,12 +293,20 @@ def _check_case(key: str, per_rank: list[dict], sharded: bool) -> None:
                 assert set(targets) == selected, f"{what}: targets rows {sorted(targets)}"
                 for name in selected:  # a selection gives the same numbers as the full run
                     assert targets[name] == pieces[rank][name], f"{what} {name}: targets differ"
-                if prefix == "grad_unreduced":  # each rank's own gradient, whole
+                if prefix == "grad_unreduced":  # each rank's own gradient, whole, and per micro-batch
                     own = result["steps"][step]["ref"]["grad_unreduced"]
                     for name in names:
-                        want = np.array(own[name])
+                        want = np.array(own["total"][name])
                         assert_stats_close(merged[name], want, what=f"{what} {name}")
                         assert_stats_close(pieces[rank][name], want, what=f"{what} {name}")
+                    micro_rows = latest_rows(got["micro"], prefix)
+                    assert len(micro_rows) == GAS * len(names), f"{what}: {sorted(micro_rows)}"
+                    for micro, grads in enumerate(own["micro"]):
+                        for name in names:
+                            row = micro_rows[f"{name}:{micro}"]
+                            assert_stats_close(
+                                row, np.array(grads[name]), what=f"{what} {name} micro {micro}"
+                            )
                     continue
                 assert set(merged) == set(names), f"{what}: rows {sorted(merged)}"
                 for name in names:
