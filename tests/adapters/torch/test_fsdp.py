@@ -6,11 +6,11 @@ LayerNorm of 5 3/2; FSDP1 cuts each unit's flat parameter in two, leaving some p
 on one rank and none on the other). Each step has two micro-batches, the first without gradient
 sync. An unsharded replica on each rank is fed the same batches: its accumulated gradient is the
 unreduced reference, its ``all_reduce`` / world the reduced one, its own AdamW (given that
-reduced gradient) the parameters and moments. Three monitors run at once: whole values
-(``shard_reduce``), pieces with element counts (merged here with numpy), and one gradient row
-per micro-batch (``monitor_mbs_grad``). A second run without monitors must end with
-bit-identical parameters. FSDP2 runs in fp32 and in mixed precision (bf16 parameters, fp32
-reduction).
+reduced gradient) the parameters and moments. Four monitors run at once: whole values
+(``shard_reduce``), pieces with element counts (merged here with numpy), one gradient row per
+micro-batch (``monitor_mbs_grad``), and every module's activations, against the replica's. A
+second run without monitors must end with bit-identical parameters. FSDP2 runs in fp32 and in
+mixed precision (bf16 parameters, fp32 reduction).
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ STEPS, MICRO, WORLD = 3, 2, 2
 SIZES = (6, 15, 12, 5)
 PREFIXES = STEP_PREFIXES
 CONFIG = {**DATA_TYPES["all"], "ops": ALL_OPS, "format": "api"}
+ACTIVATIONS = {"xy_distribution": True, "all_xy": True, "forward_only": True, "ops": ALL_OPS, "format": "api"}
 
 
 #: case -> the back-end that must serve it
@@ -125,15 +126,25 @@ def _train_step(model, optimizer, rank: int, step: int) -> None:
     optimizer.zero_grad()
 
 
-def _local_grads(replica, case: str, rank: int, step: int) -> tuple[list, list]:
+def _local_grads(replica, case: str, rank: int, step: int, outputs: dict | None = None) -> tuple[list, list]:
     """This rank's accumulated gradient of every parameter, and each micro-batch's, as FSDP2
-    computes them: in the forward dtype, summed in fp32."""
+    computes them: in the forward dtype, summed in fp32. ``outputs`` gets every module's output
+    per micro-batch, by its activation row name (``name.output:micro``)."""
     dtype = torch.bfloat16 if case.endswith("bf16") else torch.float32
     low = copy.deepcopy(replica).to(dtype)
     total, per_micro = None, []
     for micro in range(MICRO):
+        handles = []
+        for name, module in low.named_modules() if outputs is not None else ():
+
+            def keep(module, args, output, row=f"{name}.output:{micro}"):
+                outputs[row] = flat_values(output)
+
+            handles.append(module.register_forward_hook(keep))
         low.zero_grad()
         low(_batch(rank, step, micro).to(dtype)).float().pow(2).mean().backward()
+        for handle in handles:
+            handle.remove()
         grads = [p.grad.float().clone() for p in low.parameters()]
         per_micro.append(grads)
         total = grads if total is None else [a + b for a, b in zip(total, grads)]
@@ -149,20 +160,24 @@ def _case(rank: int, case: str) -> dict:
         "merged": TrainerMon({**CONFIG, "shard_reduce": True}).set_monitor(model, 1, optimizer),
         "pieces": TrainerMon(CONFIG).set_monitor(model, MICRO, optimizer),
         "micro": TrainerMon({**CONFIG, "monitor_mbs_grad": True}).set_monitor(model, MICRO, optimizer),
+        "actv": TrainerMon(ACTIVATIONS).set_monitor(model, MICRO, optimizer),
     }
     backends = {key: type(mon._session.backend).__name__ for key, mon in monitors.items()}
     names = [name for name, _ in replica.named_parameters()]
     steps = []
     for step in range(STEPS):
-        local, per_micro = _local_grads(replica, case, rank, step)
+        outputs: dict = {}
+        local, per_micro = _local_grads(replica, case, rank, step, outputs)
         reduced = [g.clone() for g in local]
         for g in reduced:
             dist.all_reduce(g)
             g /= WORLD
         ref = replica_references(replica, replica_optimizer, local, reduced)
         ref["micro"] = [{n: flat_values(g) for n, g in zip(names, grads)} for grads in per_micro]
+        ref["actv"] = outputs
         _train_step(model, optimizer, rank, step)
         got = {key: {prefix: mon._latest(prefix) for prefix in PREFIXES} for key, mon in monitors.items()}
+        got["actv"] = {"actv": monitors["actv"]._latest("actv")}
         steps.append({"ref": ref, "got": got})
     trained = _local_values(model)
     for mon in monitors.values():
@@ -182,7 +197,22 @@ def _worker(rank: int, world_size: int, workdir: str, cases: tuple) -> None:
 # -- the checks ------------------------------------------------------------------------------
 
 
+def _check_activations(case: str, step: int, per_rank: list[dict]) -> None:
+    """Every module's output, per micro-batch, equals the replica's on the rank's batch (the
+    gathered parameters' forward: sharding changes no activation)."""
+    for rank, result in enumerate(per_rank):
+        want, got = (
+            result["steps"][step]["ref"]["actv"],
+            latest_rows(result["steps"][step]["got"]["actv"], "actv"),
+        )
+        outputs = {row: values for row, values in got.items() if ".output:" in row}
+        assert set(outputs) == set(want), f"{case} step {step} r{rank}: {sorted(set(outputs) ^ set(want))}"
+        for row, values in want.items():
+            assert_stats_close(outputs[row], np.array(values), what=f"{case} step {step} r{rank} {row}")
+
+
 def _check_step(case: str, step: int, per_rank: list[dict]) -> None:
+    _check_activations(case, step, per_rank)
     ref0 = per_rank[0]["steps"][step]["ref"]
     names = list(ref0["param_origin"])
     for prefix in PREFIXES:
