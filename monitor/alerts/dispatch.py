@@ -226,6 +226,11 @@ class Alerts:
         self._bundles: collections.deque[dict] = collections.deque()
         self._bundles_left = bundle.incidents if bundle is not None else 0
 
+    @property
+    def bundles_wanted(self) -> bool:
+        """Whether an incident found from now on would still get an evidence bundle."""
+        return self._bundles_left > 0
+
     def take_bundles(self) -> list[dict]:
         """The incidents found since the last call whose evidence is to be kept (training thread)."""
         taken = []

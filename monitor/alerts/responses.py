@@ -154,9 +154,13 @@ class IncidentResponses:
     # -- after the update: bundles, checkpoint, stop --------------------------------------------
 
     def _respond_to_incidents(self) -> None:
-        """At a step end: the evidence bundles of incidents found since, then the actions."""
+        """At a step end: the evidence bundles of incidents found since, then the actions. While
+        bundles are wanted, the step's records are judged first (the writer is waited for), so
+        that a bundle holds the tensors of the step where its incident began."""
         if self.alerts is None:
             return
+        if self.alerts.bundles_wanted and self.collection is not None:
+            self.collection.core.flush(SKIP_JUDGE_WAIT_S)
         for incident in self.alerts.take_bundles():
             self._write_bundle(incident)
         self._act_if_asked()
