@@ -14,8 +14,9 @@ anomaly files, for reproducing and debugging the fault later.
 The bundle is written on the training thread at the end of the step where the incident began:
 while bundles are wanted, each collected step waits for the writer to judge it (as ``skip_step``
 does). Its tensors are the state then: the gradient itself (until ``zero_grad``), the parameter
-after the update, and the optimizer's moments. Tensors beyond the size limit are listed as left out. The directory is written under a
-temporary name and renamed, so a reader never sees half a bundle.
+after the update, and the optimizer's moments. Tensors beyond the size limit are listed as left
+out. The directory is written under a temporary name and renamed, so a reader never sees half a
+bundle.
 """
 
 from __future__ import annotations

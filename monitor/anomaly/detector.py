@@ -246,10 +246,12 @@ class Detector:
     def state_dict(self) -> dict[str, Any]:
         """The detector's history as plain Python data (dicts, lists, str, float; NaN/Inf kept).
 
-        Holds the rules' identities, every data type's tag table (tag -> row, in row order) and
-        each rule's state arrays per (data type, ops). Safe for pickle/``torch.save`` and for
-        ``json.dumps`` (NaN/Inf as its non-standard literals). The detector runs on the writer
-        thread: take the state after ``flush()`` (or on that thread), not while records are queued.
+        Holds the rules' identities, every data type's tag table (tag -> row, in row order),
+        each rule's state arrays per (data type, ops) and each tag's norm level (what the common
+        move of a data type and a non-finite record's baseline are measured against). Safe for
+        pickle/``torch.save`` and for ``json.dumps`` (NaN/Inf as its non-standard literals). The
+        detector runs on the writer thread: take the state after ``flush()`` (or on that thread),
+        not while records are queued.
         """
         return {
             "version": STATE_VERSION,
@@ -263,6 +265,10 @@ class Detector:
                 }
                 for (prefix, ops), states in self._states.items()
             ],
+            "levels": {
+                prefix: {"level": level.tolist(), "count": count.tolist()}
+                for prefix, (level, count) in self._levels.items()
+            },
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -294,9 +300,13 @@ class Detector:
                     _state_arrays(rule, saved_state, len(rows[prefix]), len(ops))
                     for rule, saved_state in zip(self.rules, entry["states"], strict=True)
                 ]
+            levels = {  # absent in states saved before norm levels were kept: they start again
+                str(prefix): _level_arrays(saved, len(rows[prefix]))
+                for prefix, saved in state.get("levels", {}).items()
+            }
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ValueError(f"detector state: malformed ({type(exc).__name__}: {exc})") from None
-        self._rows, self._states, self._index_cache, self._levels = rows, states, {}, {}
+        self._rows, self._states, self._index_cache, self._levels = rows, states, {}, levels
 
 
 def _common_move(moves: np.ndarray) -> float:
@@ -370,3 +380,12 @@ def _state_arrays(rule: Any, saved: Mapping[str, Any], tags: int, ops: int) -> d
             )
         arrays[name] = array
     return arrays
+
+
+def _level_arrays(saved: Mapping[str, Any], rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """A data type's saved (level, count) arrays, checked against its tag table's length."""
+    level = np.asarray(saved["level"], dtype=np.float64)
+    count = np.asarray(saved["count"], dtype=np.float64)
+    if level.shape != (rows,) or count.shape != (rows,):
+        raise ValueError(f"norm levels of {level.shape} / {count.shape} for {rows} tags")
+    return level, count

@@ -380,19 +380,26 @@ def _feed(detector, make_record, steps):
     return [json.dumps(a.to_json(), sort_keys=True) for a in found]
 
 
+@pytest.mark.parametrize("own_verdicts", [False, True])
 @pytest.mark.parametrize("transport", ["none", "json", "pickle"])
-def test_state_round_trip_continues_exactly_like_an_uninterrupted_run(make_record, transport):
-    whole = rules_only(_rules(), rank=0)
+def test_state_round_trip_continues_exactly_like_an_uninterrupted_run(make_record, transport, own_verdicts):
+    """With the detector's own verdicts (non-finite, moved alone) the norm levels they measure
+    against are part of the state too: a NaN after the resume names the same baseline."""
+
+    def detector():
+        return Detector(_rules(), rank=0) if own_verdicts else rules_only(_rules(), rank=0)
+
+    whole = detector()
     expected = _feed(whole, make_record, range(100))
 
-    first = rules_only(_rules(), rank=0)
+    first = detector()
     before = _feed(first, make_record, range(60))
     state = first.state_dict()
     if transport == "json":
         state = json.loads(json.dumps(state))
     elif transport == "pickle":
         state = pickle.loads(pickle.dumps(state))
-    resumed = rules_only(_rules(), rank=0)
+    resumed = detector()
     resumed.load_state_dict(state)
     after = _feed(resumed, make_record, range(60, 100))
 
