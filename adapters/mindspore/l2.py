@@ -30,11 +30,22 @@ logger = logging.getLogger("trainmon")
 
 
 def is_linear(cell: ms.nn.Cell) -> bool:
-    """A Cell with a 2-D ``weight`` Parameter that is not an embedding table."""
-    if isinstance(cell, ms.nn.Embedding) or hasattr(cell, "vocab_size") or hasattr(cell, "vocab_start_index"):
+    """A Cell with a 2-D ``weight`` (or ``wg``, as msprobe also reads) tensor that is not an
+    embedding table."""
+    embedding_like = ("vocab_size", "num_embeddings", "vocab_start_index")
+    if isinstance(cell, ms.nn.Embedding) or any(hasattr(cell, key) for key in embedding_like):
         return False
-    weight = getattr(cell, "weight", None)
-    return isinstance(weight, ms.Tensor) and len(weight.shape) == 2
+    weight = linear_weight(cell)
+    return weight is not None and len(weight.shape) == 2
+
+
+def linear_weight(cell: ms.nn.Cell) -> ms.Tensor | None:
+    """The Cell's ``weight`` tensor, else its ``wg`` tensor; None without either."""
+    for key in ("weight", "wg"):
+        weight = getattr(cell, key, None)
+        if isinstance(weight, ms.Tensor):
+            return weight
+    return None
 
 
 class L2Features(L2Steps):
@@ -95,7 +106,10 @@ class L2Features(L2Steps):
             return None
         values = []
         for index, (_, _, cell) in enumerate(self.linear):
-            weight = cell.weight.asnumpy().astype(np.float64)
+            weight = linear_weight(cell)
+            if weight.dtype == ms.bfloat16:  # NumPy has no bfloat16
+                weight = weight.astype(ms.float32)
+            weight = weight.asnumpy().astype(np.float64)
             sigma = self._spectral_norm(index, weight)
             values.append((sigma, np.linalg.norm(weight) / sigma if sigma > 0 else 0.0))  # a zero weight: 0
         return self.linear_rows(rank), np.array(values)

@@ -18,7 +18,7 @@ import os
 import mindspore as ms
 import numpy as np
 import pandas as pd
-from mindspore import nn
+from mindspore import nn, ops
 
 from monitor import TrainerMon
 from tests.adapters.mindspore.helpers import DIM, HEADS, SEQ, AttentionNet
@@ -84,3 +84,32 @@ def test_attention_and_linear_rows_equal_numpy(tmp_path, monkeypatch, heads):
             sigma = np.linalg.svd(weight.astype(np.float64), compute_uv=False)[0]
             assert row["kernel_norm"] == pytest.approx(sigma, rel=0.01)
             assert row["sr"] == pytest.approx(np.linalg.norm(weight) / sigma, rel=0.01)
+
+
+class WgProjection(nn.Cell):
+    """A projection whose weight is called ``wg``, as msprobe's linear features also read."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        rng = np.random.default_rng(5)
+        self.wg = ms.Parameter(ms.Tensor(rng.normal(size=(3, 8)).astype(np.float32)), name="wg")
+
+    def construct(self, x):
+        return ops.matmul(x, self.wg.T)
+
+
+def test_a_cell_with_a_wg_weight_is_a_linear_one():
+    net = nn.SequentialCell([nn.Dense(4, 8), WgProjection()])
+    optimizer = nn.Adam(net.trainable_params(), learning_rate=0.05)
+    config = {"recording_l2_features": True, "l2_targets": {"linear_hook": []}, "format": "api"}
+    mon = TrainerMon(config).set_monitor(net, 1, optimizer)
+    grad_fn = ms.value_and_grad(lambda x: (net(x) ** 2).mean(), None, optimizer.parameters)
+    _, grads = grad_fn(ms.Tensor(np.ones((2, 4), np.float32)))
+    weights = {"0": net[0].weight.asnumpy().astype(np.float64), "1": net[1].wg.asnumpy().astype(np.float64)}
+    optimizer(grads)
+    rows = mon._latest("linear_hook")
+    mon.stop()
+    assert set(rows) == {f"0:{name}.linear/rank0/sr" for name in weights}, rows
+    for name, weight in weights.items():
+        sigma = np.linalg.svd(weight, compute_uv=False)[0]
+        assert rows[f"0:{name}.linear/rank0/sr"]["kernel_norm"] == pytest.approx(sigma, rel=0.01), name
