@@ -261,3 +261,39 @@ def test_an_all_zero_weight_has_stable_rank_zero_not_nan(tmp_path, monkeypatch):
     row = _rows(mon.output_dir, "linear_hook").set_index("name").loc["head.linear"]
     assert (row["kernel_norm"], row["sr"]) == (0.0, 0.0)
     assert mon.incidents == []  # no NaN, so no incident (and no stop action)
+
+
+class SeqFirstAttention(nn.Module):
+    """Core attention taking (seq, batch, heads, dim) Q and K, msprobe's default layout."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        return (q * k).sum()
+
+
+class SeqFirstNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.qk = nn.Linear(8, 16)
+        self.attention = SeqFirstAttention()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (seq, batch, 8)
+        q, k = self.qk(x).unflatten(-1, (2, 2, 4)).unbind(-3)  # each (seq, batch, 2 heads, 4)
+        return self.attention(q, k)
+
+
+def test_the_default_layout_is_sequence_first():
+    """Without ``sa_order`` Q and K are read as (seq, batch, heads, dim): batch 0 is the second axis."""
+    torch.manual_seed(0)
+    model = SeqFirstNet()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    config = {"recording_l2_features": True, "l2_targets": {"attention_hook": ["attention"]}, "format": "api"}
+    mon = TrainerMon(config).set_monitor(model, 1, optimizer)
+    seen = []
+    model.attention.register_forward_pre_hook(lambda m, args: seen.append([a.detach().numpy() for a in args]))
+    model(torch.randn(6, 3, 8)).backward()
+    optimizer.step()
+    rows = mon._latest("attention_hook")
+    mon.stop()
+    (q, k), (row,) = seen[0], rows.values()
+    want = expected_attention(q.transpose(1, 0, 2, 3), k.transpose(1, 0, 2, 3))[0]  # batch 0, head 0
+    np.testing.assert_allclose([row["softmax_max"], row["entropy"]], want, rtol=1e-5)
