@@ -26,6 +26,8 @@ PREFIXES = (
     "param_origin",
     "param_updated",
     "exp_avg",
+    "exp_avg_sq",
+    "other",
     "attention_hook",
     "linear_hook",
 )
@@ -35,6 +37,7 @@ CONFIG = {
     "wg_distribution": True,
     "mv_distribution": True,
     "param_distribution": True,
+    "mg_direction": True,
     "recording_l2_features": True,
     "l2_targets": {"attention_hook": ["blocks.0.attention", "blocks.1.attention"], "linear_hook": []},
     "sa_order": "b,s,h,d",
@@ -176,8 +179,12 @@ def test_attention_features_alone_attached_after_compile_give_eagers_rows():
 
 def test_inductor_gives_eagers_rows_within_float_tolerance(eager_rows):
     # inductor's own kernels (softmax, GELU, fused matmuls) round differently, and the differences
-    # grow through the blocks: a mean that cancels to 0.16 differs in its fifth digit
-    _assert_same_rows(eager_rows, _run("assigned", "before", backend="inductor"), rel=1e-3, abs_tol=1e-4)
+    # grow through the blocks: a mean that cancels to 0.16 differs in its fifth digit, and the
+    # sign of a gradient element near zero may flip, which moves mg_direction's share of agreeing
+    # signs by a whole element (compared with aot_eager above, which rounds as eager does)
+    compiled = _run("assigned", "before", backend="inductor")
+    prefixes = tuple(p for p in PREFIXES if p != "other")
+    _assert_same_rows(eager_rows, compiled, rel=1e-3, abs_tol=1e-4, prefixes=prefixes)
 
 
 def test_graph_breaks_only_on_collected_steps_and_only_the_monitors_own():
