@@ -27,8 +27,10 @@ from tests.reference_stats import expected_attention
 STEPS, MICRO = 4, 2
 
 
-@pytest.mark.parametrize("heads", ["first", "each"])
+@pytest.mark.parametrize("heads", ["first", "all", "each"])
 def test_attention_and_linear_rows_equal_numpy(tmp_path, monkeypatch, heads):
+    """Every training call of the attention Cell, per micro-step; an evaluation call after each
+    step (outside value_and_grad) gets no row."""
     monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path))
     net = AttentionNet()
     optimizer = nn.Adam(net.trainable_params(), learning_rate=0.05)
@@ -41,9 +43,13 @@ def test_attention_and_linear_rows_equal_numpy(tmp_path, monkeypatch, heads):
     }
     mon = TrainerMon(config).set_monitor(net, MICRO, optimizer)
     copies = {"qk": [], "weights": []}
-    net.attention.register_forward_pre_hook(
-        lambda cell, args: copies["qk"].append((args[0].asnumpy().copy(), args[1].asnumpy().copy()))
-    )
+    evaluating = [False]
+
+    def copy_qk(cell, args):
+        if not evaluating[0]:
+            copies["qk"].append((args[0].asnumpy().copy(), args[1].asnumpy().copy()))
+
+    net.attention.register_forward_pre_hook(copy_qk)
     grad_fn = ms.value_and_grad(lambda x: net(x).square().mean(), None, optimizer.parameters)
     rng = np.random.default_rng(1)
     for _ in range(STEPS):
@@ -55,26 +61,30 @@ def test_attention_and_linear_rows_equal_numpy(tmp_path, monkeypatch, heads):
             {"qkv": net.qkv.weight.asnumpy().copy(), "out": net.out.weight.asnumpy().copy()}
         )
         optimizer(total)
+        evaluating[0] = True
+        net(ms.Tensor(rng.normal(size=(2, SEQ, HEADS * DIM)).astype(np.float32)))  # evaluation: no row
+        evaluating[0] = False
     mon.stop()
     frame = pd.concat(
         pd.read_csv(p) for p in sorted(glob.glob(os.path.join(mon.output_dir, "attention_hook_*.csv")))
     )
     assert len(copies["qk"]) == STEPS * MICRO
-    assert len(frame) == STEPS * MICRO * (1 if heads == "first" else HEADS)  # no other rows
+    assert len(frame) == STEPS * MICRO * (HEADS if heads == "each" else 1)  # no other rows
     for call, (q, k) in enumerate(copies["qk"]):
         step, micro = divmod(call, MICRO)
         per_head = expected_attention(q, k)
-        names = (
-            ["attention.attention"]
-            if heads == "first"
-            else [f"attention.attention.head{h}" for h in range(HEADS)]
-        )
-        for h, name in enumerate(names):
+        if heads == "each":
+            expected = {f"attention.attention.head{h}": per_head[h] for h in range(HEADS)}
+        elif heads == "all":  # mean over heads, the top softmax_max and the lowest entropy
+            top = [per_head[:, 0].max(), per_head[:, 1].min()]
+            expected = {"attention.attention": np.concatenate([per_head.mean(axis=0), top])}
+        else:
+            expected = {"attention.attention": per_head[0]}
+        columns = ["softmax_max", "entropy"] + (["softmax_max_top", "entropy_low"] if heads == "all" else [])
+        for name, want in expected.items():
             row = frame[(frame["step"] == step) & (frame["micro_step"] == micro) & (frame["name"] == name)]
             assert len(row) == 1, (step, micro, name)
-            np.testing.assert_allclose(
-                row[["softmax_max", "entropy"]].to_numpy(float)[0], per_head[h], rtol=1e-4
-            )
+            np.testing.assert_allclose(row[columns].to_numpy(float)[0], want, rtol=1e-4)
     linear = pd.concat(
         pd.read_csv(p) for p in sorted(glob.glob(os.path.join(mon.output_dir, "linear_hook_*.csv")))
     )
