@@ -61,10 +61,11 @@ def _bundle_show(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_registered(sub: argparse._SubParsersAction, first: bool) -> None:
+def _add_registered(sub: argparse._SubParsersAction, first: bool) -> bool:
     """Sub-commands that other parts of the package register under the ``trainmon.commands``
     entry points (the demo from the torch adapter, the converters from dashboards): the core
-    never imports them. ``first``: only ``demo``; else every other one, by name."""
+    never imports them. ``first``: only ``demo``; else every other one, by name. Returns whether
+    any entry point was found (none where the package is not installed, only on the path)."""
     from importlib import metadata
 
     found = sorted(metadata.entry_points(group=COMMAND_GROUP), key=lambda entry: entry.name)
@@ -77,6 +78,7 @@ def _add_registered(sub: argparse._SubParsersAction, first: bool) -> None:
                     f"trainmon: warning: the {entry.name!r} commands are unavailable ({exc!r})",
                     file=sys.stderr,
                 )
+    return bool(found)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -84,10 +86,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"trainmon {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
-    _add_registered(sub, first=True)
+    installed = _add_registered(sub, first=True)
     _add_anomaly_analyse(sub)
     _add_bundle(sub)
     _add_registered(sub, first=False)
+    if not installed:
+        parser.epilog = (
+            "demo, csv2tb, csv2db and compact are registered by the installed package and are "
+            "missing here: install it (pip install -e . in the source tree)"
+        )
     return parser
 
 

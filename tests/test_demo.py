@@ -124,3 +124,20 @@ def test_version_is_the_installed_packages():
     done = subprocess.run([sys.executable, "-m", "monitor.cli", "--version"], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == f"trainmon {metadata.version('trainmon')}"
+
+
+def test_without_the_installed_package_the_help_says_where_the_missing_commands_come_from(
+    monkeypatch, capsys
+):
+    """A source tree on the path, not installed: no entry points register demo and the converters;
+    ``trainmon --help`` says so instead of leaving them out in silence."""
+    from importlib import metadata
+
+    from monitor import cli
+
+    monkeypatch.setattr(metadata, "entry_points", lambda group: [])
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    shown = " ".join(capsys.readouterr().out.split())
+    assert "demo, csv2tb, csv2db and compact are registered by the installed package" in shown
+    assert "pip install -e ." in shown
