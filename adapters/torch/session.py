@@ -20,7 +20,7 @@ from adapters.torch.bundle import facts as bundle_facts
 from adapters.torch.bundle import record_tensors
 from adapters.torch.collection import Collection
 from adapters.torch.compiled import has_compiled_modules, recompile_with_hooks, uncompiled
-from adapters.torch.dist import any_rank, global_rank, pipeline_info, world_size
+from adapters.torch.dist import any_rank, dtensor_type, global_rank, pipeline_info, world_size
 from adapters.torch.optim import TorchBackend, accumulation_boundary, optimizer_backend
 from adapters.torch.sharded.dtensor import DTensorBackend
 from monitor.session.lifecycle import Attachment, SessionLifecycle, model_chunks
@@ -42,6 +42,12 @@ class TorchSession(SessionLifecycle):
         self.compiled = any(given is not plain for given, plain in zip(chunks, self.chunks))
         self.backend = optimizer_backend(a.optimizer, self.chunks)
         self.optimizer = self.backend.optimizer
+        if a.config.module_ranks and _replicated_dtensors(self.optimizer):
+            raise ValueError(
+                "module_ranks: expected empty with tensor parallelism (the gradients of parameters "
+                "replicated over a device mesh dimension can be partial sums, completed by a collective "
+                f"every rank of the mesh takes part in), got {list(a.config.module_ranks)}"
+            )
         super().__init__(a.config, global_rank(), a.start_iteration, a.on_step_end)
         self.world_size = world_size()
         self.pp_stage, self.group_mates = pipeline_info(a.process_group)
@@ -234,3 +240,14 @@ class TorchSession(SessionLifecycle):
             self._detach_optimizer_hooks()
 
         self._cleanup = [chunk.register_forward_pre_hook(cleanup) for chunk in self.chunks]
+
+
+def _replicated_dtensors(optimizer: Any) -> bool:
+    """Whether a parameter is a DTensor replicated along a mesh dimension (tensor parallelism;
+    FSDP2 alone shards every parameter)."""
+    dtensor = dtensor_type()
+    return any(
+        isinstance(p, dtensor) and any(placement.is_replicate() for placement in p.placements)
+        for group in optimizer.param_groups
+        for p in group["params"]
+    )

@@ -159,8 +159,14 @@ class IncidentResponses:
         that a bundle holds the tensors of the step where its incident began."""
         if self.alerts is None:
             return
-        if self.alerts.bundles_wanted and self.collection is not None:
-            self.collection.core.flush(SKIP_JUDGE_WAIT_S)
+        wait = self.alerts.bundles_wanted and self.collection is not None
+        if wait and not self.collection.core.flush(SKIP_JUDGE_WAIT_S):
+            logger.warning(
+                "trainmon: the writer did not judge step %d within %.0f s; an incident found there "
+                "gets its evidence bundle at a later step",
+                self.step - 1,
+                SKIP_JUDGE_WAIT_S,
+            )
         for incident in self.alerts.take_bundles():
             self._write_bundle(incident)
         self._act_if_asked()

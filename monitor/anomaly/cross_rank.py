@@ -122,7 +122,8 @@ def records(
     or, with ``strongest``, farthest from their peers first."""
     c = {name: out[name] for name in _FIELDS}
     if strongest:
-        order = np.argsort(-c["score"], kind="stable")[:limit]  # inf (NaN/Inf values) first
+        keys = (c["rank"], c["op"], c["label"], c["type"], c["micro"], c["step"], -c["score"])
+        order = np.lexsort(keys)[:limit]  # inf (NaN/Inf values) first; equal ones earliest first
     else:
         order = np.lexsort((c["rank"], c["op"], c["label"], c["type"], c["micro"], c["step"]))[:limit]
     c = {name: array[order].tolist() for name, array in c.items()}

@@ -301,7 +301,7 @@ class Detector:
                     for rule, saved_state in zip(self.rules, entry["states"], strict=True)
                 ]
             levels = {  # absent in states saved before norm levels were kept: they start again
-                str(prefix): _level_arrays(saved, len(rows[prefix]))
+                str(prefix): _saved_levels(saved, len(rows[prefix]))
                 for prefix, saved in state.get("levels", {}).items()
             }
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
@@ -382,10 +382,11 @@ def _state_arrays(rule: Any, saved: Mapping[str, Any], tags: int, ops: int) -> d
     return arrays
 
 
-def _level_arrays(saved: Mapping[str, Any], rows: int) -> tuple[np.ndarray, np.ndarray]:
-    """A data type's saved (level, count) arrays, checked against its tag table's length."""
+def _saved_levels(saved: Mapping[str, Any], rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """A data type's saved (level, count) arrays, checked against its tag table's length (they
+    may be shorter: levels grow only with records that hold a norm)."""
     level = np.asarray(saved["level"], dtype=np.float64)
     count = np.asarray(saved["count"], dtype=np.float64)
-    if level.shape != (rows,) or count.shape != (rows,):
+    if level.ndim != 1 or level.shape != count.shape or len(level) > rows:
         raise ValueError(f"norm levels of {level.shape} / {count.shape} for {rows} tags")
     return level, count

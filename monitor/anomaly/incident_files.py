@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from monitor.anomaly.incidents import describe_root
-from monitor.anomaly.root import choose_root
+from monitor.anomaly.root import choose_root, phase_of
 
 INCIDENTS_NAME = "incidents.json"
 OUTPUT_NAME = "incidents_analyse.json"
@@ -63,11 +63,14 @@ class MergedIncident:
 
     @property
     def onset_micro_step(self) -> int:
-        """The micro-step where it began: the root's, else the earliest at the onset step."""
-        micro = self.root.get("micro_step") if isinstance(self.root, dict) else None
-        if type(micro) is int:
-            return micro
-        firsts = [m.get("onset_micro_step", 0) for m in self.members if m["onset_step"] == self.onset_step]
+        """The micro-step where it began: the earliest of the onset step's records in the root's
+        phase, as for one rank's incident (each rank's own onset where no records are left)."""
+        onset = [m for m in self.members if m["onset_step"] == self.onset_step]
+        records = [r for m in onset for r in m["records"] if r.get("step") == self.onset_step]
+        if records and isinstance(self.root, dict) and "tag_name" in self.root:
+            phase = phase_of(self.root)
+            return min((r.get("micro_step", 0) for r in records if phase_of(r) == phase), default=0)
+        firsts = [m.get("onset_micro_step", 0) for m in onset]
         return min((m for m in firsts if type(m) is int), default=0)
 
     @property

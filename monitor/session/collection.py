@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from abc import ABC, abstractmethod
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -226,25 +226,29 @@ class BaseCollection(ABC):
                 described,
             )
 
-    def _warn_unmatched_targets(self, named: Iterable[tuple[int, str]], pipeline: bool) -> None:
-        """One warning per ``targets`` (or ``l2_targets``) key that names none of the model's
-        modules and parameters (``named``: their ``(vpp_stage, raw_name)``), with the closest name
-        there. Under pipeline parallelism (``pipeline``) a rank holds only its stage's part: a key
-        naming another stage's is expected, so it is said at info level only."""
+    def _warn_unmatched_targets(
+        self, modules: list[tuple[int, str]], params: list[tuple[int, str]], pipeline: bool
+    ) -> None:
+        """One warning per ``targets`` key that names none of the model's modules and parameters
+        (their ``(vpp_stage, raw_name)``), or ``l2_targets`` key that names no module, with the
+        closest name there. Under pipeline parallelism (``pipeline``) a rank holds only its stage's
+        part: a key naming another stage's is expected, so it is said at info level only."""
         level = logging.INFO if pipeline else logging.WARNING
         where = "this pipeline stage" if pipeline else "the model"
-        named = list(named)
-        lists = [("targets", self.config.targets, True)]
+        lists = [("targets", self.config.targets, modules + params, True)]
         if self.config.recording_l2_features:  # l2 lists name whole modules, not prefixes
-            lists += [(f"l2_targets.{kind}", keys, False) for kind, keys in self.config.l2_targets.items()]
-        for where_key, keys, prefixes in lists:
+            lists += [
+                (f"l2_targets.{kind}", keys, modules, False) for kind, keys in self.config.l2_targets.items()
+            ]
+        for where_key, keys, named, prefixes in lists:
             for key, close in unmatched_targets(keys, named, prefixes=prefixes):
                 hint = f"did you mean {close!r}?" if close else "print_struct: true lists the model's names"
                 logger.log(
                     level,
-                    "trainmon config: %s key %r selects no module or parameter of %s; %s",
+                    "trainmon config: %s key %r selects no %s of %s; %s",
                     where_key,
                     key,
+                    "module or parameter" if prefixes else "module",
                     where,
                     hint,
                 )

@@ -60,6 +60,8 @@ class TrainerMon:
         self.params_have_main_grad = params_have_main_grad
         self._wrapped_optimizer: Any = None
         self._session: Any = None
+        #: stop() was called since the last attach or start(): set_monitor may attach again
+        self._stopped = False
         self._dynamic: DynamicControl | None = None
         self._dynamic_running = False
         self._incident_callbacks: list[Callable[[dict], Any]] = []
@@ -116,8 +118,8 @@ class TrainerMon:
             raise ValueError(
                 f"set_monitor: start_iteration: expected an integer >= 0, got {start_iteration!r}"
             )
-        if self._session is not None and self._session.active:
-            raise RuntimeError("set_monitor: this TrainerMon is attached and monitoring; call stop() first")
+        if self._session is not None and not self._stopped:
+            raise RuntimeError("set_monitor: this TrainerMon is already attached; call stop() first")
         if graph_mode is not None and not isinstance(graph_mode, bool):
             raise ValueError(f"set_monitor: graph_mode: expected true, false or None, got {graph_mode!r}")
         framework = _framework_of(model)
@@ -134,6 +136,8 @@ class TrainerMon:
 
         dynamic = self._dynamic is not None
         stopped = self._session  # kept if the new attachment fails
+        if stopped is not None and self._dynamic is not None:  # a fresh watch of the config file
+            self._dynamic = DynamicControl(self._dynamic.path)
         self._session = Session(
             Attachment(
                 config=self.config,
@@ -151,8 +155,9 @@ class TrainerMon:
                 graph_mode=graph_mode,
             )
         )
-        if stopped is not None:  # attached again after stop() (a trainer's second fit): the old
-            stopped.stop()  # attachment's hooks go (a dormant one's too), once the new one stands
+        self._stopped = False
+        if stopped is not None:  # attached again after stop() (a trainer's second fit)
+            stopped.stop()
         for callback in self._incident_callbacks:
             self._session.add_incident_callback(callback)
         self._session.checkpoint_function = self._checkpoint_function
@@ -247,6 +252,7 @@ class TrainerMon:
         """
         if self._session is None:
             raise RuntimeError("start: call set_monitor first")
+        self._stopped = False
         if not self._session.active:
             self._session.resume_step_count(step)
             self._session.start(self.config)
@@ -376,8 +382,11 @@ class TrainerMon:
         """Remove every hook and close the outputs; model and optimizer behave as before attaching."""
         if self._session is not None:
             self._session.stop()
+            self._stopped = True
+        self._dynamic_running = False
         if self._early_collectives is not None:
             self._early_collectives.remove()
+            self._early_collectives = None  # a later attach wraps the collectives anew
 
 
 def _deprecated(old: str, new: str) -> None:

@@ -1,10 +1,8 @@
-"""Evidence bundles of real incidents hold what the training process held, byte for byte.
-
-A NaN is written into one gradient at step AT; the bundle is written at the first step end after
-the incident is found. The test keeps its own copies of the parameter, its gradient, the Adam
-moments and the random generators' states at every step end, and compares the bundle (read back
-with ``load_bundle``, and shown with ``trainmon bundle show``) with the copies of the step the
-bundle says it was written at.
+"""Evidence bundles of real incidents hold what the training process held, byte for byte. A NaN is
+written into one gradient at step AT; the bundle is written at the end of that step. The test
+keeps its own copies of the parameter, its gradient, the Adam moments and the random generators'
+states at every step end, and compares the bundle (read back with ``load_bundle``, and shown with
+``trainmon bundle show``) with the copies of the step the bundle says it was written at.
 """
 
 from __future__ import annotations

@@ -174,15 +174,21 @@ def test_a_targets_key_that_names_nothing_is_warned_about_with_the_closest_name(
 
 def test_attaching_again_after_stop_monitors_the_new_run_and_only_it():
     """A trainer's second fit() with the same callback: stop(), then set_monitor on a new optimizer.
-    The new run's parameters are recorded; the first attachment's hooks are gone; attaching while
-    monitoring is refused."""
+    The new run's parameters are recorded; the first attachment's hooks are gone; attaching
+    again without stop() is refused, also once collect_times has ended the collection."""
     model, optimizer = _fresh()
     before = _hook_state(model, optimizer)
     mon = TrainerMon({"param_distribution": True, "format": "api"})
     mon.set_monitor(model, grad_acc_steps=2, optimizer=optimizer)
-    with pytest.raises(RuntimeError, match="attached and monitoring; call stop"):
+    with pytest.raises(RuntimeError, match="already attached; call stop"):
         mon.set_monitor(model, grad_acc_steps=2, optimizer=optimizer)
     _train(model, optimizer, 2)
+    done = TrainerMon({"param_distribution": True, "format": "api", "collect_times": 1})
+    done.set_monitor(model, grad_acc_steps=2, optimizer=optimizer)
+    _train(model, optimizer, 1)  # collect_times reached: no longer monitoring, but not stopped
+    with pytest.raises(RuntimeError, match="already attached; call stop"):
+        done.set_monitor(model, grad_acc_steps=2, optimizer=optimizer)
+    done.stop()
     mon.stop()
     second = torch.optim.SGD(model.parameters(), lr=0.1)
     clean = _hook_state(model, second)
@@ -213,15 +219,16 @@ def test_graph_mode_is_refused_for_torch_at_the_door():
 def test_an_l2_targets_key_that_names_no_module_is_warned_about(caplog):
     torch.manual_seed(0)
     mlp = MLP()
-    l2 = {"attention_hook": ["atention"], "linear_hook": ["layers.0", "layer.1"]}
+    l2 = {"attention_hook": ["atention"], "linear_hook": ["layers.0", "layer.1", "layers.0.weight"]}
     with caplog.at_level(logging.WARNING, logger="trainmon"):
         mon = TrainerMon({"recording_l2_features": True, "l2_targets": l2, "format": "api"})
         mon.set_monitor(mlp, 1, torch.optim.AdamW(mlp.parameters()))
         mon.stop()
     unmatched = [m for m in _warnings(caplog) if "l2_targets" in m]
-    assert len(unmatched) == 2, _warnings(caplog)
+    assert len(unmatched) == 3, _warnings(caplog)
     assert "l2_targets.attention_hook key 'atention' selects no module" in unmatched[0], unmatched
     assert "l2_targets.linear_hook key 'layer.1'" in unmatched[1] and "'layers.1'?" in unmatched[1]
+    assert "key 'layers.0.weight'" in unmatched[2]  # a parameter, not a module
 
 
 def test_moments_of_an_optimizer_without_them_are_warned_about_once(caplog):
