@@ -15,22 +15,11 @@ from torch._dynamo.utils import counters
 
 from monitor import TrainerMon
 from tests.adapters.torch.helpers import ALL_OPS
+from tests.shared_configs import STEP_PREFIXES
 
 pytestmark = pytest.mark.slow
 
-PREFIXES = (
-    "actv",
-    "actv_grad",
-    "grad_unreduced",
-    "grad_reduced",
-    "param_origin",
-    "param_updated",
-    "exp_avg",
-    "exp_avg_sq",
-    "other",
-    "attention_hook",
-    "linear_hook",
-)
+PREFIXES = ("actv", "actv_grad", *STEP_PREFIXES, "attention_hook", "linear_hook")
 CONFIG = {
     "xy_distribution": True,
     "all_xy": True,
