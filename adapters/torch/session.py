@@ -20,9 +20,9 @@ from adapters.torch.bundle import facts as bundle_facts
 from adapters.torch.bundle import record_tensors
 from adapters.torch.collection import Collection
 from adapters.torch.compiled import has_compiled_modules, recompile_with_hooks, uncompiled
-from adapters.torch.dist import any_rank, dtensor_type, global_rank, pipeline_info, world_size
+from adapters.torch.dist import any_rank, global_rank, pipeline_info, world_size
 from adapters.torch.optim import TorchBackend, accumulation_boundary, optimizer_backend
-from adapters.torch.sharded.dtensor import DTensorBackend
+from adapters.torch.sharded.dtensor import DTensorBackend, optimizer_has_replicated_dtensors
 from monitor.session.lifecycle import Attachment, SessionLifecycle, model_chunks
 
 logger = logging.getLogger("trainmon")
@@ -42,7 +42,7 @@ class TorchSession(SessionLifecycle):
         self.compiled = any(given is not plain for given, plain in zip(chunks, self.chunks))
         self.backend = optimizer_backend(a.optimizer, self.chunks)
         self.optimizer = self.backend.optimizer
-        if a.config.module_ranks and _replicated_dtensors(self.optimizer):
+        if a.config.module_ranks and optimizer_has_replicated_dtensors(self.optimizer):
             raise ValueError(
                 "module_ranks: expected empty with tensor parallelism (the gradients of parameters "
                 "replicated over a device mesh dimension can be partial sums, completed by a collective "
@@ -240,14 +240,3 @@ class TorchSession(SessionLifecycle):
             self._detach_optimizer_hooks()
 
         self._cleanup = [chunk.register_forward_pre_hook(cleanup) for chunk in self.chunks]
-
-
-def _replicated_dtensors(optimizer: Any) -> bool:
-    """Whether a parameter is a DTensor replicated along a mesh dimension (tensor parallelism;
-    FSDP2 alone shards every parameter)."""
-    dtensor = dtensor_type()
-    return any(
-        isinstance(p, dtensor) and any(placement.is_replicate() for placement in p.placements)
-        for group in optimizer.param_groups
-        for p in group["params"]
-    )

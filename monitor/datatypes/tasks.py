@@ -138,23 +138,14 @@ def params_of_records(records: Iterable[Mapping[str, Any]], params: Sequence[Any
     """The monitored parameters (entries with ``vpp_stage`` and ``name``) the records' tags point
     at, in order, each once: a parameter's own rows, or every parameter of the module whose
     activation a row describes (what evidence bundles keep)."""
-    by_name = {(p.vpp_stage, p.name): p for p in params}
-    seen: set[tuple[int, str]] = set()
-    for vpp, name in _tensors_named(records):
-        if (vpp, name) in by_name:
-            found = [by_name[(vpp, name)]]
-        else:
-            found = [p for (v, n), p in by_name.items() if v == vpp and n.startswith(f"{name}.")]
-        for entry in found:
-            if (entry.vpp_stage, entry.name) not in seen:
-                seen.add((entry.vpp_stage, entry.name))
-                yield entry
-
-
-def _tensors_named(records: Iterable[Mapping[str, Any]]) -> Iterator[tuple[int, str]]:
-    """(chunk, parameter or module name) of the tensors the records' tags point at, in order,
-    each once: an activation points at its module."""
-    seen = set()
+    by_name: dict[tuple[int, str], list[Any]] = {}  # a parameter's name and its modules' -> parameters
+    for entry in params:
+        name = entry.name
+        by_name.setdefault((entry.vpp_stage, name), []).append(entry)
+        while "." in name:
+            name = name.rpartition(".")[0]
+            by_name.setdefault((entry.vpp_stage, name), []).append(entry)
+    seen: set[int] = set()
     for record in records:
         parsed = parse_tag(str(record.get("tag_name", "")))
         if parsed is None:
@@ -162,7 +153,7 @@ def _tensors_named(records: Iterable[Mapping[str, Any]]) -> Iterator[tuple[int, 
         name = parsed.row.name
         if parsed.prefix in ACTIVATION_PREFIXES:  # layers.1[1].output_0 -> the module layers.1
             name = re.sub(r"\[\d+\]$", "", name.rsplit(".", 1)[0] if "." in name else "")
-        key = (parsed.row.vpp_stage, name)
-        if key not in seen:
-            seen.add(key)
-            yield key
+        for entry in by_name.get((parsed.row.vpp_stage, name), ()):
+            if id(entry) not in seen:
+                seen.add(id(entry))
+                yield entry

@@ -135,8 +135,7 @@ class TrainerMon:
         from monitor.session.lifecycle import Attachment  # the sessions' machinery loads when attaching
 
         dynamic = self._dynamic is not None
-        stopped = self._session  # kept if the new attachment fails
-        if stopped is not None and self._dynamic is not None:  # a fresh watch of the config file
+        if self._session is not None and dynamic:  # attached again after stop(): a fresh watch
             self._dynamic = DynamicControl(self._dynamic.path)
         self._session = Session(
             Attachment(
@@ -156,8 +155,6 @@ class TrainerMon:
             )
         )
         self._stopped = False
-        if stopped is not None:  # attached again after stop() (a trainer's second fit)
-            stopped.stop()
         for callback in self._incident_callbacks:
             self._session.add_incident_callback(callback)
         self._session.checkpoint_function = self._checkpoint_function

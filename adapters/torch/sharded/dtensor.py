@@ -37,6 +37,16 @@ def optimizer_has_dtensors(optimizer: torch.optim.Optimizer) -> bool:
     return any(isinstance(p, DTensor) for group in optimizer.param_groups for p in group["params"])
 
 
+def optimizer_has_replicated_dtensors(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether a parameter the optimizer updates is a DTensor replicated along a mesh dimension
+    (tensor parallelism; FSDP2 alone shards every parameter): its gradient can be a partial sum."""
+    return any(
+        isinstance(p, DTensor) and any(placement.is_replicate() for placement in p.placements)
+        for group in optimizer.param_groups
+        for p in group["params"]
+    )
+
+
 class DTensorBackend(TorchBackend):
     """A torch optimizer over DTensor parameters: this rank's counted pieces of every tensor."""
 
