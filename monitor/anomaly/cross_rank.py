@@ -322,20 +322,27 @@ def run(args: argparse.Namespace) -> int:
 def _print_section(doc: dict, k: int, out_file: str | None, rank_count: int) -> None:
     compared = "; ".join(f"{t} over ranks {_span(r)}" for t, r in doc["ranks"].items()) or "nothing"
     print()
+    total = doc["outliers_total"]
     if not doc["judged"]:
         directories = f"{rank_count} rank director{'y' if rank_count == 1 else 'ies'}"
         print(
-            f"No cross-rank verdict: a value is judged only where at least {doc['min_ranks']} ranks hold "
-            f"the same tensor, and this run has {directories} with {', '.join(doc['types'])} under "
-            f"{doc['data_path']}."
+            f"No cross-rank verdict on sizes: a value is compared with its peers' only where at least "
+            f"{doc['min_ranks']} ranks hold the same tensor, and this run has {directories} with "
+            f"{', '.join(doc['types'])} under {doc['data_path']}; NaN/Inf values are flagged wherever "
+            f"a peer's value is finite: {total:,} found."
         )
-        if out_file:
-            print(f"written to {out_file}")
-        return
-    print(f"Cross-rank outliers ({compared}): values beyond {doc['k_mad']:g} MADs of the other ranks' median")
+        if not total:
+            if out_file:
+                print(f"written to {out_file}")
+            return
     ranks = doc["by_rank"]
-    total = doc["outliers_total"]
-    print(f"{doc['judged']:,} (tensor, step, op) values judged; {total:,} outliers on {len(ranks)} rank(s)")
+    heading = f"Cross-rank outliers ({compared}):"
+    if doc["judged"]:
+        print(f"{heading} values beyond {doc['k_mad']:g} MADs of the other ranks' median")
+        judged = doc["judged"]
+        print(f"{judged:,} (tensor, step, op) values judged; {total:,} outliers on {len(ranks)} rank(s)")
+    else:
+        print(f"{heading} NaN/Inf where a peer is finite, on {len(ranks)} rank(s)")
     if ranks:
         for r in ranks[:10]:
             print(

@@ -19,8 +19,11 @@ try:
 except ImportError:  # built without a C compiler: numpy partitions instead
     _peer_rows = None
 
-#: finite values a row needs for a verdict (of two ranks neither can be told to be the odd one)
+#: finite values a row needs for a verdict on a value's size (of two ranks neither can be told
+#: to be the odd one)
 MIN_RANKS = 3
+#: ranks holding a tensor that a NaN/Inf verdict needs: the non-finite one and one finite peer
+MIN_RANKS_NONFINITE = 2
 
 
 def _order_stat(sorted_rows: np.ndarray, count: np.ndarray) -> np.ndarray:

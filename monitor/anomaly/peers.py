@@ -18,10 +18,10 @@ tensor are compared. Rank i's value x_i is measured against the median of the OT
   at exactly 0 is 3 units away, not infinitely many. Otherwise, when size and MAD are both 0,
   any non-zero value is an outlier.
 
-A rank is flagged when |x_i - m_i| > k_mad * scale, or when its value is NaN/Inf while at least
-MIN_RANKS ranks hold finite values. Fewer than MIN_RANKS (3) finite values: no verdict (of two
-ranks neither can be told to be the odd one). False-positive rates on noise: see
-benchmarks/cross_rank.py and docs/anomalies.md.
+A rank is flagged when |x_i - m_i| > k_mad * scale with at least MIN_RANKS (3) finite values in
+its row (of two ranks neither can be told to be the odd one), or when its value is NaN/Inf while
+at least one peer holds a finite value: a rank that alone went non-finite in a two-rank run is
+named too. False-positive rates on noise: see benchmarks/cross_rank.py and docs/anomalies.md.
 
 Everything is vectorised with numpy over blocks of (tensor x step) rows x ranks, bounded in memory;
 the statistics of a block's rows are monitor.anomaly.peer_rows.
@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from monitor.anomaly.peer_rows import MIN_RANKS, peer_stats
+from monitor.anomaly.peer_rows import MIN_RANKS, MIN_RANKS_NONFINITE, peer_stats
 from monitor.anomaly.rank_csv import Table
 
 #: smallest scale, relative to the median magnitude.
@@ -196,7 +196,7 @@ def _aligned(prepared: list[Prepared], ranks: int, n_micro: int, n_labels: int) 
     """Whether every rank has one table holding the same entries (step, micro-step, tensor) in the
     same order, each once: the usual case, whose blocks need no scattering."""
     first = prepared[0]
-    if ranks < MIN_RANKS or sorted(p.column for p in prepared) != list(range(ranks)):
+    if ranks < MIN_RANKS_NONFINITE or sorted(p.column for p in prepared) != list(range(ranks)):
         return False
     same = all(
         np.array_equal(p.steps, first.steps)
@@ -227,7 +227,7 @@ def _scattered_blocks(
     holders: list[tuple[Prepared, int]], ranks: int, steps: np.ndarray, n_micro: int, n_labels: int
 ) -> Iterator[_Block]:
     """Blocks of any tables: each rank's values placed at their (step, micro-step, tensor) row,
-    rows held by fewer than MIN_RANKS ranks left out."""
+    rows held by fewer than MIN_RANKS_NONFINITE ranks left out."""
     per_step = n_micro * n_labels
     chunk = max(1, BLOCK // (per_step * ranks))
     for first in range(0, len(steps), chunk):
@@ -242,7 +242,7 @@ def _scattered_blocks(
             values[p.column, key] = p.values[lo:hi, op_column]
             present[p.column, key] = True
         values, present = np.ascontiguousarray(values.T), np.ascontiguousarray(present.T)
-        keys = np.flatnonzero(present.sum(axis=1) >= MIN_RANKS)
+        keys = np.flatnonzero(present.sum(axis=1) >= MIN_RANKS_NONFINITE)
         if len(keys) < len(values):
             values, present = values[keys], present[keys]
         yield values, present, (keys % n_labels, window[keys // per_step], (keys % per_step) // n_labels - 1)
@@ -296,14 +296,16 @@ def _block(
 ) -> np.ndarray:
     """First pass over one block: per-row statistics, and the values that may be outliers.
 
-    ``labels`` are the rows' (tensor label, step, micro-step); returns which rows were judged.
+    ``labels`` are the rows' (tensor label, step, micro-step); returns which rows were judged on
+    their values' sizes (NaN/Inf values are judged wherever a peer is finite).
     """
     stats = peer_stats(values, present)
     judged = stats.count >= MIN_RANKS
     floor = np.maximum.reduce([stats.mad, REL_FLOOR * stats.size, np.full(len(stats.mad), absolute_floor)])
     floor = np.maximum(floor, _TINY)
     with np.errstate(invalid="ignore"):
-        maybe = judged[:, None] & present & (~stats.finite | (stats.deviation > k_mad * floor[:, None]))
+        far = judged[:, None] & (stats.deviation > k_mad * floor[:, None])
+    maybe = present & (far | (~stats.finite & (stats.count > 0)[:, None]))
     label, step, micro = labels
     with np.errstate(divide="ignore", invalid="ignore"):  # kept per judged row for the pooled MAD
         ratio = stats.mad[judged] / stats.size[judged]
@@ -357,7 +359,8 @@ def _judge(rows: _Columns, candidates: _Columns, ranks: np.ndarray, out: Outlier
     typical = np.nan_to_num(typical, nan=0.0)
     size = candidates["size"]
     absolute = np.array([ABS_FLOOR.get(name, 0.0) for name in out.ops])[op]
-    scale = np.maximum.reduce([candidates["mad"], typical * size, REL_FLOOR * size, absolute])
+    # fmax: a lone finite peer has no deviation of its own to take a MAD of
+    scale = np.fmax.reduce([candidates["mad"], typical * size, REL_FLOOR * size, absolute])
     scale = np.where(scale > 0, scale, _TINY)
     deviation = candidates["deviation"]
     finite = np.isfinite(candidates["value"])

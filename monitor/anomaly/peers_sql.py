@@ -53,10 +53,10 @@ m AS (  -- per tensor, step and op: the order statistics around the middle, the 
            max(CASE WHEN r = floor(n / 2) + 1 THEN value END) AS mid,
            max(CASE WHEN r = floor(n / 2) + 2 THEN value END) AS hi,
            median(abs(value)) AS size
-    FROM f GROUP BY {_GROUP}, n HAVING n >= {MIN_RANKS}
+    FROM f GROUP BY {_GROUP}, n
 ),
 p AS (  -- each value with the median of the other ranks' finite values
-    SELECT a.*, b.size,
+    SELECT a.*, b.n, b.size,
            CASE WHEN NOT a.finite THEN (CASE WHEN b.n % 2 = 0 THEN (b.lo + b.mid) / 2 ELSE b.mid END)
                 WHEN b.n % 2 = 0 THEN (CASE WHEN a.value <= b.lo THEN b.mid ELSE b.lo END)
                 WHEN a.value = b.mid THEN (b.lo + b.hi) / 2
@@ -65,15 +65,16 @@ p AS (  -- each value with the median of the other ranks' finite values
     FROM x a JOIN m b ON {_JOIN}
 ),
 g AS (  -- the median absolute deviation of each tensor, step and op
-    SELECT {_GROUP}, median(abs(value - peers)) AS mad, max(size) AS size
+    SELECT {_GROUP}, median(abs(value - peers)) AS mad, max(size) AS size, max(n) AS n
     FROM p WHERE finite GROUP BY {_GROUP}
 ),
 t AS (  -- its typical size relative to the magnitude, over the run: per tensor, and per op
-    SELECT data_type, vpp_stage, name, op, median(CASE WHEN size > 0 THEN mad / size END) AS ratio
+    SELECT data_type, vpp_stage, name, op,
+           median(CASE WHEN size > 0 AND n >= {MIN_RANKS} THEN mad / size END) AS ratio
     FROM g GROUP BY data_type, vpp_stage, name, op
 ),
 o AS (
-    SELECT data_type, op, median(CASE WHEN size > 0 THEN mad / size END) AS ratio
+    SELECT data_type, op, median(CASE WHEN size > 0 AND n >= {MIN_RANKS} THEN mad / size END) AS ratio
     FROM g GROUP BY data_type, op
 ),
 s AS (
@@ -87,6 +88,6 @@ SELECT data_type, rank, step, CASE WHEN micro >= 0 THEN micro END AS micro_step,
        peers AS peers_median, scale,
        CASE WHEN finite THEN abs(value - peers) / scale END AS deviation_mads
 FROM (SELECT *, CASE WHEN unit > 0 THEN unit ELSE 2.2250738585072014e-308 END AS scale FROM s) AS u
-WHERE NOT finite OR abs(value - peers) > {float(k_mad)!r} * scale
+WHERE NOT finite OR (n >= {MIN_RANKS} AND abs(value - peers) > {float(k_mad)!r} * scale)
 ORDER BY step, micro, data_type, vpp_stage, name, op, rank
 """

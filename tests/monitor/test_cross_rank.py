@@ -406,13 +406,40 @@ def test_a_nan_value_is_an_outlier_with_infinite_deviation(tmp_path):
     )
 
 
-def test_two_ranks_get_no_verdict_and_are_told_why(tmp_path, capsys):
+def test_two_ranks_get_no_verdict_on_sizes_and_are_told_why(tmp_path, capsys):
     document = _run_from(tmp_path, {0: [1.0, 1.0], 1: [1.0, 100.0]})
     assert (document["judged"], document["outliers_total"]) == (0, 0)
     printed = capsys.readouterr().out
-    assert "No cross-rank verdict: a value is judged only where at least 3 ranks hold" in printed
+    assert "No cross-rank verdict on sizes: a value is compared with its peers' only where at least 3" in (
+        printed
+    )
     assert "this run has 2 rank directories with grad_unreduced" in printed
-    assert "outliers on" not in printed
+    assert "0 found" in printed and "outliers (" not in printed
+
+
+@pytest.mark.parametrize(
+    ("by_rank", "flagged"),
+    [
+        ({0: [1.0, 1.0, 1.1], 1: [1.0, math.nan, math.inf]}, [(1, 1, "nan"), (1, 2, "inf")]),
+        ({0: [1.0, math.nan], 1: [1.0, math.nan]}, []),  # non-finite everywhere: no rank is the odd one
+        ({0: [1.0, 1.0], 1: [1.1, -math.inf], 2: [0.9, math.nan]}, [(1, 1, "-inf"), (2, 1, "nan")]),
+    ],
+)
+def test_a_rank_gone_non_finite_is_named_while_one_peer_stays_finite(tmp_path, capsys, by_rank, flagged):
+    """Of two ranks neither can be told to be the odd one by size, but a NaN/Inf against a finite
+    peer is a verdict: the first fault of a two-rank data-parallel job is often exactly that."""
+    document = _run_from(tmp_path, by_rank)
+    assert [(o["rank"], o["step"], o["value"]) for o in document["outliers"]] == flagged
+    for outlier in document["outliers"]:
+        finite = [v[outlier["step"]] for v in by_rank.values() if math.isfinite(v[outlier["step"]])]
+        assert outlier["peers_median"] == pytest.approx(float(np.median(finite)))
+        assert outlier["deviation_mads"] == "inf"
+    printed = capsys.readouterr().out
+    if len(by_rank) == 2:
+        assert f"{len(flagged)} found" in printed
+        assert ("NaN/Inf where a peer is finite" in printed) == bool(flagged)
+    else:  # the first step's three finite values were judged on size
+        assert f"1 (tensor, step, op) values judged; {len(flagged)} outliers on 2 rank(s)" in printed
 
 
 # ----------------------------------------------------------------------------------------- input and output
@@ -583,7 +610,7 @@ def test_an_unreadable_parquet_file_is_skipped_with_a_warning_and_the_rest_compa
     assert "skipping unreadable Parquet files" in capsys.readouterr().err + json.dumps(document)
 
 
-@pytest.mark.parametrize(("ranks", "micro_steps"), [(4, 2), (5, 2), (5, None)])
+@pytest.mark.parametrize(("ranks", "micro_steps"), [(4, 2), (5, 2), (5, None), (2, None)])
 def test_the_documented_sql_finds_what_the_command_finds(tmp_path, ranks, micro_steps):
     duckdb = pytest.importorskip("duckdb", reason="DuckDB comes with the dataset extra")
     write_run(
@@ -605,13 +632,14 @@ def test_the_documented_sql_finds_what_the_command_finds(tmp_path, ranks, micro_
     keys = ("rank", "step", "micro_step", "name", "op")
     found = {tuple(row[k] for k in keys): row for row in (dict(zip(columns, r)) for r in rows)}
     expected = {tuple(row[k] for k in keys): row for row in document["outliers"]}
-    assert found.keys() == expected.keys() and len(found) == document["outliers_total"] > 1
+    assert found.keys() == expected.keys() and len(found) == document["outliers_total"] > (ranks > 2)
     micro = None if micro_steps is None else 0
-    assert math.isnan(found[(1, 4, micro, NAMES[0], "norm")]["value"])  # and its NaN count:
-    assert (
-        found[(1, 4, micro, NAMES[0], "nans")]["deviation_mads"]
-        == expected[(1, 4, micro, NAMES[0], "nans")]["deviation_mads"]
-    )
+    assert math.isnan(found[(1, 4, micro, NAMES[0], "norm")]["value"])
+    if ranks > 2:  # and its NaN count, a size verdict
+        assert (
+            found[(1, 4, micro, NAMES[0], "nans")]["deviation_mads"]
+            == expected[(1, 4, micro, NAMES[0], "nans")]["deviation_mads"]
+        )
     for key, row in found.items():  # the command's order is its own (tensors and ops as first seen)
         command = expected[key]
         if math.isnan(row["value"]):
