@@ -55,6 +55,26 @@ class MonitorCallback:
         self.monitor = as_monitor(config, **trainer_mon_kwargs)
         self.attached = False
 
+    def attach(self, trainer: str, **set_monitor_kwargs: Any) -> None:
+        """Attach at the start of a training run (see ``attach_or_report``). A session still
+        attached from an earlier run whose trainer never reached its end (it raised, and the
+        trainer has no exception hook) is closed first: left on, its hooks would go on counting
+        steps under the new run's step numbers."""
+        if self.attached:
+            logger.warning(
+                "trainmon: the previous %s run ended without reaching its end of training (an "
+                "exception?); its outputs are closed and a new session starts",
+                trainer,
+            )
+            self.detach()
+        self.attached = attach_or_report(self.monitor, trainer, **set_monitor_kwargs)
+
+    def detach(self) -> None:
+        """Remove the hooks and close the outputs, once (see ``detach``)."""
+        if self.attached:
+            detach(self.monitor)
+            self.attached = False
+
 
 def attach_or_report(monitor: TrainerMon, trainer: str, **set_monitor_kwargs: Any) -> bool:
     """``monitor.set_monitor(**set_monitor_kwargs)``; a failure is logged, never raised.

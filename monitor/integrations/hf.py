@@ -7,7 +7,8 @@
 At ``on_train_begin`` the callback attaches to the Trainer's model and its optimizer (accelerate's
 ``AcceleratedOptimizer``, whose ``GradientState`` tells which micro-batch ends a step, also the
 shorter last step of an epoch) with ``gradient_accumulation_steps``; at ``on_train_end`` it
-closes the outputs.
+closes the outputs. A ``train()`` that raised is never told to the callbacks: its session is
+closed when the next ``train()`` begins.
 
 Step numbers: the Trainer logs the loss of an update under ``global_step`` after that update
 (the first update is logged as step 1), so the monitor's steps are numbered the same way: the
@@ -20,15 +21,14 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from monitor.integrations import MonitorCallback, attach_or_report, detach
+from monitor.integrations import MonitorCallback
 
 
 class TrainmonCallback(MonitorCallback, TrainerCallback):
     """Attach trainmon to a Hugging Face Trainer run. Arguments: ``MonitorCallback``."""
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self.attached = attach_or_report(
-            self.monitor,
+        self.attach(
             "Hugging Face Trainer",
             model=kwargs.get("model"),
             grad_acc_steps=args.gradient_accumulation_steps,
@@ -37,6 +37,4 @@ class TrainmonCallback(MonitorCallback, TrainerCallback):
         )
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self.attached:
-            detach(self.monitor)
-            self.attached = False
+        self.detach()

@@ -23,7 +23,7 @@ try:
 except ImportError:  # the older package name
     from pytorch_lightning.callbacks import Callback
 
-from monitor.integrations import MonitorCallback, attach_or_report, detach
+from monitor.integrations import MonitorCallback
 
 logger = logging.getLogger("trainmon")
 
@@ -37,8 +37,7 @@ class TrainmonCallback(MonitorCallback, Callback):
             logger.warning(
                 "trainmon: the run has %d optimizers; only the first is monitored", len(optimizers)
             )
-        self.attached = attach_or_report(
-            self.monitor,
+        self.attach(
             "Lightning",
             model=pl_module,
             grad_acc_steps=trainer.accumulate_grad_batches,
@@ -63,6 +62,4 @@ class TrainmonCallback(MonitorCallback, Callback):
         self.on_train_end(trainer, pl_module)
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-        if self.attached:
-            detach(self.monitor)
-            self.attached = False
+        self.detach()

@@ -21,7 +21,7 @@ from typing import Any
 
 from mindspore.train import Callback
 
-from monitor.integrations import MonitorCallback, MonitorSource, attach_or_report, detach
+from monitor.integrations import MonitorCallback, MonitorSource
 
 
 class TrainmonCallback(MonitorCallback, Callback):
@@ -42,8 +42,7 @@ class TrainmonCallback(MonitorCallback, Callback):
 
     def on_train_begin(self, run_context: Any) -> None:
         args = run_context.original_args()
-        self.attached = attach_or_report(
-            self.monitor,
+        self.attach(
             "MindSpore Model.train",
             model=args.network,
             grad_acc_steps=self.grad_acc_steps,
@@ -55,6 +54,4 @@ class TrainmonCallback(MonitorCallback, Callback):
             self.monitor.step_end()
 
     def on_train_end(self, run_context: Any) -> None:
-        if self.attached:
-            detach(self.monitor)
-            self.attached = False
+        self.detach()

@@ -56,6 +56,14 @@ def train(workdir: str, monitor_config: dict | None = None) -> tuple[StepReads, 
     model = tiny_gpt2()
     reads = StepReads(model)
     callback = TrainmonCallback(monitor_config or CONFIG)
+    trainer = build_trainer(workdir, model, [callback, ReadEachStep(reads)])
+    trainer.train()
+    reads.remove()
+    return reads, callback, trainer
+
+
+def build_trainer(workdir: str, model: torch.nn.Module, callbacks: list) -> Trainer:
+    """The Trainer of ``train``: 2 epochs of 11 samples, accumulation 2, clipping, on this rank's data."""
     args = TrainingArguments(
         output_dir=os.path.join(workdir, "hf"),
         per_device_train_batch_size=1,
@@ -72,9 +80,4 @@ def train(workdir: str, monitor_config: dict | None = None) -> tuple[StepReads, 
         dataloader_num_workers=0,
     )
     rank = int(os.environ.get("RANK", "0"))
-    trainer = Trainer(
-        model=model, args=args, train_dataset=TokenData(seed=rank), callbacks=[callback, ReadEachStep(reads)]
-    )
-    trainer.train()
-    reads.remove()
-    return reads, callback, trainer
+    return Trainer(model=model, args=args, train_dataset=TokenData(seed=rank), callbacks=callbacks)

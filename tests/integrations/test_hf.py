@@ -47,6 +47,50 @@ def test_a_failure_to_attach_is_reported_and_training_goes_on(tmp_path, trainmon
     assert any("training continues unmonitored" in r.getMessage() for r in trainmon_log.records)
 
 
+def test_a_train_that_raised_is_closed_when_the_next_train_begins(tmp_path, trainmon_log, monkeypatch):
+    """The Trainer calls no callback when train() raises: the session stays attached until the
+    next train(), which must close it rather than count its steps on under the new numbering."""
+    from transformers import TrainerCallback
+
+    from monitor.integrations.hf import TrainmonCallback
+    from tests.integrations.hf_run import ReadEachStep, build_trainer, tiny_gpt2
+    from tests.integrations.reads import StepReads
+
+    class FailOnce(TrainerCallback):
+        failed = False
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 3 and not self.failed:
+                self.failed = True
+                raise RuntimeError("simulated failure at step 3")
+
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "out"))
+    model, callback = tiny_gpt2(), TrainmonCallback(CONFIG)
+    failing = StepReads(model)
+    trainer = build_trainer(str(tmp_path), model, [callback, ReadEachStep(failing), FailOnce()])
+    with pytest.raises(RuntimeError, match="simulated failure"):
+        trainer.train()
+    failing.remove()
+    first_dir = callback.monitor.output_dir
+    assert callback.attached  # nothing told it the run ended
+
+    reads = StepReads(model)
+    trainer.remove_callback(ReadEachStep)
+    trainer.add_callback(ReadEachStep(reads))
+    trainer.train()
+    reads.remove()
+    assert any("ended without reaching its end of training" in r.getMessage() for r in trainmon_log.records)
+    assert callback.monitor.output_dir != first_dir and not callback.attached
+    first = written_rows(first_dir)
+    assert {step for _, _, step in first} == {1, 2, 3}  # closed at step 3, nothing after
+    second = written_rows(callback.monitor.output_dir)
+    assert (
+        compare(reads.steps, second, "after a failed train()")
+        == len(reads.steps) * 6 * len(reads.named_parameters()) * 6
+    )
+    assert sorted(reads.steps) == sorted({step for _, _, step in second})
+
+
 def test_a_bad_config_fails_when_the_callback_is_built():
     from monitor import ConfigError
     from monitor.integrations.hf import TrainmonCallback
