@@ -322,8 +322,8 @@ def run(args: argparse.Namespace) -> int:
 def _print_section(doc: dict, k: int, out_file: str | None, rank_count: int) -> None:
     compared = "; ".join(f"{t} over ranks {_span(r)}" for t, r in doc["ranks"].items()) or "nothing"
     print()
-    total = doc["outliers_total"]
-    if not doc["judged"]:
+    total, judged = doc["outliers_total"], doc["judged"]
+    if not judged:
         directories = f"{rank_count} rank director{'y' if rank_count == 1 else 'ies'}"
         print(
             f"No cross-rank verdict on sizes: a value is compared with its peers' only where at least "
@@ -337,9 +337,8 @@ def _print_section(doc: dict, k: int, out_file: str | None, rank_count: int) -> 
             return
     ranks = doc["by_rank"]
     heading = f"Cross-rank outliers ({compared}):"
-    if doc["judged"]:
+    if judged:
         print(f"{heading} values beyond {doc['k_mad']:g} MADs of the other ranks' median")
-        judged = doc["judged"]
         print(f"{judged:,} (tensor, step, op) values judged; {total:,} outliers on {len(ranks)} rank(s)")
     else:
         print(f"{heading} NaN/Inf where a peer is finite, on {len(ranks)} rank(s)")

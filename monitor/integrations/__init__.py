@@ -56,10 +56,11 @@ class MonitorCallback:
         self.attached = False
 
     def attach(self, trainer: str, **set_monitor_kwargs: Any) -> None:
-        """Attach at the start of a training run (see ``attach_or_report``). A session still
-        attached from an earlier run whose trainer never reached its end (it raised, and the
-        trainer has no exception hook) is closed first: left on, its hooks would go on counting
-        steps under the new run's step numbers."""
+        """``set_monitor(**set_monitor_kwargs)`` at the start of a training run; a failure is
+        logged, never raised, and the run goes on unmonitored. A session still attached from an
+        earlier run whose trainer never reached its end (it raised, and the trainer has no
+        exception hook) is closed first: left on, its hooks would go on counting steps under the
+        new run's step numbers."""
         if self.attached:
             logger.warning(
                 "trainmon: the previous %s run ended without reaching its end of training (an "
@@ -67,36 +68,25 @@ class MonitorCallback:
                 trainer,
             )
             self.detach()
-        self.attached = attach_or_report(self.monitor, trainer, **set_monitor_kwargs)
+        try:
+            self.monitor.set_monitor(**set_monitor_kwargs)
+        except Exception as exc:
+            logger.error(
+                "trainmon: could not attach to the %s run (%r); training continues unmonitored",
+                trainer,
+                exc,
+                exc_info=exc,
+            )
+            return
+        self.attached = True
 
     def detach(self) -> None:
-        """Remove the hooks and close the outputs, once (see ``detach``)."""
-        if self.attached:
-            detach(self.monitor)
-            self.attached = False
-
-
-def attach_or_report(monitor: TrainerMon, trainer: str, **set_monitor_kwargs: Any) -> bool:
-    """``monitor.set_monitor(**set_monitor_kwargs)``; a failure is logged, never raised.
-
-    Returns whether the monitor is attached.
-    """
-    try:
-        monitor.set_monitor(**set_monitor_kwargs)
-    except Exception as exc:
-        logger.error(
-            "trainmon: could not attach to the %s run (%r); training continues unmonitored",
-            trainer,
-            exc,
-            exc_info=exc,
-        )
-        return False
-    return True
-
-
-def detach(monitor: TrainerMon) -> None:
-    """Remove the hooks and close the outputs at the end of training; a failure is only logged."""
-    try:
-        monitor.stop()
-    except Exception as exc:
-        logger.error("trainmon: closing the outputs failed (%r)", exc, exc_info=exc)
+        """Remove the hooks and close the outputs at the end of training, once; a failure is
+        only logged."""
+        if not self.attached:
+            return
+        self.attached = False
+        try:
+            self.monitor.stop()
+        except Exception as exc:
+            logger.error("trainmon: closing the outputs failed (%r)", exc, exc_info=exc)
