@@ -49,6 +49,15 @@ def pipeline_info(process_group: Any) -> tuple[int, list[int]]:
     )
 
 
+def group_ranks(group: Any) -> list[int] | None:
+    """The world ranks of the named ``group``; None where there is no usable group."""
+    if not isinstance(group, str) or not initialized():
+        return None
+    if group == GlobalComm.WORLD_COMM_GROUP:
+        return list(range(world_size()))
+    return list(get_process_group_ranks(group))
+
+
 def rank_in_group(group: Any) -> int | None:
     """This rank's index in the named ``group``, or None when there is no usable group."""
     if not isinstance(group, str) or not initialized():

@@ -68,6 +68,7 @@ class MindSporeSession(SessionLifecycle):
         self.pp_stage, self.group_mates = pipeline_info(a.process_group)
         self.grad_acc_steps = a.grad_acc_steps
         self.dp_group = a.dp_group
+        self.tp_group = a.tp_group
         #: graph mode: the optimizer's update count when the session began counting from ``step``
         self._updates_at_start = (self.view.step_count() or 0) if self.graph_mode else 0
         self._start_step = a.start_iteration

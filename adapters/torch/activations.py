@@ -151,6 +151,11 @@ class Activations:
         self._dtensor = dtensor_type()
         #: this step's tensors with a gradient hook: id -> (weak reference, version, the rows it names)
         self._watched: dict[int, tuple[weakref.ref, int, list[tuple[int, str, int]]]] = {}
+        #: while evidence bundles are wanted, the bytes of module inputs the step may still hold on to
+        self._keep_left = 0
+        #: this step's kept inputs: (vpp_stage, module call, micro-step) -> [(tensor, version)]
+        self.kept_inputs: dict[tuple[int, str, int], list[tuple[torch.Tensor, int]]] = {}
+        self._kept_storages: set[int] = set()
 
     def register(self) -> list:
         """Register the hooks; returns removable handles."""
@@ -188,9 +193,36 @@ class Activations:
                 self._measure("actv", entry.vpp_stage, f"{name}.input", micro, tensors)
             if self.backward:
                 self._watch(entry.vpp_stage, f"{name}.input_grad", micro, tensors)
+            if self._keep_left and not recompute:
+                self._keep(entry.vpp_stage, name, micro, tensors)
         except Exception as exc:
             self.collect = False
             self.on_error("actv", exc)
+
+    def keep_inputs(self, budget: int) -> None:
+        """Drop the inputs kept so far and keep those of the coming steps' module calls, while
+        their storages total at most ``budget`` bytes (0: keep none). The session calls this at
+        every step end, once the step's evidence bundles are written."""
+        self._keep_left = budget
+        self.kept_inputs = {}
+        self._kept_storages = set()
+
+    def _keep(self, vpp: int, name: str, micro: int, tensors: list[torch.Tensor]) -> None:
+        """Hold on to a call's inputs (references, no copy) for an evidence bundle, all of them or
+        none, within the budget; a storage shared by several inputs (views, one module's output
+        feeding the next) is counted once."""
+        local = [t.to_local() if isinstance(t, self._dtensor) else t for t in tensors]
+        storages = {
+            storage.data_ptr(): storage.nbytes()
+            for storage in (t.untyped_storage() for t in local)
+            if storage.data_ptr() not in self._kept_storages
+        }
+        needed = sum(storages.values())
+        if not local or needed > self._keep_left:
+            return
+        self._keep_left -= needed
+        self._kept_storages.update(storages)
+        self.kept_inputs[(vpp, name, micro)] = [(t.detach(), t._version) for t in local]
 
     def _after(self, index: int) -> Callable:
         outputs = eager(functools.partial(self._outputs, index))

@@ -3,7 +3,10 @@ tensors an incident's records point at (see ``monitor.alerts.bundle``).
 
 A record's tag names a parameter (gradients, values, moments) or a module's input or output; for
 a parameter the bundle holds its value, its gradient and its Adam moments as they are now, for an
-activation the parameters of that module (activations themselves are not kept after a step).
+activation the parameters of that module. While bundles are wanted and activations are
+monitored, each collected step holds on to its modules' inputs (references, within the bundle's
+size limit) until its end, so that a bundle also holds the inputs of the module where the
+incident appeared, as that module received them.
 """
 
 from __future__ import annotations
@@ -14,8 +17,9 @@ import numpy as np
 import torch
 
 import monitor
-from monitor.alerts.bundle import Tensors, host_generators
-from monitor.datatypes.tasks import params_of_records
+from adapters.torch.dist import group_ranks
+from monitor.alerts.bundle import TensorBudget, Tensors, host_generators
+from monitor.datatypes.tasks import module_calls_of_records, params_of_records
 
 
 def as_array(tensor: torch.Tensor) -> tuple[np.ndarray, str]:
@@ -48,6 +52,11 @@ def facts(session: Any) -> tuple[dict[str, Any], Tensors]:
             "pp_stage": session.pp_stage,
             "group_mates": list(session.group_mates),
             "chunks": [type(chunk).__name__ for chunk in session.chunks],
+            "groups": {
+                "tp_group": group_ranks(session.groups[0]),
+                "dp_group": group_ranks(session.groups[1]),
+                "optimizer_shards": group_ranks(session.backend.shard_group),
+            },
         },
         "versions": {"trainmon": monitor.__version__, "torch": torch.__version__, "numpy": np.__version__},
         "rng": rng,
@@ -55,30 +64,65 @@ def facts(session: Any) -> tuple[dict[str, Any], Tensors]:
     return info, tensors
 
 
-def record_tensors(session: Any, incident: dict[str, Any], budget: int) -> Tensors:
-    """The tensors behind the incident's root and records, root first, each parameter once; only
-    those that fit in ``budget`` bytes are copied to the host (the rest are listed)."""
+def _add(kept: TensorBudget, name: str, tensor: torch.Tensor, what: str) -> None:
+    """One tensor of the bundle, copied if it fits (float32 where NumPy lacks the dtype)."""
+    shape, dtype = tuple(tensor.shape), str(tensor.dtype).removeprefix("torch.")
+    nbytes = tensor.numel() * max(tensor.element_size(), 4)
+    kept.add(name, shape, dtype, nbytes, what, lambda: as_array(tensor)[0])
+
+
+def _add_parameter(kept: TensorBudget, session: Any, entry: Any) -> None:
+    """A parameter now, its gradient and Adam's moments."""
+    registry, backend = session.collection.registry, session.backend
+    parts = [
+        ("value", entry.param, "the parameter now (after the update of the step that ended)"),
+        ("grad", registry.grad(entry.param), "its gradient as the optimizer used it"),
+        ("exp_avg", backend.moment(entry.param, "exp_avg"), "Adam's first moment"),
+        ("exp_avg_sq", backend.moment(entry.param, "exp_avg_sq"), "Adam's second moment"),
+    ]
+    for part, tensor, what in parts:
+        if isinstance(tensor, torch.Tensor):
+            _add(kept, f"{entry.vpp_stage}:{entry.name} {part}", tensor, what)
+
+
+def _add_module_inputs(kept: TensorBudget, session: Any, incident: dict[str, Any]) -> dict[str, Any] | None:
+    """The inputs of the first module the incident's records point at whose inputs this step kept
+    (at the onset micro-batch where there are several); returns what the manifest says of them."""
+    activations = session.collection.activations
+    if activations is None or not activations.kept_inputs:
+        return None
+    micro = int(incident.get("onset_micro_step", 0))
+    for vpp, call in module_calls_of_records([incident.get("root", {}), *incident.get("records", [])]):
+        steps = sorted(m for v, c, m in activations.kept_inputs if (v, c) == (vpp, call))
+        if not steps:
+            continue
+        chosen = micro if micro in steps else steps[-1]
+        changed = []
+        for index, (tensor, version) in enumerate(activations.kept_inputs[(vpp, call, chosen)]):
+            if tensor._version != version:  # written in place after the call: not what the module saw
+                changed.append(index)
+                continue
+            what = f"input {index} of the module's call at micro-batch {chosen}"
+            _add(kept, f"{vpp}:{call} input_{index}", tensor, what)
+        return {"module": f"{vpp}:{call}", "micro_step": chosen, "changed_in_place": changed}
+    return None
+
+
+def record_tensors(session: Any, incident: dict[str, Any], budget: int) -> tuple[dict[str, Any], Tensors]:
+    """The tensors behind the incident, within ``budget`` bytes of host copies (the rest are
+    listed): the root's parameters, the inputs of its module (when activations are monitored),
+    then the parameters of its other records, each once. Returns the manifest's word on the
+    module inputs and the tensors."""
     collection = session.collection
     if collection is None:
-        return {}
-    registry, backend = collection.registry, session.backend
-    tensors: Tensors = {}
-    for entry in params_of_records([incident.get("root", {}), *incident.get("records", [])], registry.params):
-        label = f"{entry.vpp_stage}:{entry.name}"
-        parts = [
-            ("value", entry.param, "the parameter now (after the update of the step that ended)"),
-            ("grad", registry.grad(entry.param), "its gradient as the optimizer used it"),
-            ("exp_avg", backend.moment(entry.param, "exp_avg"), "Adam's first moment"),
-            ("exp_avg_sq", backend.moment(entry.param, "exp_avg_sq"), "Adam's second moment"),
-        ]
-        for part, tensor, what in parts:
-            if not isinstance(tensor, torch.Tensor):
-                continue
-            size = tensor.numel() * max(tensor.element_size(), 4)  # float32 where NumPy lacks the dtype
-            shape = tuple(tensor.shape)
-            if size > budget:
-                tensors[f"{label} {part}"] = (None, str(tensor.dtype).removeprefix("torch."), what, shape)
-                continue
-            budget -= size
-            tensors[f"{label} {part}"] = (*as_array(tensor), what, shape)
-    return tensors
+        return {}, {}
+    kept = TensorBudget(budget)
+    root = incident.get("root", {})
+    first = list(params_of_records([root], collection.registry.params))
+    for entry in first:
+        _add_parameter(kept, session, entry)
+    inputs = _add_module_inputs(kept, session, incident)
+    for entry in params_of_records([root, *incident.get("records", [])], collection.registry.params):
+        if all(entry is not done for done in first):
+            _add_parameter(kept, session, entry)
+    return ({"module_inputs": inputs} if inputs else {}), kept.tensors

@@ -63,6 +63,16 @@ def pipeline_info(process_group: Any) -> tuple[int, list[int]]:
     return dist.get_group_rank(group, dist.get_rank()), list(dist.get_process_group_ranks(group))
 
 
+def group_ranks(group: Any) -> list | None:
+    """The global ranks of ``group``, or of each group of a tuple (a device mesh's dimensions);
+    None where there is no usable group."""
+    if isinstance(group, tuple):
+        return [group_ranks(member) for member in group]
+    if group is None or not initialized() or not isinstance(group, dist.ProcessGroup):
+        return None
+    return list(dist.get_process_group_ranks(group))
+
+
 def rank_in_group(group: Any) -> int | None:
     """This rank's index in ``group``, or None when there is no usable group."""
     if group is None or not initialized() or not isinstance(group, dist.ProcessGroup):

@@ -210,7 +210,13 @@ class TorchSession(SessionLifecycle):
         self, incident: dict[str, Any], budget: int
     ) -> tuple[dict[str, Any], dict[str, Any]]:
         info, generators = bundle_facts(self)
-        return info, {**record_tensors(self, incident, budget), **generators}
+        inputs, tensors = record_tensors(self, incident, budget)
+        return {**info, **inputs}, {**tensors, **generators}
+
+    def _keep_module_inputs(self, budget: int) -> None:
+        activations = self.collection.activations if self.collection is not None else None
+        if activations is not None:
+            activations.keep_inputs(budget)
 
     def _skip_update(self) -> None:
         """torch.optim optimizers leave a parameter without a gradient alone: its value, moments

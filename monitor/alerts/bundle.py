@@ -5,8 +5,9 @@ anomaly files, for reproducing and debugging the fault later.
 
 * ``manifest.json``: the incident (onset step, root, evidence, batch ids), the step at which
   the bundle was written, config, versions, topology (rank, world size, pipeline stage and
-  mates, model chunks), the random generators' states (Python's in the manifest, the others as
-  arrays), and per tensor its file, shape, original dtype and what it is;
+  mates, model chunks, process groups), which module's inputs it holds, the random generators'
+  states (Python's in the manifest, the others as arrays), and per tensor its file, shape,
+  original dtype and what it is;
 * ``{name}.npy``: each tensor as a NumPy array (bfloat16 and other types NumPy lacks as
   float32; the manifest keeps the original dtype), read without any framework by
   ``load_bundle``.
@@ -14,9 +15,9 @@ anomaly files, for reproducing and debugging the fault later.
 The bundle is written on the training thread at the end of the step where the incident began:
 while bundles are wanted, each collected step waits for the writer to judge it (as ``skip_step``
 does). Its tensors are the state then: the gradient itself (until ``zero_grad``), the parameter
-after the update, and the optimizer's moments. Tensors beyond the size limit are listed as left
-out. The directory is written under a temporary name and renamed, so a reader never sees half a
-bundle.
+after the update, the optimizer's moments, and the inputs a module received during the step.
+Tensors beyond the size limit are listed as left out. The directory is written under a
+temporary name and renamed, so a reader never sees half a bundle.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import platform
 import random
 import shutil
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,6 +52,25 @@ def host_generators() -> tuple[dict[str, Any], Tensors]:
         "numpy": {"algorithm": state[0], "pos": state[2], "has_gauss": state[3], "cached_gaussian": state[4]},
     }
     return rng, {"rng.numpy": (key, "uint32", "numpy's global generator: key", key.shape)}
+
+
+class TensorBudget:
+    """A bundle's tensors in order of importance: each is copied to the host only while the
+    copies fit in ``budget`` bytes; past it a tensor is listed (None), never copied off its device."""
+
+    def __init__(self, budget: int) -> None:
+        self.left = budget
+        self.tensors: Tensors = {}
+
+    def add(
+        self, name: str, shape: tuple[int, ...], dtype: str, nbytes: int, what: str, copy: Callable[[], Any]
+    ) -> None:
+        """Add ``name``: ``copy()`` returns its host array; ``nbytes`` is that array's size."""
+        if nbytes > self.left:
+            self.tensors[name] = (None, dtype, what, shape)
+            return
+        self.left -= nbytes
+        self.tensors[name] = (copy(), dtype, what, shape)
 
 
 @dataclass
@@ -141,6 +161,23 @@ def _generators(manifest: dict[str, Any]) -> list[str]:
     return sorted(names)
 
 
+def _groups_line(groups: Mapping[str, Any]) -> list[str]:
+    """The process groups a bundle's topology names (those the run had), as one line."""
+    known = [f"{name} {ranks}" for name, ranks in groups.items() if ranks is not None]
+    return [f"groups (global ranks): {', '.join(known)}"] if known else []
+
+
+def _inputs_line(inputs: Mapping[str, Any] | None) -> list[str]:
+    """Which module's inputs a bundle holds, and those written in place after the call."""
+    if not inputs:
+        return []
+    line = f"inputs of module {inputs['module']} at micro-batch {inputs['micro_step']}"
+    changed = inputs.get("changed_in_place") or []
+    if changed:
+        line += f" (input {', '.join(map(str, changed))} written in place after the call: not kept)"
+    return [line]
+
+
 def describe_bundle(bundle: Bundle) -> str:
     """The text ``trainmon bundle show`` prints: the incident, where it ran, and each tensor."""
     m = bundle.manifest
@@ -157,6 +194,8 @@ def describe_bundle(bundle: Bundle) -> str:
         f"batch ids: {json.dumps(incident.get('batch_ids') or None)}",
         f"rank {topology.get('rank')} of {topology.get('world_size')}, pipeline stage "
         f"{topology.get('pp_stage')}, model chunks {topology.get('chunks')}",
+        *_groups_line(topology.get("groups") or {}),
+        *_inputs_line(m.get("module_inputs")),
         "versions: " + ", ".join(f"{k} {v}" for k, v in sorted(m.get("versions", {}).items())),
         f"random generator states: {', '.join(_generators(m)) or 'none'}",
         "tensors:",

@@ -3,7 +3,7 @@
 ``IncidentResponses`` is a part of ``monitor.session.lifecycle.SessionLifecycle`` (which inherits it); it
 uses the session's ``config``, ``rank``, ``step``, ``collection``, ``core`` and
 ``_stop_as_asked``. Adapters supply ``_agree_on_stop`` (a collective across ranks),
-``_skip_update`` and ``_bundle_contents``.
+``_skip_update``, ``_bundle_contents`` and ``_keep_module_inputs``.
 
 Actions are agreed at every optimizer step from attaching until ``stop()``, whether or not the
 step is collected and whether or not this rank's collection still runs, so that every rank
@@ -92,6 +92,7 @@ class IncidentResponses:
         if self.alerts is not None:
             alerts = self.alerts
             core.on_incident(lambda incident: alerts.incident(incident, core.output_dir))
+        self._keep_module_inputs(self._input_budget())
 
     def _attach_alerts(self) -> None:
         """At attaching (also dormant): the actions must be agreed from the first step on."""
@@ -167,9 +168,23 @@ class IncidentResponses:
                 self.step - 1,
                 SKIP_JUDGE_WAIT_S,
             )
-        for incident in self.alerts.take_bundles():
-            self._write_bundle(incident)
+        try:
+            for incident in self.alerts.take_bundles():
+                self._write_bundle(incident)
+        finally:
+            self._keep_module_inputs(self._input_budget())
         self._act_if_asked()
+
+    def _input_budget(self) -> int:
+        """Bytes of module inputs a step keeps for a bundle: its size limit while bundles are
+        wanted, else none."""
+        bundle = self.config.alert.bundle
+        wanted = self.alerts is not None and self.alerts.bundles_wanted and bundle is not None
+        return int(bundle.max_mb * 2**20) if wanted else 0
+
+    def _keep_module_inputs(self, budget: int) -> None:
+        """Drop the module inputs kept for the step that ended; keep those of the coming steps'
+        monitored modules within ``budget`` bytes (0: none). Adapters whose activations can."""
 
     def _write_bundle(self, incident: dict[str, Any]) -> None:
         """One incident's evidence bundle; a failure is logged and the run goes on."""

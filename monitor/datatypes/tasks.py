@@ -157,3 +157,22 @@ def params_of_records(records: Iterable[Mapping[str, Any]], params: Sequence[Any
             if id(entry) not in seen:
                 seen.add(id(entry))
                 yield entry
+
+
+def module_calls_of_records(records: Iterable[Mapping[str, Any]]) -> list[tuple[int, str]]:
+    """``(vpp_stage, module call)`` of each record's tag, in order, each once: the module call
+    (``layers.1``, ``layers.1[1]`` for its second call in a micro-batch) whose input or output an
+    activation row describes, or the module that owns a parameter (what bundles keep the inputs of)."""
+    calls: list[tuple[int, str]] = []
+    for record in records:
+        parsed = parse_tag(str(record.get("tag_name", "")))
+        if parsed is None:
+            continue
+        name = parsed.row.name
+        if parsed.prefix in ACTIVATION_PREFIXES:  # layers.1[1].output_0 -> layers.1[1]
+            call = name.rsplit(".", 1)[0] if "." in name else ""
+        else:
+            call = name.rpartition(".")[0]
+        if (parsed.row.vpp_stage, call) not in calls:
+            calls.append((parsed.row.vpp_stage, call))
+    return calls

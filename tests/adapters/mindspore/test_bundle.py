@@ -73,5 +73,6 @@ def test_the_bundle_holds_the_faulty_parameter_its_moments_and_the_generators(tm
         "group_mates": [0],
         "chunks": ["Net"],
         "graph_mode": False,
+        "groups": {"tp_group": None, "dp_group": None},
     }
     assert m["versions"]["mindspore"] == ms.__version__

@@ -14,9 +14,11 @@ import sys
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 
 from monitor import TrainerMon
 from monitor.alerts.bundle import load_bundle
+from tests.adapters.torch.distributed import run_ranks, save_result
 from tests.adapters.torch.helpers import MLP, make_batches
 
 STEPS, AT, FAULTY = 14, 8, "layers.1.weight"
@@ -81,7 +83,9 @@ def test_the_bundle_holds_the_faulty_tensors_and_the_generators_of_its_step(tmp_
     assert _same(bundle.tensors["rng.torch"], copy["torch"])
     version, internal, gauss = m["rng"]["python"]
     assert (version, tuple(internal), gauss) == copy["python"]
-    assert m["topology"] == {"rank": 0, "world_size": 1, "pp_stage": 0, "group_mates": [0], "chunks": ["MLP"]}
+    no_groups = {"tp_group": None, "dp_group": None, "optimizer_shards": None}
+    topology = {"rank": 0, "world_size": 1, "pp_stage": 0, "group_mates": [0], "chunks": ["MLP"]}
+    assert m["topology"] == {**topology, "groups": no_groups}
     assert m["versions"]["torch"] == torch.__version__ and m["config"]["alert"]["bundle"]["incidents"] == 1
     shown = subprocess.run(
         [sys.executable, "-m", "monitor.cli", "bundle", "show", str(bundle.path)],
@@ -117,3 +121,122 @@ def test_a_damaged_bundle_is_refused_clearly(tmp_path):
         [sys.executable, "-m", "monitor.cli", "bundle", "show", str(tmp_path)], capture_output=True, text=True
     )
     assert shown.returncode == 2 and "not a readable trainmon bundle" in shown.stderr
+
+
+class _WrittenInPlace(torch.nn.Module):
+    """``scale`` receives ``h``, which the forward then changes in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(6, 8)
+        self.scale = _Scale()
+        self.out = torch.nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        y = self.scale(h)
+        h.add_(1.0)  # after scale's call: what it received is gone
+        return self.out(y + h)
+
+
+class _Scale(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 2.0
+
+
+def _train_with_faulty_output(
+    model, module: str, micro: int, bundle: dict, faulty_rank: bool = True, seed: int = 1, **attach
+) -> dict:
+    """Two micro-batches a step, activations monitored; the output of ``module`` turns NaN at
+    micro-batch ``micro`` of step AT (where ``faulty_rank``). Returns the test's own copies of
+    what that module received at each (step, micro-batch). A DistributedDataParallel ``model``
+    is attached with the set_monitor arguments ``attach``."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    inner = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+    faulty = dict(inner.named_modules())[module]
+    received: dict[tuple[int, int], list[np.ndarray]] = {}
+    position = {"step": 0, "micro": 0}
+
+    def copy_inputs(_module, args):
+        received[(position["step"], position["micro"])] = [a.detach().numpy().copy() for a in args]
+
+    def poison(_module, _args, output):
+        if faulty_rank and (position["step"], position["micro"]) == (AT, micro):
+            output.data[0, 0] = float("nan")
+
+    faulty.register_forward_pre_hook(copy_inputs)
+    faulty.register_forward_hook(poison)  # before the monitor's hooks: the monitor sees the NaN
+    config = {"xy_distribution": True, "all_xy": True, "ops": ["norm", "nans"], "alert": {"bundle": bundle}}
+    mon = TrainerMon(config).set_monitor(model, 2, optimizer, **attach)
+    for step, micro_batches in enumerate(make_batches(STEPS, 2, seed=seed)):
+        position["step"] = step
+        for index, x in enumerate(micro_batches):
+            position["micro"] = index
+            model(x).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.nan_to_num_(0.0)
+                for moment in optimizer.state[p].values():
+                    moment.nan_to_num_(0.0)
+    mon.stop()
+    return received
+
+
+def test_the_bundle_holds_the_inputs_the_faulty_module_received(tmp_path, monkeypatch):
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path))
+    received = _train_with_faulty_output(MLP(), "layers.1", 1, {"incidents": 1})
+    bundle = load_bundle(tmp_path / "anomaly_detected" / "rank0" / "bundle_incident1")
+    m = bundle.manifest
+    assert m["incident"]["onset_step"] == AT
+    assert m["incident"]["root"]["tag_name"].startswith("0:layers.1.output")
+    assert m["module_inputs"] == {"module": "0:layers.1", "micro_step": 1, "changed_in_place": []}
+    (expected,) = received[(AT, 1)]
+    assert _same(bundle.tensors["0:layers.1 input_0"], expected)
+    assert not _same(bundle.tensors["0:layers.1 input_0"], received[(AT, 0)][0])  # the onset micro-batch's
+    names = list(bundle.tensors)
+    assert names.index("0:layers.1.weight value") < names.index("0:layers.1 input_0")  # the root's first
+
+
+def test_an_input_written_in_place_after_the_call_is_not_passed_off_as_received(tmp_path, monkeypatch):
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path))
+    _train_with_faulty_output(_WrittenInPlace(), "scale", 0, {"incidents": 1})
+    bundle = load_bundle(tmp_path / "anomaly_detected" / "rank0" / "bundle_incident1")
+    assert bundle.manifest["module_inputs"] == {"module": "0:scale", "micro_step": 0, "changed_in_place": [0]}
+    assert not [name for name in bundle.tensors if "input" in name]
+    shown = subprocess.run(
+        [sys.executable, "-m", "monitor.cli", "bundle", "show", str(bundle.path)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    said = "inputs of module 0:scale at micro-batch 0 (input 0 written in place after the call: not kept)"
+    assert said in shown
+
+
+def test_module_inputs_past_the_size_limit_are_not_held(tmp_path, monkeypatch):
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path))
+    _train_with_faulty_output(MLP(), "layers.1", 1, {"incidents": 1, "max_mb": 0.00005})  # 52 bytes
+    bundle = load_bundle(tmp_path / "anomaly_detected" / "rank0" / "bundle_incident1")
+    assert "module_inputs" not in bundle.manifest  # the smallest input, 5x4 float32, is 80 bytes
+
+
+def _ddp_worker(rank: int, world_size: int, workdir: str) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(MLP())
+    received = _train_with_faulty_output(
+        model, "layers.1", 1, {"incidents": 1}, rank == 1, seed=rank + 1, dp_group=dist.group.WORLD
+    )
+    save_result(workdir, rank, {"received": received[(AT, 1)][0].tolist()})
+
+
+@pytest.mark.distributed
+def test_a_data_parallel_rank_keeps_its_groups_and_its_own_module_inputs(tmp_path):
+    results = run_ranks(_ddp_worker, 2, str(tmp_path), {"MONITOR_OUTPUT_DIR": str(tmp_path / "out")})
+    bundle = load_bundle(tmp_path / "out" / "anomaly_detected" / "rank1" / "bundle_incident1")
+    m = bundle.manifest
+    assert m["topology"]["groups"] == {"tp_group": None, "dp_group": [0, 1], "optimizer_shards": None}
+    assert (m["incident"]["onset_step"], m["module_inputs"]["micro_step"]) == (AT, 1)
+    (name,) = [name for name in bundle.tensors if name.endswith("layers.1 input_0")]
+    assert _same(bundle.tensors[name], np.array(results[1]["received"], dtype=np.float32))
