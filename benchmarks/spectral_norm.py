@@ -3,10 +3,11 @@ scratch, against ``torch.linalg.matrix_norm(ord=2)``.
 
 The benchmarks' 6.9M GPT-like model trains with AdamW; at every ``--interval``-th step each of
 its 25 linear weights is measured as a collection measures it (adapters.torch.l2.L2Features,
-warm-started from its last collected step). Early training is the hard case: the top singular
-values of a near-random weight lie within a few percent of each other and trade places between
-steps. Printed: the worst relative error, the Lanczos steps a warm start took (mean, 90th
-percentile, most) and the time of a collected step's spectral norms.
+started from its last collected step's top vector mixed with a random one). Early training is
+the hard case: the top singular values of a near-random weight lie within a few percent of each
+other, and a new, larger one can rise in a direction the last top vector barely holds. Printed:
+the worst relative error, the Lanczos steps of the later collected steps (mean, 90th percentile,
+most) and the time of a collected step's spectral norms.
 
     python benchmarks/spectral_norm.py                          # lr 1e-3, every step, 60 steps
     python benchmarks/spectral_norm.py --lr 1e-3 --interval 10 --steps 300

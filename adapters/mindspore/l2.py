@@ -6,7 +6,7 @@ under another name than its PyTorch monitor; here both frameworks write ``softma
 ``entropy``, ``kernel_norm`` and ``sr``, so runs compare. PyNative runs each operation
 separately, so the work is done on the host with numpy on small copies: batch 0's Q and K of
 each attention call, and each linear weight once per collected step (Lanczos from the last
-step's top singular vector, as on torch).
+step's top singular vector and a random one, as on torch).
 
 A call is recorded as the activations are: inside a call of its chunk's root Cell, in training
 mode or under ``value_and_grad`` (which leaves out MindSpore's recompute pass).
@@ -62,6 +62,8 @@ class L2Features(L2Steps):
         ]
         super().__init__(named, config, is_linear, on_error)
         self.roots = RootCalls(chunks, lambda: self.collect)
+        #: this monitor's own random numbers (the training's generators are never drawn from)
+        self._random = np.random.default_rng(0)
 
     def register(self) -> list:
         if not self.attention:
@@ -121,11 +123,13 @@ class L2Features(L2Steps):
         def gram(v: np.ndarray) -> np.ndarray:
             return weight.T @ (weight @ v) if tall else weight @ (weight.T @ v)
 
+        fresh = self._random.standard_normal(size)
         start = self.vectors.get(index)
         steps = WARM_ITERATIONS
         if start is None or start.shape[0] != size:
-            start = np.random.default_rng(index).standard_normal(size)
-            steps = FIRST_ITERATIONS
+            start, steps = fresh, FIRST_ITERATIONS
+        else:  # half the last top vector, half a random one (see monitor.datatypes.l2)
+            start = start / max(float(np.linalg.norm(start)), 1e-30) + fresh / np.sqrt(size)
         theta, vector = lanczos_top(gram, start, min(steps, size))
         self.vectors[index] = np.nan_to_num(vector, nan=1.0, posinf=1.0, neginf=-1.0)
         return float(np.sqrt(max(theta, 0.0))) if np.isfinite(theta) else float("nan")

@@ -4,8 +4,8 @@
 Attention: a forward hook on each listed module computes, on the module's device in float32, the
 causal softmax of Q K^T / sqrt(d) of batch 0 (head 0, every head, or each head) and keeps two or
 four numbers per call; nothing is copied to the host until the step is written. Linear: at the
-optimizer step, a few Lanczos steps per weight, started from the top singular vector of the last
-collected step.
+optimizer step, 16 Lanczos steps per weight, started from the top singular vector of the last
+collected step mixed with a random one.
 """
 
 from __future__ import annotations
@@ -139,6 +139,7 @@ class L2Features(L2Steps):
                 len(self.linear),
             )
         self.linear = whole
+        self._generators: dict[torch.device, torch.Generator] = {}
 
     def register(self) -> list:
         if not self.attention:
@@ -178,6 +179,13 @@ class L2Features(L2Steps):
         super().reset()
         self.micro.reset()
 
+    def _generator(self, device: torch.device) -> torch.Generator:
+        """This monitor's own random numbers on ``device`` (the training's generators are never
+        drawn from)."""
+        if device not in self._generators:
+            self._generators[device] = torch.Generator(device=device).manual_seed(0)
+        return self._generators[device]
+
     def take_attention(self, rank: int) -> tuple[RowSet, torch.Tensor] | None:
         """This step's attention rows and values (on the device); None without any. Resets the step."""
         return self.take_rows(rank, lambda values: torch.cat(values).float())
@@ -197,19 +205,21 @@ class L2Features(L2Steps):
 
     def _spectral_norm(self, index: int, weight: torch.Tensor) -> torch.Tensor:
         """The largest singular value: Lanczos on the Gram matrix of the weight's smaller side,
-        started from the last step's top Ritz vector (a random one the first time)."""
+        started from the last step's top Ritz vector plus a random one (random alone the first
+        time)."""
         tall = weight.shape[0] >= weight.shape[1]
         size = weight.shape[1] if tall else weight.shape[0]
 
         def gram(v: torch.Tensor) -> torch.Tensor:
             return weight.T @ (weight @ v) if tall else weight @ (weight.T @ v)
 
+        fresh = torch.randn(size, generator=self._generator(weight.device), device=weight.device)
         start = self.vectors.get(index)
         steps = WARM_ITERATIONS
         if start is None or start.shape[0] != size or start.device != weight.device:
-            generator = torch.Generator(device=weight.device).manual_seed(index)
-            start = torch.randn(size, generator=generator, device=weight.device)
-            steps = FIRST_ITERATIONS
+            start, steps = fresh, FIRST_ITERATIONS
+        else:  # half the last top vector, half a random one (see monitor.datatypes.l2)
+            start = start / torch.linalg.vector_norm(start).clamp_min(1e-30) + fresh / math.sqrt(size)
         theta, vector = lanczos_top(gram, start, min(steps, size))
         # a NaN weight gives NaN now, not a NaN start for every later step
         self.vectors[index] = torch.nan_to_num(vector, nan=1.0, posinf=1.0, neginf=-1.0)
