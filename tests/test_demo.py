@@ -37,6 +37,8 @@ def test_demo_reports_the_injected_spike_at_its_step(tmp_path):
     assert "Detected:    1 incident(s)" in done.stdout
     assert "trainmon anomaly-analyse -d" in done.stdout
     assert f"tensorboard --logdir {out}" in done.stdout
+    assert "Warning" not in done.stderr, done.stderr  # neither torch's nor Python's warnings
+    assert "\x1b[" not in done.stdout + done.stderr  # no colour codes, on a terminal or not
     assert _anomaly_steps(out) == {25}
     (rank_dir,) = [d for d in os.listdir(out) if "-rank0-" in d]
     frame = pd.read_csv(out / rank_dir / "grad_unreduced_20-29.csv")
@@ -85,6 +87,7 @@ def test_demo_rejects_a_spike_after_the_last_step(tmp_path):
         (["--config", "missing.yaml"], "trainmon demo: config file 'missing.yaml': cannot be read"),
         (["--config", "bad_op.yaml"], "ops[1]: expected one of"),
         (["--output", "a_file"], "a_file' exists and is not a directory"),
+        (["--format", "tensorbord"], "got 'tensorbord'; did you mean 'tensorboard'?"),
     ],
 )
 def test_demo_says_what_is_wrong_in_one_line(tmp_path, args, says):

@@ -9,6 +9,8 @@ import sys
 from collections.abc import Callable
 from importlib import resources
 
+from monitor.config.values import did_you_mean
+
 DEMO_TEMPLATE = "everything_alerts.yaml"
 
 
@@ -37,6 +39,19 @@ def _int_at_least(low: int) -> Callable[[str], int]:
     return parse
 
 
+def _one_of(choices: tuple[str, ...]) -> Callable[[str], str]:
+    """An argparse type: one of ``choices``, naming the closest one when misspelt."""
+
+    def parse(text: str) -> str:
+        if text not in choices:
+            raise argparse.ArgumentTypeError(
+                f"expected one of {', '.join(choices)}, got {text!r}{did_you_mean(text, choices)}"
+            )
+        return text
+
+    return parse
+
+
 def _add_demo(sub: argparse._SubParsersAction) -> None:
     demo = sub.add_parser(
         "demo",
@@ -52,9 +67,9 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
     )
     demo.add_argument(
         "--format",
-        choices=("csv", "tensorboard", "parquet"),
+        type=_one_of(("csv", "tensorboard", "parquet")),
         default=None,
-        help="output format (default csv)",
+        help="output format: csv (default), tensorboard or parquet",
     )
     spike = demo.add_mutually_exclusive_group()
     spike.add_argument(

@@ -15,6 +15,7 @@ import sys
 from collections.abc import Callable
 
 from monitor import memory_limit
+from monitor.config.values import did_you_mean
 from monitor.datatypes.tasks import PREFIX_TASKS
 from monitor.files import TIME_FORMAT
 
@@ -40,6 +41,7 @@ def _types(text: str) -> list[str]:
     if not types or unknown:
         raise argparse.ArgumentTypeError(
             f"expected a comma-separated list of {', '.join(DATA_TYPES)}; got {text!r}"
+            f"{did_you_mean(unknown[0] if unknown else text, DATA_TYPES)}"
         )
     return types
 

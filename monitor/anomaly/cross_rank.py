@@ -31,6 +31,7 @@ import numpy as np
 from monitor import memory_limit
 from monitor.anomaly import analyse, peers, rank_csv, windows
 from monitor.anomaly.analyse import UsageError
+from monitor.config.values import did_you_mean
 from monitor.files import TIME_FORMAT, time_bounds
 from monitor.writers.parquet_files import live_prefixes
 
@@ -217,9 +218,13 @@ def _parse_names(
     text: str, flag: str, example: str, allowed: tuple[str, ...] | None = None
 ) -> tuple[str, ...]:
     names = tuple(dict.fromkeys(part.strip() for part in str(text).split(",")))
-    if not all(_TYPE.match(n) and (allowed is None or n in allowed) for n in names):
+    wrong = [n for n in names if not (_TYPE.match(n) and (allowed is None or n in allowed))]
+    if wrong:
         choice = f" drawn from {', '.join(allowed)}" if allowed else ""
-        raise UsageError(f"{flag}: expected comma-separated names{choice} such as '{example}', got {text!r}")
+        hint = did_you_mean(wrong[0], allowed or ())
+        raise UsageError(
+            f"{flag}: expected comma-separated names{choice} such as '{example}', got {text!r}{hint}"
+        )
     return names
 
 
@@ -283,6 +288,7 @@ def _check(args: argparse.Namespace) -> Settings:
             f"no CSV or Parquet files of type {', '.join(types)} in {len(rank_dirs)} rank directories "
             f"under {data_dir} "
             f"(types found: {', '.join(sorted(present)) or 'none'}; expected {where})"
+            f"{did_you_mean(types[0], present)}"
         )
     return Settings(data_dir, analyse.make_out_dir(args, data_dir), k, steps, types, ops, rank_dirs, memory)
 

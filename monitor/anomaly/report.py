@@ -69,13 +69,15 @@ def _value_text(value: float | None) -> str:
 
 
 def format_table(records: list[AnomalyRecord], message_width: int = MESSAGE_WIDTH) -> str:
-    """An aligned text table of ranked records."""
-    header = ("#", "rank", "step", "micro_step", "stage", "tag", "op", "value", "message")
+    """An aligned text table of ranked records: where, what, the value against its baseline and
+    the rule that judged it (a record of unknown rule shows its message, cut at
+    ``message_width``; msprobe's message only repeats the tag, op and step)."""
+    header = ("#", "rank", "step", "micro_step", "stage", "tag", "op", "value", "baseline", "rule")
     rows = []
     for index, r in enumerate(records, 1):
-        message = _clean(r.message)
-        if len(message) > message_width:
-            message = message[: message_width - 3] + "..."
+        rule = _clean(r.rule or r.message)
+        if len(rule) > message_width:
+            rule = rule[: message_width - 3] + "..."
         rows.append(
             (
                 str(index),
@@ -86,11 +88,12 @@ def format_table(records: list[AnomalyRecord], message_width: int = MESSAGE_WIDT
                 _clean(r.tag_name),
                 _clean(r.op) or "-",
                 _value_text(r.value),
-                message,
+                _value_text(r.baseline),
+                rule,
             )
         )
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
-    numeric = {0, 1, 2, 3, 7}
+    numeric = {0, 1, 2, 3, 7, 8}
     lines = []
     for row in [header, *rows]:
         cells = [

@@ -9,6 +9,7 @@ from __future__ import annotations
 import difflib
 import logging
 import math
+from collections.abc import Iterable
 from typing import Any
 
 logger = logging.getLogger("trainmon")
@@ -18,10 +19,16 @@ class ConfigError(ValueError):
     """A config value is missing, of the wrong type or out of range."""
 
 
+def did_you_mean(value: Any, known: Iterable[str]) -> str:
+    """``"; did you mean 'x'?"`` naming the known name closest to ``value``, or ``""`` when none
+    is close (what every error about a misspelt name ends with)."""
+    close = difflib.get_close_matches(value, list(known), n=1) if isinstance(value, str) else []
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
 def warn_unknown(key: str, known: tuple[str, ...], path: str) -> None:
     """One warning for an unknown key, naming the closest known one."""
-    close = difflib.get_close_matches(key, known, n=1)
-    hint = f"; did you mean {close[0]!r}?" if close else ""
+    hint = did_you_mean(key, known)
     logger.warning("trainmon config: unknown key %r ignored%s", f"{path}{key}", hint)
 
 
@@ -29,15 +36,13 @@ def unknown_key(
     path: str, key: str, known: tuple[str, ...] | list[str], what: str = "unknown key"
 ) -> ConfigError:
     """The error for a key a section does not have, naming the keys it has and the closest one."""
-    close = difflib.get_close_matches(str(key), known, n=1)
-    hint = f"; did you mean {close[0]!r}?" if close else ""
+    hint = did_you_mean(str(key), known)
     return ConfigError(f"{path}: {what}; expected one of {', '.join(known)}{hint}")
 
 
 def not_one_of(path: str, value: Any, choices: tuple[str, ...] | list[str]) -> ConfigError:
     """The error for a value outside ``choices``, naming the closest choice when there is one."""
-    close = difflib.get_close_matches(value, choices, n=1) if isinstance(value, str) else []
-    hint = f"; did you mean {close[0]!r}?" if close else ""
+    hint = did_you_mean(value, choices)
     return ConfigError(f"{path}: expected one of {', '.join(choices)}, got {describe(value)}{hint}")
 
 

@@ -220,6 +220,9 @@ def test_command_lines(tmp_path, capsys, name):
     for bad in (["-d", "x", "-j", "0"], ["-d", "x", "--types", "grad,exp_avg"]):
         with pytest.raises(SystemExit):
             parser.parse_args(bad)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["-d", "x", "--types", "exp_avg,grad_reducd"])
+    assert "got 'exp_avg,grad_reducd'; did you mean 'grad_reduced'?" in capsys.readouterr().err
 
 
 def test_the_command_module_does_not_import_the_converters():

@@ -42,6 +42,9 @@ def rec(tag: str, step: int = 0, **fields) -> AnomalyRecord:
     return AnomalyRecord(rank, step, tag, message, **fields)
 
 
+TABLE_HEADER = ["#", "rank", "step", "micro_step", "stage", "tag", "op", "value", "baseline", "rule"]
+
+
 def tags(records: list[AnomalyRecord]) -> list[str]:
     return [r.tag_name for r in records]
 
@@ -391,7 +394,7 @@ def test_both_formats_ranked_into_the_output_file(tree: Path, capsys: pytest.Cap
     assert document["0:layers.0.fc.weight/rank0/exp_avg_max_step_1_call_9"]["value"] == 123.4
     out = capsys.readouterr().out
     header = next(line for line in out.splitlines() if line.startswith("#"))
-    assert header.split() == ["#", "rank", "step", "micro_step", "stage", "tag", "op", "value", "message"]
+    assert header.split() == TABLE_HEADER
     assert "backward" in out and "optimizer" in out and "forward" in out
     assert out.rstrip().splitlines()[-1] == "6 records from 2 files; skipped 0 files, 0 records"
 
@@ -546,6 +549,15 @@ def test_table_truncates_messages_and_neutralises_control_characters() -> None:
     table = analyse.format_table([record])
     assert "\x1b" not in table and "\n" not in table.splitlines()[1]
     assert table.splitlines()[1].endswith("x" * (analyse.MESSAGE_WIDTH - 3) + "...")
+
+
+def test_table_shows_the_rule_and_baseline_instead_of_repeating_the_tag() -> None:
+    record = rec("0:fc.weight/rank0/post_grad", message="Rule AnomalyZScore reports anomaly signal in ...")
+    record.op, record.value, record.baseline, record.rule = "norm", 452.342, 0.452, "AnomalyZScore"
+    header, row = analyse.format_table([record]).splitlines()
+    assert header.split() == TABLE_HEADER
+    assert row.split()[-4:] == ["norm", "452.342", "0.452", "AnomalyZScore"]
+    assert row.count("0:fc.weight") == 1
 
 
 def test_parallel_scan_matches_serial(tmp_path: Path) -> None:

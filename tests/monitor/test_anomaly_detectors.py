@@ -1,7 +1,8 @@
 """Turbulence semantics (1.2.2 and later), two-sided deviation, z-score false positives, state round trip.
 
-Every verdict is checked against an independent plain-Python re-implementation written from the
-spec (§9.2), never against the code under test.
+Every verdict is checked against an independent plain-Python re-implementation written from
+the rules' documented definitions (msprobe 1.2.2's running-mean turbulence rule, its later
+moving-average form, the z-score rule of docs/anomalies.md), never against the code under test.
 """
 
 from __future__ import annotations

@@ -188,7 +188,7 @@ def found_keys(document: dict) -> dict[tuple, float]:
     }
 
 
-# ----------------------------------------------------------------------------------------- the spec'd case
+# ------------------------------------------------------------- one rank scaled at one step: the defining case
 
 
 def test_one_rank_scaled_at_step_7_is_exactly_what_is_reported(tmp_path, capsys):
@@ -466,6 +466,8 @@ def test_no_csv_files_exit_2_with_a_clear_message(tmp_path, capsys):
         (["--k-mad", "nan"], "--k-mad must be a number > 0"),
         (["--types", "grad unreduced"], "--types: expected comma-separated names"),
         (["--ops", "norm,median"], "--ops: expected comma-separated names drawn from min, max"),
+        (["--ops", "norm,nrom"], "got 'norm,nrom'; did you mean 'norm'?"),
+        (["--types", "grad_unreducd"], "; did you mean 'grad_unreduced'?"),
         (["--ranks", "[0, 'a']"], "--ranks: expected a Python list of integers"),
         (["-k", "0"], "top k must be at least 1"),
     ],

@@ -3,7 +3,7 @@
 Nothing here ships in the package; it is imported only by test worker processes (spawned fresh
 for each job, so the patches never reach the pytest process or another test). megatron-core
 hard-codes CUDA in a few places that have nothing to do with what the monitor observes; these
-are the only patches needed (found by removing them one at a time, ../shared/recipes.md §4):
+are the only patches needed (found by removing them one at a time):
 
 - ``torch.cuda.current_device`` returns the CPU device (grad/param buffers are allocated on it);
 - tensor factories given ``device="cuda"`` (or a device index) build on the CPU (found_inf, the
