@@ -1,16 +1,18 @@
-"""What alert sinks cost the training step, with an endpoint that never answers.
+"""What alert sinks and evidence bundles cost the training step, with an endpoint that never answers.
 
 An MLP trains with the recommended alert rules on weight gradients and moments; every
 ``--every`` steps one gradient is multiplied by 1e4 for one step, so an incident opens (and closes
-a few quiet steps later) again and again. Blocks of steps alternate between two monitors, the
-same config without sinks (A) and with sinks (B): a webhook whose server accepts the connection
+a few quiet steps later) again and again. Blocks of steps rotate between three monitors: the
+same config without sinks (A), with sinks (B): a webhook whose server accepts the connection
 and never answers, a command that sleeps, a JSON-lines file, and an ``on_incident`` callback that
-sleeps. Each block is a fresh TrainerMon (attaching and ``stop()`` untimed); its cost is the CPU
-and the wall time per step, the writer's ``flush()`` included. Delivery runs on the sinks' own
-threads, so B/A should be 1 within noise, in wall time too.
+sleeps; and with evidence bundles for every incident (C). Each block is a fresh TrainerMon
+(attaching and ``stop()`` untimed); its cost is the CPU and the wall time per step, the writer's
+``flush()`` included. Delivery runs on the sinks' own threads, so B/A should be 1 within noise,
+in wall time too. Bundles are written on the training thread, and while they are wanted each
+step waits for the writer to judge it: C/A is what that costs.
 
-    python benchmarks/alerts.py            # 8 pairs of 40-step blocks
-    python benchmarks/alerts.py --quick    # 3 pairs of 40-step blocks
+    python benchmarks/alerts.py            # 8 rounds of 40-step blocks
+    python benchmarks/alerts.py --quick    # 3 rounds of 40-step blocks
 """
 
 from __future__ import annotations
@@ -47,20 +49,20 @@ def silent_server() -> tuple[socket.socket, str]:
     return server, f"http://127.0.0.1:{server.getsockname()[1]}/hook"
 
 
-def config(sinks: list[dict], output: str) -> dict:
+def config(**alert: object) -> dict:
     return {
         "wg_distribution": True,
         "mv_distribution": True,
         "ops": ["min", "max", "norm", "mean", "zeros", "nans"],
         "format": "csv",
-        "alert": {"rules": RECOMMENDED_RULES, "dump": True, "sinks": sinks},
+        "alert": {"rules": RECOMMENDED_RULES, "dump": True, **alert},
     }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="3 pairs of 40-step blocks")
-    parser.add_argument("--pairs", type=int, default=8)
+    parser.add_argument("--quick", action="store_true", help="3 rounds of 40-step blocks")
+    parser.add_argument("--pairs", type=int, default=8, help="rounds of one block of each monitor")
     parser.add_argument("--steps", type=int, default=40, help="timed steps per block")
     parser.add_argument("--every", type=int, default=16, help="steps between injected spikes")
     args = parser.parse_args()
@@ -89,10 +91,10 @@ def main() -> None:
             {"type": "command", "argv": sleeper, "ranks": "all", "timeout_s": 30},
             {"type": "file", "path": "incidents.jsonl", "ranks": "all", "max_per_hour": 100000},
         ]
-        plans = {"A": config([], out), "B": config(sinks, out)}
-        blocks: dict[str, list[tuple[float, float, int]]] = {"A": [], "B": []}
+        plans = {"A": config(), "B": config(sinks=sinks), "C": config(bundle={"incidents": 1000})}
+        blocks: dict[str, list[tuple[float, float, int]]] = {name: [] for name in plans}
         for pair in range(pairs):
-            for name in ("A", "B") if pair % 2 == 0 else ("B", "A"):
+            for name in ("A", "B", "C")[pair % 3 :] + ("A", "B", "C")[: pair % 3]:
                 mon = TrainerMon(plans[name]).set_monitor(model, 1, optimizer)
                 if name == "B":
                     mon.on_incident(lambda message: time.sleep(30))
@@ -106,16 +108,24 @@ def main() -> None:
                 mon.stop()
         with open(os.path.join(out, "incidents.jsonl"), encoding="utf-8") as handle:
             delivered = sum(1 for _ in handle)
+        bundles = len(list(Path(out).glob("**/bundle_incident*")))
     server.close()
-    cpu = statistics.median(b[0] / a[0] for a, b in zip(blocks["A"], blocks["B"]))
-    wall = statistics.median(b[1] / a[1] for a, b in zip(blocks["A"], blocks["B"]))
+    print(
+        f"alerts: {pairs} rounds x 3 blocks x {steps} steps; A per step: CPU "
+        f"{statistics.median(a[0] for a in blocks['A']) * 1e3:.1f} ms"
+    )
+    for name, what in (("B", "a hanging webhook, a sleeping command and callback"), ("C", "bundles")):
+        cpu = statistics.median(b[0] / a[0] for a, b in zip(blocks["A"], blocks[name]))
+        wall = statistics.median(b[1] / a[1] for a, b in zip(blocks["A"], blocks[name]))
+        added = statistics.median(b[1] - a[1] for a, b in zip(blocks["A"], blocks[name]))
+        print(
+            f"  step time with {what} / without: CPU {cpu:.3f}, wall {wall:.3f} "
+            f"({added * 1e3:+.2f} ms a step; medians over rounds)"
+        )
     opened = sum(b[2] for b in blocks["B"])
-    print(f"alert sinks: a hanging webhook, a sleeping command and callback ({pairs} x 2 x {steps} steps)")
-    print(f"  step time with sinks / without: CPU {cpu:.3f}, wall {wall:.3f} (median over pairs)")
-    print(f"  incidents opened in the monitored blocks: {opened}; messages in the file sink: {delivered}")
-    print(f"  A per step: CPU {statistics.median(a[0] for a in blocks['A']) * 1e3:.1f} ms")
-    if opened == 0 or delivered == 0:
-        sys.exit("no incident was delivered: the benchmark measured nothing")
+    print(f"  incidents opened with sinks: {opened}; in the file sink: {delivered}; bundles: {bundles}")
+    if opened == 0 or delivered == 0 or bundles == 0:
+        sys.exit("no incident was delivered or kept: the benchmark measured nothing")
 
 
 if __name__ == "__main__":
