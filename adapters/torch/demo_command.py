@@ -68,8 +68,9 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
     demo.add_argument(
         "--format",
         type=_one_of(("csv", "tensorboard", "parquet")),
+        metavar="{csv,tensorboard,parquet}",
         default=None,
-        help="output format: csv (default), tensorboard or parquet",
+        help="output format (default csv)",
     )
     spike = demo.add_mutually_exclusive_group()
     spike.add_argument(
