@@ -22,7 +22,7 @@ from adapters.torch.l2 import L2Features
 from adapters.torch.optim import TorchBackend, without_adam_moments
 from adapters.torch.params import ParamRegistry
 from adapters.torch.sharded.shards import SHARD_COLUMNS, shard_reduce
-from adapters.torch.stats import sign_shares, stat_matrix
+from adapters.torch.stats import sign_shares, stat_matrix, still_measured
 from adapters.torch.structure import StackRecorder, StructureRecorder
 from adapters.torch.update_ratio import update_histograms
 from monitor.config.schema import MonitorConfig
@@ -219,9 +219,10 @@ class Collection(BaseCollection):
         """The unreduced-gradient source whose rows the reduced pass may reuse (``measured_rows``),
         or None.
 
-        Only where nothing can have changed a gradient without bumping its version: one process
-        (no reduction), torch's own optimizers and ``.grad`` (Megatron's and DeepSpeed's kernels
-        write gradients in place without telling autograd).
+        Only where a gradient changed since is seen: one process (no reduction), torch's own
+        optimizers and ``.grad``, where in-place kernels bump the version and those that do not
+        (a loss scaler's unscaling) rescale every gradient alike, which ``still_measured`` sees
+        in one of them (Megatron's and DeepSpeed's kernels write gradients without either).
         """
         if self.grads is None or not self._reuse_possible():
             return None
@@ -240,7 +241,7 @@ class Collection(BaseCollection):
         """Statistics of one tensor per monitored parameter (skipping parameters without one).
 
         ``reuse``: the unreduced-gradient source; a row it measured earlier this step is reused
-        where it is the very same tensor, unchanged (``measured_rows``).
+        where it is the very same tensor, unchanged (``measured_rows``, ``still_measured``).
         """
         index, rows = self._rows[prefix]
         params = self.registry.params
@@ -255,13 +256,13 @@ class Collection(BaseCollection):
         if len(present) != len(index):
             rows = self._same_rows[prefix].get(present, lambda: rows.take(present))
         earlier = reuse.measured_rows(measured, found) if reuse is not None else None
-        if not earlier or not any(row is not None for row in earlier):
+        known = [k for k, row in enumerate(earlier or ()) if row is not None]
+        reused = reuse.taken_matrix[[earlier[k] for k in known]] if known else None
+        if reused is None or not still_measured(reused, [found[k] for k in known], self.ops, self.eps):
             self._submit(prefix, rows, stat_matrix(found, self.ops, self.eps))
             return
         # rows measured earlier this step, merged in parameter order with those measured now
         fresh = [k for k, row in enumerate(earlier) if row is None]
-        known = [k for k, row in enumerate(earlier) if row is not None]
-        reused = reuse.taken_matrix[[earlier[k] for k in known]]
         full = torch.empty((len(found), len(self.ops)), dtype=torch.float64, device=reused.device)
         full[known] = reused
         if fresh:

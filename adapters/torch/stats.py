@@ -261,6 +261,34 @@ def stat_matrix(tensors: Sequence[torch.Tensor], ops: Sequence[str], eps: float 
     return out
 
 
+#: statistics that rescaling a tensor changes, unless they are zero
+RESCALED_OPS = ("min", "max", "norm", "mean")
+#: candidates ``still_measured`` picks its probe among (the smallest of the first few)
+PROBE_CANDIDATES = 16
+
+
+def still_measured(
+    rows: torch.Tensor, tensors: Sequence[torch.Tensor], ops: Sequence[str], eps: float
+) -> bool:
+    """Whether ``rows``, the statistics measured earlier of ``tensors`` (same tensors, same
+    versions), still hold. torch's in-place kernels bump a tensor's version, which is how a
+    change is seen otherwise; a few write without: a loss scaler's unscaling
+    (``GradScaler.unscale_``) and anything done through ``.data``. Those rescale every gradient
+    alike, which one tensor shows: the smallest of the first few whose rescaled statistics are
+    finite and not all zero is measured again and compared."""
+    columns = [i for i, op in enumerate(ops) if op in RESCALED_OPS]
+    if not columns:
+        return False
+    values = rows[:, columns]
+    usable = torch.nonzero((torch.isfinite(values) & (values != 0)).any(dim=1)).flatten()
+    candidates = usable[:PROBE_CANDIDATES].tolist()
+    if not candidates:
+        return False
+    probe = min(candidates, key=lambda k: tensors[k].numel())
+    again = stat_matrix([tensors[probe]], ops, eps)[0].to(rows.device)
+    return bool(torch.allclose(again, rows[probe], rtol=1e-6, atol=0.0, equal_nan=True))
+
+
 def sign_shares(grads: Sequence[torch.Tensor], moments: Sequence[torch.Tensor]) -> list[float | torch.Tensor]:
     """Per pair of equal-sized, non-empty tensors, the share of elements whose signs agree,
     ``(mean(sign(g) * sign(m)) + 1) / 2`` (a NaN's sign is 0, as torch.sign has it): a float for the pairs

@@ -196,27 +196,49 @@ def test_unreduced_gradient_is_read_at_the_last_micro_batch_only():
     mon.stop()
 
 
-def test_reduced_gradient_after_in_place_clipping_is_measured_again():
-    """grad_reduced may reuse grad_unreduced's row only for an unchanged gradient: clipping
-    between backward and step changes .grad in place, and the reduced row must show it."""
+def _clip(model, scaler, optimizer):
+    torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1e-3)
+
+
+def _unscale(model, scaler, optimizer):  # writes without bumping the gradients' versions
+    scaler.unscale_(optimizer)
+
+
+def _halve_through_data(model, scaler, optimizer):  # .data has a version counter of its own
+    for p in model.parameters():
+        p.grad.data.mul_(0.5)
+
+
+@pytest.mark.parametrize("change", [_clip, _unscale, _halve_through_data])
+def test_reduced_gradient_changed_after_backward_is_measured_again(change):
+    """grad_reduced may reuse grad_unreduced's row only for an unchanged gradient. Between
+    backward and step, clipping changes .grad in place (bumping its version), a loss scaler's
+    unscaling and a loop through ``.data`` change it without: the reduced row must show each.
+    The loss is scaled by 1024 and the scaler unscales at its step at the latest; the test reads
+    what the optimizer uses with a step pre-hook of its own."""
     torch.manual_seed(0)
     model = MLP()
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    changed: dict[str, np.ndarray] = {}
+    optimizer.register_step_pre_hook(
+        lambda *_: changed.update({n: p.grad.detach().numpy().copy() for n, p in _named(model).items()})
+    )
     mon = TrainerMon(_config())
     mon.set_monitor(model, grad_acc_steps=1, optimizer=optimizer)
     for (x,) in make_batches(2, 1):
-        model(x).pow(2).mean().backward()
+        scaler.scale(model(x).pow(2).mean()).backward()
         raw = {n: p.grad.detach().numpy().copy() for n, p in _named(model).items()}
-        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1e-3)
-        clipped = {n: p.grad.detach().numpy().copy() for n, p in _named(model).items()}
-        optimizer.step()
+        change(model, scaler, optimizer)
+        scaler.step(optimizer)
+        scaler.update()
         optimizer.zero_grad()
         reduced, unreduced = mon.generate_wgrad_metrics()
         for name in raw:
             head = f"0:{name}/rank0"
             assert_stats_close(unreduced[f"{head}/acc_grad"], raw[name], what=f"{name} unreduced")
-            assert_stats_close(reduced[f"{head}/post_grad"], clipped[name], what=f"{name} reduced")
-            assert not np.allclose(raw[name], clipped[name])
+            assert_stats_close(reduced[f"{head}/post_grad"], changed[name], what=f"{name} reduced")
+            assert not np.allclose(raw[name], changed[name])
     mon.stop()
 
 
