@@ -197,6 +197,11 @@ def test_graph_breaks_only_on_collected_steps_and_only_the_monitors_own():
     mon.stop()
     assert breaks[0], "no graph break on a collected step: the hooks did not run"
     assert all("torch.compiler.disable" in reason for reason in breaks[0]), list(breaks[0])
+    # each compiled block runs the hooks of seven modules (itself and six inside), a pre-hook
+    # and a hook each, and its attention module's l2 hook: at most one break for each (19 of
+    # the 30 with torch 2.13)
+    hooked_calls = len(model.blocks) * (7 * 2 + 1)
+    assert sum(breaks[0].values()) <= hooked_calls, (sum(breaks[0].values()), hooked_calls)
     assert breaks[1] == {}, f"graph breaks on a step that is not collected: {list(breaks[1])}"
     assert compiled[1] > 0, "the step that is not collected did not compile its own variant"
     assert all(not b for b in breaks[2:]) and not any(compiled[2:]), (breaks, compiled)
