@@ -36,12 +36,14 @@ def incident(step: int = 7, rank: int = 0, number: int = 1) -> Incident:
 
 
 class Server:
-    """A local HTTP endpoint: answers ``status`` (a list is used up first), or hangs in ``hang``."""
+    """A local HTTP endpoint: answers ``status`` (a list is used up first) after ``delay``
+    seconds, or hangs in ``hang``."""
 
-    def __init__(self, statuses=(200,), hang: bool = False) -> None:
+    def __init__(self, statuses=(200,), hang: bool = False, delay: float = 0.0) -> None:
         self.requests: list[tuple[dict, dict]] = []
         self.statuses = list(statuses)
         self.hang = hang
+        self.delay = delay
         self.inside = threading.Event()
         self.release = threading.Event()
         server = self
@@ -53,6 +55,7 @@ class Server:
                 if server.hang:
                     server.inside.set()
                     server.release.wait(30)
+                time.sleep(server.delay)
                 status = server.statuses.pop(0) if len(server.statuses) > 1 else server.statuses[0]
                 self.send_response(status)
                 self.end_headers()
@@ -196,6 +199,35 @@ def test_a_hanging_endpoint_holds_up_only_itself(tmp_path, quick):
     assert webhook.suppressed == len(steps) - dispatch.QUEUE_SIZE
     assert [m["step"] for m in lines(out)] == [4, *steps]
     hanging.close()
+
+
+def test_a_slow_endpoint_is_waited_for_up_to_the_sinks_timeout(tmp_path, caplog, quick):
+    """An endpoint that answers after 0.5 s: a sink with a 5 s timeout delivers; one with a
+    0.1 s timeout gives up on each try, retries once, says so once, and never delivers."""
+    slow = Server(delay=0.5)
+    sinks = [
+        {"type": "webhook", "url": slow.url, "ranks": "all", "timeout_s": 5},
+        {
+            "type": "webhook",
+            "url": slow.url,
+            "ranks": "all",
+            "timeout_s": 0.1,
+            "retries": 1,
+            "backoff_s": 0.01,
+        },
+    ]
+    alerts = alerts_of(sinks, 0, tmp_path)
+    patient, impatient = alerts.channels
+    started = time.monotonic()
+    alerts.incident(incident(step=3), None)
+    assert time.monotonic() - started < 0.1  # handed over, not sent on the caller's thread
+    assert wait_for(lambda: patient.delivered == 1 and impatient.failed == 1)
+    alerts.close()
+    assert len(slow.requests) == 3  # one for the patient sink, two tries of the impatient one
+    warnings = [r.getMessage() for r in caplog.records if "alert.sinks[1]" in r.getMessage()]
+    assert len(warnings) == 1 and "cannot reach the endpoint (TimeoutError)" in warnings[0], warnings
+    assert not [r for r in caplog.records if "alert.sinks[0]" in r.getMessage()]
+    slow.close()
 
 
 def test_cool_down_and_hourly_limit_drop_and_count(tmp_path, quick):
