@@ -17,7 +17,7 @@ import torch
 
 from adapters.torch.activations import Activations, select_modules
 from adapters.torch.dist import rank_in_group, world_size
-from adapters.torch.grads import unreduced_source
+from adapters.torch.grads import GradCounting, unreduced_source
 from adapters.torch.l2 import L2Features
 from adapters.torch.optim import TorchBackend, without_adam_moments
 from adapters.torch.params import ParamRegistry
@@ -100,17 +100,10 @@ class Collection(BaseCollection):
         info = run_info("torch", torch.__version__, rank, world_size(), [type(c).__name__ for c in chunks])
         self.core = MonitorCore(config, rank, pp_stage, group_mates, output_dir=output_dir, info=info)
         if config.wg_distribution:  # UnreducedGrads, or BucketGrads for Megatron
-            self.grads = unreduced_source(
-                chunks,
-                backend,
-                self.registry,
-                grad_acc_steps,
-                self.ops,
-                self.eps,
-                config.monitor_mbs_grad,
-                self.fail,
-                last_micro_batch,
+            counting = GradCounting(
+                grad_acc_steps, self.ops, self.eps, config.monitor_mbs_grad, self.fail, last_micro_batch
             )
+            self.grads = unreduced_source(chunks, backend, self.registry, counting)
             # the measured gradients are kept for reuse only where reuse can happen: elsewhere
             # (DeepSpeed frees each gradient after its hook) holding them would cost memory
             self.grads.keep_measured = self._reuse_possible()

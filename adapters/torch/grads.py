@@ -30,6 +30,7 @@ preallocated buffer: a hook allocates nothing per parameter.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import weakref
 from collections.abc import Callable, Sequence
@@ -45,30 +46,34 @@ from adapters.torch.stats import stack_rows, tensor_stats
 logger = logging.getLogger("trainmon")
 
 
+@dataclasses.dataclass(frozen=True)
+class GradCounting:
+    """How a collection wants its unreduced gradients: micro-batches a step, the statistics, per
+    micro-batch or per step, where failures go, and what can tell a step's last micro-batch."""
+
+    grad_acc_steps: int
+    ops: tuple[str, ...]
+    eps: float
+    per_micro_batch: bool
+    on_error: Callable[[str, BaseException], None]
+    last_micro_batch: Callable[[], bool] | None = None
+
+
 class UnreducedGrads:
     """Hooks that turn local gradients into statistics on collected steps only."""
 
-    def __init__(
-        self,
-        registry: ParamRegistry,
-        grad_acc_steps: int,
-        ops: tuple[str, ...],
-        eps: float,
-        per_micro_batch: bool,
-        on_error: Callable[[str, BaseException], None],
-        last_micro_batch: Callable[[], bool] | None = None,
-    ) -> None:
+    def __init__(self, registry: ParamRegistry, counting: GradCounting) -> None:
         self.registry = registry
-        self.grad_acc_steps = grad_acc_steps
-        self.ops = ops
-        self.eps = eps
-        self.per_micro_batch = per_micro_batch
-        self.on_error = on_error
+        self.grad_acc_steps = counting.grad_acc_steps
+        self.ops = counting.ops
+        self.eps = counting.eps
+        self.per_micro_batch = counting.per_micro_batch
+        self.on_error = counting.on_error
         #: set by the session before each step's forward: the hooks do nothing when False.
         self.collect = False
         self._micro = [0] * len(registry)
         #: per step: the accumulated gradients' rows, by parameter index
-        self._rows = RowBuffer(len(registry), ops, eps)
+        self._rows = RowBuffer(len(registry), self.ops, self.eps)
         #: per micro-batch: rows by (parameter index, micro-step)
         self._micro_rows: dict[tuple[int, int], list[float] | torch.Tensor] = {}
         #: whether to keep the measured gradients for ``measured_rows`` (set by the owner where a
@@ -82,7 +87,7 @@ class UnreducedGrads:
         self._versions = [0] * len(registry)
         self._taken_grads: list[torch.Tensor | None] = []
         self._taken: dict[int, int] = {}
-        self._last_micro_batch = last_micro_batch or (lambda: False)
+        self._last_micro_batch = counting.last_micro_batch or (lambda: False)
         #: parameters whose latest micro-batch may have been the step's last: gradient and version.
         self._waiting: dict[int, tuple[weakref.ref, int]] = {}
         #: after a short step whose gradients changed before the optimizer step: measure every pass.
@@ -341,15 +346,7 @@ class UnreducedGrads:
 
 
 def unreduced_source(
-    chunks: Sequence[torch.nn.Module],
-    backend: Any,
-    registry: ParamRegistry,
-    grad_acc_steps: int,
-    ops: tuple[str, ...],
-    eps: float,
-    per_micro_batch: bool,
-    on_error: Callable[[str, BaseException], None],
-    last_micro_batch: Callable[[], bool] | None = None,
+    chunks: Sequence[torch.nn.Module], backend: Any, registry: ParamRegistry, counting: GradCounting
 ) -> Any:
     """The one source of grad_unreduced (never two: msprobe 1.2.2 could install both under Megatron).
 
@@ -367,18 +364,14 @@ def unreduced_source(
         found = {
             i: slots[id(entry.param)] for i, entry in enumerate(registry.params) if id(entry.param) in slots
         }
-        return FlatGrads(
-            found, registry, grad_acc_steps, ops, eps, per_micro_batch, on_error, last_micro_batch
-        )
+        return FlatGrads(found, registry, counting)
     fsdp_modules = fsdp2_modules(chunks)
     if fsdp_modules:
-        return UnshardedGrads(
-            fsdp_modules, registry, grad_acc_steps, ops, eps, per_micro_batch, on_error, last_micro_batch
-        )
-    if not per_micro_batch and any(type(c).__module__.startswith("megatron.") for c in chunks):
+        return UnshardedGrads(fsdp_modules, registry, counting)
+    if not counting.per_micro_batch and any(type(c).__module__.startswith("megatron.") for c in chunks):
         from adapters.torch.sharded.megatron_grads import BucketGrads, bucket_groups
 
         groups = bucket_groups(chunks)
         if groups:
-            return BucketGrads(groups, registry, ops, eps, on_error)
-    return UnreducedGrads(registry, grad_acc_steps, ops, eps, per_micro_batch, on_error, last_micro_batch)
+            return BucketGrads(groups, registry, counting.ops, counting.eps, counting.on_error)
+    return UnreducedGrads(registry, counting)
