@@ -19,6 +19,7 @@ __all__ = [
     "ALL_OPS",
     "MLP",
     "assert_stats_close",
+    "clear_non_finite",
     "flat_values",
     "latest_rows",
     "make_batches",
@@ -78,3 +79,14 @@ def replica_references(replica, optimizer, local: list, reduced: list) -> dict:
     for key in ("exp_avg", "exp_avg_sq"):
         ref[key] = {n: flat_values(optimizer.state[p][key]) for n, p in zip(names, params)}
     return ref
+
+
+def clear_non_finite(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Zero every NaN/Inf of the weights and the optimizer's state: after an injected fault the
+    next steps start clean, so a later fault is a new incident."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.nan_to_num_(0.0)
+            for value in optimizer.state[p].values():
+                if isinstance(value, torch.Tensor) and value.is_floating_point():
+                    value.nan_to_num_(0.0)

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from monitor import TrainerMon, TrainingStopped
 from monitor.alerts.bundle import load_bundle
 from tests.adapters.torch.distributed import free_port, run_ranks, save_result
-from tests.adapters.torch.helpers import MLP, make_batches
+from tests.adapters.torch.helpers import MLP, clear_non_finite, make_batches
 
 STEPS, AT = 30, 5
 #: the steps whose gradient skip_step tests poison: three in a row
@@ -65,11 +65,7 @@ def _train(
             stopped = exc
             break
         optimizer.zero_grad()
-        with torch.no_grad():  # the next steps start clean, so a later fault is a new incident
-            for p in model.parameters():
-                p.nan_to_num_(0.0)
-                for moment in optimizer.state[p].values():
-                    moment.nan_to_num_(0.0)
+        clear_non_finite(model, optimizer)
     optimizer.step()  # after the stop the monitor's hooks are inert: nothing is raised again
     mon.stop()
     return {

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from monitor import TrainerMon
 from monitor.alerts.bundle import load_bundle
 from tests.adapters.torch.distributed import run_ranks, save_result
-from tests.adapters.torch.helpers import MLP, make_batches
+from tests.adapters.torch.helpers import MLP, clear_non_finite, make_batches
 
 STEPS, AT, FAULTY = 14, 8, "layers.1.weight"
 
@@ -58,11 +58,7 @@ def _train(tmp_path, bundle: dict, second_fault: int | None = None):
             "python": random.getstate(),
         }
         optimizer.zero_grad()
-        with torch.no_grad():
-            for p in model.parameters():
-                p.nan_to_num_(0.0)
-                for moment in optimizer.state[p].values():
-                    moment.nan_to_num_(0.0)
+        clear_non_finite(model, optimizer)
     mon.stop()
     return tmp_path / "anomaly_detected" / "rank0", copies
 
@@ -175,11 +171,7 @@ def _train_with_faulty_output(
             model(x).pow(2).mean().backward()
         optimizer.step()
         optimizer.zero_grad()
-        with torch.no_grad():
-            for p in model.parameters():
-                p.nan_to_num_(0.0)
-                for moment in optimizer.state[p].values():
-                    moment.nan_to_num_(0.0)
+        clear_non_finite(model, optimizer)
     mon.stop()
     return received
 
