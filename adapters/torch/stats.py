@@ -275,9 +275,10 @@ def still_measured(
     change is seen otherwise; a few write without: a loss scaler's unscaling
     (``GradScaler.unscale_``) and anything done through ``.data``. Those rescale every gradient
     alike, which one tensor shows: the smallest of the first few whose rescaled statistics are
-    finite and not all zero is measured again and compared."""
+    finite and not all zero is measured again and compared. Rows on an accelerator are never
+    reused: measuring there again costs less than the host sync a comparison would need."""
     columns = [i for i, op in enumerate(ops) if op in RESCALED_OPS]
-    if not columns:
+    if not columns or rows.device.type != "cpu":
         return False
     values = rows[:, columns]
     usable = torch.nonzero((torch.isfinite(values) & (values != 0)).any(dim=1)).flatten()

@@ -184,7 +184,8 @@ class IncidentResponses:
 
     def _keep_module_inputs(self, budget: int) -> None:
         """Drop the module inputs kept for the step that ended; keep those of the coming steps'
-        monitored modules within ``budget`` bytes (0: none). Adapters whose activations can."""
+        monitored modules within ``budget`` bytes (0: none). Adapters that can hold module
+        inputs do; by default none are kept."""
 
     def _write_bundle(self, incident: dict[str, Any]) -> None:
         """One incident's evidence bundle; a failure is logged and the run goes on."""
