@@ -7,8 +7,10 @@ reading only the data types and ranks it needs::
 
     OUT/values/data_type={data type}/rank={R}/part.parquet
                             step, micro_step, vpp_stage, name, op, value
-    OUT/runs.parquet        per rank directory: rank, directory, versions, world size
+    OUT/runs.parquet        per rank directory: rank, versions, world size, pipeline stage and
+                            mates, model chunks, the config (JSON)
     OUT/anomalies.parquet   the records of every anomaly_detected/rank{R}/anomaly.json
+    OUT/incidents.parquet   the incidents of every anomaly_detected/rank{R}/incidents.json
     OUT/compact.json        the value type, and the source files of each part (size, mtime)
 
 A data type with CSV files is read from them; one written live as Parquet (``format: parquet``)
@@ -40,18 +42,16 @@ from __future__ import annotations
 import json
 import logging
 import os
-import tempfile
 from collections.abc import Sequence
 from typing import Any
 
+from dashboards.convert.compact_tables import copy_to_parquet, quoted, read_json_object, write_tables
 from dashboards.convert.event_values import EventDirs
 from dashboards.convert.runs import ConvertError, select_rank_dirs
 from dashboards.csvfiles import header_ops, list_csv_files
 from dashboards.plugin.eventsource import EventSource
-from monitor.anomaly.ordering import parse_record
 from monitor.files import atomic_write_text, make_private_dir
 from monitor.memory_limit import COMPACT_DEFAULT, parse_size
-from monitor.session.run_info import RUN_INFO_FILE
 from monitor.writers.parquet_files import live_prefixes, row_count
 
 logger = logging.getLogger("trainmon")
@@ -108,7 +108,7 @@ def _compact_once(monitor_path: str, output: str | None, memory_limit: int) -> d
     output = os.path.abspath(output or os.path.join(monitor_path, "dataset"))
     make_private_dir(output)
     manifest_path = os.path.join(output, MANIFEST)
-    old = _read_json_object(manifest_path)
+    old = read_json_object(manifest_path)
     old_parts = old.get("parts") if isinstance(old.get("parts"), dict) else {}
     old_type = old.get("value_type") if old_parts and old.get("value_type") in (FLOAT, DOUBLE) else None
     con = duckdb.connect()
@@ -144,8 +144,7 @@ def _compact_once(monitor_path: str, output: str | None, memory_limit: int) -> d
                 written.add(part)
         _remove_other_parts(output, parts)
         counts = {"written": len(written), "kept": len(parts) - len(written)}
-        _write_runs(con, ranks, os.path.join(output, "runs.parquet"))
-        _write_anomalies(con, monitor_path, os.path.join(output, "anomalies.parquet"))
+        write_tables(con, monitor_path, ranks, output)
     finally:
         con.close()
     atomic_write_text(manifest_path, json.dumps({"value_type": value_type, "parts": parts}, indent=1))
@@ -188,20 +187,6 @@ def _remove_other_parts(output: str, parts: dict[str, list]) -> None:
             os.rmdir(directory)
 
 
-def _read_json_object(path: str) -> dict[str, Any]:
-    """A JSON file holding an object ({} when it is missing, unreadable or something else)."""
-    try:
-        with open(path, encoding="utf-8") as handle:
-            document = json.load(handle)
-        return document if isinstance(document, dict) else {}
-    except (OSError, ValueError):
-        return {}
-
-
-def _quoted(text: str) -> str:
-    return "'" + text.replace("'", "''") + "'"
-
-
 def _part_rows(con: Any, prefix: str, paths: Sequence[str], events: EventDirs) -> str | None:
     """The query of one part's rows (step, micro_step, vpp_stage, name, op, value), from its CSV
     and live Parquet files or its event files, a value written twice keeping the later file's (None where the
@@ -235,7 +220,7 @@ def _table_values(paths: Sequence[str]) -> str | None:
             csv_files[index] = path
     selects = [
         f"SELECT step, micro_step, vpp_stage, name, {index} AS _file, op, value "
-        f"FROM read_parquet([{', '.join(_quoted(p) for p in files)}])"
+        f"FROM read_parquet([{', '.join(quoted(p) for p in files)}])"
         for index, files in parquet_dirs.values()
     ]
     csv_rows = _csv_values(csv_files)
@@ -252,9 +237,9 @@ def _csv_values(paths: dict[int, str]) -> str | None:
         with open(path, encoding="utf-8", errors="replace") as handle:
             header = handle.readline().strip().split(",")
         types = {**{c: t for c, t in _LABELS.items() if c in header}, **dict.fromkeys(file_ops, "DOUBLE")}
-        columns = ", ".join(f"{_quoted(c)}: {_quoted(t)}" for c, t in types.items())
+        columns = ", ".join(f"{quoted(c)}: {quoted(t)}" for c, t in types.items())
         selects.append(
-            f"SELECT *, {index} AS _file FROM read_csv({_quoted(path)}, header = true, "
+            f"SELECT *, {index} AS _file FROM read_csv({quoted(path)}, header = true, "
             f"columns = {{{columns}}}, auto_detect = false, null_padding = true, ignore_errors = true)"
         )
     if not ops:
@@ -288,7 +273,7 @@ def _write_part(con: Any, query: str | None, target: str, value_type: str) -> st
                FROM part"""
         ).fetchone()
         value_type = FLOAT if fits else DOUBLE
-    _copy(
+    copy_to_parquet(
         con,
         f"SELECT step, micro_step, vpp_stage, name, op, CAST(value AS {value_type}) AS value FROM part "
         "ORDER BY vpp_stage, name, op, micro_step, step",
@@ -297,80 +282,3 @@ def _write_part(con: Any, query: str | None, target: str, value_type: str) -> st
     )
     con.execute("DROP TABLE part")
     return value_type
-
-
-def _copy(con: Any, query: str, target: str, level: int = 3) -> None:
-    """``query`` into the Parquet file ``target`` (zstd at ``level``), through a temporary name in
-    its directory."""
-    directory = os.path.dirname(target)
-    os.makedirs(directory, exist_ok=True)
-    fd, temporary = tempfile.mkstemp(prefix=".tmp-", suffix=".parquet", dir=directory)
-    os.close(fd)
-    try:
-        con.execute(
-            f"COPY ({query}) TO {_quoted(temporary)} "
-            f"(FORMAT parquet, COMPRESSION zstd, COMPRESSION_LEVEL {level}, PARQUET_VERSION V2)"
-        )
-        os.replace(temporary, target)
-    except BaseException:
-        if os.path.exists(temporary):
-            os.unlink(temporary)
-        raise
-
-
-def _write_runs(con: Any, ranks: dict[int, list[str]], target: str) -> None:
-    rows = []
-    for rank, dirs in ranks.items():
-        for directory in dirs:
-            info = _read_json_object(os.path.join(directory, RUN_INFO_FILE))
-            rows.append(
-                (
-                    rank,
-                    os.path.basename(directory),
-                    info.get("trainmon_version"),
-                    info.get("framework"),
-                    info.get("framework_version"),
-                    info.get("world_size"),
-                    json.dumps(info.get("root_modules", [])),
-                )
-            )
-    con.execute(
-        "CREATE OR REPLACE TEMP TABLE runs(rank BIGINT, directory VARCHAR, trainmon_version VARCHAR, "
-        "framework VARCHAR, framework_version VARCHAR, world_size BIGINT, root_modules VARCHAR)"
-    )
-    con.executemany("INSERT INTO runs VALUES (?, ?, ?, ?, ?, ?, ?)", rows)
-    _copy(con, "SELECT * FROM runs ORDER BY rank, directory", target)
-
-
-def _write_anomalies(con: Any, monitor_path: str, target: str) -> None:
-    rows = []
-    anomaly_root = os.path.join(monitor_path, "anomaly_detected")
-    for entry in (
-        sorted(os.scandir(anomaly_root), key=lambda e: e.name) if os.path.isdir(anomaly_root) else []
-    ):
-        document = _read_json_object(os.path.join(entry.path, "anomaly.json"))
-        for key, obj in document.items():
-            record = parse_record(obj)
-            if record is not None:
-                rows.append(
-                    (
-                        record.rank,
-                        record.step,
-                        record.micro_step,
-                        record.tag_name,
-                        record.op,
-                        record.value,
-                        record.baseline,
-                        record.rule,
-                        record.message,
-                        key,
-                    )
-                )
-    con.execute(
-        "CREATE OR REPLACE TEMP TABLE anomalies(rank BIGINT, step BIGINT, micro_step BIGINT, "
-        "tag_name VARCHAR, op VARCHAR, value DOUBLE, baseline DOUBLE, rule VARCHAR, message VARCHAR, "
-        "key VARCHAR)"
-    )
-    if rows:
-        con.executemany("INSERT INTO anomalies VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", rows)
-    _copy(con, "SELECT * FROM anomalies ORDER BY step, rank", target)

@@ -321,3 +321,45 @@ def test_an_unreadable_live_parquet_file_is_skipped_and_the_rest_compacted(tmp_p
         _, _, _, name, _, step, op = key
         assert value == generated_value(0, 0, step, NAMES.index(name), op)
     assert "not a whole Parquet file" in caplog.text
+
+
+def test_a_real_runs_incidents_topology_and_config_are_tables_of_the_dataset(tmp_path):
+    """The demo (a spike at step 31) compacted: incidents.parquet holds the incident of the
+    rank's incidents.json, runs.parquet the topology and config of its trainmon_run.json (both
+    read here with the json module)."""
+    import json
+
+    out = tmp_path / "run"
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "monitor.cli",
+            "demo",
+            "--steps",
+            "36",
+            "--spike-step",
+            "31",
+            "--output",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr
+    compact(str(out), str(tmp_path / "ds"))
+    (written,) = json.loads((out / "anomaly_detected" / "rank0" / "incidents.json").read_text())["incidents"]
+    rows = duckdb.sql(f"SELECT * FROM read_parquet('{tmp_path}/ds/incidents.parquet')")
+    (row,) = [dict(zip(rows.columns, values)) for values in rows.fetchall()]
+    assert (row["rank"], row["id"], row["onset_step"], row["state"]) == (0, 1, 31, written["state"])
+    assert (row["root_tag"], row["root_op"], row["root_rule"]) == tuple(
+        written["root"][key] for key in ("tag_name", "op", "rule")
+    )
+    assert row["root_value"] == written["root"]["value"] and row["tensors"] == written["tensors"]
+    assert json.loads(row["evidence"]) == written["evidence"]
+    (rank_dir,) = [d for d in out.iterdir() if "-rank0-" in d.name]
+    info = json.loads((rank_dir / "trainmon_run.json").read_text())
+    runs = f"read_parquet('{tmp_path}/ds/runs.parquet')"
+    (run,) = duckdb.sql(f"SELECT rank, world_size, pp_stage, group_mates, config FROM {runs}").fetchall()
+    assert run[:3] == (0, 1, 0) and json.loads(run[3]) == [0]
+    assert json.loads(run[4]) == info["config"] and info["config"]["alert"]["dump"] is True
