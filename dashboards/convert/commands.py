@@ -129,8 +129,17 @@ def run_csv2db(args: argparse.Namespace) -> int:
 
 
 def add_compact_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of ``trainmon compact``."""
-    _add_monitor_path(parser)
+    """Options of ``trainmon compact``: the monitor's output directory as ``DIR`` or ``-d DIR``."""
+    parser.add_argument(
+        "directory", nargs="?", default=None, metavar="DIR", help="the monitor's output directory (or -d DIR)"
+    )
+    parser.add_argument(
+        "-d",
+        "--monitor-path",
+        dest="monitor_path",
+        default=None,
+        help="the monitor's output directory (MONITOR_OUTPUT_DIR) holding {time}-rank{R}-{id} directories",
+    )
     parser.add_argument(
         "-o", "--output", default=None, help="dataset directory (default MONITOR_PATH/dataset)"
     )
@@ -148,15 +157,24 @@ def run_compact(args: argparse.Namespace) -> int:
     except ImportError:
         print("trainmon compact: needs DuckDB: pip install -e '.[dataset]'", file=sys.stderr)
         return 2
+    given = {path for path in (args.directory, args.monitor_path) if path is not None}
+    if len(given) != 1:
+        what = "two different directories" if given else "no directory"
+        print(
+            f"trainmon compact: DIR or -d DIR: expected the monitor's output directory, got {what}",
+            file=sys.stderr,
+        )
+        return 2
+    (monitor_path,) = given
     try:
         limit = memory_limit.memory_limit(args.memory_limit, memory_limit.COMPACT_DEFAULT)
     except ValueError as exc:
         print(f"trainmon compact: {exc}", file=sys.stderr)
         return 2
-    out = args.output or os.path.join(args.monitor_path, "dataset")
+    out = args.output or os.path.join(monitor_path, "dataset")
     existed = os.path.exists(out)
     try:
-        counts = compact(args.monitor_path, args.output, limit)
+        counts = compact(monitor_path, args.output, limit)
     except (ConvertError, duckdb.Error) as exc:
         if not existed:  # nothing half-written left behind: all of it was this compaction's
             shutil.rmtree(out, ignore_errors=True)

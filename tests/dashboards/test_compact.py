@@ -172,7 +172,7 @@ def test_micro_steps_anomalies_and_the_command(tmp_path):
     writer.end_step(0)
     writer.close()
     write_run(tmp_path, ranks=(1,), steps=range(3), anomalies=[(1, "grad_reduced", 2, 0, "norm")])
-    command = ["compact", "-d", str(tmp_path), "-o", str(tmp_path / "ds"), "--memory-limit", "300MB"]
+    command = ["compact", str(tmp_path), "-o", str(tmp_path / "ds"), "--memory-limit", "300MB"]
     done = subprocess.run(
         [sys.executable, "-m", "monitor.cli", *command],
         capture_output=True,
@@ -190,11 +190,24 @@ def test_micro_steps_anomalies_and_the_command(tmp_path):
     assert "Written:" in done.stdout
 
 
-def test_no_run_is_a_clear_error(tmp_path):
+@pytest.mark.parametrize("how", [["-d"], []])
+def test_no_run_is_a_clear_error(tmp_path, how):
     done = subprocess.run(
-        [sys.executable, "-m", "monitor.cli", "compact", "-d", str(tmp_path)], capture_output=True, text=True
+        [sys.executable, "-m", "monitor.cli", "compact", *how, str(tmp_path)], capture_output=True, text=True
     )
     assert done.returncode == 2 and "no {time}-rank{R}-{id} directory" in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("argv", "what"), [([], "no directory"), (["a", "-d", "b"], "two different directories")]
+)
+def test_the_directory_is_asked_for_once(tmp_path, argv, what):
+    done = subprocess.run(
+        [sys.executable, "-m", "monitor.cli", "compact", *argv], capture_output=True, text=True, cwd=tmp_path
+    )
+    assert done.returncode == 2
+    assert f"DIR or -d DIR: expected the monitor's output directory, got {what}" in done.stderr
+    assert not list(tmp_path.iterdir())  # nothing written
 
 
 @pytest.mark.parametrize(
