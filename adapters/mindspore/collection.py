@@ -111,17 +111,7 @@ class Collection(BaseCollection):
         self.registry = ParamRegistry(chunks, config)
         cells = [(vpp, raw) for vpp, chunk in enumerate(chunks) for raw, _ in chunk.cells_and_names()]
         self._warn_unmatched_targets(cells, self.registry.names, len(group_mates) > 1)
-        roots = [type(c).__name__ for c in chunks]
-        info = run_info(
-            "mindspore",
-            ms.__version__,
-            rank,
-            world_size(),
-            roots,
-            pp_stage=pp_stage,
-            group_mates=group_mates,
-            config=config.to_dict(),
-        )
+        info = run_info("mindspore", ms.__version__, rank, world_size(), [type(c).__name__ for c in chunks])
         self.core = MonitorCore(config, rank, pp_stage, group_mates, output_dir=output_dir, info=info)
         params = self.registry.params
         self._positions = [view.position(p.param) for p in params]

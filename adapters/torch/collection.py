@@ -97,17 +97,7 @@ class Collection(BaseCollection):
         #: collected steps left to tell whether the optimizer keeps Adam's moments (a shard may hold none)
         self._moment_checks_left = 20 if config.mv_distribution and not backend.sharded else 0
         backend.prepare([entry.param for entry in self.registry.params], self.registry.grad)
-        roots = [type(c).__name__ for c in chunks]
-        info = run_info(
-            "torch",
-            torch.__version__,
-            rank,
-            world_size(),
-            roots,
-            pp_stage=pp_stage,
-            group_mates=group_mates,
-            config=config.to_dict(),
-        )
+        info = run_info("torch", torch.__version__, rank, world_size(), [type(c).__name__ for c in chunks])
         self.core = MonitorCore(config, rank, pp_stage, group_mates, output_dir=output_dir, info=info)
         if config.wg_distribution:  # UnreducedGrads, or BucketGrads for Megatron
             counting = GradCounting(

@@ -65,7 +65,8 @@ class MonitorCore:
             self.output_dir = output_dir or self._rank_dir()
             self.file_writer = self._file_writer()
             if info is not None:
-                write_run_info(self.output_dir, info)
+                topology = {"pp_stage": pp_stage, "group_mates": list(group_mates or [rank])}
+                write_run_info(self.output_dir, {**info, **topology, "config": config.to_dict()})
             sinks.append(self.file_writer)
             if config.format == "tensorboard":
                 from monitor.writers.custom_scalars import CustomScalarsSink

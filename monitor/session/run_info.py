@@ -26,18 +26,11 @@ _MAX_BYTES = 1 << 20
 
 
 def run_info(
-    framework: str,
-    framework_version: str,
-    rank: int,
-    world_size: int,
-    root_modules: Sequence[str],
-    *,
-    pp_stage: int = 0,
-    group_mates: Sequence[int] = (),
-    config: Mapping[str, Any] | None = None,
+    framework: str, framework_version: str, rank: int, world_size: int, root_modules: Sequence[str]
 ) -> dict[str, Any]:
-    """The run-info document of one rank; ``root_modules`` holds one class name per model chunk,
-    ``group_mates`` the ranks of its pipeline, ``config`` the collection's config (as JSON)."""
+    """The run-info document of one rank; ``root_modules`` holds one class name per model chunk.
+    ``MonitorCore`` adds the rank's pipeline stage, its pipeline's ranks and the config when it
+    writes the file."""
     from monitor import __version__
 
     return {
@@ -46,10 +39,7 @@ def run_info(
         "framework_version": framework_version,
         "rank": rank,
         "world_size": world_size,
-        "pp_stage": pp_stage,
-        "group_mates": list(group_mates),
         "root_modules": list(root_modules),
-        "config": dict(config) if config is not None else None,
     }
 
 
