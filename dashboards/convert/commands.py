@@ -46,13 +46,14 @@ def _types(text: str) -> list[str]:
     return types
 
 
-def _add_monitor_path(parser: argparse.ArgumentParser) -> None:
+def _add_monitor_path(parser: argparse.ArgumentParser, required: bool = True) -> None:
     """``-d/--monitor-path``: where the converters read from."""
     parser.add_argument(
         "-d",
         "--monitor-path",
         dest="monitor_path",
-        required=True,
+        required=required,
+        default=None,
         help="the monitor's output directory (MONITOR_OUTPUT_DIR) holding {time}-rank{R}-{id} directories",
     )
 
@@ -133,13 +134,7 @@ def add_compact_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "directory", nargs="?", default=None, metavar="DIR", help="the monitor's output directory (or -d DIR)"
     )
-    parser.add_argument(
-        "-d",
-        "--monitor-path",
-        dest="monitor_path",
-        default=None,
-        help="the monitor's output directory (MONITOR_OUTPUT_DIR) holding {time}-rank{R}-{id} directories",
-    )
+    _add_monitor_path(parser, required=False)
     parser.add_argument(
         "-o", "--output", default=None, help="dataset directory (default MONITOR_PATH/dataset)"
     )

@@ -24,6 +24,12 @@ from tests.adapters.torch.helpers import MLP, clear_non_finite, make_batches
 STEPS, AT, FAULTY = 14, 8, "layers.1.weight"
 
 
+def _shown(path) -> str:
+    """What ``trainmon bundle show`` prints for the bundle at ``path``."""
+    command = [sys.executable, "-m", "monitor.cli", "bundle", "show", str(path)]
+    return subprocess.run(command, capture_output=True, text=True, check=True).stdout
+
+
 def _same(a: np.ndarray, b: np.ndarray) -> bool:
     return a.shape == b.shape and bool(np.array_equal(a, b, equal_nan=True))
 
@@ -83,12 +89,7 @@ def test_the_bundle_holds_the_faulty_tensors_and_the_generators_of_its_step(tmp_
     topology = {"rank": 0, "world_size": 1, "pp_stage": 0, "group_mates": [0], "chunks": ["MLP"]}
     assert m["topology"] == {**topology, "groups": no_groups}
     assert m["versions"]["torch"] == torch.__version__ and m["config"]["alert"]["bundle"]["incidents"] == 1
-    shown = subprocess.run(
-        [sys.executable, "-m", "monitor.cli", "bundle", "show", str(bundle.path)],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
+    shown = _shown(bundle.path)
     assert (
         f"incident 1 on rank 0: onset step {AT} (micro-batch 0), written at the end of step {written}"
         in shown
@@ -197,12 +198,7 @@ def test_an_input_written_in_place_after_the_call_is_not_passed_off_as_received(
     bundle = load_bundle(tmp_path / "anomaly_detected" / "rank0" / "bundle_incident1")
     assert bundle.manifest["module_inputs"] == {"module": "0:scale", "micro_step": 0, "changed_in_place": [0]}
     assert not [name for name in bundle.tensors if "input" in name]
-    shown = subprocess.run(
-        [sys.executable, "-m", "monitor.cli", "bundle", "show", str(bundle.path)],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
+    shown = _shown(bundle.path)
     said = "inputs of module 0:scale at micro-batch 0 (input 0 written in place after the call: not kept)"
     assert said in shown
 
