@@ -32,7 +32,7 @@ if str(ROOT) not in sys.path:
 import duckdb  # noqa: E402
 import numpy as np  # noqa: E402
 
-from dashboards.convert.compact import FARTHEST_RANK_SQL, compact  # noqa: E402
+from dashboards.convert.compact import FARTHEST_RANK_SQL, STEPS_PER_FILE, compact  # noqa: E402
 from monitor.record import RowSet, StepRecord  # noqa: E402
 from monitor.writers.csv import CsvWriter  # noqa: E402
 
@@ -135,6 +135,7 @@ def direct(ranks: int, memory: str, spark: bool, tags: int = 1000, steps: int = 
     cross-rank query under ``memory`` in a process of its own (and in Spark with ``spark``)."""
     import subprocess
 
+    assert steps <= STEPS_PER_FILE, "a part here is one file, as compact writes so few steps"
     with tempfile.TemporaryDirectory() as root:
         out, spill = os.path.join(root, "dataset"), os.path.join(root, "spill")
         os.makedirs(os.path.join(out, "values"))
@@ -144,13 +145,14 @@ def direct(ranks: int, memory: str, spark: bool, tags: int = 1000, steps: int = 
         started = time.perf_counter()
         for rank in range(ranks):  # one rank a statement: no sort of the whole run
             part = os.path.join(out, "values", "data_type=grad_unreduced", f"rank={rank}")
+            file = os.path.join(part, f"steps-0-{STEPS_PER_FILE - 1}.parquet")
             os.makedirs(part)
             con.execute(
                 f"""COPY (SELECT s.range AS step, NULL::BIGINT AS micro_step, 0::BIGINT AS vpp_stage,
                            'layers.' || (t.range // 8) || '.fc' || (t.range % 8) || '.weight' AS name,
                            'norm' AS op, CAST(exp(0.05 * (random() - 0.5) * 3.4) AS FLOAT) AS value
                     FROM range({tags}) t, range({steps}) s)
-                    TO '{part}/part.parquet' (FORMAT parquet, COMPRESSION zstd, PARQUET_VERSION V2)"""
+                    TO '{file}' (FORMAT parquet, COMPRESSION zstd, PARQUET_VERSION V2)"""
             )
         written_s = time.perf_counter() - started
         con.close()

@@ -3,19 +3,24 @@
 Per-rank CSV files (or TensorBoard event files) are what msprobe's tools read, and they stay the
 monitor's output. For runs too large to parse them again and again, ``compact`` writes the same
 values once in a standard long layout that DuckDB, Spark, pandas or any Parquet reader can query,
-reading only the data types and ranks it needs::
+reading only the data types, ranks and step ranges it needs::
 
-    OUT/values/data_type={data type}/rank={R}/part.parquet
+    OUT/values/data_type={data type}/rank={R}/steps-{first}-{last}.parquet
                             step, micro_step, vpp_stage, name, op, value
     OUT/runs.parquet        per rank directory: rank, versions, world size, pipeline stage and
                             mates, model chunks, the config (JSON)
     OUT/anomalies.parquet   the records of every anomaly_detected/rank{R}/anomaly.json
     OUT/incidents.parquet   the incidents of every anomaly_detected/rank{R}/incidents.json
-    OUT/compact.json        the value type, and the source files of each part (size, mtime)
+    OUT/compact.json        the value type; per part its source files (size, mtime) and its files
 
 A data type with CSV files is read from them; one written live as Parquet (``format: parquet``)
 from those files; one only in event files (``format: tensorboard``) from every event file of the
 rank, as TensorBoard has the values (32-bit floats).
+
+A part (one data type of one rank) is a file per STEPS_PER_FILE steps, named by the range it
+holds (``steps-0-999``, ``steps-1000-1999``, ...): a query of a step range opens only the files
+whose names overlap it, and engines that prune by Parquet statistics (DuckDB, Spark) skip the
+other files' data on their own. A run that goes on replaces its last file under the same name.
 
 Read with partition discovery (``hive_partitioning``), every value is one row
 ``rank, step, micro_step, vpp_stage, data_type, name, op, value``; ``micro_step`` is NULL for data
@@ -42,6 +47,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -70,6 +76,10 @@ FARTHEST_RANK_SQL = """
     FROM v JOIN m ON v.data_type = m.data_type AND v.name = m.name AND v.op = m.op AND v.step = m.step
     GROUP BY ALL
 """
+#: steps of a part in one file: a step range is read without the rest of the run
+STEPS_PER_FILE = 1000
+#: a part's files, by the first and last step each holds (the live writer's merged files alike)
+_PART_FILE = re.compile(r"steps-\d+-\d+\.parquet")
 #: times a compaction starts again when a file it listed went away (a live Parquet merge)
 RETRIES = 3
 _LABELS = {"vpp_stage": "BIGINT", "name": "VARCHAR", "step": "BIGINT", "micro_step": "BIGINT"}
@@ -115,15 +125,22 @@ def _compact_once(monitor_path: str, output: str | None, memory_limit: int) -> d
     con.execute(f"SET memory_limit = '{int(memory_limit)}B'")
     events = EventDirs()
     try:
-        parts: dict[str, list] = {}
+        parts: dict[str, dict[str, list]] = {}  # part -> its sources and files
         prefixes: dict[str, str] = {}  # part -> its data type
         stored: dict[str, str | None] = {}  # part -> the value type it is on disk in
         for rank, dirs in ranks.items():
             for prefix, paths in _files_by_type(dirs, events).items():
-                part = os.path.join("values", f"data_type={prefix}", f"rank={rank}", "part.parquet")
+                part = os.path.join("values", f"data_type={prefix}", f"rank={rank}")
                 prefixes[part] = prefix
-                parts[part] = sources = [_signature(p) for p in paths]
-                unchanged = old_parts.get(part) == sources and os.path.isfile(os.path.join(output, part))
+                sources = [_signature(p) for p in paths]
+                before = old_parts.get(part)
+                unchanged = (
+                    isinstance(before, dict)
+                    and before.get("sources") == sources
+                    and isinstance(before.get("files"), list)
+                    and all(os.path.isfile(os.path.join(output, part, f)) for f in before["files"])
+                )
+                parts[part] = {"sources": sources, "files": before["files"] if unchanged else []}
                 stored[part] = old_type if unchanged else None
         kept = [part for part, on_disk in stored.items() if on_disk is not None]
         value_type = old_type if kept else FLOAT
@@ -135,11 +152,10 @@ def _compact_once(monitor_path: str, output: str | None, memory_limit: int) -> d
             if rewrite and stale and os.path.exists(manifest_path):
                 os.unlink(manifest_path)  # interrupted from here on, the next run rewrites every part
             for part in stale:
-                paths = [source[0] for source in parts[part]]
+                paths = [source[0] for source in parts[part]["sources"]]
+                rows = _part_rows(con, prefixes[part], paths, events)
                 target = os.path.join(output, part)
-                value_type = _write_part(
-                    con, _part_rows(con, prefixes[part], paths, events), target, value_type
-                )
+                value_type, parts[part]["files"] = _write_part(con, rows, target, value_type)
                 stored[part] = value_type
                 written.add(part)
         _remove_other_parts(output, parts)
@@ -173,15 +189,21 @@ def _signature(path: str) -> list:
     return [path, stat.st_size, stat.st_mtime_ns]
 
 
-def _remove_other_parts(output: str, parts: dict[str, list]) -> None:
-    """Delete the part files of data types and ranks the run no longer has (a rank directory
-    removed, say), so that every file under ``values/`` is current and of one value type."""
+def _remove_other_parts(output: str, parts: dict[str, dict[str, list]]) -> None:
+    """Delete the files of data types, ranks and step ranges the run no longer has (a rank
+    directory removed, say), and a temporary file an interrupted run left, so that every file
+    under ``values/`` is current and of one value type."""
     root = os.path.join(output, "values")
+    current = {os.path.join(part, name) for part, entry in parts.items() for name in entry["files"]}
     for directory, _, files in os.walk(root, topdown=False):
         for name in files:
             path = os.path.join(directory, name)
-            ours = name == "part.parquet" or (name.startswith(".tmp-") and name.endswith(".parquet"))
-            if ours and os.path.relpath(path, output) not in parts:
+            ours = (
+                _PART_FILE.fullmatch(name)
+                or name == "part.parquet"  # a whole part in one file, as earlier trainmon wrote it
+                or (name.startswith(".tmp-") and name.endswith(".parquet"))
+            )
+            if ours and os.path.relpath(path, output) not in current:
                 os.unlink(path)
         if directory != root and not os.listdir(directory):
             os.rmdir(directory)
@@ -255,15 +277,15 @@ def _csv_values(paths: dict[int, str]) -> str | None:
     """
 
 
-def _write_part(con: Any, query: str | None, target: str, value_type: str) -> str:
-    """One part, its values in ``value_type``, or as doubles where one would not survive a 32-bit
-    float (rounded back to six significant digits it is not the value read from the CSV);
-    returns the type written. The rows of ``query`` are read once, into a temporary table."""
+def _write_part(con: Any, query: str | None, directory: str, value_type: str) -> tuple[str, list[str]]:
+    """One part's files in ``directory``, a file per STEPS_PER_FILE steps, its values in
+    ``value_type``, or as doubles where one would not survive a 32-bit float (rounded back to six
+    significant digits it is not the value read from the CSV); returns the type written and the
+    files' names. The rows of ``query`` are read once, into a temporary table; a row without a
+    step (an empty field in the CSV) has no place in a step range and is left out."""
     if query is None:  # the files hold no statistic: no part
-        if os.path.exists(target):
-            os.unlink(target)
-        return value_type
-    con.execute(f"CREATE OR REPLACE TEMP TABLE part AS {query}")
+        return value_type, []
+    con.execute(f"CREATE OR REPLACE TEMP TABLE part AS SELECT * FROM ({query}) WHERE step IS NOT NULL")
     if value_type == FLOAT:  # a 32-bit float holds it exactly (counts), or to the CSV's six digits
         (fits,) = con.execute(
             """SELECT coalesce(bool_and(NOT isfinite(value)
@@ -273,12 +295,17 @@ def _write_part(con: Any, query: str | None, target: str, value_type: str) -> st
                FROM part"""
         ).fetchone()
         value_type = FLOAT if fits else DOUBLE
-    copy_to_parquet(
-        con,
-        f"SELECT step, micro_step, vpp_stage, name, op, CAST(value AS {value_type}) AS value FROM part "
-        "ORDER BY vpp_stage, name, op, micro_step, step",
-        target,
-        ZSTD_LEVEL,
-    )
+    block = f"step // {STEPS_PER_FILE}"
+    blocks = con.execute(f"SELECT DISTINCT {block} AS b FROM part ORDER BY b").fetchall()
+    names = []
+    for (number,) in blocks:
+        names.append(f"steps-{number * STEPS_PER_FILE}-{(number + 1) * STEPS_PER_FILE - 1}.parquet")
+        copy_to_parquet(
+            con,
+            f"SELECT step, micro_step, vpp_stage, name, op, CAST(value AS {value_type}) AS value FROM part "
+            f"WHERE {block} = {number} ORDER BY vpp_stage, name, op, micro_step, step",
+            os.path.join(directory, names[-1]),
+            ZSTD_LEVEL,
+        )
     con.execute("DROP TABLE part")
-    return value_type
+    return value_type, names

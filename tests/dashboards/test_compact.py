@@ -376,3 +376,40 @@ def test_a_real_runs_incidents_topology_and_config_are_tables_of_the_dataset(tmp
     (run,) = duckdb.sql(f"SELECT rank, world_size, pp_stage, group_mates, config FROM {runs}").fetchall()
     assert run[:3] == (0, 1, 0) and json.loads(run[3]) == [0]
     assert json.loads(run[4]) == info["config"] and info["config"]["alert"]["dump"] is True
+
+
+def test_a_part_is_a_file_per_step_range_and_a_run_that_goes_on_replaces_its_last(tmp_path, monkeypatch):
+    """Files of 10 steps: each holds only its range, a reader that opens the files whose names
+    overlap a range gets every value of it, and the run going on rewrites its last file under
+    the same name (no value twice) while an earlier layout's whole-part file goes."""
+    monkeypatch.setattr("dashboards.convert.compact.STEPS_PER_FILE", 10)
+    dirs = write_run(tmp_path, ranks=(0,), steps=range(25), window=25)
+    part = tmp_path / "dataset" / "values" / "data_type=grad_reduced" / "rank=0"
+    part.mkdir(parents=True)
+    (part / "part.parquet").write_bytes(b"a dataset written before step ranges")
+    assert compact(str(tmp_path)) == {"written": 1, "kept": 0}
+    assert sorted(p.name for p in part.iterdir()) == [f"steps-{a}-{a + 9}.parquet" for a in (0, 10, 20)]
+    ranges = {
+        path: tuple(map(int, path.name[len("steps-") : -len(".parquet")].split("-")))
+        for path in part.iterdir()
+    }
+    for path, (first, last) in ranges.items():
+        ((low, high),) = duckdb.sql(f"SELECT min(step), max(step) FROM read_parquet('{path}')").fetchall()
+        assert first <= low <= high <= last
+    expected = {
+        (row["name"], row["step"], op): value
+        for row in read_csv_rows(dirs[0], "grad_reduced")
+        for op, value in row["values"].items()
+    }
+    overlapping = [str(path) for path, (first, last) in ranges.items() if first <= 16 and last >= 12]
+    got = duckdb.sql(
+        f"SELECT name, step, op, value FROM read_parquet({overlapping}) WHERE step BETWEEN 12 AND 16"
+    )
+    wanted = {key: value for key, value in expected.items() if 12 <= key[1] <= 16}
+    _same({(n, s, o): v for n, s, o, v in got.fetchall()}, wanted)
+
+    write_run(tmp_path, ranks=(0,), steps=range(25, 32), window=25, stamp="Jan02_03-04-09")
+    assert compact(str(tmp_path)) == {"written": 1, "kept": 0}
+    assert sorted(p.name for p in part.iterdir()) == [f"steps-{a}-{a + 9}.parquet" for a in (0, 10, 20, 30)]
+    steps = {key[5] for key in _dataset(tmp_path / "dataset")}  # _dataset: no value twice
+    assert steps == set(range(32))
