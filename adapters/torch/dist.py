@@ -92,3 +92,42 @@ def any_rank(flag: bool, device: torch.device) -> bool:
     with REGISTRY.unobserved():
         dist.all_reduce(value, op=dist.ReduceOp.MAX)
     return bool(value.item())
+
+
+class StoreChannel:
+    """Dynamic mode's announcements through the default process group's key-value store (the
+    rendezvous store every rank already talks to): rank 0 sets the announcement and counts it;
+    the other ranks read the count each step (one round trip) and the announcement when it grew."""
+
+    ANNOUNCEMENT, COUNT = "announcement", "count"
+
+    def __init__(self, store: Any) -> None:
+        self._store = dist.PrefixStore("trainmon/dynamic/", store)
+        #: announcements made before this watch began (an earlier attach) are not followed
+        self._seen = self._store.add(self.COUNT, 0)
+
+    def publish(self, announcement: bytes) -> None:
+        self._store.set(self.ANNOUNCEMENT, announcement)
+        self._seen = self._store.add(self.COUNT, 1)
+
+    def poll(self) -> bytes | None:
+        count = self._store.add(self.COUNT, 0)
+        if count == self._seen:
+            return None
+        self._seen = count
+        return bytes(self._store.get(self.ANNOUNCEMENT))
+
+
+def schedule_channel() -> StoreChannel | None:
+    """The channel of dynamic mode across ranks, None in one process or where torch offers no
+    default store (reached through a private accessor: where a torch lacks it, the ranks follow
+    the schedule file next to the config instead)."""
+    if world_size() <= 1:
+        return None
+    default_store = getattr(dist.distributed_c10d, "_get_default_store", None)
+    if default_store is None:
+        return None
+    try:
+        return StoreChannel(default_store())
+    except Exception:  # no store behind this process group: the schedule file
+        return None

@@ -20,7 +20,14 @@ from adapters.torch.bundle import facts as bundle_facts
 from adapters.torch.bundle import record_tensors
 from adapters.torch.collection import Collection
 from adapters.torch.compiled import has_compiled_modules, recompile_with_hooks, uncompiled
-from adapters.torch.dist import any_rank, global_rank, pipeline_info, world_size
+from adapters.torch.dist import (
+    StoreChannel,
+    any_rank,
+    global_rank,
+    pipeline_info,
+    schedule_channel,
+    world_size,
+)
 from adapters.torch.optim import TorchBackend, accumulation_boundary, optimizer_backend
 from adapters.torch.sharded.dtensor import DTensorBackend, optimizer_has_replicated_dtensors
 from monitor.session.lifecycle import Attachment, SessionLifecycle, model_chunks
@@ -228,6 +235,9 @@ class TorchSession(SessionLifecycle):
         for group in self.optimizer.param_groups:
             for param in group["params"]:
                 param.grad = None
+
+    def schedule_channel(self) -> StoreChannel | None:
+        return schedule_channel()
 
     def _agree_on_stop(self, asked_here: bool) -> bool:
         device = next((p.device for chunk in self.chunks for p in chunk.parameters()), torch.device("cpu"))

@@ -25,16 +25,27 @@ def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
         raise ConfigError(f"config file {path!r}: expected UTF-8 text") from None
-    is_yaml = path.lower().endswith((".yaml", ".yml"))
+    return parse_config_text(text, path, is_yaml_path(path))
+
+
+def is_yaml_path(path: str) -> bool:
+    """Whether a config file of this name is YAML (else JSON)."""
+    return path.lower().endswith((".yaml", ".yml"))
+
+
+def parse_config_text(text: str, source: str, is_yaml: bool) -> dict[str, Any]:
+    """A config file's text as data (``source`` names it in errors): JSON, or YAML with the safe loader."""
     try:
         data = _load_yaml(text) if is_yaml else json.loads(text)
     except Exception as exc:
-        raise ConfigError(f"config file {path!r}: not valid {'YAML' if is_yaml else 'JSON'}: {exc}") from None
+        raise ConfigError(
+            f"config file {source!r}: not valid {'YAML' if is_yaml else 'JSON'}: {exc}"
+        ) from None
     if data is None:
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(
-            f"config file {path!r}: expected an object at the top level, got {type(data).__name__}"
+            f"config file {source!r}: expected an object at the top level, got {type(data).__name__}"
         )
     return data
 

@@ -8,12 +8,16 @@ atomically and changing nothing else the user wrote (msprobe rewrites the whole 
 edit is reported once and the current state goes on.
 
 One process starts at the next step. With several ranks the decision is made once, by rank 0,
-and every rank follows it at the same step: rank 0 writes the step and the content hash of the
-edit into a schedule file next to the config (``<config>.schedule``), ``DELAY_STEPS`` steps
-ahead, and each rank starts there once its own read of the config has that hash. (msprobe polls
-on every rank, which starts ranks at different steps when they see the edit at different
-times.) No collective is used, so a rank without a monitor can never make the others wait; a
-rank that sees the schedule only after its step has passed starts at once and says how late.
+and every rank follows it at the same step, ``DELAY_STEPS`` steps after rank 0 saw the edit.
+(msprobe polls on every rank, which starts ranks at different steps when they see the edit at
+different times.) Rank 0 announces the start step and the config's text through a channel the
+adapter offers (PyTorch: the process group's key-value store), which every rank reads each step
+in one round trip, so the other ranks need neither the file nor a timely view of it (a file
+system that caches attributes for seconds, a node with a copy of its own). Without a channel, or
+when it fails, rank 0 writes the step and the content hash into a schedule file next to the config
+(``<config>.schedule``) and each rank starts there once its own read of the config has that hash.
+No collective is used, so a rank without a monitor can never make the others wait; a rank that
+sees the announcement only after its step has passed starts at once and says how late.
 """
 
 from __future__ import annotations
@@ -23,8 +27,10 @@ import json
 import logging
 import os
 import re
+from typing import Protocol
 
-from monitor.config.schema import ConfigError, MonitorConfig, read_config_file, validate_config
+from monitor.config.files import is_yaml_path, parse_config_text
+from monitor.config.schema import ConfigError, MonitorConfig, validate_config
 from monitor.files import atomic_write_text
 
 logger = logging.getLogger("trainmon")
@@ -35,6 +41,18 @@ ENV = "DYNAMIC_MONITOR"
 #: as data parallelism does, are within a step of each other)
 DELAY_STEPS = 5
 _DYNAMIC_ON = re.compile(r"""(["']?dynamic_on["']?\s*:\s*)(true|True|TRUE)\b""")
+
+
+class ScheduleChannel(Protocol):
+    """Where rank 0 announces a start to the other ranks (bytes: the start step, the content hash
+    and the text of the config); a failing call raises, and the schedule file takes over."""
+
+    def publish(self, announcement: bytes) -> None:
+        """Rank 0: the newest announcement."""
+
+    def poll(self) -> bytes | None:
+        """Other ranks: an announcement published since the last poll (or since the channel was
+        made), None when there is none; one round trip."""
 
 
 def dynamic_mode() -> bool:
@@ -53,16 +71,21 @@ class DynamicControl:
         self._signature: tuple[int, int, int] | None = None
         self._digest: str | None = None
         self._reported: str | None = None
-        #: the newest valid config read, with its content hash
+        #: the newest valid config read or announced, with its content hash
         self._latest: tuple[str, MonitorConfig] | None = None
+        #: the text of the newest valid config read from the file (what rank 0 announces)
+        self._text = ""
+        self.channel: ScheduleChannel | None = None
         #: (step, content hash) of the agreed start not reached yet
         self._pending: tuple[int, str] | None = None
         self._schedule_signature: tuple[int, int, int] | None = None
 
-    def attach(self, rank: int, world_size: int) -> MonitorConfig | None:
+    def attach(
+        self, rank: int, world_size: int, channel: ScheduleChannel | None = None
+    ) -> MonitorConfig | None:
         """At set_monitor, on every rank at the same step: the config to start with now, if the
         file already says ``dynamic_on: true``."""
-        self.rank, self.world_size = rank, world_size
+        self.rank, self.world_size, self.channel = rank, world_size, channel
         self._schedule_signature = _signature_of(self.schedule_path)  # an older run's schedule
         return self._read_file()
 
@@ -76,6 +99,7 @@ class DynamicControl:
             if new is not None and self._latest is not None:
                 self._schedule(step + DELAY_STEPS, self._latest[0])
         else:
+            self._follow_channel()
             self._follow_schedule()
         return self._due(step)
 
@@ -92,7 +116,8 @@ class DynamicControl:
         self._signature = signature
         try:
             with open(self.path, "rb") as handle:
-                digest = hashlib.sha256(handle.read()).hexdigest()
+                raw = handle.read()
+            digest = hashlib.sha256(raw).hexdigest()
         except OSError as exc:
             self._report("read", f"cannot be read ({exc.strerror or exc})")
             return None
@@ -100,18 +125,36 @@ class DynamicControl:
             return None
         self._digest = digest
         try:
-            config = validate_config(read_config_file(self.path))
+            text = raw.decode("utf-8")
+            config = validate_config(parse_config_text(text, self.path, is_yaml_path(self.path)))
+        except UnicodeDecodeError:
+            self._report(digest, "is not valid, the current state goes on: expected UTF-8 text")
+            return None
         except ConfigError as exc:
             self._report(digest, f"is not valid, the current state goes on: {exc}")
             return None
         if not config.dynamic_on:
             return None
-        self._latest = (digest, config)
+        self._latest, self._text = (digest, config), text
         return config
 
     def _schedule(self, step: int, digest: str) -> None:
         """Rank 0: every rank starts the config with this hash at ``step``."""
         self._pending = (step, digest)
+        if self.channel is not None:
+            announcement = {
+                "step": step,
+                "sha256": digest,
+                "config": self._text,
+                "yaml": is_yaml_path(self.path),
+            }
+            try:
+                self.channel.publish(json.dumps(announcement).encode("utf-8"))
+            except Exception as exc:
+                self._lose_channel(exc)
+            else:
+                logger.info("trainmon: config %s updated; every rank collects from step %d", self.path, step)
+                return
         try:
             atomic_write_text(self.schedule_path, json.dumps({"step": step, "sha256": digest}) + "\n")
             self._schedule_signature = _signature_of(self.schedule_path)
@@ -121,6 +164,35 @@ class DynamicControl:
             )
             return
         logger.info("trainmon: config %s updated; every rank collects from step %d", self.path, step)
+
+    def _follow_channel(self) -> None:
+        """Other ranks: take up rank 0's announcement, its config parsed from the text it sent."""
+        if self.channel is None:
+            return
+        try:
+            announcement = self.channel.poll()
+        except Exception as exc:
+            self._lose_channel(exc)
+            return
+        if announcement is None:
+            return
+        try:
+            told = json.loads(announcement)
+            config = validate_config(parse_config_text(told["config"], self.path, bool(told["yaml"])))
+            self._pending = (int(told["step"]), str(told["sha256"]))
+        except (ValueError, KeyError, TypeError, ConfigError) as exc:
+            self._report("announcement", f"announced by rank 0 cannot be used ({exc})")
+            return
+        self._latest = (self._pending[1], config)
+
+    def _lose_channel(self, exc: BaseException) -> None:
+        self.channel = None
+        logger.warning(
+            "trainmon: dynamic mode cannot reach the other ranks' channel (%r); the schedule file "
+            "%s is used instead",
+            exc,
+            self.schedule_path,
+        )
 
     def _follow_schedule(self) -> None:
         """Other ranks: take up a new schedule once their own read of the config matches it."""

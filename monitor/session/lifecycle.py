@@ -20,6 +20,7 @@ from monitor.alerts.responses import IncidentResponses
 from monitor.config.schema import MonitorConfig
 from monitor.errors import CollectivesLogged, StructurePrinted
 from monitor.session.collection import BaseCollection
+from monitor.session.dynamic import ScheduleChannel
 from monitor.session.schedule import rank_enabled
 
 logger = logging.getLogger("trainmon")
@@ -99,6 +100,10 @@ class SessionLifecycle(IncidentResponses, ABC):
         self._attach_alerts()
         if not dormant:
             self.start(self.config)
+
+    def schedule_channel(self) -> ScheduleChannel | None:
+        """How rank 0 tells the other ranks when dynamic mode starts (None: the schedule file)."""
+        return None
 
     # -- public control ----------------------------------------------------------------------
 

@@ -160,7 +160,8 @@ class TrainerMon:
         self._session.checkpoint_function = self._checkpoint_function
         if self._dynamic is not None:
             world_size = getattr(self._session, "world_size", 1)
-            self._follow_dynamic(self._dynamic.attach(self._session.rank, world_size), self._session.step)
+            started = self._dynamic.attach(self._session.rank, world_size, self._session.schedule_channel())
+            self._follow_dynamic(started, self._session.step)
         return self
 
     def on_incident(self, callback: Callable[[dict], Any]) -> TrainerMon:
