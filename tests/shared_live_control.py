@@ -25,7 +25,8 @@ def train_while_editing(path, train_step: Callable[[int], None], steps: int) -> 
     """Run ``train_step(step)`` for ``steps`` steps, editing the config at ``path`` on the way.
 
     During step 2 the config is switched on; during step 7 it is broken; during step 8 it is
-    switched on again with collect_times 1. Returns what the trainmon logger said meanwhile.
+    switched on again with collect_times 1; during step 11 with collect_times 10, and during step
+    13 switched off by hand. Returns what the trainmon logger said meanwhile.
     """
     with trainmon_records() as log:
         for step in range(steps):
@@ -35,6 +36,11 @@ def train_while_editing(path, train_step: Callable[[int], None], steps: int) -> 
                 replace_file(path, "{ broken")
             if step == 8:
                 replace_file(path, SWITCHED_ON.replace("2\n", "1\n"))
+            if step == 11:  # collect_times 1 has ended: dynamic_on written back, nothing else changed
+                assert path.read_text() == DYNAMIC_CONFIG.replace("2\n", "1\n")
+                replace_file(path, SWITCHED_ON.replace("2\n", "10\n"))
+            if step == 13:
+                replace_file(path, DYNAMIC_CONFIG.replace("2\n", "10\n"))
             train_step(step)
     return log
 
@@ -42,8 +48,8 @@ def train_while_editing(path, train_step: Callable[[int], None], steps: int) -> 
 def assert_the_edits_were_followed(output_dir: str, path, log: LogRecords) -> None:
     """What train_while_editing's edits must give, whatever the framework."""
     # the edit made during step 2 is seen at its end: steps 3 and 4 are collected (collect_times 2);
-    # the broken edit is reported once; the edit during step 8 collects step 9 only
-    assert collected_steps(output_dir) == [3, 4, 9]
-    # dynamic_on written back, nothing else changed
-    assert path.read_text() == DYNAMIC_CONFIG.replace("2\n", "1\n")
+    # the broken edit is reported once; the edit during step 8 collects step 9 only; switched off
+    # by hand during step 13, the collection from step 12 on ends after step 13
+    assert collected_steps(output_dir) == [3, 4, 9, 12, 13]
+    assert path.read_text() == DYNAMIC_CONFIG.replace("2\n", "10\n")  # as the user wrote it
     assert len([r for r in log.errors() if "not valid" in r.getMessage()]) == 1

@@ -96,8 +96,9 @@ def any_rank(flag: bool, device: torch.device) -> bool:
 
 class StoreChannel:
     """Dynamic mode's announcements through the default process group's key-value store (the
-    rendezvous store every rank already talks to): rank 0 sets the announcement and counts it;
-    the other ranks read the count each step (one round trip) and the announcement when it grew."""
+    rendezvous store every rank already talks to): rank 0 stores each announcement under its
+    number and counts it; the other ranks read the count each step (one round trip) and the
+    announcements it grew by."""
 
     ANNOUNCEMENT, COUNT = "announcement", "count"
 
@@ -107,15 +108,15 @@ class StoreChannel:
         self._seen = self._store.add(self.COUNT, 0)
 
     def publish(self, announcement: bytes) -> None:
-        self._store.set(self.ANNOUNCEMENT, announcement)
-        self._seen = self._store.add(self.COUNT, 1)
+        number = self._store.add(self.COUNT, 0) + 1  # rank 0 alone publishes
+        self._store.set(f"{self.ANNOUNCEMENT}/{number}", announcement)
+        self._store.add(self.COUNT, 1)
 
-    def poll(self) -> bytes | None:
+    def poll(self) -> list[bytes]:
         count = self._store.add(self.COUNT, 0)
-        if count == self._seen:
-            return None
+        news = [bytes(self._store.get(f"{self.ANNOUNCEMENT}/{n}")) for n in range(self._seen + 1, count + 1)]
         self._seen = count
-        return bytes(self._store.get(self.ANNOUNCEMENT))
+        return news
 
 
 def schedule_channel() -> StoreChannel | None:

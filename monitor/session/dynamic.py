@@ -4,10 +4,11 @@ With ``DYNAMIC_MONITOR=true`` the config file is polled once per step with one `
 when its (mtime, size, inode) changed is it read, and only when its content hash changed is it
 parsed. An edit that says ``dynamic_on: true`` starts (or restarts with the new config) collection;
 ``collect_times`` ends it, and then rank 0 alone writes ``dynamic_on: false`` back into the file,
-atomically and changing nothing else the user wrote (msprobe rewrites the whole file). A broken
-edit is reported once and the current state goes on.
+atomically and changing nothing else the user wrote (msprobe rewrites the whole file). An edit
+that says ``dynamic_on: false`` ends a collection under way (msprobe's goes on until
+``collect_times``). A broken edit is reported once and the current state goes on.
 
-One process starts at the next step. With several ranks the decision is made once, by rank 0,
+One process switches at the next step. With several ranks the decision is made once, by rank 0,
 and every rank follows it at the same step, ``DELAY_STEPS`` steps after rank 0 saw the edit.
 (msprobe polls on every rank, which starts ranks at different steps when they see the edit at
 different times.) Rank 0 announces the start step and the config's text through a channel the
@@ -50,9 +51,9 @@ class ScheduleChannel(Protocol):
     def publish(self, announcement: bytes) -> None:
         """Rank 0: the newest announcement."""
 
-    def poll(self) -> bytes | None:
-        """Other ranks: an announcement published since the last poll (or since the channel was
-        made), None when there is none; one round trip."""
+    def poll(self) -> list[bytes]:
+        """Other ranks: the announcements published since the last poll (or since the channel was
+        made), oldest first; one round trip when there are none."""
 
 
 def dynamic_mode() -> bool:
@@ -61,50 +62,54 @@ def dynamic_mode() -> bool:
 
 
 class DynamicControl:
-    """Polls one config file and says when collection must (re)start with which config."""
+    """Polls one config file and says from which step which edited config applies."""
 
     def __init__(self, path: str | os.PathLike, rank: int = 0, world_size: int = 1) -> None:
         self.path = os.fspath(path)
         self.schedule_path = self.path + ".schedule"
         self.rank = rank
         self.world_size = world_size
+        self.channel: ScheduleChannel | None = None
         self._signature: tuple[int, int, int] | None = None
         self._digest: str | None = None
         self._reported: str | None = None
-        #: the newest valid config read or announced, with its content hash
-        self._latest: tuple[str, MonitorConfig] | None = None
         #: the text of the newest valid config read from the file (what rank 0 announces)
         self._text = ""
-        self.channel: ScheduleChannel | None = None
-        #: (step, content hash) of the agreed start not reached yet
-        self._pending: tuple[int, str] | None = None
+        #: valid configs read or announced, by content hash
+        self._known: dict[str, MonitorConfig] = {}
+        #: (step, content hash) of the agreed edits not applied yet, by step
+        self._orders: list[tuple[int, str]] = []
+        #: rank 0: the orders it made lately, which the schedule file lists
+        self._made: list[tuple[int, str]] = []
+        self._applied_step = -1
         self._schedule_signature: tuple[int, int, int] | None = None
 
     def attach(
         self, rank: int, world_size: int, channel: ScheduleChannel | None = None
     ) -> MonitorConfig | None:
-        """At set_monitor, on every rank at the same step: the config to start with now, if the
-        file already says ``dynamic_on: true``."""
+        """At set_monitor, on every rank at the same step: the file's config (collection starts
+        now if it says ``dynamic_on: true``), None if it cannot be used."""
         self.rank, self.world_size, self.channel = rank, world_size, channel
         self._schedule_signature = _signature_of(self.schedule_path)  # an older run's schedule
         return self._read_file()
 
     def poll(self, step: int) -> MonitorConfig | None:
-        """At the end of each step (``step`` is the next one): a config to start with from
-        ``step`` on, or None (no change, not yet, switched off, or broken)."""
+        """At the end of each step (``step`` is the next one): the edited config that applies
+        from ``step`` on (``dynamic_on`` true: collect with it; false: collect nothing), or None
+        (no change, not yet, or broken)."""
         if self.world_size <= 1:
             return self._read_file()
         if self.rank == 0:
-            new = self._read_file()
-            if new is not None and self._latest is not None:
-                self._schedule(step + DELAY_STEPS, self._latest[0])
+            if self._read_file() is not None and self._digest is not None:
+                self._schedule(step + DELAY_STEPS, self._digest)
         else:
             self._follow_channel()
             self._follow_schedule()
         return self._due(step)
 
     def _read_file(self) -> MonitorConfig | None:
-        """The file's config when its content changed to a valid one with ``dynamic_on: true``."""
+        """The file's config when its content changed to a valid one (``dynamic_on`` true: start
+        or restart with it; false: end a collection under way)."""
         try:
             stat = os.stat(self.path)
         except OSError as exc:
@@ -133,14 +138,15 @@ class DynamicControl:
         except ConfigError as exc:
             self._report(digest, f"is not valid, the current state goes on: {exc}")
             return None
-        if not config.dynamic_on:
-            return None
-        self._latest, self._text = (digest, config), text
+        self._forget_unused()
+        self._known[digest], self._text = config, text
         return config
 
     def _schedule(self, step: int, digest: str) -> None:
-        """Rank 0: every rank starts the config with this hash at ``step``."""
-        self._pending = (step, digest)
+        """Rank 0: every rank applies the config with this hash from ``step`` on."""
+        self._orders.append((step, digest))
+        self._made = [*self._made[-(2 * DELAY_STEPS) :], (step, digest)]
+        switch = "collects" if self._known[digest].dynamic_on else "stops collecting"
         if self.channel is not None:
             announcement = {
                 "step": step,
@@ -153,37 +159,39 @@ class DynamicControl:
             except Exception as exc:
                 self._lose_channel(exc)
             else:
-                logger.info("trainmon: config %s updated; every rank collects from step %d", self.path, step)
+                logger.info(
+                    "trainmon: config %s updated; every rank %s from step %d", self.path, switch, step
+                )
                 return
         try:
-            atomic_write_text(self.schedule_path, json.dumps({"step": step, "sha256": digest}) + "\n")
+            atomic_write_text(self.schedule_path, json.dumps({"orders": self._made}) + "\n")
             self._schedule_signature = _signature_of(self.schedule_path)
         except OSError as exc:
             logger.error(
-                "trainmon: could not write %s (%r); other ranks will not start", self.schedule_path, exc
+                "trainmon: could not write %s (%r); other ranks will not follow", self.schedule_path, exc
             )
             return
-        logger.info("trainmon: config %s updated; every rank collects from step %d", self.path, step)
+        logger.info("trainmon: config %s updated; every rank %s from step %d", self.path, switch, step)
 
     def _follow_channel(self) -> None:
-        """Other ranks: take up rank 0's announcement, its config parsed from the text it sent."""
+        """Other ranks: take up rank 0's announcements, each config parsed from the text it sent."""
         if self.channel is None:
             return
         try:
-            announcement = self.channel.poll()
+            announcements = self.channel.poll()
         except Exception as exc:
             self._lose_channel(exc)
             return
-        if announcement is None:
-            return
-        try:
-            told = json.loads(announcement)
-            config = validate_config(parse_config_text(told["config"], self.path, bool(told["yaml"])))
-            self._pending = (int(told["step"]), str(told["sha256"]))
-        except (ValueError, KeyError, TypeError, ConfigError) as exc:
-            self._report("announcement", f"announced by rank 0 cannot be used ({exc})")
-            return
-        self._latest = (self._pending[1], config)
+        for announcement in announcements:
+            try:
+                told = json.loads(announcement)
+                config = validate_config(parse_config_text(told["config"], self.path, bool(told["yaml"])))
+                order = (int(told["step"]), str(told["sha256"]))
+            except (ValueError, KeyError, TypeError, ConfigError) as exc:
+                self._report("announcement", f"announced by rank 0 cannot be used ({exc})")
+                continue
+            self._known[order[1]] = config
+            self._take_orders([order])
 
     def _lose_channel(self, exc: BaseException) -> None:
         self.channel = None
@@ -195,37 +203,50 @@ class DynamicControl:
         )
 
     def _follow_schedule(self) -> None:
-        """Other ranks: take up a new schedule once their own read of the config matches it."""
+        """Other ranks: take up the schedule file's new orders; each applies once this rank's own
+        read of the config has its hash."""
         signature = _signature_of(self.schedule_path)
         if signature is not None and signature != self._schedule_signature:
             try:
                 with open(self.schedule_path, encoding="utf-8") as handle:
-                    wanted = json.load(handle)
-                self._pending = (int(wanted["step"]), str(wanted["sha256"]))
+                    orders = [(int(step), str(digest)) for step, digest in json.load(handle)["orders"]]
             except (OSError, ValueError, KeyError, TypeError) as exc:
                 self._report("schedule", f"schedule {self.schedule_path} cannot be read ({exc})")
                 return
             self._schedule_signature = signature
-        if self._pending is not None and (self._latest is None or self._latest[0] != self._pending[1]):
+            self._take_orders(orders)
+        if any(digest not in self._known for _, digest in self._orders):
             self._read_file()  # the edit may reach this rank's view of the file later
 
+    def _take_orders(self, orders: list[tuple[int, str]]) -> None:
+        new = [order for order in orders if order[0] > self._applied_step and order not in self._orders]
+        self._orders = sorted(self._orders + new)
+
     def _due(self, step: int) -> MonitorConfig | None:
-        """The scheduled config once its step has come and this rank has read that very config."""
-        if self._pending is None or step < self._pending[0]:
+        """The config of the latest order whose step has come and whose config this rank has
+        (earlier due orders are passed over: the latest one applies)."""
+        ready = [order for order in self._orders if order[0] <= step and order[1] in self._known]
+        if not ready:
             return None
-        if self._latest is None or self._latest[0] != self._pending[1]:
-            return None
-        start, _ = self._pending
-        self._pending = None
+        start, digest = ready[-1]
+        config = self._known[digest]
+        self._orders = [order for order in self._orders if order[0] > start]
+        self._applied_step = start
+        self._forget_unused()
         if step > start:
             logger.warning(
-                "trainmon: rank %d starts collecting at step %d, %d step(s) after the other ranks "
+                "trainmon: rank %d follows the config edit at step %d, %d step(s) after the other ranks "
                 "(the edit or the schedule reached it late)",
                 self.rank,
                 step,
                 step - start,
             )
-        return self._latest[1]
+        return config
+
+    def _forget_unused(self) -> None:
+        """Keep the configs that pending orders still need (and the file's latest)."""
+        needed = {digest for _, digest in self._orders} | {self._digest}
+        self._known = {digest: config for digest, config in self._known.items() if digest in needed}
 
     def _report(self, key: str, text: str) -> None:
         if self._reported != key:

@@ -158,6 +158,11 @@ class SessionLifecycle(IncidentResponses, ABC):
                 self.step += now - self._steps_at_stop
         self._steps_at_stop = None
 
+    def end_collection(self) -> None:
+        """End the current collection and keep the hooks (dynamic mode: the file says
+        ``dynamic_on: false`` now)."""
+        self._end_collection()
+
     def stop(self) -> None:
         """Remove every hook and close the outputs (idempotent); queued alerts are delivered."""
         self._end_collection()

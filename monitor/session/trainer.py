@@ -229,11 +229,19 @@ class TrainerMon:
         self._follow_dynamic(self._dynamic.poll(step), step)
 
     def _follow_dynamic(self, config: MonitorConfig | None, step: int) -> None:
-        if config is not None:
+        if config is not None and config.dynamic_on:
             logger.info("trainmon: config %s updated; collecting from step %d", self.config_file_path, step)
             self.config = config
             self._session.start(config)
             self._dynamic_running = True
+        elif config is not None and self._session.active:  # dynamic_on: false, written in by hand
+            logger.info(
+                "trainmon: config %s says dynamic_on: false; collecting ended at step %d",
+                self.config_file_path,
+                step,
+            )
+            self._session.end_collection()
+            self._dynamic_running = False
         elif self._dynamic_running and not self._session.active:
             self._dynamic_running = False
             self._dynamic.finish()

@@ -38,7 +38,7 @@ def test_dynamic_mode_starts_on_edit_stops_after_collect_times_and_writes_back(t
     mon = TrainerMon(str(path))
     mon.set_monitor(net, grad_acc_steps=1, optimizer=optimizer)
     assert not mon.monitoring
-    log = train_while_editing(path, lambda step: _step(net, optimizer, step), steps=11)
+    log = train_while_editing(path, lambda step: _step(net, optimizer, step), steps=16)
     assert_the_edits_were_followed(mon.output_dir, path, log)
     mon.stop()
 

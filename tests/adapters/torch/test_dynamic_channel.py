@@ -23,7 +23,7 @@ def _watches(tmp_path, store, rank0_name="rank0.json"):
     for rank, name in ((0, rank0_name), (1, "rank1.json")):
         replace_file(tmp_path / name, DYNAMIC_CONFIG)
         watch = DynamicControl(tmp_path / name)
-        assert watch.attach(rank, 2, StoreChannel(store) if store is not None else None) is None
+        assert not watch.attach(rank, 2, StoreChannel(store)).dynamic_on
         watches.append(watch)
     return watches
 
@@ -86,3 +86,17 @@ def test_a_store_that_died_leaves_the_ranks_to_the_schedule_file(tmp_path, caplo
 
 def test_one_process_has_no_channel():
     assert not dist.is_initialized() and schedule_channel() is None
+
+
+def test_a_rank_that_polls_late_follows_every_edit_at_its_step(tmp_path):
+    """Rank 0 switches on after step 1 and off after step 2; rank 1 looks only from step 3 on,
+    finds both announcements, and switches at the same steps as rank 0."""
+    rank0, rank1 = _watches(tmp_path, dist.HashStore())
+    for step, text in ((1, SWITCHED_ON), (2, DYNAMIC_CONFIG.replace("2\n", "3\n"))):
+        replace_file(tmp_path / "rank0.json", text)
+        assert rank0.poll(step) is None
+    applied = {step: [rank0.poll(step), rank1.poll(step)] for step in range(3, 12)}
+    switches = {
+        step: [c.dynamic_on for c in configs] for step, configs in applied.items() if configs != [None] * 2
+    }
+    assert switches == {1 + DELAY_STEPS: [True, True], 2 + DELAY_STEPS: [False, False]}

@@ -42,7 +42,7 @@ def test_dynamic_mode_starts_on_edit_stops_after_collect_times_and_writes_back(t
     model, optimizer = _fresh()
     mon = TrainerMon(str(path))
     mon.set_monitor(model, 1, optimizer)
-    log = train_while_editing(path, lambda step: _step(model, optimizer, step), steps=12)
+    log = train_while_editing(path, lambda step: _step(model, optimizer, step), steps=16)
     assert_the_edits_were_followed(mon.output_dir, path, log)
     mon.stop()
 
@@ -203,7 +203,8 @@ def test_dynamic_mode_starts_every_rank_at_the_same_step(tmp_path):
 
 def _dynamic_rank_with_a_copy(rank: int, world_size: int, workdir: str) -> None:
     """Rank 1 watches a copy of the config that nobody edits (a node whose file system shows it
-    late, or a copy of its own); rank 0 switches its file on, with collect_times 3, during step 3."""
+    late, or a copy of its own); rank 0 switches its file on, with collect_times 10, after step 3,
+    and off by hand after step 8."""
     import torch.distributed as dist
 
     from tests.adapters.torch.distributed import save_result
@@ -213,26 +214,28 @@ def _dynamic_rank_with_a_copy(rank: int, world_size: int, workdir: str) -> None:
     mon = TrainerMon(path)
     mon.set_monitor(model, 1, optimizer)
     dist.barrier()
-    for step in range(16):
+    for step in range(20):
         _step(model, optimizer, step)
         if step == 3 and rank == 0:
-            replace_file(path, SWITCHED_ON.replace('"collect_times": 2', '"collect_times": 3'))
+            replace_file(path, SWITCHED_ON.replace('"collect_times": 2', '"collect_times": 10'))
+        if step == 8 and rank == 0:
+            replace_file(path, DYNAMIC_CONFIG.replace('"collect_times": 2', '"collect_times": 10'))
         dist.barrier()  # data parallelism keeps ranks within a step of each other (its all-reduce)
     mon.stop()
     save_result(workdir, rank, {"steps": collected_steps(mon.output_dir)})
 
 
 @pytest.mark.distributed
-def test_dynamic_mode_starts_a_rank_that_never_sees_the_edit_with_rank_0s_config(tmp_path):
-    """Rank 0 announces the start and the config's text through the process group's store, so a
-    rank does not depend on its own view of the file (with the schedule file alone, rank 1 here
-    would never start)."""
+def test_dynamic_mode_switches_a_rank_that_never_sees_the_edits_with_rank_0(tmp_path):
+    """Rank 0 announces each start and stop and the config's text through the process group's
+    store, so a rank does not depend on its own view of the file (with the schedule file alone,
+    rank 1 here would never start)."""
     from monitor.session.dynamic import DELAY_STEPS
     from tests.adapters.torch.distributed import run_ranks
 
     for rank in (0, 1):
         replace_file(tmp_path / f"monitor{rank}.json", DYNAMIC_CONFIG)
     per_rank = run_ranks(_dynamic_rank_with_a_copy, 2, str(tmp_path), env={"DYNAMIC_MONITOR": "true"})
-    first = 5 + DELAY_STEPS  # rank 0 sees the edit at the end of step 4
-    assert [r["steps"] for r in per_rank] == [[first, first + 1, first + 2]] * 2, per_rank
-    assert json.loads((tmp_path / "monitor1.json").read_text())["dynamic_on"] is False  # untouched
+    on, off = 5 + DELAY_STEPS, 10 + DELAY_STEPS  # rank 0 sees each edit at the end of the next step
+    assert [r["steps"] for r in per_rank] == [list(range(on, off))] * 2, per_rank
+    assert json.loads((tmp_path / "monitor1.json").read_text()) == json.loads(DYNAMIC_CONFIG)  # untouched
