@@ -105,9 +105,16 @@ def _order(record: Record) -> tuple:
     )
 
 
+def _tensor_of(record: Record) -> tuple[str, str, Any]:
+    """What a record describes whatever the rank: module, task and op (the reduced gradient of
+    one tensor is the same on every data-parallel rank)."""
+    return module_of(record), str(record["tag_name"]).rpartition("/")[2], record.get("op")
+
+
 def _moved_alone(group: Sequence[Record]) -> tuple[Record, float, float] | None:
     """The record whose ratio to its level differs most from its data type's common ratio, when
-    it differs by ALONE_FACTOR and by that factor more than any other record; else None."""
+    it differs by ALONE_FACTOR and by that factor more than any record of another tensor (the
+    same tensor on other ranks does not count against it); else None."""
     scored = []
     for record in group:
         ratio, common = number(record.get("ratio")), number(record.get("common"))
@@ -117,7 +124,8 @@ def _moved_alone(group: Sequence[Record]) -> tuple[Record, float, float] | None:
         return None
     scored.sort(key=lambda item: (-item[0], _order(item[1])))
     best = scored[0]
-    runner_up = scored[1][0] if len(scored) > 1 else 0.0
+    others = [item[0] for item in scored[1:] if _tensor_of(item[1]) != _tensor_of(best[1])]
+    runner_up = others[0] if others else 0.0
     if best[0] < math.log(ALONE_FACTOR) or best[0] - runner_up < math.log(ALONE_FACTOR):
         return None
     return best[1], best[2], best[3]
@@ -125,8 +133,7 @@ def _moved_alone(group: Sequence[Record]) -> tuple[Record, float, float] | None:
 
 def _peer_outlier(group: Sequence[Record], root: Record) -> tuple[Record, float] | None:
     """With 3+ ranks showing the root's tensor: the rank whose value is far from its peers' median."""
-    name = (module_of(root), str(root["tag_name"]).rpartition("/")[2], root.get("op"))
-    same = [r for r in group if (module_of(r), str(r["tag_name"]).rpartition("/")[2], r.get("op")) == name]
+    same = [r for r in group if _tensor_of(r) == _tensor_of(root)]
     if len({int(r["rank"]) for r in same}) < 3:
         return None
     best = None

@@ -108,7 +108,10 @@ def _reference_later(
 
 
 def _reference_zscore(series, threshold=6.0, warmup=10, beta=0.9, min_ratio=5.0, floor=0.05):
-    """EWMA mean/variance of log|x| with the variance bias-corrected; flags before folding in."""
+    """EWMA mean/variance of log|x| with the variance bias-corrected; flags before folding in: a
+    rise by its log z-score; a drop also needs a quiet signal (the share of the level lost above
+    threshold x sigma) or to be min_ratio squared (a record falling as a whole, which these
+    independent series do not, is left out)."""
     out, mean, var, count = [], 0.0, 0.0, 0
     for x in series:
         finite = math.isfinite(x) and x != 0
@@ -117,8 +120,9 @@ def _reference_zscore(series, threshold=6.0, warmup=10, beta=0.9, min_ratio=5.0,
         if finite and count >= warmup:
             corrected = var / (1 - beta ** (count - 1)) if count > 1 else 0.0
             sigma = max(math.sqrt(corrected), floor)
-            deviation = abs(log - mean)
-            flag = deviation > threshold * sigma and deviation > math.log(min_ratio)
+            z_far = abs(log - mean) > threshold * sigma and abs(log - mean) > math.log(min_ratio)
+            quiet = 1 - math.exp(log - mean) > threshold * sigma
+            flag = z_far and (log > mean or quiet or mean - log > 2 * math.log(min_ratio))
         out.append(flag)
         if not finite:
             continue
@@ -329,11 +333,36 @@ def _false_positive_rate(make_record, rule, series):
     return len(found) / (tags * (steps - rule.warmup))
 
 
-# documented in AnomalyZScore's docstring (100 tags x 10,000 steps, seed 0): 1.0e-3 and 1.0e-5
+# documented in AnomalyZScore's docstring (100 tags x 10,000 steps, seed 0): 1.0e-3 and 5.0e-6
 def test_zscore_false_positive_rate_with_a_lower_threshold_is_as_documented(make_record):
     series = np.random.default_rng(2).lognormal(0.0, 0.5, size=(3000, 100, 1))
     rate = _false_positive_rate(make_record, AnomalyZScore(threshold=4.0, min_ratio=1.0), series)
     assert 0.5e-3 < rate < 2.0e-3
+
+
+@pytest.mark.parametrize(
+    ("spread", "factor", "tensors", "flagged"),
+    [
+        (0.25, 1 / 5, 1, False),
+        (0.05, 1 / 5, 1, True),
+        (0.25, 1 / 100, 1, True),
+        (0.25, 1 / 8, 1, False),
+        (0.25, 1 / 8, 8, True),
+        (0.25, 12.0, 1, True),
+        (0.05, 5.0, 1, True),
+        (0.25, 3.0, 1, False),
+    ],
+)
+def test_zscore_judges_drops_more_strictly_than_rises(make_record, spread, factor, tensors, flagged):
+    """Of 8 tensors, ``tensors`` fall or rise by ``factor`` at step 40. One noisy norm (relative
+    spread 25%: 6 x 0.25 > the 80% or 88% lost) falling 5x or 8x is noise; a quiet one (5%), a
+    100x fall (beyond 16x) or all 8 falling 8x together are alarms; rises are judged on the log
+    scale (log 12 > 6 x 0.25)."""
+    series = np.random.default_rng(9).lognormal(0.0, spread, size=(60, 8, 1))
+    series[40, :tensors] = np.exp(np.log(series[:40, :tensors]).mean(axis=0)) * factor
+    names = tuple(f"w{i}" for i in range(8))
+    found = _drive(rules_only([AnomalyZScore()], rank=0), make_record, series, names)
+    assert ((40, "0:w0/rank0/post_grad") in {(a.step, a.tag_name) for a in found}) is flagged
 
 
 def test_zscore_false_positive_rate_with_defaults_is_as_documented(make_record):

@@ -15,7 +15,7 @@ import pytest
 from monitor.anomaly.detector import Detector
 from monitor.anomaly.incident_files import merge
 from monitor.anomaly.incidents import CLOSE_AFTER, AnomalySink
-from monitor.anomaly.root import choose_root
+from monitor.anomaly.root import choose_root, module_of
 from monitor.anomaly.rules import NONFINITE, AnomalyTurbulence, AnomalyZScore
 from monitor.record import RowSet, StepRecord
 
@@ -179,6 +179,24 @@ def test_merged_across_ranks_the_rank_whose_local_gradient_broke_is_named():
     assert merged.ranks == [0, 1, 2, 3]
     assert merged.root["tag_name"] == "0:layers.2.fc/rank2/acc_grad"
     assert any("only rank 2 shows it" in line for line in merged.evidence)
+
+
+def test_merged_the_tensor_that_moved_against_clipping_on_every_rank_is_the_root():
+    """A reduced gradient edited after the all-reduce, then clipped: every rank sees the same
+    tensor rise while clipping shrank the others; each rank's copy of it must not count as a
+    rival that hides it."""
+    incidents = []
+    for rank in range(4):
+        run = Run(rank=rank)
+        rng = np.random.default_rng(30)  # the same reduced gradients on every rank
+        _clean(run, rng, range(15), tasks=("post_grad",))
+        clipped = _noise(rng) / 300.0
+        clipped[1] = 8.0 * _noise(rng)[1]
+        run.step(15, {"post_grad": clipped})
+        incidents += [incident.to_json() for incident in run.incidents]
+    (merged,) = merge(incidents)
+    assert module_of(merged.root) == "layers.1.fc", (merged.root, merged.evidence)
+    assert any("moved x" in line for line in merged.evidence)
 
 
 def test_merged_the_rank_abnormal_first_is_the_root_though_another_shows_an_earlier_phase_later():
