@@ -8,8 +8,8 @@ deterministic, so every rule set sees the same run). ``score`` reads the run's
 ``anomaly_detected/rank*/anomaly.json``: records in all, the first anomaly step, whether the
 fault step has a record, records before the fault step (false alarms of a faulty run) and, for
 clean runs, the records (false alarms). ``--ranks 4`` adds 4-rank gloo DDP cases of the
-one-rank faults and a few others. One-process cases run ``--jobs`` at a time; DDP cases one at a
-time (each spawns its ranks).
+one-rank faults and a few others, in two settings (DDP_SETTINGS); ``--seeds 0`` leaves only
+them. One-process cases run ``--jobs`` at a time; DDP cases one at a time (each spawns its ranks).
 
 "msprobe-1.2.2" is AnomalyTurbulence with msprobe 1.2.2's semantics, which reproduce its verdicts
 bit for bit: its false alarms stand for msprobe's own.
@@ -78,6 +78,10 @@ RULE_SETS = {
 }
 #: the faults of the DDP part besides the one-rank faults
 DDP_OTHERS = ("loss_x100", "grad_after_backward", "dead_layer")
+#: (optimizer, clipping, micro-batches, seed) of the DDP part: a clean run of each per family, and
+#: each fault under one of them, the other for the other family, so that both optimizers, clipping
+#: on and off, accumulation and two seeds are seen under DDP without running every combination
+DDP_SETTINGS = (("adamw", False, 2, 0), ("sgd", True, 1, 1))
 
 
 def fault_step(steps: int, seed: int) -> int:
@@ -98,11 +102,14 @@ def matrix(args: argparse.Namespace) -> list[Case]:
                         cases.append(Case(*setting, None, 0, args.clean_steps))
                         cases += [Case(*setting, fault, at, args.steps) for fault in FAULTS]
     if args.ranks > 1:
-        for family in ("gpt", "mlp"):
-            at = fault_step(args.steps, 0)
-            cases.append(Case(family, "adamw", False, 2, 0, None, 0, args.clean_steps, args.ranks))
-            for fault in (*ONE_RANK_FAULTS, *DDP_OTHERS):
-                cases.append(Case(family, "adamw", False, 2, 0, fault, at, args.steps, args.ranks))
+        for turn, family in enumerate(("gpt", "mlp")):
+            for setting in DDP_SETTINGS:
+                cases.append(Case(family, *setting, None, 0, args.clean_steps, args.ranks))
+            for number, fault in enumerate((*ONE_RANK_FAULTS, *DDP_OTHERS)):
+                setting = DDP_SETTINGS[(number + turn) % len(DDP_SETTINGS)]
+                cases.append(
+                    Case(family, *setting, fault, fault_step(args.steps, setting[-1]), args.steps, args.ranks)
+                )
     return cases
 
 
