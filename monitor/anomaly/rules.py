@@ -216,11 +216,9 @@ def _median_change(change: np.ndarray, judged: np.ndarray) -> np.ndarray:
     """Per op column, the median change of the judged finite rows (0 where there is none): how
     the record's tensors moved together."""
     usable = judged & np.isfinite(change)
-    filled = np.where(usable, change, np.nan)
-    counts = usable.sum(axis=0)
     medians = np.zeros(change.shape[1])
-    for column in np.flatnonzero(counts):
-        medians[column] = np.median(filled[usable[:, column], column])
+    for column in np.flatnonzero(usable.any(axis=0)):
+        medians[column] = np.median(change[usable[:, column], column])
     return medians
 
 
