@@ -102,7 +102,8 @@ class SessionLifecycle(IncidentResponses, ABC):
             self.start(self.config)
 
     def schedule_channel(self) -> ScheduleChannel | None:
-        """How rank 0 tells the other ranks when dynamic mode starts (None: the schedule file)."""
+        """How rank 0 tells the other ranks which edit dynamic mode follows from which step (None:
+        the schedule file next to the config)."""
         return None
 
     # -- public control ----------------------------------------------------------------------
