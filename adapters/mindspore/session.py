@@ -33,7 +33,7 @@ import mindspore as ms
 from adapters.mindspore.bundle import facts as bundle_facts
 from adapters.mindspore.bundle import record_tensors
 from adapters.mindspore.collection import Collection, without_hooks
-from adapters.mindspore.dist import any_rank, global_rank, pipeline_info
+from adapters.mindspore.dist import any_rank, global_rank, pipeline_info, world_size
 from adapters.mindspore.optim import OptimizerView, hookable_optimizer
 from monitor.session.lifecycle import Attachment, SessionLifecycle, model_chunks
 
@@ -65,6 +65,8 @@ class MindSporeSession(SessionLifecycle):
         self.optimizer = hookable_optimizer(a.optimizer)
         self.view = OptimizerView(self.optimizer)
         super().__init__(a.config, global_rank(), a.start_iteration, a.on_step_end)
+        #: dynamic mode's ranks follow rank 0 through the schedule file when there are several
+        self.world_size = world_size()
         self.pp_stage, self.group_mates = pipeline_info(a.process_group)
         self.grad_acc_steps = a.grad_acc_steps
         self.dp_group = a.dp_group
