@@ -212,12 +212,12 @@ class AnomalyNan:
         return state
 
 
-def _median_change(change: np.ndarray, judged: np.ndarray) -> np.ndarray:
-    """Per op column, the median change of the judged finite rows (0 where there is none): how
-    the record's tensors moved together."""
+def _median_change(change: np.ndarray, judged: np.ndarray, columns: np.ndarray) -> np.ndarray:
+    """Per op column (of those ``columns`` marks), the median change of the judged finite rows
+    (0 where there is none): how the record's tensors moved together."""
     usable = judged & np.isfinite(change)
     medians = np.zeros(change.shape[1])
-    for column in np.flatnonzero(usable.any(axis=0)):
+    for column in np.flatnonzero(usable.any(axis=0) & columns):
         medians[column] = np.median(change[usable[:, column], column])
     return medians
 
@@ -303,10 +303,11 @@ class AnomalyZScore:
         with np.errstate(invalid="ignore", over="ignore"):
             far_out = np.abs(change) > self.threshold * sigma
             rise = far_out & (change > self.log_ratio)
+            drop = far_out & (-change > self.log_ratio) & judged
             quiet = -np.expm1(change) > self.threshold * sigma  # the share of the level lost
-            huge = -change > 2 * self.log_ratio
-            shared = -_median_change(change, judged) > self.log_ratio  # the record fell as a whole
-            drop = far_out & (-change > self.log_ratio) & (quiet | huge | shared)
+            lone = drop & ~quiet & (-change <= 2 * self.log_ratio)  # neither quiet nor 16x
+            if lone.any():  # kept only where the record fell as a whole
+                drop &= ~lone | (-_median_change(change, judged, lone.any(axis=0)) > self.log_ratio)
             mask = rise | drop | vanished
         mask &= (np.isfinite(logs) | vanished) & judged
         return mask, np.exp(state["mean"])
