@@ -11,7 +11,7 @@ reading only the data types, ranks and step ranges it needs::
                             mates, model chunks, the config (JSON)
     OUT/anomalies.parquet   the records of every anomaly_detected/rank{R}/anomaly.json
     OUT/incidents.parquet   the incidents of every anomaly_detected/rank{R}/incidents.json
-    OUT/compact.json        the value type; per part its source files (size, mtime) and its files
+    OUT/compact.json        the value type; per file of each part its source files (size, mtime)
 
 A data type with CSV files is read from them; one written live as Parquet (``format: parquet``)
 from those files; one only in event files (``format: tensorboard``) from every event file of the
@@ -36,10 +36,13 @@ larger ``ndigits``, huge counts, values beyond a 32-bit float's range) it is a 6
 the whole dataset, so that every engine sees one schema; ``compact.json`` records which. Part
 files of ranks or data types the run no longer has are deleted.
 
-Idempotent and resumable: a part whose source files are unchanged (size and modification time
-in ``compact.json``) is not written again; each file is written under a temporary name and
-renamed, so an interrupted run leaves whole files; the sources are never touched. DuckDB does
-the reading and writing (out of core, on every core).
+Idempotent, incremental and resumable: a file whose source files are unchanged (size and
+modification time in ``compact.json``) is not written again. The step windows in the sources'
+names (CSV files, live Parquet files) say which files of a part each reaches, so a run that went
+on since the last compaction rewrites only the files its new steps reach; a part made from
+TensorBoard event files, whose names carry no steps, is written whole when one changed. Each
+file is written under a temporary name and renamed, so an interrupted run leaves whole files;
+the sources are never touched. DuckDB does the reading and writing (out of core, on every core).
 """
 
 from __future__ import annotations
@@ -58,7 +61,7 @@ from dashboards.csvfiles import header_ops, list_csv_files
 from dashboards.plugin.eventsource import EventSource
 from monitor.files import atomic_write_text, make_private_dir
 from monitor.memory_limit import COMPACT_DEFAULT, parse_size
-from monitor.writers.parquet_files import live_prefixes, row_count
+from monitor.writers.parquet_files import live_prefixes, part_steps, row_count
 
 logger = logging.getLogger("trainmon")
 
@@ -78,6 +81,8 @@ FARTHEST_RANK_SQL = """
 """
 #: steps of a part in one file: a step range is read without the rest of the run
 STEPS_PER_FILE = 1000
+#: the unit of a part read whole, when its sources' steps are not known from their names
+WHOLE = "whole"
 #: a part's files, by the first and last step each holds (the live writer's merged files alike)
 _PART_FILE = re.compile(r"steps-\d+-\d+\.parquet")
 #: times a compaction starts again when a file it listed went away (a live Parquet merge)
@@ -125,62 +130,88 @@ def _compact_once(monitor_path: str, output: str | None, memory_limit: int) -> d
     con.execute(f"SET memory_limit = '{int(memory_limit)}B'")
     events = EventDirs()
     try:
-        parts: dict[str, dict[str, list]] = {}  # part -> its sources and files
+        units: dict[str, dict[str, dict[str, list]]] = {}  # part -> unit -> its sources and files
+        sources: dict[tuple[str, str], list[str]] = {}  # (part, unit) -> the files it is made from
         prefixes: dict[str, str] = {}  # part -> its data type
-        stored: dict[str, str | None] = {}  # part -> the value type it is on disk in
+        stored: dict[tuple[str, str], str | None] = {}  # (part, unit) -> the value type on disk
         for rank, dirs in ranks.items():
-            for prefix, paths in _files_by_type(dirs, events).items():
+            for prefix, files in _files_by_type(dirs, events).items():
                 part = os.path.join("values", f"data_type={prefix}", f"rank={rank}")
-                prefixes[part] = prefix
-                sources = [_signature(p) for p in paths]
-                before = old_parts.get(part)
-                unchanged = (
-                    isinstance(before, dict)
-                    and before.get("sources") == sources
-                    and isinstance(before.get("files"), list)
-                    and all(os.path.isfile(os.path.join(output, part, f)) for f in before["files"])
-                )
-                parts[part] = {"sources": sources, "files": before["files"] if unchanged else []}
-                stored[part] = old_type if unchanged else None
-        kept = [part for part, on_disk in stored.items() if on_disk is not None]
+                prefixes[part], units[part] = prefix, {}
+                before = old_parts.get(part) if isinstance(old_parts.get(part), dict) else {}
+                for unit, paths in _units(files).items():
+                    signatures = [_signature(path) for path in paths]
+                    was = before.get(unit) if isinstance(before.get(unit), dict) else {}
+                    unchanged = (
+                        was.get("sources") == signatures
+                        and isinstance(was.get("files"), list)
+                        and all(os.path.isfile(os.path.join(output, part, f)) for f in was["files"])
+                    )
+                    units[part][unit] = {"sources": signatures, "files": was["files"] if unchanged else []}
+                    sources[part, unit] = paths
+                    stored[part, unit] = old_type if unchanged else None
+        kept = [key for key, on_disk in stored.items() if on_disk is not None]
         value_type = old_type if kept else FLOAT
         written = set()
-        for rewrite in (False, True):  # the second pass: parts in another type than the dataset's
+        for rewrite in (False, True):  # the second pass: units in another type than the dataset's
             stale = [
-                p for p, on_disk in stored.items() if (on_disk != value_type if rewrite else on_disk is None)
+                key
+                for key, on_disk in stored.items()
+                if (on_disk != value_type if rewrite else on_disk is None)
             ]
             if rewrite and stale and os.path.exists(manifest_path):
                 os.unlink(manifest_path)  # interrupted from here on, the next run rewrites every part
-            for part in stale:
-                paths = [source[0] for source in parts[part]["sources"]]
-                rows = _part_rows(con, prefixes[part], paths, events)
+            for part, unit in stale:
+                rows = _part_rows(con, prefixes[part], sources[part, unit], events)
+                block = None if unit == WHOLE else int(unit.split("-")[1]) // STEPS_PER_FILE
                 target = os.path.join(output, part)
-                value_type, parts[part]["files"] = _write_part(con, rows, target, value_type)
-                stored[part] = value_type
+                value_type, units[part][unit]["files"] = _write_part(con, rows, target, value_type, block)
+                stored[part, unit] = value_type
                 written.add(part)
-        _remove_other_parts(output, parts)
-        counts = {"written": len(written), "kept": len(parts) - len(written)}
+        _remove_other_parts(output, units)
+        counts = {"written": len(written), "kept": len(units) - len(written)}
         write_tables(con, monitor_path, ranks, output)
     finally:
         con.close()
-    atomic_write_text(manifest_path, json.dumps({"value_type": value_type, "parts": parts}, indent=1))
+    atomic_write_text(manifest_path, json.dumps({"value_type": value_type, "parts": units}, indent=1))
     return counts
 
 
-def _files_by_type(dirs: Sequence[str], events: EventDirs) -> dict[str, list[str]]:
-    """data type -> the files its part is made from: its CSV files or live Parquet files in the
-    rank's directories (oldest directory first), or, for a data type only in TensorBoard event
-    files, every event file of the rank (one file holds every data type)."""
-    found: dict[str, list[str]] = {}
+def _units(files: Sequence[tuple[str, tuple[int, int] | None]]) -> dict[str, list[str]]:
+    """A part's files to write, each with the source files it is made from: per file of
+    STEPS_PER_FILE steps, the sources whose steps (from their names) reach into it, so that a run
+    that goes on rewrites only its last files; the whole part from every source (WHOLE) when a
+    source's steps are not known from its name (TensorBoard event files)."""
+    if any(steps is None for _, steps in files):
+        return {WHOLE: [path for path, _ in files]}
+    found: dict[int, list[str]] = {}
+    for path, (first, last) in files:
+        for block in range(first // STEPS_PER_FILE, last // STEPS_PER_FILE + 1):
+            found.setdefault(block, []).append(path)
+    return {_block_file(block): paths for block, paths in sorted(found.items())}
+
+
+def _block_file(block: int) -> str:
+    return f"steps-{block * STEPS_PER_FILE}-{(block + 1) * STEPS_PER_FILE - 1}.parquet"
+
+
+def _files_by_type(
+    dirs: Sequence[str], events: EventDirs
+) -> dict[str, list[tuple[str, tuple[int, int] | None]]]:
+    """data type -> the files its part is made from, each with its first and last step (None:
+    not known from its name): its CSV files or live Parquet files in the rank's directories
+    (oldest directory first), or, for a data type only in TensorBoard event files, every event
+    file of the rank (one file holds every data type)."""
+    found: dict[str, list[tuple[str, tuple[int, int] | None]]] = {}
     event_files: list[str] = []
     for directory in dirs:
         for prefix, items in list_csv_files(directory).items():
-            found.setdefault(prefix, []).extend(item.path for item in items)
+            found.setdefault(prefix, []).extend((item.path, (item.start, item.end)) for item in items)
         for prefix, paths in live_prefixes(directory).items():
-            found.setdefault(prefix, []).extend(paths)
+            found.setdefault(prefix, []).extend((path, part_steps(path)) for path in paths)
         event_files += EventSource.event_files(directory)
     for prefix in events.prefixes(event_files):
-        found.setdefault(prefix, event_files)
+        found.setdefault(prefix, [(path, None) for path in event_files])
     return found
 
 
@@ -189,12 +220,17 @@ def _signature(path: str) -> list:
     return [path, stat.st_size, stat.st_mtime_ns]
 
 
-def _remove_other_parts(output: str, parts: dict[str, dict[str, list]]) -> None:
+def _remove_other_parts(output: str, units: dict[str, dict[str, dict[str, list]]]) -> None:
     """Delete the files of data types, ranks and step ranges the run no longer has (a rank
     directory removed, say), and a temporary file an interrupted run left, so that every file
     under ``values/`` is current and of one value type."""
     root = os.path.join(output, "values")
-    current = {os.path.join(part, name) for part, entry in parts.items() for name in entry["files"]}
+    current = {
+        os.path.join(part, name)
+        for part, of_part in units.items()
+        for unit in of_part.values()
+        for name in unit["files"]
+    }
     for directory, _, files in os.walk(root, topdown=False):
         for name in files:
             path = os.path.join(directory, name)
@@ -277,15 +313,20 @@ def _csv_values(paths: dict[int, str]) -> str | None:
     """
 
 
-def _write_part(con: Any, query: str | None, directory: str, value_type: str) -> tuple[str, list[str]]:
-    """One part's files in ``directory``, a file per STEPS_PER_FILE steps, its values in
-    ``value_type``, or as doubles where one would not survive a 32-bit float (rounded back to six
-    significant digits it is not the value read from the CSV); returns the type written and the
-    files' names. The rows of ``query`` are read once, into a temporary table; a row without a
-    step (an empty field in the CSV) has no place in a step range and is left out."""
-    if query is None:  # the files hold no statistic: no part
+def _write_part(
+    con: Any, query: str | None, directory: str, value_type: str, block: int | None = None
+) -> tuple[str, list[str]]:
+    """A part's files in ``directory``, a file per STEPS_PER_FILE steps (only the ``block``-th
+    when given), its values in ``value_type``, or as doubles where one would not survive a
+    32-bit float (rounded back to six significant digits it is not the value read from the CSV);
+    returns the type written and the files' names. The rows of ``query`` are read once, into a
+    temporary table; a row without a step (an empty field in the CSV) has no place in a step
+    range and is left out."""
+    if query is None:  # the files hold no statistic: no file
         return value_type, []
-    con.execute(f"CREATE OR REPLACE TEMP TABLE part AS SELECT * FROM ({query}) WHERE step IS NOT NULL")
+    number = f"step // {STEPS_PER_FILE}"
+    only = "" if block is None else f" AND {number} = {block}"
+    con.execute(f"CREATE OR REPLACE TEMP TABLE part AS SELECT * FROM ({query}) WHERE step IS NOT NULL{only}")
     if value_type == FLOAT:  # a 32-bit float holds it exactly (counts), or to the CSV's six digits
         (fits,) = con.execute(
             """SELECT coalesce(bool_and(NOT isfinite(value)
@@ -295,15 +336,13 @@ def _write_part(con: Any, query: str | None, directory: str, value_type: str) ->
                FROM part"""
         ).fetchone()
         value_type = FLOAT if fits else DOUBLE
-    block = f"step // {STEPS_PER_FILE}"
-    blocks = con.execute(f"SELECT DISTINCT {block} AS b FROM part ORDER BY b").fetchall()
     names = []
-    for (number,) in blocks:
-        names.append(f"steps-{number * STEPS_PER_FILE}-{(number + 1) * STEPS_PER_FILE - 1}.parquet")
+    for (found,) in con.execute(f"SELECT DISTINCT {number} AS b FROM part ORDER BY b").fetchall():
+        names.append(_block_file(found))
         copy_to_parquet(
             con,
             f"SELECT step, micro_step, vpp_stage, name, op, CAST(value AS {value_type}) AS value FROM part "
-            f"WHERE {block} = {number} ORDER BY vpp_stage, name, op, micro_step, step",
+            f"WHERE {number} = {found} ORDER BY vpp_stage, name, op, micro_step, step",
             os.path.join(directory, names[-1]),
             ZSTD_LEVEL,
         )

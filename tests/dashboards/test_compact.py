@@ -378,10 +378,11 @@ def test_a_real_runs_incidents_topology_and_config_are_tables_of_the_dataset(tmp
     assert json.loads(run[4]) == info["config"] and info["config"]["alert"]["dump"] is True
 
 
-def test_a_part_is_a_file_per_step_range_and_a_run_that_goes_on_replaces_its_last(tmp_path, monkeypatch):
+def test_a_part_is_a_file_per_step_range_and_a_run_that_goes_on_rewrites_only_its_last(tmp_path, monkeypatch):
     """Files of 10 steps: each holds only its range, a reader that opens the files whose names
-    overlap a range gets every value of it, and the run going on rewrites its last file under
-    the same name (no value twice) while an earlier layout's whole-part file goes."""
+    overlap a range gets every value of it, and the run going on rewrites only the files its new
+    steps reach, under the same names (no value twice), while an earlier layout's whole-part
+    file goes."""
     monkeypatch.setattr("dashboards.convert.compact.STEPS_PER_FILE", 10)
     dirs = write_run(tmp_path, ranks=(0,), steps=range(25), window=25)
     part = tmp_path / "dataset" / "values" / "data_type=grad_reduced" / "rank=0"
@@ -408,8 +409,12 @@ def test_a_part_is_a_file_per_step_range_and_a_run_that_goes_on_replaces_its_las
     wanted = {key: value for key, value in expected.items() if 12 <= key[1] <= 16}
     _same({(n, s, o): v for n, s, o, v in got.fetchall()}, wanted)
 
+    before = {path.name: path.stat().st_ino for path in part.iterdir()}
     write_run(tmp_path, ranks=(0,), steps=range(25, 32), window=25, stamp="Jan02_03-04-09")
     assert compact(str(tmp_path)) == {"written": 1, "kept": 0}
     assert sorted(p.name for p in part.iterdir()) == [f"steps-{a}-{a + 9}.parquet" for a in (0, 10, 20, 30)]
+    after = {path.name: path.stat().st_ino for path in part.iterdir()}
+    rewritten = sorted(name for name in after if after[name] != before.get(name))
+    assert rewritten == ["steps-20-29.parquet", "steps-30-39.parquet"]  # the files the new steps reach
     steps = {key[5] for key in _dataset(tmp_path / "dataset")}  # _dataset: no value twice
     assert steps == set(range(32))
