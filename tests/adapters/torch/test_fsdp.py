@@ -326,3 +326,50 @@ def test_fsdp_update_histograms_equal_the_replicas(tmp_path, case):
     assert set(pieces) == set(expected)
     for key, (counts, nans) in pieces.items():
         assert counts.tolist() == expected[key][0] and nans == expected[key][1], key
+
+
+def _dynamic_worker(rank: int, world_size: int, workdir: str) -> None:
+    """Dynamic mode with ``shard_reduce`` (one all-gather per data type and collected step): rank 1
+    watches a copy of the config nobody edits; rank 0 switches its file on after step 1."""
+    import json
+    import os
+
+    import pandas as pd
+
+    from monitor import TrainerMon
+    from tests.shared_live_control import replace_file
+
+    model, _ = _sharded("fsdp2-fp32")
+    optimizer = _optimizer(model.parameters())
+    path = os.path.join(workdir, f"monitor{rank}.json")
+    mon = TrainerMon(path)
+    mon.set_monitor(model, MICRO, optimizer)
+    dist.barrier()
+    on = {"wg_distribution": True, "param_distribution": True, "shard_reduce": True, "ops": ["norm", "max"]}
+    for step in range(12):
+        _train_step(model, optimizer, rank, step)
+        if step == 1 and rank == 0:
+            replace_file(path, json.dumps({**on, "dynamic_on": True, "collect_times": 3}))
+    mon.stop()
+    frame = pd.concat(
+        pd.read_csv(os.path.join(mon.output_dir, name))
+        for name in os.listdir(mon.output_dir)
+        if name.startswith("grad_reduced") and name.endswith(".csv")
+    )
+    save_result(workdir, rank, {"rows": frame[["name", "step", "norm", "max"]].values.tolist()})
+
+
+def test_dynamic_mode_starts_sharded_merges_on_every_rank_at_one_step(tmp_path):
+    """A rank that started late would leave its peer waiting in the merge's all-gather; through
+    the store's announcement both start together, and their merged rows are the same numbers."""
+    import json
+
+    from monitor.session.dynamic import DELAY_STEPS
+
+    for rank in range(WORLD):
+        (tmp_path / f"monitor{rank}.json").write_text(json.dumps({"dynamic_on": False}))
+    per_rank = run_ranks(_dynamic_worker, WORLD, str(tmp_path), env={"DYNAMIC_MONITOR": "true"})
+    first = 3 + DELAY_STEPS  # rank 0 sees the edit at the end of step 2
+    rows = [sorted(map(tuple, result["rows"])) for result in per_rank]
+    assert sorted({row[1] for row in rows[0]}) == [first, first + 1, first + 2]
+    assert rows[0] == rows[1]  # whole-tensor rows: the same on both ranks
