@@ -131,7 +131,8 @@ def _compact_once(monitor_path: str, output: str | None, memory_limit: int) -> d
     events = EventDirs()
     try:
         units: dict[str, dict[str, dict[str, list]]] = {}  # part -> unit -> its sources and files
-        sources: dict[tuple[str, str], list[str]] = {}  # (part, unit) -> the files it is made from
+        #: (part, unit) -> its block of steps (None: every block) and the files it is made from
+        sources: dict[tuple[str, str], tuple[int | None, list[str]]] = {}
         prefixes: dict[str, str] = {}  # part -> its data type
         stored: dict[tuple[str, str], str | None] = {}  # (part, unit) -> the value type on disk
         for rank, dirs in ranks.items():
@@ -139,7 +140,7 @@ def _compact_once(monitor_path: str, output: str | None, memory_limit: int) -> d
                 part = os.path.join("values", f"data_type={prefix}", f"rank={rank}")
                 prefixes[part], units[part] = prefix, {}
                 before = old_parts.get(part) if isinstance(old_parts.get(part), dict) else {}
-                for unit, paths in _units(files).items():
+                for unit, (block, paths) in _units(files).items():
                     signatures = [_signature(path) for path in paths]
                     was = before.get(unit) if isinstance(before.get(unit), dict) else {}
                     unchanged = (
@@ -148,7 +149,7 @@ def _compact_once(monitor_path: str, output: str | None, memory_limit: int) -> d
                         and all(os.path.isfile(os.path.join(output, part, f)) for f in was["files"])
                     )
                     units[part][unit] = {"sources": signatures, "files": was["files"] if unchanged else []}
-                    sources[part, unit] = paths
+                    sources[part, unit] = block, paths
                     stored[part, unit] = old_type if unchanged else None
         kept = [key for key, on_disk in stored.items() if on_disk is not None]
         value_type = old_type if kept else FLOAT
@@ -162,8 +163,8 @@ def _compact_once(monitor_path: str, output: str | None, memory_limit: int) -> d
             if rewrite and stale and os.path.exists(manifest_path):
                 os.unlink(manifest_path)  # interrupted from here on, the next run rewrites every part
             for part, unit in stale:
-                rows = _part_rows(con, prefixes[part], sources[part, unit], events)
-                block = None if unit == WHOLE else int(unit.split("-")[1]) // STEPS_PER_FILE
+                block, paths = sources[part, unit]
+                rows = _part_rows(con, prefixes[part], paths, events)
                 target = os.path.join(output, part)
                 value_type, units[part][unit]["files"] = _write_part(con, rows, target, value_type, block)
                 stored[part, unit] = value_type
@@ -177,18 +178,21 @@ def _compact_once(monitor_path: str, output: str | None, memory_limit: int) -> d
     return counts
 
 
-def _units(files: Sequence[tuple[str, tuple[int, int] | None]]) -> dict[str, list[str]]:
-    """A part's files to write, each with the source files it is made from: per file of
-    STEPS_PER_FILE steps, the sources whose steps (from their names) reach into it, so that a run
-    that goes on rewrites only its last files; the whole part from every source (WHOLE) when a
-    source's steps are not known from its name (TensorBoard event files)."""
+def _units(
+    files: Sequence[tuple[str, tuple[int, int] | None]],
+) -> dict[str, tuple[int | None, list[str]]]:
+    """A part's files to write, by name, each with its block of steps and the source files it is
+    made from: per file of STEPS_PER_FILE steps, the sources whose steps (from their names) reach
+    into it, so that a run that goes on rewrites only its last files; the whole part from every
+    source (WHOLE, block None) when a source's steps are not known from its name (TensorBoard
+    event files)."""
     if any(steps is None for _, steps in files):
-        return {WHOLE: [path for path, _ in files]}
+        return {WHOLE: (None, [path for path, _ in files])}
     found: dict[int, list[str]] = {}
     for path, (first, last) in files:
         for block in range(first // STEPS_PER_FILE, last // STEPS_PER_FILE + 1):
             found.setdefault(block, []).append(path)
-    return {_block_file(block): paths for block, paths in sorted(found.items())}
+    return {_block_file(block): (block, paths) for block, paths in sorted(found.items())}
 
 
 def _block_file(block: int) -> str:

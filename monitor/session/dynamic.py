@@ -146,32 +146,33 @@ class DynamicControl:
         """Rank 0: every rank applies the config with this hash from ``step`` on."""
         self._orders.append((step, digest))
         self._made = [*self._made[-(2 * DELAY_STEPS) :], (step, digest)]
-        switch = "collects" if self._known[digest].dynamic_on else "stops collecting"
-        if self.channel is not None:
-            announcement = {
-                "step": step,
-                "sha256": digest,
-                "config": self._text,
-                "yaml": is_yaml_path(self.path),
-            }
-            try:
-                self.channel.publish(json.dumps(announcement).encode("utf-8"))
-            except Exception as exc:
-                self._lose_channel(exc)
-            else:
-                logger.info(
-                    "trainmon: config %s updated; every rank %s from step %d", self.path, switch, step
-                )
-                return
+        if self._announce(step, digest) or self._write_schedule():
+            switch = "collects" if self._known[digest].dynamic_on else "stops collecting"
+            logger.info("trainmon: config %s updated; every rank %s from step %d", self.path, switch, step)
+
+    def _announce(self, step: int, digest: str) -> bool:
+        """Rank 0: the order and the config's text through the channel; whether it went."""
+        if self.channel is None:
+            return False
+        announcement = {"step": step, "sha256": digest, "config": self._text, "yaml": is_yaml_path(self.path)}
+        try:
+            self.channel.publish(json.dumps(announcement).encode("utf-8"))
+        except Exception as exc:
+            self._lose_channel(exc)
+            return False
+        return True
+
+    def _write_schedule(self) -> bool:
+        """Rank 0: the recent orders into the schedule file; whether it was written."""
         try:
             atomic_write_text(self.schedule_path, json.dumps({"orders": self._made}) + "\n")
-            self._schedule_signature = _signature_of(self.schedule_path)
         except OSError as exc:
             logger.error(
                 "trainmon: could not write %s (%r); other ranks will not follow", self.schedule_path, exc
             )
-            return
-        logger.info("trainmon: config %s updated; every rank %s from step %d", self.path, switch, step)
+            return False
+        self._schedule_signature = _signature_of(self.schedule_path)
+        return True
 
     def _follow_channel(self) -> None:
         """Other ranks: take up rank 0's announcements, each config parsed from the text it sent."""

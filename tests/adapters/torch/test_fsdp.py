@@ -18,12 +18,16 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import json
+import os
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 import torch.distributed as dist
 
+from monitor.session.dynamic import DELAY_STEPS
 from tests.adapters.torch.distributed import run_ranks, save_result
 from tests.adapters.torch.helpers import (
     ALL_OPS,
@@ -37,6 +41,7 @@ from tests.adapters.torch.helpers import (
     update_histogram_reference,
 )
 from tests.shared_configs import DATA_TYPES, STEP_PREFIXES
+from tests.shared_live_control import replace_file
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -331,13 +336,7 @@ def test_fsdp_update_histograms_equal_the_replicas(tmp_path, case):
 def _dynamic_worker(rank: int, world_size: int, workdir: str) -> None:
     """Dynamic mode with ``shard_reduce`` (one all-gather per data type and collected step): rank 1
     watches a copy of the config nobody edits; rank 0 switches its file on after step 1."""
-    import json
-    import os
-
-    import pandas as pd
-
     from monitor import TrainerMon
-    from tests.shared_live_control import replace_file
 
     model, _ = _sharded("fsdp2-fp32")
     optimizer = _optimizer(model.parameters())
@@ -362,10 +361,6 @@ def _dynamic_worker(rank: int, world_size: int, workdir: str) -> None:
 def test_dynamic_mode_starts_sharded_merges_on_every_rank_at_one_step(tmp_path):
     """A rank that started late would leave its peer waiting in the merge's all-gather; through
     the store's announcement both start together, and their merged rows are the same numbers."""
-    import json
-
-    from monitor.session.dynamic import DELAY_STEPS
-
     for rank in range(WORLD):
         (tmp_path / f"monitor{rank}.json").write_text(json.dumps({"dynamic_on": False}))
     per_rank = run_ranks(_dynamic_worker, WORLD, str(tmp_path), env={"DYNAMIC_MONITOR": "true"})
