@@ -18,6 +18,9 @@ measured again, only given the gradient hooks that reentrant checkpointing needs
 Under torch.compile the hooks are traced into the compiled code; the measuring part of each runs
 eagerly (adapters.torch.compiled), so collected steps have one graph break per hooked call and
 other steps none.
+
+With ``shard_reduce`` under tensor parallelism, the tensors of tensor-parallel modules are merged
+into whole tensors over their mesh (adapters.torch.sharded.tp_activations); the rest stay per rank.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import torch
 
 from adapters.torch.compiled import eager
 from adapters.torch.dist import dtensor_type
+from adapters.torch.sharded.tp_activations import Piece, TensorParallelMerge
 from adapters.torch.stats import stack_rows, tensor_stats
 from monitor.config.schema import MonitorConfig
 from monitor.datatypes.modules import call_name, direction_tensors, row_names
@@ -126,6 +130,7 @@ class Activations:
         forward: bool,
         backward: bool,
         on_error: Callable[[str, BaseException], None],
+        merge: TensorParallelMerge | None = None,
     ) -> None:
         self.chunks = list(chunks)
         self.modules = modules
@@ -142,12 +147,17 @@ class Activations:
         self._recomputed: dict[tuple[int, int], int] = {}
         self._rows: dict[str, list[tuple[int, str, int]]] = {"actv": [], "actv_grad": []}
         self._stats: dict[str, list[list[float] | torch.Tensor]] = {"actv": [], "actv_grad": []}
+        #: with ``merge``: each row's mesh tag (None: left per rank), and the spread of the raw
+        #: outputs of each module's last call, seen before tensor parallelism makes them local
+        self.merge = merge
+        self._tags: dict[str, list[Piece | None]] = {"actv": [], "actv_grad": []}
+        self._spreads: dict[int, list] = {}
         #: the last step's RowSet per prefix, handed out again while the rows stay the same
         self._same_rows = {"actv": SameRows(), "actv_grad": SameRows()}
-        #: this step's measured tensors: id -> (weak reference, version, statistics row). A tensor
-        #: that is one module's output and the next one's input (or its gradient, seen by both
-        #: modules' hooks) is measured once.
-        self._seen: dict[int, tuple[weakref.ref, int, list[float] | torch.Tensor]] = {}
+        #: this step's measured tensors: id -> (weak reference, version, statistics row, mesh
+        #: tag). A tensor that is one module's output and the next one's input (or its gradient,
+        #: seen by both modules' hooks) is measured once.
+        self._seen: dict[int, tuple[weakref.ref, int, list[float] | torch.Tensor, Piece | None]] = {}
         self._dtensor = dtensor_type()
         #: this step's tensors with a gradient hook: id -> (weak reference, version, the rows it names)
         self._watched: dict[int, tuple[weakref.ref, int, list[tuple[int, str, int]]]] = {}
@@ -163,7 +173,28 @@ class Activations:
         for index, entry in enumerate(self.modules):
             handles.append(entry.module.register_forward_pre_hook(self._before(index), with_kwargs=True))
             handles.append(entry.module.register_forward_hook(self._after(index), with_kwargs=True))
+            if self.merge is not None:
+                handles.append(entry.module.register_forward_hook(self._raw_output(index), prepend=True))
         return handles
+
+    def _raw_output(self, index: int) -> Callable:
+        """A hook run before the module's other forward hooks: how its outputs are spread over a
+        mesh while they are still DTensors (tensor parallelism's hook then makes them local)."""
+        spreads = eager(functools.partial(self._spread, index))
+
+        def hook(module: torch.nn.Module, args: tuple, output: Any) -> None:
+            if self.collect and module.training:
+                spreads(output)
+
+        return hook
+
+    def _spread(self, index: int, output: Any) -> None:
+        try:
+            tensors = _select(self.modules[index], "output", output)
+            self._spreads[index] = [self.merge.spread(t) for t in tensors]
+        except Exception as exc:
+            self.collect = False
+            self.on_error("actv", exc)
 
     def _call_name(self, index: int, micro: int, recompute: bool) -> str:
         """Module name, with ``[k]`` for the k-th extra call within one micro-step.
@@ -189,10 +220,11 @@ class Activations:
             recompute = torch._C._current_graph_task_id() != -1
             tensors = _select(entry, "input", (*args, *kwargs.values()) if kwargs else args)
             name = self._call_name(index, micro, recompute)
+            tags = self._known_tags(tensors) if self.merge is not None else None
             if self.forward and not recompute:
-                self._measure("actv", entry.vpp_stage, f"{name}.input", micro, tensors)
+                self._measure("actv", entry.vpp_stage, f"{name}.input", micro, tensors, tags)
             if self.backward:
-                self._watch(entry.vpp_stage, f"{name}.input_grad", micro, tensors)
+                self._watch(entry.vpp_stage, f"{name}.input_grad", micro, tensors, tags)
             if self._keep_left and not recompute:
                 self._keep(entry.vpp_stage, name, micro, tensors)
         except Exception as exc:
@@ -240,41 +272,76 @@ class Activations:
             recompute = torch._C._current_graph_task_id() != -1
             tensors = _select(entry, "output", output)
             name = self._call_name(index, micro, recompute)
+            tags = self._output_tags(index, tensors) if self.merge is not None else None
             if self.forward and not recompute:
-                self._measure("actv", entry.vpp_stage, f"{name}.output", micro, tensors)
+                self._measure("actv", entry.vpp_stage, f"{name}.output", micro, tensors, tags)
             if self.backward:
-                self._watch(entry.vpp_stage, f"{name}.output_grad", micro, tensors)
+                self._watch(entry.vpp_stage, f"{name}.output_grad", micro, tensors, tags)
             calls = self._recomputed if recompute else self._calls
             calls[(index, micro)] = calls.get((index, micro), 0) + 1
         except Exception as exc:
             self.collect = False
             self.on_error("actv", exc)
 
-    def _measure(self, prefix: str, vpp: int, name: str, micro: int, tensors: list[torch.Tensor]) -> None:
+    def _known_tags(self, tensors: list[torch.Tensor]) -> list[Piece | None]:
+        """Mesh tags of plain tensors measured earlier this step (None for the others)."""
+        tags = []
+        for t in tensors:
+            hit = self._seen.get(id(t))
+            tags.append(hit[3] if hit is not None and hit[0]() is t and hit[1] == t._version else None)
+        return tags
+
+    def _output_tags(self, index: int, tensors: list[torch.Tensor]) -> list[Piece | None]:
+        """Mesh tags of a call's plain outputs, from how the raw outputs were spread."""
+        spreads = self._spreads.pop(index, None)
+        if spreads is None or len(spreads) != len(tensors):
+            return self._known_tags(tensors)
+        return [self.merge.piece(t, spread) for t, spread in zip(tensors, spreads)]
+
+    def _measure(
+        self,
+        prefix: str,
+        vpp: int,
+        name: str,
+        micro: int,
+        tensors: list[torch.Tensor],
+        tags: list[Piece | None] | None = None,
+    ) -> None:
         if not tensors:
             return
         seen = self._seen
-        rows = []
-        for t in tensors:
+        rows, row_tags = [], []
+        for position, t in enumerate(tensors):
+            tag = tags[position] if tags is not None else None
             if isinstance(t, self._dtensor):  # tensor parallelism without local outputs: this rank's piece
-                t = t.to_local()
+                if self.merge is not None:
+                    t, tag = self.merge.local(t)
+                else:
+                    t = t.to_local()
             hit = seen.get(id(t))
             if hit is not None and hit[0]() is t and hit[1] == t._version:
                 rows.append(hit[2])
+                row_tags.append(hit[3] if tag is None else tag)
             else:
                 row = tensor_stats(t, self.ops, self.eps)
-                seen[id(t)] = (weakref.ref(t), t._version, row)
+                seen[id(t)] = (weakref.ref(t), t._version, row, tag)
                 rows.append(row)
+                row_tags.append(tag)
         self._rows[prefix].extend((vpp, n, micro) for n in row_names(name, len(tensors)))
         self._stats[prefix].extend(rows)
+        if self.merge is not None:
+            self._tags[prefix].extend(row_tags)
 
-    def _watch(self, vpp: int, name: str, micro: int, tensors: list[torch.Tensor]) -> None:
+    def _watch(
+        self, vpp: int, name: str, micro: int, tensors: list[torch.Tensor], tags: list[Piece | None] | None
+    ) -> None:
         """Have the gradients of the tensors that take part in autograd measured: one hook per
         tensor, which names every row watching it (a module's output is usually the next one's
         input: half the hooks, whose registration is most of a watch's cost). A tensor changed
-        in place since gets a hook of its own: its gradient is that of the new version."""
+        in place since gets a hook of its own: its gradient is that of the new version. A
+        gradient is spread over a mesh as its tensor is (``tags``)."""
         watched = self._watched
-        for tensor, row in zip(tensors, row_names(name, len(tensors))):
+        for position, (tensor, row) in enumerate(zip(tensors, row_names(name, len(tensors)))):
             if not tensor.requires_grad:
                 continue
             hit = watched.get(id(tensor))
@@ -283,15 +350,15 @@ class Activations:
                 continue
             rows = [(vpp, row, micro)]
             watched[id(tensor)] = (weakref.ref(tensor), tensor._version, rows)
-            tensor.register_hook(self._grad_hook(rows))
+            tensor.register_hook(self._grad_hook(rows, tags[position] if tags is not None else None))
 
-    def _grad_hook(self, rows: list[tuple[int, str, int]]) -> Callable:
+    def _grad_hook(self, rows: list[tuple[int, str, int]], tag: Piece | None) -> Callable:
         def hook(grad: torch.Tensor) -> None:
             if not self.collect:
                 return None
             try:
                 for vpp, name, micro in rows:  # the gradient is measured once (``_seen``)
-                    self._measure("actv_grad", vpp, name, micro, [grad])
+                    self._measure("actv_grad", vpp, name, micro, [grad], [tag])
             except Exception as exc:
                 self.collect = False
                 self.on_error("actv_grad", exc)
@@ -301,12 +368,21 @@ class Activations:
 
     def take(self, rank: int) -> list[tuple[str, RowSet, torch.Tensor]]:
         """This step's records: ``(prefix, rows, statistics)`` for actv and actv_grad; resets."""
+        matrices = {prefix: stack_rows(self._stats[prefix], len(self.ops)) for prefix in self._rows}
+        if self.merge is not None:  # every rank, rows or not: its mesh mates wait for its header
+            self.merge.merge(
+                [
+                    ([f"{v}:{n}:{m}" for v, n, m in self._rows[prefix]], matrices[prefix], self._tags[prefix])
+                    for prefix in self._rows
+                ],
+                self.ops,
+            )
         out = []
         for prefix, task in (("actv", "actv"), ("actv_grad", "actv_grad")):
-            rows, stats = self._rows[prefix], self._stats[prefix]
+            rows = self._rows[prefix]
             if rows:
                 row_set = self._same_rows[prefix].get(rows, functools.partial(_row_set, rows, rank, task))
-                out.append((prefix, row_set, stack_rows(stats, len(self.ops))))
+                out.append((prefix, row_set, matrices[prefix]))
         self.reset()
         return out
 
@@ -317,6 +393,8 @@ class Activations:
         self._recomputed.clear()
         self._seen.clear()
         self._watched.clear()
+        self._spreads.clear()
         for prefix in self._rows:
             self._rows[prefix] = []
             self._stats[prefix] = []
+            self._tags[prefix] = []

@@ -22,6 +22,7 @@ from adapters.torch.l2 import L2Features
 from adapters.torch.optim import TorchBackend, without_adam_moments
 from adapters.torch.params import ParamRegistry
 from adapters.torch.sharded.shards import SHARD_COLUMNS, shard_reduce
+from adapters.torch.sharded.tp_activations import TensorParallelMerge
 from adapters.torch.stats import sign_shares, stat_matrix, still_measured
 from adapters.torch.structure import StackRecorder, StructureRecorder
 from adapters.torch.update_ratio import update_histograms
@@ -115,7 +116,11 @@ class Collection(BaseCollection):
         if config.xy_distribution:
             modules = select_modules(chunks, config, every=False)
             forward, backward = not config.backward_only, not config.forward_only
-            self.activations = Activations(chunks, modules, self.ops, self.eps, forward, backward, self.fail)
+            tensor_parallel = config.shard_reduce and backend.dtensors and world_size() > 1
+            merge = TensorParallelMerge() if tensor_parallel else None
+            self.activations = Activations(
+                chunks, modules, self.ops, self.eps, forward, backward, self.fail, merge
+            )
             self._handles += self.activations.register()
         if config.recording_l2_features:
             self.l2 = L2Features(chunks, config, self.fail)

@@ -104,6 +104,9 @@ class TorchBackend:
     sharded = False
     #: the group whose ranks hold the pieces (shard_reduce merges over it).
     shard_group: Any = None
+    #: parameters are DTensors (FSDP2, tensor parallelism): with shard_reduce the activations of
+    #: tensor-parallel modules merge over their mesh too.
+    dtensors = False
     #: the optimizer takes each micro-batch's gradient away after its backward (reduced into its
     #: own buffers and freed), so that ``.grad`` never holds the step's sum.
     frees_micro_batch_grads = False

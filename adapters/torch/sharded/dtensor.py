@@ -51,6 +51,7 @@ class DTensorBackend(TorchBackend):
     """A torch optimizer over DTensor parameters: this rank's counted pieces of every tensor."""
 
     sharded = True
+    dtensors = True
 
     def __init__(self, optimizer: Any) -> None:
         super().__init__(optimizer)

@@ -9,7 +9,8 @@ unsharded replica's gradient on the dp rank's batches (unreduced), its mean over
 replica's on every rank; pieces written with their element counts must merge to them with each
 element counted once (no row from a replica); unreduced rows are this rank's tensor-parallel
 piece of its dp rank's gradient; activations of the column-parallel module are this rank's
-columns of the replica's.
+columns of the replica's, and with ``shard_reduce`` every activation and activation gradient of
+the tensor-parallel modules, and of the modules they feed, is the replica's whole tensor.
 
 Tensor parallelism alone, with sequence parallelism, on a 1-D mesh of two ranks: ``norm`` is
 ``SequenceParallel`` (each rank normalises its half of the sequence), so its gradient comes out
@@ -48,6 +49,7 @@ STEPS = 3
 TOLERANCE = 1e-3
 PREFIXES = STEP_PREFIXES
 CONFIG = {**DATA_TYPES["all"], "ops": ALL_OPS, "format": "api"}
+ACTIVATIONS = {"xy_distribution": True, "all_xy": True, "ops": ALL_OPS, "format": "api"}
 
 
 class Block(torch.nn.Module):
@@ -125,6 +127,32 @@ def _parallel(layout: Layout) -> tuple[torch.nn.Module, torch.nn.Module]:
     return model, replica
 
 
+def _watch_replica(replica: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Hooks that keep each submodule's first input and its output (gradients retained), by row
+    name (``up.input``); filled by the replica's next forward."""
+    kept: dict[str, torch.Tensor] = {}
+
+    def hook(name, module, args, output):
+        for direction, tensor in (("input", args[0]), ("output", output)):
+            if tensor.requires_grad:
+                tensor.retain_grad()
+            kept[f"{name}.{direction}"] = tensor
+
+    for name, module in replica.named_children():
+        module.register_forward_hook(functools.partial(hook, name))
+    return kept
+
+
+def _whole_activations(kept: dict[str, torch.Tensor]) -> dict[str, list[float]]:
+    """The replica's activations and their gradients by row name (``up.output_grad``)."""
+    out = {}
+    for key, tensor in kept.items():
+        out[key] = flat_values(tensor)
+        if tensor.grad is not None:
+            out[f"{key}_grad"] = flat_values(tensor.grad)
+    return out
+
+
 def _optimizer(params) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=0.05, weight_decay=0.1)
 
@@ -166,8 +194,9 @@ def _worker(rank: int, world_size: int, workdir: str, layout: Layout) -> None:
         "merged": TrainerMon({**CONFIG, "shard_reduce": True}).set_monitor(model, 1, optimizer),
         "pieces": TrainerMon(CONFIG).set_monitor(model, 1, optimizer),
     }
-    activations = TrainerMon({"xy_distribution": True, "all_xy": True, "ops": ALL_OPS, "format": "api"})
-    activations.set_monitor(model, 1, optimizer)
+    activations = TrainerMon(ACTIVATIONS).set_monitor(model, 1, optimizer)
+    whole = TrainerMon({**ACTIVATIONS, "shard_reduce": True}).set_monitor(model, 1, optimizer)
+    kept = _watch_replica(replica)
     try:  # some ranks unmonitored would leave the others waiting in the partial sums' collective
         TrainerMon({**CONFIG, "module_ranks": [0]}).set_monitor(model, 1, optimizer)
         refused = ""
@@ -191,10 +220,18 @@ def _worker(rank: int, world_size: int, workdir: str, layout: Layout) -> None:
         _train_step(model, optimizer, layout, rank, step)
         got = {key: {prefix: mon._latest(prefix) for prefix in PREFIXES} for key, mon in monitors.items()}
         up_row = activations._latest("actv")[f"0:up.output:0/rank{rank}/actv"]
-        steps.append({"ref": ref, "got": got, "up_output": [up_output, up_row]})
+        merged = {prefix: whole._latest(prefix) for prefix in ("actv", "actv_grad")}
+        steps.append(
+            {
+                "ref": ref,
+                "got": got,
+                "up_output": [up_output, up_row],
+                "activations": [_whole_activations(kept), merged],
+            }
+        )
     backends = sorted({type(mon._session.backend).__name__ for mon in monitors.values()})
     trained = [p.to_local().detach().clone() for p in model.parameters()]
-    for mon in (*monitors.values(), activations):
+    for mon in (*monitors.values(), activations, whole):
         mon.stop()
     plain, _ = _parallel(layout)
     plain_optimizer = _optimizer(plain.parameters())
@@ -227,10 +264,23 @@ def _check_unreduced(layout: Layout, step: int, per_rank: list[dict]) -> None:
                 assert_stats_close(whole, np.array(values), what=what, rel=TOLERANCE)
 
 
+def _check_activations(step: int, rank: int, result: dict) -> None:
+    """Without shard_reduce the column-parallel output is this rank's columns; with it every row of
+    up, down and norm is the replica's whole tensor (activation gradients included)."""
+    want, row = result["steps"][step]["up_output"]
+    assert_stats_close(row, np.array(want), what=f"step {step} rank {rank} up.output", rel=TOLERANCE)
+    references, merged = result["steps"][step]["activations"]
+    assert len(references) >= 10, sorted(references)  # inputs, outputs and their gradients
+    for key, values in references.items():
+        prefix = "actv_grad" if key.endswith("_grad") else "actv"
+        row = merged[prefix][f"0:{key}:0/rank{rank}/{prefix}"]
+        what = f"step {step} rank {rank} {key} (shard_reduce)"
+        assert_stats_close(row, np.array(values), what=what, rel=TOLERANCE)
+
+
 def _check_step(layout: Layout, step: int, per_rank: list[dict]) -> None:
-    for rank, result in enumerate(per_rank):  # activations of a tensor-parallel module: the local piece
-        want, row = result["steps"][step]["up_output"]
-        assert_stats_close(row, np.array(want), what=f"step {step} rank {rank} up.output", rel=TOLERANCE)
+    for rank, result in enumerate(per_rank):
+        _check_activations(step, rank, result)
     ref = per_rank[0]["steps"][step]["ref"]
     for prefix in PREFIXES:
         if prefix == "grad_unreduced":
@@ -266,3 +316,45 @@ def test_tensor_parallel_statistics_equal_an_unsharded_replica(tmp_path, name):
         assert result["refused"].startswith("module_ranks: expected empty with tensor parallelism"), result
     for step in range(STEPS):
         _check_step(layout, step, per_rank)
+
+
+def _failing_rank_worker(rank: int, world_size: int, workdir: str) -> None:
+    """Tensor parallelism on two ranks; rank 1's activation statistics fail from step 1 on."""
+    import logging
+
+    import adapters.torch.activations as activations_module
+    from monitor import TrainerMon
+
+    layout = Layout(dp=1, tp=2)
+    model, _ = _parallel(layout)
+    optimizer = _optimizer(model.parameters())
+    mon = TrainerMon({**ACTIVATIONS, "shard_reduce": True}).set_monitor(model, 1, optimizer)
+    local: list[torch.Tensor] = []
+    model.up.register_forward_hook(lambda module, args, output: local.append(output.detach().clone()))
+    messages: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())
+    logging.getLogger("trainmon").addHandler(handler)
+    rows = []
+    for step in range(3):
+        if step == 1 and rank == 1:
+
+            def broken(*args, **kwargs):
+                raise RuntimeError("injected")
+
+            activations_module.tensor_stats = broken
+        _train_step(model, optimizer, layout, rank, step)
+        rows.append(mon._latest("actv").get(f"0:up.output:0/rank{rank}/actv"))
+    mon.stop()
+    save_result(workdir, rank, {"rows": rows, "local": [flat_values(t) for t in local], "messages": messages})
+
+
+def test_a_rank_whose_activations_fail_leaves_its_mates_per_rank_not_waiting(tmp_path):
+    """The header all-gather: rank 1 measures nothing from step 1 on, so rank 0's rows of that
+    step stay its own piece (no merge, no rank left waiting in the merge's all-gather)."""
+    first, second = run_ranks(_failing_rank_worker, 2, str(tmp_path))
+    assert any("failed and is switched off" in m for m in second["messages"]), second["messages"]
+    assert any("measured different rows" in m for m in first["messages"]), first["messages"]
+    merged, alone = first["rows"][0], first["rows"][1]
+    assert merged["norm"] > np.linalg.norm(first["local"][0]) * 1.01  # step 0: both ranks' columns
+    assert_stats_close(alone, np.array(first["local"][1]), what="rank 0 up.output at step 1", rel=1e-6)

@@ -1,0 +1,131 @@
+"""Whole-tensor activations of tensor-parallel modules (``shard_reduce``).
+
+Under ``parallelize_module`` a module's tensors are DTensors inside it and, by default, plain
+local tensors outside: a column-parallel module hands on this rank's columns, a row-parallel one
+the reduced sum (its sequence part under sequence parallelism). Each measured tensor is tagged
+with the 1-D device mesh it is spread over and this rank's element count: a piece (fewer local
+elements than the whole) counts its own, a replica only at mesh coordinate 0, a partial sum is
+summed first. For a plain local output the whole tensor's size comes from the DTensor the module
+computed, seen by a hook that runs before tensor parallelism's own output hook; a plain tensor
+seen earlier in the step (a column-parallel output that is the next module's input) keeps its
+tag. Other plain tensors are left per rank.
+
+At the step's end the tagged rows merge exactly over their mesh with one all-gather (the
+statistics merge as the parameters' pieces do). A rank whose rows do not line up with its mesh
+mates' (a hook that failed on one rank) must not leave the others waiting in that all-gather:
+first a three-number header (row count, a checksum of the row names, the mesh) is all-gathered
+over the world, and a mesh merges only when all its ranks agree; otherwise its rows stay per
+rank this step and that is said once.
+"""
+
+from __future__ import annotations
+
+import logging
+import zlib
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from adapters.torch.dist import partials_summed
+from adapters.torch.sharded.shards import shard_reduce
+
+logger = logging.getLogger("trainmon")
+
+#: a measured tensor's tag: (the ranks of its 1-D mesh, this rank's element count to merge)
+Piece = tuple[tuple[int, ...], int]
+#: a raw module output's shape on the mesh: (mesh ranks, whole element count, at coordinate 0)
+Spread = tuple[tuple[int, ...], int, bool]
+
+
+class TensorParallelMerge:
+    """Tags tensors with their mesh and merges tagged rows over it at the step's end."""
+
+    def __init__(self) -> None:
+        #: mesh ranks -> the mesh's process group
+        self._groups: dict[tuple[int, ...], Any] = {}
+        self._told: set[str] = set()
+
+    def spread(self, tensor: Any) -> Spread | None:
+        """How a DTensor is spread over a 1-D mesh, or None (a plain tensor, or a mesh of more
+        dimensions, whose pieces are left per rank)."""
+        mesh = getattr(tensor, "device_mesh", None)
+        if mesh is None or mesh.ndim != 1:
+            return None
+        ranks = tuple(int(r) for r in mesh.mesh.flatten().tolist())
+        if ranks not in self._groups:
+            self._groups[ranks] = mesh.get_group(0)
+        coordinate = mesh.get_coordinate()
+        return ranks, tensor.numel(), bool(coordinate is not None and coordinate[0] == 0)
+
+    def local(self, tensor: Any) -> tuple[torch.Tensor, Piece | None]:
+        """A DTensor's local tensor (its partial sums done) and its tag; a plain tensor as is."""
+        if not hasattr(tensor, "device_mesh"):
+            return tensor, None
+        whole = partials_summed(tensor)
+        spread = self.spread(whole)
+        with torch.no_grad():
+            local = whole.to_local()
+        return local, self.piece(local, spread)
+
+    @staticmethod
+    def piece(local: torch.Tensor, spread: Spread | None) -> Piece | None:
+        """The tag of a local tensor of a DTensor spread as ``spread``."""
+        if spread is None:
+            return None
+        ranks, whole, first = spread
+        count = local.numel()
+        return ranks, count if count < whole or first else 0
+
+    def merge(self, parts: Sequence[tuple[list[str], torch.Tensor, list[Piece | None]]], ops: tuple) -> None:
+        """Replace, in place, the tagged rows of each ``(row names, statistics, tags)`` part
+        with the whole tensors' statistics. Every rank calls this at every collected step."""
+        try:
+            header, rows, mesh = self._header(parts)
+        except Exception as exc:  # still take part in the header, or the others would wait
+            header, rows, mesh = torch.tensor([-1.0, 0.0, 0.0], dtype=torch.float64), [], None
+            self._tell("tagging", f"trainmon: activations of tensor-parallel modules left per rank ({exc!r})")
+        world = dist.get_world_size()
+        gathered = torch.empty(world * 3, dtype=torch.float64)
+        dist.all_gather_into_tensor(gathered, header)
+        headers = gathered.reshape(world, 3).numpy()
+        if mesh is None:
+            return
+        if not all(np.array_equal(headers[r], headers[dist.get_rank()]) for r in mesh):
+            self._tell(
+                "mismatch",
+                f"trainmon: activations of tensor-parallel modules: the ranks {list(mesh)} measured "
+                "different rows this step; their rows stay per rank",
+            )
+            return
+        matrix = torch.cat([parts[p][1][i : i + 1] for p, i, _ in rows]).to(torch.float64)
+        counts = torch.tensor([count for _, _, count in rows], dtype=torch.float64, device=matrix.device)
+        merged = shard_reduce(matrix, counts, ops, self._groups[mesh])[:, : len(ops)]
+        for (p, i, _), values in zip(rows, merged):
+            parts[p][1][i] = torch.from_numpy(values).to(parts[p][1].device)
+
+    def _header(self, parts: Sequence) -> tuple[torch.Tensor, list[tuple[int, int, int]], tuple | None]:
+        """This rank's header (tagged rows, checksum of their names, checksum of the mesh), the
+        tagged rows ``(part, row, count)`` and their mesh (None: nothing to merge here)."""
+        rows, names, meshes = [], [], set()
+        for p, (row_names, _, tags) in enumerate(parts):
+            for i, tag in enumerate(tags):
+                if tag is not None:
+                    rows.append((p, i, tag[1]))
+                    names.append(f"{p}:{row_names[i]}")
+                    meshes.add(tag[0])
+        if len(meshes) > 1:
+            raise ValueError(f"tensors on {len(meshes)} meshes in one step, expected one")
+        if not rows:
+            return torch.zeros(3, dtype=torch.float64), [], None
+        mesh = meshes.pop()
+        checksum = zlib.crc32("\n".join(names).encode())
+        mesh_sum = zlib.crc32(repr(mesh).encode())
+        return torch.tensor([len(rows), checksum, mesh_sum], dtype=torch.float64), rows, mesh
+
+    def _tell(self, what: str, message: str) -> None:
+        if what not in self._told:
+            self._told.add(what)
+            logger.warning(message)
