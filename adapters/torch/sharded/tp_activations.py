@@ -29,6 +29,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from adapters.torch.cc_wrap import REGISTRY
 from adapters.torch.dist import partials_summed
 from adapters.torch.sharded.shards import shard_reduce
 
@@ -88,9 +89,11 @@ class TensorParallelMerge:
             header, rows, mesh = torch.tensor([-1.0, 0.0, 0.0], dtype=torch.float64), [], None
             self._tell("tagging", f"trainmon: activations of tensor-parallel modules left per rank ({exc!r})")
         world = dist.get_world_size()
-        gathered = torch.empty(world * 3, dtype=torch.float64)
-        dist.all_gather_into_tensor(gathered, header)
-        headers = gathered.reshape(world, 3).numpy()
+        device = _collective_device()
+        gathered = torch.empty(world * 3, dtype=torch.float64, device=device)
+        with REGISTRY.unobserved():  # the monitor's own collectives are not the run's
+            dist.all_gather_into_tensor(gathered, header.to(device))
+        headers = gathered.reshape(world, 3).cpu().numpy()
         if mesh is None:
             return
         if not all(np.array_equal(headers[r], headers[dist.get_rank()]) for r in mesh):
@@ -102,7 +105,8 @@ class TensorParallelMerge:
             return
         matrix = torch.cat([parts[p][1][i : i + 1] for p, i, _ in rows]).to(torch.float64)
         counts = torch.tensor([count for _, _, count in rows], dtype=torch.float64, device=matrix.device)
-        merged = shard_reduce(matrix, counts, ops, self._groups[mesh])[:, : len(ops)]
+        with REGISTRY.unobserved():
+            merged = shard_reduce(matrix, counts, ops, self._groups[mesh])[:, : len(ops)]
         for (p, i, _), values in zip(rows, merged):
             parts[p][1][i] = torch.from_numpy(values).to(parts[p][1].device)
 
@@ -129,3 +133,10 @@ class TensorParallelMerge:
         if what not in self._told:
             self._told.add(what)
             logger.warning(message)
+
+
+def _collective_device() -> torch.device:
+    """Where the header goes: the host, unless the world's backend reduces device tensors only (NCCL)."""
+    if "gloo" in str(dist.get_backend()) or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
