@@ -110,16 +110,20 @@ class Collection(BaseCollection):
             self.grads.keep_measured = self._reuse_possible()
             self.grads.sum_micro_batches = backend.frees_micro_batch_grads
         self._rows = self._build_rows(tp_group, dp_group)
+        #: with shard_reduce over DTensors: merges tensor-parallel pieces of activations and of
+        #: unreduced gradients over their mesh
+        tensor_parallel = config.shard_reduce and backend.dtensors and world_size() > 1
+        self._tp_merge = TensorParallelMerge() if tensor_parallel else None
+        if self._tp_merge is not None and hasattr(self.grads, "tags"):
+            self.grads.merge = self._tp_merge
         self.collectives = collectives
         if self.grads is not None:
             self._handles += self.grads.register()
         if config.xy_distribution:
             modules = select_modules(chunks, config, every=False)
             forward, backward = not config.backward_only, not config.forward_only
-            tensor_parallel = config.shard_reduce and backend.dtensors and world_size() > 1
-            merge = TensorParallelMerge() if tensor_parallel else None
             self.activations = Activations(
-                chunks, modules, self.ops, self.eps, forward, backward, self.fail, merge
+                chunks, modules, self.ops, self.eps, forward, backward, self.fail, self._tp_merge
             )
             self._handles += self.activations.register()
         if config.recording_l2_features:
@@ -298,15 +302,33 @@ class Collection(BaseCollection):
 
     def _unreduced_columns(self, index: list[int], matrix: torch.Tensor) -> tuple[torch.Tensor, tuple | None]:
         """Gradients that are DTensors (tensor parallelism) are measured on this rank's piece:
-        their rows get the piece's element count and whether it is part of the tensor."""
+        their rows get the piece's element count and whether it is part of the tensor, or
+        (shard_reduce) are merged into the whole tensor over their mesh."""
+        merged = False
+        if self._tp_merge is not None and self.grads.merge is not None:
+            matrix = matrix.clone()
+            tags = [self.grads.tags.get(i) for i in index]
+            merged = self._tp_merge.merge([([str(i) for i in index], matrix, tags)], self.ops)
         pieces = getattr(self.grads, "pieces", None)  # Megatron's bucket source has none
         if not pieces:
             return matrix, None
-        numels = [pieces.get(i, (0, 0)) for i in index]
+        params = self.registry.params
+        numels = [pieces.get(i) or (params[i].param.numel(),) * 2 for i in index]  # plain ones: whole
+        if merged:  # every tagged row is whole now
+            numels = [
+                (whole, whole) if self.grads.tags.get(i) else (local, whole)
+                for i, (local, whole) in zip(index, numels)
+            ]
         extra = torch.tensor(
             [(local, float(local < whole)) for local, whole in numels], dtype=torch.float64
         ).reshape(-1, 2)
         return torch.cat([matrix, extra.to(matrix.device)], dim=1), (*self.ops, *SHARD_COLUMNS)
+
+    def _unreduced_switched_off(self) -> None:
+        """grad_unreduced failed here earlier: its merge's header still goes to the mesh mates,
+        which would otherwise wait for it."""
+        if self._tp_merge is not None and getattr(self.grads, "merge", None) is not None:
+            self._tp_merge.merge([], self.ops)
 
     def _submit_update_histograms(self) -> None:
         merge = self.backend.sharded and self.config.shard_reduce

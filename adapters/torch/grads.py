@@ -41,6 +41,7 @@ import torch
 from adapters.torch.dist import dtensor_type, partials_summed
 from adapters.torch.params import ParamRegistry
 from adapters.torch.row_buffer import RowBuffer
+from adapters.torch.sharded.tp_activations import Piece, TensorParallelMerge
 from adapters.torch.stats import stack_rows, tensor_stats
 
 logger = logging.getLogger("trainmon")
@@ -110,6 +111,9 @@ class UnreducedGrads:
         self._end_queued = False
         #: whether any gradient can be a DTensor (its parameter is one): measured as its piece
         self._dtensors = any(isinstance(entry.param, dtensor_type()) for entry in registry.params)
+        #: set by the collection with ``shard_reduce``: the pieces' mesh tags, merged at take
+        self.merge: TensorParallelMerge | None = None
+        self.tags: dict[int, Piece | None] = {}
 
     @property
     def task(self) -> str:
@@ -250,7 +254,10 @@ class UnreducedGrads:
         ranks, which all run the same hooks in the same order)."""
         if not isinstance(grad, dtensor_type()):
             return grad
-        local = partials_summed(grad).to_local()
+        if self.merge is not None:
+            local, self.tags[index] = self.merge.local(grad)
+        else:
+            local = partials_summed(grad).to_local()
         self.pieces[index] = (local.numel(), grad.numel())
         return local
 

@@ -112,6 +112,8 @@ class BaseCollection(ABC):
             self._guard("actv", self._submit_activations)
         if self._wanted("grad_unreduced", self.config.wg_distribution):
             self._guard("grad_unreduced", self._submit_unreduced)
+        elif self.config.wg_distribution and self.grads is not None:
+            self._guard("grad_unreduced", self._unreduced_switched_off)
         if self.l2 is not None:
             self._guard(ATTENTION_PREFIX, self._submit_l2, ATTENTION_PREFIX)
             if LINEAR_PREFIX not in self._failed:
@@ -187,6 +189,11 @@ class BaseCollection(ABC):
             (index, micro), lambda: unreduced_rows(base, index, micro, self.rank)
         )
         self._submit("grad_unreduced", rows, *self._unreduced_columns(index, matrix))
+
+    def _unreduced_switched_off(self) -> None:
+        """Called on collected steps after grad_unreduced failed: an adapter whose unreduced rows
+        take part in collectives joins them without rows here."""
+        return None
 
     def _unreduced_columns(self, index: list[int], matrix: Any) -> tuple[Any, tuple[str, ...] | None]:
         """The unreduced rows' statistics and ops: as measured, unless an adapter measured pieces."""

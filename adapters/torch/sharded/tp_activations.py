@@ -1,4 +1,5 @@
-"""Whole-tensor activations of tensor-parallel modules (``shard_reduce``).
+"""Whole-tensor activations of tensor-parallel modules, and whole unreduced gradients of
+tensor-parallel parameters (``shard_reduce``).
 
 Under ``parallelize_module`` a module's tensors are DTensors inside it and, by default, plain
 local tensors outside: a column-parallel module hands on this rank's columns, a row-parallel one
@@ -15,7 +16,8 @@ statistics merge as the parameters' pieces do). A rank whose rows do not line up
 mates' (a hook that failed on one rank) must not leave the others waiting in that all-gather:
 first a three-number header (row count, a checksum of the row names, the mesh) is all-gathered
 over the world, and a mesh merges only when all its ranks agree; otherwise its rows stay per
-rank this step and that is said once.
+rank this step and that is said once. The unreduced gradients of DTensor parameters are tagged
+and merged the same way (their pieces lie on the mesh of the unsharded parameter).
 """
 
 from __future__ import annotations
@@ -80,9 +82,10 @@ class TensorParallelMerge:
         count = local.numel()
         return ranks, count if count < whole or first else 0
 
-    def merge(self, parts: Sequence[tuple[list[str], torch.Tensor, list[Piece | None]]], ops: tuple) -> None:
+    def merge(self, parts: Sequence[tuple[list[str], torch.Tensor, list[Piece | None]]], ops: tuple) -> bool:
         """Replace, in place, the tagged rows of each ``(row names, statistics, tags)`` part
-        with the whole tensors' statistics. Every rank calls this at every collected step."""
+        with the whole tensors' statistics; whether they were. Every rank calls this at every
+        collected step, with or without rows."""
         try:
             header, rows, mesh = self._header(parts)
         except Exception as exc:  # still take part in the header, or the others would wait
@@ -95,20 +98,21 @@ class TensorParallelMerge:
             dist.all_gather_into_tensor(gathered, header.to(device))
         headers = gathered.reshape(world, 3).cpu().numpy()
         if mesh is None:
-            return
+            return False
         if not all(np.array_equal(headers[r], headers[dist.get_rank()]) for r in mesh):
             self._tell(
                 "mismatch",
                 f"trainmon: activations of tensor-parallel modules: the ranks {list(mesh)} measured "
                 "different rows this step; their rows stay per rank",
             )
-            return
+            return False
         matrix = torch.cat([parts[p][1][i : i + 1] for p, i, _ in rows]).to(torch.float64)
         counts = torch.tensor([count for _, _, count in rows], dtype=torch.float64, device=matrix.device)
         with REGISTRY.unobserved():
             merged = shard_reduce(matrix, counts, ops, self._groups[mesh])[:, : len(ops)]
         for (p, i, _), values in zip(rows, merged):
             parts[p][1][i] = torch.from_numpy(values).to(parts[p][1].device)
+        return True
 
     def _header(self, parts: Sequence) -> tuple[torch.Tensor, list[tuple[int, int, int]], tuple | None]:
         """This rank's header (tagged rows, checksum of their names, checksum of the mesh), the

@@ -6,10 +6,11 @@ whole by tensor parallelism, so FSDP2 shards it over the dp sub-mesh only; ``dow
 so dp shards are uneven. The two tp ranks of a dp rank see that dp rank's batch. References: an
 unsharded replica's gradient on the dp rank's batches (unreduced), its mean over dp ranks
 (reduced), its own AdamW (parameters, moments). Whole values (``shard_reduce``) must equal the
-replica's on every rank; pieces written with their element counts must merge to them with each
-element counted once (no row from a replica); unreduced rows are this rank's tensor-parallel
-piece of its dp rank's gradient; activations of the column-parallel module are this rank's
-columns of the replica's, and with ``shard_reduce`` every activation and activation gradient of
+replica's on every rank (unreduced gradients: its dp rank's, on each of its tp ranks); pieces
+written with their element counts must merge to them with each element counted once (no row
+from a replica); without ``shard_reduce`` unreduced rows are this rank's tensor-parallel piece
+of its dp rank's gradient and activations of the column-parallel module are this rank's columns
+of the replica's; with it every activation and activation gradient of
 the tensor-parallel modules, and of the modules they feed, is the replica's whole tensor.
 
 Tensor parallelism alone, with sequence parallelism, on a 1-D mesh of two ranks: ``norm`` is
@@ -244,7 +245,8 @@ def _worker(rank: int, world_size: int, workdir: str, layout: Layout) -> None:
 
 
 def _check_unreduced(layout: Layout, step: int, per_rank: list[dict]) -> None:
-    """Per dp rank: whole rows equal its gradient; tensor-parallel pieces merge to it."""
+    """Per dp rank: whole rows (every row with shard_reduce) equal its gradient; tensor-parallel
+    pieces merge to it."""
     for dp_rank in range(layout.dp):
         ranks = [dp_rank * layout.tp + tp for tp in range(layout.tp)]
         want = per_rank[ranks[0]]["steps"][step]["ref"]["grad_unreduced"]
@@ -254,6 +256,8 @@ def _check_unreduced(layout: Layout, step: int, per_rank: list[dict]) -> None:
                     latest_rows(per_rank[r]["steps"][step]["got"][key], "grad_unreduced")[name] for r in ranks
                 ]
                 what = f"step {step} dp {dp_rank} {key} grad_unreduced {name}"
+                if key == "merged":  # shard_reduce: whole on every tp rank
+                    assert all(row["numel"] == len(values) and not row["partial"] for row in rows), what
                 if "numel" not in rows[0] or not rows[0]["partial"]:  # whole on every tp rank
                     for row in rows:
                         assert_stats_close(row, np.array(values), what=what, rel=TOLERANCE)
@@ -319,23 +323,26 @@ def test_tensor_parallel_statistics_equal_an_unsharded_replica(tmp_path, name):
 
 
 def _failing_rank_worker(rank: int, world_size: int, workdir: str) -> None:
-    """Tensor parallelism on two ranks; rank 1's activation statistics fail from step 1 on."""
+    """Tensor parallelism on two ranks; rank 1's activation statistics and unreduced gradients
+    fail from step 1 on."""
     import logging
 
     import adapters.torch.activations as activations_module
+    from adapters.torch.grads import UnreducedGrads
     from monitor import TrainerMon
 
     layout = Layout(dp=1, tp=2)
     model, _ = _parallel(layout)
     optimizer = _optimizer(model.parameters())
-    mon = TrainerMon({**ACTIVATIONS, "shard_reduce": True}).set_monitor(model, 1, optimizer)
+    config = {**ACTIVATIONS, "wg_distribution": True, "shard_reduce": True}
+    mon = TrainerMon(config).set_monitor(model, 1, optimizer)
     local: list[torch.Tensor] = []
     model.up.register_forward_hook(lambda module, args, output: local.append(output.detach().clone()))
     messages: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: messages.append(record.getMessage())
     logging.getLogger("trainmon").addHandler(handler)
-    rows = []
+    rows, unreduced = [], []
     for step in range(3):
         if step == 1 and rank == 1:
 
@@ -343,18 +350,29 @@ def _failing_rank_worker(rank: int, world_size: int, workdir: str) -> None:
                 raise RuntimeError("injected")
 
             activations_module.tensor_stats = broken
+            UnreducedGrads._local = broken
         _train_step(model, optimizer, layout, rank, step)
         rows.append(mon._latest("actv").get(f"0:up.output:0/rank{rank}/actv"))
+        unreduced.append(mon._latest("grad_unreduced").get(f"0:up.weight/rank{rank}/acc_grad"))
     mon.stop()
-    save_result(workdir, rank, {"rows": rows, "local": [flat_values(t) for t in local], "messages": messages})
+    result = {
+        "rows": rows,
+        "unreduced": unreduced,
+        "local": [flat_values(t) for t in local],
+        "messages": messages,
+    }
+    save_result(workdir, rank, result)
 
 
 def test_a_rank_whose_activations_fail_leaves_its_mates_per_rank_not_waiting(tmp_path):
     """The header all-gather: rank 1 measures nothing from step 1 on, so rank 0's rows of that
-    step stay its own piece (no merge, no rank left waiting in the merge's all-gather)."""
+    step stay its own piece (no merge, no rank left waiting in the merge's all-gather), for
+    activations and unreduced gradients alike."""
     first, second = run_ranks(_failing_rank_worker, 2, str(tmp_path))
     assert any("failed and is switched off" in m for m in second["messages"]), second["messages"]
     assert any("measured different rows" in m for m in first["messages"]), first["messages"]
     merged, alone = first["rows"][0], first["rows"][1]
     assert merged["norm"] > np.linalg.norm(first["local"][0]) * 1.01  # step 0: both ranks' columns
     assert_stats_close(alone, np.array(first["local"][1]), what="rank 0 up.output at step 1", rel=1e-6)
+    whole, pieces = first["unreduced"][0], first["unreduced"][2]
+    assert not whole["partial"] and pieces["partial"] and pieces["numel"] * 2 == whole["numel"]
