@@ -22,6 +22,13 @@ def dtensor_type() -> type | tuple:
     return DTensor
 
 
+def all_gather_flat(output: torch.Tensor, tensor: torch.Tensor, group: Any = None) -> None:
+    """All-gather ``tensor`` into one ``output`` tensor (the form gloo accepts), by the name this
+    torch offers without a deprecation warning (``all_gather_single`` from torch 2.13 on)."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(output, tensor, group=group)
+
+
 def partials_summed(tensor: Any) -> Any:
     """A DTensor with its pending partial sums done (one all-reduce over the mesh dimensions
     that are partial); the same object when there are none. A gradient of a replicated parameter

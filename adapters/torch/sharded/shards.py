@@ -16,6 +16,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from adapters.torch.dist import all_gather_flat
+
 #: extra columns written for sharded data: element count of the row's piece, and 1 when partial.
 SHARD_COLUMNS = ("numel", "partial")
 
@@ -83,6 +85,6 @@ def _gather_merge(
     # the concatenated output form: gloo accepts only this one (NCCL accepts both)
     rows, columns = packed.shape
     gathered = torch.empty((world * rows, columns), dtype=packed.dtype, device=packed.device)
-    dist.all_gather_into_tensor(gathered, packed, group=group)
+    all_gather_flat(gathered, packed, group=group)
     host = gathered.cpu().numpy().reshape(world, *packed.shape)
     return merge_pieces(host[:, :, :-1], host[:, :, -1], ops), host[:, :, -1].sum(axis=0)

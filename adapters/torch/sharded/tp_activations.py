@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from adapters.torch.cc_wrap import REGISTRY
-from adapters.torch.dist import partials_summed
+from adapters.torch.dist import all_gather_flat, partials_summed
 from adapters.torch.sharded.shards import shard_reduce
 
 logger = logging.getLogger("trainmon")
@@ -95,7 +95,7 @@ class TensorParallelMerge:
         device = _collective_device()
         gathered = torch.empty(world * 3, dtype=torch.float64, device=device)
         with REGISTRY.unobserved():  # the monitor's own collectives are not the run's
-            dist.all_gather_into_tensor(gathered, header.to(device))
+            all_gather_flat(gathered, header.to(device))
         headers = gathered.reshape(world, 3).cpu().numpy()
         if mesh is None:
             return False
