@@ -25,8 +25,8 @@ def test_update_histograms_equal_numpy_on_the_optimizers_moments(kind):
     capture: list[dict] = []
     train(net, optimizer, make_batches(STEPS, 1), capture, MOMENTS[kind])
     mon.stop()
-    betas = (float(optimizer.beta1.asnumpy()), float(optimizer.beta2.asnumpy()))
-    eps = float(optimizer.eps.asnumpy())
+    betas = (optimizer.beta1.asnumpy().item(), optimizer.beta2.asnumpy().item())
+    eps = optimizer.eps.asnumpy().item()
     names = [p.name for p in optimizer.parameters]
     found = read_histograms(mon.output_dir)
     assert len({tag for tag, _ in found}) == 2 * len(names)

@@ -71,7 +71,7 @@ def _train(tmp_path, where: str) -> tuple[TrainerMon, dict]:
                 for p in model.parameters():
                     p.nan_to_num_(0.0)
     mon.stop()
-    return mon, json.loads(open(tmp_path / "a.jsonl").readline())
+    return mon, json.loads((tmp_path / "a.jsonl").read_text().splitlines()[0])
 
 
 @pytest.mark.parametrize("where", ["activation", "gradient"])
