@@ -5,7 +5,8 @@ Attention: a forward hook on each listed module computes, on the module's device
 causal softmax of Q K^T / sqrt(d) of batch 0 (head 0, every head, or each head) and keeps two or
 four numbers per call; nothing is copied to the host until the step is written. Linear: at the
 optimizer step, 16 Lanczos steps per weight, started from the top singular vector of the last
-collected step mixed with a random one.
+collected step mixed with a random one; with ``shard_reduce`` a weight held in pieces (FSDP2,
+tensor parallelism) is measured whole through its pieces (adapters.torch.sharded.spectral).
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ import torch
 
 from adapters.torch.activations import MicroSteps
 from adapters.torch.compiled import eager
+from adapters.torch.sharded.spectral import ShardedWeight, split_dimension
 from monitor.config.schema import MonitorConfig
-from monitor.datatypes.l2 import FIRST_ITERATIONS, WARM_ITERATIONS, L2Steps
+from monitor.datatypes.l2 import BREAKDOWN, FIRST_ITERATIONS, WARM_ITERATIONS, L2Steps
 from monitor.record import RowSet
 
 logger = logging.getLogger("trainmon")
@@ -101,14 +103,22 @@ def lanczos_top(
     alpha = torch.zeros(steps, device=start.device, dtype=start.dtype)
     beta = torch.zeros(steps, device=start.device, dtype=start.dtype)
     q = start / torch.linalg.vector_norm(start).clamp_min(1e-30)
+    scale = None
     for j in range(steps):
         basis[j] = q
         w = apply(q)
+        if scale is None:
+            scale = torch.linalg.vector_norm(w)
         alpha[j] = torch.dot(q, w)
         w = w - basis[: j + 1].T @ (basis[: j + 1] @ w)  # against every earlier vector, twice
         w = w - basis[: j + 1].T @ (basis[: j + 1] @ w)
         beta[j] = torch.linalg.vector_norm(w)
-        q = w / beta[j].clamp_min(1e-30)
+        # a breakdown (the space found is invariant: a Gram matrix of lower rank than its size)
+        # ends the iteration, without a host sync: rounding noise scaled up to a unit vector
+        # would break the tridiagonal form and overestimate the top eigenvalue
+        alive = beta[j] > BREAKDOWN * scale
+        beta[j] = torch.where(alive, beta[j], 0.0)
+        q = torch.where(alive, w / beta[j].clamp_min(1e-30), 0.0)
     tridiagonal = torch.diag(alpha) + torch.diag(beta[:-1], 1) + torch.diag(beta[:-1], -1)
     values, vectors = torch.linalg.eigh(tridiagonal)
     return values[-1], basis.T @ vectors[:, -1]
@@ -129,17 +139,25 @@ class L2Features(L2Steps):
         super().__init__(named, config, is_linear, on_error)
         self.chunks = list(chunks)
         self.micro = MicroSteps(self.chunks, lambda: self.collect)
-        whole = [entry for entry in self.linear if not sharded(linear_weight(entry[2]))]
+        whole = [entry for entry in self.linear if self._measurable(linear_weight(entry[2]), config)]
         if len(whole) < len(self.linear):
             logger.warning(
                 "trainmon: linear_hook: %d of %d linear weights are sharded across ranks (FSDP, "
                 "ZeRO-3, tensor parallelism) and are not measured: a piece's spectral norm is not the "
-                "weight's",
+                "weight's%s",
                 len(self.linear) - len(whole),
                 len(self.linear),
+                "" if config.shard_reduce else " (with shard_reduce, DTensor weights are measured whole)",
             )
         self.linear = whole
         self._generators: dict[torch.device, torch.Generator] = {}
+
+    @staticmethod
+    def _measurable(weight: torch.Tensor, config: MonitorConfig) -> bool:
+        """Whole here, or (shard_reduce) a DTensor split along one dimension."""
+        if not sharded(weight):
+            return True
+        return config.shard_reduce and split_dimension(weight) is not None
 
     def register(self) -> list:
         if not self.attention:
@@ -197,26 +215,30 @@ class L2Features(L2Steps):
         values = []
         with torch.no_grad():
             for index, (_, _, module) in enumerate(self.linear):
-                weight = linear_weight(module).detach().float()
-                sigma = self._spectral_norm(index, weight)
-                ratio = torch.linalg.vector_norm(weight) / sigma
+                weight = linear_weight(module).detach()
+                dim = split_dimension(weight)
+                if dim is not None:
+                    pieces = ShardedWeight(weight, dim)
+                    sigma = self._spectral_norm(index, pieces.gram, pieces.size, pieces.piece.device)
+                    frobenius = pieces.frobenius()
+                else:
+                    weight = weight.float()
+                    sigma = self._spectral_norm(index, *_gram(weight), weight.device)
+                    frobenius = torch.linalg.vector_norm(weight)
+                ratio = frobenius / sigma
                 values.append(torch.stack([sigma, torch.where(sigma > 0, ratio, 0.0)]))  # a zero weight: 0
         return self.linear_rows(rank), torch.stack(values)
 
-    def _spectral_norm(self, index: int, weight: torch.Tensor) -> torch.Tensor:
-        """The largest singular value: Lanczos on the Gram matrix of the weight's smaller side,
-        started from the last step's top Ritz vector plus a random one (random alone the first
-        time)."""
-        tall = weight.shape[0] >= weight.shape[1]
-        size = weight.shape[1] if tall else weight.shape[0]
-
-        def gram(v: torch.Tensor) -> torch.Tensor:
-            return weight.T @ (weight @ v) if tall else weight @ (weight.T @ v)
-
-        fresh = torch.randn(size, generator=self._generator(weight.device), device=weight.device)
+    def _spectral_norm(
+        self, index: int, gram: Callable[[torch.Tensor], torch.Tensor], size: int, device: torch.device
+    ) -> torch.Tensor:
+        """The largest singular value: Lanczos on a Gram matrix of the weight (``gram``, of
+        ``size``), started from the last step's top Ritz vector plus a random one (random alone
+        the first time)."""
+        fresh = torch.randn(size, generator=self._generator(device), device=device)
         start = self.vectors.get(index)
         steps = WARM_ITERATIONS
-        if start is None or start.shape[0] != size or start.device != weight.device:
+        if start is None or start.shape[0] != size or start.device != device:
             start, steps = fresh, FIRST_ITERATIONS
         else:  # half the last top vector, half a random one (see monitor.datatypes.l2)
             start = start / torch.linalg.vector_norm(start).clamp_min(1e-30) + fresh / math.sqrt(size)
@@ -224,3 +246,10 @@ class L2Features(L2Steps):
         # a NaN weight gives NaN now, not a NaN start for every later step
         self.vectors[index] = torch.nan_to_num(vector, nan=1.0, posinf=1.0, neginf=-1.0)
         return theta.clamp_min(0).sqrt()
+
+
+def _gram(weight: torch.Tensor) -> tuple[Callable[[torch.Tensor], torch.Tensor], int]:
+    """The Gram operator of a whole weight on its smaller side, and that side's length."""
+    if weight.shape[0] >= weight.shape[1]:
+        return (lambda v: weight.T @ (weight @ v)), weight.shape[1]
+    return (lambda v: weight @ (weight.T @ v)), weight.shape[0]

@@ -48,6 +48,9 @@ LINEAR_OPS = ("kernel_norm", "sr")
 #: Lanczos steps from a random start, and at each later collected step from the last step's top
 #: vector mixed with a random one.
 FIRST_ITERATIONS, WARM_ITERATIONS = 32, 16
+#: a Lanczos residual this much smaller than the operator's first product is a breakdown: the
+#: Krylov space is invariant (more steps than the operator's rank) and the iteration ends there
+BREAKDOWN = 1e-4
 
 
 def attention_ops(heads: str) -> tuple[str, ...]:
@@ -123,14 +126,19 @@ def lanczos_top(
     basis = np.zeros((steps, start.shape[0]))
     alpha, beta = np.zeros(steps), np.zeros(steps)
     q = start / max(float(np.linalg.norm(start)), 1e-300)
+    scale = None
     for j in range(steps):
         basis[j] = q
         w = apply(q)
+        scale = float(np.linalg.norm(w)) if scale is None else scale
         alpha[j] = q @ w
         w = w - basis[: j + 1].T @ (basis[: j + 1] @ w)
         w = w - basis[: j + 1].T @ (basis[: j + 1] @ w)
         beta[j] = np.linalg.norm(w)
-        q = w / max(beta[j], 1e-300)
+        if beta[j] <= BREAKDOWN * scale:  # an invariant space: see BREAKDOWN
+            beta[j] = 0.0
+            break
+        q = w / beta[j]
     values, vectors = np.linalg.eigh(np.diag(alpha) + np.diag(beta[:-1], 1) + np.diag(beta[:-1], -1))
     return float(values[-1]), basis.T @ vectors[:, -1]
 

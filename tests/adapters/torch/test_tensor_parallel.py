@@ -51,6 +51,7 @@ TOLERANCE = 1e-3
 PREFIXES = STEP_PREFIXES
 CONFIG = {**DATA_TYPES["all"], "ops": ALL_OPS, "format": "api"}
 ACTIVATIONS = {"xy_distribution": True, "all_xy": True, "ops": ALL_OPS, "format": "api"}
+SPECTRAL = {"recording_l2_features": True, "shard_reduce": True, "format": "api"}
 
 
 class Block(torch.nn.Module):
@@ -197,6 +198,7 @@ def _worker(rank: int, world_size: int, workdir: str, layout: Layout) -> None:
     }
     activations = TrainerMon(ACTIVATIONS).set_monitor(model, 1, optimizer)
     whole = TrainerMon({**ACTIVATIONS, "shard_reduce": True}).set_monitor(model, 1, optimizer)
+    spectral = TrainerMon(SPECTRAL).set_monitor(model, 1, optimizer)
     kept = _watch_replica(replica)
     try:  # some ranks unmonitored would leave the others waiting in the partial sums' collective
         TrainerMon({**CONFIG, "module_ranks": [0]}).set_monitor(model, 1, optimizer)
@@ -217,22 +219,31 @@ def _worker(rank: int, world_size: int, workdir: str, layout: Layout) -> None:
         for g in reduced:  # every dp rank's gradient is on its TP ranks: the mean over all ranks
             dist.all_reduce(g)
             g /= layout.world
+        norms = {  # the replica's weights before this step's update, as the monitor reads them
+            name: [torch.linalg.matrix_norm(module.weight, 2).item(), module.weight.norm().item()]
+            for name, module in replica.named_children()
+            if isinstance(module, torch.nn.Linear)
+        }
         ref = replica_references(replica, replica_optimizer, local, reduced)
         _train_step(model, optimizer, layout, rank, step)
         got = {key: {prefix: mon._latest(prefix) for prefix in PREFIXES} for key, mon in monitors.items()}
         up_row = activations._latest("actv")[f"0:up.output:0/rank{rank}/actv"]
         merged = {prefix: whole._latest(prefix) for prefix in ("actv", "actv_grad")}
+        measured = {
+            key.split(":")[1].split(".")[0]: row for key, row in spectral._latest("linear_hook").items()
+        }
         steps.append(
             {
                 "ref": ref,
                 "got": got,
                 "up_output": [up_output, up_row],
                 "activations": [_whole_activations(kept), merged],
+                "spectral": [norms, measured],
             }
         )
     backends = sorted({type(mon._session.backend).__name__ for mon in monitors.values()})
     trained = [p.to_local().detach().clone() for p in model.parameters()]
-    for mon in (*monitors.values(), activations, whole):
+    for mon in (*monitors.values(), activations, whole, spectral):
         mon.stop()
     plain, _ = _parallel(layout)
     plain_optimizer = _optimizer(plain.parameters())
@@ -282,9 +293,22 @@ def _check_activations(step: int, rank: int, result: dict) -> None:
         assert_stats_close(row, np.array(values), what=what, rel=TOLERANCE)
 
 
+def _check_spectral_norms(step: int, rank: int, result: dict) -> None:
+    """Weights held in pieces (column- and row-parallel, FSDP2 rows): with shard_reduce each
+    rank's spectral norm and stable rank are the whole weight's, within 1% of the replica's SVD."""
+    norms, measured = result["steps"][step]["spectral"]
+    assert sorted(measured) == sorted(norms) == ["down", "up"], (sorted(measured), sorted(norms))
+    for name, (sigma, frobenius) in norms.items():
+        row = measured[name]
+        what = f"step {step} rank {rank} {name}"
+        assert row["kernel_norm"] == pytest.approx(sigma, rel=0.01), what
+        assert row["sr"] == pytest.approx(frobenius / sigma, rel=0.01), what
+
+
 def _check_step(layout: Layout, step: int, per_rank: list[dict]) -> None:
     for rank, result in enumerate(per_rank):
         _check_activations(step, rank, result)
+        _check_spectral_norms(step, rank, result)
     ref = per_rank[0]["steps"][step]["ref"]
     for prefix in PREFIXES:
         if prefix == "grad_unreduced":
