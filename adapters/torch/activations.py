@@ -18,9 +18,7 @@ measured again, only given the gradient hooks that reentrant checkpointing needs
 Under torch.compile the hooks are traced into the compiled code; the measuring part of each runs
 eagerly (adapters.torch.compiled), so collected steps have one graph break per hooked call and
 other steps none.
-
-With ``shard_reduce`` under tensor parallelism, the tensors of tensor-parallel modules are merged
-into whole tensors over their mesh (adapters.torch.sharded.tp_activations); the rest stay per rank.
+With ``shard_reduce``, tensor-parallel modules' tensors merge into whole ones (sharded.tp_activations).
 """
 
 from __future__ import annotations
@@ -296,7 +294,8 @@ class Activations:
         spreads = self._spreads.pop(index, None)
         if spreads is None or len(spreads) != len(tensors):
             return self._known_tags(tensors)
-        return [self.merge.piece(t, spread) for t, spread in zip(tensors, spreads)]
+        dtensor = self._dtensor  # a DTensor output is tagged by itself when measured
+        return [None if isinstance(t, dtensor) else self.merge.piece(t, s) for t, s in zip(tensors, spreads)]
 
     def _measure(
         self,
