@@ -44,7 +44,7 @@ def split_dimension(weight: Any) -> int | None:
         return None
     if len(set(dims)) == 1:
         return dims[0]
-    plain = all(type(p).__name__ == "Shard" for p in placements if p.is_shard())
+    plain = all(type(p).__name__ == "Shard" for p in placements if _split(p) is not None)
     return 2 if plain and len(dims) == 2 else None
 
 

@@ -90,7 +90,7 @@ class TensorParallelMerge:
             header, rows, mesh = self._header(parts)
         except Exception as exc:  # still take part in the header, or the others would wait
             header, rows, mesh = torch.tensor([-1.0, 0.0, 0.0], dtype=torch.float64), [], None
-            self._tell("tagging", f"trainmon: activations of tensor-parallel modules left per rank ({exc!r})")
+            self._tell("tagging", f"trainmon: shard_reduce: tensor-parallel pieces left per rank ({exc!r})")
         world = dist.get_world_size()
         device = _collective_device()
         gathered = torch.empty(world * 3, dtype=torch.float64, device=device)
@@ -102,8 +102,8 @@ class TensorParallelMerge:
         if not all(np.array_equal(headers[r], headers[dist.get_rank()]) for r in mesh):
             self._tell(
                 "mismatch",
-                f"trainmon: activations of tensor-parallel modules: the ranks {list(mesh)} measured "
-                "different rows this step; their rows stay per rank",
+                f"trainmon: shard_reduce: the ranks {list(mesh)} measured different tensor-parallel "
+                "rows this step (activations or unreduced gradients); their rows stay per rank",
             )
             return False
         matrix = torch.cat([parts[p][1][i : i + 1] for p, i, _ in rows]).to(torch.float64)

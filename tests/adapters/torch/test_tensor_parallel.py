@@ -394,7 +394,7 @@ def test_a_rank_whose_activations_fail_leaves_its_mates_per_rank_not_waiting(tmp
     activations and unreduced gradients alike."""
     first, second = run_ranks(_failing_rank_worker, 2, str(tmp_path))
     assert any("failed and is switched off" in m for m in second["messages"]), second["messages"]
-    assert any("measured different rows" in m for m in first["messages"]), first["messages"]
+    assert any("measured different tensor-parallel rows" in m for m in first["messages"]), first["messages"]
     merged, alone = first["rows"][0], first["rows"][1]
     assert merged["norm"] > np.linalg.norm(first["local"][0]) * 1.01  # step 0: both ranks' columns
     assert_stats_close(alone, np.array(first["local"][1]), what="rank 0 up.output at step 1", rel=1e-6)
