@@ -100,8 +100,8 @@ MEANINGS = {
     "dynamic_on": ('with `DYNAMIC_MONITOR=true`: collect while the file says true, see "Live control"'),
     "shard_reduce": (
         "ours: with sharded parameters or optimizers, merge the ranks' pieces so each row is the "
-        "whole tensor (one all_gather per data type per collected step), and the activations of "
-        "tensor-parallel modules"
+        "whole tensor (one all_gather per data type per collected step); under tensor parallelism "
+        "also activations and unreduced gradients, and the spectral norms of DTensor weights"
     ),
     "cc_distribution.enable": (
         "statistics of the tensors passing through torch.distributed collectives, see "
