@@ -50,6 +50,7 @@ SIZES = (6, 15, 12, 5)
 PREFIXES = STEP_PREFIXES
 CONFIG = {**DATA_TYPES["all"], "ops": ALL_OPS, "format": "api"}
 ACTIVATIONS = {"xy_distribution": True, "all_xy": True, "forward_only": True, "ops": ALL_OPS, "format": "api"}
+SPECTRAL = {"recording_l2_features": True, "shard_reduce": True, "format": "api"}
 
 
 #: case -> the back-end that must serve it
@@ -168,6 +169,7 @@ def _case(rank: int, case: str) -> dict:
         "actv": TrainerMon(ACTIVATIONS).set_monitor(model, MICRO, optimizer),
     }
     backends = {key: type(mon._session.backend).__name__ for key, mon in monitors.items()}
+    spectral = TrainerMon(SPECTRAL).set_monitor(model, MICRO, optimizer)
     names = [name for name, _ in replica.named_parameters()]
     steps = []
     for step in range(STEPS):
@@ -177,15 +179,22 @@ def _case(rank: int, case: str) -> dict:
         for g in reduced:
             dist.all_reduce(g)
             g /= WORLD
+        linear = [(n, m.weight) for n, m in replica.named_modules() if isinstance(m, torch.nn.Linear)]
+        norms = {n: [torch.linalg.matrix_norm(w, 2).item(), w.norm().item()] for n, w in linear}
         ref = replica_references(replica, replica_optimizer, local, reduced)
+        ref["spectral"] = norms
         ref["micro"] = [{n: flat_values(g) for n, g in zip(names, grads)} for grads in per_micro]
         ref["actv"] = outputs
         _train_step(model, optimizer, rank, step)
         got = {key: {prefix: mon._latest(prefix) for prefix in PREFIXES} for key, mon in monitors.items()}
         got["actv"] = {"actv": monitors["actv"]._latest("actv")}
+        got["spectral"] = {
+            key.split(":", 1)[1].split("/")[0].removesuffix(".linear"): row
+            for key, row in spectral._latest("linear_hook").items()
+        }
         steps.append({"ref": ref, "got": got})
     trained = _local_values(model)
-    for mon in monitors.values():
+    for mon in (*monitors.values(), spectral):
         mon.stop()
     plain, _ = _sharded(case)
     plain_optimizer = _optimizer(plain.parameters())
@@ -216,8 +225,23 @@ def _check_activations(case: str, step: int, per_rank: list[dict]) -> None:
             assert_stats_close(outputs[row], np.array(values), what=f"{case} step {step} r{rank} {row}")
 
 
+def _check_spectral_norms(case: str, step: int, per_rank: list[dict]) -> None:
+    """FSDP2 holds each linear weight in row pieces (uneven here): with shard_reduce every rank's
+    spectral norm and stable rank are the whole weight's, within 1% of the replica's SVD."""
+    if not case.startswith("fsdp2"):
+        return
+    for rank, result in enumerate(per_rank):
+        want, got = result["steps"][step]["ref"]["spectral"], result["steps"][step]["got"]["spectral"]
+        assert sorted(got) == sorted(want) and len(want) == 3, (sorted(got), sorted(want))
+        for name, (sigma, frobenius) in want.items():
+            what = f"{case} step {step} r{rank} {name}"
+            assert got[name]["kernel_norm"] == pytest.approx(sigma, rel=0.01), what
+            assert got[name]["sr"] == pytest.approx(frobenius / sigma, rel=0.01), what
+
+
 def _check_step(case: str, step: int, per_rank: list[dict]) -> None:
     _check_activations(case, step, per_rank)
+    _check_spectral_norms(case, step, per_rank)
     ref0 = per_rank[0]["steps"][step]["ref"]
     names = list(ref0["param_origin"])
     for prefix in PREFIXES:
