@@ -150,6 +150,13 @@ class L2Features(L2Steps):
                 "" if config.shard_reduce else " (with shard_reduce, DTensor weights are measured whole)",
             )
         self.linear = whole
+        #: per linear module held in pieces (shard_reduce): how its weight lies on the mesh
+        self._pieces: dict[int, ShardedWeight] = {}
+        for index, (_, _, module) in enumerate(self.linear):
+            weight = linear_weight(module)
+            split = split_dimension(weight)
+            if split is not None:
+                self._pieces[index] = ShardedWeight(weight, split)
         self._generators: dict[torch.device, torch.Generator] = {}
 
     @staticmethod
@@ -216,11 +223,12 @@ class L2Features(L2Steps):
         with torch.no_grad():
             for index, (_, _, module) in enumerate(self.linear):
                 weight = linear_weight(module).detach()
-                dim = split_dimension(weight)
-                if dim is not None:
-                    pieces = ShardedWeight(weight, dim)
-                    sigma = self._spectral_norm(index, pieces.gram, pieces.size, pieces.piece.device)
-                    frobenius = pieces.frobenius()
+                layout = self._pieces.get(index)
+                if layout is not None:
+                    piece = layout.piece(weight)
+                    gram = functools.partial(layout.gram, piece)
+                    sigma = self._spectral_norm(index, gram, layout.size, piece.device)
+                    frobenius = layout.frobenius(piece)
                 else:
                     weight = weight.float()
                     sigma = self._spectral_norm(index, *_gram(weight), weight.device)

@@ -49,10 +49,10 @@ def split_dimension(weight: Any) -> int | None:
 
 
 class ShardedWeight:
-    """The whole weight's Gram operator and Frobenius norm from this rank's piece."""
+    """How a weight lies on its mesh, found once at attach: the whole weight's Gram operator and
+    Frobenius norm from this rank's piece at each collected step."""
 
     def __init__(self, weight: Any, split: int) -> None:
-        self.piece = weight.to_local().detach().float()
         self.split = split
         mesh, placements = weight.device_mesh, weight.placements
         #: the mesh dimensions' groups that split the rows, and those that split the columns
@@ -67,7 +67,7 @@ class ShardedWeight:
             coordinate = mesh.get_coordinate()
             (axis,) = [i for i, p in enumerate(placements) if _split(p) == 1]
             start = min(coordinate[axis] * math.ceil(columns / mesh.size(axis)), columns)
-            self._columns = slice(start, start + self.piece.shape[1])
+            self._columns = slice(start, start + weight.to_local().shape[1])
 
     @staticmethod
     def _summed(tensor: torch.Tensor, groups: list) -> torch.Tensor:
@@ -76,8 +76,13 @@ class ShardedWeight:
                 dist.all_reduce(tensor, group=group)
         return tensor
 
-    def gram(self, v: torch.Tensor) -> torch.Tensor:
-        piece, (by_rows, by_columns) = self.piece, self._groups
+    @staticmethod
+    def piece(weight: Any) -> torch.Tensor:
+        """This rank's piece of the weight now, in float32."""
+        return weight.to_local().detach().float()
+
+    def gram(self, piece: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        by_rows, by_columns = self._groups
         if self.split == 0:
             return self._summed((piece.T @ (piece @ v)).contiguous(), by_rows)
         if self.split == 1:
@@ -88,6 +93,6 @@ class ShardedWeight:
         whole[self._columns] = block
         return self._summed(whole, by_columns)
 
-    def frobenius(self) -> torch.Tensor:
-        squares = self.piece.square().sum().reshape(1)
+    def frobenius(self, piece: torch.Tensor) -> torch.Tensor:
+        squares = piece.square().sum().reshape(1)
         return self._summed(squares, self._groups[0] + self._groups[1])[0].sqrt()

@@ -49,6 +49,9 @@ class TensorParallelMerge:
     def __init__(self) -> None:
         #: mesh ranks -> the mesh's process group
         self._groups: dict[tuple[int, ...], Any] = {}
+        #: id(mesh) -> (the mesh, kept so that its id stays its own; its ranks; whether this rank
+        #: is at its coordinate 0), read once per mesh
+        self._meshes: dict[int, tuple[Any, tuple[int, ...], bool]] = {}
         self._told: set[str] = set()
 
     def spread(self, tensor: Any) -> Spread | None:
@@ -57,11 +60,15 @@ class TensorParallelMerge:
         mesh = getattr(tensor, "device_mesh", None)
         if mesh is None or mesh.ndim != 1:
             return None
-        ranks = tuple(int(r) for r in mesh.mesh.flatten().tolist())
-        if ranks not in self._groups:
-            self._groups[ranks] = mesh.get_group(0)
-        coordinate = mesh.get_coordinate()
-        return ranks, tensor.numel(), bool(coordinate is not None and coordinate[0] == 0)
+        known = self._meshes.get(id(mesh))
+        if known is None:
+            ranks = tuple(int(r) for r in mesh.mesh.flatten().tolist())
+            self._groups.setdefault(ranks, mesh.get_group(0))
+            coordinate = mesh.get_coordinate()
+            first = bool(coordinate is not None and coordinate[0] == 0)
+            known = self._meshes[id(mesh)] = (mesh, ranks, first)
+        _, ranks, first = known
+        return ranks, tensor.numel(), first
 
     def local(self, tensor: Any) -> tuple[torch.Tensor, Piece | None]:
         """A DTensor's local tensor (its partial sums done) and its tag; a plain tensor as is."""
