@@ -33,44 +33,49 @@ high level. ``value`` is a 32-bit float when every value of the run is one exact
 2**24) or has at most six significant digits (the CSV writer's default ``ndigits``), which 32-bit
 floats hold: rounding a stored value to six digits gives back the CSV's text. Otherwise (a
 larger ``ndigits``, huge counts, values beyond a 32-bit float's range) it is a 64-bit double, for
-the whole dataset, so that every engine sees one schema; ``compact.json`` records which. Part
-files of ranks or data types the run no longer has are deleted.
+the whole dataset, so that every engine sees one schema; ``compact.json`` records which. The
+dataset outlives its sources: values compacted from files deleted since (a rank directory, the
+CSV files of early steps) are kept.
 
 Idempotent, incremental and resumable: a file whose source files are unchanged (size and
 modification time in ``compact.json``) is not written again. The step windows in the sources'
 names (CSV files, live Parquet files) say which files of a part each reaches, so a run that went
 on since the last compaction rewrites only the files its new steps reach; a part made from
 TensorBoard event files, whose names carry no steps, is written whole when one changed. Each
-file is written under a temporary name and renamed, so an interrupted run leaves whole files;
-the sources are never touched. DuckDB does the reading and writing (out of core, on every core).
+file is written under a temporary name that no ``*.parquet`` pattern matches and renamed, so an
+interrupted run leaves whole files that read as a dataset, and ``compact.json`` is saved as
+parts are written, so that the next run goes on from there; the sources are never touched. DuckDB does the reading and writing (out of core, on every core).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
 from collections.abc import Sequence
 from typing import Any
 
-from dashboards.convert.compact_tables import copy_to_parquet, quoted, read_json_object, write_tables
+from dashboards.convert.compact_manifest import DOUBLE, FLOAT, MANIFEST, Manifest
+from dashboards.convert.compact_tables import (
+    TEMPORARY_PREFIX,
+    TEMPORARY_SUFFIX,
+    copy_to_parquet,
+    quoted,
+    write_tables,
+)
 from dashboards.convert.event_values import EventDirs
 from dashboards.convert.runs import ConvertError, select_rank_dirs
 from dashboards.csvfiles import header_ops, list_csv_files
 from dashboards.plugin.eventsource import EventSource
-from monitor.files import atomic_write_text, make_private_dir
+from monitor.files import make_private_dir
 from monitor.memory_limit import COMPACT_DEFAULT, parse_size
 from monitor.writers.parquet_files import live_prefixes, part_steps, row_count
 
 logger = logging.getLogger("trainmon")
 
-MANIFEST = "compact.json"
 #: zstd level of the values: 19 makes them about a tenth smaller than zstd's default level 3 for
 #: about 1.7x the compaction time (benchmarks/dataset.py)
 ZSTD_LEVEL = 19
-#: the value's SQL type where every value survives it, and where one does not
-FLOAT, DOUBLE = "FLOAT", "DOUBLE"
 #: per data type, tensor, op and step, the rank farthest from the ranks' median: one SQL text
 #: that DuckDB and Spark SQL both run, over a view ``v`` of ``values/`` read with its partitions
 FARTHEST_RANK_SQL = """
@@ -122,59 +127,38 @@ def _compact_once(monitor_path: str, output: str | None, memory_limit: int) -> d
         raise ConvertError(f"monitor_path: no {{time}}-rank{{R}}-{{id}} directory under {monitor_path!r}")
     output = os.path.abspath(output or os.path.join(monitor_path, "dataset"))
     make_private_dir(output)
-    manifest_path = os.path.join(output, MANIFEST)
-    old = read_json_object(manifest_path)
-    old_parts = old.get("parts") if isinstance(old.get("parts"), dict) else {}
-    old_type = old.get("value_type") if old_parts and old.get("value_type") in (FLOAT, DOUBLE) else None
+    manifest = Manifest(os.path.join(output, MANIFEST), monitor_path, output)
     con = duckdb.connect()
     con.execute(f"SET memory_limit = '{int(memory_limit)}B'")
     events = EventDirs()
     try:
-        units: dict[str, dict[str, dict[str, list]]] = {}  # part -> unit -> its sources and files
         #: (part, unit) -> its block of steps (None: every block) and the files it is made from
         sources: dict[tuple[str, str], tuple[int | None, list[str]]] = {}
         prefixes: dict[str, str] = {}  # part -> its data type
-        stored: dict[tuple[str, str], str | None] = {}  # (part, unit) -> the value type on disk
         for rank, dirs in ranks.items():
             for prefix, files in _files_by_type(dirs, events).items():
                 part = os.path.join("values", f"data_type={prefix}", f"rank={rank}")
-                prefixes[part], units[part] = prefix, {}
-                before = old_parts.get(part) if isinstance(old_parts.get(part), dict) else {}
+                prefixes[part] = prefix
                 for unit, (block, paths) in _units(files).items():
-                    signatures = [_signature(path) for path in paths]
-                    was = before.get(unit) if isinstance(before.get(unit), dict) else {}
-                    unchanged = (
-                        was.get("sources") == signatures
-                        and isinstance(was.get("files"), list)
-                        and all(os.path.isfile(os.path.join(output, part, f)) for f in was["files"])
-                    )
-                    units[part][unit] = {"sources": signatures, "files": was["files"] if unchanged else []}
+                    signatures = [_signature(path, monitor_path) for path in paths]
+                    manifest.expect(part, unit, signatures)
                     sources[part, unit] = block, paths
-                    stored[part, unit] = old_type if unchanged else None
-        kept = [key for key, on_disk in stored.items() if on_disk is not None]
-        value_type = old_type if kept else FLOAT
+        manifest.keep_orphans()
+        value_type = manifest.dataset_type()
         written = set()
         for rewrite in (False, True):  # the second pass: units in another type than the dataset's
-            stale = [
-                key
-                for key, on_disk in stored.items()
-                if (on_disk != value_type if rewrite else on_disk is None)
-            ]
-            if rewrite and stale and os.path.exists(manifest_path):
-                os.unlink(manifest_path)  # interrupted from here on, the next run rewrites every part
-            for part, unit in stale:
-                block, paths = sources[part, unit]
-                rows = _part_rows(con, prefixes[part], paths, events)
-                target = os.path.join(output, part)
-                value_type, units[part][unit]["files"] = _write_part(con, rows, target, value_type, block)
-                stored[part, unit] = value_type
+            for part, unit in manifest.to_write(value_type, rewrite):
+                block, paths = sources.get((part, unit), (None, []))  # none: kept, sources gone
+                rows = _part_rows(con, prefixes.get(part, ""), paths, events, manifest.carried(part, unit))
+                value_type, files = _write_part(con, rows, os.path.join(output, part), value_type, block)
+                manifest.written(part, unit, value_type, files)
                 written.add(part)
-        _remove_other_parts(output, units)
-        counts = {"written": len(written), "kept": len(units) - len(written)}
+        _remove_other_parts(output, manifest.current)
+        counts = {"written": len(written), "kept": len(manifest.current) - len(written)}
         write_tables(con, monitor_path, ranks, output)
     finally:
         con.close()
-    atomic_write_text(manifest_path, json.dumps({"value_type": value_type, "parts": units}, indent=1))
+    manifest.save(value_type, force=True)
     return counts
 
 
@@ -219,9 +203,11 @@ def _files_by_type(
     return found
 
 
-def _signature(path: str) -> list:
+def _signature(path: str, monitor_path: str) -> list:
+    """A source file as ``compact.json`` keeps it: its path within the run (so that the run may
+    be named by another path), size and modification time."""
     stat = os.stat(path)
-    return [path, stat.st_size, stat.st_mtime_ns]
+    return [os.path.relpath(path, monitor_path), stat.st_size, stat.st_mtime_ns]
 
 
 def _remove_other_parts(output: str, units: dict[str, dict[str, dict[str, list]]]) -> None:
@@ -241,7 +227,7 @@ def _remove_other_parts(output: str, units: dict[str, dict[str, dict[str, list]]
             ours = (
                 _PART_FILE.fullmatch(name)
                 or name == "part.parquet"  # a whole part in one file, as earlier trainmon wrote it
-                or (name.startswith(".tmp-") and name.endswith(".parquet"))
+                or _left_by_an_interrupted_write(name)
             )
             if ours and os.path.relpath(path, output) not in current:
                 os.unlink(path)
@@ -249,16 +235,38 @@ def _remove_other_parts(output: str, units: dict[str, dict[str, dict[str, list]]
             os.rmdir(directory)
 
 
-def _part_rows(con: Any, prefix: str, paths: Sequence[str], events: EventDirs) -> str | None:
+def _left_by_an_interrupted_write(name: str) -> bool:
+    """A temporary file of ``copy_to_parquet`` (or of earlier trainmon, which named it
+    ``.tmp-*.parquet`` and let DuckDB write ``tmp_.tmp-*.parquet`` beside it)."""
+    for prefix in (TEMPORARY_PREFIX, "tmp_" + TEMPORARY_PREFIX):
+        if name.startswith(prefix) and name.endswith((TEMPORARY_SUFFIX, ".parquet")):
+            return True
+    return False
+
+
+def _part_rows(
+    con: Any, prefix: str, paths: Sequence[str], events: EventDirs, earlier: Sequence[str] = ()
+) -> str | None:
     """The query of one part's rows (step, micro_step, vpp_stage, name, op, value), from its CSV
     and live Parquet files or its event files, a value written twice keeping the later file's (None where the
-    files hold no statistic)."""
+    files hold no statistic); ``earlier``: the part's own files, read as if before every source."""
     if paths and "tfevents" in os.path.basename(paths[0]):
         frame = events.frame(prefix, paths)
         con.register("events", frame)
         source = None if frame.empty else "SELECT * FROM events"
     else:
         source = _table_values(paths)
+    if earlier:
+        kept = (
+            "SELECT step, micro_step, vpp_stage, name, -1 AS _file, op, CAST(value AS DOUBLE) AS value "
+            f"FROM read_parquet([{', '.join(quoted(p) for p in earlier)}])"
+        )
+        source = (
+            kept
+            if source is None
+            else f"SELECT step, micro_step, vpp_stage, name, _file, op, value FROM ({source}) "
+            f"UNION ALL {kept}"
+        )
     if source is None:
         return None
     return f"""

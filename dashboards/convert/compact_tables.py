@@ -14,6 +14,9 @@ from typing import Any
 from monitor.anomaly.ordering import parse_record
 from monitor.session.run_info import RUN_INFO_FILE
 
+#: a file being written is named ``{TEMPORARY_PREFIX}*{TEMPORARY_SUFFIX}`` until it is renamed into place
+TEMPORARY_PREFIX, TEMPORARY_SUFFIX = ".tmp-", ".parquet.tmp"
+
 #: (column, SQL type) of the tables
 RUNS = (
     ("rank", "BIGINT"),
@@ -75,15 +78,17 @@ def quoted(text: str) -> str:
 
 def copy_to_parquet(con: Any, query: str, target: str, level: int = 3) -> None:
     """``query`` into the Parquet file ``target`` (zstd at ``level``), through a temporary name in
-    its directory."""
+    its directory that no ``*.parquet`` pattern matches, so that a compaction killed while it
+    writes leaves the dataset readable (DuckDB is told to write that file itself, not another
+    temporary one beside it)."""
     directory = os.path.dirname(target)
     os.makedirs(directory, exist_ok=True)
-    fd, temporary = tempfile.mkstemp(prefix=".tmp-", suffix=".parquet", dir=directory)
+    fd, temporary = tempfile.mkstemp(prefix=TEMPORARY_PREFIX, suffix=TEMPORARY_SUFFIX, dir=directory)
     os.close(fd)
     try:
         con.execute(
-            f"COPY ({query}) TO {quoted(temporary)} "
-            f"(FORMAT parquet, COMPRESSION zstd, COMPRESSION_LEVEL {level}, PARQUET_VERSION V2)"
+            f"COPY ({query}) TO {quoted(temporary)} (FORMAT parquet, COMPRESSION zstd, "
+            f"COMPRESSION_LEVEL {level}, PARQUET_VERSION V2, USE_TMP_FILE false)"
         )
         os.replace(temporary, target)
     except BaseException:

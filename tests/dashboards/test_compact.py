@@ -99,13 +99,14 @@ def test_every_value_round_trips_and_a_second_run_writes_nothing(tmp_path):
     assert sorted(runs) == sorted([(0, dirs[0].name), (0, later[0].name), (1, dirs[1].name)])
 
 
-def _write_values(directory, values: np.ndarray, ndigits: int, step: int = 0) -> None:
+def _write_values(directory, values: np.ndarray, ndigits: int, step: int = 0) -> Path:
     directory.mkdir(exist_ok=True)
     writer = CsvWriter(directory, ndigits, 10)
     rows = RowSet.build([0] * len(values), [f"w{i}.weight" for i in range(len(values))], 0, "post_grad")
     writer.write(StepRecord("grad_reduced", step, ("norm", "nans"), rows, values))
     writer.end_step(step)
     writer.close()
+    return directory
 
 
 @pytest.mark.parametrize(
@@ -139,14 +140,37 @@ def test_exact_counts_and_six_digit_values_stay_32_bit_floats(tmp_path):
     assert got[(0, "grad_reduced", 0, "w1.weight", None, 0, "nans")] == 16777216.0
 
 
-def test_parts_of_a_rank_removed_from_the_run_are_deleted(tmp_path):
-    dirs = write_run(tmp_path, ranks=(0, 1), steps=range(3))
+def test_the_dataset_keeps_the_values_of_sources_deleted_since(tmp_path):
+    """A rank directory deleted, or a rank's early CSV files removed to save space: the values
+    compacted from them stay (in the dataset's value type), the rest is brought up to date."""
+    dirs = write_run(tmp_path, ranks=(0, 1), steps=range(3), window=2)
+    six_digits = _csv_values(dirs.values())
     compact(str(tmp_path))
     shutil.rmtree(dirs[1])
-    _write_values(tmp_path / "Jan02_03-04-05-rank2-00000002", np.array([[1.234567891, 0.0]]), 10)
-    assert compact(str(tmp_path)) == {"written": 2, "kept": 0}
+    for early in dirs[0].glob("*_0-1.csv"):
+        early.unlink()
+    exact = _csv_values(
+        [_write_values(tmp_path / "Jan02_03-04-05-rank2-00000002", np.array([[1.234567891, 0.0]]), 10)]
+    )
+    assert compact(str(tmp_path)) == {"written": 3, "kept": 0}  # kept values too: doubles now
     assert _value_types(tmp_path / "dataset") == {"DOUBLE"}
-    assert not (tmp_path / "dataset" / "values" / "data_type=grad_reduced" / "rank=1").exists()
+    got = _dataset(tmp_path / "dataset")
+    _same({key: got[key] for key in six_digits}, six_digits)
+    _same({key: got[key] for key in got if key not in six_digits}, exact, digits=None)
+    assert compact(str(tmp_path)) == {"written": 0, "kept": 3}
+
+
+def _csv_values(directories) -> dict[tuple, float]:
+    """Every value of these rank directories' CSV files, keyed as ``_dataset`` keys them."""
+    found = {}
+    for directory in directories:
+        rank = int(re.search(r"-rank(\d+)-", directory.name)[1])
+        for prefix in {path.name.rsplit("_", 1)[0] for path in directory.glob("*.csv")}:
+            for row in read_csv_rows(directory, prefix):
+                micro = None if row["micro"] < 0 else row["micro"]
+                for op, value in row["values"].items():
+                    found[(rank, prefix, row["vpp"], row["name"], micro, row["step"], op)] = value
+    return found
 
 
 def test_a_later_value_a_float_cannot_hold_rewrites_every_part_as_doubles(tmp_path):
@@ -288,6 +312,45 @@ def test_live_parquet_outputs_are_compacted_and_a_later_directory_wins(tmp_path)
     assert _value_types(tmp_path / "dataset") == {"DOUBLE"}  # live values are exact doubles
     _same(_dataset(tmp_path / "dataset"), expected, digits=None)
     assert compact(str(tmp_path)) == {"written": 0, "kept": 4}
+
+
+def test_a_killed_compaction_leaves_a_readable_dataset_and_the_next_one_goes_on_from_there(
+    tmp_path, monkeypatch
+):
+    """Killed while it writes its third part: the parts written so far are whole and listed in
+    compact.json, the file being written is not named ``*.parquet`` (the documented query reads
+    the dataset as it is), and the next compaction writes only the parts that are left."""
+    import dashboards.convert.compact as compact_module
+    import dashboards.convert.compact_manifest as manifest_module
+    from dashboards.convert.compact_tables import TEMPORARY_PREFIX, TEMPORARY_SUFFIX
+
+    write_run(tmp_path, ranks=(0, 1), steps=range(3), prefixes=("grad_reduced", "exp_avg"))
+    expected = _csv_values(sorted(tmp_path.glob("*-rank*")))
+    monkeypatch.setattr(manifest_module, "SAVE_EVERY_S", 0.0)
+    write_part, calls = compact_module._write_part, []
+
+    def killed_in_the_third(con, query, directory, value_type, block=None):
+        calls.append(directory)
+        if len(calls) == 3:
+            compact_module.copy_to_parquet(con, query, os.path.join(directory, "x.parquet"))  # whole
+            temporary = os.path.join(directory, f"{TEMPORARY_PREFIX}cut{TEMPORARY_SUFFIX}")
+            Path(temporary).write_bytes(b"PAR1 cut short")  # what a kill in the COPY leaves
+            raise KeyboardInterrupt
+        return write_part(con, query, directory, value_type, block)
+
+    monkeypatch.setattr(compact_module, "_write_part", killed_in_the_third)
+    with pytest.raises(KeyboardInterrupt):
+        compact(str(tmp_path))
+    os.unlink(next((tmp_path / "dataset").rglob("x.parquet")))
+    got = _dataset(tmp_path / "dataset")  # the documented glob: nothing half-written in its way
+    assert got and set(got) < set(expected)
+    _same(got, {key: expected[key] for key in got})
+    monkeypatch.setattr(compact_module, "_write_part", write_part)
+    assert compact(str(tmp_path)) == {"written": 2, "kept": 2}
+    _same(_dataset(tmp_path / "dataset"), expected)
+    assert not list((tmp_path / "dataset").rglob(".tmp-*"))
+    monkeypatch.chdir(tmp_path)  # the run named by another path: still the same sources
+    assert compact(".", str(tmp_path / "dataset")) == {"written": 0, "kept": 4}
 
 
 def test_a_merge_during_compaction_makes_it_start_again(tmp_path, monkeypatch):
