@@ -44,7 +44,8 @@ on since the last compaction rewrites only the files its new steps reach; a part
 TensorBoard event files, whose names carry no steps, is written whole when one changed. Each
 file is written under a temporary name that no ``*.parquet`` pattern matches and renamed, so an
 interrupted run leaves whole files that read as a dataset, and ``compact.json`` is saved as
-parts are written, so that the next run goes on from there; the sources are never touched. DuckDB does the reading and writing (out of core, on every core).
+parts are written, so that the next run goes on from there; the sources are never touched.
+DuckDB does the reading and writing (out of core, on every core).
 """
 
 from __future__ import annotations

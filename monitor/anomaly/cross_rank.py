@@ -266,6 +266,9 @@ def _check(args: argparse.Namespace) -> Settings:
         raise UsageError(str(exc)) from None
     try:
         rank_dirs = rank_csv.find_rank_dirs(data_dir, ranks, within)
+        if not rank_dirs and os.path.basename(os.path.normpath(data_dir)) == "anomaly_detected":
+            data_dir = os.path.dirname(os.path.normpath(data_dir))  # the run's root holds the values
+            rank_dirs = rank_csv.find_rank_dirs(data_dir, ranks, within)
         present = {
             prefix
             for path in rank_dirs.values()
@@ -331,11 +334,15 @@ def _print_section(doc: dict, k: int, out_file: str | None, rank_count: int) -> 
     total, judged = doc["outliers_total"], doc["judged"]
     if not judged:
         directories = f"{rank_count} rank director{'y' if rank_count == 1 else 'ies'}"
+        non_finite = (
+            f"; NaN/Inf values are flagged wherever a peer's value is finite: {total:,} found"
+            if rank_count > 1
+            else " (nor on NaN/Inf values, which need a peer)"
+        )
         print(
             f"No cross-rank verdict on sizes: a value is compared with its peers' only where at least "
             f"{doc['min_ranks']} ranks hold the same tensor, and this run has {directories} with "
-            f"{', '.join(doc['types'])} under {doc['data_path']}; NaN/Inf values are flagged wherever "
-            f"a peer's value is finite: {total:,} found."
+            f"{', '.join(doc['types'])} under {doc['data_path']}{non_finite}."
         )
         if not total:
             if out_file:

@@ -49,13 +49,11 @@ class TrainmonCallback(MonitorCallback, Callback):
         """Whether this micro-batch ends its step: the monitor cannot see it where a precision
         plugin (a loss scaler) runs the closure itself, before ``optimizer.step``, and an epoch's
         last step is shorter. Lightning ends a step every ``accumulate_grad_batches`` batches and
-        at the epoch's last batch; with an epoch of unknown length the monitor counts."""
+        at the epoch's last batch, which its data fetcher knows one batch ahead (``is_last_batch``,
+        set before this hook runs) even where the epoch's length is not known (an iterable
+        dataset); the batch index counts where the loop's progress cannot be read."""
         if self.attached:
-            total = trainer.num_training_batches
-            last = (batch_idx + 1) % trainer.accumulate_grad_batches == 0 or (
-                isinstance(total, int) and batch_idx + 1 >= total
-            )
-            self.monitor.set_last_micro_batch(last)
+            self.monitor.set_last_micro_batch(_ends_step(trainer, batch_idx))
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         """A failed fit: the hooks go and the outputs are closed, as at its end."""
@@ -63,3 +61,17 @@ class TrainmonCallback(MonitorCallback, Callback):
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         self.detach()
+
+
+def _ends_step(trainer: Any, batch_idx: int) -> bool:
+    """Lightning's own rule for the optimizer step after this batch, from the epoch loop's progress."""
+    epoch_loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+    progress = getattr(epoch_loop, "batch_progress", None)
+    ready = getattr(getattr(progress, "current", None), "ready", None)
+    ready = batch_idx + 1 if not isinstance(ready, int) else ready
+    total = trainer.num_training_batches
+    return (
+        ready % trainer.accumulate_grad_batches == 0
+        or (isinstance(total, int) and ready >= total)
+        or getattr(progress, "is_last_batch", False) is True
+    )

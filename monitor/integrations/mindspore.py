@@ -5,9 +5,9 @@
     model.train(epochs, dataset, callbacks=[TrainmonCallback("monitor_config.json")])
 
 At ``on_train_begin`` the callback attaches to the network and optimizer that ``Model`` holds;
-after each step it calls ``step_end()``, which in graph mode reads the parameters and Adam's
-moments from the host (a compiled step runs no hook) and in PyNative mode does nothing (the
-optimizer's hooks mark the steps); at ``on_train_end`` it closes the outputs.
+in graph mode it calls ``step_end()`` after each step, which reads the parameters and Adam's
+moments from the host (a compiled step runs no hook); in PyNative mode the optimizer's hooks
+mark the steps. At ``on_train_end`` it closes the outputs.
 
 Step numbers: the monitor's step ``s`` is the optimizer's update ``s + 1`` (MindSpore's
 ``cur_step_num`` after it), counted from the update count at attach. With dataset sinking a
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import mindspore as ms
 from mindspore.train import Callback
 
 from monitor.integrations import MonitorCallback, MonitorSource
@@ -39,8 +40,11 @@ class TrainmonCallback(MonitorCallback, Callback):
     def __init__(self, config: MonitorSource, grad_acc_steps: int = 1, **trainer_mon_kwargs: Any) -> None:
         super().__init__(config, **trainer_mon_kwargs)
         self.grad_acc_steps = grad_acc_steps
+        self._graph_mode = False
 
     def on_train_begin(self, run_context: Any) -> None:
+        # as the session decides at attach: in PyNative mode the optimizer's hooks mark the steps
+        self._graph_mode = ms.get_context("mode") != ms.PYNATIVE_MODE
         args = run_context.original_args()
         self.attach(
             "MindSpore Model.train",
@@ -50,7 +54,7 @@ class TrainmonCallback(MonitorCallback, Callback):
         )
 
     def on_train_step_end(self, run_context: Any) -> None:
-        if self.attached:
+        if self.attached and self._graph_mode:
             self.monitor.step_end()
 
     def on_train_end(self, run_context: Any) -> None:

@@ -210,8 +210,9 @@ class BaseCollection(ABC):
                 "trainmon: grad_unreduced: step %d ended after %d micro-batch(es), grad_acc_steps is %s, and "
                 "the gradients of %d parameters changed before the optimizer step (clipping or a reduction), "
                 "so their rows are missing at this step; from now on every micro-batch's accumulated "
-                "gradient is measured. Attach through a trainer callback or use DDP's no_sync for the "
-                "micro-batches before the last, so that the last one is known when it runs.",
+                "gradient is measured. In a loop of your own, call mon.set_last_micro_batch(True) "
+                "before the backward of each step's last micro-batch (False before the others), or use "
+                "DDP's no_sync for the micro-batches before the last; the trainer callbacks do this.",
                 self._step,
                 micro_batches,
                 expected,

@@ -48,17 +48,24 @@ class TinyGPT(L.LightningModule):
         self.reads.after_update(self.trainer.global_step, optimizer.optimizer)
 
 
-def train(workdir: str, grad_acc: int, monitor_config: dict | None = None, loss_scaling: bool = False):
+def train(
+    workdir: str,
+    grad_acc: int,
+    monitor_config: dict | None = None,
+    loss_scaling: bool = False,
+    streaming: bool = False,
+):
     """Train 2 epochs; returns the test's reads, the callback and the trainer. With
     ``loss_scaling``, fp16 mixed precision with a loss scaler: Lightning then runs the closure
-    itself and calls ``optimizer.step`` without it."""
+    itself and calls ``optimizer.step`` without it. With ``streaming`` the batches come from an
+    iterable dataset, so the epoch's length is unknown until its last batch."""
     torch.manual_seed(0)
     module = TinyGPT()
     module.reads = reads = StepReads(module)
     rank = int(os.environ.get("RANK", "0"))
     generator = torch.Generator().manual_seed(rank)
     tokens = torch.randint(0, 64, (BATCHES * 2, 9), generator=generator)
-    data = torch.utils.data.DataLoader(tokens, batch_size=2)
+    data = torch.utils.data.DataLoader(_Stream(tokens) if streaming else tokens, batch_size=2)
     callback = TrainmonCallback(monitor_config or CONFIG)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     trainer = L.Trainer(
@@ -80,6 +87,16 @@ def train(workdir: str, grad_acc: int, monitor_config: dict | None = None, loss_
     trainer.fit(module, data)
     reads.remove()
     return reads, callback, trainer
+
+
+class _Stream(torch.utils.data.IterableDataset):
+    """The same rows as an iterable dataset: no ``len``, as a streaming dataset."""
+
+    def __init__(self, rows: torch.Tensor) -> None:
+        self.rows = rows
+
+    def __iter__(self):
+        return iter(self.rows)
 
 
 def _loss_scaled_fp16():

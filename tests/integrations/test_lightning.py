@@ -30,14 +30,16 @@ def test_every_data_type_matches_the_trainers_tensors(tmp_path, grad_acc):
     assert set(logged["step"]) == set(reads.steps)  # the monitor's steps are the ones Lightning logs
 
 
-def test_a_loss_scaler_running_the_closure_itself_keeps_the_short_steps_gradients(tmp_path):
+@pytest.mark.parametrize("streaming", [False, True], ids=["sized", "streaming"])
+def test_a_loss_scaler_running_the_closure_itself_keeps_the_short_steps_gradients(tmp_path, streaming):
     """fp16 with a loss scaler: Lightning calls the closure, then ``optimizer.step()`` without it,
     so the monitor learns from the callback which micro-batch ends each step (the shorter last
-    step of an epoch included)."""
+    step of an epoch included, also from a streaming dataset, whose length is unknown)."""
     from tests.integrations.lightning_run import train
 
-    reads, callback, trainer = train(str(tmp_path), 2, loss_scaling=True)
+    reads, callback, trainer = train(str(tmp_path), 2, loss_scaling=True, streaming=streaming)
     assert type(trainer.precision_plugin).__name__ == "MixedPrecision"
+    assert trainer.num_training_batches == (float("inf") if streaming else 11)
     rows = written_rows(callback.monitor.output_dir)
     compared = compare(reads.steps, rows, "lightning fp16 loss-scaled")
     assert compared == len(reads.steps) * 6 * len(reads.named_parameters()) * 6

@@ -417,6 +417,23 @@ def test_two_ranks_get_no_verdict_on_sizes_and_are_told_why(tmp_path, capsys):
     assert "0 found" in printed and "outliers (" not in printed
 
 
+def test_one_rank_is_told_it_has_no_peers_and_the_anomaly_directory_leads_to_its_run(tmp_path, capsys):
+    """What the demo suggests, ``-d`` at the run's anomaly_detected directory, finds the rank
+    directories beside it; one rank gets no verdict, on sizes or on NaN/Inf values."""
+    (tmp_path / "anomaly_detected").mkdir()
+    directory = tmp_path / rank_dir_name(0)
+    directory.mkdir()
+    writer = CsvWriter(directory)
+    writer.write(
+        StepRecord("grad_unreduced", 0, ("norm",), RowSet.build([0], ["w"], 0, "acc_grad"), np.array([[1.0]]))
+    )
+    writer.close()
+    assert run_cli("-d", str(tmp_path / "anomaly_detected")) == 0
+    printed = capsys.readouterr().out
+    assert "this run has 1 rank directory with grad_unreduced" in printed
+    assert "(nor on NaN/Inf values, which need a peer)." in printed and "found" not in printed
+
+
 @pytest.mark.parametrize(
     ("by_rank", "flagged"),
     [

@@ -128,6 +128,29 @@ def test_model_train_callback_collects_every_step_in_graph_mode(graph_mode, tmp_
         assert_stats_close(dict(row), final[name], ops=["min", "max", "norm"], what=name)
 
 
+def test_model_train_callback_in_pynative_mode_says_nothing_of_step_end(tmp_path, monkeypatch, caplog):
+    """PyNative: the optimizer's hooks mark the steps, so the callback does not call step_end()
+    (whose note that it is for graph mode would puzzle a user who never called it)."""
+    from monitor.integrations.mindspore import TrainmonCallback
+
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path))
+    net = Net()
+    optimizer = nn.Adam(net.trainable_params(), learning_rate=0.05)
+    data = [(x[0], np.tanh(x[0][:4])) for (x,) in make_batches(4, 1, batch=1)]
+    dataset = ds.GeneratorDataset(data, ["x", "y"], shuffle=False).batch(2)
+    callback = TrainmonCallback({**CONFIG, "ops": ["min", "max", "norm"]})
+    with caplog.at_level(logging.INFO, logger="trainmon"):
+        ms.train.Model(net, nn.MSELoss(), optimizer).train(
+            2, dataset, callbacks=[callback], dataset_sink_mode=False
+        )
+    assert "step_end" not in caplog.text
+    final = dict(zip([p.name for p in optimizer.parameters], copies(optimizer.parameters)))
+    (out,) = [os.path.join(tmp_path, d) for d in os.listdir(tmp_path)]
+    assert collected_steps(out, "param_updated") == list(range(4))
+    for name, row in _rows(out, "param_updated", 3).items():
+        assert_stats_close(dict(row), final[name], ops=["min", "max", "norm"], what=name)
+
+
 def test_step_end_does_nothing_in_pynative_mode():
     """In PyNative mode the optimizer's hooks mark the steps: step_end() neither counts nor collects."""
     net = Net()
