@@ -6,9 +6,12 @@ the thread it runs on belong to ``monitor.alerts.dispatch``.
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
+import socket
 import subprocess
+import threading
 import urllib.error
 import urllib.request
 from collections.abc import Callable
@@ -32,9 +35,81 @@ def payload(message: Message, preset: str) -> dict[str, Any]:
     return {"msgtype": "text", "text": {"content": text}}  # dingtalk
 
 
+class _Deadline:
+    """Ends a request that is still running ``seconds`` after it began, whatever it waits for:
+    a socket timeout bounds each read only, so an endpoint that trickles a byte now and then
+    would hold the sink forever. The connections urllib opens report their sockets here; at the
+    deadline they are shut down, which wakes a blocked read with an error."""
+
+    def __init__(self, seconds: float) -> None:
+        self._sockets: list[socket.socket] = []
+        self._lock = threading.Lock()
+        self._expired = False
+        self._timer = threading.Timer(seconds, self._expire)
+        self._timer.daemon = True
+
+    def __enter__(self) -> _Deadline:
+        self._timer.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._timer.cancel()
+
+    def watch(self, sock: socket.socket) -> None:
+        with self._lock:
+            self._sockets.append(sock)
+            expired = self._expired
+        if expired:
+            self._shut(sock)
+
+    def _expire(self) -> None:
+        with self._lock:
+            self._expired = True
+            sockets = list(self._sockets)
+        for sock in sockets:
+            self._shut(sock)
+
+    @property
+    def expired(self) -> bool:
+        return self._expired
+
+    @staticmethod
+    def _shut(sock: socket.socket) -> None:
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass  # closed already
+
+
+def _opener(deadline: _Deadline) -> urllib.request.OpenerDirector:
+    """urllib's opener (proxies from the environment included) whose connections ``deadline`` watches."""
+
+    def watched(base: type) -> type:
+        class Connection(base):
+            def connect(self) -> None:
+                super().connect()
+                deadline.watch(self.sock)
+
+        return Connection
+
+    http_connection = watched(http.client.HTTPConnection)
+    https_connection = watched(http.client.HTTPSConnection)
+
+    class HTTPHandler(urllib.request.HTTPHandler):
+        def http_open(self, req: urllib.request.Request) -> Any:
+            return self.do_open(http_connection, req)
+
+    class HTTPSHandler(urllib.request.HTTPSHandler):
+        def https_open(self, req: urllib.request.Request) -> Any:
+            return self.do_open(https_connection, req, context=self._context)
+
+    return urllib.request.build_opener(HTTPHandler, HTTPSHandler)
+
+
 class WebhookSink:
-    """HTTP POST of the message as JSON; any answer but 2xx is a failure. Failures name the HTTP
-    status or the kind of error only: the URL may hold a token."""
+    """HTTP POST of the message as JSON; any answer but 2xx is a failure, and so is an answer
+    not complete within ``timeout_s`` of the start. Failures name the HTTP status or the kind of
+    error only: the URL may hold a token."""
 
     def __init__(self, spec: SinkSpec) -> None:
         self.spec = spec
@@ -47,14 +122,20 @@ class WebhookSink:
             method="POST",
             headers={"Content-Type": "application/json", **self.spec.headers()},
         )
-        try:
-            with urllib.request.urlopen(request, timeout=self.spec.timeout_s) as response:
-                status = response.status
-        except urllib.error.HTTPError as exc:
-            raise OSError(f"HTTP {exc.code}") from None
-        except (OSError, ValueError) as exc:  # the message may quote the URL, which may hold a token
-            reason = getattr(exc, "reason", exc)
-            raise OSError(f"cannot reach the endpoint ({type(reason).__name__})") from None
+        with _Deadline(self.spec.timeout_s) as deadline:
+            try:
+                with _opener(deadline).open(request, timeout=self.spec.timeout_s) as response:
+                    status = response.status
+                    response.read()
+            except urllib.error.HTTPError as exc:
+                raise OSError(f"HTTP {exc.code}") from None
+            except (OSError, ValueError, http.client.HTTPException) as exc:
+                reason = getattr(exc, "reason", exc)  # not the message: it may quote the URL and its token
+                if deadline.expired or isinstance(reason, TimeoutError):
+                    raise OSError(
+                        f"no complete answer within timeout_s ({self.spec.timeout_s:g} s)"
+                    ) from None
+                raise OSError(f"cannot reach the endpoint ({type(reason).__name__})") from None
         if not 200 <= status < 300:
             raise OSError(f"HTTP {status}")
 

@@ -225,9 +225,40 @@ def test_a_slow_endpoint_is_waited_for_up_to_the_sinks_timeout(tmp_path, caplog,
     alerts.close()
     assert len(slow.requests) == 3  # one for the patient sink, two tries of the impatient one
     warnings = [r.getMessage() for r in caplog.records if "alert.sinks[1]" in r.getMessage()]
-    assert len(warnings) == 1 and "cannot reach the endpoint (TimeoutError)" in warnings[0], warnings
+    assert len(warnings) == 1 and "no complete answer within timeout_s (0.1 s)" in warnings[0], warnings
     assert not [r for r in caplog.records if "alert.sinks[0]" in r.getMessage()]
     slow.close()
+
+
+def test_an_endpoint_that_trickles_its_answer_is_cut_off_at_the_sinks_timeout(tmp_path, caplog, quick):
+    """A socket timeout bounds each read only: an endpoint that sends a byte every 0.2 s would
+    hold the sink for ever. The whole request ends at ``timeout_s``, and the failure is said once."""
+    release = threading.Event()
+
+    def trickle(connection: socket.socket) -> None:
+        with connection:
+            connection.recv(65536)
+            for byte in b"HTTP/1.1 200 OK\r\nX-Slow: " + b"x" * 200:
+                if release.wait(0.2):
+                    return
+                connection.sendall(bytes([byte]))
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}/hook"
+    threading.Thread(target=lambda: trickle(listener.accept()[0]), daemon=True).start()
+    alerts = alerts_of(
+        [{"type": "webhook", "url": url, "ranks": "all", "timeout_s": 1, "retries": 0}], 0, tmp_path
+    )
+    (channel,) = alerts.channels
+    started = time.monotonic()
+    alerts.incident(incident(step=3), None)
+    assert wait_for(lambda: channel.failed == 1, 10)
+    assert time.monotonic() - started < 3
+    warnings = [r.getMessage() for r in caplog.records if "alert.sinks[0]" in r.getMessage()]
+    assert len(warnings) == 1 and "no complete answer within timeout_s (1 s)" in warnings[0], warnings
+    alerts.close()
+    release.set()
+    listener.close()
 
 
 def test_cool_down_and_hourly_limit_drop_and_count(tmp_path, quick):
