@@ -105,15 +105,17 @@ class Channel:
             self.suppressed += 1
             self._warn_once(f"its queue is full ({QUEUE_SIZE} messages waiting); dropping")
 
-    def close(self, wait: float) -> None:
+    def close(self, wait: float, block: bool = True) -> None:
         """Deliver what is queued for at most ``wait`` seconds, then abandon the rest; a delivery
-        under way (a hanging endpoint) ends at its own timeout, on this daemon thread."""
+        under way (a hanging endpoint) ends at its own timeout, on this daemon thread. ``block``:
+        wait here for that, else return at once and let the thread finish on its own."""
         self._deadline = time.monotonic() + wait
         try:
             self.queue.put_nowait(None)
         except queue.Full:  # the thread sees the deadline at its next message, or an empty queue
             pass
-        self._thread.join(wait)
+        if block:
+            self._thread.join(wait)
 
     def _run(self) -> None:
         while True:
@@ -272,10 +274,12 @@ class Alerts:
         except OSError as exc:  # without a claim this rank delivers as if alone
             logger.warning("trainmon: cannot write the alert claim for step %d (%r)", step, exc)
 
-    def close(self) -> None:
-        """Let each sink deliver what is queued, waiting at most CLOSE_WAIT_S per sink."""
+    def close(self, block: bool = True) -> None:
+        """Let the sinks deliver what is queued within CLOSE_WAIT_S in all: waiting for them
+        (``block``: the end of the run), or not (the alert config changed while training runs:
+        the old sinks finish on their own threads, and the training thread goes on)."""
         with self._lock:
             channels, self.channels = self.channels, []
         deadline = time.monotonic() + CLOSE_WAIT_S
         for channel in channels:
-            channel.close(max(0.0, deadline - time.monotonic()))
+            channel.close(max(0.0, deadline - time.monotonic()), block)

@@ -75,7 +75,7 @@ class IncidentResponses:
         alert = self.config.alert
         wanted = (alert.sinks, alert.actions, alert.bundle)
         if self.alerts is not None and self._alerts_config != wanted:
-            self._close_alerts()
+            self._close_alerts(block=False)  # training goes on: the old sinks drain on their own
         if self.alerts is None and (alert.sinks or alert.actions or alert.bundle or self.incident_callbacks):
             self.alerts = Alerts(alert.sinks, alert.actions, self.rank, root, alert.bundle)
             self._alerts_config = wanted
@@ -122,9 +122,9 @@ class IncidentResponses:
         except Exception as exc:
             logger.error("trainmon: delivering the last alerts at exit failed (%r)", exc)
 
-    def _close_alerts(self) -> None:
+    def _close_alerts(self, block: bool = True) -> None:
         if self.alerts is not None:
-            self.alerts.close()
+            self.alerts.close(block)
             self.alerts = None
 
     def _take_batch_ids(self) -> list[Any]:

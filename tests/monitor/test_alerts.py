@@ -201,6 +201,32 @@ def test_a_hanging_endpoint_holds_up_only_itself(tmp_path, quick):
     hanging.close()
 
 
+def test_sinks_replaced_while_training_runs_drain_without_holding_up_the_caller(tmp_path, monkeypatch, quick):
+    """The alert config changed in a live run (dynamic mode): the old sinks are closed without
+    waiting (``block=False``) and deliver what they hold on their own threads, up to the close
+    deadline, while a hanging endpoint would have held the training thread for all of it."""
+    monkeypatch.setattr(dispatch, "CLOSE_WAIT_S", 30.0)
+    hanging = Server(hang=True)
+    out = tmp_path / "incidents.jsonl"
+    alerts = alerts_of(
+        [
+            {"type": "webhook", "url": hanging.url, "ranks": "all", "retries": 0, "timeout_s": 60},
+            {"type": "file", "path": str(out), "ranks": "all", "max_per_hour": 1000},
+        ],
+        0,
+        tmp_path,
+    )
+    alerts.incident(incident(step=4), None)
+    assert hanging.inside.wait(10)
+    webhook_thread = alerts.channels[0]._thread
+    started = time.monotonic()
+    alerts.close(block=False)
+    assert time.monotonic() - started < 10  # not the 30 s a blocking close may wait
+    assert webhook_thread.is_alive()  # still inside its request, on its own thread
+    assert wait_for(lambda: [m["step"] for m in lines(out)] == [4])
+    hanging.close()  # the request ends; the thread finds its queue closed and ends
+
+
 def test_a_slow_endpoint_is_waited_for_up_to_the_sinks_timeout(tmp_path, caplog, quick):
     """An endpoint that answers after 0.5 s: a sink with a 5 s timeout delivers; one with a
     0.1 s timeout gives up on each try, retries once, says so once, and never delivers."""
