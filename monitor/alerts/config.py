@@ -62,12 +62,15 @@ class SinkSpec:
     cooldown_s: float = 0.0
     max_per_hour: int = 30
 
-    def to_dict(self) -> dict[str, Any]:
-        """The entry as written in a config (only its type's keys; secrets stay in the environment)."""
+    def to_dict(self, for_outputs: bool = False) -> dict[str, Any]:
+        """The entry as written in a config (only its type's keys; secrets stay in the environment).
+        ``for_outputs``: a URL given in the config is cut to its scheme and host, as a chat tool's
+        webhook URL holds its token."""
         keys = [key for key in SINK_KEYS.get(self.type, _COMMON) if key not in ("url", "url_env")]
         plain = {key: getattr(self, key) for key in keys}
         if self.type == "webhook":
-            plain.update({"url_env": self.url_env} if self.url_env else {"url": self.url})
+            url = f"{self._endpoint()}/..." if for_outputs else self.url
+            plain.update({"url_env": self.url_env} if self.url_env else {"url": url})
             plain["headers_env"] = dict(self.headers_env)
         if self.type == "command":
             plain["argv"] = list(self.argv)
@@ -81,11 +84,15 @@ class SinkSpec:
         """The webhook's extra headers, read from their environment variables."""
         return {name: os.environ.get(variable, "") for name, variable in self.headers_env.items()}
 
+    def _endpoint(self) -> str:
+        """The webhook URL's scheme, host and port: no path or query, which may hold a token."""
+        parts = urlsplit(self.resolved_url())
+        return f"{parts.scheme}://{parts.hostname or ''}" + (f":{parts.port}" if parts.port else "")
+
     def label(self, index: int) -> str:
         """How logs name the sink: its type, place and a target without secrets."""
         if self.type == "webhook":
-            parts = urlsplit(self.resolved_url())
-            target = f"{parts.scheme}://{parts.hostname or ''}" + (f":{parts.port}" if parts.port else "")
+            target = self._endpoint()
         elif self.type == "command":
             target = os.path.basename(self.argv[0])
         else:

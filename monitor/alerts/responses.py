@@ -194,7 +194,8 @@ class IncidentResponses:
             info, tensors = self._bundle_contents(incident, limit)
             root = self.core.root if self.core is not None else output_root()
             directory = os.path.join(root, "anomaly_detected", f"rank{self.rank}")
-            facts = {"written_at_step": self.step - 1, "config": self.config.to_dict(), **info}
+            config = self.config.to_dict(for_outputs=True)
+            facts = {"written_at_step": self.step - 1, "config": config, **info}
             path = write_bundle(directory, incident, facts, tensors, limit)
             logger.warning("trainmon: evidence of incident %d kept in %s", incident["id"], path)
         except Exception as exc:

@@ -146,20 +146,23 @@ class MonitorConfig:
     #: l2 attention features: batch 0's first head (msprobe's), all heads summarised, or each head; ours.
     l2_heads: str = "first"
 
-    def to_dict(self) -> dict[str, Any]:
-        """A plain, JSON-serialisable dict of the config (for logs and dynamic rewrites)."""
-        return _plain(self)
+    def to_dict(self, for_outputs: bool = False) -> dict[str, Any]:
+        """A plain, JSON-serialisable dict of the config (for dynamic rewrites; ``for_outputs``:
+        for the run's files, webhook URLs cut to scheme and host)."""
+        return _plain(self, for_outputs)
 
 
-def _plain(value: Any) -> Any:
+def _plain(value: Any, for_outputs: bool) -> Any:
     if isinstance(value, (MonitorConfig, AlertConfig, CCConfig, RuleSpec)):
-        return {f.name: _plain(getattr(value, f.name)) for f in fields(value)}
-    if isinstance(value, (SinkSpec, BundleSpec)):
+        return {f.name: _plain(getattr(value, f.name), for_outputs) for f in fields(value)}
+    if isinstance(value, SinkSpec):
+        return value.to_dict(for_outputs)
+    if isinstance(value, BundleSpec):
         return value.to_dict()
     if isinstance(value, Mapping):
-        return {k: _plain(v) for k, v in value.items()}
+        return {k: _plain(v, for_outputs) for k, v in value.items()}
     if isinstance(value, tuple):
-        return [_plain(v) for v in value]
+        return [_plain(v, for_outputs) for v in value]
     return value
 
 

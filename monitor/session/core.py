@@ -66,7 +66,8 @@ class MonitorCore:
             self.file_writer = self._file_writer()
             if info is not None:
                 topology = {"pp_stage": pp_stage, "group_mates": list(group_mates or [rank])}
-                write_run_info(self.output_dir, {**info, **topology, "config": config.to_dict()})
+                config_facts = {"config": config.to_dict(for_outputs=True)}
+                write_run_info(self.output_dir, {**info, **topology, **config_facts})
             sinks.append(self.file_writer)
             if config.format == "tensorboard":
                 from monitor.writers.custom_scalars import CustomScalarsSink

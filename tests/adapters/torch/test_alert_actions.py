@@ -114,6 +114,27 @@ def test_checkpoint_alone_is_called_once_per_incident_and_the_run_goes_on(tmp_pa
     assert AT < first < AT + 10 < second < STEPS  # each at a step end after its incident
 
 
+def test_a_webhook_token_written_in_the_config_reaches_no_output_file(tmp_path, monkeypatch):
+    """A chat tool's webhook URL holds its token; given as ``url`` (not ``url_env``) it is used,
+    but the run's files (trainmon_run.json, the evidence bundle, the anomaly files) keep only
+    its scheme and host."""
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path))
+    token = "T0KEN-5ecret-in-the-path"
+    url = f"http://127.0.0.1:{free_port()}/services/{token}?access_token={token}"
+    sinks = [{"type": "webhook", "url": url, "retries": 0, "timeout_s": 1}]
+    result = _train(0, (0,), sinks, actions=("checkpoint",))
+    assert [m["step"] for m in result["messages"]] == [AT]
+    written = [os.path.join(d, name) for d, _, names in os.walk(tmp_path) for name in names]
+    assert any(path.endswith("trainmon_run.json") for path in written)
+    assert any("bundle_incident1" in path for path in written)
+    for path in written:
+        with open(path, "rb") as handle:
+            assert token.encode() not in handle.read(), path
+    with open(os.path.join(result["output_dir"], "trainmon_run.json"), encoding="utf-8") as handle:
+        (sink,) = json.load(handle)["config"]["alert"]["sinks"]
+    assert sink["url"] == url.split("/services")[0] + "/..."
+
+
 def test_without_an_incident_nothing_is_sent_and_the_run_goes_on(tmp_path, monkeypatch):
     monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path))
     result = _train(0, (), [{"type": "file", "path": "incidents.jsonl"}])
