@@ -156,6 +156,8 @@ class UnreducedGrads:
             if grad is None:
                 return
             last = count >= self.grad_acc_steps or self._every_micro_batch or self._last_micro_batch()
+            if self._lost_to_reduction(index, param, last):
+                return
             if self.sum_micro_batches:
                 grad = self._add_to_sum(index, grad, count, last)
             if not last:
@@ -224,6 +226,11 @@ class UnreducedGrads:
         except Exception as exc:
             self.collect = False
             self.on_error("grad_unreduced", exc)
+
+    def _lost_to_reduction(self, index: int, param: torch.Tensor, last: bool) -> bool:
+        """Whether the step's accumulated gradient of parameter ``index`` can no longer exist
+        (a sharded back-end reduced and freed a micro-batch's gradient before the last): never here."""
+        return False
 
     def _await_later_micro_batch(self, index: int, grad: torch.Tensor) -> None:
         """Not the step's last micro-batch (as far as is known): no row yet; the gradient and its

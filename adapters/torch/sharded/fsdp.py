@@ -28,7 +28,13 @@ import torch
 from adapters.torch.compiled import eager
 from adapters.torch.grads import UnreducedGrads
 from adapters.torch.params import ParamRegistry
-from adapters.torch.sharded.fsdp_internals import FsdpInternalsChanged, check_version, fsdp2_records
+from adapters.torch.sharded.fsdp_internals import (
+    FsdpInternalsChanged,
+    check_version,
+    fsdp2_records,
+    fsdp2_reduces_gradients,
+)
+from adapters.torch.sharded.fsdp_sync import ReducedEarly
 from monitor.naming import unwrapped_name
 
 logger = logging.getLogger("trainmon")
@@ -60,7 +66,7 @@ class _Removable:
         self.handles.clear()
 
 
-class UnshardedGrads(UnreducedGrads):
+class UnshardedGrads(ReducedEarly, UnreducedGrads):
     """UnreducedGrads whose hooks sit on FSDP2's unsharded parameters."""
 
     #: the unsharded parameters are found by forward pre-hooks on FSDP2's modules
@@ -74,8 +80,8 @@ class UnshardedGrads(UnreducedGrads):
         self._modules = modules
         #: by name without wrapper segments (checkpoint_wrapper names its parameters without its own)
         self._index = {(p.vpp_stage, unwrapped_name(p.raw_name)): i for i, p in enumerate(registry.params)}
-        #: id(unsharded parameter) -> (the parameter, FSDP2's record of it or None)
-        self._hooked: dict[int, tuple[torch.Tensor, Any]] = {}
+        #: id(unsharded parameter) -> (the parameter, FSDP2's record of it or None, its FSDP2 module)
+        self._hooked: dict[int, tuple[torch.Tensor, Any, torch.nn.Module]] = {}
         self._param_handles = _Removable([])
         self._private_state_missing = False
         check_version()
@@ -115,7 +121,7 @@ class UnshardedGrads(UnreducedGrads):
                 continue
             if records is None:
                 records = self._fsdp_records(module)
-            self._hooked[id(param)] = (param, records.get(id(param)))
+            self._hooked[id(param)] = (param, records.get(id(param)), module)
             if self.per_micro_batch:
                 self._param_handles.handles.append(param.register_hook(self._micro_batch_hook(index)))
             else:
@@ -140,8 +146,12 @@ class UnshardedGrads(UnreducedGrads):
         """The parameter's ``.grad``, plus what FSDP2 accumulated in fp32 from micro-batches
         without gradient sync."""
         grad = param.grad
-        record = self._hooked.get(id(param), (None, None))[1]
+        record = self._hooked.get(id(param), (None, None, None))[1]
         pending = getattr(record, "unsharded_accumulated_grad", None)
         if pending is None or grad is None:
             return grad if pending is None else pending
         return pending + grad.to(pending.dtype)
+
+    def _reduces_now(self, index: int, param: torch.Tensor) -> bool:
+        module = self._hooked.get(id(param), (None, None, None))[2]
+        return module is not None and fsdp2_reduces_gradients(module)

@@ -32,8 +32,10 @@ from adapters.torch.sharded.fsdp_internals import (
     FsdpInternalsChanged,
     check_version,
     flat_layout,
+    fsdp1_reduces_gradients,
     fsdp1_units,
 )
+from adapters.torch.sharded.fsdp_sync import ReducedEarly
 
 logger = logging.getLogger("trainmon")
 
@@ -143,7 +145,7 @@ class FlatParamBackend(TorchBackend):
         return self.optimizer, slot.original if slot.original is not None else slot.flat
 
 
-class FlatGrads(UnreducedGrads):
+class FlatGrads(ReducedEarly, UnreducedGrads):
     """UnreducedGrads from one hook per FlatParameter: each original parameter's part of the
     unsharded flat gradient."""
 
@@ -188,6 +190,10 @@ class FlatGrads(UnreducedGrads):
     def accumulated(self, index: int, param: torch.Tensor) -> torch.Tensor | None:
         grad = param.grad
         return None if grad is None else self._part(index, grad)
+
+    def _reduces_now(self, index: int, param: torch.Tensor) -> bool:
+        unit = self._slots[index].unit
+        return unit is not None and fsdp1_reduces_gradients(unit)
 
 
 def flat_units(chunks: Sequence[torch.nn.Module]) -> list[Any]:

@@ -3,6 +3,9 @@ were written for.
 
 - FSDP2 keeps the fp32 gradient sum of micro-batches run without gradient sync (mixed
   precision) in its own per-parameter record, not in ``.grad``: ``fsdp2_records``.
+- Whether a backward's gradients are reduce-scattered now (gradient sync on) is FSDP2's
+  parameter group's ``reduce_grads`` and FSDP1's ``_sync_gradients``: ``fsdp2_reduces_gradients``,
+  ``fsdp1_reduces_gradients``.
 - FSDP1 (``FullyShardedDataParallel``) flattens each unit's parameters into one FlatParameter
   and shards that; where each original parameter lies in it, in the unsharded flat gradient and
   in this rank's shard, is only in the FlatParameter's metadata: ``flat_layout``. (With
@@ -61,6 +64,25 @@ def fsdp2_records(module: torch.nn.Module) -> dict[int, Any]:
         raise FsdpInternalsChanged(str(exc)) from exc
 
 
+def fsdp2_reduces_gradients(module: torch.nn.Module) -> bool:
+    """Whether FSDP2 reduce-scatters (and frees) the unsharded gradients of ``module``'s backward
+    now running: gradient sync on (``set_requires_gradient_sync``)."""
+    try:
+        group = module._get_fsdp_state()._fsdp_param_group
+        return True if group is None else bool(group.reduce_grads)
+    except AttributeError as exc:
+        raise FsdpInternalsChanged(str(exc)) from exc
+
+
+def fsdp1_reduces_gradients(unit: Any) -> bool:
+    """Whether FSDP1 reduce-scatters the unit's flat gradient after this backward: not inside
+    ``no_sync()``."""
+    try:
+        return bool(unit._sync_gradients)
+    except AttributeError as exc:
+        raise FsdpInternalsChanged(str(exc)) from exc
+
+
 @dataclass(frozen=True)
 class FlatSlot:
     """Where one original parameter of an FSDP1 unit lies."""
@@ -72,6 +94,7 @@ class FlatSlot:
     shard_offset: int  # offset of this rank's piece in the local shard
     shard_numel: int  # elements of this rank's piece (0: none here)
     original: torch.nn.Parameter | None  # the parameter object (use_orig_params=True), else None
+    unit: Any = None  # the FSDP1 instance whose FlatParameter holds it
 
 
 def fsdp1_units(chunk: torch.nn.Module) -> list[Any]:
@@ -106,6 +129,7 @@ def flat_layout(unit: Any) -> list[FlatSlot]:
                     shard_offset=int(info.offset_in_shard) if info.in_shard else 0,
                     shard_numel=int(info.numel_in_shard) if info.in_shard else 0,
                     original=originals[i] if originals else None,
+                    unit=unit,
                 )
             )
         return slots

@@ -118,9 +118,9 @@ def _batch(rank: int, step: int, micro: int) -> torch.Tensor:
     return torch.randn(4, SIZES[0], generator=generator)
 
 
-def _train_step(model, optimizer, rank: int, step: int) -> None:
+def _train_step(model, optimizer, rank: int, step: int, sync_each: bool = False) -> None:
     for micro in range(MICRO):
-        last = micro == MICRO - 1
+        last = micro == MICRO - 1 or sync_each
         if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
             model.set_requires_gradient_sync(last)
             sync = contextlib.nullcontext()
@@ -295,6 +295,78 @@ def test_fsdp_statistics_equal_an_unsharded_replica(tmp_path, case):
         assert result["identical"], f"{case}: training changed by the monitors"
     for step in range(STEPS):
         _check_step(case, step, results)
+
+
+def _sync_each_worker(rank: int, world_size: int, workdir: str, case: str) -> None:
+    import logging
+
+    from monitor import TrainerMon
+
+    warnings: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    logging.getLogger("trainmon").addHandler(handler)
+    model, replica = _sharded(case)
+    optimizer = _optimizer(model.parameters())
+    config = {"wg_distribution": True, "ops": ALL_OPS, "format": "api", "shard_reduce": True}
+    whole = TrainerMon(config).set_monitor(model, MICRO, optimizer)
+    micro = TrainerMon({**config, "monitor_mbs_grad": True}).set_monitor(model, MICRO, optimizer)
+    names = [name for name, _ in replica.named_parameters()]
+    steps = []
+    for step in range(2):
+        local, per_micro = _local_grads(replica, case, rank, step)
+        reduced = [g.clone() for g in local]
+        for g in reduced:
+            dist.all_reduce(g)
+            g /= WORLD
+        _train_step(model, optimizer, rank, step, sync_each=True)
+        with torch.no_grad():  # the replica follows the same updates
+            for param, value in zip(replica.parameters(), _gathered(model)):
+                param.copy_(value)
+        steps.append(
+            {
+                "reduced": {n: flat_values(g) for n, g in zip(names, reduced)},
+                "micro": [{n: flat_values(g) for n, g in zip(names, grads)} for grads in per_micro],
+                "got": {prefix: whole._latest(prefix) for prefix in ("grad_unreduced", "grad_reduced")},
+                "got_micro": micro._latest("grad_unreduced"),
+            }
+        )
+    whole.stop()
+    micro.stop()
+    told = [w for w in warnings if "reduce-scattered a micro-batch before the step's last" in w]
+    save_result(workdir, rank, {"steps": steps, "told": told})
+
+
+def _gathered(model) -> list[torch.Tensor]:
+    """Every parameter whole, as the sharded model holds it after the step."""
+    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2: DTensors
+        return [p.full_tensor() for p in model.parameters()]
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    with FullyShardedDataParallel.summon_full_params(model):
+        return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("case", ["fsdp2-fp32", "fsdp1-orig-params", "fsdp1-flat-params"])
+def test_gradient_sync_on_every_micro_batch_leaves_out_unreduced_rows_and_says_why(tmp_path, case):
+    """With sync on before the last micro-batch, FSDP frees each micro-batch's local gradient,
+    so the step's sum never exists: no grad_unreduced row claims to be it (one warning per
+    monitor says why and what to do), while grad_reduced and each micro-batch's own rows
+    (monitor_mbs_grad) are still the replica's."""
+    per_rank = run_ranks(functools.partial(_sync_each_worker, case=case), WORLD, str(tmp_path))
+    for rank, result in enumerate(per_rank):
+        assert len(result["told"]) == 1, result["told"]  # the micro-batch monitor measures each one: silent
+        for step, got in enumerate(result["steps"]):
+            what = f"{case} r{rank} step {step}"
+            assert not got["got"]["grad_unreduced"], f"{what}: {sorted(got['got']['grad_unreduced'])}"
+            reduced = latest_rows(got["got"], "grad_reduced")
+            assert set(reduced) == set(got["reduced"]), what
+            for name, values in got["reduced"].items():
+                assert_stats_close(reduced[name], np.array(values), what=f"{what} {name} reduced")
+            micro_rows = latest_rows({"g": got["got_micro"]}, "g")
+            for micro, grads in enumerate(got["micro"]):
+                for name, values in grads.items():
+                    assert_stats_close(micro_rows[f"{name}:{micro}"], np.array(values), what=f"{what} {name}")
 
 
 def _histogram_worker(rank: int, world_size: int, workdir: str, case: str) -> None:
