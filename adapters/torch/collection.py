@@ -21,7 +21,7 @@ from adapters.torch.grads import GradCounting, unreduced_source
 from adapters.torch.l2 import L2Features
 from adapters.torch.optim import TorchBackend, without_adam_moments
 from adapters.torch.params import ParamRegistry
-from adapters.torch.sharded.shards import SHARD_COLUMNS, shard_reduce
+from adapters.torch.sharded.shards import SHARD_COLUMNS, held_rows, shard_reduce
 from adapters.torch.sharded.tp_activations import TensorParallelMerge
 from adapters.torch.stats import sign_shares, stat_matrix, still_measured
 from adapters.torch.structure import StackRecorder, StructureRecorder
@@ -287,12 +287,8 @@ class Collection(BaseCollection):
             full[present] = pieces
             all_counts = torch.zeros(len(index), dtype=torch.float64)
             all_counts[present] = counts
-            self._submit(
-                prefix,
-                rows,
-                shard_reduce(full, all_counts.to(pieces.device), self.ops, self.backend.shard_group),
-                ops,
-            )
+            merged = shard_reduce(full, all_counts.to(pieces.device), self.ops, self.backend.shard_group)
+            self._submit(prefix, *held_rows(rows, merged), ops)
             return
         whole = torch.tensor(
             [self.backend.numel(self.registry.params[index[p]].param) for p in present], dtype=torch.float64
@@ -403,6 +399,6 @@ class Collection(BaseCollection):
         if values:
             shares[positions, 0] = torch.stack(values)
             all_counts[positions] = torch.from_numpy(counts).to(device)
-        merged = shard_reduce(shares, all_counts, ("mean",), self.backend.shard_group)
+        rows, merged = held_rows(rows, shard_reduce(shares, all_counts, ("mean",), self.backend.shard_group))
         whole = stat_matrix(list(torch.from_numpy(merged[:, 0])), self.ops, self.eps).numpy()
         self._submit("other", rows, np.concatenate([whole, merged[:, 1:]], axis=1), ops)

@@ -76,6 +76,16 @@ def shard_reduce(matrix: torch.Tensor, counts: torch.Tensor, ops: Sequence[str],
     )
 
 
+def held_rows(rows: Any, merged: np.ndarray) -> tuple[Any, np.ndarray]:
+    """The rows of ``shard_reduce``'s result that some rank holds a piece of: a parameter with no
+    gradient on any rank (unused this step: an expert no token reached) gets no row, as without
+    sharding, instead of a row of NaNs that the non-finite rule would take for a fault."""
+    held = np.flatnonzero(merged[:, -2] > 0)
+    if len(held) == len(merged):
+        return rows, merged
+    return rows.take(held.tolist()), merged[held]
+
+
 def _gather_merge(
     matrix: torch.Tensor, counts: torch.Tensor, ops: Sequence[str], group: Any
 ) -> tuple[np.ndarray, np.ndarray]:

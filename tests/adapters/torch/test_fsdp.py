@@ -337,6 +337,53 @@ def _sync_each_worker(rank: int, world_size: int, workdir: str, case: str) -> No
     save_result(workdir, rank, {"steps": steps, "told": told})
 
 
+def _unused_worker(rank: int, world_size: int, workdir: str) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    from monitor import TrainerMon
+
+    class WithUnused(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.used, self.unused = torch.nn.Linear(4, 5), torch.nn.Linear(4, 5)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.used(x)
+
+    torch.manual_seed(0)
+    model = WithUnused()
+    replica = copy.deepcopy(model.used)
+    for module in (model.used, model.unused, model):
+        fully_shard(module)
+    optimizer = _optimizer(model.parameters())
+    config = {"wg_distribution": True, "mg_direction": True, "ops": ALL_OPS, "format": "api"}
+    alert = {"rules": [{"rule_name": "AnomalyNan"}]}
+    mon = TrainerMon({**config, "shard_reduce": True, "alert": alert}).set_monitor(model, 1, optimizer)
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(rank))
+    model(x).pow(2).sum().backward()
+    replica(x).pow(2).sum().backward()
+    optimizer.step()
+    got = {prefix: mon._latest(prefix) for prefix in ("grad_unreduced", "grad_reduced", "other")}
+    mon.stop()
+    local = {f"used.{n}": flat_values(p.grad) for n, p in replica.named_parameters()}
+    save_result(workdir, rank, {"got": got, "local": local, "incidents": len(mon.incidents)})
+
+
+def test_a_parameter_without_a_gradient_gets_no_merged_row_and_no_false_incident(tmp_path):
+    """shard_reduce merges pieces; a parameter no rank has a gradient of (unused this step) has
+    none, and gets no row, as without sharding, rather than a NaN row that the non-finite rule
+    reports as a fault."""
+    per_rank = run_ranks(_unused_worker, WORLD, str(tmp_path))
+    for rank, result in enumerate(per_rank):
+        assert result["incidents"] == 0
+        for prefix in ("grad_unreduced", "grad_reduced", "other"):
+            rows = latest_rows(result["got"], prefix)
+            assert set(rows) == set(result["local"]), f"r{rank} {prefix}: {sorted(rows)}"
+        for name, values in result["local"].items():
+            unreduced = latest_rows(result["got"], "grad_unreduced")[name]
+            assert_stats_close(unreduced, np.array(values), what=f"r{rank} {name}")
+
+
 def _gathered(model) -> list[torch.Tensor]:
     """Every parameter whole, as the sharded model holds it after the step."""
     if hasattr(model, "set_requires_gradient_sync"):  # FSDP2: DTensors
