@@ -69,7 +69,10 @@ def peer_stats(values: np.ndarray, present: np.ndarray) -> PeerStats:
 
 def _full_rows(values: np.ndarray, finite: np.ndarray, count: np.ndarray) -> tuple[np.ndarray, ...]:
     """peer_stats of rows with n >= MIN_RANKS finite values: three order statistics per row suffice."""
-    if _peer_rows is not None and len(values):
+    if not len(values):  # no such row (a run of fewer ranks): nothing to order, whatever n is
+        empty = np.empty(0)
+        return empty, empty, np.empty(values.shape), np.empty(values.shape), empty
+    if _peer_rows is not None:
         values = np.ascontiguousarray(values, dtype=np.float64)
         rows, n = values.shape
         median, size, mad = np.empty(rows), np.empty(rows), np.empty(rows)

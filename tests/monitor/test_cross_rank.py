@@ -417,6 +417,7 @@ def test_two_ranks_get_no_verdict_on_sizes_and_are_told_why(tmp_path, capsys):
     assert "0 found" in printed and "outliers (" not in printed
 
 
+@pytest.mark.filterwarnings("error")  # numpy deprecates indexing past an empty array's end
 def test_one_rank_is_told_it_has_no_peers_and_the_anomaly_directory_leads_to_its_run(tmp_path, capsys):
     """What the demo suggests, ``-d`` at the run's anomaly_detected directory, finds the rank
     directories beside it; one rank gets no verdict, on sizes or on NaN/Inf values."""
