@@ -13,7 +13,8 @@ import io
 import json
 import linecache
 import os
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Sequence
 from types import FrameType
 from typing import Any
 
@@ -80,3 +81,28 @@ def write_stacks(directory: str, stacks: dict[str, list[Frame]]) -> str | None:
         writer.writerow([name, "".join(blocks)])
     atomic_write_text(path, buffer.getvalue())
     return path
+
+
+class StackRecorder:
+    """stack_info: per module (or Cell), the call stack of its first forward; frames only, their
+    source read when the file is written. Any framework whose modules take
+    ``register_forward_pre_hook(hook(module, args))`` works."""
+
+    def __init__(self, modules: Sequence[tuple[str, Any]]) -> None:
+        """``modules``: (display name, module) pairs, in the order they are written."""
+        self.modules = list(modules)
+        self.stacks: dict[str, list[Frame]] = {}
+
+    def register(self) -> list:
+        return [module.register_forward_pre_hook(self._hook(name)) for name, module in self.modules]
+
+    def _hook(self, name: str) -> Callable[[Any, Any], None]:
+        def hook(module: Any, args: Any) -> None:
+            if name not in self.stacks:
+                self.stacks[name] = stack_frames(sys._getframe(2))
+
+        return hook
+
+    def write(self, directory: str) -> str | None:
+        """Write ``stack_info.csv`` (only if absent); returns its path or None."""
+        return write_stacks(directory, self.stacks)

@@ -42,7 +42,7 @@ from adapters.mindspore.l2 import L2Features
 from adapters.mindspore.optim import OptimizerView
 from adapters.mindspore.params import ParamRegistry
 from adapters.mindspore.stats import StatEngine
-from adapters.mindspore.structure import StackRecorder, StructureRecorder
+from adapters.mindspore.structure import StructureRecorder, stack_recorder
 from monitor.config.schema import MonitorConfig
 from monitor.datatypes.params import param_row_tables, reduced_index
 from monitor.datatypes.update_ratio import adam_histograms, submit_histograms
@@ -78,7 +78,6 @@ class Collection(BaseCollection):
     grads: UnreducedGrads | None
     activations: Activations | None
     structure: StructureRecorder | None
-    stacks: StackRecorder | None
     collectives: CollectiveMonitor | None
 
     def __init__(
@@ -135,7 +134,7 @@ class Collection(BaseCollection):
         if config.recording_l2_features:
             self.l2 = L2Features(chunks, config, self.fail)
             self._handles += self.l2.register()
-        self._register_recorders(chunks, StructureRecorder, StackRecorder)
+        self._register_recorders(chunks, StructureRecorder, stack_recorder)
         if config.cc_distribution.enable:
             self.collectives = CollectiveMonitor(config, self.fail)
             self.collectives.install()

@@ -8,7 +8,6 @@ records, the stack capture and the files are the torch adapter's (``monitor.stru
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -16,7 +15,7 @@ import mindspore as ms
 
 from adapters.mindspore.activations import grad_active, is_tensor, is_training_call, takes_part_in_grad
 from monitor.naming import chunk_name, display_name
-from monitor.structure import Frame, describe, record_grad, stack_frames, write_stacks, write_structure
+from monitor.structure import StackRecorder, describe, record_grad, write_structure
 
 
 def _tensor_text(t: ms.Tensor) -> str:
@@ -73,23 +72,6 @@ class StructureRecorder:
         return write_structure(root, rank, self.structure)
 
 
-class StackRecorder:
-    """Records, per Cell, the call stack of its first forward (frames only; source read at write)."""
-
-    def __init__(self, chunks: Sequence[ms.nn.Cell], squash: bool) -> None:
-        self.cells = _cell_names(chunks, squash)
-        self.stacks: dict[str, list[Frame]] = {}
-
-    def register(self) -> list:
-        return [cell.register_forward_pre_hook(self._hook(name)) for name, cell in self.cells]
-
-    def _hook(self, name: str) -> Callable:
-        def hook(cell: ms.nn.Cell, args: Any) -> None:
-            if name not in self.stacks:
-                self.stacks[name] = stack_frames(sys._getframe(2))
-
-        return hook
-
-    def write(self, directory: str) -> str | None:
-        """Write ``stack_info.csv`` (only if absent); returns its path or None."""
-        return write_stacks(directory, self.stacks)
+def stack_recorder(chunks: Sequence[ms.nn.Cell], squash: bool) -> StackRecorder:
+    """stack_info: the call stack of each Cell's first forward (monitor.structure.StackRecorder)."""
+    return StackRecorder(_cell_names(chunks, squash))

@@ -24,7 +24,7 @@ from adapters.torch.params import ParamRegistry
 from adapters.torch.sharded.shards import SHARD_COLUMNS, held_rows, shard_reduce
 from adapters.torch.sharded.tp_activations import TensorParallelMerge
 from adapters.torch.stats import sign_shares, stat_matrix, still_measured
-from adapters.torch.structure import StackRecorder, StructureRecorder
+from adapters.torch.structure import StructureRecorder, stack_recorder
 from adapters.torch.update_ratio import update_histograms
 from monitor.config.schema import MonitorConfig
 from monitor.datatypes.params import PARAM_TASKS, param_row_tables, reduced_index
@@ -68,7 +68,6 @@ class Collection(BaseCollection):
 
     activations: Activations | None
     structure: StructureRecorder | None
-    stacks: StackRecorder | None
 
     def __init__(
         self,
@@ -129,7 +128,7 @@ class Collection(BaseCollection):
         if config.recording_l2_features:
             self.l2 = L2Features(chunks, config, self.fail)
             self._handles += self.l2.register()
-        self._register_recorders(chunks, StructureRecorder, StackRecorder)
+        self._register_recorders(chunks, StructureRecorder, stack_recorder)
         if collectives is not None:
             collectives.on_error = self.fail
             collectives.install()

@@ -7,7 +7,6 @@ modules and tensors.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -15,7 +14,7 @@ import torch
 
 from adapters.torch.compiled import eager
 from monitor.naming import chunk_name, display_name
-from monitor.structure import Frame, describe, record_grad, stack_frames, write_stacks, write_structure
+from monitor.structure import StackRecorder, describe, record_grad, write_structure
 
 
 def _is_tensor(obj: Any) -> bool:
@@ -77,23 +76,6 @@ class StructureRecorder:
         return write_structure(root, rank, self.structure)
 
 
-class StackRecorder:
-    """Records, per module, the call stack of its first forward (frames only; source read at write)."""
-
-    def __init__(self, chunks: Sequence[torch.nn.Module], squash: bool) -> None:
-        self.modules = _module_names(chunks, squash)
-        self.stacks: dict[str, list[Frame]] = {}
-
-    def register(self) -> list:
-        return [module.register_forward_pre_hook(self._hook(name)) for name, module in self.modules]
-
-    def _hook(self, name: str) -> Callable:
-        def hook(module: torch.nn.Module, args: Any) -> None:
-            if name not in self.stacks:
-                self.stacks[name] = stack_frames(sys._getframe(2))
-
-        return hook
-
-    def write(self, directory: str) -> str | None:
-        """Write ``stack_info.csv`` (only if absent); returns its path or None."""
-        return write_stacks(directory, self.stacks)
+def stack_recorder(chunks: Sequence[torch.nn.Module], squash: bool) -> StackRecorder:
+    """stack_info: the call stack of each module's first forward (monitor.structure.StackRecorder)."""
+    return StackRecorder(_module_names(chunks, squash))

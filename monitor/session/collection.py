@@ -24,6 +24,7 @@ from monitor.naming import unmatched_targets
 from monitor.record import RowSet, SameRows, StepRecord
 from monitor.session.core import MonitorCore
 from monitor.session.schedule import Schedule
+from monitor.structure import StackRecorder
 
 logger = logging.getLogger("trainmon")
 
@@ -60,7 +61,7 @@ class BaseCollection(ABC):
         #: msprobe's l2 features (attention probabilities, linear spectral norms), or None
         self.l2: Any = None
         self.structure: Any = None
-        self.stacks: Any = None
+        self.stacks: StackRecorder | None = None
         self.collectives: Any = None
         #: per data type whose rows can change from step to step: the last step's RowSet
         self._same_rows: defaultdict[str, SameRows] = defaultdict(SameRows)
@@ -264,7 +265,7 @@ class BaseCollection(ABC):
     # -- print_struct and stack_info ---------------------------------------------------------
 
     def _register_recorders(
-        self, chunks: Sequence[Any], structure_recorder: type, stack_recorder: type
+        self, chunks: Sequence[Any], structure_recorder: type, stack_recorder: Callable[..., Any]
     ) -> None:
         """print_struct / stack_info: hook the adapter's recorders of the structure and call stacks."""
         if self.config.print_struct:

@@ -212,11 +212,10 @@ class TrainerMon:
             self._session.set_batch_ids(ids)
 
     def set_last_micro_batch(self, last: bool) -> None:
-        """Say, before a micro-batch's backward, whether it is the last of its step, where the
-        monitor cannot see it: a loop that may end a step early (an epoch's shorter last step)
-        and changes gradients before ``optimizer.step`` (clipping) or runs the last backward
-        outside it (Lightning with a loss scaler). Elsewhere the micro-batches are counted and
-        this is not needed. PyTorch only."""
+        """Say, before a micro-batch's backward, whether it ends its step, where the monitor cannot
+        see it: a loop that may end a step early (an epoch's shorter last step) and changes gradients
+        before ``optimizer.step`` (clipping) or runs the last backward outside it (Lightning with a
+        loss scaler). Elsewhere micro-batches are counted and this is not needed. PyTorch only."""
         if not isinstance(last, bool):
             raise TypeError(f"set_last_micro_batch: last: expected true or false, got {last!r}")
         told = getattr(self._session, "set_last_micro_batch", None)
