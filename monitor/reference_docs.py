@@ -101,7 +101,7 @@ MEANINGS = {
     "shard_reduce": (
         "ours: with sharded parameters or optimizers, merge the ranks' pieces so each row is the "
         "whole tensor (one all_gather per data type per collected step); under tensor parallelism "
-        "also activations and unreduced gradients, and the spectral norms of DTensor weights"
+        "also activations and unreduced gradients, and the spectral norms of FSDP and DTensor weights"
     ),
     "cc_distribution.enable": (
         "statistics of the tensors passing through torch.distributed collectives, see "

@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 from typing import Any
 
 import torch
@@ -22,6 +22,7 @@ import torch
 from adapters.torch.activations import MicroSteps
 from adapters.torch.compiled import eager
 from adapters.torch.sharded.spectral import ShardedWeight, split_dimension
+from adapters.torch.sharded.spectral_flat import FlatPieceWeight, flat_weights
 from monitor.config.schema import MonitorConfig
 from monitor.datatypes.l2 import BREAKDOWN, FIRST_ITERATIONS, WARM_ITERATIONS, L2Steps
 from monitor.record import RowSet
@@ -29,12 +30,16 @@ from monitor.record import RowSet
 logger = logging.getLogger("trainmon")
 
 
-def is_linear(module: torch.nn.Module) -> bool:
-    """A module with a 2-D ``weight`` (or ``wg``) tensor that is not an embedding table."""
+def is_linear(module: torch.nn.Module, flattened: Container[int] = ()) -> bool:
+    """A module with a 2-D ``weight`` (or ``wg``) tensor that is not an embedding table; or one
+    whose 2-D weight FSDP1 flattened (``flattened``: their ids). FSDP1's wrapper, which forwards
+    its module's attributes, is not one: the module it wraps is."""
     if isinstance(module, torch.nn.Embedding) or hasattr(module, "num_embeddings"):
         return False
-    if hasattr(module, "vocab_start_index"):
+    if hasattr(module, "vocab_start_index") or hasattr(module, "_fsdp_wrapped_module"):
         return False
+    if id(module) in flattened:
+        return True
     weight = getattr(module, "weight", None)
     weight = weight if isinstance(weight, torch.Tensor) else getattr(module, "wg", None)
     return isinstance(weight, torch.Tensor) and weight.dim() == 2
@@ -136,10 +141,19 @@ class L2Features(L2Steps):
         named = [
             (vpp, raw, module) for vpp, chunk in enumerate(chunks) for raw, module in chunk.named_modules()
         ]
-        super().__init__(named, config, is_linear, on_error)
+        flattened = flat_weights(chunks)  # FSDP1: where each flattened 2-D weight lies
+        super().__init__(named, config, functools.partial(is_linear, flattened=flattened), on_error)
         self.chunks = list(chunks)
         self.micro = MicroSteps(self.chunks, lambda: self.collect)
-        whole = [entry for entry in self.linear if self._measurable(linear_weight(entry[2]), config)]
+        whole = [
+            entry
+            for entry in self.linear
+            if (
+                config.shard_reduce
+                if id(entry[2]) in flattened
+                else self._measurable(linear_weight(entry[2]), config)
+            )
+        ]
         if len(whole) < len(self.linear):
             logger.warning(
                 "trainmon: linear_hook: %d of %d linear weights are sharded across ranks (FSDP, "
@@ -147,15 +161,19 @@ class L2Features(L2Steps):
                 "weight's%s",
                 len(self.linear) - len(whole),
                 len(self.linear),
-                "" if config.shard_reduce else " (with shard_reduce, DTensor weights are measured whole)",
+                ""
+                if config.shard_reduce
+                else " (with shard_reduce, FSDP's and DTensor weights are measured whole)",
             )
         self.linear = whole
         #: per linear module held in pieces (shard_reduce): how its weight lies on the mesh
-        self._pieces: dict[int, ShardedWeight] = {}
+        self._pieces: dict[int, ShardedWeight | FlatPieceWeight] = {}
         for index, (_, _, module) in enumerate(self.linear):
             weight = linear_weight(module)
             split = split_dimension(weight)
-            if split is not None:
+            if id(module) in flattened:
+                self._pieces[index] = FlatPieceWeight(flattened[id(module)])
+            elif split is not None:
                 self._pieces[index] = ShardedWeight(weight, split)
         self._generators: dict[torch.device, torch.Generator] = {}
 
@@ -222,15 +240,14 @@ class L2Features(L2Steps):
         values = []
         with torch.no_grad():
             for index, (_, _, module) in enumerate(self.linear):
-                weight = linear_weight(module).detach()
                 layout = self._pieces.get(index)
                 if layout is not None:
-                    piece = layout.piece(weight)
+                    piece = layout.piece(module)
                     gram = functools.partial(layout.gram, piece)
                     sigma = self._spectral_norm(index, gram, layout.size, piece.device)
                     frobenius = layout.frobenius(piece)
                 else:
-                    weight = weight.float()
+                    weight = linear_weight(module).detach().float()
                     sigma = self._spectral_norm(index, *_gram(weight), weight.device)
                     frobenius = torch.linalg.vector_norm(weight)
                 ratio = frobenius / sigma

@@ -95,6 +95,8 @@ class FlatSlot:
     shard_numel: int  # elements of this rank's piece (0: none here)
     original: torch.nn.Parameter | None  # the parameter object (use_orig_params=True), else None
     unit: Any = None  # the FSDP1 instance whose FlatParameter holds it
+    shape: tuple[int, ...] = ()  # the whole parameter's shape
+    piece_start: int = 0  # where this rank's piece starts in the parameter, row-major
 
 
 def fsdp1_units(chunk: torch.nn.Module) -> list[Any]:
@@ -119,6 +121,7 @@ def flat_layout(unit: Any) -> list[FlatSlot]:
                 starts.append(offset)
             offset += numel
         slots = []
+        shapes = list(flat._shapes)
         for i, (fqn, numel, info) in enumerate(zip(flat._fqns, flat._numels, flat._shard_param_infos)):
             slots.append(
                 FlatSlot(
@@ -130,6 +133,8 @@ def flat_layout(unit: Any) -> list[FlatSlot]:
                     shard_numel=int(info.numel_in_shard) if info.in_shard else 0,
                     original=originals[i] if originals else None,
                     unit=unit,
+                    shape=tuple(int(n) for n in shapes[i]),
+                    piece_start=int(info.intra_param_start_idx) if info.in_shard else 0,
                 )
             )
         return slots

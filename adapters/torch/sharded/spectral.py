@@ -77,8 +77,10 @@ class ShardedWeight:
         return tensor
 
     @staticmethod
-    def piece(weight: Any) -> torch.Tensor:
-        """This rank's piece of the weight now, in float32."""
+    def piece(module: Any) -> torch.Tensor:
+        """This rank's piece of the module's weight now, in float32."""
+        weight = getattr(module, "weight", None)
+        weight = weight if weight is not None else module.wg
         return weight.to_local().detach().float()
 
     def gram(self, piece: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
