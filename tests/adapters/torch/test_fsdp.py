@@ -451,7 +451,7 @@ def _histogram_worker(rank: int, world_size: int, workdir: str, case: str) -> No
     save_result(workdir, rank, {"expected": expected, "dirs": {k: m.output_dir for k, m in monitors.items()}})
 
 
-@pytest.mark.parametrize("case", ["fsdp2-fp32", "fsdp1-flat-params"])
+@pytest.mark.parametrize("case", ["fsdp2-fp32", "fsdp2-bf16", "fsdp1-orig-params", "fsdp1-flat-params"])
 def test_fsdp_update_histograms_equal_the_replicas(tmp_path, case):
     """Whole histograms on every rank with shard_reduce; pieces' histograms that add up to them."""
     env = {"MONITOR_OUTPUT_DIR": str(tmp_path / "out")}
