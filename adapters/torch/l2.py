@@ -15,12 +15,13 @@ import functools
 import logging
 import math
 from collections.abc import Callable, Container, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
 from adapters.torch.activations import MicroSteps
 from adapters.torch.compiled import eager
+from adapters.torch.sharded.fsdp_internals import FlatSlot
 from adapters.torch.sharded.spectral import ShardedWeight, split_dimension
 from adapters.torch.sharded.spectral_flat import FlatPieceWeight, flat_weights
 from monitor.config.schema import MonitorConfig
@@ -145,15 +146,15 @@ class L2Features(L2Steps):
         super().__init__(named, config, functools.partial(is_linear, flattened=flattened), on_error)
         self.chunks = list(chunks)
         self.micro = MicroSteps(self.chunks, lambda: self.collect)
-        whole = [
-            entry
-            for entry in self.linear
-            if (
-                config.shard_reduce
-                if id(entry[2]) in flattened
-                else self._measurable(linear_weight(entry[2]), config)
-            )
-        ]
+        #: per linear module held in pieces (shard_reduce): how its weight lies across the ranks
+        self._pieces: dict[int, ShardedWeight | FlatPieceWeight] = {}
+        whole = []
+        for entry in self.linear:
+            layout = _piece_layout(entry[2], flattened.get(id(entry[2])), config.shard_reduce)
+            if layout is not False:
+                if layout is not None:
+                    self._pieces[len(whole)] = layout
+                whole.append(entry)
         if len(whole) < len(self.linear):
             logger.warning(
                 "trainmon: linear_hook: %d of %d linear weights are sharded across ranks (FSDP, "
@@ -166,23 +167,7 @@ class L2Features(L2Steps):
                 else " (with shard_reduce, FSDP's and DTensor weights are measured whole)",
             )
         self.linear = whole
-        #: per linear module held in pieces (shard_reduce): how its weight lies on the mesh
-        self._pieces: dict[int, ShardedWeight | FlatPieceWeight] = {}
-        for index, (_, _, module) in enumerate(self.linear):
-            weight = linear_weight(module)
-            split = split_dimension(weight)
-            if id(module) in flattened:
-                self._pieces[index] = FlatPieceWeight(flattened[id(module)])
-            elif split is not None:
-                self._pieces[index] = ShardedWeight(weight, split)
         self._generators: dict[torch.device, torch.Generator] = {}
-
-    @staticmethod
-    def _measurable(weight: torch.Tensor, config: MonitorConfig) -> bool:
-        """Whole here, or (shard_reduce) a DTensor split along one dimension."""
-        if not sharded(weight):
-            return True
-        return config.shard_reduce and split_dimension(weight) is not None
 
     def register(self) -> list:
         if not self.attention:
@@ -278,3 +263,18 @@ def _gram(weight: torch.Tensor) -> tuple[Callable[[torch.Tensor], torch.Tensor],
     if weight.shape[0] >= weight.shape[1]:
         return (lambda v: weight.T @ (weight @ v)), weight.shape[1]
     return (lambda v: weight @ (weight.T @ v)), weight.shape[0]
+
+
+def _piece_layout(
+    module: torch.nn.Module, slot: FlatSlot | None, shard_reduce: bool
+) -> ShardedWeight | FlatPieceWeight | Literal[False] | None:
+    """How the module's weight is measured: None whole here; with ``shard_reduce``, through its
+    pieces (an FSDP1 ``slot`` of the flattened weight, or a DTensor split along its rows, columns
+    or both); False not at all (a piece of something else: its spectral norm is not the weight's)."""
+    if slot is not None:
+        return FlatPieceWeight(slot) if shard_reduce else False
+    weight = linear_weight(module)
+    if not sharded(weight):
+        return None
+    split = split_dimension(weight) if shard_reduce else None
+    return False if split is None else ShardedWeight(weight, split)
