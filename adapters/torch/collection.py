@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from adapters.torch.activations import Activations, select_modules
-from adapters.torch.dist import rank_in_group, world_size
+from adapters.torch.dist import ddp_reduces_after_pass_end, rank_in_group, world_size
 from adapters.torch.grads import GradCounting, unreduced_source
 from adapters.torch.l2 import L2Features
 from adapters.torch.optim import TorchBackend, without_adam_moments
@@ -104,9 +104,14 @@ class Collection(BaseCollection):
                 grad_acc_steps, self.ops, self.eps, config.monitor_mbs_grad, self.fail, last_micro_batch
             )
             self.grads = unreduced_source(chunks, backend, self.registry, counting)
-            # the measured gradients are kept for reuse only where reuse can happen: elsewhere
-            # (DeepSpeed frees each gradient after its hook) holding them would cost memory
-            self.grads.keep_measured = self._reuse_possible()
+            # the measured gradients are kept for reuse only where reuse can happen (one process,
+            # torch's optimizer and .grad): elsewhere (DeepSpeed frees each gradient after its
+            # hook) holding them would cost memory
+            torch_grads = type(backend) is TorchBackend and not self.registry.main_grad
+            self.grads.keep_measured = torch_grads and world_size() == 1
+            self.grads.measure_at_pass_end = torch_grads and (
+                world_size() == 1 or ddp_reduces_after_pass_end(chunks)
+            )
             self.grads.sum_micro_batches = backend.frees_micro_batch_grads
         self._rows = self._build_rows(tp_group, dp_group)
         #: with shard_reduce over DTensors: merges tensor-parallel pieces of activations and of
@@ -225,16 +230,9 @@ class Collection(BaseCollection):
         (a loss scaler's unscaling) rescale every gradient alike, which ``still_measured`` sees
         in one of them (Megatron's and DeepSpeed's kernels write gradients without either).
         """
-        if self.grads is None or not self._reuse_possible():
+        if not getattr(self.grads, "keep_measured", False):
             return None
         return self.grads if getattr(self.grads, "taken_matrix", None) is not None else None
-
-    def _reuse_possible(self) -> bool:
-        """One process, torch's own optimizer and ``.grad``: see ``_reusable``."""
-        if type(self.backend) is not TorchBackend or self.registry.main_grad:
-            return False
-        dist = torch.distributed
-        return not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
 
     def _submit_tensors(
         self, prefix: str, tensor_of: Callable[[torch.nn.Parameter], Any], reuse: Any = None

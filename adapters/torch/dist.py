@@ -1,9 +1,10 @@
 """torch.distributed facts the monitor needs: rank, pipeline stage, group membership, DTensors,
-and whether any rank holds a flag."""
+whether any rank holds a flag, and when DDP writes its reduction into the gradients."""
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -41,6 +42,29 @@ def partials_summed(tensor: Any) -> Any:
     placements = [Replicate() if p.is_partial() else p for p in tensor.placements]
     with torch.no_grad():
         return tensor.redistribute(tensor.device_mesh, placements)
+
+
+def ddp_reduces_after_pass_end(chunks: Sequence[torch.nn.Module]) -> bool:
+    """Whether every chunk is a DDP module that leaves each gradient as the backward pass
+    accumulated it until the pass has ended.
+
+    DDP copies each gradient into its bucket, reduces the copies, and writes the results back
+    from a callback it queues once every gradient is ready: a callback queued at the pass's first
+    gradient runs before that. Not so where the gradients are the buckets' views
+    (``gradient_as_bucket_view``), where a static graph's first pass reduces from a callback
+    queued before any gradient exists, or where DDP reduces through hooks of its own (its mixed
+    precision, compiled DDP's Python reducer, parameters whose all-reduce is delayed).
+    """
+    ddp = torch.nn.parallel.DistributedDataParallel
+    return bool(chunks) and all(
+        isinstance(chunk, ddp)
+        and not chunk.gradient_as_bucket_view
+        and not chunk.static_graph
+        and getattr(chunk, "mixed_precision", None) is None
+        and not getattr(chunk, "_use_python_reducer", False)
+        and not getattr(chunk, "_delay_all_reduce_params", None)
+        for chunk in chunks
+    )
 
 
 def initialized() -> bool:

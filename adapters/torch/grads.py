@@ -12,10 +12,12 @@ at the optimizer step when its gradient is provably unchanged since (same tensor
 otherwise that step's row is missing, this is said once, and from then on every micro-batch's
 accumulated gradient is measured.
 
-In one process (where ``keep_measured`` is set), the hooks only note which parameters a
-backward pass accumulated into; one callback at the end of that pass measures them together
-(one kernel call for all of them, before anything such as clipping can change them), so that
-thousands of parameters cost little more than torch's own call of their hooks.
+Where nothing can change a gradient before the backward pass ends (``measure_at_pass_end``:
+one process, or DDP that writes its reduction back after the pass), the hooks only note which
+parameters the pass accumulated into; one callback at the end of that pass measures them
+together (one kernel call for all of them, before anything such as clipping or DDP's write-back
+can change them), so that thousands of parameters cost little more than torch's own call of
+their hooks.
 
 Per micro-batch (``monitor_mbs_grad``): a tensor hook sees each micro-batch's own gradient
 before it is accumulated, with its micro-step index.
@@ -80,6 +82,9 @@ class UnreducedGrads:
         #: whether to keep the measured gradients for ``measured_rows`` (set by the owner where a
         #: reduced pass can reuse rows: one process, torch's optimizers)
         self.keep_measured = False
+        #: whether the hooks only note parameters, measured together when the pass ends (set by
+        #: the owner where no gradient can change before then)
+        self.measure_at_pass_end = False
         #: with ``keep_measured``, the gradient each parameter's row was measured from, and its
         #: version: held from the hook to the optimizer step (the parameter holds the same tensor
         #: meanwhile), then by ``take`` for ``measured_rows`` until ``release``. A list, not weak
@@ -105,8 +110,8 @@ class UnreducedGrads:
         #: parameters whose gradient is a DTensor (tensor parallelism): (elements of this
         #: rank's piece, elements of the tensor); their rows describe the piece.
         self.pieces: dict[int, tuple[int, int]] = {}
-        #: with ``keep_measured``: parameters noted by the hooks since the backward pass's end was
-        #: last handled (the hooks hold this very list), and whether that end is awaited
+        #: with ``measure_at_pass_end``: parameters noted by the hooks since the backward pass's end
+        #: was last handled (the hooks hold this very list), and whether that end is awaited
         self._noted: list[int] = []
         self._end_queued = False
         #: whether any gradient can be a DTensor (its parameter is one): measured as its piece
@@ -126,7 +131,7 @@ class UnreducedGrads:
         for index, entry in enumerate(self.registry.params):
             if self.per_micro_batch:
                 handles.append(entry.param.register_hook(self._micro_batch_hook(index)))
-            elif self.keep_measured:
+            elif self.measure_at_pass_end:
                 handles.append(entry.param.register_post_accumulate_grad_hook(self._noting_hook(index)))
             else:
                 handles.append(entry.param.register_post_accumulate_grad_hook(self._accumulated_hook(index)))
@@ -219,10 +224,11 @@ class UnreducedGrads:
                     self._waiting.pop(index, None)
             local = [self._local(i, grad) for i, grad in zip(slots, grads)] if self._dtensors else grads
             self._rows.put_many(slots, local)
-            held, versions = self._held, self._versions
-            for index, grad in zip(slots, grads):
-                held[index] = grad
-                versions[index] = grad._version
+            if self.keep_measured:
+                held, versions = self._held, self._versions
+                for index, grad in zip(slots, grads):
+                    held[index] = grad
+                    versions[index] = grad._version
         except Exception as exc:
             self.collect = False
             self.on_error("grad_unreduced", exc)
