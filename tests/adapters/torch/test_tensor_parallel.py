@@ -18,6 +18,10 @@ Tensor parallelism alone, with sequence parallelism, on a 1-D mesh of two ranks:
 as a partial sum over the tp ranks, which every gradient row must complete (one rank's partial
 sum is not its gradient); ``up`` is column-parallel on the gathered sequence, ``down``
 row-parallel back to sequence shards. The replica sees the whole sequence.
+
+Tensor parallelism alone with two micro-batches a step: the unreduced rows are the step's sum of
+both micro-batches' gradients (the replica's accumulated gradient), activations are the first
+micro-batch's.
 """
 
 from __future__ import annotations
@@ -83,6 +87,7 @@ class Layout:
     dp: int
     tp: int
     sequence_parallel: bool = False
+    micro_batches: int = 1
 
     @property
     def world(self) -> int:
@@ -92,6 +97,7 @@ class Layout:
 LAYOUTS = {
     "fsdp2-tp-2d": Layout(dp=2, tp=2),
     "tp-sequence-parallel": Layout(dp=1, tp=2, sequence_parallel=True),
+    "tp-accumulation": Layout(dp=1, tp=2, micro_batches=2),
 }
 
 
@@ -125,7 +131,8 @@ def _parallel(layout: Layout) -> tuple[torch.nn.Module, torch.nn.Module]:
     replica = copy.deepcopy(model)
     mesh = init_device_mesh("cpu", (layout.dp, layout.tp), mesh_dim_names=("dp", "tp"))
     parallelize_module(model, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
-    fully_shard(model, mesh=mesh["dp"])
+    if layout.dp > 1:
+        fully_shard(model, mesh=mesh["dp"])
     return model, replica
 
 
@@ -159,15 +166,16 @@ def _optimizer(params) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=0.05, weight_decay=0.1)
 
 
-def _batch(layout: Layout, dp_rank: int, step: int) -> torch.Tensor:
-    """The whole batch of a dp rank (the replica's input)."""
+def _batch(layout: Layout, dp_rank: int, step: int, micro: int = 0) -> torch.Tensor:
+    """The whole batch of a dp rank's micro-batch (the replica's input)."""
     shape = (2, 4, 6) if layout.sequence_parallel else (4, 6)
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(1000 * step + dp_rank))
+    seed = 1000 * step + 100 * micro + dp_rank
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
 
 
-def _model_input(layout: Layout, rank: int, step: int) -> torch.Tensor:
+def _model_input(layout: Layout, rank: int, step: int, micro: int = 0) -> torch.Tensor:
     """What this rank's model sees: its dp rank's batch, or its part of the sequence."""
-    batch = _batch(layout, rank // layout.tp, step)
+    batch = _batch(layout, rank // layout.tp, step, micro)
     if not layout.sequence_parallel:
         return batch
     length = batch.shape[1] // layout.tp
@@ -181,7 +189,8 @@ def _loss(output: torch.Tensor, layout: Layout, step: int) -> torch.Tensor:
 
 
 def _train_step(model, optimizer, layout: Layout, rank: int, step: int) -> None:
-    _loss(model(_model_input(layout, rank, step)), layout, step).backward()
+    for micro in range(layout.micro_batches):
+        _loss(model(_model_input(layout, rank, step, micro)), layout, step).backward()
     optimizer.step()
     optimizer.zero_grad()
 
@@ -192,16 +201,17 @@ def _worker(rank: int, world_size: int, workdir: str, layout: Layout) -> None:
     dp_rank, tp_rank = divmod(rank, layout.tp)
     model, replica = _parallel(layout)
     optimizer, replica_optimizer = _optimizer(model.parameters()), _optimizer(replica.parameters())
+    micro_batches = layout.micro_batches
     monitors = {
-        "merged": TrainerMon({**CONFIG, "shard_reduce": True}).set_monitor(model, 1, optimizer),
-        "pieces": TrainerMon(CONFIG).set_monitor(model, 1, optimizer),
+        "merged": TrainerMon({**CONFIG, "shard_reduce": True}).set_monitor(model, micro_batches, optimizer),
+        "pieces": TrainerMon(CONFIG).set_monitor(model, micro_batches, optimizer),
     }
-    activations = TrainerMon(ACTIVATIONS).set_monitor(model, 1, optimizer)
-    whole = TrainerMon({**ACTIVATIONS, "shard_reduce": True}).set_monitor(model, 1, optimizer)
-    spectral = TrainerMon(SPECTRAL).set_monitor(model, 1, optimizer)
+    activations = TrainerMon(ACTIVATIONS).set_monitor(model, micro_batches, optimizer)
+    whole = TrainerMon({**ACTIVATIONS, "shard_reduce": True}).set_monitor(model, micro_batches, optimizer)
+    spectral = TrainerMon(SPECTRAL).set_monitor(model, micro_batches, optimizer)
     kept = _watch_replica(replica)
     try:  # some ranks unmonitored would leave the others waiting in the partial sums' collective
-        TrainerMon({**CONFIG, "module_ranks": [0]}).set_monitor(model, 1, optimizer)
+        TrainerMon({**CONFIG, "module_ranks": [0]}).set_monitor(model, micro_batches, optimizer)
         refused = ""
     except ValueError as exc:
         refused = str(exc)
@@ -214,6 +224,9 @@ def _worker(rank: int, world_size: int, workdir: str, layout: Layout) -> None:
         columns = hidden.shape[-1] // layout.tp
         up_output = flat_values(hidden[..., tp_rank * columns : (tp_rank + 1) * columns])
         _loss(replica(batch), layout, step).backward()
+        first_activations = _whole_activations(kept)  # the rows' micro-step 0
+        for micro in range(1, micro_batches):
+            _loss(replica(_batch(layout, dp_rank, step, micro)), layout, step).backward()
         local = [p.grad.clone() for p in replica.parameters()]
         reduced = [g.clone() for g in local]
         for g in reduced:  # every dp rank's gradient is on its TP ranks: the mean over all ranks
@@ -237,22 +250,27 @@ def _worker(rank: int, world_size: int, workdir: str, layout: Layout) -> None:
                 "ref": ref,
                 "got": got,
                 "up_output": [up_output, up_row],
-                "activations": [_whole_activations(kept), merged],
+                "activations": [first_activations, merged],
                 "spectral": [norms, measured],
             }
         )
     backends = sorted({type(mon._session.backend).__name__ for mon in monitors.values()})
-    trained = [p.to_local().detach().clone() for p in model.parameters()]
+    trained = [_local(p).detach().clone() for p in model.parameters()]
     for mon in (*monitors.values(), activations, whole, spectral):
         mon.stop()
     plain, _ = _parallel(layout)
     plain_optimizer = _optimizer(plain.parameters())
     for step in range(STEPS):
         _train_step(plain, plain_optimizer, layout, rank, step)
-    identical = all(torch.equal(a, p.to_local()) for a, p in zip(trained, plain.parameters()))
+    identical = all(torch.equal(a, _local(p)) for a, p in zip(trained, plain.parameters()))
     save_result(
         workdir, rank, {"steps": steps, "backends": backends, "identical": identical, "refused": refused}
     )
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    """A DTensor parameter's local piece; a parameter tensor parallelism left whole, itself."""
+    return param.to_local() if hasattr(param, "to_local") else param
 
 
 def _check_unreduced(layout: Layout, step: int, per_rank: list[dict]) -> None:
