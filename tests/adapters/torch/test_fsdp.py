@@ -10,7 +10,9 @@ reduced gradient) the parameters and moments. Four monitors run at once: whole v
 (``shard_reduce``), pieces with element counts (merged here with numpy), one gradient row per
 micro-batch (``monitor_mbs_grad``), and every module's activations, against the replica's. A
 second run without monitors must end with bit-identical parameters. FSDP2 runs in fp32 and in
-mixed precision (bf16 parameters, fp32 reduction).
+mixed precision (bf16 parameters, fp32 reduction), and as HSDP on four ranks (two replicas of a
+model sharded over two ranks: parameters and moments are pieces on the shard dimension and
+replicas on the other, whose rows must be counted once).
 """
 
 from __future__ import annotations
@@ -46,6 +48,12 @@ from tests.shared_live_control import replace_file
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 STEPS, MICRO, WORLD = 3, 2, 2
+#: cases on more ranks than WORLD
+WORLDS = {"hsdp": 4}
+#: HSDP averages over the shard dimension and then over replicas: its reduced gradient rounds
+#: differently from the replica's one all_reduce (1.6e-5 seen), and the difference carries into
+#: the next steps' parameters and gradients (a replica counted twice is off by 41% or more)
+TOLERANCE = {"hsdp": 1e-3}
 SIZES = (6, 15, 12, 5)
 PREFIXES = STEP_PREFIXES
 CONFIG = {**DATA_TYPES["all"], "ops": ALL_OPS, "format": "api"}
@@ -60,6 +68,7 @@ CASES = {
     "fsdp2-checkpointed": "DTensorBackend",
     "fsdp2-cpu-offload": "DTensorBackend",
     "fsdp2-compiled": "DTensorBackend",
+    "hsdp": "DTensorBackend",
     "fsdp1-orig-params": "FlatParamBackend",
     "fsdp1-flat-params": "FlatParamBackend",
 }
@@ -84,6 +93,8 @@ def _sharded(case: str):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     options = {"mesh": init_device_mesh("cpu", (WORLD,))}
+    if case == "hsdp":  # replicate over the first dimension, shard over the second
+        options["mesh"] = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     if case == "fsdp2-bf16":
         options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     if case == "fsdp2-cpu-offload":
@@ -178,7 +189,7 @@ def _case(rank: int, case: str) -> dict:
         reduced = [g.clone() for g in local]
         for g in reduced:
             dist.all_reduce(g)
-            g /= WORLD
+            g /= dist.get_world_size()
         linear = [(n, m.weight) for n, m in replica.named_modules() if isinstance(m, torch.nn.Linear)]
         norms = {n: [torch.linalg.matrix_norm(w, 2).item(), w.norm().item()] for n, w in linear}
         ref = replica_references(replica, replica_optimizer, local, reduced)
@@ -243,6 +254,7 @@ def _check_step(case: str, step: int, per_rank: list[dict]) -> None:
     _check_spectral_norms(case, step, per_rank)
     ref0 = per_rank[0]["steps"][step]["ref"]
     names = list(ref0["param_origin"])
+    rel = TOLERANCE.get(case, 1e-5)
     for prefix in PREFIXES:
         what = f"{case} step {step} {prefix}"
         if prefix == "grad_unreduced":  # each rank's own gradient of the whole tensor
@@ -253,13 +265,15 @@ def _check_step(case: str, step: int, per_rank: list[dict]) -> None:
                     assert set(rows) == set(names), f"{what} {key}: rows {sorted(rows)}"
                     for name in names:
                         assert_stats_close(
-                            rows[name], np.array(own[prefix][name]), what=f"{what} r{rank} {name}"
+                            rows[name], np.array(own[prefix][name]), what=f"{what} r{rank} {name}", rel=rel
                         )
                 micro_rows = latest_rows(got["micro"], prefix)
                 assert len(micro_rows) == MICRO * len(names), f"{what}: {sorted(micro_rows)}"
                 for micro, grads in enumerate(own["micro"]):
                     for name in names:
-                        assert_stats_close(micro_rows[f"{name}:{micro}"], np.array(grads[name]), what=what)
+                        assert_stats_close(
+                            micro_rows[f"{name}:{micro}"], np.array(grads[name]), what=what, rel=rel
+                        )
             continue
         pieces = [latest_rows(r["steps"][step]["got"]["pieces"], prefix) for r in per_rank]
         for name in names:
@@ -270,7 +284,7 @@ def _check_step(case: str, step: int, per_rank: list[dict]) -> None:
                     assert merged["mean"] == pytest.approx(ref0["other"][name], abs=1e-12), f"{what} {name}"
                     continue
                 assert merged["numel"] == want.size and merged["partial"] == 0, f"{what} {name}"
-                assert_stats_close(merged, want, what=f"{what} r{rank} {name} merged")
+                assert_stats_close(merged, want, what=f"{what} r{rank} {name} merged", rel=rel)
             rows = [p[name] for p in pieces if name in p]
             size = len(ref0["param_origin"][name])
             assert sum(r["numel"] for r in rows) == size, f"{what} {name}: {rows}"
@@ -282,12 +296,12 @@ def _check_step(case: str, step: int, per_rank: list[dict]) -> None:
                 continue
             whole = merge_piece_rows(rows)
             assert whole["numel"] == want.size, f"{what} {name}"
-            assert_stats_close(whole, want, what=f"{what} {name} pieces")
+            assert_stats_close(whole, want, what=f"{what} {name} pieces", rel=rel)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_fsdp_statistics_equal_an_unsharded_replica(tmp_path, case):
-    per_rank = run_ranks(functools.partial(_worker, cases=(case,)), WORLD, str(tmp_path))
+    per_rank = run_ranks(functools.partial(_worker, cases=(case,)), WORLDS.get(case, WORLD), str(tmp_path))
     results = [r[case] for r in per_rank]
     for result in results:
         assert set(result["backends"].values()) == {CASES[case]}, result["backends"]
