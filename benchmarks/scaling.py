@@ -13,9 +13,10 @@ divided by N, is the cost per tensor. For comparison the process also trains in 
 unmonitored and monitored blocks ("blocks": the median over pairs of B - A); on this shared
 machine single pairs of blocks scatter by +-20 us a tensor, neighbouring steps far less.
 
-With ``--ranks 2`` the model is wrapped in DDP and trained on that many gloo ranks, each on its
-own data; rank 0's CPU time is reported (each rank spends the same). There the hooks see each
-gradient before DDP's reduction and ``grad_reduced`` is measured again after it.
+With ``--ranks 2`` the model is wrapped in DDP (or, with ``--sharding fsdp2``, sharded by
+FSDP2 in units of 100 layers) and trained on that many gloo ranks, each on its own data; rank
+0's CPU time is reported (each rank spends the same). There the hooks see each gradient before
+the reduction and ``grad_reduced`` is measured again after it (FSDP2: this rank's shard).
 
 Scenarios: ``wg`` (weight gradients before and after reduction), ``wg+mv+param`` (also Adam's
 moments and the parameters before and after the step), ``all`` (everything the 6.9M benchmark
@@ -25,6 +26,7 @@ with min, max, norm and mean.
     python benchmarks/scaling.py                        # 200 -> 20,000 tensors (~10 min)
     python benchmarks/scaling.py --counts 2000,8000 --scenarios wg
     python benchmarks/scaling.py --counts 2000,8000 --scenarios wg --ranks 2   # under DDP
+    python benchmarks/scaling.py --counts 2000 --ranks 2 --sharding fsdp2     # under FSDP2
     python benchmarks/scaling.py --quick                # 200 and 2,000 tensors, wg (CI, < 1 min)
 """
 
@@ -65,16 +67,22 @@ TARGET_US_AT_8000 = {"wg": 8.0}
 TARGET_GROWTH = 1.25
 
 
-def _work(count: int, scenario: str, pairs: int, steps: int, ranks: int) -> dict:
-    """Train with alternating blocks (on ``ranks`` DDP ranks); rank 0's CPU time of every block."""
+#: how a model on several ranks is wrapped
+SHARDINGS = ("ddp", "fsdp2")
+#: layers of one FSDP2 unit
+FSDP_UNIT = 100
+
+
+def _work(count: int, scenario: str, pairs: int, steps: int, ranks: int, sharding: str) -> dict:
+    """Train with alternating blocks (on ``ranks`` ranks); rank 0's CPU time of every block."""
     if ranks == 1:
-        return _train(count, scenario, pairs, steps)
+        return _train(count, scenario, pairs, steps, sharding)
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory(prefix="trainmon-scaling-ranks-") as shared:
         mp.start_processes(
             _rank_entry,
-            args=(ranks, _free_port(), shared, (count, scenario, pairs, steps)),
+            args=(ranks, _free_port(), shared, (count, scenario, pairs, steps, sharding)),
             nprocs=ranks,
             start_method="spawn",
         )
@@ -102,7 +110,7 @@ def _rank_entry(rank: int, ranks: int, port: int, shared: str, arguments: tuple)
     Path(shared, f"rank{rank}.json").write_text(json.dumps(result))
 
 
-def _train(count: int, scenario: str, pairs: int, steps: int) -> dict:
+def _train(count: int, scenario: str, pairs: int, steps: int, sharding: str) -> dict:
     """Train with alternating blocks; the CPU time of every block."""
     import torch
     import torch.distributed as dist
@@ -122,8 +130,15 @@ def _train(count: int, scenario: str, pairs: int, steps: int) -> dict:
             return sum(layer(x) for layer in self.layers)
 
     model = ManyLinear()
-    if dist.is_initialized():
+    if dist.is_initialized() and sharding == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        for start in range(0, len(model.layers), FSDP_UNIT):
+            fully_shard(list(model.layers[start : start + FSDP_UNIT]))
+        fully_shard(model)
+    elif dist.is_initialized():
         model = nn.parallel.DistributedDataParallel(model)
+    if dist.is_initialized():
         torch.manual_seed(dist.get_rank() + 1)  # each rank its own data
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
     inputs = torch.randn(8, 16)
@@ -148,10 +163,13 @@ def _train(count: int, scenario: str, pairs: int, steps: int) -> dict:
     return {"blocks": blocks, "collect": collect, "idle": idle, "files": files_written(mon)}
 
 
-def measure(count: int, scenario: str, pairs: int, steps: int, out_root: str, ranks: int = 1) -> dict:
+def measure(
+    count: int, scenario: str, pairs: int, steps: int, out_root: str, ranks: int = 1, sharding: str = "ddp"
+) -> dict:
     """One (tensor count, scenario) in a fresh process: per-step CPU times and the cost per tensor."""
-    what = f"{count} tensors, {scenario}" + (f", {ranks} ranks" if ranks > 1 else "")
-    arguments = ["--worker", f"{count}:{scenario}:{ranks}", "--pairs", str(pairs), "--steps", str(steps)]
+    what = f"{count} tensors, {scenario}" + (f", {ranks} ranks, {sharding}" if ranks > 1 else "")
+    worker = f"{count}:{scenario}:{ranks}:{sharding}"
+    arguments = ["--worker", worker, "--pairs", str(pairs), "--steps", str(steps)]
     result = run_worker(__file__, arguments, os.path.join(out_root, f"{count}-{scenario}"), what)
     if not result["files"]:  # a part that switched itself off would look cheap
         raise RuntimeError(f"{what}: nothing written")
@@ -230,14 +248,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--pairs", type=int, default=4, help="pairs of blocks (unmonitored, monitored)")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per block")
-    parser.add_argument("--ranks", type=int, default=1, help="train under DDP on this many gloo ranks")
+    parser.add_argument("--ranks", type=int, default=1, help="train on this many gloo ranks")
+    parser.add_argument(
+        "--sharding", default="ddp", choices=SHARDINGS, help="how the model is wrapped on several ranks"
+    )
     parser.add_argument("--quick", action="store_true", help="200 and 2,000 tensors, wg, 2 pairs (CI)")
     parser.add_argument("--json", help="also write the results here")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        count, scenario, ranks = args.worker.split(":")
-        print(json.dumps(_work(int(count), scenario, args.pairs, args.steps, int(ranks))))
+        count, scenario, ranks, sharding = args.worker.split(":")
+        print(json.dumps(_work(int(count), scenario, args.pairs, args.steps, int(ranks), sharding)))
         return 0
     if args.ranks < 1:
         parser.error(f"--ranks: expected a whole number of ranks >= 1, got {args.ranks}")
@@ -247,7 +268,9 @@ def main(argv: list[str] | None = None) -> int:
     scenarios = chosen_scenarios(parser, args.scenarios, SCENARIOS)
     with tempfile.TemporaryDirectory(prefix="trainmon-scaling-") as out_root:
         results = [
-            measure(c, s, args.pairs, args.steps, out_root, args.ranks) for s in scenarios for c in counts
+            measure(c, s, args.pairs, args.steps, out_root, args.ranks, args.sharding)
+            for s in scenarios
+            for c in counts
         ]
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))

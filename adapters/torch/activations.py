@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from adapters.torch.compiled import eager
-from adapters.torch.dist import dtensor_type
+from adapters.torch.dist import dtensor_type, local_tensor
 from adapters.torch.sharded.tp_activations import Piece, TensorParallelMerge
 from adapters.torch.stats import stack_rows, tensor_stats
 from monitor.config.schema import MonitorConfig
@@ -241,7 +241,7 @@ class Activations:
         """Hold on to a call's inputs (references, no copy) for an evidence bundle, all of them or
         none, within the budget; a storage shared by several inputs (views, one module's output
         feeding the next) is counted once."""
-        local = [t.to_local() if isinstance(t, self._dtensor) else t for t in tensors]
+        local = [local_tensor(t) if isinstance(t, self._dtensor) else t for t in tensors]
         storages = {
             storage.data_ptr(): storage.nbytes()
             for storage in (t.untyped_storage() for t in local)
@@ -316,7 +316,7 @@ class Activations:
                 if self.merge is not None:
                     t, tag = self.merge.local(t)
                 else:
-                    t = t.to_local()
+                    t = local_tensor(t)
             hit = seen.get(id(t))
             if hit is not None and hit[0]() is t and hit[1] == t._version:
                 rows.append(hit[2])

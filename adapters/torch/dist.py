@@ -23,6 +23,21 @@ def dtensor_type() -> type | tuple:
     return DTensor
 
 
+def local_tensor(tensor: Any) -> torch.Tensor:
+    """A DTensor's local tensor, to read (never to write or to differentiate through).
+
+    ``to_local()`` gives the same tensor, but at a price paid per tensor and data type at every
+    collected step: for a parameter it makes a new view each call (about 7 us), and with
+    gradients enabled (a forward hook) it adds an autograd node. The DTensor's own reference is
+    read instead, through ``to_local()`` where a torch keeps it elsewhere.
+    """
+    local = getattr(tensor, "_local_tensor", None)
+    if isinstance(local, torch.Tensor):
+        return local
+    with torch.no_grad():
+        return tensor.to_local()
+
+
 def all_gather_flat(output: torch.Tensor, tensor: torch.Tensor, group: Any = None) -> None:
     """All-gather ``tensor`` into one ``output`` tensor (the form gloo accepts), by the name this
     torch offers without a deprecation warning (``all_gather_single`` from torch 2.13 on)."""

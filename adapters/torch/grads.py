@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from adapters.torch.dist import dtensor_type, partials_summed
+from adapters.torch.dist import dtensor_type, local_tensor, partials_summed
 from adapters.torch.params import ParamRegistry
 from adapters.torch.row_buffer import RowBuffer
 from adapters.torch.sharded.tp_activations import Piece, TensorParallelMerge
@@ -270,7 +270,7 @@ class UnreducedGrads:
         if self.merge is not None:
             local, self.tags[index] = self.merge.local(grad)
         else:
-            local = partials_summed(grad).to_local()
+            local = local_tensor(partials_summed(grad))
         self.pieces[index] = (local.numel(), grad.numel())
         return local
 

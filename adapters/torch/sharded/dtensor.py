@@ -1,8 +1,8 @@
 """Back-end for parameters that are DTensors: FSDP2 (``fully_shard``), tensor parallelism
 (``parallelize_module``) and both on a 2-D (dp, tp) device mesh.
 
-Every number is read from this rank's local piece (``to_local()``, a view: nothing is gathered
-per parameter), recorded with its element count, or merged exactly across the mesh with
+Every number is read from this rank's local piece (the DTensor's local tensor: nothing is
+gathered per parameter), recorded with its element count, or merged exactly across the mesh with
 ``shard_reduce``: one all-gather per mesh dimension and data type, since min, max, sums of
 squares, counted means and NaN counts merge dimension by dimension. A piece is counted once:
 where a tensor is replicated along a mesh dimension (a LayerNorm weight under tensor
@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from adapters.torch.dist import partials_summed
+from adapters.torch.dist import local_tensor, partials_summed
 from adapters.torch.optim import TorchBackend
 
 
@@ -62,6 +62,9 @@ class DTensorBackend(TorchBackend):
         self._first_elsewhere: dict[int, bool] = {}
         #: whether this rank writes the parameters that are not DTensors (rank 0 of the mesh)
         self._plain_here = True
+        #: (id(mesh), placements) -> (whether partial sums are pending, whether this rank's piece
+        #: is counted once they are done): a few layouts serve every tensor of a step
+        self._layouts: dict[tuple, tuple[bool, bool]] = {}
 
     def prepare(self, params: Sequence[torch.nn.Parameter], local_grad: Callable) -> None:
         """Find the main mesh (the largest of the parameters'); its dimensions' groups are what
@@ -74,7 +77,7 @@ class DTensorBackend(TorchBackend):
         """
         super().prepare(params, local_grad)
         meshes = {id(p.device_mesh): p.device_mesh for p in params if isinstance(p, DTensor)}
-        self._first_elsewhere = {}
+        self._first_elsewhere, self._layouts = {}, {}
         if not meshes:
             self._mesh, self.shard_group = None, (None,)
             self._plain_here = not dist.is_initialized() or dist.get_rank() == 0
@@ -103,28 +106,41 @@ class DTensorBackend(TorchBackend):
             )
         return all(c == 0 for c, name in zip(coordinate, main_names) if name not in names)
 
-    def _counted_here(self, tensor: DTensor) -> bool:
-        """This rank's piece is the one counted: coordinate 0 along every dimension the tensor is
-        replicated over (its own replicated dimensions, and the main mesh's that it lacks)."""
-        mesh = tensor.device_mesh
+    def _layout(self, mesh: DeviceMesh, placements: tuple) -> tuple[bool, bool]:
+        """Whether a tensor laid out so has partial sums pending, and whether this rank's piece is
+        the one counted once they are summed: coordinate 0 along every dimension the tensor is
+        replicated over (its own replicated or partial dimensions, and the main mesh's that it
+        lacks)."""
         first = self._first_elsewhere.get(id(mesh))
         if first is None:
             first = self._first_elsewhere[id(mesh)] = self._first_along_missing_dims(mesh)
         coordinate = mesh.get_coordinate()
-        if not first or coordinate is None:
-            return False
-        return all(c == 0 for c, placement in zip(coordinate, tensor.placements) if placement.is_replicate())
+        counted = (
+            first
+            and coordinate is not None
+            and all(
+                c == 0
+                for c, placement in zip(coordinate, placements)
+                if placement.is_replicate() or placement.is_partial()
+            )
+        )
+        return any(placement.is_partial() for placement in placements), bool(counted)
 
     def _piece(self, tensor: torch.Tensor | None) -> torch.Tensor | None:
         """This rank's counted piece of ``tensor``, or None (no tensor, a replica, or no elements)."""
         if tensor is None:
             return None
         if isinstance(tensor, DTensor):
-            tensor = partials_summed(tensor)
-            if not self._counted_here(tensor):
+            key = (id(tensor.device_mesh), tensor.placements)
+            layout = self._layouts.get(key)
+            if layout is None:
+                layout = self._layouts[key] = self._layout(tensor.device_mesh, tensor.placements)
+            partial, counted = layout
+            if partial:  # every rank of the mesh takes part, counted or not
+                tensor = partials_summed(tensor)
+            if not counted:
                 return None
-            with torch.no_grad():
-                tensor = tensor.to_local()
+            tensor = local_tensor(tensor)
         elif not self._plain_here:
             return None
         return tensor if tensor.numel() else None

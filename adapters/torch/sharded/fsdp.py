@@ -6,7 +6,9 @@ FSDP2 puts a plain unsharded parameter on each module (the same object every ste
 accumulates this rank's local gradient of the whole tensor into it before FSDP2 reduces it. A
 forward pre-hook on each FSDP2 module (running after FSDP2's own, which all-gathers) finds those
 parameters once and hooks them with the usual per-parameter hooks; only public module and
-tensor hooks are used for that.
+tensor hooks are used for that. Each pre-hook looks at the parameters its module holds outside
+nested FSDP2 modules (listed at attach), not at its whole subtree: the root's would otherwise
+walk every parameter of the model at each collected step.
 
 One detail has no public seam: with a ``reduce_dtype`` other than the parameters' dtype (mixed
 precision) and ``set_requires_gradient_sync(False)``, FSDP2 moves the gradients of the skipped
@@ -31,6 +33,7 @@ from adapters.torch.params import ParamRegistry
 from adapters.torch.sharded.fsdp_internals import (
     FsdpInternalsChanged,
     check_version,
+    fsdp2_group,
     fsdp2_records,
     fsdp2_reduces_gradients,
 )
@@ -38,6 +41,25 @@ from adapters.torch.sharded.fsdp_sync import ReducedEarly
 from monitor.naming import unwrapped_name
 
 logger = logging.getLogger("trainmon")
+
+
+def own_parameters(module: torch.nn.Module, nested: set[int]) -> list[tuple[str, torch.nn.Module, str]]:
+    """``(name under module, owning submodule, attribute)`` of the parameters ``module`` holds
+    outside the submodules whose id is in ``nested`` (other FSDP2 modules), as
+    ``named_parameters`` names them."""
+    found, stack, seen = [], [("", module)], set()
+    while stack:
+        prefix, current = stack.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        found += [(f"{prefix}{attr}", current, attr) for attr in current._parameters]
+        stack += [
+            (f"{prefix}{name}.", child)
+            for name, child in reversed(current._modules.items())
+            if child is not None and id(child) not in nested
+        ]
+    return found
 
 
 def fsdp2_modules(chunks: Sequence[torch.nn.Module]) -> list[tuple[int, str, torch.nn.Module]]:
@@ -82,6 +104,11 @@ class UnshardedGrads(ReducedEarly, UnreducedGrads):
         self._index = {(p.vpp_stage, unwrapped_name(p.raw_name)): i for i, p in enumerate(registry.params)}
         #: id(unsharded parameter) -> (the parameter, FSDP2's record of it or None, its FSDP2 module)
         self._hooked: dict[int, tuple[torch.Tensor, Any, torch.nn.Module]] = {}
+        nested = {id(module) for _, _, module in modules}
+        #: id(FSDP2 module) -> the parameters it holds outside nested FSDP2 modules
+        self._owned = {id(module): own_parameters(module, nested - {id(module)}) for _, _, module in modules}
+        #: id(FSDP2 parameter group) -> its records (modules grouped by one fully_shard call share one)
+        self._records: dict[int, dict[int, Any]] = {}
         self._param_handles = _Removable([])
         self._private_state_missing = False
         check_version()
@@ -113,8 +140,9 @@ class UnshardedGrads(ReducedEarly, UnreducedGrads):
         """Hook the unsharded monitored parameters the module holds now, once each (plain tensors,
         or DTensors of the tensor-parallel mesh where FSDP2 runs over a 2-D mesh's dp dimension)."""
         records = None
-        for name, param in module.named_parameters():
-            if id(param) in self._hooked:
+        for name, owner, attr in self._owned[id(module)]:
+            param = owner._parameters.get(attr)
+            if param is None or id(param) in self._hooked:
                 continue
             index = self._index.get((vpp, unwrapped_name(f"{prefix}.{name}" if prefix else name)))
             if index is None or param is self.registry.params[index].param:  # still the sharded one
@@ -131,7 +159,10 @@ class UnshardedGrads(ReducedEarly, UnreducedGrads):
 
     def _fsdp_records(self, module: torch.nn.Module) -> dict[int, Any]:
         try:
-            return fsdp2_records(module)
+            group = fsdp2_group(module)
+            if id(group) not in self._records:
+                self._records[id(group)] = fsdp2_records(group)
+            return self._records[id(group)]
         except FsdpInternalsChanged:
             if not self._private_state_missing:
                 self._private_state_missing = True

@@ -53,12 +53,21 @@ def check_version() -> None:
     )
 
 
-def fsdp2_records(module: torch.nn.Module) -> dict[int, Any]:
-    """id(unsharded parameter) -> FSDP2's record of it (``unsharded_accumulated_grad``)."""
+def fsdp2_group(module: torch.nn.Module) -> Any:
+    """FSDP2's parameter group of ``module`` (shared by the modules of one ``fully_shard`` call),
+    or None for a module without parameters of its own."""
     try:
-        group = module._get_fsdp_state()._fsdp_param_group
-        if group is None:  # a module without parameters of its own
-            return {}
+        return module._get_fsdp_state()._fsdp_param_group
+    except AttributeError as exc:
+        raise FsdpInternalsChanged(str(exc)) from exc
+
+
+def fsdp2_records(group: Any) -> dict[int, Any]:
+    """id(unsharded parameter) -> FSDP2's record of it (``unsharded_accumulated_grad``), for the
+    parameter group ``fsdp2_group`` gave."""
+    if group is None:
+        return {}
+    try:
         return {id(p.unsharded_param): p for p in group.fsdp_params if hasattr(p, "_unsharded_param")}
     except AttributeError as exc:
         raise FsdpInternalsChanged(str(exc)) from exc

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from adapters.torch.cc_wrap import REGISTRY
+from adapters.torch.dist import local_tensor
 
 
 def _split(placement: Any) -> int | None:
@@ -81,7 +82,7 @@ class ShardedWeight:
         """This rank's piece of the module's weight now, in float32."""
         weight = getattr(module, "weight", None)
         weight = weight if weight is not None else module.wg
-        return weight.to_local().detach().float()
+        return local_tensor(weight).detach().float()
 
     def gram(self, piece: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         by_rows, by_columns = self._groups

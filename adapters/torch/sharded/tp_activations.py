@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from adapters.torch.cc_wrap import REGISTRY
-from adapters.torch.dist import all_gather_flat, partials_summed
+from adapters.torch.dist import all_gather_flat, local_tensor, partials_summed
 from adapters.torch.sharded.shards import shard_reduce
 
 logger = logging.getLogger("trainmon")
@@ -76,8 +76,7 @@ class TensorParallelMerge:
             return tensor, None
         whole = partials_summed(tensor)
         spread = self.spread(whole)
-        with torch.no_grad():
-            local = whole.to_local()
+        local = local_tensor(whole)
         return local, self.piece(local, spread)
 
     @staticmethod
