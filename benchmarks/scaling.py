@@ -262,6 +262,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.ranks < 1:
         parser.error(f"--ranks: expected a whole number of ranks >= 1, got {args.ranks}")
+    if args.sharding != "ddp" and args.ranks == 1:
+        parser.error(f"--sharding {args.sharding}: expected --ranks 2 or more, got --ranks 1")
     if args.quick:
         args.counts, args.scenarios, args.pairs, args.steps = "200,2000", "wg", 2, 2
     counts = [int(c) for c in args.counts.split(",")]
