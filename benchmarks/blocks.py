@@ -1,5 +1,6 @@
 """What the CPU-time benchmarks share: the recommended alert rules, training in alternating
-unmonitored / monitored blocks, and running each scenario in a fresh process.
+unmonitored / monitored blocks, running each scenario in a fresh process, and a free port for
+the ranks of one.
 
 Blocks go A B B A A B ... (A unmonitored, B monitored); each starts with an untimed step (the
 first collected step builds row tables and opens files) and its cost is the process CPU time
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -128,6 +130,13 @@ def pairs_of(blocks: list[dict]) -> list[tuple[float, float]]:
         plain, watched = (second, first) if first["monitored"] else (first, second)
         out.append((plain["cpu"], watched["cpu"]))
     return out
+
+
+def free_port() -> int:
+    """A TCP port free on this machine now, for the ranks' rendezvous."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def run_worker(script: str, arguments: list[str], output_dir: str, what: str) -> dict:

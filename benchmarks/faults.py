@@ -40,7 +40,6 @@ import json
 import logging
 import math
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -57,6 +56,7 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
+from blocks import free_port  # noqa: E402
 from fault_models import BASE_LR, FAULTS, NO_MODULE, ONE_RANK_FAULTS, TARGETS, Injector, build_task  # noqa: E402
 
 RANK_TIMEOUT_S = 900.0
@@ -231,18 +231,12 @@ def _rank_entry(rank: int, case: Case, config: dict, env: dict, port: int, workd
         os._exit(code)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _run_ranks(case: Case, config: dict, env: dict, quiet: bool) -> list[dict]:
     """Spawn ``case.ranks`` gloo processes; every rank's result (raise with the tracebacks on failure)."""
     with tempfile.TemporaryDirectory(prefix="trainmon-faults-") as workdir:
         context = mp.start_processes(
             _rank_entry,
-            args=(case, config, env, _free_port(), workdir, quiet),
+            args=(case, config, env, free_port(), workdir, quiet),
             nprocs=case.ranks,
             join=False,
             start_method="spawn",

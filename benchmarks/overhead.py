@@ -52,7 +52,12 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from blocks import EVERYTHING_WITH_ALERTS, attached_among_detached, collected_among_idle  # noqa: E402
+from blocks import (  # noqa: E402
+    EVERYTHING_WITH_ALERTS,
+    attached_among_detached,
+    collected_among_idle,
+    free_port,
+)
 
 OPS = ["min", "max", "norm", "zeros", "nans", "mean"]
 #: msprobe's l2 features on every attention block (up to the large model's 6) and every linear layer
@@ -225,13 +230,9 @@ def run_worker(args: argparse.Namespace) -> int:
         if world == 1:
             results.append(_train(args, 0, 1))
             continue
-        import socket
-
         import torch.multiprocessing as mp
 
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as handle:
             result_path = handle.name
         try:

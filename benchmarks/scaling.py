@@ -51,6 +51,7 @@ from blocks import (  # noqa: E402
     chosen_scenarios,
     collected_among_idle,
     files_written,
+    free_port,
     pairs_of,
     run_worker,
 )
@@ -82,19 +83,11 @@ def _work(count: int, scenario: str, pairs: int, steps: int, ranks: int, shardin
     with tempfile.TemporaryDirectory(prefix="trainmon-scaling-ranks-") as shared:
         mp.start_processes(
             _rank_entry,
-            args=(ranks, _free_port(), shared, (count, scenario, pairs, steps, sharding)),
+            args=(ranks, free_port(), shared, (count, scenario, pairs, steps, sharding)),
             nprocs=ranks,
             start_method="spawn",
         )
         return json.loads(Path(shared, "rank0.json").read_text())
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _rank_entry(rank: int, ranks: int, port: int, shared: str, arguments: tuple) -> None:

@@ -22,7 +22,7 @@ import torch
 from adapters.torch.activations import MicroSteps
 from adapters.torch.compiled import eager
 from adapters.torch.sharded.fsdp_internals import FlatSlot
-from adapters.torch.sharded.spectral import ShardedWeight, split_dimension
+from adapters.torch.sharded.spectral import ShardedWeight, linear_weight, split_dimension
 from adapters.torch.sharded.spectral_flat import FlatPieceWeight, flat_weights
 from monitor.config.schema import MonitorConfig
 from monitor.datatypes.l2 import BREAKDOWN, FIRST_ITERATIONS, WARM_ITERATIONS, L2Steps
@@ -44,11 +44,6 @@ def is_linear(module: torch.nn.Module, flattened: Container[int] = ()) -> bool:
     weight = getattr(module, "weight", None)
     weight = weight if isinstance(weight, torch.Tensor) else getattr(module, "wg", None)
     return isinstance(weight, torch.Tensor) and weight.dim() == 2
-
-
-def linear_weight(module: torch.nn.Module) -> torch.Tensor:
-    weight = getattr(module, "weight", None)
-    return weight if isinstance(weight, torch.Tensor) else module.wg
 
 
 def sharded(weight: torch.Tensor) -> bool:

@@ -25,6 +25,12 @@ from adapters.torch.cc_wrap import REGISTRY
 from adapters.torch.dist import local_tensor
 
 
+def linear_weight(module: torch.nn.Module) -> torch.Tensor:
+    """A linear module's 2-D weight: ``weight``, or Megatron's ``wg`` (an MoE router)."""
+    weight = getattr(module, "weight", None)
+    return weight if isinstance(weight, torch.Tensor) else module.wg
+
+
 def _split(placement: Any) -> int | None:
     """The tensor dimension a placement splits, or None. Strided shards (FSDP2 over a dimension
     tensor parallelism splits too) are not ``Shard`` subclasses but split their ``dim`` all the same."""
@@ -80,9 +86,7 @@ class ShardedWeight:
     @staticmethod
     def piece(module: Any) -> torch.Tensor:
         """This rank's piece of the module's weight now, in float32."""
-        weight = getattr(module, "weight", None)
-        weight = weight if weight is not None else module.wg
-        return local_tensor(weight).detach().float()
+        return local_tensor(linear_weight(module)).detach().float()
 
     def gram(self, piece: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         by_rows, by_columns = self._groups
