@@ -26,9 +26,8 @@ from typing import Any
 
 import numpy as np
 
-from monitor.anomaly.detector import NONFINITE_ID, Anomaly, Detector, Verdicts
+from monitor.anomaly.detector import Anomaly, Detector, Verdicts
 from monitor.anomaly.root import choose_root, number, phase_of
-from monitor.anomaly.rules import NONFINITE
 from monitor.datatypes.tasks import parse_tag
 
 logger = logging.getLogger("trainmon")
@@ -125,9 +124,9 @@ class IncidentTracker:
         self.open: Incident | None = None
         self._next_id = first_id
         self._quiet = 0
-        #: (tag, kind) abnormal at the last collected step, and those abnormal at this one.
-        self._before: set[tuple[str, str]] = set()
-        self._now: set[tuple[str, str]] = set()
+        #: tags abnormal at the last collected step (by a rule or non-finite), and at this one.
+        self._before: set[str] = set()
+        self._now: set[str] = set()
         self._recorded: set[str] = set()
         self._new: list[Anomaly] = []
         self._last_step: int | None = None
@@ -136,21 +135,20 @@ class IncidentTracker:
     def observe(self, verdicts: Verdicts) -> list[Anomaly]:
         """One record's abnormal cells; returns those that become records (first per tag).
 
-        Python work is per abnormal (tag, kind), not per cell, and an Anomaly is built only for
-        a new record: a NaN that makes every statistic of every tag NaN costs one set lookup
-        per tag and step.
+        A tag abnormal at the step before (by a rule or non-finite: a spike that turns into NaN
+        is one event) adds no record. Python work is per abnormal tag, not per cell, and an
+        Anomaly is built only for a new record: a NaN that makes every statistic of every tag
+        NaN costs one set lookup per tag and step.
         """
         if not len(verdicts):
             return []
-        rules = verdicts.rule_ids != NONFINITE_ID
-        _, first = np.unique(verdicts.rows * 2 + rules, return_index=True)
+        _, first = np.unique(verdicts.rows, return_index=True)
         tags = verdicts.record.rows.tags
         new = []
         for i in np.sort(first):
             tag = tags[verdicts.rows[i]]
-            key = (tag, "rules" if rules[i] else NONFINITE)
-            self._now.add(key)
-            if key in self._before or tag in self._recorded:
+            self._now.add(tag)
+            if tag in self._before or tag in self._recorded:
                 continue
             self._recorded.add(tag)
             new.append(verdicts.anomaly(int(i)))

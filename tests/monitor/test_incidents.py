@@ -90,6 +90,18 @@ def test_a_tag_that_stays_abnormal_is_one_record_and_a_new_episode_is_another():
     assert (second.onset_step, second.state) == (18, "closed")
 
 
+def test_a_spike_that_turns_into_nan_is_one_record():
+    """A rule's hit followed by NaN on the same tag is one event: the NaN steps are counted by the
+    incident, not recorded again."""
+    run = Run(rules=[AnomalyTurbulence(0.5, warmup=1, noise=0, floor=0)])
+    values = [1.0] * 5 + [1000.0] + [math.nan] * 5
+    for step, value in enumerate(values):
+        run.step(step, {"acc_grad": [1.0, value, 1.0, 1.0]})
+    assert [(r.step, r.tag_name) for r in run.records] == [(5, "0:layers.1.fc/rank0/acc_grad")]
+    (incident,) = run.incidents
+    assert (incident.onset_step, incident.abnormal_steps, incident.state) == (5, 6, "open")
+
+
 def test_the_first_abnormal_forward_activation_is_the_root_nearest_the_input():
     rng = np.random.default_rng(1)
     run = Run()
