@@ -66,7 +66,7 @@ def bench_torch(out: str, rowset: RowSet, values: list[np.ndarray]) -> float:
 
     tags = [f"{tag}_{op}" for tag in rowset.tags for op in OPS]
     start = time.perf_counter()
-    writer = SummaryWriter(out)  # the reference's settings: defaults
+    writer = SummaryWriter(out)  # msprobe's settings: defaults
     for step, v in enumerate(values):
         for tag, number in zip(tags, v.ravel().tolist()):
             writer.add_scalar(tag, number, step)

@@ -16,7 +16,7 @@ class CollectivesLogged(Exception):
         except monitor.CollectivesLogged:
             pass
 
-    Unlike the reference (which raises a bare ``Exception``), it can be told apart from real
+    Unlike msprobe (which raises a bare ``Exception``), it can be told apart from real
     failures.
     """
 

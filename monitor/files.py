@@ -1,6 +1,6 @@
 """Output files and directories: the per-rank directory, safe modes, atomic replacement.
 
-Directories are created 0750 and files 0640 (the reference's modes). Symlinks planted at an
+Directories are created 0750 and files 0640 (msprobe's modes). Symlinks planted at an
 output path are refused, never followed. JSON documents are replaced atomically.
 """
 
@@ -15,9 +15,9 @@ from typing import TextIO
 
 DIR_MODE = 0o750
 FILE_MODE = 0o640
-#: time tag of per-rank directories, as the reference (host-local time, no year).
+#: time tag of per-rank directories, as msprobe (host-local time, no year).
 TIME_FORMAT = "%b%d_%H-%M-%S"
-#: per-rank directory names: "{time}-rank{R}-{uuid8}"; the reference's converters match this.
+#: per-rank directory names: "{time}-rank{R}-{uuid8}"; msprobe's converters match this.
 RANK_DIR_PATTERN = re.compile(r"^([\w-]{0,20})-rank(\d{1,5})-([0-9a-f]{8})$")
 OUTPUT_ENV = "MONITOR_OUTPUT_DIR"
 

@@ -14,10 +14,10 @@ from typing import Any
 #: separator between the virtual-pipeline chunk index and a name, as in "0:layers.0.fc1".
 CHUNK_SEP = ":"
 
-# The later reference's rule: the keyword is kept and its last occurrence after a dot wins;
-# the first pattern that matches decides. Unlike the reference, the start of the name counts as
+# Later msprobe releases' rule: the keyword is kept and its last occurrence after a dot wins;
+# the first pattern that matches decides. Unlike msprobe, the start of the name counts as
 # a dot, so "layers.0.norm2.weight" stays whole instead of collapsing to "norm2.weight" (which
-# collides across layers); every name the reference keeps whole is unchanged.
+# collides across layers); every name msprobe keeps whole is unchanged.
 _SQUASH_PATTERNS = tuple(
     re.compile(p)
     for p in (
@@ -86,7 +86,7 @@ def chunk_name(vpp_stage: int, name: str) -> str:
 
 
 def build_tag(vpp_stage: int, name: str, rank: int | None, task: str, micro_step: int | None = None) -> str:
-    """The reference's tag grammar: ``N:name[:m]/rank{R}/task`` (no rank segment when rank is None)."""
+    """msprobe's tag grammar: ``N:name[:m]/rank{R}/task`` (no rank segment when rank is None)."""
     head = chunk_name(vpp_stage, name)
     if micro_step is not None:
         head = f"{head}{CHUNK_SEP}{micro_step}"

@@ -24,7 +24,7 @@ Frame = tuple[str, int, str]
 
 
 def describe(obj: Any, is_tensor: Callable[[Any], bool], tensor_text: Callable[[Any], str]) -> dict[str, Any]:
-    """The reference's structure record of one object.
+    """msprobe's structure record of one object.
 
     ``tensor_text(t)`` renders a tensor as ``size=(...), dtype=...``.
     """

@@ -35,7 +35,7 @@ _EVENT_PREFIX = "events.out.tfevents."
 
 
 def series_names(series) -> list[str]:
-    """``vp{vpp}:{name}`` plus ``:micro{m}`` for rows with a micro-step (the reference's names)."""
+    """``vp{vpp}:{name}`` plus ``:micro{m}`` for rows with a micro-step (msprobe's names)."""
     return [
         f"vp{k.vpp_stage}:{k.name}" + (f":micro{k.micro_step}" if k.micro_step >= 0 else "")
         for k in series.rows

@@ -1,6 +1,6 @@
 """What the converters share: choosing rank directories, checking arguments, reading one data type.
 
-Fixes of the reference's converters: a directory whose name looks like a rank
+Fixes of msprobe's converters: a directory whose name looks like a rank
 directory but is not one (bad time tag, a file, a symlink) is skipped with a warning instead of
 aborting everything; when several directories of one rank are in the time range (a restarted job),
 all are read in time order instead of whichever the file system listed last; a (row, step) written

@@ -32,7 +32,7 @@ logger = logging.getLogger("trainmon")
 #: of an ended step); a rewrite then costs ~0.1 s at most
 THROTTLE_ABOVE_RECORDS = 10_000
 #: beyond it, the next rewrite waits this many times the last one's duration (<= ~5% of the
-#: writer's time; the reference spends over a second a step at 100,000 records)
+#: writer's time; msprobe 1.2.2 spends over a second a step at 100,000 records)
 REWRITE_PAUSE_FACTOR = 20.0
 INCIDENTS_NAME = "incidents.json"
 INCIDENTS_VERSION = 1

@@ -1,6 +1,6 @@
 """Anomaly records: parsing one decoded record, and their total, deterministic order.
 
-The order fixes two flaws of the reference's: unknown tasks sorted first, and no rank tie-break.
+The order fixes two flaws of msprobe's: unknown tasks sorted first, and no rank tie-break.
 
 An anomaly that happens earlier in a training step is more likely to be a cause than an effect, so
 records are ranked by when they were produced. The sort key is::

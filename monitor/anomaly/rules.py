@@ -8,7 +8,7 @@ detector keeps per data type and hands back each step:
 * ``update(values, state) -> state`` folds the step into the history (pure: new arrays).
 
 NaN/Inf policy: NaN and Inf never enter a history (``skip_nonfinite``, default true), so one bad
-step never poisons a baseline. The reference's exact behaviour, where one NaN leaves a
+step never poisons a baseline. msprobe 1.2.2's exact behaviour, where one NaN leaves a
 baseline NaN forever, is kept only for ``AnomalyTurbulence`` with ``semantics: "1.2.2"`` (its
 default) or ``skip_nonfinite: false``, for configs that must behave exactly as before.
 """
@@ -66,7 +66,7 @@ class AnomalyTurbulence:
     by 50% from step to step in small batches, and means hover around zero where any change is
     large relative to the mean itself. So by default a value must also
 
-    * come after ``warmup`` values (default 20; the reference: 1);
+    * come after ``warmup`` values (default 20; msprobe: 1);
     * leave the tag's own noise: ``|value| - ema > noise * spread`` where spread is the EMA
       (beta 0.9) of ``||value| - ema|`` (default 6; 0 turns it off), so a steady trend or a
       noisy signal is judged against its own variability and a spike is still a spike;
@@ -78,9 +78,9 @@ class AnomalyTurbulence:
     flagged (a layer whose gradients died); otherwise ``warmup: 1, noise: 0, floor: 0`` is
     msprobe's later rule exactly. ``two_sided`` also flags drops below ``ema * (1 - threshold)``.
 
-    Other arguments: ``ops`` (default norm and mean, as the reference); ``skip_nonfinite``
-    (default true): NaN/Inf do not enter the history (false is the reference: one NaN silences
-    the cell forever). Unlike the reference, a value this rule does not judge (an op outside
+    Other arguments: ``ops`` (default norm and mean, as msprobe); ``skip_nonfinite``
+    (default true): NaN/Inf do not enter the history (false is msprobe 1.2.2's: one NaN silences
+    the cell forever). Unlike msprobe, a value this rule does not judge (an op outside
     ``ops``) is still offered to the rules after it.
     """
 
@@ -153,7 +153,7 @@ class RunningMeanTurbulence:
     zero; b == 0 flags any negative value; a drop never fires. It judges every op (``ops``
     default: all). By default one NaN or Inf makes the mean NaN/Inf and silences the (tag, op)
     forever, as in 1.2.2; ``skip_nonfinite: true`` keeps non-finite values out of the mean.
-    The arithmetic is the reference's, operation for operation, so verdicts are bit-identical.
+    The arithmetic is msprobe 1.2.2's, operation for operation, so verdicts are bit-identical.
     """
 
     name = "AnomalyTurbulence"

@@ -1,4 +1,4 @@
-"""Call stacks of collective calls: the reference's stack string, cheaply, and cc_codeline matching.
+"""Call stacks of collective calls: msprobe's stack string, cheaply, and cc_codeline matching.
 
 Framework-free; each adapter says which frames are left out (trainmon's own and its framework's
 internals). A frame renders as ``"{path}[{line}]   {function}"`` and frames are
@@ -73,7 +73,7 @@ class CallSites:
         return text
 
     def stack(self, frames: Sequence[Frame]) -> str:
-        """The reference's stack string: rendered frames joined with ``;``."""
+        """msprobe's stack string: rendered frames joined with ``;``."""
         return ";".join(self.render(f) for f in frames)
 
     def site(self, frames: tuple[Frame, ...]) -> str | None:

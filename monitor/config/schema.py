@@ -1,6 +1,6 @@
 """Every config key, its default and its validation, in one place.
 
-Reads the reference's JSON config files (and YAML by extension). The result is an immutable
+Reads msprobe's JSON config files (and YAML by extension). The result is an immutable
 MonitorConfig; the user's dict and file are never changed. Wrong types and ranges raise
 ConfigError naming the key path, the bad value and what was expected; an unknown top-level or
 ``alert`` key gets one warning naming the closest known key (a config shared with msprobe may
@@ -36,7 +36,7 @@ from monitor.files import parse_time_tag
 
 logger = logging.getLogger("trainmon")
 
-#: statistics a config may ask for, in the reference's spelling.
+#: statistics a config may ask for, in msprobe's spelling.
 KNOWN_OPS = ("min", "max", "norm", "zeros", "nans", "mean", "id")
 #: later reference versions always add these; they are not scalars, so we accept and ignore them.
 IGNORED_OPS = ("shape", "dtype")

@@ -1,7 +1,7 @@
 """TensorBoard event files without torch or TensorFlow, with msprobe's tags.
 
 One Event per StepRecord: ``step`` = monitor step, one scalar ``"{tag}_{op}"`` per (row, op), the
-reference's tag spelling. Two things make it fast: the Event is built once per RowSet and only its
+msprobe's tag spelling. Two things make it fast: the Event is built once per RowSet and only its
 values are set per step, and the record checksum (CRC32C, which tensorboard computes byte by byte
 in Python) comes from google-crc32c's C code. Histograms (``write_histogram``) are HistogramProto
 values, which TensorBoard's Histograms and Distributions tabs read.

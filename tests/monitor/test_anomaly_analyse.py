@@ -100,7 +100,7 @@ def write_rank(root: Path, name: str, content: dict | list | bytes) -> Path:
 
 @pytest.fixture
 def tree(tmp_path: Path) -> Path:
-    """rank0 in trainmon's format, rank1 in the reference's format, steps 1 and 2."""
+    """rank0 in trainmon's format, rank1 in msprobe's format, steps 1 and 2."""
     root = tmp_path / "anomaly_detected"
     write_rank(
         root,

@@ -310,7 +310,7 @@ def test_default_turbulence_is_silent_on_training_trends_msprobes_rule_floods(ma
     for name, series in trends.items():
         assert _drive(rules_only([AnomalyTurbulence(0.5)], rank=0), make_record, series) == [], name
     flooded = [_drive(rules_only([msprobe_later(0.5)], rank=0), make_record, s) for s in trends.values()]
-    assert all(flooded), "the reference rule should flag these trends (else the test proves nothing)"
+    assert all(flooded), "msprobe's rule should flag these trends (else the test proves nothing)"
 
 
 def test_default_turbulence_flags_a_spike_in_noise_at_its_step(make_record):

@@ -1,4 +1,4 @@
-"""Config loading and validation (monitor/config/schema.py) against the reference's keys."""
+"""Config loading and validation (monitor/config/schema.py) against msprobe's keys."""
 
 from __future__ import annotations
 
@@ -518,7 +518,7 @@ def test_targets_list_of_names_means_names_with_empty_specs():
 
 
 def test_mg_direction_is_validated_under_its_own_key():
-    # The reference validates a key named "mg_distribution" instead, so "yes" enabled it.
+    # msprobe 1.2.2 validates a key named "mg_distribution" instead, so "yes" enabled it.
     assert load_config({"mg_direction": True}).mg_direction is True
     with pytest.raises(monitor.ConfigError):
         load_config({"mg_direction": "yes"})

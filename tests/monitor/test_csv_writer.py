@@ -135,7 +135,7 @@ def _single_value_line(tmp_path, make_record, value, op="norm", ndigits=6) -> st
 
 
 def test_small_value_keeps_significant_digits(tmp_path, make_record):
-    # the reference rounds to decimal places and writes 0.0 here
+    # msprobe rounds to decimal places and writes 0.0 here
     assert _single_value_line(tmp_path, make_record, 1.23456789e-12) == "0,w,0,1.23457e-12"
 
 

@@ -59,7 +59,7 @@ def test_squash_name_leaves_names_without_a_dotted_keyword_unchanged(raw):
     ["layers.0.fc1.weight", "layers.0.norm2.weight", "layers.2.output_proj.bias", "layers.1.final.weight"],
 )
 def test_name_starting_with_layers_stays_whole(raw):
-    # Deliberate deviation (monitor/naming.py): the reference collapses "layers.0.norm2.weight" to
+    # Deliberate deviation (monitor/naming.py): msprobe collapses "layers.0.norm2.weight" to
     # "norm2.weight" (its later patterns need a dot before the keyword), which collides across layers.
     assert squash_name(raw) == raw
 

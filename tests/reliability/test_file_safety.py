@@ -1,6 +1,6 @@
 """Promise 6: files are safe.
 
-Every directory the monitor creates is 0750 and every file 0640 (the reference's modes) whatever
+Every directory the monitor creates is 0750 and every file 0640 (msprobe's modes) whatever
 the umask; a symlink planted at the output directory, at a directory below it or at a file path
 is refused with a clear error, never followed; no file outside MONITOR_OUTPUT_DIR is ever written;
 the config file is parsed as data only (YAML tags that construct objects are rejected and run
