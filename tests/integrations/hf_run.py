@@ -1,7 +1,7 @@
 """One Hugging Face Trainer run of a tiny GPT-2 with TrainmonCallback and the test's own reads.
 
-Shared by the one-process test and the 2-rank DDP worker. 11 samples per epoch and gradient
-accumulation 2 give each epoch a last step of one micro-batch; clipping at 0.05 is active on
+Shared by the one-process test and the 2-rank DDP worker. 13 samples per epoch (7 per rank on
+2 ranks) and gradient accumulation 2 give each epoch a last step of one micro-batch; clipping at 0.05 is active on
 every step, so gradients before and after clipping differ.
 """
 
@@ -15,7 +15,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, 
 from monitor.integrations.hf import TrainmonCallback
 from tests.integrations.reads import CONFIG, StepReads
 
-SAMPLES, GRAD_ACC, EPOCHS, MAX_NORM = 11, 2, 2, 0.05
+SAMPLES, GRAD_ACC, EPOCHS, MAX_NORM = 13, 2, 2, 0.05
 
 
 class TokenData(torch.utils.data.Dataset):
@@ -63,7 +63,7 @@ def train(workdir: str, monitor_config: dict | None = None) -> tuple[StepReads, 
 
 
 def build_trainer(workdir: str, model: torch.nn.Module, callbacks: list) -> Trainer:
-    """The Trainer of ``train``: 2 epochs of 11 samples, accumulation 2, clipping, on this rank's data."""
+    """The Trainer of ``train``: 2 epochs of 13 samples, accumulation 2, clipping, on this rank's data."""
     args = TrainingArguments(
         output_dir=os.path.join(workdir, "hf"),
         per_device_train_batch_size=1,

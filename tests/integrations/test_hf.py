@@ -113,6 +113,7 @@ def _ddp_worker(rank: int, world_size: int, workdir: str) -> None:
         {
             "compared": compared,
             "steps": sorted(reads.steps),
+            "micro_batches": reads.micro_batches,
             "ddp": type(trainer.model_wrapped).__name__,
             "norms": {f"{n}@{s}": v["norm"] for (_, n, s), v in sorted(unreduced.items())},
         },
@@ -125,5 +126,6 @@ def test_two_ddp_ranks_each_record_their_own_gradients(tmp_path):
     assert all(r["ddp"] == "DistributedDataParallel" for r in results)
     assert results[0]["steps"] == results[1]["steps"]
     assert all(r["compared"] > 0 for r in results)
+    assert all(1 in r["micro_batches"] and 2 in r["micro_batches"] for r in results)  # ragged last steps
     differing = [k for k, v in results[0]["norms"].items() if v != results[1]["norms"][k]]
     assert differing, "each rank's unreduced gradient is its own, so they differ"
