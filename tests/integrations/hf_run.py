@@ -1,8 +1,8 @@
 """One Hugging Face Trainer run of a tiny GPT-2 with TrainmonCallback and the test's own reads.
 
 Shared by the one-process test and the 2-rank DDP worker. 13 samples per epoch (7 per rank on
-2 ranks) and gradient accumulation 2 give each epoch a last step of one micro-batch; clipping at 0.05 is active on
-every step, so gradients before and after clipping differ.
+2 ranks) and gradient accumulation 2 give each epoch a last step of one micro-batch; clipping at
+0.05 is active on every step, so gradients before and after clipping differ.
 """
 
 from __future__ import annotations
