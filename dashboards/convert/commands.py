@@ -184,12 +184,14 @@ def run_compact(args: argparse.Namespace) -> int:
 
 COMMANDS = {
     "csv2tb": (
-        "convert the monitor's CSV outputs into TensorBoard event files (one run per rank and data type)",
+        "convert the monitor's CSV (or Parquet) outputs into TensorBoard event files "
+        "(one run per rank and data type)",
         add_csv2tb_arguments,
         run_csv2tb,
     ),
     "csv2db": (
-        "write the monitor's CSV outputs into one SQLite file (schema: dashboards/convert/csv2db.py)",
+        "write the monitor's CSV (or Parquet) outputs into one SQLite file "
+        "(schema: dashboards/convert/csv2db.py)",
         add_csv2db_arguments,
         run_csv2db,
     ),

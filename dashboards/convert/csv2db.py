@@ -1,4 +1,4 @@
-"""``trainmon csv2db``: the monitor's CSV outputs in one SQLite file.
+"""``trainmon csv2db``: the monitor's CSV outputs (or live Parquet files) in one SQLite file.
 
 Schema (``SCHEMA_VERSION`` 1)::
 
@@ -38,6 +38,7 @@ from dashboards.csvfiles import header_ops, list_csv_files
 from monitor import __version__
 from monitor.datatypes.tasks import OP_ORDER, order_key
 from monitor.files import FILE_MODE, TIME_FORMAT
+from monitor.writers.parquet_files import file_ops, live_prefixes
 
 logger = logging.getLogger("trainmon")
 
@@ -59,12 +60,19 @@ CREATE TABLE target_order(data_type_id INTEGER NOT NULL, rank INTEGER NOT NULL, 
 
 
 def _ops(jobs) -> list[str]:
-    """Every op in the headers of the jobs' files, in OP_ORDER (the stats table's columns)."""
+    """Every op in the jobs' files (CSV headers, else the Parquet files' op column), in OP_ORDER
+    (the stats table's columns)."""
     found: dict[str, None] = {}
     for _, dirs, prefix in jobs:
         for path in dirs:
-            for item in list_csv_files(path).get(prefix, []):
+            csv_files = list_csv_files(path).get(prefix, [])
+            for item in csv_files:
                 found.update(dict.fromkeys(header_ops(item.path)))
+            for part in [] if csv_files else live_prefixes(path, (prefix,)).get(prefix, []):
+                try:
+                    found.update(dict.fromkeys(file_ops(part)))
+                except (ValueError, OSError):  # cut short: reading the values skips it and says so
+                    continue
     return sorted(found, key=lambda op: order_key(op, OP_ORDER))
 
 

@@ -1,5 +1,7 @@
 """``trainmon csv2tb`` and msprobe's ``csv2tensorboard_by_step``: CSV outputs -> TensorBoard.
 
+Runs written with ``format: parquet`` convert alike (their live Parquet files are read instead).
+
 Same call and output as msprobe's converter: ``{out}/rank{R}/{data_type}/`` holds one event
 file per rank and data type, scalar tags ``vp{vpp_stage}:{name}[:micro{m}]/{op}``, written in step
 order; ``out`` defaults to ``{monitor_path}/{time}-csv2tensorboard_by_step``. Each output directory

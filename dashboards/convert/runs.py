@@ -1,5 +1,8 @@
 """What the converters share: choosing rank directories, checking arguments, reading one data type.
 
+A data type is read from a rank directory's CSV files, or where it has none from its live
+Parquet files (``format: parquet``), so a run written either way converts alike.
+
 Fixes of msprobe's converters: a directory whose name looks like a rank
 directory but is not one (bad time tag, a file, a symlink) is skipped with a warning instead of
 aborting everything; when several directories of one rank are in the time range (a restarted job),
@@ -19,9 +22,11 @@ import numpy as np
 import pandas as pd
 
 from dashboards.convert.commands import DATA_TYPES, MAX_PROCESSES
-from dashboards.csvfiles import list_csv_files, read_csv_files
+from dashboards.csvfiles import CsvTable, list_csv_files, read_csv_files
+from monitor.anomaly import rank_csv
 from monitor.datatypes.tasks import RowKey
 from monitor.files import RANK_DIR_PATTERN, in_time_range, parse_time_tag, time_bounds
+from monitor.writers.parquet_files import live_prefixes
 
 logger = logging.getLogger("trainmon")
 
@@ -75,10 +80,11 @@ def select_rank_dirs(
 
 
 def found_types(dirs: Sequence[str]) -> list[str]:
-    """The data types with CSV files in any of ``dirs``."""
+    """The data types with CSV or live Parquet files in any of ``dirs``."""
     types: dict[str, None] = {}
     for path in dirs:
         types.update(dict.fromkeys(list_csv_files(path)))
+        types.update(dict.fromkeys(live_prefixes(path)))
     return list(types)
 
 
@@ -108,7 +114,7 @@ def select_jobs(
 
     Raises:
         ConvertError: a bad argument, no rank directory in the time range, or none of them holds
-            a CSV file (of the requested data types).
+            a CSV or Parquet file (of the requested data types).
     """
     processes = check_processes(process_num)
     types = check_types(data_type_list)
@@ -122,17 +128,19 @@ def select_jobs(
     where = f"in the {len(ranks)} rank director{'y' if len(ranks) == 1 else 'ies'} under {monitor_path!r}"
     if not there:
         raise ConvertError(
-            f"monitor_path: no CSV files {where}; a run written with format tensorboard or parquet "
+            f"monitor_path: no CSV or Parquet files {where}; a run written with format tensorboard "
             "has none: TensorBoard reads it as it is, `trainmon compact` turns it into a Parquet dataset"
         )
     absent = [t for t in types or () if t not in there]
     if types and len(absent) == len(types):
         raise ConvertError(
-            f"data_type_list: no CSV files of {', '.join(types)} {where}; "
+            f"data_type_list: no CSV or Parquet files of {', '.join(types)} {where}; "
             f"they hold {', '.join(sorted(there))}"
         )
     if absent:
-        logger.warning("trainmon: no CSV files of %s in the rank directories; converting the rest", absent)
+        logger.warning(
+            "trainmon: no CSV or Parquet files of %s in the rank directories; converting the rest", absent
+        )
     jobs = [(rank, dirs, prefix) for rank, dirs in ranks.items() for prefix in (types or found[rank])]
     return Selection(processes, ranks, jobs)
 
@@ -161,9 +169,29 @@ class Series:
     skipped: int = 0
 
 
+def _parquet_tables(rank_dir: str, prefix: str) -> list[CsvTable]:
+    """A data type's live Parquet files in a rank directory, as CsvTables (one per set of ops);
+    files that cannot be read are skipped with a warning."""
+    parts = rank_csv.list_parts(rank_dir, (prefix,)).get(prefix, [])
+    warnings: list[str] = []
+    tables = rank_csv.read_parts(rank_dir, prefix, parts, (-(2**62), 2**62), warnings)
+    for warning in warnings:
+        logger.warning("trainmon: %s", warning)
+    return [
+        CsvTable(t.ops, t.vpp.astype(np.int64), [t.names[c] for c in t.codes], t.micro, t.steps, t.values)
+        for t in tables
+    ]
+
+
 def read_series(dirs: Sequence[str], prefix: str) -> Series | None:
-    """All rows of ``prefix`` in ``dirs`` (in order; later files win on a repeated (row, step))."""
-    tables = read_csv_files([item.path for path in dirs for item in list_csv_files(path).get(prefix, [])])
+    """All rows of ``prefix`` in ``dirs`` (in order; later files win on a repeated (row, step)): a
+    directory's CSV files, or where it has none its live Parquet files."""
+    tables: list[CsvTable] = []
+    for path in dirs:
+        csv_files = list_csv_files(path).get(prefix, [])
+        tables += (
+            read_csv_files([item.path for item in csv_files]) if csv_files else _parquet_tables(path, prefix)
+        )
     skipped = sum(t.skipped for t in tables)
     tables = [t for t in tables if len(t)]
     if not tables:

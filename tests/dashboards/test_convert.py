@@ -1,5 +1,5 @@
-"""csv2tb and csv2db: every CSV value comes back, msprobe's converter defects stay fixed,
-arguments are checked."""
+"""csv2tb and csv2db: every CSV (or live Parquet) value comes back, msprobe's converter defects
+stay fixed, arguments are checked."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from dashboards.convert.commands import COMMANDS
 from dashboards.convert.csv2db import csv2db
 from dashboards.convert.csv2tb import csv2tensorboard_by_step
 from dashboards.convert.runs import ConvertError
-from tests.dashboards.conftest import rank_dir, read_csv_rows, same, write_run
+from tests.dashboards.conftest import NAMES, generated_value, rank_dir, read_csv_rows, same, write_run
 
 PREFIXES = ("grad_reduced", "exp_avg")
 
@@ -129,19 +129,20 @@ def test_bad_arguments_are_refused_up_front(tmp_path, convert, kwargs, words):
     assert not any(p.name.endswith(("-csv2tensorboard_by_step", "-csv2db")) for p in tmp_path.iterdir())
 
 
-@pytest.mark.parametrize("fmt", ["tensorboard", "parquet"])
 @pytest.mark.parametrize("convert", [csv2tensorboard_by_step, csv2db])
-def test_a_run_without_csv_files_is_refused_up_front(tmp_path, convert, fmt):
-    write_run(tmp_path, fmt=fmt)
-    with pytest.raises(ConvertError, match=r"no CSV files in the 1 rank directory .* tensorboard or parquet"):
+def test_a_run_without_csv_or_parquet_files_is_refused_up_front(tmp_path, convert):
+    write_run(tmp_path, fmt="tensorboard")
+    with pytest.raises(ConvertError, match=r"no CSV or Parquet files in the 1 rank directory .* tensorboard"):
         convert(str(tmp_path), progress=False)
     assert not any(p.name.endswith(("-csv2tensorboard_by_step", "-csv2db")) for p in tmp_path.iterdir())
 
 
 @pytest.mark.parametrize("convert", [csv2tensorboard_by_step, csv2db])
-def test_a_data_type_without_csv_files_is_refused_naming_those_there(tmp_path, convert):
+def test_a_data_type_without_files_is_refused_naming_those_there(tmp_path, convert):
     write_run(tmp_path, prefixes=("grad_reduced", "exp_avg"))
-    with pytest.raises(ConvertError, match=r"no CSV files of param_origin .*; they hold exp_avg, grad_r"):
+    with pytest.raises(
+        ConvertError, match=r"no CSV or Parquet files of param_origin .*; they hold exp_avg, "
+    ):
         convert(str(tmp_path), data_type_list=["param_origin"], progress=False)
 
 
@@ -230,3 +231,75 @@ def test_the_command_module_does_not_import_the_converters():
     code = f"import sys, dashboards.convert.commands; print(sorted(m for m in {heavy} if m in sys.modules))"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "[]"
+
+
+def _parquet_run(root) -> dict:
+    """Two ranks written with format parquet (merged windows of 2 steps and a last step file),
+    a NaN, an Inf and a cell left out; returns (rank, prefix, name, step) -> op -> value written."""
+    pytest.importorskip("pyarrow")
+    special = {(0, "grad_reduced", 2, 1, "norm"): float("nan"), (1, "exp_avg", 3, 2, "max"): float("inf")}
+    skip = {(1, "grad_reduced", 4): [3]}
+    write_run(
+        root,
+        fmt="parquet",
+        ranks=(0, 1),
+        steps=range(5),
+        prefixes=PREFIXES,
+        window=2,
+        special=special,
+        skip=skip,
+    )
+    return {
+        (rank, prefix, name, step): {
+            op: special.get((rank, prefix, step, row, op), generated_value(rank, p_index, step, row, op))
+            for op in ("norm", "min", "max", "nans")
+        }
+        for rank in (0, 1)
+        for p_index, prefix in enumerate(PREFIXES)
+        for step in range(5)
+        for row, name in enumerate(NAMES)
+        if row not in skip.get((rank, prefix, step), [])
+    }
+
+
+def test_csv2tb_converts_a_parquet_run(tmp_path):
+    written = _parquet_run(tmp_path / "run")
+    out = tmp_path / "tb"
+    csv2tensorboard_by_step(str(tmp_path / "run"), output_dirpath=str(out), progress=False)
+    got = {}
+    for rank in (0, 1):
+        for prefix in PREFIXES:
+            accumulator = EventAccumulator(str(out / f"rank{rank}" / prefix), size_guidance={SCALARS: 0})
+            accumulator.Reload()
+            for tag in accumulator.Tags()["scalars"]:
+                name, op = tag.removeprefix("vp0:").rsplit("/", 1)
+                for event in accumulator.Scalars(tag):
+                    got.setdefault((rank, prefix, name, event.step), {})[op] = np.float32(event.value)
+    assert set(got) == set(written)
+    for key, values in written.items():
+        assert set(got[key]) == set(values)
+        assert all(same(got[key][op], np.float32(value)) for op, value in values.items()), key
+
+
+def test_csv2db_converts_a_parquet_run(tmp_path):
+    written = _parquet_run(tmp_path / "run")
+    db = sqlite3.connect(csv2db(str(tmp_path / "run"), output_path=str(tmp_path / "m.db"), progress=False))
+    ops = dict(db.execute("SELECT name, op_id FROM ops"))
+    assert set(ops) == {"norm", "min", "max", "nans"}
+    columns = ", ".join(f's."{op}"' for op in ops)
+    got = {
+        (rank, prefix, name, step): (mask, values)
+        for prefix, name, rank, step, mask, *values in db.execute(
+            f"SELECT d.name, t.name, s.rank, s.step, s.nan_mask, {columns} FROM stats s "
+            "JOIN targets t USING (target_id) JOIN data_types d USING (data_type_id)"
+        )
+    }
+    assert set(got) == set(written)
+    for key, want in written.items():
+        mask, values = got[key]
+        for op, op_id in ops.items():
+            value = values[list(ops).index(op)]
+            if np.isnan(want[op]):
+                assert value is None and mask >> op_id & 1, key
+            else:
+                assert value == want[op] and not mask >> op_id & 1, key
