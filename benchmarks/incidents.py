@@ -347,13 +347,17 @@ def main(argv: list[str] | None = None) -> int:
     rows = run_all(cases, names, args.jobs, args.keep)
     totals = report(rows, names)
     if "msprobe-1.2.2" in totals:
+        # like with like: flagged (tensor, statistic, step) values, which msprobe 1.2.2 writes one
+        # record each, against trainmon's flagged values (its records are fewer: one per tag
+        # while it stays abnormal), on the same one-process clean runs
         reference = totals["msprobe-1.2.2"]["clean_cells"]
         for name, t in totals.items():
             if name != "msprobe-1.2.2" and reference:
-                share = 100 * t["clean_one_process_records"] / reference
+                share = 100 * t["clean_cells"] / reference
                 print(
-                    f"{name}: {t['clean_one_process_records']} records on the one-process clean runs = "
-                    f"{share:.3f}% of msprobe 1.2.2's {reference} alarms on the same runs"
+                    f"{name}: {t['clean_cells']} flagged values ({share:.3f}% of "
+                    f"msprobe 1.2.2's {reference} on the same one-process clean runs), written as "
+                    f"{t['clean_one_process_records']} records"
                 )
     crashed = [row for row in rows if row["error"]]
     for row in crashed[:5]:
