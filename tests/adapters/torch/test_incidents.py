@@ -19,6 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from monitor import TrainerMon
 from monitor.anomaly.incident_files import merge
+from monitor.anomaly.rules import NONFINITE
 from tests.adapters.torch.distributed import run_ranks, save_result
 
 STEPS, AT = 50, 40
@@ -75,7 +76,9 @@ def _inject_forward(model: Net, fault: str, step: list[int]) -> None:
     model.hidden[1].register_forward_hook(hook)
 
 
-def _train(fault: str | None, rank: int = 0, world: int = 1, fault_rank: int = 0) -> TrainerMon:
+def _train(
+    fault: str | None, rank: int = 0, world: int = 1, fault_rank: int = 0, config: dict = CONFIG
+) -> TrainerMon:
     torch.manual_seed(0)
     model = Net()
     net = DistributedDataParallel(model) if world > 1 else model
@@ -84,7 +87,7 @@ def _train(fault: str | None, rank: int = 0, world: int = 1, fault_rank: int = 0
     here = rank == fault_rank
     if fault in ("nan_activation", "inf_overflow"):  # inside the module: its own output is bad
         _inject_forward(model, fault, step)
-    mon = TrainerMon(CONFIG)
+    mon = TrainerMon(config)
     mon.set_monitor(net, grad_acc_steps=1, optimizer=optimizer)
     generator = torch.Generator().manual_seed(100 + rank)
     target = torch.randn(8, 4, generator=torch.Generator().manual_seed(7))
@@ -145,6 +148,22 @@ def test_a_fault_is_the_first_incident_at_its_step_and_its_module_is_the_root(fa
 
 def test_a_clean_run_opens_no_incident():
     assert _train(None).incidents == []
+
+
+@pytest.mark.parametrize("rules", [[], [{"rule_name": "AnomalyZScore"}]], ids=["no rules", "zscore"])
+def test_alert_non_finite_decides_whether_a_nan_is_an_anomaly_whatever_the_rules(rules):
+    """From the config through TrainerMon: by default a NaN is an incident at its step even with
+    no rule (or one that skips non-finite values); ``non_finite: false`` keeps msprobe's
+    behaviour, where only a configured rule can flag it."""
+
+    def incidents(non_finite: bool) -> list:
+        config = {**CONFIG, "alert": {"rules": rules, "non_finite": non_finite}}
+        return _train("nan_activation", config=config).incidents
+
+    flagged = incidents(True)
+    assert flagged and flagged[0].onset_step == AT and flagged[0].root["rule"] == NONFINITE
+    assert ":hidden.1" in flagged[0].root["tag_name"]
+    assert incidents(False) == []
 
 
 def _rank_worker(rank: int, world_size: int, workdir: str) -> None:
