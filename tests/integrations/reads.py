@@ -39,11 +39,19 @@ class StepReads:
         self.model = model
         self.steps: dict[int, dict[str, dict[str, np.ndarray]]] = defaultdict(dict)
         self._accumulated: dict[str, np.ndarray] = {}
+        #: step -> per micro-batch, each parameter's own gradient of that micro-batch (the
+        #: gradient autograd hands over before accumulating it)
+        self.own: dict[int, list[dict[str, np.ndarray]]] = {}
+        self._own: list[dict[str, np.ndarray]] = []
         self.micro_batches: list[int] = []
         self._count = 0
         self._handles = [
-            param.register_post_accumulate_grad_hook(self._copier(name))
+            handle
             for name, param in self.named_parameters()
+            for handle in (
+                param.register_post_accumulate_grad_hook(self._copier(name)),
+                param.register_hook(self._own_copier(name)),
+            )
         ]
 
     def named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
@@ -57,6 +65,14 @@ class StepReads:
 
         return copy
 
+    def _own_copier(self, name: str):
+        def copy(grad: torch.Tensor) -> None:
+            if not self._own or name in self._own[-1]:  # a new micro-batch's backward
+                self._own.append({})
+            self._own[-1][name] = grad.detach().numpy().copy()
+
+        return copy
+
     def before_update(self, step: int) -> None:
         """At the optimizer's step, after clipping: the gradient it uses and the parameters."""
         params = self.named_parameters()
@@ -64,7 +80,8 @@ class StepReads:
         self.steps[step]["grad_reduced"] = {n: p.grad.detach().numpy().copy() for n, p in params}
         self.steps[step]["param_origin"] = {n: p.detach().numpy().copy() for n, p in params}
         self.micro_batches.append(self._count // max(len(params), 1))
-        self._accumulated, self._count = {}, 0
+        self.own[step] = self._own
+        self._accumulated, self._count, self._own = {}, 0, []
 
     def after_update(self, step: int, optimizer: torch.optim.Optimizer) -> None:
         """After the update: the parameters and Adam's moments, from ``optimizer.state``."""
@@ -87,6 +104,17 @@ def written_rows(output_dir: str) -> dict[tuple[str, str, int], dict[str, float]
         prefix = file.rsplit("_", 1)[0]
         for record in pd.read_csv(os.path.join(output_dir, file)).to_dict("records"):
             rows[(prefix, record["name"], int(record["step"]))] = {op: float(record[op]) for op in ALL_OPS}
+    return rows
+
+
+def written_micro_rows(output_dir: str, prefix: str) -> dict[tuple[str, int, int], dict[str, float]]:
+    """The CSV rows of one data type with a micro-step: (parameter name, step, micro-step) -> {op: value}."""
+    rows = {}
+    for file in os.listdir(output_dir):
+        if file.endswith(".csv") and file.rsplit("_", 1)[0] == prefix:
+            for record in pd.read_csv(os.path.join(output_dir, file)).to_dict("records"):
+                key = (record["name"], int(record["step"]), int(record["micro_step"]))
+                rows[key] = {op: float(record[op]) for op in ALL_OPS}
     return rows
 
 

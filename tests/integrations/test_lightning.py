@@ -81,3 +81,25 @@ def test_two_ddp_ranks_each_record_their_own_gradients(tmp_path):
     assert all(r["compared"] > 0 for r in results)
     differing = [k for k, v in results[0]["norms"].items() if v != results[1]["norms"][k]]
     assert differing, "each rank's unreduced gradient is its own, so they differ"
+
+
+def test_per_micro_batch_rows_are_each_micro_batchs_own_gradient(tmp_path):
+    """``monitor_mbs_grad`` under Lightning, whose last micro-batch runs inside
+    ``optimizer.step(closure)``: a row per micro-batch each step really had (the short last step
+    of an epoch included), equal to the gradient autograd handed over for that micro-batch."""
+    from tests.integrations.lightning_run import train
+    from tests.integrations.reads import CONFIG, written_micro_rows
+    from tests.reference_stats import assert_stats_close
+
+    reads, callback, _ = train(str(tmp_path), 2, monitor_config={**CONFIG, "monitor_mbs_grad": True})
+    rows = written_micro_rows(callback.monitor.output_dir, "grad_unreduced")
+    expected = {
+        (name, step, micro): grad
+        for step, micro_batches in reads.own.items()
+        for micro, grads in enumerate(micro_batches)
+        for name, grad in grads.items()
+    }
+    assert 1 in reads.micro_batches and 2 in reads.micro_batches
+    assert set(rows) == set(expected)
+    for key, grad in expected.items():
+        assert_stats_close(rows[key], grad, what=f"micro-batch row {key}")
