@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from dashboards.plugin.cache import FileVersions
@@ -22,10 +23,16 @@ INPUT_NAME = "anomaly.json"
 MAX_FILE_BYTES = 512 << 20
 
 
-def record_json(record: AnomalyRecord, prefix: str, row: RowKey) -> dict:
+#: (rank, chunk) -> class name of the chunk's root module, where the run-info file names it
+RootClasses = Mapping[tuple[int, int], str]
+
+
+def record_json(record: AnomalyRecord, prefix: str, row: RowKey, roots: RootClasses | None = None) -> dict:
     """A record and its heatmap cell as JSON-ready values (non-finite floats are left to the JSON
-    encoder); the one shape of a record in /anomalies and /incidents."""
+    encoder); the one shape of a record in /anomalies and /incidents. ``label`` names the row as
+    the heatmap does: a root module's activation rows (``.input``) with its class in front."""
     r = record
+    root_class = (roots or {}).get((r.rank, row.vpp_stage), "")
     return {
         "rank": r.rank,
         "step": r.step,
@@ -35,6 +42,7 @@ def record_json(record: AnomalyRecord, prefix: str, row: RowKey) -> dict:
         "op": r.op,
         "tag": r.tag_name,
         "row": [row.vpp_stage, row.name, row.micro_step],
+        "label": row.label(row.vpp_stage != 0, root_class),
         "value": r.value,
         "baseline": r.baseline,
         "rule": r.rule,
@@ -64,8 +72,8 @@ class AnomalyItem:
         r = self.record
         return (rank < 0 or r.rank == rank) and prefix in ("", self.prefix) and rule in ("", r.rule)
 
-    def to_json(self) -> dict:
-        return {"index": self.index, **record_json(self.record, self.prefix, self.row)}
+    def to_json(self, roots: RootClasses | None = None) -> dict:
+        return {"index": self.index, **record_json(self.record, self.prefix, self.row, roots)}
 
 
 def counts(items: list[AnomalyItem]) -> dict[str, list]:

@@ -15,7 +15,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from dashboards.plugin.anomalies import AnomalyItem, anomaly_files, load_json
+from dashboards.plugin.anomalies import AnomalyItem, RootClasses, anomaly_files, load_json
 from dashboards.plugin.cache import FileVersions
 from monitor.anomaly.incident_files import INCIDENTS_NAME, MergedIncident, merge
 from monitor.anomaly.ordering import parse_record, sort_key
@@ -53,12 +53,13 @@ class Incident:
             and (step_max is None or onset <= step_max)
         )
 
-    def to_json(self, items: list[AnomalyItem]) -> dict[str, Any]:
-        """The incident as ``merge`` describes it, its root's cell, and ``items`` (chosen records)."""
+    def to_json(self, items: list[AnomalyItem], roots: RootClasses | None = None) -> dict[str, Any]:
+        """The incident as ``merge`` describes it, its root's cell, and ``items`` (chosen records);
+        ``roots`` names the root modules' rows (``record_json``)."""
         body = self.merged.to_json(self.number)
-        body["root"] = self.root.to_json() if self.root is not None else None
+        body["root"] = self.root.to_json(roots) if self.root is not None else None
         body["root_index"] = self.root_index
-        body["items"] = [item.to_json() for item in items]
+        body["items"] = [item.to_json(roots) for item in items]
         return body
 
 

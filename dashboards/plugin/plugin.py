@@ -188,6 +188,7 @@ class TrainmonPlugin(base_plugin.TBPlugin):
             listed = self._store.anomalies(run)
             rank, prefix, rule, step_min, step_max = _filters(args)
             limit = _int(args, "limit", ANOMALY_LIMIT, 1, ANOMALY_LIMIT)
+            roots = self._root_classes(run)
             chosen = [
                 item
                 for item in listed.items
@@ -198,7 +199,7 @@ class TrainmonPlugin(base_plugin.TBPlugin):
             body = {
                 "total": len(listed.items),
                 "matching": len(chosen),
-                "items": [item.to_json() for item in chosen[:limit]],
+                "items": [item.to_json(roots) for item in chosen[:limit]],
                 "counts": counts(listed.items),
                 "skipped_records": listed.skipped_records,
                 "skipped_files": listed.skipped_files,
@@ -215,9 +216,9 @@ class TrainmonPlugin(base_plugin.TBPlugin):
             chosen = select_incidents(listed.incidents, *_filters(args))
             limit = _int(args, "limit", INCIDENT_LIMIT, 1, INCIDENT_LIMIT)
             records = _int(args, "records", RECORD_LIMIT, 0, RECORD_LIMIT)
-            shown = []
+            shown, roots = [], self._root_classes(run)
             for incident, items in chosen[:limit]:
-                shown.append({**incident.to_json(items[:records]), "matching_records": len(items)})
+                shown.append({**incident.to_json(items[:records], roots), "matching_records": len(items)})
             body = {
                 "files": listed.files,
                 "total": len(listed.incidents),
@@ -231,6 +232,14 @@ class TrainmonPlugin(base_plugin.TBPlugin):
             return http_util.Respond(request, body, "application/json")
 
         return self._answer(request, build)
+
+    def _root_classes(self, run) -> dict[tuple[int, int], str]:
+        """(rank, chunk) -> class name of the chunk's root module, from each rank's run-info file."""
+        return {
+            (rank, chunk): name
+            for rank, source in self._store.sources(run).items()
+            for chunk, name in source.root_modules().items()
+        }
 
     def _view(self, args):
         """The common parameters of /heatmap and /series, checked against the run."""

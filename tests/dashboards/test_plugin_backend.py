@@ -431,10 +431,16 @@ def test_root_module_rows_show_its_class_and_files_keep_msprobe_names(tmp_path, 
     monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path))
     model = _Doubler()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    config = {"xy_distribution": True, "all_xy": True, "ops": ["norm"], "format": fmt}
+    config = {
+        "xy_distribution": True,
+        "all_xy": True,
+        "ops": ["norm"],
+        "format": fmt,
+        "alert": {"dump": True},
+    }
     mon = TrainerMon(config).set_monitor(model, 1, optimizer)
-    for _ in range(2):
-        model(torch.ones(2, 3)).sum().backward()
+    for step in range(2):
+        model(torch.full((2, 3), math.nan if step else 1.0)).sum().backward()  # a NaN input at step 1
         optimizer.step()
         optimizer.zero_grad()
     mon.stop()
@@ -448,6 +454,15 @@ def test_root_module_rows_show_its_class_and_files_keep_msprobe_names(tmp_path, 
     (run,) = api.runs().values()
     rows = api.heatmap(run=run["id"], prefix="actv", op="norm", rank=0)["rows"]
     assert set(rows) == {"_Doubler.input:0", "_Doubler.output:0", "inner.input:0", "inner.output:0"}
+    # the side lists name a root module's rows as the heatmap does, beside the files' tag
+    labels = {item["tag"]: item["label"] for item in api.json("/anomalies", run=run["id"])["items"]}
+    assert labels["0:.input:0/rank0/actv"] == "_Doubler.input:0"
+    assert labels["0:inner.input:0/rank0/actv"] == "inner.input:0"
+    (incident,) = api.json("/incidents", run=run["id"])["incidents"]
+    assert (incident["root"]["tag"], incident["root"]["label"]) == (
+        "0:.input:0/rank0/actv",
+        "_Doubler.input:0",
+    )
 
 
 def test_a_late_parquet_file_does_not_hide_the_newest_steps(tmp_path):

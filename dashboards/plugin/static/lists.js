@@ -16,11 +16,18 @@ function history(baseline) {
   return baseline === null || baseline === undefined || baseline === "NaN" ? "" : ` (history ${formatAny(baseline)})`;
 }
 
+// The tag as the files have it; a root module's activation row (".input": msprobe names it by
+// an empty module name) also by its class, as the heatmap names it ("0:.input/rank0/actv (GPT.input)").
+function tagText(a) {
+  const rootRow = a.row && /^[.[]/.test(a.row[1]) && a.label && a.label !== a.row[1];
+  return rootRow ? `${a.tag} (${a.label})` : a.tag;
+}
+
 // "step 11 micro 1 · rank 0 · grad_reduced · norm", the tag, and "rule: value (history b), stage".
 function recordLines(a, prefix) {
   const head = el("div", "tm-anomaly-head", `${prefix}step ${a.step}` + (a.micro_step ? ` micro ${a.micro_step}` : "") +
     ` · rank ${a.rank} · ${a.prefix} · ${a.op || "?"}`);
-  const tag = el("div", "tm-anomaly-tag", a.tag);
+  const tag = el("div", "tm-anomaly-tag", tagText(a));
   const what = el("div", "tm-anomaly-what", `${a.rule || "rule ?"}: ${formatAny(a.value)}${history(a.baseline)}, ` +
     a.stage);
   return [head, tag, what];
@@ -156,7 +163,7 @@ export class SideList {
     if (root) {
       const line = el("div", "tm-incident-root");
       line.dataset.key = `i${incident.id}:root`;
-      line.append(el("span", "tm-root-label", "root"), el("div", "tm-anomaly-tag", root.tag),
+      line.append(el("span", "tm-root-label", "root"), el("div", "tm-anomaly-tag", tagText(root)),
         el("div", "tm-anomaly-what", `${root.op || "?"} = ${formatAny(root.value)} · ${root.rule || "rule ?"}` +
           `${history(root.baseline)} · rank ${root.rank} · ${root.prefix}`));
       line.title = root.message;
