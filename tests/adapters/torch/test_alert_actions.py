@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 import pandas as pd
 import pytest
@@ -144,9 +145,13 @@ def test_without_an_incident_nothing_is_sent_and_the_run_goes_on(tmp_path, monke
 
 def _worker(rank: int, world_size: int, workdir: str) -> None:
     fault_ranks = tuple(json.loads(os.environ["FAULT_RANKS"]))
+    target = os.path.join(workdir, "command.jsonl")
+    appender = f"import json, sys; open({target!r}, 'a').write(json.dumps(json.load(sys.stdin)) + '\\n')"
     sinks = [
         {"type": "file", "path": os.path.join(workdir, "all.jsonl"), "ranks": "all"},
         {"type": "file", "path": os.path.join(workdir, "lowest.jsonl")},
+        {"type": "file", "path": os.path.join(workdir, "rank0.jsonl"), "ranks": "rank0"},
+        {"type": "command", "argv": [sys.executable, "-c", appender], "ranks": "all"},
     ]
     if rank == 0:  # nothing listens there: rank 0's webhook fails every time
         sinks.append({"type": "webhook", "url": os.environ["DEAD_URL"], "retries": 1, "backoff_s": 0.01})
@@ -172,6 +177,10 @@ def test_every_rank_stops_at_the_same_step(tmp_path, fault_ranks):
     assert every == [(AT, rank) for rank in fault_ranks]  # rank 0's failing webhook hurts no one
     lowest = [(m["step"], m["rank"]) for m in _lines(str(tmp_path / "lowest.jsonl"))]
     assert lowest == [(AT, min(fault_ranks))]  # one message per incident, from the lowest rank
+    rank0 = [(m["step"], m["rank"]) for m in _lines(str(tmp_path / "rank0.jsonl"))]
+    assert rank0 == ([(AT, 0)] if 0 in fault_ranks else [])  # only what rank 0 itself saw
+    commanded = sorted((m["step"], m["rank"]) for m in _lines(str(tmp_path / "command.jsonl")))
+    assert commanded == every  # a program run per message, the message on its stdin
     for rank in (0, 1):  # each rank that saw the incident kept its evidence, with its batch
         bundles = list((tmp_path / "out" / "anomaly_detected" / f"rank{rank}").glob("bundle_incident*"))
         if rank in fault_ranks:
