@@ -186,27 +186,37 @@ class Collection(BaseCollection):
                 if switch:
                     self.fail(part, problem)
             grads = None
+        sources: dict[str, Callable[[int], ms.Tensor | None]] = {}
         if grads is not None and self._wanted("grad_reduced", cfg.wg_distribution):
-            self._guard("grad_reduced", self._submit_tensors, "grad_reduced", self._grad_of(grads))
+            sources["grad_reduced"] = self._grad_of(grads)
+        if not self.graph_mode and self._wanted("param_origin", cfg.param_distribution):
+            sources["param_origin"] = self._param
+        measured = self._measure_together(sources)
+        if "grad_reduced" in measured:
+            self._guard("grad_reduced", self._submit, "grad_reduced", *measured["grad_reduced"])
         if grads is not None and self._wanted("other", cfg.mg_direction):
             self._guard("other", self._submit_mg_direction, grads)
         if self.graph_mode:
             if self._origin is not None and self._origin[0] == self._step:
                 _, rows = self._rows["param_origin"]
                 self._guard("param_origin", self._submit, "param_origin", rows, self._origin[1])
-        elif self._wanted("param_origin", cfg.param_distribution):
-            self._guard("param_origin", self._submit_tensors, "param_origin", lambda i: self._param(i))
+        elif "param_origin" in measured:
+            self._guard("param_origin", self._submit, "param_origin", *measured["param_origin"])
 
     def after_update(self) -> None:
         """Optimizer Cell post-call: moments and parameters after the update; the step is written."""
         if not self.collect:
             return
         cfg = self.config
-        for key in ("exp_avg", "exp_avg_sq"):
-            if self._wanted(key, cfg.mv_distribution) and key in self.view.moments:
-                self._guard(key, self._submit_tensors, key, self._moment_of(key))
+        sources = {
+            key: self._moment_of(key)
+            for key in ("exp_avg", "exp_avg_sq")
+            if self._wanted(key, cfg.mv_distribution) and key in self.view.moments
+        }
         if self._wanted("param_updated", cfg.param_distribution):
-            self._guard("param_updated", self._submit_tensors, "param_updated", lambda i: self._param(i))
+            sources["param_updated"] = self._param
+        for prefix, (rows, values) in self._measure_together(sources).items():
+            self._guard(prefix, self._submit, prefix, rows, values)
         if self._wanted("ur", self.update_ratio):
             self._guard("ur", self._submit_update_histograms)
         self._end_step()
@@ -235,8 +245,8 @@ class Collection(BaseCollection):
         values = matrix.asnumpy() if isinstance(matrix, ms.Tensor) else np.asarray(matrix)
         self._record(prefix, rows, values, ops)
 
-    def _submit_tensors(self, prefix: str, tensor_of: Callable[[int], ms.Tensor | None]) -> None:
-        """Statistics of one tensor per monitored parameter (skipping parameters without one)."""
+    def _tensors(self, prefix: str, tensor_of: Callable[[int], ms.Tensor | None]) -> tuple[RowSet, list]:
+        """One tensor per monitored parameter (skipping parameters without one) and their rows."""
         index, rows = self._rows[prefix]
         tensors, present = [], []
         for position, i in enumerate(index):
@@ -246,7 +256,37 @@ class Collection(BaseCollection):
                 present.append(position)
         if len(present) != len(index):
             rows = rows.take(present)
-        self._submit(prefix, rows, self.engine.matrix(tensors))
+        return rows, tensors
+
+    def _measure_together(
+        self, sources: dict[str, Callable[[int], ms.Tensor | None]]
+    ) -> dict[str, tuple[RowSet, np.ndarray]]:
+        """Data type -> its rows and host statistics, for several data types read at one point of
+        the step, measured in one ``engine.matrix`` call: one wait for MindSpore's queue, one
+        kernel call and one host copy where each data type had its own. Should that call fail,
+        each data type is measured on its own, so that a failure switches off only its own."""
+        gathered: dict[str, tuple[RowSet, list]] = {}
+        for prefix, tensor_of in sources.items():
+            try:
+                gathered[prefix] = self._tensors(prefix, tensor_of)
+            except Exception as exc:
+                self.fail(prefix, exc)
+        try:
+            matrix = self.engine.matrix([tensor for _, tensors in gathered.values() for tensor in tensors])
+            values = matrix.asnumpy()
+        except Exception:
+            measured = {}
+            for prefix, (rows, tensors) in gathered.items():
+                try:
+                    measured[prefix] = (rows, self.engine.matrix(tensors).asnumpy())
+                except Exception as exc:
+                    self.fail(prefix, exc)
+            return measured
+        measured, start = {}, 0
+        for prefix, (rows, tensors) in gathered.items():
+            measured[prefix] = (rows, values[start : start + len(tensors)])
+            start += len(tensors)
+        return measured
 
     def _submit_update_histograms(self) -> None:
         """ur_distribution: histograms of every monitored parameter's Adam state, on the host."""
