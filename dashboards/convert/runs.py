@@ -174,7 +174,8 @@ def _parquet_tables(rank_dir: str, prefix: str) -> list[CsvTable]:
     files that cannot be read are skipped with a warning."""
     parts = rank_csv.list_parts(rank_dir, (prefix,)).get(prefix, [])
     warnings: list[str] = []
-    tables = rank_csv.read_parts(rank_dir, prefix, parts, (-(2**62), 2**62), warnings)
+    every_step = (-(2**62), 2**62)
+    tables = rank_csv.read_parts(rank_dir, prefix, parts, every_step, warnings)
     for warning in warnings:
         logger.warning("trainmon: %s", warning)
     return [
