@@ -271,6 +271,8 @@ class Collection(BaseCollection):
                 gathered[prefix] = self._tensors(prefix, tensor_of)
             except Exception as exc:
                 self.fail(prefix, exc)
+        if not gathered:
+            return {}
         try:
             matrix = self.engine.matrix([tensor for _, tensors in gathered.values() for tensor in tensors])
             values = matrix.asnumpy()

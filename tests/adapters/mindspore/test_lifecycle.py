@@ -204,6 +204,29 @@ def test_a_failing_part_is_logged_once_and_the_rest_goes_on(monkeypatch, caplog)
     mon.stop()
 
 
+def test_a_tensor_that_fails_the_shared_measurement_switches_off_only_its_data_type(monkeypatch, caplog):
+    """Moments and parameters after the update are measured in one call; when that call fails,
+    each data type is measured on its own, so only the one holding the bad tensor is lost."""
+    from adapters.mindspore import collection
+
+    moment_of = collection.Collection._moment_of
+
+    def exp_avg_unreadable(self, key):
+        return (lambda i: object()) if key == "exp_avg" else moment_of(self, key)
+
+    net, optimizer = _fresh()
+    monkeypatch.setattr(collection.Collection, "_moment_of", exp_avg_unreadable)
+    mon = TrainerMon({**DATA_TYPES["all"], "format": "api"})
+    mon.set_monitor(net, grad_acc_steps=1, optimizer=optimizer)
+    with caplog.at_level(logging.ERROR, logger="trainmon"):
+        train(net, optimizer, make_batches(2, 1))
+    failures = [r.getMessage().split()[1] for r in caplog.records if "switched off" in r.getMessage()]
+    assert failures == ["exp_avg"]
+    tasks = {tag.rsplit("/", 1)[1] for tag in {**mon.generate_mv_metrics(), **mon.generate_param_metrics()}}
+    assert tasks == {"exp_avg_sq", "param_origin", "param_updated"}
+    mon.stop()
+
+
 def test_a_restarted_collection_continues_in_the_same_directory(hook_calls):
     """The session's start()/stop() (what live control drives) work on MindSpore too."""
     net, optimizer = _fresh()
