@@ -98,6 +98,35 @@ def collected_among_idle(step: Callable[[], None], mon: Any, steps: int) -> list
     ]
 
 
+def paired_twins(plain: Callable[[], None], watched: Callable[[], None], rounds: int) -> list[float]:
+    """Two copies of a model, one unmonitored (``plain``) and one monitored (``watched``, its
+    writer's ``flush()`` inside; the first three rounds untimed), stepping in turn (each first in
+    every other round): per round, the monitored step's CPU time minus the unmonitored one's.
+    Adjacent steps share the machine's load and every step counts, so the mean of the differences
+    resolves the cost of a collected step to a few percent where single steps scatter by +-20%."""
+    for _ in range(3):
+        plain()
+        watched()
+    differences = []
+    for index in range(rounds):
+        first, second = (plain, watched) if index % 2 == 0 else (watched, plain)  # no order effect
+        cpu = time.process_time()
+        first()
+        middle = time.process_time()
+        second()
+        end = time.process_time()
+        first_cpu, second_cpu = middle - cpu, end - middle
+        differences.append(second_cpu - first_cpu if index % 2 == 0 else first_cpu - second_cpu)
+    return differences
+
+
+def mean_and_margin(values: list[float]) -> tuple[float, float]:
+    """The mean and its 95% margin (two standard errors)."""
+    mean = sum(values) / len(values)
+    spread = (sum((v - mean) ** 2 for v in values) / max(len(values) - 1, 1)) ** 0.5
+    return mean, 2 * spread / len(values) ** 0.5
+
+
 def attached_among_detached(step: Callable[[], None], mon: Any, steps: int) -> list[float]:
     """With ``mon`` set up never to collect (e.g. ``start_step`` far ahead) and stopped:
     attached on every other step (``start()`` and ``stop()`` untimed); per attached step, its CPU
