@@ -241,7 +241,7 @@ class Collection(BaseCollection):
     def _submit(
         self, prefix: str, rows: RowSet, matrix: ms.Tensor | np.ndarray, ops: tuple[str, ...] | None = None
     ) -> None:
-        # the one device-to-host copy of this data type and step
+        # a Tensor on the device: its one host copy (arrays come from a shared measurement)
         values = matrix.asnumpy() if isinstance(matrix, ms.Tensor) else np.asarray(matrix)
         self._record(prefix, rows, values, ops)
 
@@ -276,7 +276,14 @@ class Collection(BaseCollection):
         try:
             matrix = self.engine.matrix([tensor for _, tensors in gathered.values() for tensor in tensors])
             values = matrix.asnumpy()
-        except Exception:
+        except Exception as exc:
+            if "shared measurement" not in self._told:
+                self._told.add("shared measurement")
+                logger.warning(
+                    "trainmon: measuring %s together failed (%r); each is measured on its own (said once)",
+                    ", ".join(gathered),
+                    exc,
+                )
             measured = {}
             for prefix, (rows, tensors) in gathered.items():
                 try:

@@ -1,7 +1,7 @@
-"""Statistics of many MindSpore tensors at once, on their device, for one host copy per data type.
+"""Statistics of many MindSpore tensors at once, on their device, for one host copy per call.
 
 ``StatEngine(ops, eps).matrix(tensors)`` returns a float64 Tensor (len(tensors), len(ops)) on
-the tensors' device; ``.asnumpy()`` of it is the one device-to-host copy of a data type.
+the tensors' device; ``.asnumpy()`` of it is the one device-to-host copy of all those tensors.
 
 PyNative launches every operation separately, so the cost is the number of operations, not the
 number of elements, for the small and medium tensors that dominate a model's parameter list.

@@ -227,6 +227,28 @@ def test_a_tensor_that_fails_the_shared_measurement_switches_off_only_its_data_t
     mon.stop()
 
 
+def test_the_data_types_read_at_one_point_of_the_step_are_measured_in_one_call(monkeypatch):
+    """Parameters before the update in one call; both moments and the parameters after it in one
+    more: one wait for MindSpore's queue and one host copy at each point, not one per data type."""
+    from adapters.mindspore.stats import StatEngine
+
+    calls = []
+    matrix = StatEngine.matrix
+
+    def counted(self, tensors):
+        calls.append(len(tensors))
+        return matrix(self, tensors)
+
+    net, optimizer = _fresh()
+    monkeypatch.setattr(StatEngine, "matrix", counted)
+    mon = TrainerMon({"mv_distribution": True, "param_distribution": True, "format": "api"})
+    mon.set_monitor(net, grad_acc_steps=1, optimizer=optimizer)
+    train(net, optimizer, make_batches(1, 1))
+    mon.stop()
+    parameters = len(net.trainable_params())
+    assert calls == [parameters, 3 * parameters]
+
+
 def test_a_restarted_collection_continues_in_the_same_directory(hook_calls):
     """The session's start()/stop() (what live control drives) work on MindSpore too."""
     net, optimizer = _fresh()
