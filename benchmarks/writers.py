@@ -1,7 +1,7 @@
 """Scalars per second of the output writers, side by side in one run.
 
-Compares trainmon's TensorBoardWriter, torch's SummaryWriter.add_scalar once per scalar (what the
-reference does; skipped when torch is missing), trainmon's CsvWriter and its ParquetWriter (skipped
+Compares trainmon's TensorBoardWriter, torch's SummaryWriter.add_scalar once per scalar (what
+msprobe does; skipped when torch is missing), trainmon's CsvWriter and its ParquetWriter (skipped
 when pyarrow is missing; its time includes merging the steps' files into one at close).
 Each writer gets the same records; the time covers writing, the per-step flush and close. Every
 output is read back afterwards (not timed) and its scalar count checked.

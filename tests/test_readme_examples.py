@@ -33,6 +33,7 @@ def test_the_quick_start_records_the_gradients_the_optimizer_steps_with(tmp_path
     assert PLACEHOLDER in code, "the quick start's forward/backward placeholder changed"
     (tmp_path / "monitor_config.json").write_text(readme_block("json", '"targets"'))
     monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MONITOR_OUTPUT_DIR")  # the README's default output directory
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)

@@ -71,7 +71,7 @@ def _ops(jobs) -> list[str]:
             for part in [] if csv_files else live_prefixes(path, (prefix,)).get(prefix, []):
                 try:
                     found.update(dict.fromkeys(file_ops(part)))
-                except (ValueError, OSError):  # cut short: reading the values skips it and says so
+                except (ValueError, OSError, ImportError):  # reading the values skips it and says why
                     continue
     return sorted(found, key=lambda op: order_key(op, OP_ORDER))
 
@@ -159,7 +159,7 @@ def csv2db(
     *,
     progress: bool = True,
 ) -> str:
-    """Write the CSV outputs under ``monitor_path`` into one SQLite file; returns its path.
+    """Write the CSV (or live Parquet) outputs under ``monitor_path`` into one SQLite file; returns its path.
 
     ``output_path`` defaults to ``{monitor_path}/{time}-csv2db/monitor_metrics.db``; an existing file
     there is replaced (with a warning) once the new one is complete. Other arguments as csv2tb's.

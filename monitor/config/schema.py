@@ -38,7 +38,7 @@ logger = logging.getLogger("trainmon")
 
 #: statistics a config may ask for, in msprobe's spelling.
 KNOWN_OPS = ("min", "max", "norm", "zeros", "nans", "mean", "id")
-#: later reference versions always add these; they are not scalars, so we accept and ignore them.
+#: later msprobe versions always add these; they are not scalars, so we accept and ignore them.
 IGNORED_OPS = ("shape", "dtype")
 FORMATS = ("csv", "tensorboard", "parquet", "api")
 #: anomaly rules known to the config; the rule classes live in monitor.anomaly.rules.

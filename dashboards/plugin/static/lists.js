@@ -19,7 +19,7 @@ function history(baseline) {
 // The tag as the files have it; a root module's activation row (".input": msprobe names it by
 // an empty module name) also by its class, as the heatmap names it ("0:.input/rank0/actv (GPT.input)").
 function tagText(a) {
-  const rootRow = a.row && /^[.[]/.test(a.row[1]) && a.label && a.label !== a.row[1];
+  const rootRow = a.row && /^[.[]/.test(a.row[1]) && a.label && !/^(\d+:)?[.[]/.test(a.label);
   return rootRow ? `${a.tag} (${a.label})` : a.tag;
 }
 
