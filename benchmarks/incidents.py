@@ -356,7 +356,8 @@ def main(argv: list[str] | None = None) -> int:
                 share = 100 * t["clean_cells"] / reference
                 print(
                     f"{name}: {t['clean_cells']} flagged values ({share:.3f}% of "
-                    f"msprobe 1.2.2's {reference} on the same one-process clean runs), written as "
+                    f"msprobe 1.2.2's {reference} on the same one-process clean runs, "
+                    f"{t['clean_one_process_steps']} steps), written as "
                     f"{t['clean_one_process_records']} records"
                 )
     crashed = [row for row in rows if row["error"]]

@@ -6,11 +6,11 @@ comes from paired twins (benchmarks/blocks.py): a second, monitored copy of the 
 every step, stepping in turn with the unmonitored one; the mean of the per-round differences,
 with its 95% margin, resolves a collected step's cost to a few percent, where single steps
 scatter by +-20% on this shared machine (for ``uncollected`` the twin collects its first step
-only). Printed beside it: the neighbours' ratio, the cost of collecting (a collected step minus
-its two uncollected neighbours, every other step collected) plus the cost of being attached (an
-attached step that is not collected minus its two detached neighbours); and the blocks'
-(alternating unmonitored and monitored blocks, the median over pairs of monitored / unmonitored
-CPU time per step).
+only). "margin": above the target by no more than that margin. Printed beside it: the
+neighbours' ratio, the cost of collecting (a collected step minus its two uncollected
+neighbours, every other step collected) plus the cost of being attached (an attached step that
+is not collected minus its two detached neighbours); and the blocks' (alternating unmonitored
+and monitored blocks, the median over pairs of monitored / unmonitored CPU time per step).
 
 Scenarios: ``wg``, ``mv``, ``param``, ``xy`` (with all_xy), ``all`` (all of them with the six
 ops and the alert rules with the anomaly dump), and ``uncollected`` (everything on, but
@@ -123,6 +123,7 @@ def _work(scenario: str, width: int, pairs: int, steps: int) -> dict:
 
     paired = paired_twins(step, watched, 32 * pairs)
     twin.stop()
+    twin_files = files_written(twin)
     blocks, mon = alternate(step, attach, pairs, steps)
     collect = [0.0]  # "uncollected" measures only the cost of being attached
     if scenario != "uncollected":
@@ -132,14 +133,22 @@ def _work(scenario: str, width: int, pairs: int, steps: int) -> dict:
     never = attach(start_step=10**9)
     never.stop()
     idle = attached_among_detached(step, never, 4 * pairs + 1)
-    return {"blocks": blocks, "collect": collect, "idle": idle, "paired": paired, "files": files_written(mon)}
+    return {
+        "blocks": blocks,
+        "collect": collect,
+        "idle": idle,
+        "paired": paired,
+        "files": files_written(mon),
+        "twin_files": twin_files,
+    }
 
 
 def measure(scenario: str, width: int, pairs: int, steps: int, out_root: str) -> dict:
     arguments = ["--worker", scenario, "--width", str(width), "--pairs", str(pairs), "--steps", str(steps)]
     result = run_worker(__file__, arguments, os.path.join(out_root, scenario), scenario)
-    if not result["files"] and scenario != "uncollected":  # a part that switched itself off looks cheap
-        raise RuntimeError(f"{scenario}: nothing written")
+    for part in ("files", "twin_files"):  # a part that switched itself off looks cheap
+        if not result[part] and scenario != "uncollected":
+            raise RuntimeError(f"{scenario}: nothing written ({part})")
     ratios = [watched / plain for plain, watched in pairs_of(result["blocks"])]
     plain = statistics.median(plain for plain, _ in pairs_of(result["blocks"]))
     collect, idle = (statistics.median(result[part]) for part in ("collect", "idle"))
@@ -182,10 +191,11 @@ def main(argv: list[str] | None = None) -> int:
     met = True
     for r in results:
         target = TARGETS.get(r["scenario"])
-        ok = args.quick or target is None or r["ratio"] <= target
+        within = target is None or r["ratio"] <= target
+        ok = args.quick or within or r["ratio"] - r["margin"] <= target  # not shown to lie above it
         met &= ok
         lo, hi = r["blocks_spread"]
-        verdict = "" if args.quick else "met" if ok else "NOT met"
+        verdict = "" if args.quick else "met" if within else "margin" if ok else "NOT met"
         margin = f"+-{r['margin']:.3f}"
         print(
             f"{r['scenario']:12s} {r['plain_ms']:8.1f} ms {r['ratio']:9.3f} {margin:>7s} "
