@@ -34,11 +34,12 @@ import numpy as np
 
 from dashboards.convert.progress import run_jobs
 from dashboards.convert.runs import ConvertError, Series, job_label, read_series, select_jobs
-from dashboards.csvfiles import header_ops, list_csv_files
+from dashboards.csvfiles import header_ops
 from monitor import __version__
+from monitor.anomaly import rank_csv
 from monitor.datatypes.tasks import OP_ORDER, order_key
 from monitor.files import FILE_MODE, TIME_FORMAT
-from monitor.writers.parquet_files import file_ops, live_prefixes
+from monitor.writers.parquet_files import file_ops
 
 logger = logging.getLogger("trainmon")
 
@@ -65,12 +66,12 @@ def _ops(jobs) -> list[str]:
     found: dict[str, None] = {}
     for _, dirs, prefix in jobs:
         for path in dirs:
-            csv_files = list_csv_files(path).get(prefix, [])
-            for item in csv_files:
-                found.update(dict.fromkeys(header_ops(item.path)))
-            for part in [] if csv_files else live_prefixes(path, (prefix,)).get(prefix, []):
+            for part in rank_csv.list_parts(path, (prefix,)).get(prefix, []):
+                if not part.parquet:
+                    found.update(dict.fromkeys(header_ops(part.path)))
+                    continue
                 try:
-                    found.update(dict.fromkeys(file_ops(part)))
+                    found.update(dict.fromkeys(file_ops(part.path)))
                 except (ValueError, OSError, ImportError):  # reading the values skips it and says why
                     continue
     return sorted(found, key=lambda op: order_key(op, OP_ORDER))

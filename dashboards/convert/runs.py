@@ -22,11 +22,10 @@ import numpy as np
 import pandas as pd
 
 from dashboards.convert.commands import DATA_TYPES, MAX_PROCESSES
-from dashboards.csvfiles import CsvTable, list_csv_files, read_csv_files
+from dashboards.csvfiles import CsvTable, read_csv_files
 from monitor.anomaly import rank_csv
 from monitor.datatypes.tasks import RowKey
 from monitor.files import RANK_DIR_PATTERN, in_time_range, parse_time_tag, time_bounds
-from monitor.writers.parquet_files import live_prefixes
 
 logger = logging.getLogger("trainmon")
 
@@ -83,8 +82,7 @@ def found_types(dirs: Sequence[str]) -> list[str]:
     """The data types with CSV or live Parquet files in any of ``dirs``."""
     types: dict[str, None] = {}
     for path in dirs:
-        types.update(dict.fromkeys(list_csv_files(path)))
-        types.update(dict.fromkeys(live_prefixes(path)))
+        types.update(dict.fromkeys(rank_csv.list_parts(path)))
     return list(types)
 
 
@@ -169,17 +167,27 @@ class Series:
     skipped: int = 0
 
 
-def _parquet_tables(rank_dir: str, prefix: str) -> list[CsvTable]:
-    """A data type's live Parquet files in a rank directory, as CsvTables (one per set of ops);
-    files that cannot be read are skipped with a warning."""
+def _tables(rank_dir: str, prefix: str) -> list[CsvTable]:
+    """A data type's rows in a rank directory: its CSV files, or where it has none its live
+    Parquet files (``rank_csv.list_parts`` decides), one CsvTable per set of ops; Parquet files
+    that cannot be read are skipped with a warning."""
     parts = rank_csv.list_parts(rank_dir, (prefix,)).get(prefix, [])
+    if not any(part.parquet for part in parts):
+        return read_csv_files([part.path for part in parts])
     warnings: list[str] = []
     every_step = (-(2**62), 2**62)
     tables = rank_csv.read_parts(rank_dir, prefix, parts, every_step, warnings)
     for warning in warnings:
         logger.warning("trainmon: %s", warning)
     return [
-        CsvTable(t.ops, t.vpp.astype(np.int64), [t.names[c] for c in t.codes], t.micro, t.steps, t.values)
+        CsvTable(
+            t.ops,
+            t.vpp.astype(np.int64),
+            np.array(t.names, dtype=object)[t.codes].tolist(),
+            t.micro,
+            t.steps,
+            t.values,
+        )
         for t in tables
     ]
 
@@ -187,12 +195,7 @@ def _parquet_tables(rank_dir: str, prefix: str) -> list[CsvTable]:
 def read_series(dirs: Sequence[str], prefix: str) -> Series | None:
     """All rows of ``prefix`` in ``dirs`` (in order; later files win on a repeated (row, step)): a
     directory's CSV files, or where it has none its live Parquet files."""
-    tables: list[CsvTable] = []
-    for path in dirs:
-        csv_files = list_csv_files(path).get(prefix, [])
-        tables += (
-            read_csv_files([item.path for item in csv_files]) if csv_files else _parquet_tables(path, prefix)
-        )
+    tables = [table for path in dirs for table in _tables(path, prefix)]
     skipped = sum(t.skipped for t in tables)
     tables = [t for t in tables if len(t)]
     if not tables:
