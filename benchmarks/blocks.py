@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -122,9 +123,8 @@ def paired_twins(plain: Callable[[], None], watched: Callable[[], None], rounds:
 
 def mean_and_margin(values: list[float]) -> tuple[float, float]:
     """The mean and its 95% margin (two standard errors)."""
-    mean = sum(values) / len(values)
-    spread = (sum((v - mean) ** 2 for v in values) / max(len(values) - 1, 1)) ** 0.5
-    return mean, 2 * spread / len(values) ** 0.5
+    spread = statistics.stdev(values) if len(values) > 1 else 0.0
+    return statistics.fmean(values), 2 * spread / len(values) ** 0.5
 
 
 def attached_among_detached(step: Callable[[], None], mon: Any, steps: int) -> list[float]:

@@ -95,27 +95,31 @@ class StepReads:
             handle.remove()
 
 
+def _records(output_dir: str):
+    """(data type, CSV row as a dict) of every CSV file of a rank directory."""
+    for file in os.listdir(output_dir):
+        if file.endswith(".csv"):
+            for record in pd.read_csv(os.path.join(output_dir, file)).to_dict("records"):
+                yield file.rsplit("_", 1)[0], record
+
+
 def written_rows(output_dir: str) -> dict[tuple[str, str, int], dict[str, float]]:
     """Every CSV row of a rank directory: (data type, parameter name, step) -> {op: value}."""
-    rows = {}
-    for file in os.listdir(output_dir):
-        if not file.endswith(".csv"):
-            continue
-        prefix = file.rsplit("_", 1)[0]
-        for record in pd.read_csv(os.path.join(output_dir, file)).to_dict("records"):
-            rows[(prefix, record["name"], int(record["step"]))] = {op: float(record[op]) for op in ALL_OPS}
-    return rows
+    return {
+        (prefix, record["name"], int(record["step"])): {op: float(record[op]) for op in ALL_OPS}
+        for prefix, record in _records(output_dir)
+    }
 
 
 def written_micro_rows(output_dir: str, prefix: str) -> dict[tuple[str, int, int], dict[str, float]]:
     """The CSV rows of one data type with a micro-step: (parameter name, step, micro-step) -> {op: value}."""
-    rows = {}
-    for file in os.listdir(output_dir):
-        if file.endswith(".csv") and file.rsplit("_", 1)[0] == prefix:
-            for record in pd.read_csv(os.path.join(output_dir, file)).to_dict("records"):
-                key = (record["name"], int(record["step"]), int(record["micro_step"]))
-                rows[key] = {op: float(record[op]) for op in ALL_OPS}
-    return rows
+    return {
+        (record["name"], int(record["step"]), int(record["micro_step"])): {
+            op: float(record[op]) for op in ALL_OPS
+        }
+        for kind, record in _records(output_dir)
+        if kind == prefix
+    }
 
 
 def compare(reads: dict[int, dict[str, dict[str, np.ndarray]]], rows: dict, what: str = "") -> int:
