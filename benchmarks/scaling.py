@@ -13,8 +13,9 @@ divided by N, is the cost per tensor. For comparison the process also trains in 
 unmonitored and monitored blocks ("blocks": the median over pairs of B - A); on this shared
 machine single pairs of blocks scatter by +-20 us a tensor, neighbouring steps far less.
 
-With ``--ranks 2`` the model is wrapped in DDP (or, with ``--sharding fsdp2``, sharded by
-FSDP2 in units of 100 layers) and trained on that many gloo ranks, each on its own data; rank
+With ``--ranks 2`` the model is wrapped in DDP (``--sharding ddp-inner``: in DDP too, the monitor
+given the model inside the wrapper, as the trainers' callbacks are; ``--sharding fsdp2``: sharded
+by FSDP2 in units of 100 layers) and trained on that many gloo ranks, each on its own data; rank
 0's CPU time is reported (each rank spends the same). There the hooks see each gradient before
 the reduction and ``grad_reduced`` is measured again after it (FSDP2: this rank's shard).
 
@@ -69,7 +70,7 @@ TARGET_GROWTH = 1.25
 
 
 #: how a model on several ranks is wrapped
-SHARDINGS = ("ddp", "fsdp2")
+SHARDINGS = ("ddp", "ddp-inner", "fsdp2")
 #: layers of one FSDP2 unit
 FSDP_UNIT = 100
 
@@ -131,6 +132,8 @@ def _train(count: int, scenario: str, pairs: int, steps: int, sharding: str) -> 
         fully_shard(model)
     elif dist.is_initialized():
         model = nn.parallel.DistributedDataParallel(model)
+    # the model inside the DDP wrapper, as the trainers' callbacks are given it
+    watched = model.module if sharding == "ddp-inner" and dist.is_initialized() else model
     if dist.is_initialized():
         torch.manual_seed(dist.get_rank() + 1)  # each rank its own data
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
@@ -143,7 +146,7 @@ def _train(count: int, scenario: str, pairs: int, steps: int, sharding: str) -> 
 
     def attach(**extra: int) -> TrainerMon:
         mon = TrainerMon({"targets": {}, "ops": OPS, **SCENARIOS[scenario], **extra})
-        mon.set_monitor(model, grad_acc_steps=1, optimizer=optimizer)
+        mon.set_monitor(watched, grad_acc_steps=1, optimizer=optimizer)
         return mon
 
     blocks, mon = alternate(step, attach, pairs, steps)

@@ -86,6 +86,7 @@ class Collection(BaseCollection):
         output_dir: str | None = None,
         collectives: Any = None,
         last_micro_batch: Callable[[], bool] | None = None,
+        ddp: Sequence[torch.nn.Module] | None = None,
     ) -> None:
         super().__init__(config, rank, first_step)
         self.backend = backend
@@ -110,7 +111,7 @@ class Collection(BaseCollection):
             torch_grads = type(backend) is TorchBackend and not self.registry.main_grad
             self.grads.keep_measured = torch_grads and world_size() == 1
             self.grads.measure_at_pass_end = torch_grads and (
-                world_size() == 1 or ddp_reduces_after_pass_end(chunks)
+                world_size() == 1 or ddp_reduces_after_pass_end(ddp)
             )
             self.grads.sum_micro_batches = backend.frees_micro_batch_grads
         self._rows = self._build_rows(tp_group, dp_group)

@@ -23,6 +23,7 @@ from adapters.torch.compiled import has_compiled_modules, recompile_with_hooks, 
 from adapters.torch.dist import (
     StoreChannel,
     any_rank,
+    ddp_wrappers,
     global_rank,
     pipeline_info,
     schedule_channel,
@@ -67,7 +68,12 @@ class TorchSession(SessionLifecycle):
         self._in_closure = False
         #: the optimizer was called with a closure whose end has not been seen yet.
         self._closure_pending = False
-        self.ddp_chunks = [c for c in self.chunks if isinstance(c, torch.nn.parallel.DistributedDataParallel)]
+        #: the DDP modules that reduce the model's gradients: the chunks that are one, or those
+        #: found around the chunks (None where a chunk has none)
+        self.ddp_wrappers = ddp_wrappers(self.chunks)
+        self.ddp_chunks = self.ddp_wrappers or [
+            c for c in self.chunks if isinstance(c, torch.nn.parallel.DistributedDataParallel)
+        ]
         #: per DDP chunk: whether its latest training forward will have its backward reduced; and
         #: the chunks that ran a forward since the last optimizer step
         self._ddp_syncing: dict[int, bool] = {}
@@ -108,8 +114,11 @@ class TorchSession(SessionLifecycle):
         self._ddp_forwarded.add(key)
 
     def _ddp_syncs(self, chunk: torch.nn.Module) -> bool:
-        """Whether DDP reduces the backward of ``chunk``'s latest forward."""
-        return self._ddp_syncing.get(id(chunk), bool(chunk.require_backward_grad_sync))
+        """Whether DDP reduces the backward of ``chunk``'s latest forward. A wrapper found around
+        the model (not given) counts only once its forward was seen: one left by an earlier run
+        never runs one."""
+        given = any(chunk is c for c in self.chunks)
+        return self._ddp_syncing.get(id(chunk), given and bool(chunk.require_backward_grad_sync))
 
     def _last_micro_batch(self) -> bool:
         return any(boundary() for boundary in self._boundaries)
@@ -146,6 +155,7 @@ class TorchSession(SessionLifecycle):
             output_dir=self._output_dir,
             collectives=self.collectives if self.config.cc_distribution.enable else None,
             last_micro_batch=self._last_micro_batch,
+            ddp=self.ddp_wrappers,
         )
         if collection.module_hooks and (self.compiled or has_compiled_modules(self.chunks)):
             recompile_with_hooks(", ".join(collection.module_hooks))

@@ -100,9 +100,13 @@ def test_a_bad_config_fails_when_the_callback_is_built():
 
 
 def _ddp_worker(rank: int, world_size: int, workdir: str) -> None:
+    from adapters.torch import collection
+    from adapters.torch.dist import ddp_reduces_after_pass_end as reduces
     from tests.integrations.hf_run import train
 
     os.environ.update(LOCAL_RANK=str(rank), MONITOR_OUTPUT_DIR=os.path.join(workdir, "out"))
+    verdicts = []
+    collection.ddp_reduces_after_pass_end = lambda chunks: verdicts.append(reduces(chunks)) or verdicts[-1]
     reads, callback, trainer = train(os.path.join(workdir, f"run{rank}"))
     rows = written_rows(callback.monitor.output_dir)
     compared = compare(reads.steps, rows, f"hf rank {rank}")
@@ -116,6 +120,7 @@ def _ddp_worker(rank: int, world_size: int, workdir: str) -> None:
             "micro_batches": reads.micro_batches,
             "ddp": type(trainer.model_wrapped).__name__,
             "norms": {f"{n}@{s}": v["norm"] for (_, n, s), v in sorted(unreduced.items())},
+            "measured_at_pass_end": verdicts,
         },
     )
 
@@ -129,3 +134,6 @@ def test_two_ddp_ranks_each_record_their_own_gradients(tmp_path):
     assert all(1 in r["micro_batches"] and 2 in r["micro_batches"] for r in results)  # ragged last steps
     differing = [k for k, v in results[0]["norms"].items() if v != results[1]["norms"][k]]
     assert differing, "each rank's unreduced gradient is its own, so they differ"
+    # the model handed to the callback is inside the DDP wrapper, which is found: the gradients
+    # are measured together at the backward pass's end, not in a hook each
+    assert all(r["measured_at_pass_end"] == [True] for r in results)

@@ -47,6 +47,8 @@ def test_a_loss_scaler_running_the_closure_itself_keeps_the_short_steps_gradient
 
 
 def _ddp_worker(rank: int, world_size: int, workdir: str) -> None:
+    from adapters.torch import collection
+    from adapters.torch.dist import ddp_reduces_after_pass_end as reduces
     from tests.integrations.lightning_run import train
 
     # what torchrun sets: Lightning then joins the existing process group instead of launching
@@ -57,6 +59,8 @@ def _ddp_worker(rank: int, world_size: int, workdir: str) -> None:
         TORCHELASTIC_RUN_ID="trainmon-test",
         MONITOR_OUTPUT_DIR=os.path.join(workdir, "out"),
     )
+    verdicts = []
+    collection.ddp_reduces_after_pass_end = lambda chunks: verdicts.append(reduces(chunks)) or verdicts[-1]
     reads, callback, trainer = train(os.path.join(workdir, f"run{rank}"), grad_acc=2)
     rows = written_rows(callback.monitor.output_dir)
     compared = compare(reads.steps, rows, f"lightning rank {rank}")
@@ -69,6 +73,7 @@ def _ddp_worker(rank: int, world_size: int, workdir: str) -> None:
             "steps": sorted(reads.steps),
             "strategy": type(trainer.strategy).__name__,
             "norms": {f"{n}@{s}": v["norm"] for (_, n, s), v in sorted(unreduced.items())},
+            "measured_at_pass_end": verdicts,
         },
     )
 
@@ -81,6 +86,9 @@ def test_two_ddp_ranks_each_record_their_own_gradients(tmp_path):
     assert all(r["compared"] > 0 for r in results)
     differing = [k for k, v in results[0]["norms"].items() if v != results[1]["norms"][k]]
     assert differing, "each rank's unreduced gradient is its own, so they differ"
+    # the model handed to the callback is inside the DDP wrapper, which is found: the gradients
+    # are measured together at the backward pass's end, not in a hook each
+    assert all(r["measured_at_pass_end"] == [True] for r in results)
 
 
 def test_per_micro_batch_rows_are_each_micro_batchs_own_gradient(tmp_path):

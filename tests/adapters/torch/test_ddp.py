@@ -7,7 +7,8 @@ equal on both ranks. Every statistic is checked against numpy on copies made in 
 With DDP's defaults the gradients are measured together at the backward pass's end, before DDP
 writes its reduction back; with the gradients as views of DDP's buckets (reduced in place during
 the pass) or a static graph (reduced from a callback queued before the pass's first gradient),
-each is measured in its own hook: both give the rank's own gradient.
+each is measured in its own hook: both give the rank's own gradient. The same holds when the
+monitor is given the model inside the DDP wrapper rather than the wrapper.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ def _worker(rank: int, world_size: int, workdir: str) -> None:
     replica = MLP()
     replica.load_state_dict(model.state_dict())
     options = json.loads(os.environ.get("DDP_OPTIONS", "{}"))
+    attach_inner = options.pop("attach_inner", False)
     ddp = DistributedDataParallel(model, **options)
     # a static graph cannot take steps of different lengths: one micro-batch a step there
     micro_batches = (1,) * STEPS if options.get("static_graph") else MICRO_BATCHES
@@ -58,7 +60,7 @@ def _worker(rank: int, world_size: int, workdir: str) -> None:
             "format": "csv",
         }
     )
-    mon.set_monitor(ddp, grad_acc_steps=max(micro_batches), optimizer=optimizer)
+    mon.set_monitor(model if attach_inner else ddp, grad_acc_steps=max(micro_batches), optimizer=optimizer)
     result = {"unreduced_norm": [], "reduced_norm": []}
     result["at_pass_end"] = mon._session.collection.grads.measure_at_pass_end
     with trainmon_records() as records:
@@ -148,7 +150,14 @@ def _worker_without_no_sync(rank: int, world_size: int, workdir: str) -> None:
 
 @pytest.mark.parametrize(
     ("options", "at_pass_end"),
-    [({}, True), ({"gradient_as_bucket_view": True}, False), ({"static_graph": True}, False)],
+    [
+        ({}, True),
+        ({"gradient_as_bucket_view": True}, False),
+        ({"static_graph": True}, False),
+        # the model inside the wrapper, as trainers hand it to their callbacks: its wrapper is found
+        ({"attach_inner": True}, True),
+        ({"attach_inner": True, "gradient_as_bucket_view": True}, False),
+    ],
 )
 def test_unreduced_is_each_ranks_own_and_reduced_is_shared(tmp_path, options, at_pass_end):
     rank0, rank1 = run_ranks(_worker, 2, str(tmp_path), {"DDP_OPTIONS": json.dumps(options)})
