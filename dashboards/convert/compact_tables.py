@@ -57,6 +57,7 @@ INCIDENTS = (
     ("root_rule", "VARCHAR"),
     ("evidence", "VARCHAR"),
     ("batch_ids", "VARCHAR"),
+    ("step_batch_ids", "VARCHAR"),
     ("records", "BIGINT"),
 )
 
@@ -193,6 +194,7 @@ def _incident_rows(anomaly_dirs: list[str]) -> list[tuple]:
                     root.get("rule"),
                     json.dumps(i.get("evidence", [])),
                     json.dumps(i.get("batch_ids", [])),
+                    json.dumps(i.get("step_batch_ids", {})),
                     len(records) + (_int_or_none(i.get("more_records")) or 0),
                 )
             )

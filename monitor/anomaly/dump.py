@@ -7,7 +7,7 @@ records (op, value, baseline, rule, ratios), which msprobe's format has no room 
 
     {"version": 1, "rank": R, "incidents": [{"id", "rank", "ranks", "onset_step",
      "onset_micro_step", "state", "last_abnormal_step", "closed_step", "abnormal_steps",
-     "tensors", "data_types", "root", "evidence", "records", "batch_ids"}, ...]}
+     "tensors", "data_types", "root", "evidence", "records", "batch_ids", "step_batch_ids"}, ...]}
 
 When the training loop names its micro-batches (``TrainerMon.set_batch_ids``), ``skip_batches.json``
 lists, for data-pipeline tooling, the micro-batches where each incident began:

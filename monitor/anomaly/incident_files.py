@@ -102,6 +102,7 @@ class MergedIncident:
             "evidence": self.evidence,
             "members": [{"rank": m["rank"], "id": m["id"]} for m in self.members],
             "batch_ids": self.batch_ids,
+            "step_batch_ids": self.step_batch_ids,
         }
 
     @property
@@ -113,6 +114,18 @@ class MergedIncident:
             for entry in m.get("batch_ids", [])
             if isinstance(entry, dict)
         ]
+
+    @property
+    def step_batch_ids(self) -> list[dict[str, Any]]:
+        """Every micro-batch of each step at which records joined, on every rank:
+        ``{"rank", "step", "ids"}`` (``ids``: one entry per micro-batch), to look up any record's."""
+        entries = []
+        for m in self.members:
+            by_step = m.get("step_batch_ids")
+            if isinstance(by_step, dict):
+                steps = sorted(int(step) for step in by_step if str(step).isdigit())
+                entries += [{"rank": m["rank"], "step": step, "ids": by_step[str(step)]} for step in steps]
+        return entries
 
 
 def load_incidents(paths: list[str]) -> list[dict[str, Any]]:

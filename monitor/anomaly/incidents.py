@@ -58,6 +58,9 @@ class Incident:
     #: ids of the micro-batches where it began (``TrainerMon.set_batch_ids``): the onset
     #: micro-batch's when the root is per micro-batch, else every micro-batch of the step.
     batch_ids: list[dict[str, Any]] = field(default_factory=list)
+    #: step -> the ids of each of its micro-batches, for every step at which records kept in
+    #: full joined (the onset's included): any record's micro-batch, by its step and micro_step.
+    step_batch_ids: dict[int, list[Any]] = field(default_factory=dict)
 
     @property
     def tensors(self) -> int:
@@ -87,6 +90,7 @@ class Incident:
             "records": self.records,
             "more_records": self.more_records,
             "batch_ids": self.batch_ids,
+            "step_batch_ids": {str(step): ids for step, ids in sorted(self.step_batch_ids.items())},
         }
 
     def announcement(self) -> str:
@@ -161,14 +165,20 @@ class IncidentTracker:
         stays is abnormal at every step)."""
         return bool(self._now)
 
-    def end_step(self, step: int) -> tuple[Incident | None, Incident | None]:
-        """Close the step: ``(incident opened, incident closed)`` at this step, either may be None."""
+    def end_step(
+        self, step: int, step_ids: list[Any] | None = None
+    ) -> tuple[Incident | None, Incident | None]:
+        """Close the step: ``(incident opened, incident closed)`` at this step, either may be None.
+        ``step_ids``: the ids of each micro-batch of the step, where the loop named them."""
         opened = closed = None
         self._last_step = step
         new, abnormal = self._new, bool(self._now)
         self._before, self._now, self._recorded, self._new = self._now, set(), set(), []
         if self.open is None and new:
             opened = self.open = self._start(step, new)
+            if step_ids:
+                opened.batch_ids = onset_batches(opened.root, step_ids)
+                opened.step_batch_ids[step] = step_ids
             self.incidents.append(opened)
             self.changed = True
             return opened, None
@@ -179,6 +189,8 @@ class IncidentTracker:
             room = max(MAX_RECORDS - len(incident.records), 0)
             incident.records += [cell.details() for cell in new[:room]]
             incident.more_records += len(new) - min(room, len(new))
+            if step_ids and room:
+                incident.step_batch_ids[step] = step_ids
             self.changed = True
         if abnormal:
             self._quiet = 0
@@ -255,11 +267,9 @@ class AnomalySink:
                 self.dump.add(new)
 
     def end_step(self, step: int) -> None:
-        opened, closed = self.tracker.end_step(step)
         step_ids = self._batch_ids.pop(step, None)
         self._batch_ids = {s: ids for s, ids in self._batch_ids.items() if s > step}
-        if opened is not None and step_ids:
-            opened.batch_ids = onset_batches(opened.root, step_ids)
+        opened, closed = self.tracker.end_step(step, step_ids)
         if opened is not None:
             logger.warning("%s", opened.announcement())
             if self.on_open is not None:

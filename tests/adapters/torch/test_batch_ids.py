@@ -3,8 +3,10 @@
 Each micro-batch of real training (accumulation 2) is named by the sample indices it holds; a NaN
 is injected at step AT, either into one micro-batch's activations (the incident must name that
 micro-batch alone) or into a gradient after backward (no micro-batch can be told: every
-micro-batch of the step is named). The ids are read back from incidents.json, skip_batches.json,
-the alert message and anomaly-analyse's output, and compared with the indices the test fed.
+micro-batch of the step is named). With activations, a second NaN enters the first layer's
+output at the next step, while the incident is open: its record joins the incident, which then
+also holds that step's ids. The ids are read back from incidents.json, skip_batches.json, the
+alert message and anomaly-analyse's output, and compared with the indices the test fed.
 """
 
 from __future__ import annotations
@@ -47,13 +49,18 @@ def _train(tmp_path, where: str) -> tuple[TrainerMon, dict]:
     mon = TrainerMon(config).set_monitor(model, MICRO, optimizer)
     position = {"step": 0, "micro": 0}
 
-    def poison(module, args, output):
-        if (position["step"], position["micro"]) == (AT, 1):
-            output = output.clone()
-            output[0, 0] = float("nan")
-        return output
+    def poison_at(step: int, micro: int):
+        def poison(module, args, output):
+            if (position["step"], position["micro"]) == (step, micro):
+                output = output.clone()
+                output[0, 0] = float("nan")
+            return output
 
-    model.layers[1].register_forward_hook(poison)
+        return poison
+
+    model.layers[1].register_forward_hook(poison_at(AT, 1))
+    if where == "activation":
+        model.layers[0].register_forward_hook(poison_at(AT + 1, 0))
     for step in range(STEPS):
         for micro in range(MICRO):
             position.update(step=step, micro=micro)
@@ -66,7 +73,7 @@ def _train(tmp_path, where: str) -> tuple[TrainerMon, dict]:
             model.layers[2].weight.grad[0, 0] = float("nan")
         optimizer.step()
         optimizer.zero_grad()
-        if step == AT:  # whatever the fault did to the weights, the next steps start clean
+        if step in (AT, AT + 1):  # whatever the faults did to the weights, the next steps start clean
             with torch.no_grad():
                 for p in model.parameters():
                     p.nan_to_num_(0.0)
@@ -90,6 +97,10 @@ def test_incident_names_the_micro_batches_where_it_began(tmp_path, monkeypatch, 
     rank_dir = tmp_path / "anomaly_detected" / "rank0"
     document = json.loads((rank_dir / "incidents.json").read_text())
     assert document["incidents"][0]["batch_ids"] == expected
+    fed = {step: [_indices(step, 0), {"samples": _indices(step, 1)}] for step in (AT, AT + 1)}
+    joined = [AT, AT + 1] if where == "activation" else [AT]
+    assert len(mon.incidents) == 1 and sorted({r["step"] for r in incident.records}) == joined
+    assert document["incidents"][0]["step_batch_ids"] == {str(step): fed[step] for step in joined}
     skip = json.loads((rank_dir / "skip_batches.json").read_text())
     assert skip["batches"] == [{"incident": 1, "step": AT, **entry} for entry in expected]
     analysed = subprocess.run(
@@ -110,6 +121,7 @@ def test_incident_names_the_micro_batches_where_it_began(tmp_path, monkeypatch, 
     assert line in analysed.stdout
     merged = json.loads((tmp_path / "incidents_analyse.json").read_text())["incidents"][0]
     assert merged["batch_ids"] == [{"rank": 0, "step": AT, **entry} for entry in expected]
+    assert merged["step_batch_ids"] == [{"rank": 0, "step": step, "ids": fed[step]} for step in joined]
 
 
 def test_batch_ids_must_be_json(tmp_path, monkeypatch):
