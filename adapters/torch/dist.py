@@ -81,21 +81,22 @@ def ddp_reduces_after_pass_end(wrappers: Sequence[torch.nn.Module] | None) -> bo
     )
 
 
-def ddp_wrappers(chunks: Sequence[torch.nn.Module]) -> list[torch.nn.Module] | None:
+def ddp_wrappers(chunks: Sequence[torch.nn.Module], look_around: bool = True) -> list[torch.nn.Module] | None:
     """The DDP modules that reduce the chunks' gradients, or None where a chunk has none.
 
     A chunk is its own when it is a DDP module. A trainer (Hugging Face's, Lightning's) hands its
     callbacks the model inside its DDP wrapper, which the model does not point back to: with a
-    process group, those wrappers are looked for among the process's live objects, once, at
-    attach (about 0.1 s per 350,000 objects). A wrapper of an earlier run not yet collected may
-    be found too; every one found is returned, so that a verdict on them holds for all.
+    process group and ``look_around``, those wrappers are looked for among the process's live
+    objects, once, at attach (about 0.1 s per 350,000 objects). A wrapper of an earlier run not
+    yet collected may be found too; every one found is returned, so that a verdict on them holds
+    for all.
     """
     ddp = torch.nn.parallel.DistributedDataParallel
     wrappers = [chunk for chunk in chunks if isinstance(chunk, ddp)]
     inner = [chunk for chunk in chunks if not isinstance(chunk, ddp)]
     if not inner:
         return wrappers
-    if not initialized():
+    if not (look_around and initialized()):
         return None
     # the type, not isinstance: a proxy's __class__ could run code of its own
     around = [obj for obj in gc.get_objects() if issubclass(type(obj), ddp)]

@@ -69,8 +69,9 @@ class TorchSession(SessionLifecycle):
         #: the optimizer was called with a closure whose end has not been seen yet.
         self._closure_pending = False
         #: the DDP modules that reduce the model's gradients: the chunks that are one, or those
-        #: found around the chunks (None where a chunk has none)
-        self.ddp_wrappers = ddp_wrappers(self.chunks)
+        #: found around the chunks (None where a chunk has none); looked for with torch's own
+        #: optimizers only (DeepSpeed, Megatron and FSDP reduce without torch's DDP)
+        self.ddp_wrappers = ddp_wrappers(self.chunks, look_around=type(self.backend) is TorchBackend)
         self.ddp_chunks = self.ddp_wrappers or [
             c for c in self.chunks if isinstance(c, torch.nn.parallel.DistributedDataParallel)
         ]
