@@ -138,6 +138,8 @@ def test_without_the_installed_package_the_help_says_where_the_missing_commands_
 
     from monitor import cli
 
+    # this checkout is installed, so its entry points exist: an uninstalled tree is stood in for
+    # by an empty entry-point group (installing and uninstalling here would take minutes)
     monkeypatch.setattr(metadata, "entry_points", lambda group: [])
     with pytest.raises(SystemExit):
         cli.main(["--help"])

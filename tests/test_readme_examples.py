@@ -53,6 +53,7 @@ def test_the_quick_start_records_the_gradients_the_optimizer_steps_with(tmp_path
     assert {"grad_reduced", "grad_unreduced", "exp_avg", "exp_avg_sq"} <= written
     frame = pd.concat(pd.read_csv(path) for path in rank_dir.glob("grad_reduced_*.csv"))
     assert sorted(set(frame["step"])) == [0, 1, 2]
+    assert len(stepped) == 3  # the optimizer's gradients were read at every step
     for step, norms in enumerate(stepped):
         rows = frame[frame["step"] == step].set_index("name")["norm"]
         assert dict(rows) == pytest.approx(norms, rel=1e-5)

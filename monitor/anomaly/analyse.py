@@ -119,7 +119,11 @@ def parse_step_list(text: str | list[int] | None) -> frozenset[int] | None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Define the flags on a parser (standalone or a ``trainmon anomaly-analyse`` subparser)."""
     parser.add_argument(
-        "-d", "--data_path", required=True, metavar="DIR", help="directory holding <sub-dir>/anomaly.json (or the output root above it)"
+        "-d",
+        "--data_path",
+        required=True,
+        metavar="DIR",
+        help="directory holding <sub-dir>/anomaly.json (or the output root above it)",
     )
     parser.add_argument(
         "-o", "--out_path", default=None, metavar="OUT", help="output directory (default: DIR; created)"

@@ -84,7 +84,7 @@ def test_many_files_at_once_equal_one_by_one(tmp_path, engine):
     paths.append(_write(tmp_path / "g_32-32.csv", HEADER + "0,bad,x,1,2\n0,good,32,1,2\n"))
     paths.append(_write(tmp_path / "g_33-33.csv", ""))
     together = read_csv_files(paths)
-    for path, table in zip(paths, together):
+    for path, table in zip(paths, together, strict=True):
         alone = read_csv_file(path)
         assert table.ops == alone.ops and table.names == alone.names and table.skipped == alone.skipped
         assert np.array_equal(table.values, alone.values) and np.array_equal(table.steps, alone.steps)

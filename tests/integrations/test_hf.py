@@ -105,8 +105,14 @@ def _ddp_worker(rank: int, world_size: int, workdir: str) -> None:
     from tests.integrations.hf_run import train
 
     os.environ.update(LOCAL_RANK=str(rank), MONITOR_OUTPUT_DIR=os.path.join(workdir, "out"))
-    verdicts = []
-    collection.ddp_reduces_after_pass_end = lambda chunks: verdicts.append(reduces(chunks)) or verdicts[-1]
+    verdicts, found = [], []
+
+    def spy(wrappers):
+        found.append(wrappers)
+        verdicts.append(reduces(wrappers))
+        return verdicts[-1]
+
+    collection.ddp_reduces_after_pass_end = spy
     reads, callback, trainer = train(os.path.join(workdir, f"run{rank}"))
     rows = written_rows(callback.monitor.output_dir)
     compared = compare(reads.steps, rows, f"hf rank {rank}")
@@ -121,6 +127,7 @@ def _ddp_worker(rank: int, world_size: int, workdir: str) -> None:
             "ddp": type(trainer.model_wrapped).__name__,
             "norms": {f"{n}@{s}": v["norm"] for (_, n, s), v in sorted(unreduced.items())},
             "measured_at_pass_end": verdicts,
+            "found_the_trainers_wrapper": [any(w is trainer.model_wrapped for w in f or ()) for f in found],
         },
     )
 
@@ -137,3 +144,4 @@ def test_two_ddp_ranks_each_record_their_own_gradients(tmp_path):
     # the model handed to the callback is inside the DDP wrapper, which is found: the gradients
     # are measured together at the backward pass's end, not in a hook each
     assert all(r["measured_at_pass_end"] == [True] for r in results)
+    assert all(r["found_the_trainers_wrapper"] == [True] for r in results)

@@ -59,8 +59,14 @@ def _ddp_worker(rank: int, world_size: int, workdir: str) -> None:
         TORCHELASTIC_RUN_ID="trainmon-test",
         MONITOR_OUTPUT_DIR=os.path.join(workdir, "out"),
     )
-    verdicts = []
-    collection.ddp_reduces_after_pass_end = lambda chunks: verdicts.append(reduces(chunks)) or verdicts[-1]
+    verdicts, found = [], []
+
+    def spy(wrappers):
+        found.append(wrappers)
+        verdicts.append(reduces(wrappers))
+        return verdicts[-1]
+
+    collection.ddp_reduces_after_pass_end = spy
     reads, callback, trainer = train(os.path.join(workdir, f"run{rank}"), grad_acc=2)
     rows = written_rows(callback.monitor.output_dir)
     compared = compare(reads.steps, rows, f"lightning rank {rank}")
@@ -74,6 +80,11 @@ def _ddp_worker(rank: int, world_size: int, workdir: str) -> None:
             "strategy": type(trainer.strategy).__name__,
             "norms": {f"{n}@{s}": v["norm"] for (_, n, s), v in sorted(unreduced.items())},
             "measured_at_pass_end": verdicts,
+            # the strategy unwraps its model at the end of fit: the one wrapper found holds the module
+            "found_the_trainers_wrapper": [
+                len(f or ()) == 1 and any(m is trainer.lightning_module for m in f[0].modules())
+                for f in found
+            ],
         },
     )
 
@@ -89,6 +100,7 @@ def test_two_ddp_ranks_each_record_their_own_gradients(tmp_path):
     # the model handed to the callback is inside the DDP wrapper, which is found: the gradients
     # are measured together at the backward pass's end, not in a hook each
     assert all(r["measured_at_pass_end"] == [True] for r in results)
+    assert all(r["found_the_trainers_wrapper"] == [True] for r in results)
 
 
 def test_per_micro_batch_rows_are_each_micro_batchs_own_gradient(tmp_path):
@@ -108,6 +120,6 @@ def test_per_micro_batch_rows_are_each_micro_batchs_own_gradient(tmp_path):
         for name, grad in grads.items()
     }
     assert 1 in reads.micro_batches and 2 in reads.micro_batches
-    assert set(rows) == set(expected)
+    assert expected and set(rows) == set(expected)
     for key, grad in expected.items():
         assert_stats_close(rows[key], grad, what=f"micro-batch row {key}")

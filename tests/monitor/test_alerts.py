@@ -204,8 +204,9 @@ def test_a_hanging_endpoint_holds_up_only_itself(tmp_path, quick):
 def test_sinks_replaced_while_training_runs_drain_without_holding_up_the_caller(tmp_path, monkeypatch, quick):
     """The alert config changed in a live run (dynamic mode): the old sinks are closed without
     waiting (``block=False``) and deliver what they hold on their own threads, up to the close
-    deadline, while a hanging endpoint would have held the training thread for all of it."""
-    monkeypatch.setattr(dispatch, "CLOSE_WAIT_S", 30.0)
+    deadline, while a hanging endpoint would have held the training thread for all of it: the
+    deadline is beyond pytest's timeout, so a close that waited would fail the test."""
+    monkeypatch.setattr(dispatch, "CLOSE_WAIT_S", 3600.0)
     hanging = Server(hang=True)
     out = tmp_path / "incidents.jsonl"
     alerts = alerts_of(
@@ -219,18 +220,16 @@ def test_sinks_replaced_while_training_runs_drain_without_holding_up_the_caller(
     alerts.incident(incident(step=4), None)
     assert hanging.inside.wait(10)
     webhook_thread = alerts.channels[0]._thread
-    started = time.monotonic()
     alerts.close(block=False)
-    assert time.monotonic() - started < 10  # not the 30 s a blocking close may wait
     assert webhook_thread.is_alive()  # still inside its request, on its own thread
     assert wait_for(lambda: [m["step"] for m in lines(out)] == [4])
     hanging.close()  # the request ends; the thread finds its queue closed and ends
 
 
 def test_a_slow_endpoint_is_waited_for_up_to_the_sinks_timeout(tmp_path, caplog, quick):
-    """An endpoint that answers after 0.5 s: a sink with a 5 s timeout delivers; one with a
+    """An endpoint that answers after 2 s: a sink with a 5 s timeout delivers; one with a
     0.1 s timeout gives up on each try, retries once, says so once, and never delivers."""
-    slow = Server(delay=0.5)
+    slow = Server(delay=2.0)
     sinks = [
         {"type": "webhook", "url": slow.url, "ranks": "all", "timeout_s": 5},
         {
@@ -244,9 +243,8 @@ def test_a_slow_endpoint_is_waited_for_up_to_the_sinks_timeout(tmp_path, caplog,
     ]
     alerts = alerts_of(sinks, 0, tmp_path)
     patient, impatient = alerts.channels
-    started = time.monotonic()
     alerts.incident(incident(step=3), None)
-    assert time.monotonic() - started < 0.1  # handed over, not sent on the caller's thread
+    assert patient.delivered == 0  # handed over, not sent on the caller's thread (which would wait 2 s)
     assert wait_for(lambda: patient.delivered == 1 and impatient.failed == 1)
     alerts.close()
     assert len(slow.requests) == 3  # one for the patient sink, two tries of the impatient one
@@ -276,10 +274,8 @@ def test_an_endpoint_that_trickles_its_answer_is_cut_off_at_the_sinks_timeout(tm
         [{"type": "webhook", "url": url, "ranks": "all", "timeout_s": 1, "retries": 0}], 0, tmp_path
     )
     (channel,) = alerts.channels
-    started = time.monotonic()
     alerts.incident(incident(step=3), None)
-    assert wait_for(lambda: channel.failed == 1, 10)
-    assert time.monotonic() - started < 3
+    assert wait_for(lambda: channel.failed == 1, 10)  # the trickle alone would last 40 s
     warnings = [r.getMessage() for r in caplog.records if "alert.sinks[0]" in r.getMessage()]
     assert len(warnings) == 1 and "no complete answer within timeout_s (1 s)" in warnings[0], warnings
     alerts.close()

@@ -84,6 +84,7 @@ def test_stack_info_writes_each_cells_first_call_stack_once(tmp_path, monkeypatc
         rows = list(csv.reader(handle))
     assert rows[0] == ["module_name", "stack_info"]
     stacks = dict(rows[1:])
+    assert len(rows) == 1 + len(stacks)  # a module's row written once, not per step
     assert sorted(stacks) == sorted(["0:", "0:layers.0", "0:act", "0:layers.1", "0:layers.2", "0:norm"])
     helpers = os.path.join("tests", "adapters", "mindspore", "helpers.py")
     for name, text in stacks.items():

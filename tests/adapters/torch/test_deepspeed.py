@@ -424,6 +424,7 @@ def test_update_histograms_equal_deepspeeds_optimizer_state(tmp_path):
                 total = pieces.setdefault(_histogram_key(tag, step), [np.zeros(len(counts)), 0])
                 total[0] += counts
                 total[1] += nans
+        assert set(pieces) == set(expected), f"stage {stage}: every histogram has its pieces"
         ranks_per_whole = 1 if stage else len(results)  # stage 0: every rank holds the whole state
         for key, (counts, nans) in pieces.items():
             assert (counts / ranks_per_whole).tolist() == expected[key][0], f"stage {stage} {key}"

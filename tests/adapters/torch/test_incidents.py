@@ -19,7 +19,6 @@ from torch.nn.parallel import DistributedDataParallel
 
 from monitor import TrainerMon
 from monitor.anomaly.incident_files import merge
-from monitor.anomaly.rules import NONFINITE
 from tests.adapters.torch.distributed import run_ranks, save_result
 
 STEPS, AT = 50, 40
@@ -161,7 +160,7 @@ def test_alert_non_finite_decides_whether_a_nan_is_an_anomaly_whatever_the_rules
         return _train("nan_activation", config=config).incidents
 
     flagged = incidents(True)
-    assert flagged and flagged[0].onset_step == AT and flagged[0].root["rule"] == NONFINITE
+    assert flagged and flagged[0].onset_step == AT and flagged[0].root["rule"] == "NonFinite"
     assert ":hidden.1" in flagged[0].root["tag_name"]
     assert incidents(False) == []
 

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from monitor.anomaly.analyse import main as analyse_main
 from tests.adapters.torch.distributed import run_ranks, save_result
 from tests.adapters.torch.helpers import MLP, assert_stats_close, make_batches
 
@@ -157,12 +158,8 @@ def test_four_ranks_outputs_dedup_and_anomalies(tmp_path):
         else:  # the others see it only after the reduction, in the optimizer state or reduced grads
             assert local == []
 
-    try:
-        from monitor.anomaly.analyse import main
-    except ImportError:  # pragma: no cover - the analysis module belongs to another issue
-        pytest.skip("monitor.anomaly.analyse is not available")
     anomaly_dir = os.path.join(dp_root, "anomaly_detected")
-    assert main(["-d", anomaly_dir, "-k", "3"]) == 0
+    assert analyse_main(["-d", anomaly_dir, "-k", "3"]) == 0
     with open(os.path.join(anomaly_dir, "anomaly_analyse.json")) as handle:
         top = list(json.load(handle).values())
     assert len(top) == 3

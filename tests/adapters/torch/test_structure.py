@@ -60,6 +60,7 @@ def test_stack_info_is_written_once_with_source_lines(tmp_path):
         rows = list(csv.reader(handle))
     assert rows[0] == ["module_name", "stack_info"]
     stacks = dict(rows[1:])
+    assert len(rows) == 1 + len(stacks)  # a module's row written once, not per step
     assert set(stacks) == {"0:", "0:fc", "0:pair"}
     assert f"File {__file__}" in stacks["0:"]
     assert "model(torch.randn(5, 3)).sum().backward()  # the call site" in stacks["0:"]
