@@ -23,7 +23,7 @@ from adapters.torch.optim import TorchBackend, without_adam_moments
 from adapters.torch.params import ParamRegistry
 from adapters.torch.sharded.shards import SHARD_COLUMNS, held_rows, shard_reduce
 from adapters.torch.sharded.tp_activations import TensorParallelMerge
-from adapters.torch.stats import sign_shares, stat_matrix, still_measured
+from adapters.torch.stats import sign_shares, stat_matrix, still_measured, to_host
 from adapters.torch.structure import StructureRecorder, stack_recorder
 from adapters.torch.update_ratio import update_histograms
 from monitor.config.schema import MonitorConfig
@@ -36,24 +36,6 @@ from monitor.session.run_info import run_info
 from monitor.stats.host_stats import scalar_matrix
 
 logger = logging.getLogger("trainmon")
-
-
-def to_host(matrix: torch.Tensor) -> tuple[np.ndarray | None, Any]:
-    """Start the one device-to-host copy of a step's statistics: ``(values, None)`` or ``(None, fetch)``."""
-    if matrix.device.type == "cpu":
-        return matrix.numpy(), None
-    if matrix.device.type == "cuda":
-        host = torch.empty(matrix.shape, dtype=matrix.dtype, pin_memory=True)
-        host.copy_(matrix, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record()
-
-        def fetch() -> np.ndarray:
-            done.synchronize()
-            return host.numpy()
-
-        return None, fetch
-    return matrix.cpu().numpy(), None
 
 
 def _scalar(value: float | torch.Tensor, device: torch.device | None) -> torch.Tensor:
@@ -86,7 +68,7 @@ class Collection(BaseCollection):
         output_dir: str | None = None,
         collectives: Any = None,
         last_micro_batch: Callable[[], bool] | None = None,
-        ddp: Sequence[torch.nn.Module] | None = None,
+        ddp_wrappers: Sequence[torch.nn.Module] | None = None,
     ) -> None:
         super().__init__(config, rank, first_step)
         self.backend = backend
@@ -111,7 +93,7 @@ class Collection(BaseCollection):
             torch_grads = type(backend) is TorchBackend and not self.registry.main_grad
             self.grads.keep_measured = torch_grads and world_size() == 1
             self.grads.measure_at_pass_end = torch_grads and (
-                world_size() == 1 or ddp_reduces_after_pass_end(ddp)
+                world_size() == 1 or ddp_reduces_after_pass_end(ddp_wrappers)
             )
             self.grads.sum_micro_batches = backend.frees_micro_batch_grads
         self._rows = self._build_rows(tp_group, dp_group)

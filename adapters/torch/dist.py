@@ -89,7 +89,7 @@ def ddp_wrappers(chunks: Sequence[torch.nn.Module], look_around: bool = True) ->
     process group and ``look_around``, those wrappers are looked for among the process's live
     objects, once, at attach (about 0.1 s per 350,000 objects). A wrapper of an earlier run not
     yet collected may be found too; every one found is returned, so that a verdict on them holds
-    for all.
+    for all. A search that fails gives None, as a chunk without a wrapper does.
     """
     ddp = torch.nn.parallel.DistributedDataParallel
     wrappers = [chunk for chunk in chunks if isinstance(chunk, ddp)]
@@ -98,25 +98,41 @@ def ddp_wrappers(chunks: Sequence[torch.nn.Module], look_around: bool = True) ->
         return wrappers
     if not (look_around and initialized()):
         return None
-    # the type, not isinstance: a proxy's __class__ could run code of its own
-    around = [obj for obj in gc.get_objects() if issubclass(type(obj), ddp)]
-    for chunk in inner:
-        holding = [wrapper for wrapper in around if any(m is chunk for m in wrapper.module.modules())]
-        if not holding:
-            return None
-        wrappers += [wrapper for wrapper in holding if wrapper not in wrappers]
+    try:
+        # the type, not isinstance: a proxy's __class__ could run code of its own; a DDP whose
+        # __init__ raised (kept alive by a traceback) has no module
+        around = [
+            (obj, obj.__dict__.get("_modules", {}).get("module"))
+            for obj in gc.get_objects()
+            if issubclass(type(obj), ddp)
+        ]
+        for chunk in inner:
+            holding = [w for w, module in around if module is not None and _holds(module, chunk)]
+            if not holding:
+                return None
+            wrappers += [wrapper for wrapper in holding if wrapper not in wrappers]
+    except Exception:
+        return None
     return wrappers
 
 
+def _holds(module: torch.nn.Module, part: torch.nn.Module) -> bool:
+    """Whether ``part`` is ``module`` or one of its submodules."""
+    return any(m is part for m in module.modules())
+
+
 def initialized() -> bool:
+    """Whether torch.distributed has a default process group in this process."""
     return dist.is_available() and dist.is_initialized()
 
 
 def global_rank() -> int:
+    """This process's rank in the world (0 without a process group)."""
     return dist.get_rank() if initialized() else 0
 
 
 def world_size() -> int:
+    """The number of ranks in the world (1 without a process group)."""
     return dist.get_world_size() if initialized() else 1
 
 

@@ -11,10 +11,12 @@ while torch iterates them.
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from adapters.torch.bundle import facts as bundle_facts
 from adapters.torch.bundle import record_tensors
@@ -68,13 +70,15 @@ class TorchSession(SessionLifecycle):
         self._in_closure = False
         #: the optimizer was called with a closure whose end has not been seen yet.
         self._closure_pending = False
-        #: the DDP modules that reduce the model's gradients: the chunks that are one, or those
-        #: found around the chunks (None where a chunk has none); looked for with torch's own
-        #: optimizers only (DeepSpeed, Megatron and FSDP reduce without torch's DDP)
-        self.ddp_wrappers = ddp_wrappers(self.chunks, look_around=type(self.backend) is TorchBackend)
-        self.ddp_chunks = self.ddp_wrappers or [
-            c for c in self.chunks if isinstance(c, torch.nn.parallel.DistributedDataParallel)
-        ]
+        # the DDP modules that reduce the model's gradients: the chunks that are one, or those
+        # found around the chunks (None where a chunk has none); looked for with torch's own
+        # optimizers only (DeepSpeed, Megatron and FSDP reduce without torch's DDP)
+        found = ddp_wrappers(self.chunks, look_around=type(self.backend) is TorchBackend)
+        watched = found if found is not None else [c for c in self.chunks if isinstance(c, DDP)]
+        #: those DDP modules, held weakly (a wrapper found around the model is the trainer's to
+        #: free), each with whether it was given as a chunk; and whether they cover every chunk
+        self._ddp = [(weakref.ref(m), any(m is c for c in self.chunks)) for m in watched]
+        self._ddp_cover_all = found is not None
         #: per DDP chunk: whether its latest training forward will have its backward reduced; and
         #: the chunks that ran a forward since the last optimizer step
         self._ddp_syncing: dict[int, bool] = {}
@@ -91,9 +95,19 @@ class TorchSession(SessionLifecycle):
         wrapper = accumulation_boundary(optimizer)
         if wrapper is not None:
             boundaries.append(wrapper)
-        for chunk in self.ddp_chunks:  # DDP synchronises the last micro-batch only, when no_sync is used
-            boundaries.append(lambda chunk=chunk: self._ddp_syncs(chunk))
+        for ref, given in self._ddp:  # DDP synchronises the last micro-batch only, when no_sync is used
+            boundaries.append(lambda ref=ref, given=given: self._ddp_syncs(ref(), given))
         return boundaries
+
+    def _ddp_modules(self) -> list[torch.nn.Module]:
+        """The DDP modules watched that are still alive."""
+        return [module for ref, _ in self._ddp if (module := ref()) is not None]
+
+    def _ddp_wrappers(self) -> list[torch.nn.Module] | None:
+        """The DDP modules that reduce every chunk's gradients, or None (a chunk has none, or a
+        wrapper found was freed since)."""
+        modules = self._ddp_modules()
+        return modules if self._ddp_cover_all and len(modules) == len(self._ddp) else None
 
     def _note_ddp_sync(self, chunk: torch.nn.Module, args: tuple) -> None:
         """DDP forward pre-hook: whether this micro-batch's backward will be reduced, as DDP decides
@@ -114,11 +128,12 @@ class TorchSession(SessionLifecycle):
         self._ddp_syncing[key] = bool(chunk.require_backward_grad_sync)
         self._ddp_forwarded.add(key)
 
-    def _ddp_syncs(self, chunk: torch.nn.Module) -> bool:
+    def _ddp_syncs(self, chunk: torch.nn.Module | None, given: bool) -> bool:
         """Whether DDP reduces the backward of ``chunk``'s latest forward. A wrapper found around
-        the model (not given) counts only once its forward was seen: one left by an earlier run
-        never runs one."""
-        given = any(chunk is c for c in self.chunks)
+        the model (not ``given``) counts only once its forward was seen: one left by an earlier
+        run never runs one."""
+        if chunk is None:
+            return False
         return self._ddp_syncing.get(id(chunk), given and bool(chunk.require_backward_grad_sync))
 
     def _last_micro_batch(self) -> bool:
@@ -156,7 +171,7 @@ class TorchSession(SessionLifecycle):
             output_dir=self._output_dir,
             collectives=self.collectives if self.config.cc_distribution.enable else None,
             last_micro_batch=self._last_micro_batch,
-            ddp=self.ddp_wrappers,
+            ddp_wrappers=self._ddp_wrappers(),
         )
         if collection.module_hooks and (self.compiled or has_compiled_modules(self.chunks)):
             recompile_with_hooks(", ".join(collection.module_hooks))
@@ -174,7 +189,7 @@ class TorchSession(SessionLifecycle):
 
     def _attach_optimizer_hooks(self) -> None:
         self._hooks = self.backend.register_step_hooks(self._before_update, self._after_step)
-        self._hooks += [chunk.register_forward_pre_hook(self._note_ddp_sync) for chunk in self.ddp_chunks]
+        self._hooks += [ddp.register_forward_pre_hook(self._note_ddp_sync) for ddp in self._ddp_modules()]
 
     def _optimizer_step_count(self) -> int | None:
         return self.backend.step_count()

@@ -31,6 +31,7 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -340,3 +341,21 @@ def stack_rows(rows: Sequence[list[float] | torch.Tensor], width: int) -> torch.
     return torch.stack(
         [r if isinstance(r, torch.Tensor) else torch.tensor(r, dtype=_F64, device=device) for r in rows]
     )
+
+
+def to_host(matrix: torch.Tensor) -> tuple[np.ndarray | None, Any]:
+    """Start the one device-to-host copy of a step's statistics: ``(values, None)`` or ``(None, fetch)``."""
+    if matrix.device.type == "cpu":
+        return matrix.numpy(), None
+    if matrix.device.type == "cuda":
+        host = torch.empty(matrix.shape, dtype=matrix.dtype, pin_memory=True)
+        host.copy_(matrix, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+
+        def fetch() -> np.ndarray:
+            done.synchronize()
+            return host.numpy()
+
+        return None, fetch
+    return matrix.cpu().numpy(), None

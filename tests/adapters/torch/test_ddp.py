@@ -181,3 +181,41 @@ def test_accumulating_without_no_sync_is_said_once_per_rank(tmp_path, forward_in
     env = {"FORWARD_IN_NO_SYNC": "1"} if forward_in_no_sync else {}
     for result in run_ranks(_worker_without_no_sync, 2, str(tmp_path), env):
         assert len([m for m in result["warnings"] if SYNCED_EARLY in m]) == said, result["warnings"]
+
+
+def _wrapper_search_worker(rank: int, world_size: int, workdir: str) -> None:
+    from adapters.torch.dist import ddp_wrappers
+
+    model, unwrapped = MLP(), MLP()
+    ddp = DistributedDataParallel(model)
+    frozen = torch.nn.Linear(2, 2).requires_grad_(False)
+    try:  # DDP refuses a module without trainable parameters before it sets .module
+        DistributedDataParallel(frozen)
+    except RuntimeError as exc:
+        kept = exc  # a half-built DDP stays alive through the exception's traceback
+    found = ddp_wrappers([model])
+    save_result(
+        workdir,
+        rank,
+        {
+            "half_built_kept": kept.__traceback__ is not None,
+            "found_the_wrapper": found is not None and len(found) == 1 and found[0] is ddp,
+            "given_wrapper": ddp_wrappers([ddp]) == [ddp],
+            "not_looked_for": ddp_wrappers([model], look_around=False) is None,
+            "none_around_a_plain_model": ddp_wrappers([unwrapped]) is None,
+        },
+    )
+
+
+def test_the_wrapper_of_a_model_given_from_inside_it_is_found(tmp_path):
+    """``ddp_wrappers``: the DDP module around a model is found among the live objects, also next
+    to a DDP object whose construction failed; a model in no wrapper, or a search not wanted
+    (back-ends that do not reduce through torch's DDP), gives None."""
+    (result,) = run_ranks(_wrapper_search_worker, 1, str(tmp_path))
+    assert result == {
+        "half_built_kept": True,
+        "found_the_wrapper": True,
+        "given_wrapper": True,
+        "not_looked_for": True,
+        "none_around_a_plain_model": True,
+    }
