@@ -12,6 +12,7 @@ import csv
 import io
 import json
 import linecache
+import logging
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -20,7 +21,35 @@ from typing import Any
 
 from monitor.files import atomic_write_text, make_private_dir
 
+logger = logging.getLogger("trainmon")
+
 Frame = tuple[str, int, str]
+
+
+class HookGuard:
+    """Contains the failures of one recorder's hooks: the first is logged with its cause, and
+    every hook of the recorder does nothing from then on; the training's call never sees one."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self.failed = False
+
+    def wrap(self, hook: Callable[..., Any], passthrough: bool = False) -> Callable[..., Any]:
+        """``hook`` guarded; with ``passthrough`` a failed or switched-off call returns its first
+        argument (a gradient hook whose result replaces the gradient)."""
+
+        def guarded(*args: Any) -> Any:
+            if not self.failed:
+                try:
+                    return hook(*args)
+                except Exception as exc:
+                    self.failed = True
+                    logger.error(
+                        "trainmon: %s failed (%r); it is switched off, training goes on", self.what, exc
+                    )
+            return args[0] if passthrough else None
+
+        return guarded
 
 
 def describe(obj: Any, is_tensor: Callable[[Any], bool], tensor_text: Callable[[Any], str]) -> dict[str, Any]:
@@ -92,6 +121,7 @@ class StackRecorder:
         """``modules``: (display name, module) pairs, in the order they are written."""
         self.modules = list(modules)
         self.stacks: dict[str, list[Frame]] = {}
+        self._guard = HookGuard("stack_info")
 
     def register(self) -> list:
         return [module.register_forward_pre_hook(self._hook(name)) for name, module in self.modules]
@@ -99,9 +129,9 @@ class StackRecorder:
     def _hook(self, name: str) -> Callable[[Any, Any], None]:
         def hook(module: Any, args: Any) -> None:
             if name not in self.stacks:
-                self.stacks[name] = stack_frames(sys._getframe(2))
+                self.stacks[name] = stack_frames(sys._getframe(3))  # above the guard's frame
 
-        return hook
+        return self._guard.wrap(hook)
 
     def write(self, directory: str) -> str | None:
         """Write ``stack_info.csv`` (only if absent); returns its path or None."""

@@ -15,7 +15,7 @@ import mindspore as ms
 
 from adapters.mindspore.activations import grad_active, is_tensor, is_training_call, takes_part_in_grad
 from monitor.naming import chunk_name, display_name
-from monitor.structure import StackRecorder, describe, record_grad, write_structure
+from monitor.structure import HookGuard, StackRecorder, describe, record_grad, write_structure
 
 
 def _tensor_text(t: ms.Tensor) -> str:
@@ -36,6 +36,7 @@ class StructureRecorder:
     def __init__(self, chunks: Sequence[ms.nn.Cell], squash: bool) -> None:
         self.cells = _cell_names(chunks, squash)
         self.structure: dict[str, dict[str, Any]] = {}
+        self._guard = HookGuard("print_struct")
 
     def register(self) -> list:
         return [cell.register_forward_hook(self._hook(name), with_kwargs=True) for name, cell in self.cells]
@@ -57,15 +58,14 @@ class StructureRecorder:
                     if takes_part_in_grad(tensor):
                         tensor.register_hook(self._grad_hook(entry, direction, i, len(tensors)))
 
-        return hook
+        return self._guard.wrap(hook)
 
-    @staticmethod
-    def _grad_hook(entry: dict, direction: str, index: int, count: int) -> Callable:
+    def _grad_hook(self, entry: dict, direction: str, index: int, count: int) -> Callable:
         def hook(grad: ms.Tensor) -> ms.Tensor:
             record_grad(entry, direction, index, count, _tensor_text(grad))
             return grad
 
-        return hook
+        return self._guard.wrap(hook, passthrough=True)
 
     def write(self, root: str, rank: int) -> str:
         """Write ``module_struct/rank{R}/module_struct.json`` under root; returns its path."""

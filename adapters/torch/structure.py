@@ -14,7 +14,7 @@ import torch
 
 from adapters.torch.compiled import eager
 from monitor.naming import chunk_name, display_name
-from monitor.structure import StackRecorder, describe, record_grad, write_structure
+from monitor.structure import HookGuard, StackRecorder, describe, record_grad, write_structure
 
 
 def _is_tensor(obj: Any) -> bool:
@@ -39,6 +39,7 @@ class StructureRecorder:
     def __init__(self, chunks: Sequence[torch.nn.Module], squash: bool) -> None:
         self.modules = _module_names(chunks, squash)
         self.structure: dict[str, dict[str, Any]] = {}
+        self._guard = HookGuard("print_struct")
 
     def register(self) -> list:
         handles = []
@@ -47,7 +48,6 @@ class StructureRecorder:
         return handles
 
     def _hook(self, name: str) -> Callable:
-        @eager
         def hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
             if name in self.structure or not module.training:
                 return
@@ -62,14 +62,13 @@ class StructureRecorder:
                     if tensor.requires_grad:
                         tensor.register_hook(self._grad_hook(entry, direction, i, len(tensors)))
 
-        return hook
+        return eager(self._guard.wrap(hook))
 
-    @staticmethod
-    def _grad_hook(entry: dict, direction: str, index: int, count: int) -> Callable:
+    def _grad_hook(self, entry: dict, direction: str, index: int, count: int) -> Callable:
         def hook(grad: torch.Tensor) -> None:
             record_grad(entry, direction, index, count, _tensor_text(grad))
 
-        return hook
+        return self._guard.wrap(hook)
 
     def write(self, root: str, rank: int) -> str:
         """Write ``module_struct/rank{R}/module_struct.json`` under root; returns its path."""

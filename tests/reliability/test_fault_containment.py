@@ -34,8 +34,11 @@ import torch
 import adapters.torch.activations as activations_module
 import adapters.torch.grads as grads_module
 import adapters.torch.stats as stats_module
+import adapters.torch.structure as structure_module
+import monitor.structure as monitor_structure
 from adapters.torch import in_place, row_buffer
 from monitor import TrainerMon
+from monitor.errors import StructurePrinted
 from tests.reliability.ranks import FAULT_STEP as CC_FAULT_STEP
 from tests.reliability.training import ALL_OPS, EVERYTHING, Net, csv_steps, hook_state, make_batches, train
 from tests.shared_configs import STEP_PREFIXES
@@ -401,6 +404,49 @@ def test_a_failing_print_struct_write_is_contained(trainmon_log):
         mon.stop()
     assert losses == plain_losses
     _the_one_error(trainmon_log, "print_struct", "Not a directory")
+
+
+@pytest.mark.parametrize(
+    ("module", "function", "part", "config"),
+    [
+        (structure_module, "describe", "print_struct", {"print_struct": True}),  # the forward hook
+        (monitor_structure, "stack_frames", "stack_info", {"stack_info": True}),  # the pre-hook
+    ],
+)
+def test_a_failing_structure_hook_is_contained(module, function, part, config, monkeypatch, trainmon_log):
+    """print_struct and stack_info record from hooks inside the forward pass: one that raises is
+    logged once and switched off, and training runs as without the monitor."""
+    plain_losses, _ = _plain()
+    monkeypatch.setattr(module, function, _raising(getattr(module, function)))
+    torch.manual_seed(0)
+    model = Net()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)
+    mon = TrainerMon({"ops": ALL_OPS, **ALL_CONFIG, **config})
+    mon.set_monitor(model, grad_acc_steps=GRAD_ACC, optimizer=optimizer)
+    try:
+        losses = _train(model, optimizer)
+    finally:
+        mon.stop()
+    assert losses == plain_losses
+    _the_one_error(trainmon_log, part, "injected: hook failed")
+
+
+def test_a_failing_print_struct_gradient_hook_is_contained(monkeypatch, trainmon_log):
+    """A gradient hook of print_struct that raises inside the backward pass: logged once, the
+    backward completes, and the run stops after its first step only as print_struct asks."""
+    monkeypatch.setattr(structure_module, "record_grad", _raising(structure_module.record_grad))
+    torch.manual_seed(0)
+    model = Net()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)
+    mon = TrainerMon({"ops": ALL_OPS, "print_struct": True})
+    mon.set_monitor(model, grad_acc_steps=1, optimizer=optimizer)
+    x = make_batches(1, 1)[0][0]
+    model(x).square().mean().backward()
+    assert all(p.grad is not None for p in model.parameters())
+    with pytest.raises(StructurePrinted):
+        optimizer.step()
+    mon.stop()
+    _the_one_error(trainmon_log, "print_struct", "injected: hook failed")
 
 
 # -- collectives (two gloo ranks) -------------------------------------------------------------

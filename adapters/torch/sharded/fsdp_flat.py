@@ -178,8 +178,14 @@ class FlatGrads(ReducedEarly, UnreducedGrads):
     def _micro_batch_parts(self, indices: list[int]) -> Callable[[torch.Tensor], None]:
         def hook(grad: torch.Tensor) -> None:
             if self.collect:
-                for index in indices:
-                    self.on_micro_batch(index, self._part(index, grad))
+                try:
+                    parts = [(index, self._part(index, grad)) for index in indices]
+                except Exception as exc:
+                    self.collect = False
+                    self.on_error("grad_unreduced", exc)
+                    return
+                for index, part in parts:
+                    self.on_micro_batch(index, part)
 
         return hook
 
