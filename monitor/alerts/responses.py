@@ -59,8 +59,8 @@ class IncidentResponses:
 
     def set_batch_ids(self, ids: Any) -> None:
         """The ids of the micro-batch about to run (JSON-ready), for the incidents of this step;
-        dropped while nothing is collected."""
-        if self.collection is not None:
+        dropped on steps that are not collected (no incident can begin there)."""
+        if self.collection is not None and self.collection.collect:
             self._step_batch_ids.append(ids)
 
     @property

@@ -122,9 +122,10 @@ class MergedIncident:
         entries = []
         for m in self.members:
             by_step = m.get("step_batch_ids")
-            if isinstance(by_step, dict):
-                steps = sorted(int(step) for step in by_step if str(step).isdigit())
-                entries += [{"rank": m["rank"], "step": step, "ids": by_step[str(step)]} for step in steps]
+            if isinstance(by_step, dict):  # keys are step numbers as written by the monitor
+                keys = [key for key in by_step if isinstance(key, str) and key.isascii() and key.isdigit()]
+                for key in sorted(keys, key=int):
+                    entries.append({"rank": m["rank"], "step": int(key), "ids": by_step[key]})
         return entries
 
 

@@ -37,6 +37,9 @@ CLOSE_AFTER = 3
 #: records kept in full per incident (the incidents file is rewritten at each step with news);
 #: the rest are counted in ``more_records``.
 MAX_RECORDS = 10_000
+#: steps whose micro-batch ids an incident keeps (``step_batch_ids``): the file stays small when
+#: records keep joining an incident for a long time.
+MAX_BATCH_STEPS = 1_000
 
 
 @dataclass
@@ -58,8 +61,9 @@ class Incident:
     #: ids of the micro-batches where it began (``TrainerMon.set_batch_ids``): the onset
     #: micro-batch's when the root is per micro-batch, else every micro-batch of the step.
     batch_ids: list[dict[str, Any]] = field(default_factory=list)
-    #: step -> the ids of each of its micro-batches, for every step at which records kept in
-    #: full joined (the onset's included): any record's micro-batch, by its step and micro_step.
+    #: step -> the ids of each of its micro-batches, for the first MAX_BATCH_STEPS steps at which
+    #: records kept in full joined (the onset's included): a record's micro-batch, by its step
+    #: and micro_step.
     step_batch_ids: dict[int, list[Any]] = field(default_factory=dict)
 
     @property
@@ -189,7 +193,7 @@ class IncidentTracker:
             room = max(MAX_RECORDS - len(incident.records), 0)
             incident.records += [cell.details() for cell in new[:room]]
             incident.more_records += len(new) - min(room, len(new))
-            if step_ids and room:
+            if step_ids and room and len(incident.step_batch_ids) < MAX_BATCH_STEPS:
                 incident.step_batch_ids[step] = step_ids
             self.changed = True
         if abnormal:

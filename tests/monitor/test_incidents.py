@@ -297,3 +297,24 @@ def test_a_malformed_incident_record_is_skipped_not_fatal(tmp_path, broken):
     loaded = load_incidents([str(path)])
     assert len(loaded) == len(good) - 1
     assert merge(loaded)[0].onset_step == 15
+
+
+def test_step_batch_ids_keys_that_are_not_step_numbers_are_left_out(tmp_path):
+    """A hand-edited or damaged ``step_batch_ids`` never breaks the merge: keys that are not
+    ASCII step numbers are left out, the rest are read and ordered by step."""
+    import json
+
+    from monitor.anomaly.incident_files import load_incidents
+
+    good = _rank_incidents(15, faulty_rank=2)
+    edited = json.loads(json.dumps(good))
+    edited[0]["step_batch_ids"] = {"16": [[3]], "07": [[1]], "²": [[2]], "x": [[4]]}
+    edited[1]["step_batch_ids"] = ["not", "a", "mapping"]
+    path = tmp_path / "incidents.json"
+    path.write_text(json.dumps({"version": 1, "rank": 0, "incidents": edited}))
+    (merged,) = merge(load_incidents([str(path)]))
+    rank = edited[0]["rank"]
+    assert merged.to_json(1)["step_batch_ids"] == [
+        {"rank": rank, "step": 7, "ids": [[1]]},
+        {"rank": rank, "step": 16, "ids": [[3]]},
+    ]
