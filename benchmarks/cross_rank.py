@@ -200,7 +200,10 @@ def _flag_share(series: np.ndarray, k_mad: float, column: int | None, rows: slic
         for r in range(ranks)
     }
     out = peers.Outliers(k_mad)
-    peers.compare_type("grad_unreduced", per_rank, out)
+    ranks = sorted(per_rank)
+    tables = [(column, table) for column, rank in enumerate(ranks) for table in per_rank[rank]]
+    passes = [peers.first_pass(tables, len(ranks), out.k_mad, out.only_ops, out.only_steps)]
+    peers.judge("grad_unreduced", ranks, passes, out)
     chosen = np.zeros(steps, dtype=bool)
     chosen[rows] = True
     hits = chosen[out["step"]]

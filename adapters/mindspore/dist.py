@@ -25,10 +25,12 @@ def initialized() -> bool:
 
 
 def global_rank() -> int:
+    """This process's rank in the world (0 before ``init()``)."""
     return get_rank(GlobalComm.WORLD_COMM_GROUP) if initialized() else 0
 
 
 def world_size() -> int:
+    """The number of ranks in the world (1 before ``init()``)."""
     return get_group_size(GlobalComm.WORLD_COMM_GROUP) if initialized() else 1
 
 

@@ -11,6 +11,7 @@ import os
 import tempfile
 from typing import Any
 
+from monitor.anomaly.incident_files import INCIDENTS_NAME
 from monitor.anomaly.ordering import parse_record
 from monitor.session.run_info import RUN_INFO_FILE
 
@@ -172,7 +173,7 @@ def _incident_rows(anomaly_dirs: list[str]) -> list[tuple]:
     rank, onset step) is left out."""
     rows = []
     for directory in anomaly_dirs:
-        items = read_json_object(os.path.join(directory, "incidents.json")).get("incidents")
+        items = read_json_object(os.path.join(directory, INCIDENTS_NAME)).get("incidents")
         for i in items if isinstance(items, list) else []:
             if not (isinstance(i, dict) and all(type(i.get(k)) is int for k in ("id", "rank", "onset_step"))):
                 continue

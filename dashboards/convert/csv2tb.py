@@ -21,6 +21,8 @@ import datetime as _dt
 import logging
 import os
 import re
+from collections.abc import Iterable
+from typing import Any
 
 import numpy as np
 
@@ -36,7 +38,7 @@ OUTPUT_SUFFIX = "-csv2tensorboard_by_step"
 _EVENT_PREFIX = "events.out.tfevents."
 
 
-def series_names(series) -> list[str]:
+def series_names(series: Iterable[Any]) -> list[str]:
     """``vp{vpp}:{name}`` plus ``:micro{m}`` for rows with a micro-step (msprobe's names)."""
     return [
         f"vp{k.vpp_stage}:{k.name}" + (f":micro{k.micro_step}" if k.micro_step >= 0 else "")

@@ -50,7 +50,7 @@ class _Tqdm:
         self.bar.close()
 
 
-def progress_bar(total: int, desc: str, enabled: bool = True):
+def progress_bar(total: int, desc: str, enabled: bool = True) -> _Tqdm | _Line | None:
     """tqdm's bar when tqdm is installed, else the stderr line; None when disabled."""
     if not enabled or total == 0:
         return None

@@ -24,6 +24,7 @@ import time
 from typing import Any
 
 from monitor.anomaly.detector import Anomaly
+from monitor.anomaly.incident_files import INCIDENTS_NAME
 from monitor.files import atomic_write_text, make_private_dir
 
 logger = logging.getLogger("trainmon")
@@ -34,7 +35,6 @@ THROTTLE_ABOVE_RECORDS = 10_000
 #: beyond it, the next rewrite waits this many times the last one's duration (<= ~5% of the
 #: writer's time; msprobe 1.2.2 spends over a second a step at 100,000 records)
 REWRITE_PAUSE_FACTOR = 20.0
-INCIDENTS_NAME = "incidents.json"
 INCIDENTS_VERSION = 1
 SKIP_BATCHES_NAME = "skip_batches.json"
 

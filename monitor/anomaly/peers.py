@@ -265,15 +265,6 @@ def judge(prefix: str, ranks: list[int], partials: list[Partial], out: Outliers)
     _judge(rows, candidates, np.asarray(ranks, dtype=np.int64), out)
 
 
-def compare_type(prefix: str, per_rank: dict[int, list[Table]], out: Outliers) -> None:
-    """Flag the outliers of one data type across the ranks that hold it, all in memory (empties
-    ``per_rank``)."""
-    ranks = sorted(per_rank)
-    tables = [(column, table) for column, rank in enumerate(ranks) for table in per_rank[rank]]
-    per_rank.clear()
-    judge(prefix, ranks, [first_pass(tables, len(ranks), out.k_mad, out.only_ops, out.only_steps)], out)
-
-
 def _index(names: list[str], name: str) -> int:
     if name not in names:
         names.append(name)

@@ -141,7 +141,7 @@ class MonitorCore:
         self.latest.write(record)
         self._writer.submit(record)
 
-    def submit_histograms(self, step: int, tags: list[str], edges, counts) -> None:
+    def submit_histograms(self, step: int, tags: list[str], edges: Any, counts: Any) -> None:
         """Histograms (TensorBoard only): ``counts`` rows are bucket counts then NaN and Inf counts."""
         writer = self.file_writer
         if not hasattr(writer, "write_histogram"):
