@@ -131,6 +131,8 @@ def test_tensorboard_tags_are_the_torch_adapters_and_values_the_api_ones(tmp_pat
     ours_tags = ours_events.Tags()["scalars"]
     assert sorted(_as_torch(t) for t in ours_tags) == sorted(theirs_events.Tags()["scalars"])
     assert "0:layers.0.weight/rank0/acc_grad_norm" in ours_tags
+    # the API's values are checked against numpy elsewhere; here the event files must carry them
+    assert latest and all(set(values) == set(CONFIG["ops"]) for values in latest.values())
     for tag, values in latest.items():
         for op, value in values.items():
             (last,) = [s for s in ours_events.Scalars(f"{tag}_{op}") if s.step == 1]
