@@ -136,3 +136,22 @@ def compare(reads: dict[int, dict[str, dict[str, np.ndarray]]], rows: dict, what
     steps = {step for _, _, step in rows}
     assert steps == set(reads), f"{what}: rows for steps {sorted(steps)}, the trainer stepped {sorted(reads)}"
     return compared
+
+
+def watch_ddp_verdicts() -> tuple[list[bool], list]:
+    """Record, for each collection attached from now on in this process, the DDP wrappers the
+    monitor found around the model and whether it then measures gradients at the backward
+    pass's end: ``(verdicts, wrappers)``, appended to as the trainer attaches."""
+    from adapters.torch import collection
+    from adapters.torch.dist import ddp_reduces_after_pass_end
+
+    verdicts: list[bool] = []
+    found: list = []
+
+    def spy(wrappers):
+        found.append(wrappers)
+        verdicts.append(ddp_reduces_after_pass_end(wrappers))
+        return verdicts[-1]
+
+    collection.ddp_reduces_after_pass_end = spy
+    return verdicts, found

@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("transformers")
 
 from tests.adapters.torch.distributed import run_ranks, save_result
-from tests.integrations.reads import CONFIG, compare, written_rows
+from tests.integrations.reads import CONFIG, compare, watch_ddp_verdicts, written_rows
 
 
 def test_every_data_type_matches_the_trainers_tensors(tmp_path):
@@ -100,19 +100,10 @@ def test_a_bad_config_fails_when_the_callback_is_built():
 
 
 def _ddp_worker(rank: int, world_size: int, workdir: str) -> None:
-    from adapters.torch import collection
-    from adapters.torch.dist import ddp_reduces_after_pass_end as reduces
     from tests.integrations.hf_run import train
 
     os.environ.update(LOCAL_RANK=str(rank), MONITOR_OUTPUT_DIR=os.path.join(workdir, "out"))
-    verdicts, found = [], []
-
-    def spy(wrappers):
-        found.append(wrappers)
-        verdicts.append(reduces(wrappers))
-        return verdicts[-1]
-
-    collection.ddp_reduces_after_pass_end = spy
+    verdicts, found = watch_ddp_verdicts()
     reads, callback, trainer = train(os.path.join(workdir, f"run{rank}"))
     rows = written_rows(callback.monitor.output_dir)
     compared = compare(reads.steps, rows, f"hf rank {rank}")

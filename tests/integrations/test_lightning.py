@@ -12,7 +12,7 @@ import pytest
 pytest.importorskip("lightning")
 
 from tests.adapters.torch.distributed import run_ranks, save_result
-from tests.integrations.reads import compare, written_rows
+from tests.integrations.reads import compare, watch_ddp_verdicts, written_rows
 
 
 @pytest.mark.parametrize("grad_acc", [1, 2])
@@ -47,8 +47,6 @@ def test_a_loss_scaler_running_the_closure_itself_keeps_the_short_steps_gradient
 
 
 def _ddp_worker(rank: int, world_size: int, workdir: str) -> None:
-    from adapters.torch import collection
-    from adapters.torch.dist import ddp_reduces_after_pass_end as reduces
     from tests.integrations.lightning_run import train
 
     # what torchrun sets: Lightning then joins the existing process group instead of launching
@@ -59,14 +57,7 @@ def _ddp_worker(rank: int, world_size: int, workdir: str) -> None:
         TORCHELASTIC_RUN_ID="trainmon-test",
         MONITOR_OUTPUT_DIR=os.path.join(workdir, "out"),
     )
-    verdicts, found = [], []
-
-    def spy(wrappers):
-        found.append(wrappers)
-        verdicts.append(reduces(wrappers))
-        return verdicts[-1]
-
-    collection.ddp_reduces_after_pass_end = spy
+    verdicts, found = watch_ddp_verdicts()
     reads, callback, trainer = train(os.path.join(workdir, f"run{rank}"), grad_acc=2)
     rows = written_rows(callback.monitor.output_dir)
     compared = compare(reads.steps, rows, f"lightning rank {rank}")
