@@ -16,6 +16,7 @@ import json
 import multiprocessing
 import os
 import random
+import re
 import signal
 import struct
 from collections import Counter
@@ -149,29 +150,44 @@ def _check_tensorboard(directory: str, complete_before: int) -> None:
 # -- Parquet -------------------------------------------------------------------------------------
 
 
+#: the live files' names as the documentation gives them
+STEP_FILE = re.compile(r"step-(\d{10})(\.\d+)?\.parquet")
+MERGED_FILE = re.compile(r"steps-(\d+)-(\d+)\.parquet")
+LATE_FILE = re.compile(r"late-(\d+)-(\d+)\.parquet")
+
+
+def _documented_parts(type_dir: str) -> list[str]:
+    """The files of one data type a reader of the documented layout reads: merged and late
+    files, and the step files no merged file covers (a kill between a merge's rename and its
+    deletions leaves covered ones). Any other ``*.parquet`` name fails."""
+    names = sorted(os.listdir(type_dir))
+    merged = [tuple(map(int, m.groups())) for name in names if (m := MERGED_FILE.fullmatch(name))]
+    parts = []
+    for name in names:
+        if MERGED_FILE.fullmatch(name) or LATE_FILE.fullmatch(name):
+            parts.append(name)
+        elif m := STEP_FILE.fullmatch(name):
+            if not any(first <= int(m.group(1)) <= last for first, last in merged):
+                parts.append(name)
+        else:
+            assert not name.endswith(".parquet"), f"{type_dir}: a file outside the layout: {name}"
+    return [os.path.join(type_dir, name) for name in parts]
+
+
 def _check_parquet(directory: str, complete_before: int, merge_cut: bool = False) -> None:
     """Every file under values/ is a whole Parquet file (temporary ones are never named
-    ``*.parquet``); the files ``live_parts`` lists hold every step before the kill, each value
-    once, and they are every file there but step files a merged file covers, unless the kill cut
-    a merge (``merge_cut``) short."""
+    ``*.parquet``); the files the documented layout says to read hold every step before the
+    kill, each value once, and trainmon's own listing (``live_prefixes``) reads the same files."""
     import pyarrow.parquet as pq
 
-    from monitor.writers.parquet_files import covered, live_prefixes, part_steps, scan
+    from monitor.writers.parquet_files import live_prefixes
 
-    every = glob.glob(os.path.join(directory, "values", "*", "*.parquet"))
-    for path in every:
+    for path in glob.glob(os.path.join(directory, "values", "*", "*.parquet")):
         pq.read_table(path)
-    found = live_prefixes(directory)
-    if not merge_cut:  # the documented glob reads what trainmon's readers read, except ...
-        read = {p for paths in found.values() for p in paths}
-        assert read <= set(every)
-        extra = set(every) - read
-        # ... step files whose merged file a kill between its rename and their deletion left whole
-        for path in extra:
-            merged, _, _ = scan(os.path.dirname(path))
-            first, _ = part_steps(path)
-            assert os.path.basename(path).startswith("step-") and covered(first, merged), path
+    type_dirs = glob.glob(os.path.join(directory, "values", "data_type=*"))
+    found = {os.path.basename(d).removeprefix("data_type="): _documented_parts(d) for d in type_dirs}
     assert set(found) == set(PREFIXES), sorted(found)
+    assert {k: sorted(v) for k, v in live_prefixes(directory).items()} == found
     for prefix, paths in found.items():
         table = pq.read_table(paths).to_pydict()
         keys = Counter(
