@@ -168,17 +168,27 @@ def rank_in_group(group: Any) -> int | None:
     return dist.get_group_rank(group, dist.get_rank())
 
 
-def any_rank(flag: bool, device: torch.device) -> bool:
+#: (the world's group, the monitor's gloo group over it), made at the first agreement
+_agreement_groups: list[tuple[Any, Any]] = []
+
+
+def any_rank(flag: bool) -> bool:
     """Whether ``flag`` holds on any rank of the world (one small all_reduce, unseen by
-    cc_distribution); every rank must call it at the same point. ``device`` is used where the
-    backend cannot reduce CPU tensors (NCCL alone)."""
+    cc_distribution); every rank must call it at the same point.
+
+    The flag is reduced on the CPU, in a gloo group of the monitor's own over the world (made at
+    the first call, which every rank reaches at the same point): reading the result of an
+    all-reduce on an accelerator's group (NCCL) would wait for everything queued on the device,
+    a host sync at every step.
+    """
     if world_size() <= 1:
         return flag
-    backend = str(dist.get_backend())
-    on = torch.device("cpu") if "gloo" in backend or device.type == "meta" else device
-    value = torch.tensor([1 if flag else 0], dtype=torch.int32, device=on)
+    world = dist.group.WORLD
+    if not _agreement_groups or _agreement_groups[-1][0] is not world:
+        _agreement_groups[:] = [(world, dist.new_group(backend="gloo"))]
+    value = torch.tensor([1 if flag else 0], dtype=torch.int32)
     with REGISTRY.unobserved():
-        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=_agreement_groups[-1][1])
     return bool(value.item())
 
 

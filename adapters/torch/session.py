@@ -266,8 +266,7 @@ class TorchSession(SessionLifecycle):
         return schedule_channel()
 
     def _agree_on_stop(self, asked_here: bool) -> bool:
-        device = next((p.device for chunk in self.chunks for p in chunk.parameters()), torch.device("cpu"))
-        return any_rank(asked_here, device)
+        return any_rank(asked_here)
 
     def _detach_after_this_step(self) -> None:
         """Monitoring ended inside the optimizer's post-hook loop.
