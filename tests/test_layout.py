@@ -107,3 +107,26 @@ def test_monitor_packages_import_only_what_their_layer_allows(package):
 def test_every_monitor_package_says_what_lives_there():
     for init in sorted((ROOT / "monitor").glob("*/__init__.py")):
         assert ast.get_docstring(ast.parse(init.read_text(encoding="utf-8"))), init
+
+
+def test_the_installed_packages_are_the_products_and_nothing_the_demo_writes(tmp_path):
+    """The package list setuptools builds from pyproject.toml: every product package, and not
+    the demo's ``monitor_output`` folder beside them (a ``monitor*`` pattern took it in)."""
+    import tomllib
+    from setuptools import find_namespace_packages
+
+    root = Path(__file__).resolve().parents[1]
+    include = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
+    (tmp_path / "monitor_output" / "Dec01_00-00-00-rank0-x").mkdir(parents=True)
+    for package in ("monitor/session", "adapters/torch", "dashboards/plugin", "config_templates"):
+        (tmp_path / package).mkdir(parents=True)
+    found = set(find_namespace_packages(where=str(tmp_path), include=include["include"]))
+    assert found == {
+        "monitor",
+        "monitor.session",
+        "adapters",
+        "adapters.torch",
+        "dashboards",
+        "dashboards.plugin",
+        "config_templates",
+    }
