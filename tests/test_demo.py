@@ -76,6 +76,26 @@ def test_demo_output_defaults_to_monitor_output_dir(tmp_path, monkeypatch):
     assert any("-rank0-" in d for d in os.listdir(tmp_path / "from_env"))
 
 
+def test_a_short_demo_places_its_spike_within_its_steps_and_says_why_it_went_unseen(tmp_path):
+    """The spike's default step follows --steps (three fifths of them); one that comes before the
+    rules could judge it (their warm-up) is said to be the reason nothing was detected."""
+    done = _demo("--steps", "8", "--output", str(tmp_path / "run"), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "spike at step 4\n" in done.stdout
+    assert "the spike at step 4 came before the rules had 10 values" in done.stdout
+
+
+def test_a_demo_config_that_records_nothing_says_so(tmp_path):
+    """A misspelt key is warned about at attach; the summary then says that nothing could be
+    detected rather than "no anomalies", and names no anomaly directory that was not made."""
+    (tmp_path / "typo.json").write_text('{"wg_distrbution": true}')
+    done = _demo("--steps", "3", "--config", "typo.json", "--output", str(tmp_path / "run"), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "did you mean 'wg_distribution'?" in done.stderr
+    assert "Detected:    nothing could be: the config records no data type" in done.stdout
+    assert "Anomalies:" not in done.stdout and not (tmp_path / "run" / "anomaly_detected").exists()
+
+
 def test_demo_rejects_a_spike_after_the_last_step(tmp_path):
     done = _demo("--steps", "5", "--spike-step", "9", cwd=tmp_path)
     assert done.returncode == 2 and "--spike-step 9" in done.stderr

@@ -15,7 +15,9 @@ import torch
 from torch import nn
 
 from monitor import CollectivesLogged, StructurePrinted, TrainerMon, TrainingStopped
+from monitor.anomaly.rules import build_rules
 from monitor.config.schema import load_config
+from monitor.session.lifecycle import recorded_kinds
 
 
 @dataclass(frozen=True)
@@ -142,6 +144,9 @@ def run_demo(
         "seconds": elapsed,
         "steps": len(losses),
         "stopped": stopped,
+        "recorded": recorded_kinds(monitor.config),
+        # the most collected values a rule waits for before it judges
+        "warmup": max((getattr(r, "warmup", 0) for r in build_rules(monitor.config.alert.rules)), default=0),
         "parameters": sum(p.numel() for p in model.parameters()),
         "first_loss": losses[0] if losses else math.nan,
         "last_loss": losses[-1] if losses else math.nan,

@@ -74,7 +74,10 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
     )
     spike = demo.add_mutually_exclusive_group()
     spike.add_argument(
-        "--spike-step", type=_int_at_least(0), default=30, help="step of the injected spike (30)"
+        "--spike-step",
+        type=_int_at_least(0),
+        default=None,
+        help="step of the injected spike (default: three fifths of --steps, 30 of 50)",
     )
     spike.add_argument("--no-spike", action="store_true", help="do not inject a gradient spike")
     demo.add_argument(
@@ -90,6 +93,8 @@ def _run_demo(args: argparse.Namespace) -> int:
 
     config = args.config or template_path(DEMO_TEMPLATE)
     spike_step = None if args.no_spike else args.spike_step
+    if spike_step is None and not args.no_spike:
+        spike_step = args.steps * 3 // 5
     if spike_step is not None and spike_step >= args.steps:
         print(f"trainmon demo: --spike-step {spike_step} is not below --steps {args.steps}", file=sys.stderr)
         return 2
@@ -111,11 +116,15 @@ def _run_demo(args: argparse.Namespace) -> int:
         print(f"Stopped:     {summary['stopped']}")
     print(f"Config:      {config}")
     print(f"Outputs:     {summary['output_dir']}")
-    print(f"Anomalies:   {os.path.join(summary['root'], 'anomaly_detected')}")
+    anomaly_dir = os.path.join(summary["root"], "anomaly_detected") if summary["root"] else ""
+    if os.path.isdir(anomaly_dir):
+        print(f"Anomalies:   {anomaly_dir}")
     if spike_step is not None:
         print(f"Injected:    a x1000 loss (gradient) spike at step {spike_step}")
     incidents = summary["incidents"]
-    if incidents:
+    if not summary["recorded"]:
+        print("Detected:    nothing could be: the config records no data type (see the warning above)")
+    elif incidents:
         print(f"Detected:    {len(incidents)} incident(s), {len(anomalies)} anomaly record(s)")
         for incident in incidents[:5]:
             print(
@@ -124,9 +133,14 @@ def _run_demo(args: argparse.Namespace) -> int:
             )
             for line in incident.evidence:
                 print(f"    - {line}")
+    elif spike_step is not None and spike_step < summary["warmup"]:
+        print(
+            f"Detected:    no anomalies: the spike at step {spike_step} came before the rules had "
+            f"{summary['warmup']} values to compare it with (their warm-up); try --spike-step "
+            f"{summary['warmup']} or later"
+        )
     else:
         print("Detected:    no anomalies")
-    anomaly_dir = os.path.join(summary["root"], "anomaly_detected")
     if os.path.isdir(anomaly_dir):
         print(f"Next:        trainmon anomaly-analyse -d {anomaly_dir}")
     if os.path.isdir(os.path.join(summary["output_dir"], "values")):  # format: parquet

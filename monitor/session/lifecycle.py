@@ -29,6 +29,13 @@ logger = logging.getLogger("trainmon")
 _KINDS = ("wg_distribution", "mv_distribution", "param_distribution", "mg_direction", "xy_distribution")
 
 
+def recorded_kinds(config: MonitorConfig) -> list[str]:
+    """The config keys of what a collection with ``config`` records (empty: nothing)."""
+    kinds = [k for k in _KINDS if getattr(config, k)]
+    kinds += [k for k in ("ur_distribution", "recording_l2_features") if getattr(config, k)]
+    return kinds + (["cc_distribution"] if config.cc_distribution.enable else [])
+
+
 @dataclasses.dataclass(frozen=True)
 class Attachment:
     """What ``TrainerMon.set_monitor`` was given, as every adapter's session takes it."""
@@ -129,9 +136,7 @@ class SessionLifecycle(IncidentResponses, ABC):
         self._output_dir = self.collection.core.output_dir
         self._connect_alerts()
         config = self.collection.config
-        kinds = [k for k in _KINDS if getattr(config, k)]  # what this collection records
-        kinds += [k for k in ("ur_distribution", "recording_l2_features") if getattr(config, k)]
-        kinds += ["cc_distribution"] if config.cc_distribution.enable else []
+        kinds = recorded_kinds(config)
         if not kinds and not (config.print_struct or config.stack_info or config.dynamic_on):
             logger.warning(
                 "trainmon: nothing to record: the config switches on none of %s, cc_distribution, "
