@@ -182,7 +182,11 @@ def load_config(source: str | os.PathLike | Mapping[str, Any] | MonitorConfig) -
         return validate_config(source)
     if not isinstance(source, (str, os.PathLike)):
         raise ConfigError(f"config: expected a file path or a dict, got {type(source).__name__}")
-    return validate_config(read_config_file(source))
+    raw = read_config_file(source)
+    try:
+        return validate_config(raw)
+    except ConfigError as exc:  # which file, as errors reading it say
+        raise ConfigError(f"config file {os.fspath(source)!r}: {exc}") from None
 
 
 def validate_config(raw: Mapping[str, Any]) -> MonitorConfig:
@@ -350,7 +354,7 @@ def _alert(value: Any) -> AlertConfig:
 def _rule(spec: Any, path: str) -> RuleSpec:
     from monitor.anomaly.rule_args import validate_rule_args
 
-    name = kind_of(spec, path, "rule_name", KNOWN_RULES, "an object with 'rule_name' and 'args'")
+    name = kind_of(spec, path, "rule_name", KNOWN_RULES, "an object with 'rule_name' (and optional 'args')")
     for key in spec:
         if key not in ("rule_name", "args"):  # a misspelt "args" would drop the rule's arguments
             raise unknown_key(f"{path}.{key}", str(key), ("rule_name", "args"))

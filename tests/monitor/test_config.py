@@ -14,7 +14,7 @@ import yaml
 import config_templates
 import monitor
 from monitor.anomaly.rules import AnomalyNan, AnomalyTurbulence, build_rules
-from monitor.config.schema import MonitorConfig, load_config
+from monitor.config.schema import ConfigError, MonitorConfig, load_config
 
 TEMPLATE_DIR = Path(config_templates.__file__).parent
 TEMPLATES = sorted(p for p in TEMPLATE_DIR.iterdir() if p.suffix in (".json", ".yaml"))
@@ -88,6 +88,14 @@ def test_default_equals_reference(key):
     plain = load_config({}).to_dict()
     assert plain[key] == REFERENCE_DEFAULTS[key]
     assert type(plain[key]) is type(REFERENCE_DEFAULTS[key])
+
+
+def test_a_bad_value_in_a_file_names_the_file(tmp_path):
+    path = tmp_path / "bad.json"
+    path.write_text('{"wg_distribution": true, "ops": ["norm", "l2"]}')
+    with pytest.raises(ConfigError) as raised:
+        load_config(str(path))
+    assert str(raised.value).startswith(f"config file {str(path)!r}: ops[1]: expected one of")
 
 
 def test_empty_file_gives_defaults(tmp_path):
