@@ -129,7 +129,8 @@ def _run_demo(args: argparse.Namespace) -> int:
         for incident in incidents[:5]:
             print(
                 f"  incident {incident.id} at step {incident.onset_step}: {describe_root(incident.root)}; "
-                f"{incident.tensors} tensor(s), {incident.state}"
+                f"{incident.distinct_tensors} tensor(s) in {len(incident.data_types)} data type(s), "
+                f"{incident.state}"
             )
             for line in incident.evidence:
                 print(f"    - {line}")

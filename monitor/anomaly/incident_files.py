@@ -199,7 +199,7 @@ def merge(incidents: list[dict[str, Any]], window: int = MERGE_WINDOW) -> list[M
 
 def format_incidents(incidents: list[MergedIncident]) -> str:
     """An aligned table of merged incidents with their evidence below each."""
-    header = ("#", "onset", "micro-step", "ranks", "state", "tensors", "records", "root")
+    header = ("#", "onset", "micro-step", "ranks", "state", "series", "records", "root")
     rows = [
         (
             str(number),

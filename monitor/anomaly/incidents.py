@@ -29,6 +29,7 @@ import numpy as np
 from monitor.anomaly.detector import Anomaly, Detector, Verdicts
 from monitor.anomaly.root import choose_root, number, phase_of
 from monitor.datatypes.tasks import parse_tag
+from monitor.naming import split_tag
 
 logger = logging.getLogger("trainmon")
 
@@ -68,8 +69,13 @@ class Incident:
 
     @property
     def tensors(self) -> int:
-        """Distinct tags with a record."""
+        """Distinct tags with a record (a tensor's series of one data type)."""
         return len({record["tag_name"] for record in self.records})
+
+    @property
+    def distinct_tensors(self) -> int:
+        """Distinct tensors with a record: a parameter counts once over its data types."""
+        return len({split_tag(str(record["tag_name"]))[:2] for record in self.records})
 
     @property
     def data_types(self) -> dict[str, int]:
@@ -101,7 +107,8 @@ class Incident:
         """The one console line of a new incident."""
         return (
             f"trainmon: incident {self.id} at step {self.onset_step} on rank {self.rank}: "
-            f"{describe_root(self.root)}; {self.tensors} tensor(s) abnormal; {'; '.join(self.evidence[1:])}"
+            f"{describe_root(self.root)}; {self.distinct_tensors} tensor(s) abnormal in "
+            f"{len(self.data_types)} data type(s) ({self.tensors} series); {'; '.join(self.evidence[1:])}"
         ).rstrip("; ")
 
 

@@ -157,7 +157,7 @@ export class SideList {
     const state = el("span", incident.state === "open" ? "tm-state tm-open" : "tm-state tm-closed", incident.state);
     head.append(el("span", "tm-incident-name", `#${incident.id} step ${incident.onset_step}`),
       document.createTextNode(` · ${incident.ranks.length === 1 ? "rank" : "ranks"} ${incident.ranks.join(", ")}` +
-        ` · ${plural(incident.tensors, "tensor")} `), state);
+        ` · ${incident.tensors} series `), state);
     item.append(head);
     const root = incident.root;
     if (root) {
