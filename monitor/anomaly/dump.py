@@ -65,9 +65,8 @@ class AnomalyDump:
             self._records = _read_existing(self.path, dict)
             self._earlier_incidents = _read_existing(self.incidents_path, dict).get("incidents", [])
             return
-        for path in (self.path, self.incidents_path):
-            if os.path.lexists(path):
-                logger.warning("trainmon: replacing the anomaly file of an earlier run at %s", path)
+        for path in (self.path, self.incidents_path, self.skip_path):
+            _keep_earlier(path)
         atomic_write_text(self.path, "{}")
         self._write_incidents()
 
@@ -119,6 +118,21 @@ class AnomalyDump:
         if batches or os.path.exists(self.skip_path):
             skip = {"version": INCIDENTS_VERSION, "rank": self.rank, "batches": batches}
             atomic_write_text(self.skip_path, json.dumps(skip, indent=1))
+
+
+def _keep_earlier(path: str) -> None:
+    """An anomaly file of an earlier run in the same output directory is kept beside the new one
+    as ``<name>.earlier-<its time>`` (msprobe deletes it), with a warning; the readers, which
+    look for the plain names, read the new run's."""
+    if os.path.islink(path) or not os.path.isfile(path):  # a link is refused when written
+        return
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(os.lstat(path).st_mtime))
+    kept, number = f"{path}.earlier-{stamp}", 1
+    while os.path.lexists(kept):
+        number += 1
+        kept = f"{path}.earlier-{stamp}-{number}"
+    os.replace(path, kept)
+    logger.warning("trainmon: the anomaly file of an earlier run at %s is kept as %s", path, kept)
 
 
 def _read_existing(path: str, kind: type) -> Any:

@@ -639,13 +639,19 @@ def test_dump_file_mode_is_0640(tmp_path, make_record):
     assert stat.S_IMODE(os.stat(dump.path).st_mode) == 0o640
 
 
-def test_dump_replaces_a_file_of_an_earlier_run_with_a_warning(tmp_path, trainmon_log):
+def test_dump_keeps_the_files_of_an_earlier_run_beside_its_own(tmp_path, trainmon_log):
     directory = tmp_path / "anomaly_detected" / "rank0"
     directory.mkdir(parents=True)
     (directory / "anomaly.json").write_text('{"old": {}}')
-    dump = AnomalyDump(tmp_path, rank=0)
-    assert _read_json(dump.path) == {}
-    assert any("earlier run" in m for m in trainmon_log.at(logging.WARNING))
+    (directory / "incidents.json").write_text('{"incidents": ["old"]}')
+    for _ in range(2):  # a second new run keeps the first one's files too
+        dump = AnomalyDump(tmp_path, rank=0)
+        assert _read_json(dump.path) == {}
+    kept = sorted(p.name for p in directory.iterdir() if ".earlier-" in p.name)
+    assert len(kept) == 4, kept  # both files of both earlier runs
+    earliest = [p for p in directory.iterdir() if p.name.startswith("anomaly.json.earlier-")]
+    assert sorted(p.read_text() for p in earliest) == ['{"old": {}}', "{}"]  # the old one, the first run's
+    assert sum("is kept as" in m for m in trainmon_log.at(logging.WARNING)) == 4
 
 
 def test_dump_refuses_a_symlink_at_the_file_path(tmp_path):
