@@ -306,8 +306,9 @@ def run(args: argparse.Namespace) -> int:
     status = 0
     anomaly_dir = os.path.join(run_.data_dir, "anomaly_detected")
     paths = analyse.find_anomaly_files(anomaly_dir) if os.path.isdir(anomaly_dir) else []
-    if paths:
-        status = analyse.report_anomalies(paths, run_.k, run_.steps, run_.out_dir)
+    if paths:  # the ranking goes where the plain command writes it: beside the anomaly files
+        ranking_dir = run_.out_dir if args.out_path else anomaly_dir
+        status = analyse.report_anomalies(paths, run_.k, run_.steps, ranking_dir)
     else:
         with analyse.stdout_guard():
             print(

@@ -545,6 +545,12 @@ def test_the_anomaly_ranking_comes_first_in_the_same_report(tmp_path, capsys):
     assert sorted(os.listdir(out)) == sorted(
         [analyse.OUTPUT_NAME, cross_rank.OUTPUT_NAME, incident_files.OUTPUT_NAME]
     )
+    # without -o the ranking goes where the plain command puts it, beside the anomaly files, and
+    # the outliers into the run's directory
+    assert run_cli("-d", str(tmp_path)) == 0
+    ranked = tmp_path / "anomaly_detected"
+    assert (ranked / analyse.OUTPUT_NAME).is_file() and (ranked / incident_files.OUTPUT_NAME).is_file()
+    assert (tmp_path / cross_rank.OUTPUT_NAME).is_file() and not (tmp_path / analyse.OUTPUT_NAME).exists()
 
 
 @pytest.mark.parametrize("fmt", ["csv", "parquet"])
