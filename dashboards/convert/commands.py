@@ -46,16 +46,31 @@ def _types(text: str) -> list[str]:
     return types
 
 
-def _add_monitor_path(parser: argparse.ArgumentParser, required: bool = True) -> None:
-    """``-d/--monitor-path``: where the converters read from."""
+def _add_monitor_path(parser: argparse.ArgumentParser) -> None:
+    """``DIR`` or ``-d/--monitor-path DIR``: where the commands read from."""
+    parser.add_argument(
+        "directory", nargs="?", default=None, metavar="DIR", help="the same as -d DIR (one of the two)"
+    )
     parser.add_argument(
         "-d",
         "--monitor-path",
         dest="monitor_path",
-        required=required,
         default=None,
         help="the monitor's output directory (MONITOR_OUTPUT_DIR) holding {time}-rank{R}-{id} directories",
     )
+
+
+def _monitor_path(args: argparse.Namespace, command: str) -> str | None:
+    """The directory given as ``DIR`` or ``-d DIR``; None (said on stderr) for none or two."""
+    given = {path for path in (args.directory, args.monitor_path) if path is not None}
+    if len(given) == 1:
+        return given.pop()
+    what = "two different directories" if given else "no directory"
+    print(
+        f"trainmon {command}: DIR or -d DIR: expected the monitor's output directory, got {what}",
+        file=sys.stderr,
+    )
+    return None
 
 
 def _add_selection(parser: argparse.ArgumentParser) -> None:
@@ -86,9 +101,12 @@ def _convert(command: str, convert: Callable[..., str], args: argparse.Namespace
     """Run a converter on parsed options; print what it wrote and ``hints`` (``{out}``: that path)."""
     from dashboards.convert.runs import ConvertError
 
+    monitor_path = _monitor_path(args, command)
+    if monitor_path is None:
+        return 2
     try:
         out = convert(
-            args.monitor_path,
+            monitor_path,
             args.start,
             args.end,
             args.jobs,
@@ -131,10 +149,7 @@ def run_csv2db(args: argparse.Namespace) -> int:
 
 def add_compact_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``trainmon compact``: the monitor's output directory as ``DIR`` or ``-d DIR``."""
-    parser.add_argument(
-        "directory", nargs="?", default=None, metavar="DIR", help="the monitor's output directory (or -d DIR)"
-    )
-    _add_monitor_path(parser, required=False)
+    _add_monitor_path(parser)
     parser.add_argument(
         "-o", "--output", default=None, help="dataset directory (default MONITOR_PATH/dataset)"
     )
@@ -152,15 +167,9 @@ def run_compact(args: argparse.Namespace) -> int:
     except ImportError:
         print("trainmon compact: needs DuckDB: pip install -e '.[dataset]'", file=sys.stderr)
         return 2
-    given = {path for path in (args.directory, args.monitor_path) if path is not None}
-    if len(given) != 1:
-        what = "two different directories" if given else "no directory"
-        print(
-            f"trainmon compact: DIR or -d DIR: expected the monitor's output directory, got {what}",
-            file=sys.stderr,
-        )
+    monitor_path = _monitor_path(args, "compact")
+    if monitor_path is None:
         return 2
-    (monitor_path,) = given
     try:
         limit = memory_limit.memory_limit(args.memory_limit, memory_limit.COMPACT_DEFAULT)
     except ValueError as exc:

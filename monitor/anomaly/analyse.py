@@ -119,9 +119,12 @@ def parse_step_list(text: str | list[int] | None) -> frozenset[int] | None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Define the flags on a parser (standalone or a ``trainmon anomaly-analyse`` subparser)."""
     parser.add_argument(
+        "directory", nargs="?", default=None, metavar="DIR", help="the same as -d DIR (one of the two)"
+    )
+    parser.add_argument(
         "-d",
         "--data_path",
-        required=True,
+        default=None,
         metavar="DIR",
         help="directory holding <sub-dir>/anomaly.json (or the output root above it)",
     )
@@ -215,7 +218,11 @@ def stdout_guard() -> Iterator[None]:
 
 def check_common(args: argparse.Namespace) -> tuple[str, int, frozenset[int] | None]:
     """The data directory, k and steps of the arguments (UsageError when bad)."""
-    data_dir = os.fspath(args.data_path)
+    given = {os.fspath(path) for path in (args.directory, args.data_path) if path is not None}
+    if len(given) != 1:
+        what = "two different directories" if given else "no directory"
+        raise UsageError(f"DIR or -d DIR: expected the directory to analyse, got {what}")
+    (data_dir,) = given
     if not os.path.exists(data_dir):
         raise UsageError(f"data path does not exist: {data_dir}")
     if not os.path.isdir(data_dir):

@@ -218,6 +218,12 @@ def test_command_lines(tmp_path, capsys, name):
     assert "1/1" in captured.err and "rank0/grad_reduced" in captured.err  # the progress line (tqdm or plain)
     assert run(parser.parse_args(["-d", str(tmp_path / "nowhere")])) == 2
     assert "expected an existing directory" in capsys.readouterr().err
+    assert run(parser.parse_args([str(tmp_path / "nowhere")])) == 2  # DIR, as compact takes it
+    assert "expected an existing directory" in capsys.readouterr().err
+    assert run(parser.parse_args([])) == 2
+    assert f"trainmon {name}: DIR or -d DIR: expected the monitor's output directory, got no directory" in (
+        capsys.readouterr().err
+    )
     for bad in (["-d", "x", "-j", "0"], ["-d", "x", "--types", "grad,exp_avg"]):
         with pytest.raises(SystemExit):
             parser.parse_args(bad)

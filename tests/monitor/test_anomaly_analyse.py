@@ -499,6 +499,7 @@ def test_bad_paths_exit_2_with_one_line(tmp_path: Path, tree: Path, capsys) -> N
     a_file = tmp_path / "file"
     a_file.write_text("x")
     assert_usage_error(capsys, main(["-d", str(a_file)]), "data path is not a directory")
+    assert_usage_error(capsys, main([str(a_file)]), "data path is not a directory")  # DIR as -d DIR
     empty = tmp_path / "empty"
     (empty / "rank0").mkdir(parents=True)
     assert_usage_error(capsys, main(["-d", str(empty)]), "no anomaly files found")
@@ -506,8 +507,8 @@ def test_bad_paths_exit_2_with_one_line(tmp_path: Path, tree: Path, capsys) -> N
 
 
 def test_argparse_errors_return_2(capsys) -> None:
-    assert main([]) == 2
-    assert "required" in capsys.readouterr().err
+    assert_usage_error(capsys, main([]), "DIR or -d DIR: expected the directory to analyse, got no directory")
+    assert_usage_error(capsys, main(["a", "-d", "b"]), "got two different directories")
     assert main(["-d", ".", "-k", "many"]) == 2
     assert "invalid int value" in capsys.readouterr().err
 
