@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -12,6 +13,8 @@ import torch
 import torch.distributed as dist
 
 from adapters.torch.cc_wrap import REGISTRY
+
+logger = logging.getLogger("trainmon")
 
 
 @functools.cache
@@ -168,28 +171,42 @@ def rank_in_group(group: Any) -> int | None:
     return dist.get_group_rank(group, dist.get_rank())
 
 
-#: (the world's group, the monitor's gloo group over it), made at the first agreement
+#: (the world's group, the monitor's gloo group over it or None), made at the first agreement
 _agreement_groups: list[tuple[Any, Any]] = []
 
 
-def any_rank(flag: bool) -> bool:
+def any_rank(flag: bool, device: torch.device) -> bool:
     """Whether ``flag`` holds on any rank of the world (one small all_reduce, unseen by
     cc_distribution); every rank must call it at the same point.
 
     The flag is reduced on the CPU, in a gloo group of the monitor's own over the world (made at
     the first call, which every rank reaches at the same point): reading the result of an
     all-reduce on an accelerator's group (NCCL) would wait for everything queued on the device,
-    a host sync at every step.
+    a host sync at every step. A torch built without gloo reduces on the default group instead,
+    on ``device`` where that group cannot reduce CPU tensors.
     """
     if world_size() <= 1:
         return flag
     world = dist.group.WORLD
     if not _agreement_groups or _agreement_groups[-1][0] is not world:
-        _agreement_groups[:] = [(world, dist.new_group(backend="gloo"))]
-    value = torch.tensor([1 if flag else 0], dtype=torch.int32)
+        _agreement_groups[:] = [(world, _gloo_group())]
+    group = _agreement_groups[-1][1]
+    on_cpu = group is not None or "gloo" in str(dist.get_backend()) or device.type == "meta"
+    value = torch.tensor([1 if flag else 0], dtype=torch.int32, device="cpu" if on_cpu else device)
     with REGISTRY.unobserved():
-        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=_agreement_groups[-1][1])
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
     return bool(value.item())
+
+
+def _gloo_group() -> Any:
+    """A gloo group over the world, or None where this torch has no gloo (said once)."""
+    if not dist.is_gloo_available():
+        logger.warning(
+            "trainmon: this torch has no gloo backend: alert.actions agree on the default process "
+            "group, which waits for the device at every step"
+        )
+        return None
+    return dist.new_group(backend="gloo")
 
 
 class StoreChannel:

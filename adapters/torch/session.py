@@ -266,7 +266,8 @@ class TorchSession(SessionLifecycle):
         return schedule_channel()
 
     def _agree_on_stop(self, asked_here: bool) -> bool:
-        return any_rank(asked_here)
+        device = next((p.device for chunk in self.chunks for p in chunk.parameters()), torch.device("cpu"))
+        return any_rank(asked_here, device)
 
     def _detach_after_this_step(self) -> None:
         """Monitoring ended inside the optimizer's post-hook loop.

@@ -302,3 +302,35 @@ def test_an_incident_at_the_last_step_is_delivered_when_the_process_exits(tmp_pa
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert [m["step"] for m in _lines(str(tmp_path / "last.jsonl"))] == [3]
+
+
+def _agreement_worker(rank: int, world_size: int, workdir: str) -> None:
+    from adapters.torch import dist as monitor_dist
+    from tests.log_capture import trainmon_records
+
+    with trainmon_records() as records:
+        own = [monitor_dist.any_rank(rank == asking, torch.device("cpu")) for asking in (1, -1)]
+        group = monitor_dist._agreement_groups[-1][1]
+        dist.is_gloo_available = lambda: False  # a torch built without gloo
+        monitor_dist._agreement_groups.clear()
+        default = [monitor_dist.any_rank(rank == asking, torch.device("cpu")) for asking in (0, -1)]
+    save_result(
+        workdir,
+        rank,
+        {
+            "own_group": own,
+            "own_group_is_not_the_default": group is not None and group is not dist.group.WORLD,
+            "default_group": default,
+            "told": [m for m in records.warnings() if "no gloo backend" in m],
+        },
+    )
+
+
+def test_ranks_agree_in_a_gloo_group_of_their_own_or_on_the_default_group_without_gloo(tmp_path):
+    """The flag of one rank reaches every rank: through the monitor's own gloo group (on the CPU,
+    never waiting for an accelerator), or, in a torch without gloo, through the default group,
+    said once."""
+    for result in run_ranks(_agreement_worker, 2, str(tmp_path)):
+        assert result["own_group"] == [True, False] and result["own_group_is_not_the_default"]
+        assert result["default_group"] == [True, False]
+        assert len(result["told"]) == 1
