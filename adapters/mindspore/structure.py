@@ -67,6 +67,11 @@ class StructureRecorder:
 
         return self._guard.wrap(hook, passthrough=True)
 
+    @property
+    def failed(self) -> bool:
+        """Whether a hook failed: what was recorded is incomplete."""
+        return self._guard.failed
+
     def write(self, root: str, rank: int) -> str:
         """Write ``module_struct/rank{R}/module_struct.json`` under root; returns its path."""
         return write_structure(root, rank, self.structure)

@@ -278,14 +278,17 @@ class BaseCollection(ABC):
     def _print_structure(self) -> None:
         """print_struct: once the structure is recorded, write it and stop the run, as the user asked.
 
-        A failure to write is logged and switches print_struct off; the run goes on.
+        A failure to record (logged by the hook) or to write switches print_struct off, without
+        writing an incomplete structure; the run goes on.
 
         Raises:
             StructurePrinted: the structure was written.
         """
-        if self.structure is None or not self.structure.structure:
+        if self.structure is None or not (self.structure.structure or self.structure.failed):
             return
         recorder, self.structure = self.structure, None
+        if recorder.failed:
+            return
         try:
             path = recorder.write(self.core.root, self.rank)
         except Exception as exc:

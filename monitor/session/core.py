@@ -60,6 +60,8 @@ class MonitorCore:
         self.file_writer = None
         self.detector: Detector | None = None
         self._anomaly_sink: AnomalySink | None = None
+        #: whether append_output found this rank's directory of an earlier run to go on in
+        self._resumed = False
         sinks: list = []
         if config.format != "api":
             self.output_dir = output_dir or self._rank_dir()
@@ -75,7 +77,8 @@ class MonitorCore:
                 roots = dict(enumerate(info.get("root_modules", []))) if info else {}
                 sinks.append(CustomScalarsSink(self.output_dir, roots))
         if config.alert.rules or config.alert.non_finite:
-            dump = AnomalyDump(self.root, rank, keep=output_dir is not None) if config.alert.dump else None
+            keep = output_dir is not None or self._resumed  # the same run goes on: its files too
+            dump = AnomalyDump(self.root, rank, keep=keep) if config.alert.dump else None
             self.detector = Detector(
                 build_rules(config.alert.rules), rank, pp_stage, group_mates, config.alert.non_finite
             )
@@ -95,6 +98,7 @@ class MonitorCore:
                     self.rank,
                     self.root,
                 )
+        self._resumed = path is not None
         return make_private_dir(path or os.path.join(self.root, rank_dir_name(self.rank)), under=self.root)
 
     def _file_writer(self):

@@ -128,6 +128,40 @@ def test_a_resumed_run_does_not_write_steps_twice(tmp_path):
     assert sorted(counts.index) == list(range(7)) and set(counts) == {len(list(model.parameters()))}
 
 
+def test_a_resumed_run_goes_on_in_its_anomaly_files(tmp_path):
+    """append_output that finds the rank's directory is the same run going on: its anomaly files
+    are read back and extended (incident numbers continue), not set aside as an earlier run's."""
+    config = {"wg_distribution": True, "alert": {"rules": [{"rule_name": "AnomalyNan"}], "dump": True}}
+
+    def run(mon, model, optimizer, steps, nan_at):
+        for step in steps:
+            model(torch.randn(4, 6)).sum().backward()
+            if step == nan_at:
+                next(model.parameters()).grad[0, 0] = float("nan")
+            optimizer.step()
+            optimizer.zero_grad()
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.nan_to_num_(0.0)
+        mon.stop()
+
+    model, optimizer = _fresh()
+    first = TrainerMon(config)
+    first.set_monitor(model, 1, optimizer)
+    run(first, model, optimizer, range(8), nan_at=2)
+    tag = os.path.basename(first.output_dir).split("-rank")[0]
+    model, optimizer = _fresh()
+    resumed = TrainerMon({**config, "append_output": [tag, tag]})
+    resumed.set_monitor(model, 1, optimizer, start_iteration=8)
+    run(resumed, model, optimizer, range(8, 16), nan_at=12)
+    rank_dir = tmp_path / "monitor_output" / "anomaly_detected" / "rank0"
+    assert not [p.name for p in rank_dir.iterdir() if ".earlier-" in p.name]
+    incidents = json.loads((rank_dir / "incidents.json").read_text())["incidents"]
+    assert [(i["id"], i["onset_step"]) for i in incidents] == [(1, 2), (2, 12)]
+    steps = {record["step"] for record in json.loads((rank_dir / "anomaly.json").read_text()).values()}
+    assert {2, 12} <= steps
+
+
 def test_detector_baselines_survive_a_resume_through_state_dict():
     config = {
         "wg_distribution": True,
