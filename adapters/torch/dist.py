@@ -199,14 +199,17 @@ def any_rank(flag: bool, device: torch.device) -> bool:
 
 
 def _gloo_group() -> Any:
-    """A gloo group over the world, or None where this torch has no gloo (said once)."""
+    """A gloo group over the world, or None where this torch has no gloo or the group cannot be
+    made (said once): the agreement then runs on the default group."""
+    fallback = "alert.actions agree on the default process group, which waits for the device at every step"
     if not dist.is_gloo_available():
-        logger.warning(
-            "trainmon: this torch has no gloo backend: alert.actions agree on the default process "
-            "group, which waits for the device at every step"
-        )
+        logger.warning("trainmon: this torch has no gloo backend: %s", fallback)
         return None
-    return dist.new_group(backend="gloo")
+    try:
+        return dist.new_group(backend="gloo")
+    except Exception as exc:  # gloo cannot connect (a node that needs GLOO_SOCKET_IFNAME, say)
+        logger.warning("trainmon: no gloo group could be made (%r): %s", exc, fallback)
+        return None
 
 
 class StoreChannel:

@@ -311,9 +311,18 @@ def _agreement_worker(rank: int, world_size: int, workdir: str) -> None:
     with trainmon_records() as records:
         own = [monitor_dist.any_rank(rank == asking, torch.device("cpu")) for asking in (1, -1)]
         group = monitor_dist._agreement_groups[-1][1]
+        available = dist.is_gloo_available
         dist.is_gloo_available = lambda: False  # a torch built without gloo
         monitor_dist._agreement_groups.clear()
         default = [monitor_dist.any_rank(rank == asking, torch.device("cpu")) for asking in (0, -1)]
+        dist.is_gloo_available = available
+
+        def cannot_connect(*args, **kwargs):
+            raise RuntimeError("injected: gloo cannot connect")
+
+        dist.new_group = cannot_connect
+        monitor_dist._agreement_groups.clear()
+        unmade = [monitor_dist.any_rank(rank == asking, torch.device("cpu")) for asking in (1, -1)]
     save_result(
         workdir,
         rank,
@@ -321,16 +330,17 @@ def _agreement_worker(rank: int, world_size: int, workdir: str) -> None:
             "own_group": own,
             "own_group_is_not_the_default": group is not None and group is not dist.group.WORLD,
             "default_group": default,
-            "told": [m for m in records.warnings() if "no gloo backend" in m],
+            "unmade_group": unmade,
+            "told": [m for m in records.warnings() if "agree on the default process group" in m],
         },
     )
 
 
 def test_ranks_agree_in_a_gloo_group_of_their_own_or_on_the_default_group_without_gloo(tmp_path):
     """The flag of one rank reaches every rank: through the monitor's own gloo group (on the CPU,
-    never waiting for an accelerator), or, in a torch without gloo, through the default group,
-    said once."""
+    never waiting for an accelerator), or, in a torch without gloo or where the group cannot be
+    made, through the default group, said once each."""
     for result in run_ranks(_agreement_worker, 2, str(tmp_path)):
         assert result["own_group"] == [True, False] and result["own_group_is_not_the_default"]
-        assert result["default_group"] == [True, False]
-        assert len(result["told"]) == 1
+        assert result["default_group"] == result["unmade_group"] == [True, False]
+        assert len(result["told"]) == 2, result["told"]  # no gloo, then a group that cannot be made
