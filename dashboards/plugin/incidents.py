@@ -55,8 +55,11 @@ class Incident:
 
     def to_json(self, items: list[AnomalyItem], roots: RootClasses | None = None) -> dict[str, Any]:
         """The incident as ``merge`` describes it, its root's cell, and ``items`` (chosen records);
-        ``roots`` names the root modules' rows (``record_json``)."""
+        ``roots`` names the root modules' rows (``record_json``). The ids of every step's
+        micro-batches (``step_batch_ids``, up to 1,000 steps a rank) stay in the files, which the
+        page does not show: they would make every answer as large as all of them."""
         body = self.merged.to_json(self.number)
+        del body["step_batch_ids"]
         body["root"] = self.root.to_json(roots) if self.root is not None else None
         body["root_index"] = self.root_index
         body["items"] = [item.to_json(roots) for item in items]
