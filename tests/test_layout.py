@@ -112,11 +112,12 @@ def test_every_monitor_package_says_what_lives_there():
 def test_the_installed_packages_are_the_products_and_nothing_the_demo_writes(tmp_path):
     """The package list setuptools builds from pyproject.toml: every product package, and not
     the demo's ``monitor_output`` folder beside them (a ``monitor*`` pattern took it in)."""
-    import tomllib
     from setuptools import find_namespace_packages
+    from setuptools.config.pyprojecttoml import read_configuration  # tomllib is 3.11's
 
     root = Path(__file__).resolve().parents[1]
-    include = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
+    setup = read_configuration(str(root / "pyproject.toml"), expand=False)["tool"]["setuptools"]
+    include = setup["packages"]["find"]
     (tmp_path / "monitor_output" / "Dec01_00-00-00-rank0-x").mkdir(parents=True)
     for package in ("monitor/session", "adapters/torch", "dashboards/plugin", "config_templates"):
         (tmp_path / package).mkdir(parents=True)
