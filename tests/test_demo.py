@@ -82,7 +82,8 @@ def test_a_short_demo_places_its_spike_within_its_steps_and_says_why_it_went_uns
     done = _demo("--steps", "8", "--output", str(tmp_path / "run"), cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert "spike at step 4\n" in done.stdout
-    assert "the spike at step 4 came before the rules had 10 values" in done.stdout
+    assert "the spike at step 4 came before the rules had values enough" in done.stdout
+    assert "try --spike-step 10 or later" in done.stdout  # the template's rule waits for 10 values
 
 
 def test_a_demo_config_that_records_nothing_says_so(tmp_path):

@@ -10,6 +10,7 @@ import math
 import os
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -145,12 +146,19 @@ def run_demo(
         "steps": len(losses),
         "stopped": stopped,
         "recorded": recorded_kinds(monitor.config),
-        # the most collected values a rule waits for before it judges
-        "warmup": max((getattr(r, "warmup", 0) for r in build_rules(monitor.config.alert.rules)), default=0),
+        "first_judged_step": _first_judged_step(monitor.config),
         "parameters": sum(p.numel() for p in model.parameters()),
         "first_loss": losses[0] if losses else math.nan,
         "last_loss": losses[-1] if losses else math.nan,
     }
+
+
+def _first_judged_step(config: Any) -> int:
+    """The first step a configured rule can flag a finite value at: the shortest warm-up of
+    collected values among the rules that have one (AnomalyNan flags only NaN/Inf), from
+    ``start_step`` every ``step_interval`` steps."""
+    warmups = [rule.warmup for rule in build_rules(config.alert.rules) if hasattr(rule, "warmup")]
+    return config.start_step + min(warmups, default=0) * config.step_interval
 
 
 def _train(

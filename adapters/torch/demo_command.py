@@ -134,11 +134,11 @@ def _run_demo(args: argparse.Namespace) -> int:
             )
             for line in incident.evidence:
                 print(f"    - {line}")
-    elif spike_step is not None and spike_step < summary["warmup"]:
+    elif spike_step is not None and spike_step < summary["first_judged_step"]:
         print(
             f"Detected:    no anomalies: the spike at step {spike_step} came before the rules had "
-            f"{summary['warmup']} values to compare it with (their warm-up); try --spike-step "
-            f"{summary['warmup']} or later"
+            f"values enough to compare it with (their warm-up); try --spike-step "
+            f"{summary['first_judged_step']} or later"
         )
     else:
         print("Detected:    no anomalies")
