@@ -62,9 +62,9 @@ def _add_monitor_path(parser: argparse.ArgumentParser) -> None:
 
 def _monitor_path(args: argparse.Namespace, command: str) -> str | None:
     """The directory given as ``DIR`` or ``-d DIR``; None (said on stderr) for none or two."""
-    given = {path for path in (args.directory, args.monitor_path) if path is not None}
+    given = {os.path.realpath(path): path for path in (args.directory, args.monitor_path) if path}
     if len(given) == 1:
-        return given.pop()
+        return given.popitem()[1]
     what = "two different directories" if given else "no directory"
     print(
         f"trainmon {command}: DIR or -d DIR: expected the monitor's output directory, got {what}",

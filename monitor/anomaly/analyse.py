@@ -129,7 +129,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="directory holding <sub-dir>/anomaly.json (or the output root above it)",
     )
     parser.add_argument(
-        "-o", "--out_path", default=None, metavar="OUT", help="output directory (default: DIR; created)"
+        "-o",
+        "--out_path",
+        default=None,
+        metavar="OUT",
+        help="output directory (created; default: the directory of the anomaly files, and with "
+        "--cross-rank the run's directory for its outliers)",
     )
     parser.add_argument(
         "-k", "--topk", type=int, default=8, metavar="K", help="number of earliest anomalies kept (default 8)"
@@ -218,11 +223,11 @@ def stdout_guard() -> Iterator[None]:
 
 def check_common(args: argparse.Namespace) -> tuple[str, int, frozenset[int] | None]:
     """The data directory, k and steps of the arguments (UsageError when bad)."""
-    given = {os.fspath(path) for path in (args.directory, args.data_path) if path is not None}
+    given = {os.path.realpath(path): os.fspath(path) for path in (args.directory, args.data_path) if path}
     if len(given) != 1:
         what = "two different directories" if given else "no directory"
         raise UsageError(f"DIR or -d DIR: expected the directory to analyse, got {what}")
-    (data_dir,) = given
+    (data_dir,) = given.values()
     if not os.path.exists(data_dir):
         raise UsageError(f"data path does not exist: {data_dir}")
     if not os.path.isdir(data_dir):

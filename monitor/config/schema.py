@@ -25,14 +25,15 @@ from monitor.config.values import (
     as_bool,
     as_int,
     as_number,
+    as_rank_list,
     as_str_list,
+    as_time_range,
     describe,
     kind_of,
     not_one_of,
     unknown_key,
     warn_unknown,
 )
-from monitor.files import parse_time_tag
 
 logger = logging.getLogger("trainmon")
 
@@ -206,7 +207,7 @@ def validate_config(raw: Mapping[str, Any]) -> MonitorConfig:
         if key in raw:
             values[key] = as_int(raw[key], key, low)
     if "module_ranks" in raw:
-        values["module_ranks"] = _module_ranks(raw["module_ranks"])
+        values["module_ranks"] = as_rank_list(raw["module_ranks"], "module_ranks")
     if "cc_distribution" in raw:
         values["cc_distribution"] = _cc(raw["cc_distribution"])
     if raw.get("alert") is not None:
@@ -232,7 +233,7 @@ def validate_config(raw: Mapping[str, Any]) -> MonitorConfig:
             raw["step_count_per_record"], "step_count_per_record", 1, 1_000_000
         )
     if "append_output" in raw:
-        values["append_output"] = _append_output(raw["append_output"])
+        values["append_output"] = as_time_range(raw["append_output"], "append_output")
     if "l2_targets" in raw:
         values["l2_targets"] = _l2_targets(raw["l2_targets"])
     if "sa_order" in raw:
@@ -288,17 +289,6 @@ def _targets(value: Any) -> Mapping[str, Mapping[str, Any]]:
                 )
         result[name] = MappingProxyType(dict(spec))
     return MappingProxyType(result)
-
-
-def _module_ranks(value: Any) -> tuple[int, ...]:
-    if not isinstance(value, list):
-        raise ConfigError(f"module_ranks: expected a list of integer ranks, got {describe(value)}")
-    ranks = []
-    for i, rank in enumerate(value):
-        if isinstance(rank, str) and rank.strip().isascii() and rank.strip().isdigit():  # MindSpore 1.2.2
-            rank = int(rank)
-        ranks.append(as_int(rank, f"module_ranks[{i}]", 0))
-    return tuple(sorted(set(ranks)))
 
 
 def _cc(value: Any) -> CCConfig:
@@ -376,20 +366,6 @@ def _ops(value: Any) -> tuple[str, ...]:
         if op not in chosen:
             chosen.append(op)
     return tuple(chosen) or ("norm",)
-
-
-def _append_output(value: Any) -> tuple[str, ...]:
-    times = as_str_list(value, "append_output")
-    if len(times) not in (0, 2):
-        raise ConfigError(
-            f"append_output: expected [] or two time strings like 'Dec03_21-34-40', got {describe(value)}"
-        )
-    for i, text in enumerate(times):
-        if parse_time_tag(text) is None:
-            raise ConfigError(f"append_output[{i}]: expected a time like 'Dec03_21-34-40', got {text!r}")
-    if times and parse_time_tag(times[0]) > parse_time_tag(times[1]):
-        raise ConfigError(f"append_output: expected the start before the end, got {list(times)!r}")
-    return times
 
 
 def _l2_targets(value: Any) -> Mapping[str, tuple[str, ...]]:

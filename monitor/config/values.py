@@ -12,6 +12,8 @@ import math
 from collections.abc import Iterable
 from typing import Any
 
+from monitor.files import parse_time_tag
+
 logger = logging.getLogger("trainmon")
 
 
@@ -115,3 +117,30 @@ def as_str_list(value: Any, path: str) -> tuple[str, ...]:
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
         raise ConfigError(f"{path}: expected a list of strings, got {describe(value)}")
     return tuple(value)
+
+
+def as_rank_list(value: Any, path: str) -> tuple[int, ...]:
+    """A list of ranks (integers >= 0; digit strings too, as MindSpore's 1.2.2 configs write
+    them), sorted without repeats."""
+    if not isinstance(value, list):
+        raise ConfigError(f"{path}: expected a list of integer ranks, got {describe(value)}")
+    ranks = []
+    for i, rank in enumerate(value):
+        if isinstance(rank, str) and rank.strip().isascii() and rank.strip().isdigit():
+            rank = int(rank)
+        ranks.append(as_int(rank, f"{path}[{i}]", 0))
+    return tuple(sorted(set(ranks)))
+
+
+def as_time_range(value: Any, path: str) -> tuple[str, ...]:
+    """``[]`` or two time tags like ``Dec03_21-34-40``, the start not after the end."""
+    times = as_str_list(value, path)
+    if len(times) not in (0, 2):
+        expected = "[] or two time strings like 'Dec03_21-34-40'"
+        raise ConfigError(f"{path}: expected {expected}, got {describe(value)}")
+    for i, text in enumerate(times):
+        if parse_time_tag(text) is None:
+            raise ConfigError(f"{path}[{i}]: expected a time like 'Dec03_21-34-40', got {text!r}")
+    if times and parse_time_tag(times[0]) > parse_time_tag(times[1]):
+        raise ConfigError(f"{path}: expected the start before the end, got {list(times)!r}")
+    return times

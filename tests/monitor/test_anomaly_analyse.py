@@ -509,6 +509,11 @@ def test_bad_paths_exit_2_with_one_line(tmp_path: Path, tree: Path, capsys) -> N
 def test_argparse_errors_return_2(capsys) -> None:
     assert_usage_error(capsys, main([]), "DIR or -d DIR: expected the directory to analyse, got no directory")
     assert_usage_error(capsys, main(["a", "-d", "b"]), "got two different directories")
+
+
+def test_dir_and_d_dir_naming_one_directory_are_one(tree: Path, capsys) -> None:
+    assert main([str(tree), "-d", f"{tree}/"]) == 0
+    assert "Top" in capsys.readouterr().out
     assert main(["-d", ".", "-k", "many"]) == 2
     assert "invalid int value" in capsys.readouterr().err
 
