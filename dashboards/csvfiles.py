@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from monitor.anomaly.rank_csv import header_columns, list_csv_files, parse_rows, read_complete_lines
+from monitor.anomaly.rank_csv import Table, header_columns, list_csv_files, parse_rows, read_complete_lines
 from monitor.writers.eventfile import open_regular
 
 __all__ = [
@@ -186,6 +186,11 @@ def _parse(header: bytes, body: bytes | memoryview) -> CsvTable:
     table, dropped = parse_rows(header, body)
     if table is None:
         raise ValueError(f"not a monitor CSV header: {header[:200].decode('utf-8', 'replace')!r}")
+    return as_csv_table(table, dropped)
+
+
+def as_csv_table(table: Table, skipped: int = 0) -> CsvTable:
+    """A rank_csv Table (names coded) as a CsvTable (a name per row)."""
     return CsvTable(
         table.ops,
         table.vpp.astype(np.int64),
@@ -193,7 +198,7 @@ def _parse(header: bytes, body: bytes | memoryview) -> CsvTable:
         table.micro,
         table.steps,
         table.values,
-        dropped,
+        skipped,
     )
 
 

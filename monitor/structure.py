@@ -12,7 +12,6 @@ import csv
 import io
 import json
 import linecache
-import logging
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -21,17 +20,22 @@ from typing import Any
 
 from monitor.files import atomic_write_text, make_private_dir
 
-logger = logging.getLogger("trainmon")
-
 Frame = tuple[str, int, str]
 
 
-class HookGuard:
-    """Contains the failures of one recorder's hooks: the first is logged with its cause, and
-    every hook of the recorder does nothing from then on; the training's call never sees one."""
+#: what a recorder reports a failure of its hooks to: ``on_error(part, exc)`` (the collection's
+#: ``fail``, which logs it once and switches the part off)
+OnError = Callable[[str, BaseException], None]
 
-    def __init__(self, what: str) -> None:
+
+class HookGuard:
+    """Contains the failures of one recorder's hooks: the first goes to ``on_error`` with its
+    part's name, and every hook of the recorder does nothing from then on; the training's call
+    never sees one."""
+
+    def __init__(self, what: str, on_error: OnError) -> None:
         self.what = what
+        self.on_error = on_error
         self.failed = False
 
     def wrap(self, hook: Callable[..., Any], passthrough: bool = False) -> Callable[..., Any]:
@@ -44,9 +48,7 @@ class HookGuard:
                     return hook(*args)
                 except Exception as exc:
                     self.failed = True
-                    logger.error(
-                        "trainmon: %s failed (%r); it is switched off, training goes on", self.what, exc
-                    )
+                    self.on_error(self.what, exc)
             return args[0] if passthrough else None
 
         return guarded
@@ -117,11 +119,11 @@ class StackRecorder:
     source read when the file is written. Any framework whose modules take
     ``register_forward_pre_hook(hook(module, args))`` works."""
 
-    def __init__(self, modules: Sequence[tuple[str, Any]]) -> None:
+    def __init__(self, modules: Sequence[tuple[str, Any]], on_error: OnError) -> None:
         """``modules``: (display name, module) pairs, in the order they are written."""
         self.modules = list(modules)
         self.stacks: dict[str, list[Frame]] = {}
-        self._guard = HookGuard("stack_info")
+        self._guard = HookGuard("stack_info", on_error)
 
     def register(self) -> list:
         return [module.register_forward_pre_hook(self._hook(name)) for name, module in self.modules]

@@ -15,7 +15,7 @@ import mindspore as ms
 
 from adapters.mindspore.activations import grad_active, is_tensor, is_training_call, takes_part_in_grad
 from monitor.naming import chunk_name, display_name
-from monitor.structure import HookGuard, StackRecorder, describe, record_grad, write_structure
+from monitor.structure import HookGuard, OnError, StackRecorder, describe, record_grad, write_structure
 
 
 def _tensor_text(t: ms.Tensor) -> str:
@@ -33,10 +33,10 @@ def _cell_names(chunks: Sequence[ms.nn.Cell], squash: bool) -> list[tuple[str, m
 class StructureRecorder:
     """Records every Cell's input/output (and their gradients') structure on its first training call."""
 
-    def __init__(self, chunks: Sequence[ms.nn.Cell], squash: bool) -> None:
+    def __init__(self, chunks: Sequence[ms.nn.Cell], squash: bool, on_error: OnError) -> None:
         self.cells = _cell_names(chunks, squash)
         self.structure: dict[str, dict[str, Any]] = {}
-        self._guard = HookGuard("print_struct")
+        self._guard = HookGuard("print_struct", on_error)
 
     def register(self) -> list:
         return [cell.register_forward_hook(self._hook(name), with_kwargs=True) for name, cell in self.cells]
@@ -67,16 +67,11 @@ class StructureRecorder:
 
         return self._guard.wrap(hook, passthrough=True)
 
-    @property
-    def failed(self) -> bool:
-        """Whether a hook failed: what was recorded is incomplete."""
-        return self._guard.failed
-
     def write(self, root: str, rank: int) -> str:
         """Write ``module_struct/rank{R}/module_struct.json`` under root; returns its path."""
         return write_structure(root, rank, self.structure)
 
 
-def stack_recorder(chunks: Sequence[ms.nn.Cell], squash: bool) -> StackRecorder:
+def stack_recorder(chunks: Sequence[ms.nn.Cell], squash: bool, on_error: OnError) -> StackRecorder:
     """stack_info: the call stack of each Cell's first forward (monitor.structure.StackRecorder)."""
-    return StackRecorder(_cell_names(chunks, squash))
+    return StackRecorder(_cell_names(chunks, squash), on_error)

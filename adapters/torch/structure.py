@@ -14,7 +14,7 @@ import torch
 
 from adapters.torch.compiled import eager
 from monitor.naming import chunk_name, display_name
-from monitor.structure import HookGuard, StackRecorder, describe, record_grad, write_structure
+from monitor.structure import HookGuard, OnError, StackRecorder, describe, record_grad, write_structure
 
 
 def _is_tensor(obj: Any) -> bool:
@@ -36,10 +36,10 @@ def _module_names(chunks: Sequence[torch.nn.Module], squash: bool) -> list[tuple
 class StructureRecorder:
     """Records every module's input/output (and their gradients') structure on the first call."""
 
-    def __init__(self, chunks: Sequence[torch.nn.Module], squash: bool) -> None:
+    def __init__(self, chunks: Sequence[torch.nn.Module], squash: bool, on_error: OnError) -> None:
         self.modules = _module_names(chunks, squash)
         self.structure: dict[str, dict[str, Any]] = {}
-        self._guard = HookGuard("print_struct")
+        self._guard = HookGuard("print_struct", on_error)
 
     def register(self) -> list:
         handles = []
@@ -70,16 +70,11 @@ class StructureRecorder:
 
         return self._guard.wrap(hook)
 
-    @property
-    def failed(self) -> bool:
-        """Whether a hook failed: what was recorded is incomplete."""
-        return self._guard.failed
-
     def write(self, root: str, rank: int) -> str:
         """Write ``module_struct/rank{R}/module_struct.json`` under root; returns its path."""
         return write_structure(root, rank, self.structure)
 
 
-def stack_recorder(chunks: Sequence[torch.nn.Module], squash: bool) -> StackRecorder:
+def stack_recorder(chunks: Sequence[torch.nn.Module], squash: bool, on_error: OnError) -> StackRecorder:
     """stack_info: the call stack of each module's first forward (monitor.structure.StackRecorder)."""
-    return StackRecorder(_module_names(chunks, squash))
+    return StackRecorder(_module_names(chunks, squash), on_error)

@@ -22,7 +22,7 @@ import numpy as np
 import pandas as pd
 
 from dashboards.convert.commands import DATA_TYPES, MAX_PROCESSES
-from dashboards.csvfiles import CsvTable, read_csv_files
+from dashboards.csvfiles import CsvTable, as_csv_table, read_csv_files
 from monitor.anomaly import rank_csv
 from monitor.datatypes.tasks import RowKey
 from monitor.files import RANK_DIR_PATTERN, in_time_range, parse_time_tag, time_bounds
@@ -179,17 +179,7 @@ def _tables(rank_dir: str, prefix: str) -> list[CsvTable]:
     tables = rank_csv.read_parts(rank_dir, prefix, parts, every_step, warnings)
     for warning in warnings:
         logger.warning("trainmon: %s", warning)
-    return [
-        CsvTable(
-            t.ops,
-            t.vpp.astype(np.int64),
-            np.array(t.names, dtype=object)[t.codes].tolist(),
-            t.micro,
-            t.steps,
-            t.values,
-        )
-        for t in tables
-    ]
+    return [as_csv_table(table) for table in tables]
 
 
 def read_series(dirs: Sequence[str], prefix: str) -> Series | None:

@@ -269,10 +269,10 @@ class BaseCollection(ABC):
     ) -> None:
         """print_struct / stack_info: hook the adapter's recorders of the structure and call stacks."""
         if self.config.print_struct:
-            self.structure = structure_recorder(chunks, self.config.squash_name)
+            self.structure = structure_recorder(chunks, self.config.squash_name, self.fail)
             self._handles += self.structure.register()
         if self.config.stack_info:
-            self.stacks = stack_recorder(chunks, self.config.squash_name)
+            self.stacks = stack_recorder(chunks, self.config.squash_name, self.fail)
             self._stack_handles = self.stacks.register()
 
     def _print_structure(self) -> None:
@@ -284,10 +284,11 @@ class BaseCollection(ABC):
         Raises:
             StructurePrinted: the structure was written.
         """
-        if self.structure is None or not (self.structure.structure or self.structure.failed):
+        failed = "print_struct" in self._failed
+        if self.structure is None or not (self.structure.structure or failed):
             return
         recorder, self.structure = self.structure, None
-        if recorder.failed:
+        if failed:
             return
         try:
             path = recorder.write(self.core.root, self.rank)

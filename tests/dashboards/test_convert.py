@@ -151,6 +151,17 @@ def test_missing_monitor_path_is_refused(tmp_path):
         csv2db(str(tmp_path / "nowhere"))
 
 
+def _assert_db_row(row: tuple, want: dict, ops: dict, key) -> None:
+    """One stats row ``(nan_mask, values in ops order)`` holds ``want``: NaN as NULL with its
+    op's bit in the mask, every other value exactly, its bit clear."""
+    mask, values = row
+    for position, (op, op_id) in enumerate(ops.items()):
+        if np.isnan(want[op]):
+            assert values[position] is None and mask >> op_id & 1, key
+        else:
+            assert values[position] == want[op] and not mask >> op_id & 1, key
+
+
 def test_csv2db_round_trip(tmp_path):
     _restarted_run(tmp_path / "run")
     path = csv2db(str(tmp_path / "run"), process_num=2, output_path=str(tmp_path / "m.db"), progress=False)
@@ -174,13 +185,7 @@ def test_csv2db_round_trip(tmp_path):
             }
             assert set(got) == set(expected)
             for key, want in expected.items():
-                mask, values = got[key]
-                for op, op_id in ops.items():
-                    value = values[list(ops).index(op)]
-                    if np.isnan(want[op]):
-                        assert value is None and mask >> op_id & 1
-                    else:
-                        assert value == want[op] and not mask >> op_id & 1
+                _assert_db_row(got[key], want, ops, key)
     order = db.execute(
         "SELECT t.name FROM target_order o JOIN targets t USING (target_id) "
         "JOIN data_types d USING (data_type_id) WHERE d.name='grad_reduced' AND o.rank=0 ORDER BY o.position"
@@ -302,10 +307,4 @@ def test_csv2db_converts_a_parquet_run(tmp_path):
     }
     assert set(got) == set(written)
     for key, want in written.items():
-        mask, values = got[key]
-        for op, op_id in ops.items():
-            value = values[list(ops).index(op)]
-            if np.isnan(want[op]):
-                assert value is None and mask >> op_id & 1, key
-            else:
-                assert value == want[op] and not mask >> op_id & 1, key
+        _assert_db_row(got[key], want, ops, key)
