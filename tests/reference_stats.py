@@ -46,7 +46,7 @@ def assert_stats_close(
             assert g == pytest.approx(w, rel=rel, abs=1e-12), f"{what} {op}: got {g}, numpy {w}"
 
 
-#: non-finite and near-zero inputs whose statistics must follow numpy's, by test id
+#: non-finite, near-zero and huge inputs whose statistics must follow numpy's, by test id
 NON_FINITE_VALUES = {
     "nan": [1.0, float("nan"), -3.0, 0.0],
     "inf": [1.0, float("inf"), -3.0],
@@ -54,6 +54,8 @@ NON_FINITE_VALUES = {
     "inf-inf": [float("inf"), float("-inf")],
     "all-nan": [float("nan")] * 4,
     "zeros": [0.0, 0.0, 1e-9, -1e-9, 2.0],
+    # finite, but their squares and sum overflow float32: numpy's float64 norm and mean are finite
+    "huge": [3e38, 3e38, -1e37, 2.0],
 }
 
 

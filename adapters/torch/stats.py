@@ -175,6 +175,8 @@ def _library_parts(tensors: Sequence[torch.Tensor], ops: tuple[str, ...], eps: f
                 small += part.lt_(eps).sum().item()  # 0/1 in acc: exact below 2**24 per chunk
         low = float(np.min(lows)) if lows else 0.0
         high = float(np.max(highs)) if highs else 0.0
+        if floating and acc != _F64 and not (math.isfinite(total) and math.isfinite(squared)):
+            total, squared = _double_sums(flat)  # finite values may have overflowed acc
         nans = 0.0
         if "nans" in ops and floating:
             witness = squared if squares else total if sums else low + high
@@ -182,6 +184,17 @@ def _library_parts(tensors: Sequence[torch.Tensor], ops: tuple[str, ...], eps: f
                 nans = float(_count_nans(t, CPU_CHUNK))
         parts.append((low, high, total, squared, small, nans))
     return np.array(parts, dtype=np.float64)
+
+
+def _double_sums(flat: torch.Tensor) -> tuple[float, float]:
+    """Sum and sum of squares of a flat floating tensor in float64, chunk by chunk, as the
+    reference takes them (where the accumulation type overflowed on finite values)."""
+    total = squared = 0.0
+    for chunk in flat.split(CPU_CHUNK):
+        wide = chunk.to(_F64)
+        total += wide.sum().item()
+        squared += torch.dot(wide, wide).item()
+    return total, squared
 
 
 def _device_block(tensors: Sequence[torch.Tensor], ops: tuple[str, ...], eps: float) -> torch.Tensor:

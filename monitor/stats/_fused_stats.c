@@ -1,5 +1,6 @@
 /* One pass over a float32/float64/bfloat16 buffer: min, max, sum, sum of squares, count of |x| < eps,
- * and (only when the sum of squares is not finite) the NaN count.
+ * and (only when the sum of squares is not finite) the NaN count, with the sums taken again in
+ * double where finite values overflowed the buffer's precision.
  *
  * Built by setup.py as the optional extension monitor.stats._fused_stats; monitor/stats/fused_stats.py
  * falls back to library calls when it is missing. Plain C, no fast-math: the loops keep LANES
@@ -113,11 +114,25 @@ typedef struct {
         out->squares = squares;                                                               \
         out->small = small;                                                                   \
         out->nans = 0;                                                                        \
-        if (!isfinite(squares)) { /* only then can the buffer hold a NaN */                   \
+        if (!isfinite(squares)) { /* only then can the buffer hold a NaN or an Inf, or finite \
+                                     values whose squares overflowed FLOAT: summed again in   \
+                                     double, as the reference sums them */                    \
             long long nans = 0;                                                               \
-            for (Py_ssize_t i = 0; i < n; i++) nans += isnan(LOAD(a[i]));                     \
+            int infinite = 0;                                                                 \
+            double wide_total = 0.0, wide_squares = 0.0;                                      \
+            for (Py_ssize_t i = 0; i < n; i++) {                                              \
+                double v = (double)LOAD(a[i]);                                                \
+                nans += isnan(v);                                                             \
+                infinite |= isinf(v);                                                         \
+                wide_total += v;                                                              \
+                wide_squares += v * v;                                                        \
+            }                                                                                 \
             out->nans = nans;                                                                 \
             if (nans) out->low = out->high = NAN;                                             \
+            if (!nans && !infinite) {                                                         \
+                out->total = wide_total;                                                      \
+                out->squares = wide_squares;                                                  \
+            }                                                                                 \
         }                                                                                     \
     }
 

@@ -17,6 +17,7 @@ data; ``nans`` counts NaN elements; ``zeros`` is the share of ``|x| < eps`` comp
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -67,12 +68,16 @@ def _chunk_parts(array: np.ndarray, eps: float) -> tuple:
             pieces.append(fused_stats.stats(chunk, eps))
             continue
         with np.errstate(invalid="ignore", over="ignore"):
+            total, squares = float(chunk.sum(dtype=wide)), float(np.dot(chunk, chunk))
+            if not (math.isfinite(total) and math.isfinite(squares)):  # finite values may overflow
+                double = chunk.astype(np.float64)
+                total, squares = float(double.sum()), float(np.dot(double, double))
             pieces.append(
                 (
                     chunk.min(),
                     chunk.max(),
-                    float(chunk.sum(dtype=wide)),
-                    float(np.dot(chunk, chunk)),
+                    total,
+                    squares,
                     int(np.count_nonzero(np.abs(chunk) < wide(eps))),
                     int(np.count_nonzero(np.isnan(chunk))),
                 )
