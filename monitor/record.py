@@ -93,6 +93,9 @@ class StepRecord:
         call_ids: order of collection within the step on this rank, one per row (see docs/configuration.md).
         fetch: optional callable that returns ``values`` when the device-to-host copy was started
             asynchronously; the writer thread calls it, the training thread never waits on it.
+        judged: whether the anomaly rules judge the values, or a callable that says so on the
+            writer thread: not the gradients of a step whose update a loss scaler skipped (Inf/NaN
+            there is the scaler's business, not a fault).
     """
 
     prefix: str
@@ -102,6 +105,7 @@ class StepRecord:
     values: np.ndarray | None = None
     call_ids: np.ndarray | None = None
     fetch: Callable[[], np.ndarray] | None = field(default=None, repr=False)
+    judged: bool | Callable[[], bool] = True
 
     def resolve(self) -> np.ndarray:
         """Return the values, completing a pending device-to-host copy if there is one."""
@@ -111,6 +115,16 @@ class StepRecord:
             self.values = np.asarray(self.fetch(), dtype=np.float64)
             self.fetch = None
         return self.values
+
+    def judged_now(self) -> bool:
+        """``judged``, asking its callable (which may wait for the device) if it is one; a
+        callable that fails leaves the values judged."""
+        if isinstance(self.judged, bool):
+            return self.judged
+        try:
+            return bool(self.judged())
+        except Exception:
+            return True
 
     @property
     def has_micro_step(self) -> bool:

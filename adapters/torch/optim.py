@@ -88,6 +88,17 @@ def accumulation_boundary(optimizer: Any) -> Callable[[], bool] | None:
     return None
 
 
+def scaler_verdict(optimizer: Any) -> Callable[[], bool] | None:
+    """Whether a step's gradients are to be judged, where a loss scaler leaves skipping the update
+    to the optimizer itself (torch's fused Adam, AdamW and SGD: ``GradScaler`` hands it
+    ``found_inf`` for the duration of the step, and the optimizer's hooks run either way). Asked
+    on the writer thread, so that the training thread never waits for the device; None without one."""
+    found_inf = getattr(optimizer, "found_inf", None)
+    if not isinstance(found_inf, torch.Tensor):
+        return None
+    return lambda: not bool(found_inf.item())
+
+
 def optimizer_step_count(optimizer: torch.optim.Optimizer) -> int | None:
     """The optimizer's own count of updates (``state[p]["step"]`` of Adam-like optimizers), if any."""
     for state in optimizer.state.values():

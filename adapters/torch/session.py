@@ -31,7 +31,7 @@ from adapters.torch.dist import (
     schedule_channel,
     world_size,
 )
-from adapters.torch.optim import TorchBackend, accumulation_boundary, optimizer_backend
+from adapters.torch.optim import TorchBackend, accumulation_boundary, optimizer_backend, scaler_verdict
 from adapters.torch.sharded.dtensor import DTensorBackend, optimizer_has_replicated_dtensors
 from monitor.session.lifecycle import Attachment, SessionLifecycle, model_chunks
 
@@ -205,6 +205,9 @@ class TorchSession(SessionLifecycle):
         wrapped so that the step is collected when it returns; its result passes through unchanged."""
         torch_hook = bool(args) and args[0] is optimizer  # not a back-end's wrapped step: args replaceable
         closure = kwargs.get("closure") if "closure" in kwargs else (args[1] if len(args) > 1 else None)
+        verdict = scaler_verdict(optimizer) if torch_hook and self.collection is not None else None
+        if verdict is not None:
+            self.collection.gradients_judged = verdict
         if closure is None or not torch_hook or self.collection is None:
             self._begin_update()
             return None
@@ -235,9 +238,18 @@ class TorchSession(SessionLifecycle):
         if self._closure_pending:
             self._closure_pending = False
             self._begin_update()
+        self._forget_step_signals()
+        self._after_update()
+
+    def update_skipped(self) -> None:
+        self._closure_pending = False
+        self._forget_step_signals()
+        super().update_skipped()
+
+    def _forget_step_signals(self) -> None:
+        """The step ended: what DDP's forwards and ``set_last_micro_batch`` said of it is spent."""
         self._ddp_forwarded.clear()
         self._told_last = False
-        self._after_update()
 
     def _bundle_contents(
         self, incident: dict[str, Any], budget: int

@@ -271,6 +271,8 @@ class AnomalySink:
         self._batch_ids[step] = step_ids
 
     def write(self, record: Any) -> None:
+        if not record.judged_now():
+            return
         new = self.tracker.observe(self.detector.judge(record))
         if new:
             self.found.extend(new)

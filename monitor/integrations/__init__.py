@@ -80,6 +80,18 @@ class MonitorCallback:
             return
         self.attached = True
 
+    def keep_pace(self, next_step: int) -> None:
+        """After the trainer's optimizer step: ``next_step`` is the number the monitor's next step
+        should have. One behind it means the update was skipped (a loss scaler found Inf/NaN
+        gradients and did not call the optimizer, whose hooks mark a step's end) while the trainer
+        counted the step: the monitor ends it too, so both go on under the same numbers."""
+        if not self.attached or self.monitor.step != next_step - 1:
+            return
+        try:
+            self.monitor.update_skipped()
+        except Exception as exc:
+            logger.error("trainmon: ending a step without its update failed (%r)", exc, exc_info=exc)
+
     def detach(self) -> None:
         """Remove the hooks and close the outputs at the end of training, once; a failure is
         only logged."""

@@ -12,7 +12,8 @@ closed when the next ``train()`` begins.
 
 Step numbers: the Trainer logs the loss of an update under ``global_step`` after that update
 (the first update is logged as step 1), so the monitor's steps are numbered the same way: the
-statistics of the update the Trainer logs as step ``s`` are written as step ``s``.
+statistics of the update the Trainer logs as step ``s`` are written as step ``s``. A step whose
+update the loss scaler skipped (fp16 overflow) is counted by the Trainer, and so by the monitor.
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ class TrainmonCallback(MonitorCallback, TrainerCallback):
             optimizer=kwargs.get("optimizer"),
             start_iteration=state.global_step + 1,
         )
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.keep_pace(state.global_step + 1)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.detach()

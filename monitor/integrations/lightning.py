@@ -10,7 +10,8 @@ the monitor collects the step when that closure returns, so gradients are those 
 uses (and the unreduced ones those before clipping). One optimizer is monitored: the first.
 
 Step numbers: the monitor's step ``s`` is the update made when ``trainer.global_step`` was ``s``,
-the number Lightning logs with the metrics that ``training_step`` logs for that update.
+the number Lightning logs with the metrics that ``training_step`` logs for that update. A step
+whose update the loss scaler skipped (fp16 overflow) is counted by Lightning, and so by the monitor.
 """
 
 from __future__ import annotations
@@ -54,6 +55,9 @@ class TrainmonCallback(MonitorCallback, Callback):
         dataset); the batch index counts where the loop's progress cannot be read."""
         if self.attached:
             self.monitor.set_last_micro_batch(_ends_step(trainer, batch_idx))
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, idx: int) -> None:
+        self.keep_pace(trainer.global_step)
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         """A failed fit: the hooks go and the outputs are closed, as at its end."""

@@ -19,6 +19,7 @@ import numpy as np
 from monitor.config.schema import MonitorConfig
 from monitor.datatypes.l2 import ATTENTION_PREFIX, LINEAR_OPS, LINEAR_PREFIX
 from monitor.datatypes.params import unreduced_rows
+from monitor.datatypes.tasks import GRADIENT_PREFIXES
 from monitor.errors import StructurePrinted
 from monitor.naming import unmatched_targets
 from monitor.record import RowSet, SameRows, StepRecord
@@ -54,6 +55,9 @@ class BaseCollection(ABC):
         self._told: set[str] = set()
         self._call_id = 0
         self._step = first_step
+        #: whether the rules judge this step's gradients (``StepRecord.judged``): False for a step
+        #: whose update was skipped, or the loss scaler's own verdict where the optimizer skips it
+        self.gradients_judged: bool | Callable[[], bool] = True
         self._handles: list = []
         self._stack_handles: list = []
         self.grads: Any = None
@@ -86,6 +90,7 @@ class BaseCollection(ABC):
         """Decide, before the step's forward, whether it is collected; every hook reads this flag."""
         self._step = step
         self._call_id = 0
+        self.gradients_judged = True
         collect = self.collect = self.schedule.wants(step)
         if self.grads is not None:
             self.grads.reset()
@@ -120,6 +125,15 @@ class BaseCollection(ABC):
             if LINEAR_PREFIX not in self._failed:
                 self._guard(LINEAR_PREFIX, self._submit_l2, LINEAR_PREFIX)
         return True
+
+    def skipped_update(self) -> None:
+        """A step that ended without its update (a loss scaler found Inf/NaN gradients and did
+        not call the optimizer): what its forward and backward passes measured is written, its
+        gradients' values left to the scaler rather than judged by the rules, and nothing of
+        the optimizer's (it used no gradient and changed no parameter or moment)."""
+        self.gradients_judged = False
+        if self._start_update():
+            self._end_step()
 
     def _submit_l2(self, prefix: str) -> None:
         """The step's attention rows, or the linear modules' spectral norms (measured now)."""
@@ -176,7 +190,10 @@ class BaseCollection(ABC):
         n = len(rows)
         call_ids = np.arange(self._call_id, self._call_id + n)
         self._call_id += n
-        self.core.submit(StepRecord(prefix, self._step, ops or self.ops, rows, values, call_ids, fetch))
+        judged = self.gradients_judged if prefix in GRADIENT_PREFIXES else True
+        self.core.submit(
+            StepRecord(prefix, self._step, ops or self.ops, rows, values, call_ids, fetch, judged)
+        )
 
     def _submit_activations(self) -> None:
         for prefix, rows, matrix in self.activations.take(self.rank):

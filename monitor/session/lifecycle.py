@@ -217,15 +217,25 @@ class SessionLifecycle(IncidentResponses, ABC):
 
     # -- the end of a step -------------------------------------------------------------------
 
-    def _after_update(self, *hook_args: Any) -> None:
-        """Optimizer post-hook: finish the step's collection, count the step, run live control."""
+    def update_skipped(self) -> None:
+        """The step ended without the optimizer's update (a loss scaler skipped it): written as far
+        as it was measured and counted, as the trainer counts it. Nothing while detached."""
+        if self._hooks:
+            self._after_update(skipped=True)
+
+    def _after_update(self, *hook_args: Any, skipped: bool = False) -> None:
+        """Optimizer post-hook (``hook_args`` unused), or the end of a step whose update was
+        ``skipped``: finish the step's collection, count the step, run live control."""
         step_ids = self._take_batch_ids()
         try:
             if self.collection is not None:
                 try:
                     if step_ids:
                         self.collection.core.submit_batch_ids(self.step, step_ids)
-                    self.collection.after_update()
+                    if skipped:
+                        self.collection.skipped_update()
+                    else:
+                        self.collection.after_update()
                 except Exception as exc:
                     self.collection.fail("step end", exc)
         finally:

@@ -222,6 +222,13 @@ class TrainerMon:
         if told is not None:
             told(last)
 
+    def update_skipped(self) -> None:
+        """This step ended without ``optimizer.step`` (a loss scaler found Inf/NaN and skipped the
+        update): the monitor's step numbers keep pace with the loop's, what the step measured is
+        written, and its gradients' Inf/NaN is left to the scaler, not judged by the rules."""
+        if self._session is not None:
+            self._session.update_skipped()
+
     # -- live control ------------------------------------------------------------------------
 
     def _poll_dynamic(self, step: int) -> None:

@@ -44,8 +44,13 @@ class TinyGPT(L.LightningModule):
         self.reads.before_update(self.trainer.global_step)  # the gradient the optimizer will use
 
     def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None):
+        scaler = getattr(self.trainer.precision_plugin, "scaler", None)
+        scale = scaler.get_scale() if scaler is not None else None
         super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
-        self.reads.after_update(self.trainer.global_step, optimizer.optimizer)
+        if scaler is not None and scaler.get_scale() < scale:  # the scaler found Inf/NaN: no update
+            self.reads.update_skipped(self.trainer.global_step)
+        else:
+            self.reads.after_update(self.trainer.global_step, optimizer.optimizer)
 
 
 def train(
@@ -54,11 +59,13 @@ def train(
     monitor_config: dict | None = None,
     loss_scaling: bool = False,
     streaming: bool = False,
+    init_scale: float = 1024.0,
 ):
     """Train 2 epochs; returns the test's reads, the callback and the trainer. With
-    ``loss_scaling``, fp16 mixed precision with a loss scaler: Lightning then runs the closure
-    itself and calls ``optimizer.step`` without it. With ``streaming`` the batches come from an
-    iterable dataset, so the epoch's length is unknown until its last batch."""
+        ``loss_scaling``, fp16 mixed precision with a loss scaler: Lightning then runs the closure
+        itself and calls ``optimizer.step`` without it (and not at all where the scaler finds Inf/NaN,
+    as a large ``init_scale`` makes it in the first steps). With ``streaming`` the batches come from an
+        iterable dataset, so the epoch's length is unknown until its last batch."""
     torch.manual_seed(0)
     module = TinyGPT()
     module.reads = reads = StepReads(module)
@@ -82,7 +89,7 @@ def train(
         enable_checkpointing=False,
         enable_model_summary=False,
         use_distributed_sampler=False,
-        plugins=[_loss_scaled_fp16()] if loss_scaling else None,
+        plugins=[_loss_scaled_fp16(init_scale)] if loss_scaling else None,
     )
     trainer.fit(module, data)
     reads.remove()
@@ -99,7 +106,7 @@ class _Stream(torch.utils.data.IterableDataset):
         return iter(self.rows)
 
 
-def _loss_scaled_fp16():
+def _loss_scaled_fp16(init_scale: float):
     from lightning.pytorch.plugins import MixedPrecision
 
-    return MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=1024.0))
+    return MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=init_scale))

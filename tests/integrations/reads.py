@@ -44,6 +44,8 @@ class StepReads:
         self.own: dict[int, list[dict[str, np.ndarray]]] = {}
         self._own: list[dict[str, np.ndarray]] = []
         self.micro_batches: list[int] = []
+        #: steps whose update a loss scaler skipped
+        self.skipped: list[int] = []
         self._count = 0
         self._handles = [
             handle
@@ -90,6 +92,12 @@ class StepReads:
         for key in ("exp_avg", "exp_avg_sq"):
             self.steps[step][key] = {n: optimizer.state[p][key].numpy().copy() for n, p in params}
 
+    def update_skipped(self, step: int) -> None:
+        """The step's update was skipped (a loss scaler's overflow): of what the optimizer would
+        have used and changed nothing is to be written, only the unreduced gradient."""
+        self.steps[step] = {"grad_unreduced": self.steps[step]["grad_unreduced"]}
+        self.skipped.append(step)
+
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
@@ -122,17 +130,22 @@ def written_micro_rows(output_dir: str, prefix: str) -> dict[tuple[str, int, int
     }
 
 
-def compare(reads: dict[int, dict[str, dict[str, np.ndarray]]], rows: dict, what: str = "") -> int:
-    """Assert that every read tensor has its row with numpy's statistics; returns the values compared."""
+def compare(
+    reads: dict[int, dict[str, dict[str, np.ndarray]]], rows: dict, what: str = "", skipped: tuple = ()
+) -> int:
+    """Assert that every read tensor has its row with numpy's statistics, and that a step whose
+    update was ``skipped`` has its unreduced gradients' rows alone; returns the values compared."""
     compared = 0
     for step, kinds in sorted(reads.items()):
-        for kind in DATA_TYPES:
+        for kind in ("grad_unreduced",) if step in skipped else DATA_TYPES:
             assert kind in kinds, f"{what} step {step}: the test read no {kind}"
             for name, array in kinds[kind].items():
                 key = (kind, name, step)
                 assert key in rows, f"{what}: no {kind} row for {name} at step {step}"
                 assert_stats_close(rows[key], array, what=f"{what} {kind} {name} step {step}")
                 compared += len(ALL_OPS)
+    beyond = sorted({(kind, step) for kind, _, step in rows if step in skipped and kind != "grad_unreduced"})
+    assert not beyond, f"{what}: rows of steps whose update was skipped: {beyond}"
     steps = {step for _, _, step in rows}
     assert steps == set(reads), f"{what}: rows for steps {sorted(steps)}, the trainer stepped {sorted(reads)}"
     return compared

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 
 pytest.importorskip("transformers")
@@ -89,6 +90,30 @@ def test_a_train_that_raised_is_closed_when_the_next_train_begins(tmp_path, trai
         == len(reads.steps) * 6 * len(reads.named_parameters()) * 6
     )
     assert sorted(reads.steps) == sorted({step for _, _, step in second})
+
+
+@pytest.mark.parametrize("optim", ["adamw_torch", "adamw_torch_fused"])
+def test_steps_whose_update_the_loss_scaler_skipped_keep_the_trainers_numbers(tmp_path, optim):
+    """fp16 with a loss scale far too large: the first updates overflow and are skipped, by the
+    scaler not calling the optimizer (which the callback tells the monitor) or by the fused
+    optimizer itself (which says so to its hooks). The Trainer counts those steps and so does the
+    monitor; what they measured is written, and an overflow the scaler handles is no incident."""
+    from tests.integrations.hf_run import train
+
+    config = {**CONFIG, "alert": {"rules": [{"rule_name": "AnomalyZScore"}]}}
+    reads, callback, trainer = train(str(tmp_path), config, optim=optim, init_scale=2.0**127)
+    inf_steps = sorted(
+        step
+        for (kind, _, step), row in written_rows(callback.monitor.output_dir).items()
+        if kind == "grad_unreduced" and not np.isfinite(row["max"])
+    )
+    assert len(set(inf_steps)) >= 2
+    rows = written_rows(callback.monitor.output_dir)
+    compare(reads.steps, rows, f"hf fp16 {optim}", skipped=tuple(reads.skipped))
+    assert bool(reads.skipped) == (optim == "adamw_torch")
+    logged = {entry["step"] for entry in trainer.state.log_history if "loss" in entry}
+    assert logged == set(reads.steps) and callback.monitor.step == trainer.state.global_step + 1
+    assert callback.monitor.incidents == []
 
 
 def test_a_bad_config_fails_when_the_callback_is_built():

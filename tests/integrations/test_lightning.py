@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pandas as pd
 import pytest
 
 pytest.importorskip("lightning")
 
 from tests.adapters.torch.distributed import run_ranks, save_result
-from tests.integrations.reads import compare, watch_ddp_verdicts, written_rows
+from tests.integrations.reads import CONFIG, compare, watch_ddp_verdicts, written_rows
 
 
 @pytest.mark.parametrize("grad_acc", [1, 2])
@@ -44,6 +45,33 @@ def test_a_loss_scaler_running_the_closure_itself_keeps_the_short_steps_gradient
     compared = compare(reads.steps, rows, "lightning fp16 loss-scaled")
     assert compared == len(reads.steps) * 6 * len(reads.named_parameters()) * 6
     assert 1 in reads.micro_batches  # short steps were there
+
+
+def test_steps_whose_update_the_loss_scaler_skipped_keep_lightnings_numbers(tmp_path):
+    """A loss scale far too large for fp16: the scaler finds Inf in the first steps' gradients
+    and never calls ``optimizer.step``, whose hooks mark a step's end. Lightning counts those
+    steps; the monitor, told by the callback, counts them too and writes what they measured (the
+    unreduced gradients, with their Inf) and nothing of the update, with no incident: an
+    overflow the scaler handles is no fault."""
+    from tests.integrations.lightning_run import train
+
+    config = {**CONFIG, "alert": {"rules": [{"rule_name": "AnomalyZScore"}]}}
+    reads, callback, trainer = train(
+        str(tmp_path), 2, monitor_config=config, loss_scaling=True, init_scale=2.0**30
+    )
+    assert len(reads.skipped) >= 2 and len(reads.skipped) < len(reads.steps)
+    rows = written_rows(callback.monitor.output_dir)
+    compared = compare(reads.steps, rows, "lightning fp16 skipped updates", skipped=tuple(reads.skipped))
+    params = len(reads.named_parameters())
+    assert compared == (6 * len(reads.steps) - 5 * len(reads.skipped)) * params * 6
+    assert any(
+        np.isinf(rows["grad_unreduced", name, step]["norm"])
+        for name, _ in reads.named_parameters()
+        for step in reads.skipped
+    )
+    logged = pd.read_csv(os.path.join(trainer.logger.log_dir, "metrics.csv"))
+    assert set(logged["step"]) == set(reads.steps) and callback.monitor.step == trainer.global_step
+    assert callback.monitor.incidents == []
 
 
 def _ddp_worker(rank: int, world_size: int, workdir: str) -> None:

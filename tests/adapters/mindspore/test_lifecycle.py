@@ -289,3 +289,48 @@ def test_a_list_of_cells_gives_chunk_prefixed_names():
     assert len(heads) == len(optimizer.parameters) == 14
     assert {tag.split("/")[0] for tag in mon.generate_mv_metrics()} == heads
     mon.stop()
+
+
+def test_a_step_whose_update_was_skipped_keeps_its_number_and_its_overflow_is_not_judged(
+    tmp_path, monkeypatch
+):
+    """A loop whose loss scaler found Inf/NaN skips the optimizer's call and says
+    ``update_skipped()``: the step keeps the loop's number, its unreduced gradients are written as
+    computed (the Inf/NaN included), nothing of the update is, and the overflow is no incident."""
+    import mindspore as ms
+
+    from tests.adapters.mindspore.helpers import copies
+    from tests.integrations.reads import written_rows
+    from tests.reference_stats import assert_stats_close
+
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path))
+    skipped = (1, 2)
+    net, optimizer = _fresh("Adam")
+    config = {
+        "wg_distribution": True,
+        "mv_distribution": True,
+        "ops": ALL_OPS,
+        "ndigits": 15,
+        "squash_name": False,
+        "alert": {"rules": [{"rule_name": "AnomalyZScore"}]},
+    }
+    mon = TrainerMon(config)
+    mon.set_monitor(net, grad_acc_steps=1, optimizer=optimizer)
+    grad_fn = ms.value_and_grad(lambda x: net(x).square().mean(), None, optimizer.parameters)
+    grads = {}
+    for step, (x,) in enumerate(make_batches(6, 1)):
+        _, step_grads = grad_fn(ms.Tensor(x * (np.float32(np.inf) if step in skipped else 1)))
+        grads[step] = dict(zip([p.name for p in optimizer.parameters], copies(step_grads)))
+        if step in skipped:
+            mon.update_skipped()
+        else:
+            optimizer(step_grads)
+    mon.stop()
+    assert mon.step == 6 and mon.incidents == []
+    rows = written_rows(mon.output_dir)
+    for step, named in grads.items():
+        for name, grad in named.items():
+            assert_stats_close(rows["grad_unreduced", name, step], grad, what=f"{name} step {step}")
+    assert not np.isfinite(rows["grad_unreduced", "layers.0.weight", 1]["norm"])
+    updated = {step for kind, _, step in rows if kind in ("grad_reduced", "exp_avg")}
+    assert updated == {0, 3, 4, 5}
