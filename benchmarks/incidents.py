@@ -17,6 +17,9 @@ bit for bit: its false alarms stand for msprobe's own.
     python benchmarks/incidents.py --out results.json          # 2 seeds, 100 steps (~15 min)
     python benchmarks/incidents.py --ranks 4 --out results.json  # and the DDP cases (+~20 min)
     python benchmarks/incidents.py --quick                     # a handful of cases, ~2 min (CI)
+
+The exit status is 1 when a run crashed or the recommended rules miss a target (every fault
+detected at its step and first, the root named in 90% of targeted faults, no false incident).
 """
 
 from __future__ import annotations
@@ -364,10 +367,32 @@ def main(argv: list[str] | None = None) -> int:
     for row in crashed[:5]:
         print(f"\nCRASH {row['rule_set']} {_label(row['case'])}:\n{row['error'][-2000:]}")
     print(f"\n{len(rows)} runs in {time.perf_counter() - started:.0f} s; {len(crashed)} crashed")
+    missed = missed_targets(totals.get("recommended"))
+    for miss in missed:
+        print(f"TARGET MISSED (recommended rules): {miss}")
     if args.out:
         Path(args.out).write_text(json.dumps({"args": vars(args), "totals": totals, "runs": rows}, indent=1))
         print(f"written to {args.out}")
-    return 1 if crashed else 0
+    return 1 if crashed or missed else 0
+
+
+def missed_targets(totals: dict | None) -> list[str]:
+    """The recommended rules' targets that these runs miss: every fault detected at its step and
+    its incident the run's first, the root named in at least 90% of targeted faults, no false
+    incident in a clean run."""
+    if not totals:
+        return []
+    runs = totals["faulty_runs"]
+    missed = [
+        f"{what} in {totals[key]} of {runs} faulty runs"
+        for key, what in (("detected", "detected at the fault step"), ("first_incident", "first incident"))
+        if totals[key] < runs
+    ]
+    if totals["targeted"] and totals["root_named"] < 0.9 * totals["targeted"]:
+        missed.append(f"root named in {totals['root_named']} of {totals['targeted']} targeted faults")
+    if totals["false_incidents"]:
+        missed.append(f"{totals['false_incidents']} false incidents in {totals['clean_steps']} clean steps")
+    return missed
 
 
 if __name__ == "__main__":
