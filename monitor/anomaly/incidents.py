@@ -4,8 +4,8 @@ The detector returns every abnormal (tag, op) cell of every step. Here, on the w
 
 * **Records.** A tag becomes a record when it turns abnormal: at most one record per tag and
   step (a NaN that makes norm, mean, min and max NaN is one record), and none while it stays
-  abnormal at consecutive collected steps. A non-finite value is tracked apart from the rules'
-  verdicts, so a tag that was already abnormal still gets a record the step it turns NaN.
+  abnormal at consecutive collected steps, whether by a rule or as a non-finite value (a spike
+  that turns into NaN is one event: the incident counts the NaN steps).
 * **Incidents.** New records while no incident is open start one: its onset is that step, its
   root and the evidence come from :mod:`monitor.anomaly.root`. While an incident is open, every
   new record joins it (what follows a fault is mostly its echo: the optimizer's moments, the

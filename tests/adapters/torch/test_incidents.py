@@ -145,6 +145,17 @@ def test_a_fault_is_the_first_incident_at_its_step_and_its_module_is_the_root(fa
         assert f":{fault.module}" in first.root["tag_name"], (first.root["tag_name"], first.evidence)
 
 
+def test_a_nan_that_stays_is_one_incident_with_at_most_one_record_per_tensor():
+    """The NaN activation reaches the weights through the update, so every later step is NaN:
+    one incident, open to the end and counting those steps, and no tensor recorded twice."""
+    mon = _train("nan_activation")
+    (incident,) = mon.incidents
+    assert (incident.onset_step, incident.state, incident.abnormal_steps) == (AT, "open", STEPS - AT)
+    tags = [record.tag_name for record in mon.anomalies]
+    assert tags and len(tags) == len(set(tags))
+    assert any(record.step > AT for record in mon.anomalies)  # tensors that turned NaN later joined
+
+
 def test_a_clean_run_opens_no_incident():
     assert _train(None).incidents == []
 
