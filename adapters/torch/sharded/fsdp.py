@@ -34,6 +34,7 @@ from adapters.torch.sharded.fsdp_internals import (
     FsdpInternalsChanged,
     check_version,
     fsdp2_group,
+    fsdp2_module_type,
     fsdp2_records,
     fsdp2_reduces_gradients,
 )
@@ -64,15 +65,14 @@ def own_parameters(module: torch.nn.Module, nested: set[int]) -> list[tuple[str,
 
 def fsdp2_modules(chunks: Sequence[torch.nn.Module]) -> list[tuple[int, str, torch.nn.Module]]:
     """``(vpp_stage, qualified name, module)`` of every FSDP2 module of the chunks (none without FSDP2)."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # a torch built without distributed support
+    module_type = fsdp2_module_type()
+    if module_type is None:
         return []
     return [
         (vpp, name, module)
         for vpp, chunk in enumerate(chunks)
         for name, module in chunk.named_modules()
-        if isinstance(module, FSDPModule)
+        if isinstance(module, module_type)
     ]
 
 

@@ -1,6 +1,7 @@
 """The only reads of FSDP's private state, in one place, checked against the torch versions they
 were written for.
 
+- FSDP2's module class lives where torch 2.5 kept it before making it public: ``fsdp2_module_type``.
 - FSDP2 keeps the fp32 gradient sum of micro-batches run without gradient sync (mixed
   precision) in its own per-parameter record, not in ``.grad``: ``fsdp2_records``.
 - Whether a backward's gradients are reduce-scattered now (gradient sync on) is FSDP2's
@@ -51,6 +52,19 @@ def check_version() -> None:
         *TESTED[0],
         *TESTED[1],
     )
+
+
+def fsdp2_module_type() -> type | None:
+    """FSDP2's module class: public from torch 2.6, under ``_composable.fsdp`` in 2.5; None in a
+    torch built without distributed support."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        try:
+            from torch.distributed._composable.fsdp import FSDPModule
+        except ImportError:
+            return None
+    return FSDPModule
 
 
 def fsdp2_group(module: torch.nn.Module) -> Any:

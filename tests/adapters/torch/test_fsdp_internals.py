@@ -72,3 +72,19 @@ def test_a_changed_fsdp_internal_is_said_once_and_training_goes_on(tmp_path, cas
         else:  # rows of the flat parameters as the optimizer sees them; no unreduced gradient
             assert all("_flat_param" in tag for tag in result["rows"]["grad_reduced"]), result["rows"]
             assert result["rows"]["grad_unreduced"] == []
+
+
+def test_fsdp2s_module_class_is_found_where_torch_2_5_kept_it(monkeypatch):
+    """torch 2.5 kept FSDP2 under ``_composable.fsdp`` only; without it, FSDP2 modules would go
+    unseen and their parameters' hooks would fire after the reduce-scatter."""
+    import torch.distributed._composable.fsdp as composable
+    import torch.distributed.fsdp as public
+
+    from adapters.torch.sharded.fsdp_internals import fsdp2_module_type
+
+    assert fsdp2_module_type() is public.FSDPModule
+    composable_type = composable.FSDPModule
+    monkeypatch.delattr(public, "FSDPModule")  # as in torch 2.5
+    assert fsdp2_module_type() is composable_type
+    monkeypatch.delattr(composable, "FSDPModule")  # a torch without distributed support
+    assert fsdp2_module_type() is None
