@@ -53,10 +53,12 @@ def _shown(value: Any) -> str:
 def _check_arg(key: str, kind: str, low: float, value: Any, path: str) -> Any:
     """One argument, normalised; raises ConfigError naming ``path.key``, the value and what was expected."""
     from monitor.config.schema import KNOWN_OPS
+    from monitor.datatypes.l2 import LINEAR_OPS, attention_ops
 
     if kind == "ops":
-        if not isinstance(value, (list, tuple)) or not value or any(op not in KNOWN_OPS for op in value):
-            choices = ", ".join(KNOWN_OPS)
+        judged = (*KNOWN_OPS, *attention_ops("all"), *LINEAR_OPS)  # the l2 features' columns too
+        if not isinstance(value, (list, tuple)) or not value or any(op not in judged for op in value):
+            choices = ", ".join(judged)
             raise ConfigError(
                 f"{path}.ops: expected a non-empty list drawn from {choices}, got {_shown(value)}"
             )

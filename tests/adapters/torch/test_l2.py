@@ -228,6 +228,40 @@ def test_a_nan_in_the_attention_inputs_is_an_incident_rooted_there(tmp_path, mon
     assert first.onset_step == 3 and first.root["tag_name"] == "0:block.attention.attention:0/rank0/qkt"
 
 
+def test_an_attention_collapse_is_an_incident_of_the_rules_that_judge_entropy(tmp_path, monkeypatch):
+    """Keys scaled up 50x from step AT make the attention one-hot (entropy near 0): a rule given
+    the l2 columns (``ops``) opens an incident at that step rooted at the attention rows."""
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path))
+    steps, at = 16, 12
+    torch.manual_seed(0)
+    model = Net(False)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    rule = {"rule_name": "AnomalyZScore", "args": {"ops": ["norm", "entropy", "softmax_max"]}}
+    config = {
+        "recording_l2_features": True,
+        "l2_targets": {"attention_hook": ["block.attention"], "linear_hook": []},
+        "sa_order": "b,s,h,d",
+        "wg_distribution": True,
+        "alert": {"rules": [rule]},
+    }
+    mon = TrainerMon(config).set_monitor(model, 1, optimizer)
+    step = [0]
+
+    def collapse(module, args):
+        return (args[0], args[1] * 50, *args[2:]) if step[0] >= at else None
+
+    model.block.attention.register_forward_pre_hook(collapse)
+    generator = torch.Generator().manual_seed(1)
+    for step[0] in range(steps):
+        model(torch.randint(0, CFG.vocab, (2, CFG.seq), generator=generator)).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    mon.stop()
+    first = mon.incidents[0]
+    assert first.onset_step == at and first.root["tag_name"] == "0:block.attention.attention:0/rank0/qkt"
+    assert "entropy" in first.root["message"], first.root
+
+
 def test_a_weight_held_in_pieces_is_not_measured_and_the_user_is_told(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path))
     model = Net(False)
