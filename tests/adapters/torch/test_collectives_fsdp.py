@@ -1,0 +1,87 @@
+"""Collective statistics under FSDP2 and FSDP1 on two real gloo ranks: FSDP's own all-gathers and
+reduce-scatters go through torch.distributed's Python functions, so they are recorded, and their
+numbers are checked against an unsharded replica (the gathered output is the whole parameters;
+the reduce-scatter's input is this rank's own gradient of them, before any reduction, which FSDP1
+first divides by its pre-divide factor).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+
+from tests.adapters.torch.distributed import run_ranks, save_result
+from tests.training import MLP
+
+pytestmark = [pytest.mark.distributed]
+
+
+def _shard(model: torch.nn.Module, case: str, world_size: int) -> torch.nn.Module:
+    """Each Linear a unit and the root one more (its LayerNorm), gathered once a step."""
+    if case == "fsdp1":
+        from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+        return FullyShardedDataParallel(
+            model,
+            auto_wrap_policy=ModuleWrapPolicy({torch.nn.Linear}),
+            sharding_strategy=ShardingStrategy.SHARD_GRAD_OP,  # no second gather in backward
+            device_id=torch.device("cpu"),
+        )
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh, reshard_after_forward=False)
+    return fully_shard(model, mesh=mesh, reshard_after_forward=False)
+
+
+def _worker(rank: int, world_size: int, workdir: str) -> None:
+    from monitor import TrainerMon
+
+    case = os.environ["FSDP_CASE"]
+    torch.manual_seed(0)
+    model = MLP()
+    replica = copy.deepcopy(model)
+    sharded = _shard(model, case, world_size)
+    optimizer = torch.optim.AdamW(sharded.parameters(), lr=0.05)
+    config = {"cc_distribution": {"enable": True}, "format": "api", "ops": ["norm"], "collect_times": 1}
+    mon = TrainerMon(config)
+    mon.set_monitor(sharded, 1, optimizer)
+    x = torch.randn(5, 6, generator=torch.Generator().manual_seed(rank))
+    sharded(x).pow(2).mean().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    comm = {tag.split("/")[0].removeprefix("0:"): row for tag, row in mon._latest("comm").items()}
+    mon.stop()
+    replica(x).pow(2).mean().backward()
+    save_result(
+        workdir,
+        rank,
+        {
+            "comm": comm,
+            "units": len(list(replica.layers)) + 1,
+            "params": sum(float((p.detach().double() ** 2).sum()) for p in replica.parameters()) ** 0.5,
+            "local_grads": sum(float((p.grad.double() ** 2).sum()) for p in replica.parameters()) ** 0.5,
+        },
+    )
+
+
+@pytest.mark.parametrize("case", ["fsdp2", "fsdp1"])
+def test_fsdps_gathers_and_reduce_scatters_are_recorded_with_the_replicas_numbers(tmp_path, case):
+    results = run_ranks(_worker, 2, str(tmp_path), {"FSDP_CASE": case})
+    for rank, result in enumerate(results):
+        comm = result["comm"]
+        gathered = [name for name in comm if name.startswith("all_gather") and name.endswith(".post_0")]
+        scattered = [name for name in comm if name.startswith("reduce_scatter") and name.endswith(".post_1")]
+        assert len(gathered) == 1 and len(scattered) == 1, f"rank {rank}: {sorted(comm)}"
+        gather, scatter = comm[gathered[0]], comm[scattered[0]]
+        assert gather["calls"] == scatter["calls"] == result["units"]
+        assert gather["norm"] == pytest.approx(result["params"], rel=1e-5)  # padding adds zeros only
+        # FSDP1 divides gradients by its pre-divide factor before the reduce-scatter (2 on 2 ranks)
+        divided = 2.0 if case == "fsdp1" else 1.0
+        assert scatter["norm"] == pytest.approx(result["local_grads"] / divided, rel=1e-5)
