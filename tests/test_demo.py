@@ -37,6 +37,7 @@ def test_demo_reports_the_injected_spike_at_its_step(tmp_path):
     assert "Detected:    1 incident(s)" in done.stdout
     assert "trainmon anomaly-analyse -d" in done.stdout
     assert f"tensorboard --logdir {out}" in done.stdout
+    assert f"trainmon csv2tb {out}" in done.stdout  # CSV reaches the Scalars tab only converted
     assert "Warning" not in done.stderr, done.stderr  # neither torch's nor Python's warnings
     assert "\x1b[" not in done.stdout + done.stderr  # no colour codes, on a terminal or not
     assert _anomaly_steps(out) == {25}

@@ -29,6 +29,26 @@ def test_relative_links_lead_to_files_that_exist(page):
     assert missing == []
 
 
+CONFIG_BLOCKS = [
+    (page, block)
+    for page in PAGES
+    for block in re.findall(r"```json\n(.*?)```", page.read_text(encoding="utf-8"), re.S)
+]
+
+
+@pytest.mark.parametrize(
+    "page,block", CONFIG_BLOCKS, ids=[f"{p.name}:{i}" for i, (p, _) in enumerate(CONFIG_BLOCKS)]
+)
+def test_every_config_the_pages_show_is_accepted(page, block, trainmon_log):
+    """A config copied from the README or a page works as it is: no error, no warning."""
+    import json
+
+    from monitor.config.schema import validate_config
+
+    validate_config(json.loads(block))
+    assert [r.getMessage() for r in trainmon_log.records if r.levelname == "WARNING"] == []
+
+
 def test_every_config_key_has_a_meaning_and_every_meaning_a_key():
     from monitor.reference_docs import MEANINGS, config_keys
 

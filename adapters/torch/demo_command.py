@@ -4,6 +4,7 @@ through the ``trainmon.commands`` entry points)."""
 from __future__ import annotations
 
 import argparse
+import glob
 import os
 import sys
 from collections.abc import Callable
@@ -149,4 +150,6 @@ def _run_demo(args: argparse.Namespace) -> int:
         print(f"Query it:    SELECT * FROM read_parquet('{pattern}', hive_partitioning = true)  -- DuckDB")
     else:
         print(f"Look at it:  tensorboard --logdir {summary['root']}")
+        if glob.glob(os.path.join(summary["output_dir"], "*.csv")):  # the trainmon tab reads CSV as is
+            print(f"             after trainmon csv2tb {summary['root']}, TensorBoard's Scalars tab too")
     return 0
