@@ -60,12 +60,16 @@ def train(
     loss_scaling: bool = False,
     streaming: bool = False,
     init_scale: float = 1024.0,
+    callbacks: tuple = (),
+    callback: TrainmonCallback | None = None,
 ):
     """Train 2 epochs; returns the test's reads, the callback and the trainer. With
-        ``loss_scaling``, fp16 mixed precision with a loss scaler: Lightning then runs the closure
-        itself and calls ``optimizer.step`` without it (and not at all where the scaler finds Inf/NaN,
-    as a large ``init_scale`` makes it in the first steps). With ``streaming`` the batches come from an
-        iterable dataset, so the epoch's length is unknown until its last batch."""
+    ``loss_scaling``, fp16 mixed precision with a loss scaler: Lightning then runs the closure
+    itself and calls ``optimizer.step`` without it (and not at all where the scaler finds Inf/NaN,
+    as a large ``init_scale`` makes it in the first steps). With ``streaming`` the batches come
+    from an iterable dataset, so the epoch's length is unknown until its last batch.
+    ``callbacks``: more of the run's callbacks; ``callback``: the TrainmonCallback to use (a new
+    one by default)."""
     torch.manual_seed(0)
     module = TinyGPT()
     module.reads = reads = StepReads(module)
@@ -73,13 +77,13 @@ def train(
     generator = torch.Generator().manual_seed(rank)
     tokens = torch.randint(0, 64, (BATCHES * 2, 9), generator=generator)
     data = torch.utils.data.DataLoader(_Stream(tokens) if streaming else tokens, batch_size=2)
-    callback = TrainmonCallback(monitor_config or CONFIG)
+    callback = callback or TrainmonCallback(monitor_config or CONFIG)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     trainer = L.Trainer(
         max_epochs=EPOCHS,
         accumulate_grad_batches=grad_acc,
         gradient_clip_val=MAX_NORM,
-        callbacks=[callback],
+        callbacks=[callback, *callbacks],
         accelerator="cpu",
         devices=world,
         strategy="ddp" if world > 1 else "auto",

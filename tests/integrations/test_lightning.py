@@ -74,6 +74,55 @@ def test_steps_whose_update_the_loss_scaler_skipped_keep_lightnings_numbers(tmp_
     assert callback.monitor.incidents == []
 
 
+def test_a_second_fit_with_the_same_callback_attaches_again(tmp_path):
+    """The callback serves a second fit, in a new rank directory, with numbers that match that
+    run's own reads; the first run's directory keeps its own steps."""
+    from tests.integrations.lightning_run import train
+
+    reads, callback, _ = train(str(tmp_path / "first"), 1)
+    first_dir = callback.monitor.output_dir
+    assert not callback.attached
+    again, _, _ = train(str(tmp_path / "second"), 1, callback=callback)
+    assert callback.monitor.output_dir != first_dir and not callback.attached
+    rows = written_rows(callback.monitor.output_dir)
+    compared = compare(again.steps, rows, "second fit")
+    assert compared == len(again.steps) * 6 * len(again.named_parameters()) * 6
+    assert {step for _, _, step in written_rows(first_dir)} == set(reads.steps)
+
+
+def test_a_fit_that_failed_leaves_its_ended_steps_on_disk_and_detaches(tmp_path):
+    """A fit that raises reaches the callback's ``on_exception``: the hooks go and the outputs are
+    closed with every ended step in them."""
+    import lightning as L
+
+    from monitor.integrations.lightning import TrainmonCallback
+    from tests.integrations.lightning_run import train
+
+    class FailAtStep3(L.Callback):
+        def on_train_batch_end(self, trainer, *args):
+            if trainer.global_step == 3:
+                raise RuntimeError("simulated failure at step 3")
+
+    callback = TrainmonCallback(CONFIG)
+    with pytest.raises(RuntimeError, match="simulated failure"):
+        train(str(tmp_path), 1, callbacks=(FailAtStep3(),), callback=callback)
+    assert not callback.attached and not callback.monitor.monitoring
+    assert {step for _, _, step in written_rows(callback.monitor.output_dir)} == {0, 1, 2}
+
+
+def test_a_failure_to_attach_is_reported_and_fit_goes_on(tmp_path, trainmon_log, monkeypatch):
+    from monitor.session.trainer import TrainerMon
+    from tests.integrations.lightning_run import train
+
+    def refuse(self, *args, **kwargs):
+        raise RuntimeError("simulated attach failure")
+
+    monkeypatch.setattr(TrainerMon, "set_monitor", refuse)
+    reads, callback, trainer = train(str(tmp_path), 1)
+    assert trainer.global_step == len(reads.steps) > 0 and not callback.attached
+    assert any("training continues unmonitored" in r.getMessage() for r in trainmon_log.records)
+
+
 def _ddp_worker(rank: int, world_size: int, workdir: str) -> None:
     from tests.integrations.lightning_run import train
 
