@@ -540,3 +540,48 @@ def test_dynamic_mode_starts_sharded_merges_on_every_rank_at_one_step(tmp_path):
     rows = [sorted(map(tuple, result["rows"])) for result in per_rank]
     assert sorted({row[1] for row in rows[0]}) == [first, first + 1, first + 2]
     assert rows[0] == rows[1]  # whole-tensor rows: the same on both ranks
+
+
+def _nan_shard_worker(rank: int, world_size: int, workdir: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from monitor import TrainerMon
+
+    torch.manual_seed(0)
+    model = MLP(SIZES)
+    with torch.no_grad():
+        model.layers[0].weight[-1, 0] = float("nan")  # the last row: in rank 1's shard only
+    fully_shard(model, mesh=init_device_mesh("cpu", (world_size,)))
+    optimizer = _optimizer(model.parameters())
+    config = {"param_distribution": True, "ops": ALL_OPS, "format": "api", "alert": {"non_finite": False}}
+    monitors = {
+        key: TrainerMon({**config, "shard_reduce": key == "merged"}).set_monitor(model, 1, optimizer)
+        for key in ("merged", "pieces")
+    }
+    whole = {name: p.full_tensor().detach().numpy().copy().tolist() for name, p in model.named_parameters()}
+    _train_step(model, optimizer, rank, 0)
+    got = {
+        key: latest_rows({"param_origin": mon._latest("param_origin")}, "param_origin")
+        for key, mon in monitors.items()
+    }
+    for mon in monitors.values():
+        mon.stop()
+    save_result(workdir, rank, {"whole": whole, "got": got})
+
+
+def test_a_nan_in_one_ranks_shard_is_counted_once_and_makes_the_merged_row_nan(tmp_path):
+    """One NaN element of a weight lies in rank 1's shard: that rank's piece counts it, rank 0's
+    does not, and with shard_reduce every rank's row of the whole weight is numpy's on the whole
+    (min, max, norm and mean NaN, nans 1); the other weights stay finite."""
+    per_rank = run_ranks(_nan_shard_worker, WORLD, str(tmp_path))
+    whole = {name: np.array(values) for name, values in per_rank[0]["whole"].items()}
+    nan_weight = "layers.0.weight"
+    assert np.isnan(whole[nan_weight]).sum() == 1
+    pieces = [result["got"]["pieces"][nan_weight]["nans"] for result in per_rank]
+    assert pieces == [0, 1]
+    for rank, result in enumerate(per_rank):
+        for name, want in whole.items():
+            merged = result["got"]["merged"][name]
+            assert_stats_close(merged, want, what=f"r{rank} {name} merged")
+            assert merged["numel"] == want.size
