@@ -2,9 +2,11 @@
 
 One process-wide ``REGISTRY`` owns the wrappers. The first subscriber wraps, the last one to
 leave restores the original functions (the very same objects); monitors in between only
-subscribe, so two monitors never wrap each other's wrappers. Only the public module attributes
-are replaced, on ``torch.distributed`` and on ``torch.distributed.distributed_c10d`` (the
-module whose functions call each other by global name); ``Work.wait`` and every other part of
+subscribe, so two monitors never wrap each other's wrappers. Only module attributes are
+replaced: the public collectives on ``torch.distributed`` and on
+``torch.distributed.distributed_c10d`` (the module whose functions call each other by global
+name), and the functional collectives on ``torch.distributed._functional_collectives``, through
+which DTensor (tensor parallelism) communicates; ``Work.wait`` and every other part of
 torch.distributed are left alone.
 
 A wrapper (built by ``monitor.collectives.registry``) always calls the original with the caller's
@@ -17,6 +19,7 @@ call is seen once, under the name the user called.
 from __future__ import annotations
 
 import functools
+import importlib
 import inspect
 import logging
 from collections.abc import Callable
@@ -52,6 +55,20 @@ COLLECTIVES = (
     "all_gather_single",
 )
 
+#: torch's functional collectives, which DTensor (tensor parallelism, redistributions) calls:
+#: they leave their input alone and return the result, a tensor waited for at its first use.
+#: Recorded as ``functional_{name}``, the result as ``post_0``.
+FUNCTIONAL = (
+    "broadcast",
+    "all_reduce",
+    "all_gather_single",
+    "all_gather_tensor",
+    "reduce_scatter_single",
+    "reduce_scatter_tensor",
+    "all_to_all_single",
+)
+FUNCTIONAL_PREFIX = "functional_"
+
 _MISSING = object()
 
 
@@ -75,7 +92,7 @@ MEASURABLE = frozenset(
 )
 
 
-def _measurable(t: torch.Tensor) -> torch.Tensor | None:
+def measurable(t: torch.Tensor) -> torch.Tensor | None:
     """A detached view whose statistics can be taken, or None (float8, bool, unsigned > 8 bit, meta)."""
     if t.dtype not in MEASURABLE or t.device.type == "meta":
         return None
@@ -112,12 +129,17 @@ class CallInfo:
             for value in self.values():
                 tensors = _tensors_of(value)
                 if tensors is not None:
-                    usable = [m for m in map(_measurable, tensors) if m is not None]
+                    usable = [m for m in map(measurable, tensors) if m is not None]
                     if len(usable) < len(tensors):
                         self.skipped.update(t.dtype for t in tensors if t.dtype not in MEASURABLE)
                     groups.append((len(groups), usable))
             self._groups = groups
         return self._groups
+
+    @property
+    def functional(self) -> bool:
+        """A functional collective: its result, not its arguments, holds what it produced."""
+        return self.name.startswith(FUNCTIONAL_PREFIX)
 
     def group_size(self) -> int:
         """Size of the process group the call runs on (-1 when it cannot be told)."""
@@ -144,7 +166,13 @@ class WrapRegistry(WrapperRegistry):
     @property
     def wrapped(self) -> list[str]:
         """Names of the wrapped functions (empty when nothing is wrapped)."""
-        return list(dict.fromkeys(name for _, name, _, _ in self._patched))
+        functional = _functional_module()
+        return list(
+            dict.fromkeys(
+                FUNCTIONAL_PREFIX + name if module is functional else name
+                for module, name, _, _ in self._patched
+            )
+        )
 
     def _wrap(self) -> None:
         if not dist.is_available():
@@ -162,6 +190,13 @@ class WrapRegistry(WrapperRegistry):
                     wrapper = wrappers[id(original)] = self._wrapper(name, original)
                 setattr(module, name, wrapper)
                 self._patched.append((module, name, original, wrapper))
+        functional = _functional_module()
+        for name in FUNCTIONAL if functional is not None else ():
+            original = getattr(functional, name, None)
+            if callable(original):
+                wrapper = self._functional_wrapper(name, original)
+                setattr(functional, name, wrapper)
+                self._patched.append((functional, name, original, wrapper))
         logger.info(
             "trainmon: wrapped %d torch.distributed collectives: %s",
             len(self.wrapped),
@@ -189,6 +224,27 @@ class WrapRegistry(WrapperRegistry):
         except (TypeError, ValueError):
             params = ()
         return functools.wraps(original)(self.observed(original, functools.partial(CallInfo, name, params)))
+
+    def _functional_wrapper(self, name: str, original: Callable) -> Callable:
+        """A functional collective's wrapper; while torch.compile traces, the original alone (the
+        compiled graph holds the collective; nothing of ours is traced into it)."""
+        observed = self._wrapper(FUNCTIONAL_PREFIX + name, original)
+
+        @functools.wraps(original)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if torch.compiler.is_compiling():
+                return original(*args, **kwargs)
+            return observed(*args, **kwargs)
+
+        return wrapper
+
+
+def _functional_module() -> Any:
+    """torch's functional collectives module, or None where this torch has none."""
+    try:
+        return importlib.import_module("torch.distributed._functional_collectives")
+    except ImportError:
+        return None
 
 
 #: the one registry of this process.

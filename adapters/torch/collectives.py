@@ -10,6 +10,10 @@ says so, checked at the next collective call and at the end of the step. At most
 ``MAX_PENDING`` asynchronous calls are followed at once; beyond that they are counted and
 dropped with one warning.
 
+A functional collective (DTensor's: ``functional_{name}`` rows) leaves its input alone and
+returns its result as a tensor waited for at its first use; on a collected step that result is
+waited for when the call returns and measured as ``post_0``.
+
 Each call belongs to the step in which it was issued. A call issued in a step that is not
 collected is not measured at all; an asynchronous call of a collected step that completes only
 after that step was written is dropped and counted (one warning), never folded into a later step.
@@ -35,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from adapters.torch.cc_callsite import CallSites
-from adapters.torch.cc_wrap import REGISTRY, CallInfo
+from adapters.torch.cc_wrap import REGISTRY, CallInfo, measurable
 from adapters.torch.stats import stat_matrix
 from monitor.collectives.base import CollectiveMonitorBase
 from monitor.collectives.totals import StepTotals
@@ -53,10 +57,20 @@ Groups = list[tuple[int, list[torch.Tensor]]]
 class _Call:
     """A measured call in flight: its step, row key parts and tensors."""
 
-    __slots__ = ("groups", "name", "site", "step")
+    __slots__ = ("functional", "groups", "name", "site", "step")
 
-    def __init__(self, step: int, name: str, site: str | None, groups: Groups) -> None:
+    def __init__(self, step: int, name: str, site: str | None, groups: Groups, functional: bool) -> None:
         self.step, self.name, self.site, self.groups = step, name, site, groups
+        self.functional = functional
+
+
+def _result_groups(result: Any) -> Groups:
+    """A functional collective's result as the one tensor-like argument ``post_0`` measures; a
+    result still in flight (an AsyncCollectiveTensor) is waited for as its first use would."""
+    tensors = list(result) if isinstance(result, (list, tuple)) else [result]
+    waited = [t.trigger_wait() if hasattr(t, "trigger_wait") else t for t in tensors]
+    usable = [measurable(t) for t in waited if isinstance(t, torch.Tensor)]
+    return [(0, [t for t in usable if t is not None])]
 
 
 def _works(result: Any) -> list | None:
@@ -145,7 +159,7 @@ class CollectiveMonitor(CollectiveMonitorBase):
             )
         if not groups:
             return None
-        token = _Call(self._step, call.name, site, groups)
+        token = _Call(self._step, call.name, site, groups, call.functional)
         if self._pre:
             self._measure(token, "pre")
         return token
@@ -153,6 +167,11 @@ class CollectiveMonitor(CollectiveMonitorBase):
     def after(self, token: _Call, result: Any) -> None:
         """After the original returned: measure now (synchronous) or when the work completes."""
         try:
+            if token.functional:  # what it produced is its result, waited for now
+                token.groups = _result_groups(result)
+                if token.groups[0][1]:
+                    self._measure(token, "post")
+                return
             works = _works(result)
             if works is None:
                 self._measure(token, "post")

@@ -1,8 +1,10 @@
-"""Collective statistics under FSDP2 and FSDP1 on two real gloo ranks: FSDP's own all-gathers and
-reduce-scatters go through torch.distributed's Python functions, so they are recorded, and their
-numbers are checked against an unsharded replica (the gathered output is the whole parameters;
-the reduce-scatter's input is this rank's own gradient of them, before any reduction, which FSDP1
-first divides by its pre-divide factor).
+"""Collective statistics under FSDP2, FSDP1 and DTensor tensor parallelism on two real gloo
+ranks, checked against an unsharded replica. FSDP's all-gathers and reduce-scatters go through
+torch.distributed's functions: the gathered output is the whole parameters, the reduce-scatter's
+input this rank's own gradient of them, before any reduction (FSDP1 first divides it by its
+pre-divide factor). Tensor parallelism's go through torch's functional collectives: a row-parallel
+layer's forward all-reduce returns the layer's whole output, a column-parallel layer's backward
+all-reduce the whole input gradient.
 """
 
 from __future__ import annotations
@@ -85,3 +87,52 @@ def test_fsdps_gathers_and_reduce_scatters_are_recorded_with_the_replicas_number
         # FSDP1 divides gradients by its pre-divide factor before the reduce-scatter (2 on 2 ranks)
         divided = 2.0 if case == "fsdp1" else 1.0
         assert scatter["norm"] == pytest.approx(result["local_grads"] / divided, rel=1e-5)
+
+
+def _tensor_parallel_worker(rank: int, world_size: int, workdir: str) -> None:
+    import torch.distributed._functional_collectives as functional
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from monitor import TrainerMon
+
+    original = functional.all_reduce
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 5))
+    replica = copy.deepcopy(model)
+    parallelize_module(
+        model, init_device_mesh("cpu", (world_size,)), {"0": ColwiseParallel(), "2": RowwiseParallel()}
+    )
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+    config = {"cc_distribution": {"enable": True, "cc_pre_hook": True}, "format": "api", "ops": ["norm"]}
+    mon = TrainerMon({**config, "collect_times": 1})
+    mon.set_monitor(model, 1, optimizer)
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(0)).requires_grad_(True)
+    model(x).pow(2).mean().backward()
+    optimizer.step()
+    comm = {tag.split("/")[0].removeprefix("0:"): row for tag, row in mon._latest("comm").items()}
+    mon.stop()
+    same = torch.randn(4, 6, generator=torch.Generator().manual_seed(0)).requires_grad_(True)
+    output = replica(same)
+    output.pow(2).mean().backward()
+    save_result(
+        workdir,
+        rank,
+        {
+            "comm": comm,
+            "output": output.detach().norm().item(),
+            "input_grad": same.grad.norm().item(),
+            "restored": functional.all_reduce is original,
+        },
+    )
+
+
+def test_tensor_parallel_functional_collectives_are_recorded_with_the_replicas_numbers(tmp_path):
+    for rank, result in enumerate(run_ranks(_tensor_parallel_worker, 2, str(tmp_path))):
+        comm = result["comm"]
+        assert set(comm) == {"functional_all_reduce.pre_0", "functional_all_reduce.post_0"}, comm
+        post = comm["functional_all_reduce.post_0"]
+        assert post["calls"] == 2  # the row-parallel forward, the column-parallel backward
+        want = (result["output"] ** 2 + result["input_grad"] ** 2) ** 0.5
+        assert post["norm"] == pytest.approx(want, rel=1e-5), f"rank {rank}"
+        assert result["restored"], "stop() puts the functional collectives back"
