@@ -41,7 +41,7 @@ from adapters.mindspore.grads import UnreducedGrads
 from adapters.mindspore.l2 import L2Features
 from adapters.mindspore.optim import OptimizerView
 from adapters.mindspore.params import ParamRegistry
-from adapters.mindspore.stats import StatEngine
+from adapters.mindspore.stats import StatEngine, host_memory
 from adapters.mindspore.structure import StructureRecorder, stack_recorder
 from monitor.config.schema import MonitorConfig
 from monitor.datatypes.params import param_row_tables, reduced_index
@@ -50,6 +50,7 @@ from monitor.record import RowSet
 from monitor.session.collection import BaseCollection
 from monitor.session.core import MonitorCore
 from monitor.session.run_info import run_info
+from monitor.stats.host_stats import probe_index
 
 logger = logging.getLogger("trainmon")
 
@@ -70,6 +71,11 @@ def without_hooks(config: MonitorConfig) -> tuple[MonitorConfig, list[str]]:
         rest = {kind: keys for kind, keys in config.l2_targets.items() if kind != "attention_hook"}
         changes["l2_targets"] = MappingProxyType(rest)
     return (dataclasses.replace(config, **changes) if changes else config), on
+
+
+def _same_memory(a: ms.Tensor, b: ms.Tensor) -> bool:
+    """Whether two tensors are one piece of memory read alike (address, shape and dtype)."""
+    return a.shape == b.shape and a.dtype == b.dtype and a.data_ptr() == b.data_ptr()
 
 
 class Collection(BaseCollection):
@@ -188,7 +194,11 @@ class Collection(BaseCollection):
             grads = None
         sources: dict[str, Callable[[int], ms.Tensor | None]] = {}
         if grads is not None and self._wanted("grad_reduced", cfg.wg_distribution):
-            sources["grad_reduced"] = self._grad_of(grads)
+            reused = self._reduced_as_measured(grads)
+            if reused is not None:
+                self._guard("grad_reduced", self._submit, "grad_reduced", *reused)
+            else:
+                sources["grad_reduced"] = self._grad_of(grads)
         if not self.graph_mode and self._wanted("param_origin", cfg.param_distribution):
             sources["param_origin"] = self._param
         measured = self._measure_together(sources)
@@ -202,6 +212,43 @@ class Collection(BaseCollection):
                 self._guard("param_origin", self._submit, "param_origin", rows, self._origin[1])
         elif "param_origin" in measured:
             self._guard("param_origin", self._submit, "param_origin", *measured["param_origin"])
+        if self.grads is not None:
+            self.grads.release()
+
+    def _reduced_as_measured(self, grads: Sequence[ms.Tensor]) -> tuple[RowSet, np.ndarray] | None:
+        """grad_reduced's rows, where the optimizer was handed the very gradients measured at the
+        backward pass (one process, one micro-batch a step: the same memory, read by address, and
+        still alive since held since then): their unreduced rows, after one of them, measured
+        again, shows that nothing rescaled them in place; else None (measured anew). Host memory
+        only: on a device, measuring again costs less than the host reads a comparison needs.
+        Any failure here means measuring anew."""
+        taken = self.grads.taken if self.grads is not None else {}
+        if not taken or not host_memory():
+            return None
+        try:
+            return self._reused_rows(grads, taken)
+        except Exception:
+            return None
+
+    def _reused_rows(
+        self, grads: Sequence[ms.Tensor], taken: dict[int, tuple[ms.Tensor, int]]
+    ) -> tuple[RowSet, np.ndarray] | None:
+        rows, tensors = self._tensors("grad_reduced", self._grad_of(grads))
+        index, _ = self._rows["grad_reduced"]
+        found = [taken.get(i) for i in index]
+        if len(tensors) != len(index) or any(
+            earlier is None or not _same_memory(earlier[0], tensor) for earlier, tensor in zip(found, tensors)
+        ):
+            return None
+        matrix = self.grads.taken_matrix.asnumpy()
+        values = matrix[[row for _, row in found]]
+        probe = probe_index(values, self.ops, [int(np.prod(t.shape)) for t in tensors])
+        if probe is None:
+            return None
+        again = self.engine.matrix([tensors[probe]]).asnumpy()[0]
+        if not np.allclose(again, values[probe], rtol=1e-6, atol=0.0, equal_nan=True):
+            return None
+        return rows, values
 
     def after_update(self) -> None:
         """Optimizer Cell post-call: moments and parameters after the update; the step is written."""

@@ -60,7 +60,11 @@ class UnreducedGrads:
         self.counted: tuple[int, int] = (0, 0)
         self._fired = 0
         self._pending: list[tuple[tuple[int, int], ms.Tensor]] = []
-        self._blocks: list[tuple[list[tuple[int, int]], ms.Tensor]] = []
+        self._blocks: list[tuple[list[tuple[int, int]], ms.Tensor, list[ms.Tensor]]] = []
+        #: after take(), per step (not per micro-batch): parameter index -> (the gradient measured,
+        #: held until ``release``, and its row of ``taken_matrix``), for grad_reduced to reuse
+        self.taken: dict[int, tuple[ms.Tensor, int]] = {}
+        self.taken_matrix: ms.Tensor | None = None
 
     def register(self) -> list:
         """Register one hook per monitored parameter; returns the removable handles."""
@@ -100,7 +104,9 @@ class UnreducedGrads:
         self._fired = 0
         if self._pending:
             keys = [key for key, _ in self._pending]
-            self._blocks.append((keys, self.engine.matrix([grad for _, grad in self._pending])))
+            grads = [grad for _, grad in self._pending]
+            kept = grads if not self.per_micro_batch else []  # only a step's rows are reused
+            self._blocks.append((keys, self.engine.matrix(grads), kept))
             self._pending = []
 
     def take(self) -> tuple[list[int], list[int] | None, ms.Tensor]:
@@ -116,8 +122,9 @@ class UnreducedGrads:
         self.reset()
         if not blocks:
             return [], [] if self.per_micro_batch else None, self.engine.matrix(())
-        keys = [key for block_keys, _ in blocks for key in block_keys]
-        matrix = blocks[0][1] if len(blocks) == 1 else ops.concat([m for _, m in blocks])
+        keys = [key for block_keys, _, _ in blocks for key in block_keys]
+        held = [grad for _, _, grads in blocks for grad in grads]
+        matrix = blocks[0][1] if len(blocks) == 1 else ops.concat([m for _, m, _ in blocks])
         latest: dict[tuple[int, int], int] = {}
         for position, key in enumerate(keys):
             latest.pop(key, None)
@@ -126,7 +133,14 @@ class UnreducedGrads:
             matrix = ops.gather(matrix, ms.Tensor(np.array(list(latest.values()), dtype=np.int32)), 0)
         index = [key[0] for key in latest]
         micro = [key[1] for key in latest] if self.per_micro_batch else None
+        if held:
+            self.taken = {key[0]: (held[at], row) for row, (key, at) in enumerate(latest.items())}
+            self.taken_matrix = matrix
         return index, micro, matrix
+
+    def release(self) -> None:
+        """Let go of the gradients and rows ``take`` kept for grad_reduced (at the optimizer's call)."""
+        self.taken, self.taken_matrix = {}, None
 
     def reset(self) -> None:
         """Forget the step: micro-batch counters, running sums, held gradients and statistics."""
@@ -136,3 +150,4 @@ class UnreducedGrads:
         self._fired = 0
         self._pending = []
         self._blocks = []
+        self.release()

@@ -38,7 +38,7 @@ import torch
 
 from adapters.torch.in_place import KINDS, PLAIN, in_place, kernel_parts, kernel_sweep, kernel_tuple
 from monitor.stats import fused_stats
-from monitor.stats.host_stats import EMPTY_VALUE, columns, kernel_row
+from monitor.stats.host_stats import EMPTY_VALUE, columns, kernel_row, probe_index
 
 #: accelerators: elements per chunk for the counting ops (bounds their temporaries).
 COUNT_CHUNK = 1 << 24
@@ -275,12 +275,6 @@ def stat_matrix(tensors: Sequence[torch.Tensor], ops: Sequence[str], eps: float 
     return out
 
 
-#: statistics that rescaling a tensor changes, unless they are zero
-RESCALED_OPS = ("min", "max", "norm", "mean")
-#: candidates ``still_measured`` picks its probe among (the smallest of the first few)
-PROBE_CANDIDATES = 16
-
-
 def still_measured(
     rows: torch.Tensor, tensors: Sequence[torch.Tensor], ops: Sequence[str], eps: float
 ) -> bool:
@@ -288,18 +282,13 @@ def still_measured(
     versions), still hold. torch's in-place kernels bump a tensor's version, which is how a
     change is seen otherwise; a few write without: a loss scaler's unscaling
     (``GradScaler.unscale_``) and anything done through ``.data``. Those rescale every gradient
-    alike, which one tensor shows: the smallest of the first few whose rescaled statistics are
-    finite and not all zero is measured again and compared. Rows on an accelerator are never
-    reused: measuring there again costs less than the host sync a comparison would need."""
-    columns = [i for i, op in enumerate(ops) if op in RESCALED_OPS]
-    if not columns or rows.device.type != "cpu":
+    alike, which one tensor measured again shows (``probe_index``). Rows on an accelerator are
+    never reused: measuring there again costs less than the host sync a comparison would need."""
+    if rows.device.type != "cpu":
         return False
-    values = rows[:, columns]
-    usable = torch.nonzero((torch.isfinite(values) & (values != 0)).any(dim=1)).flatten()
-    candidates = usable[:PROBE_CANDIDATES].tolist()
-    if not candidates:
+    probe = probe_index(rows.numpy(), ops, [t.numel() for t in tensors])
+    if probe is None:
         return False
-    probe = min(candidates, key=lambda k: tensors[k].numel())
     again = stat_matrix([tensors[probe]], ops, eps)[0].to(rows.device)
     return bool(torch.allclose(again, rows[probe], rtol=1e-6, atol=0.0, equal_nan=True))
 

@@ -133,3 +133,23 @@ def scalar_matrix(values: np.ndarray, ops: Sequence[str], eps: float = 1e-8) -> 
         "nans": np.isnan(v).astype(np.float64),
     }
     return np.stack([by_op[op] for op in ops], axis=1).reshape(len(v), len(ops))
+
+
+#: statistics that rescaling a tensor changes, unless they are zero
+RESCALED_OPS = ("min", "max", "norm", "mean")
+#: candidates ``probe_index`` picks among (the smallest of the first few)
+PROBE_CANDIDATES = 16
+
+
+def probe_index(rows: np.ndarray, ops: Sequence[str], sizes: Sequence[int]) -> int | None:
+    """Which of several tensors measured earlier (``rows``, their statistics; ``sizes``, their
+    element counts) to measure again to see whether they still hold those values: a change that
+    leaves no other trace (a loss scaler's unscaling, a write through ``.data``) rescales every
+    gradient alike, which one tensor shows. The smallest of the first few whose rescaled
+    statistics are finite and not all zero; None where none is (nothing can be checked)."""
+    columns = [i for i, op in enumerate(ops) if op in RESCALED_OPS]
+    if not columns or not len(rows):
+        return None
+    values = np.asarray(rows, dtype=np.float64)[:, columns]
+    usable = np.flatnonzero((np.isfinite(values) & (values != 0)).any(axis=1))[:PROBE_CANDIDATES]
+    return min(usable.tolist(), key=lambda k: sizes[k]) if len(usable) else None

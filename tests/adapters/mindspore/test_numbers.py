@@ -153,3 +153,48 @@ def test_metrics_are_plain_floats():
     _, results = _run("Adam", 1)
     for metrics in results[-1]["reported"].values():
         assert_plain_floats(metrics)
+
+
+def _halved_in_place(grads):  # written into the same memory: nothing else shows the change
+    for grad in grads:
+        grad.copy_(grad * 0.5)
+    return grads
+
+
+def _clipped(grads):
+    return ms.ops.clip_by_global_norm(grads, 1e-3)
+
+
+@pytest.mark.parametrize("change", [None, _halved_in_place, _clipped], ids=["as-is", "halved", "clipped"])
+def test_reduced_gradients_reuse_the_backward_rows_only_while_unchanged(change, monkeypatch):
+    """grad_reduced reuses the rows measured at the backward pass when the optimizer gets that
+    very memory (one tensor measured again to check); gradients halved in place or clipped into
+    new tensors are measured anew. Every row equals numpy's on the test's copies."""
+    from adapters.mindspore.stats import StatEngine
+
+    measured: list[int] = []
+    original = StatEngine.matrix
+    monkeypatch.setattr(
+        StatEngine, "matrix", lambda self, tensors: measured.append(len(tensors)) or original(self, tensors)
+    )
+    net = Net()
+    optimizer = OPTIMIZERS["Adam"](net.trainable_params())
+    mon = TrainerMon({"wg_distribution": True, "ops": ALL_OPS, "format": "api"})
+    mon.set_monitor(net, grad_acc_steps=1, optimizer=optimizer)
+    grad_fn = ms.value_and_grad(lambda x: net(x).square().mean(), None, optimizer.parameters)
+    n = len(optimizer.parameters)
+    for (x,) in make_batches(STEPS, 1):
+        _, grads = grad_fn(ms.Tensor(x))
+        raw = [g.asnumpy().copy() for g in grads]
+        used = change(grads) if change is not None else grads
+        handed = [g.asnumpy().copy() for g in used]
+        measured.clear()
+        optimizer(used)
+        reduced, unreduced = mon.generate_wgrad_metrics()
+        for j, p in enumerate(optimizer.parameters):
+            head = f"0:{p.name}/rank0"
+            assert_stats_close(unreduced[f"{head}/acc_grad"], raw[j], what=f"{p.name} unreduced")
+            assert_stats_close(reduced[f"{head}/post_grad"], handed[j], what=f"{p.name} reduced")
+        expected = {None: [1], _halved_in_place: [1, n], _clipped: [n]}[change]
+        assert measured == expected, measured  # at the optimizer's call: a probe, or every tensor
+    mon.stop()
