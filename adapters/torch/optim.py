@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib
 import sys
+import threading
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -99,6 +100,27 @@ def scaler_verdict(optimizer: Any) -> Callable[[], bool] | None:
     return lambda: not bool(found_inf.item())
 
 
+class LateVerdict:
+    """Whether a step's gradients are to be judged, where the loss scaler decides inside the
+    optimizer's step (DeepSpeed's fp16): the writer thread asks for it and waits, at most
+    ``SETTLE_WAIT_S`` seconds, until the step has returned and ``settle`` said (judged if never)."""
+
+    #: the longest the writer waits for a step to return (a step that raised never settles it)
+    SETTLE_WAIT_S = 30.0
+
+    def __init__(self) -> None:
+        self._settled = threading.Event()
+        self._judged = True
+
+    def settle(self, judged: bool) -> None:
+        self._judged = judged
+        self._settled.set()
+
+    def __call__(self) -> bool:
+        self._settled.wait(self.SETTLE_WAIT_S)
+        return self._judged
+
+
 def optimizer_step_count(optimizer: torch.optim.Optimizer) -> int | None:
     """The optimizer's own count of updates (``state[p]["step"]`` of Adam-like optimizers), if any."""
     for state in optimizer.state.values():
@@ -137,6 +159,14 @@ class TorchBackend:
     def register_step_hooks(self, before: Callable, after: Callable) -> list:
         """Hooks around each optimizer step, called as ``fn(optimizer, args, kwargs)``."""
         return [self.optimizer.register_step_pre_hook(before), self.optimizer.register_step_post_hook(after)]
+
+    def late_verdict(self) -> LateVerdict | None:
+        """For a step about to run: the judgement of its gradients that its loss scaler gives
+        inside the step, or None (judged as always; torch's own scaler is read by the session)."""
+        return None
+
+    def settle_verdict(self) -> None:
+        """The step has returned: settle what ``late_verdict`` handed out."""
 
     def step_count(self) -> int | None:
         return optimizer_step_count(self.optimizer)

@@ -205,9 +205,10 @@ class TorchSession(SessionLifecycle):
         wrapped so that the step is collected when it returns; its result passes through unchanged."""
         torch_hook = bool(args) and args[0] is optimizer  # not a back-end's wrapped step: args replaceable
         closure = kwargs.get("closure") if "closure" in kwargs else (args[1] if len(args) > 1 else None)
-        verdict = scaler_verdict(optimizer) if torch_hook and self.collection is not None else None
-        if verdict is not None:
-            self.collection.gradients_judged = verdict
+        if self.collection is not None:  # a loss scaler's say on this step's gradients
+            verdict = scaler_verdict(optimizer) if torch_hook else self.backend.late_verdict()
+            if verdict is not None:
+                self.collection.gradients_judged = verdict
         if closure is None or not torch_hook or self.collection is None:
             self._begin_update()
             return None
@@ -235,6 +236,7 @@ class TorchSession(SessionLifecycle):
 
     def _after_step(self, optimizer: Any, args: tuple, kwargs: dict) -> None:
         """Optimizer post-hook; an optimizer that never called its closure is collected here."""
+        self.backend.settle_verdict()
         if self._closure_pending:
             self._closure_pending = False
             self._begin_update()

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from adapters.torch.method_wrap import MethodWrap
-from adapters.torch.optim import BACKENDS, TorchBackend, unwrap_chain
+from adapters.torch.optim import BACKENDS, LateVerdict, TorchBackend, unwrap_chain
 
 
 def _is_deepspeed(obj: Any) -> bool:
@@ -71,6 +71,22 @@ class DeepSpeedBackend(TorchBackend):
     def __init__(self, wrapper: Any) -> None:
         super().__init__(wrapper)  # self.optimizer: the torch optimizer inside
         self.wrapper = wrapper
+        self._verdict: LateVerdict | None = None
+
+    def late_verdict(self) -> LateVerdict | None:
+        """fp16 with a dynamic loss scale: the step finds an overflow (its ``overflow`` flag) and
+        skips the update while the scale is lowered, which the first steps of a run do by design,
+        so that step's gradients are left to the scaler. bf16 (no loss scale) skips a step with a
+        NaN gradient too, but that is a fault: judged as always."""
+        config = getattr(self.wrapper, "loss_scale_config", None)
+        dynamic = getattr(self.wrapper, "dynamic_loss_scale", getattr(config, "dynamic_loss_scale", False))
+        self._verdict = LateVerdict() if dynamic is True else None
+        return self._verdict
+
+    def settle_verdict(self) -> None:
+        if self._verdict is not None:
+            self._verdict.settle(not getattr(self.wrapper, "overflow", False))
+            self._verdict = None
 
     def register_step_hooks(self, before: Callable, after: Callable) -> list:
         """Wrap the DeepSpeed wrapper's own ``step`` on the instance (restored by ``remove()``).
