@@ -102,11 +102,12 @@ def scaler_verdict(optimizer: Any) -> Callable[[], bool] | None:
 
 class LateVerdict:
     """Whether a step's gradients are to be judged, where the loss scaler decides inside the
-    optimizer's step (DeepSpeed's fp16): the writer thread asks for it and waits, at most
-    ``SETTLE_WAIT_S`` seconds, until the step has returned and ``settle`` said (judged if never)."""
+    optimizer's step (DeepSpeed's fp16): the writer thread asks for it and waits until the step
+    has returned and ``settle`` said, or monitoring stopped (a step that raised never returns),
+    or ``SETTLE_WAIT_S`` seconds passed (then judged)."""
 
-    #: the longest the writer waits for a step to return (a step that raised never settles it)
-    SETTLE_WAIT_S = 30.0
+    #: the longest the writer waits for a step to return (a long step with its state offloaded)
+    SETTLE_WAIT_S = 600.0
 
     def __init__(self) -> None:
         self._settled = threading.Event()

@@ -194,6 +194,10 @@ class TorchSession(SessionLifecycle):
     def _optimizer_step_count(self) -> int | None:
         return self.backend.step_count()
 
+    def stop(self) -> None:
+        self.backend.settle_verdict()  # a step that raised never returned: the writer must not wait
+        super().stop()
+
     def _detach_optimizer_hooks(self) -> None:
         for handle in self._hooks + self._cleanup:
             handle.remove()
