@@ -94,8 +94,9 @@ class StepRecord:
         fetch: optional callable that returns ``values`` when the device-to-host copy was started
             asynchronously; the writer thread calls it, the training thread never waits on it.
         judged: whether the anomaly rules judge the values, or a callable that says so on the
-            writer thread: not the gradients of a step whose update a loss scaler skipped (Inf/NaN
-            there is the scaler's business, not a fault).
+            writer thread (one with a ``settled`` attribute, once that is true: the writer holds
+            the record until its step ends): not the gradients of a step whose update a loss
+            scaler skipped (Inf/NaN there is the scaler's business, not a fault).
     """
 
     prefix: str

@@ -233,6 +233,7 @@ class Collection(BaseCollection):
     def _reused_rows(
         self, grads: Sequence[ms.Tensor], taken: dict[int, tuple[ms.Tensor, int]]
     ) -> tuple[RowSet, np.ndarray] | None:
+        """The reuse itself (see ``_reduced_as_measured``)."""
         rows, tensors = self._tensors("grad_reduced", self._grad_of(grads))
         index, _ = self._rows["grad_reduced"]
         found = [taken.get(i) for i in index]

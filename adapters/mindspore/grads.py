@@ -11,7 +11,12 @@ value; returning the same tensor changes nothing).
 Statistics are taken once per backward pass, for all gradients of that pass at once (one
 batched StatEngine call when the last monitored parameter's hook has fired; a pass that leaves
 some parameters out is completed at the optimizer's call), so gradients are held only until
-the end of their own backward pass.
+the end of their own backward pass; in one process on the CPU, with one micro-batch a step, until
+the optimizer's call instead, where grad_reduced reuses their rows if it is handed that very
+memory (which holds no more than the loop itself holds then). MindSpore keeps no version
+counters: the collection measures one gradient again to catch a change made in place, which a
+loss scaler's or clipping's rescale of every gradient shows; a change of some gradients only,
+made in place, would go unseen (MindSpore's own clipping and scaling return new tensors).
 
 Per step (default): with ``grad_acc_steps`` 1 each pass's gradients are described. With more
 micro-batches the hook keeps the running sum of this step's micro-batch gradients (one
@@ -31,8 +36,9 @@ import mindspore as ms
 import numpy as np
 from mindspore import ops
 
+from adapters.mindspore.dist import world_size
 from adapters.mindspore.params import ParamRegistry
-from adapters.mindspore.stats import StatEngine
+from adapters.mindspore.stats import StatEngine, host_memory
 
 
 class UnreducedGrads:
@@ -65,6 +71,9 @@ class UnreducedGrads:
         #: held until ``release``, and its row of ``taken_matrix``), for grad_reduced to reuse
         self.taken: dict[int, tuple[ms.Tensor, int]] = {}
         self.taken_matrix: ms.Tensor | None = None
+        #: where the optimizer can be handed the very gradients measured (one process, one
+        #: micro-batch a step, rows per step, host memory), which are then kept to be recognised
+        self._reusable = not per_micro_batch and grad_acc_steps == 1 and host_memory() and world_size() == 1
 
     def register(self) -> list:
         """Register one hook per monitored parameter; returns the removable handles."""
@@ -105,7 +114,7 @@ class UnreducedGrads:
         if self._pending:
             keys = [key for key, _ in self._pending]
             grads = [grad for _, grad in self._pending]
-            kept = grads if not self.per_micro_batch else []  # only a step's rows are reused
+            kept = grads if self._reusable else []
             self._blocks.append((keys, self.engine.matrix(grads), kept))
             self._pending = []
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import importlib
 import sys
-import threading
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -102,23 +101,19 @@ def scaler_verdict(optimizer: Any) -> Callable[[], bool] | None:
 
 class LateVerdict:
     """Whether a step's gradients are to be judged, where the loss scaler decides inside the
-    optimizer's step (DeepSpeed's fp16): the writer thread asks for it and waits until the step
-    has returned and ``settle`` said, or monitoring stopped (a step that raised never returns),
-    or ``SETTLE_WAIT_S`` seconds passed (then judged)."""
-
-    #: the longest the writer waits for a step to return (a long step with its state offloaded)
-    SETTLE_WAIT_S = 600.0
+    optimizer's step (DeepSpeed's fp16). The writer holds the records that carry it until their
+    step ends, by when the step has returned and ``settle`` said; never settled (the step raised)
+    means judged."""
 
     def __init__(self) -> None:
-        self._settled = threading.Event()
+        self.settled = False
         self._judged = True
 
     def settle(self, judged: bool) -> None:
-        self._judged = judged
-        self._settled.set()
+        """The step returned; ``judged``: its gradients are to be judged (no overflow)."""
+        self._judged, self.settled = judged, True
 
     def __call__(self) -> bool:
-        self._settled.wait(self.SETTLE_WAIT_S)
         return self._judged
 
 

@@ -194,10 +194,6 @@ class TorchSession(SessionLifecycle):
     def _optimizer_step_count(self) -> int | None:
         return self.backend.step_count()
 
-    def stop(self) -> None:
-        self.backend.settle_verdict()  # a step that raised never returned: the writer must not wait
-        super().stop()
-
     def _detach_optimizer_hooks(self) -> None:
         for handle in self._hooks + self._cleanup:
             handle.remove()
@@ -248,6 +244,10 @@ class TorchSession(SessionLifecycle):
         self._after_update()
 
     def update_skipped(self) -> None:
+        """As the base's; nothing for an optimizer that skips the update itself (fused ones): the
+        scaler always calls its step, whose hooks ended the step already."""
+        if getattr(self.backend.optimizer, "_step_supports_amp_scaling", False):
+            return
         self._closure_pending = False
         self._forget_step_signals()
         super().update_skipped()

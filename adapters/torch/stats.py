@@ -175,8 +175,9 @@ def _library_parts(tensors: Sequence[torch.Tensor], ops: tuple[str, ...], eps: f
                 small += part.lt_(eps).sum().item()  # 0/1 in acc: exact below 2**24 per chunk
         low = float(np.min(lows)) if lows else 0.0
         high = float(np.max(highs)) if highs else 0.0
-        if floating and acc != _F64 and not (math.isfinite(total) and math.isfinite(squared)):
-            total, squared = _double_sums(flat)  # finite values may have overflowed acc
+        overflowed = not (math.isfinite(total) and math.isfinite(squared))
+        if overflowed and floating and acc != _F64 and math.isfinite(low) and math.isfinite(high):
+            total, squared = _double_sums(flat)  # finite values (min and max say so) overflowed acc
         nans = 0.0
         if "nans" in ops and floating:
             witness = squared if squares else total if sums else low + high

@@ -28,7 +28,7 @@ import numpy as np
 
 from monitor.anomaly.detector import Anomaly, Detector, Verdicts
 from monitor.anomaly.root import choose_root, number, phase_of
-from monitor.datatypes.tasks import parse_tag
+from monitor.datatypes.tasks import SCALED_PREFIXES, parse_tag
 from monitor.naming import split_tag
 
 logger = logging.getLogger("trainmon")
@@ -41,6 +41,9 @@ MAX_RECORDS = 10_000
 #: steps whose micro-batch ids an incident keeps (``step_batch_ids``): the file stays small when
 #: records keep joining an incident for a long time.
 MAX_BATCH_STEPS = 1_000
+#: collected steps in a row whose gradients a loss scaler's skipped updates left unjudged, after
+#: which they are judged again: a scale that finds no finite gradient for that long is a fault
+MAX_UNJUDGED_STEPS = 20
 
 
 @dataclass
@@ -265,13 +268,20 @@ class AnomalySink:
         self.on_open: Callable[[Incident], None] | None = None
         #: step -> ids of each of its micro-batches, until the step ends.
         self._batch_ids: dict[int, list[Any]] = {}
+        #: records whose verdict comes when their step returns, held until it ends
+        self._held: list[Any] = []
+        #: steps in a row whose gradients were left unjudged, and the last of them
+        self._unjudged = (0, -1)
 
     def note_batch_ids(self, step: int, step_ids: list[Any]) -> None:
         """The ids of each micro-batch of ``step`` (handed over before the step ends)."""
         self._batch_ids[step] = step_ids
 
     def write(self, record: Any) -> None:
-        if not record.judged_now():
+        if getattr(record.judged, "settled", True) is False:  # said when its step returns
+            self._held.append(record)
+            return
+        if not self._judged(record):
             return
         new = self.tracker.observe(self.detector.judge(record))
         if new:
@@ -279,7 +289,23 @@ class AnomalySink:
             if self.dump is not None:
                 self.dump.add(new)
 
+    def _judged(self, record: Any) -> bool:
+        """Whether the rules judge a record: as it says, except that gradients a loss scaler's
+        skipped updates left unjudged ``MAX_UNJUDGED_STEPS`` steps in a row are judged again."""
+        if record.judged_now():
+            if record.prefix in SCALED_PREFIXES:
+                self._unjudged = (0, -1)
+            return True
+        count, last = self._unjudged
+        if record.step != last:
+            self._unjudged = count, last = count + 1, record.step
+        return count > MAX_UNJUDGED_STEPS
+
     def end_step(self, step: int) -> None:
+        held, self._held = self._held, []
+        for record in held:  # their step returned: its verdict is settled
+            if record.step == step:
+                self.write(record)
         step_ids = self._batch_ids.pop(step, None)
         self._batch_ids = {s: ids for s, ids in self._batch_ids.items() if s > step}
         opened, closed = self.tracker.end_step(step, step_ids)

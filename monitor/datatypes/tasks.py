@@ -30,8 +30,9 @@ PREFIX_TASKS: dict[str, tuple[str, ...]] = {
 TASK_PREFIX: dict[str, str] = {task: prefix for prefix, tasks in PREFIX_TASKS.items() for task in tasks}
 #: data types whose rows are module inputs and outputs (named after the module).
 ACTIVATION_PREFIXES: tuple[str, ...] = ("actv", "actv_grad")
-#: the gradients' data types: where a loss scaler's overflow shows (as Inf/NaN it then skips).
-GRADIENT_PREFIXES: tuple[str, ...] = ("actv_grad", "grad_unreduced", "grad_reduced")
+#: where a loss scaler's overflow shows (as Inf/NaN it then skips): the gradients, and the
+#: collectives that carry them (reduce-scatters, all-reduces)
+SCALED_PREFIXES: tuple[str, ...] = ("actv_grad", "grad_unreduced", "grad_reduced", "comm")
 #: order in which data types are offered (and preferred for the landing view on a tie).
 PREFIX_ORDER: tuple[str, ...] = (
     "grad_reduced",

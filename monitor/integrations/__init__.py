@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from monitor.config.schema import MonitorConfig
+from monitor.errors import StructurePrinted
 from monitor.session.trainer import TrainerMon
 
 logger = logging.getLogger("trainmon")
@@ -89,6 +90,8 @@ class MonitorCallback:
             return
         try:
             self.monitor.update_skipped()
+        except StructurePrinted:  # print_struct: the run stops as the user asked
+            raise
         except Exception as exc:
             logger.error("trainmon: ending a step without its update failed (%r)", exc, exc_info=exc)
 

@@ -38,6 +38,9 @@ class TrainmonCallback(MonitorCallback, Callback):
             logger.warning(
                 "trainmon: the run has %d optimizers; only the first is monitored", len(optimizers)
             )
+        #: several optimizers step under one global step count (manual optimization): the
+        #: monitor's steps cannot be matched to it, so skipped updates are not caught up
+        self._one_optimizer = len(optimizers) == 1
         self.attach(
             "Lightning",
             model=pl_module,
@@ -57,7 +60,8 @@ class TrainmonCallback(MonitorCallback, Callback):
             self.monitor.set_last_micro_batch(_ends_step(trainer, batch_idx))
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, idx: int) -> None:
-        self.keep_pace(trainer.global_step)
+        if self._one_optimizer:
+            self.keep_pace(trainer.global_step)
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         """A failed fit: the hooks go and the outputs are closed, as at its end."""

@@ -19,7 +19,7 @@ import numpy as np
 from monitor.config.schema import MonitorConfig
 from monitor.datatypes.l2 import ATTENTION_PREFIX, LINEAR_OPS, LINEAR_PREFIX
 from monitor.datatypes.params import unreduced_rows
-from monitor.datatypes.tasks import GRADIENT_PREFIXES
+from monitor.datatypes.tasks import SCALED_PREFIXES
 from monitor.errors import StructurePrinted
 from monitor.naming import unmatched_targets
 from monitor.record import RowSet, SameRows, StepRecord
@@ -190,7 +190,7 @@ class BaseCollection(ABC):
         n = len(rows)
         call_ids = np.arange(self._call_id, self._call_id + n)
         self._call_id += n
-        judged = self.gradients_judged if prefix in GRADIENT_PREFIXES else True
+        judged = self.gradients_judged if prefix in SCALED_PREFIXES else True
         self.core.submit(
             StepRecord(prefix, self._step, ops or self.ops, rows, values, call_ids, fetch, judged)
         )

@@ -236,6 +236,9 @@ class SessionLifecycle(IncidentResponses, ABC):
                         self.collection.skipped_update()
                     else:
                         self.collection.after_update()
+                except StructurePrinted:  # print_struct at a skipped step: the run stops as asked
+                    self._stop_as_asked()
+                    raise
                 except Exception as exc:
                     self.collection.fail("step end", exc)
         finally:

@@ -18,6 +18,8 @@ from monitor.config.schema import MonitorConfig, load_config
 from monitor.session.dynamic import DynamicControl, dynamic_mode
 
 logger = logging.getLogger("trainmon")
+#: ``{tag: {op: value}}`` of one data type, as the accessors return it
+Metrics = dict[str, dict[str, float]]
 
 
 def _framework_of(model: Any) -> str:
@@ -316,23 +318,21 @@ class TrainerMon:
         """The session's MonitorCore; None before set_monitor and on ranks outside module_ranks."""
         return self._session.core if self._session is not None else None
 
-    def _latest(self, prefix: str) -> dict[str, dict[str, float]]:
+    def _latest(self, prefix: str) -> Metrics:
         return self._core.latest.latest(prefix) if self._core is not None else {}
 
     def generate_wgrad_metrics(
         self, *_: Any
     ) -> tuple[dict[str, dict[str, float]], dict[str, dict[str, float]]]:
-        """``(reduced, unreduced)`` weight-gradient statistics of the last collected step.
-
-        Each is ``{tag: {op: float}}`` with plain Python floats (msprobe returns 0-dim tensors).
-        """
+        """``(reduced, unreduced)`` weight-gradient statistics of the last collected step, each
+        ``{tag: {op: float}}`` with plain Python floats (msprobe returns 0-dim tensors)."""
         return self._latest("grad_reduced"), self._latest("grad_unreduced")
 
-    def generate_mv_metrics(self, *_: Any) -> dict[str, dict[str, float]]:
+    def generate_mv_metrics(self, *_: Any) -> Metrics:
         """exp_avg and exp_avg_sq statistics of the last collected step, ``{tag: {op: float}}``."""
         return {**self._latest("exp_avg"), **self._latest("exp_avg_sq")}
 
-    def generate_param_metrics(self, *_: Any) -> dict[str, dict[str, float]]:
+    def generate_param_metrics(self, *_: Any) -> Metrics:
         """param_origin and param_updated statistics of the last collected step."""
         return {**self._latest("param_origin"), **self._latest("param_updated")}
 

@@ -68,14 +68,16 @@ def _chunk_parts(array: np.ndarray, eps: float) -> tuple:
             pieces.append(fused_stats.stats(chunk, eps))
             continue
         with np.errstate(invalid="ignore", over="ignore"):
+            low, high = chunk.min(), chunk.max()
             total, squares = float(chunk.sum(dtype=wide)), float(np.dot(chunk, chunk))
-            if not (math.isfinite(total) and math.isfinite(squares)):  # finite values may overflow
+            overflowed = not (math.isfinite(total) and math.isfinite(squares))
+            if overflowed and math.isfinite(low) and math.isfinite(high):  # finite values overflowed
                 double = chunk.astype(np.float64)
                 total, squares = float(double.sum()), float(np.dot(double, double))
             pieces.append(
                 (
-                    chunk.min(),
-                    chunk.max(),
+                    low,
+                    high,
                     total,
                     squares,
                     int(np.count_nonzero(np.abs(chunk) < wide(eps))),

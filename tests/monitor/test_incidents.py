@@ -15,7 +15,7 @@ import pytest
 
 from monitor.anomaly.detector import Detector
 from monitor.anomaly.incident_files import merge
-from monitor.anomaly.incidents import CLOSE_AFTER, AnomalySink
+from monitor.anomaly.incidents import CLOSE_AFTER, MAX_UNJUDGED_STEPS, AnomalySink
 from monitor.anomaly.root import choose_root
 from monitor.anomaly.rules import AnomalyTurbulence, AnomalyZScore
 from monitor.record import RowSet, StepRecord
@@ -318,3 +318,47 @@ def test_step_batch_ids_keys_that_are_not_step_numbers_are_left_out(tmp_path):
         {"rank": rank, "step": 7, "ids": [[1]]},
         {"rank": rank, "step": 16, "ids": [[3]]},
     ]
+
+
+class _ScalerVerdict:
+    """A loss scaler's say on a step's gradients, given when the step returns (as DeepSpeed's is)."""
+
+    def __init__(self) -> None:
+        self.settled, self._judged = False, True
+
+    def settle(self, judged: bool) -> None:
+        self._judged, self.settled = judged, True
+
+    def __call__(self) -> bool:
+        return self._judged
+
+
+def _gradients(step: int, value: float, judged) -> StepRecord:
+    rows = RowSet.build([0] * len(NAMES), list(NAMES), 0, "acc_grad")
+    values = np.full((len(NAMES), 1), value)
+    return StepRecord("grad_unreduced", step, ("norm",), rows, values, np.arange(len(NAMES)), judged=judged)
+
+
+def test_a_skipped_steps_gradients_wait_for_its_end_and_are_left_to_the_scaler():
+    """Gradients whose verdict comes when their step returns are held until the step ends; an
+    overflow the scaler skipped is no record, until it has skipped MAX_UNJUDGED_STEPS collected
+    steps in a row: a scale that never finds a finite gradient is a fault."""
+    sink = AnomalySink(Detector([AnomalyZScore()], rank=0))
+    for step in range(MAX_UNJUDGED_STEPS + 3):
+        verdict = _ScalerVerdict()
+        sink.write(_gradients(step, math.inf, verdict))
+        assert sink.found == [] or step > MAX_UNJUDGED_STEPS  # held while the step runs
+        verdict.settle(False)  # the scaler found the overflow and skipped the update
+        sink.end_step(step)
+    assert {record.step for record in sink.found} == {MAX_UNJUDGED_STEPS}
+    assert {record.tag_name.split("/")[0] for record in sink.found} == {f"0:{name}" for name in NAMES}
+
+
+def test_skips_between_ordinary_steps_are_never_judged():
+    rng = np.random.default_rng(0)
+    sink = AnomalySink(Detector([AnomalyZScore()], rank=0))
+    for step in range(4 * MAX_UNJUDGED_STEPS):
+        skipped = step % 3 == 0
+        sink.write(_gradients(step, math.inf if skipped else rng.lognormal(0.0, 0.05), not skipped))
+        sink.end_step(step)
+    assert sink.found == []

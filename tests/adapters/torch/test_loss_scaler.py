@@ -79,21 +79,3 @@ def test_a_bad_batch_is_still_an_incident_under_the_scaler(tmp_path, monkeypatch
     assert (
         mon.incidents[0].root["tag_name"].endswith("/actv") and mon.incidents[0].root["rule"] == "NonFinite"
     )
-
-
-def test_a_late_verdict_waits_for_its_step_and_never_forever(monkeypatch):
-    """DeepSpeed's verdict is settled when its step returns; the writer asking for it waits until
-    then, and a step that never returns (it raised) leaves the values judged after the wait."""
-    import threading
-
-    from adapters.torch.optim import LateVerdict
-
-    verdict = LateVerdict()
-    answers: list[bool] = []
-    asking = threading.Thread(target=lambda: answers.append(verdict()))
-    asking.start()
-    verdict.settle(False)
-    asking.join(timeout=10)
-    assert answers == [False]
-    monkeypatch.setattr(LateVerdict, "SETTLE_WAIT_S", 0.01)
-    assert LateVerdict()() is True
