@@ -56,6 +56,8 @@ NON_FINITE_VALUES = {
     "zeros": [0.0, 0.0, 1e-9, -1e-9, 2.0],
     # finite, but their squares and sum overflow float32: numpy's float64 norm and mean are finite
     "huge": [3e38, 3e38, -1e37, 2.0],
+    # normal float32, but their squares fall below its normal range
+    "tiny": [1e-20, -3e-20, 2e-21, 0.0],
 }
 
 

@@ -38,7 +38,7 @@ import torch
 
 from adapters.torch.in_place import KINDS, PLAIN, in_place, kernel_parts, kernel_sweep, kernel_tuple
 from monitor.stats import fused_stats
-from monitor.stats.host_stats import EMPTY_VALUE, columns, kernel_row, probe_index
+from monitor.stats.host_stats import EMPTY_VALUE, TINY_SQUARES, columns, kernel_row, probe_index
 
 #: accelerators: elements per chunk for the counting ops (bounds their temporaries).
 COUNT_CHUNK = 1 << 24
@@ -175,9 +175,8 @@ def _library_parts(tensors: Sequence[torch.Tensor], ops: tuple[str, ...], eps: f
                 small += part.lt_(eps).sum().item()  # 0/1 in acc: exact below 2**24 per chunk
         low = float(np.min(lows)) if lows else 0.0
         high = float(np.max(highs)) if highs else 0.0
-        overflowed = not (math.isfinite(total) and math.isfinite(squared))
-        if overflowed and floating and acc != _F64 and math.isfinite(low) and math.isfinite(high):
-            total, squared = _double_sums(flat)  # finite values (min and max say so) overflowed acc
+        if floating and acc != _F64 and _lost_in_fp32(total, squared, flat.numel(), low, high):
+            total, squared = _double_sums(flat)
         nans = 0.0
         if "nans" in ops and floating:
             witness = squared if squares else total if sums else low + high
@@ -185,6 +184,14 @@ def _library_parts(tensors: Sequence[torch.Tensor], ops: tuple[str, ...], eps: f
                 nans = float(_count_nans(t, CPU_CHUNK))
         parts.append((low, high, total, squared, small, nans))
     return np.array(parts, dtype=np.float64)
+
+
+def _lost_in_fp32(total: float, squared: float, numel: int, low: float, high: float) -> bool:
+    """Whether fp32 sums lost what float64 keeps: finite values (min and max say so) whose sum or
+    squares overflowed, or values so small (not all zero) that their squares underflowed."""
+    finite = math.isfinite(low) and math.isfinite(high)
+    overflowed = not (math.isfinite(total) and math.isfinite(squared))
+    return finite and (overflowed or (squared < numel * TINY_SQUARES and (low != 0 or high != 0)))
 
 
 def _double_sums(flat: torch.Tensor) -> tuple[float, float]:

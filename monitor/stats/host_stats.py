@@ -30,6 +30,9 @@ _DERIVED_OPS = ("min", "max", "mean", "norm", "zeros", "nans")
 _POSITION = {op: index for index, op in enumerate(_DERIVED_OPS)}
 #: the value of each op for an empty array
 EMPTY_VALUE = {"norm": 0.0, "nans": 0.0}
+#: a sum of squares below this per element may have lost the squares of values below about 1e-19
+#: (under float32's normal range); it is taken again in float64 (as the C kernel's TINY_SQUARES)
+TINY_SQUARES = 1e-30
 #: elements per chunk where an array is widened (512 KiB of float32)
 CHUNK = 1 << 17
 _KINDS = {"float32": fused_stats.FLOAT32, "float64": fused_stats.FLOAT64, "bfloat16": fused_stats.BFLOAT16}
@@ -71,7 +74,8 @@ def _chunk_parts(array: np.ndarray, eps: float) -> tuple:
             low, high = chunk.min(), chunk.max()
             total, squares = float(chunk.sum(dtype=wide)), float(np.dot(chunk, chunk))
             overflowed = not (math.isfinite(total) and math.isfinite(squares))
-            if overflowed and math.isfinite(low) and math.isfinite(high):  # finite values overflowed
+            underflowed = squares < chunk.size * TINY_SQUARES and (low != 0 or high != 0)
+            if (overflowed or underflowed) and math.isfinite(low) and math.isfinite(high):
                 double = chunk.astype(np.float64)
                 total, squares = float(double.sum()), float(np.dot(double, double))
             pieces.append(
