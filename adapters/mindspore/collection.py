@@ -217,9 +217,9 @@ class Collection(BaseCollection):
 
     def _reduced_as_measured(self, grads: Sequence[ms.Tensor]) -> tuple[RowSet, np.ndarray] | None:
         """grad_reduced's rows, where the optimizer was handed the very gradients measured at the
-        backward pass (one process, one micro-batch a step: the same memory, read by address, and
-        still alive since held since then): their unreduced rows, after one of them, measured
-        again, shows that nothing rescaled them in place; else None (measured anew). Host memory
+        backward pass (one process, one micro-batch a step: the same memory, by address, which
+        the grads module held since): their unreduced rows, once one of them, measured again,
+        shows that nothing rescaled them in place; else None (measured anew). Host memory
         only: on a device, measuring again costs less than the host reads a comparison needs.
         Any failure here means measuring anew."""
         taken = self.grads.taken if self.grads is not None else {}
