@@ -175,7 +175,8 @@ def _library_parts(tensors: Sequence[torch.Tensor], ops: tuple[str, ...], eps: f
                 small += part.lt_(eps).sum().item()  # 0/1 in acc: exact below 2**24 per chunk
         low = float(np.min(lows)) if lows else 0.0
         high = float(np.max(highs)) if highs else 0.0
-        if floating and acc != _F64 and _lost_in_fp32(total, squared, flat.numel(), low, high):
+        extremes = (low, high) if minmax else None
+        if floating and acc != _F64 and _lost_in_fp32(total, squared, flat, extremes, squares):
             total, squared = _double_sums(flat)
         nans = 0.0
         if "nans" in ops and floating:
@@ -186,12 +187,18 @@ def _library_parts(tensors: Sequence[torch.Tensor], ops: tuple[str, ...], eps: f
     return np.array(parts, dtype=np.float64)
 
 
-def _lost_in_fp32(total: float, squared: float, numel: int, low: float, high: float) -> bool:
-    """Whether fp32 sums lost what float64 keeps: finite values (min and max say so) whose sum or
-    squares overflowed, or values so small (not all zero) that their squares underflowed."""
-    finite = math.isfinite(low) and math.isfinite(high)
-    overflowed = not (math.isfinite(total) and math.isfinite(squared))
-    return finite and (overflowed or (squared < numel * TINY_SQUARES and (low != 0 or high != 0)))
+def _lost_in_fp32(
+    total: float, squared: float, flat: torch.Tensor, extremes: tuple[float, float] | None, squares: bool
+) -> bool:
+    """Whether fp32 sums lost what float64 keeps: finite values whose sum or squares overflowed
+    (the measured ``extremes`` say the values are finite, or, not measured, a check of the tensor
+    does), or, where squares were summed, values so small (not all zero) that they underflowed."""
+    if not (math.isfinite(total) and math.isfinite(squared)):  # rare: a check may read the tensor
+        if extremes is None:
+            return bool(torch.isfinite(flat).all())
+        return math.isfinite(extremes[0]) and math.isfinite(extremes[1])
+    nonzero = squared > 0 if extremes is None else extremes != (0.0, 0.0)
+    return squares and squared < flat.numel() * TINY_SQUARES and nonzero
 
 
 def _double_sums(flat: torch.Tensor) -> tuple[float, float]:

@@ -281,6 +281,10 @@ class AnomalySink:
         if getattr(record.judged, "settled", True) is False:  # said when its step returns
             self._held.append(record)
             return
+        self._observe(record)
+
+    def _observe(self, record: Any) -> None:
+        """Judge a record (its verdict settled, or never to be: then judged) and keep what is new."""
         if not self._judged(record):
             return
         new = self.tracker.observe(self.detector.judge(record))
@@ -303,9 +307,11 @@ class AnomalySink:
 
     def end_step(self, step: int) -> None:
         held, self._held = self._held, []
-        for record in held:  # their step returned: its verdict is settled
-            if record.step == step:
-                self.write(record)
+        for record in held:  # their step ended: its verdict is settled, or never will be (it raised)
+            if record.step <= step:
+                self._observe(record)
+            else:
+                self._held.append(record)
         step_ids = self._batch_ids.pop(step, None)
         self._batch_ids = {s: ids for s, ids in self._batch_ids.items() if s > step}
         opened, closed = self.tracker.end_step(step, step_ids)
@@ -330,6 +336,9 @@ class AnomalySink:
         self._to_dump("end_step", step)
 
     def close(self) -> None:
+        held, self._held = self._held, []
+        for record in held:  # steps that never ended (a step raised): judged
+            self._observe(record)
         if self.tracker.finish() is not None or self.tracker.changed:
             self.tracker.changed = False
             self._to_dump("set_incidents", self.tracker.incidents)

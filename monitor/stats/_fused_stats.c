@@ -49,9 +49,10 @@ static inline void prefetch_lines(const void *buffer, Py_ssize_t at, Py_ssize_t 
 /* An operation whose input or result is subnormal (below about 1.2e-38 in float32) is some
  * hundred cycles slower on x86: squaring Adam's exp_avg_sq where gradients are tiny (values near
  * 1e-20, squares near 1e-40) made the kernel 3x slower over a whole moment. The main loop runs
- * with flush-to-zero and denormals-are-zero set, and the caller's mode is put back after it:
- * subnormal values count as zero in the sums, and squares that underflow are taken again in
- * double (TINY_SQUARES); min and max (integer keys) and the zero count read them exactly. */
+ * with flush-to-zero and denormals-are-zero set, and the caller's mode is put back after it;
+ * a float32 tensor whose squares underflowed (all values tiny, TINY_SQUARES) has both sums taken
+ * again in double, subnormal values included; min and max (integer keys) and the zero count
+ * read them exactly. */
 #define SUBNORMALS_AS_ZERO unsigned int saved_csr = _mm_getcsr(); _mm_setcsr(saved_csr | 0x8040);
 #define RESTORE_FLOAT_MODE _mm_setcsr(saved_csr);
 #else
@@ -155,12 +156,15 @@ typedef struct {
                 out->total = wide_total;                                                      \
                 out->squares = wide_squares;                                                  \
             }                                                                                 \
-        } else if (squares < (double)n * TINY_SQUARES && (out->low != 0 || out->high != 0)) { \
-            double wide_squares = 0.0; /* squares below FLOAT's normal range were flushed */  \
+        } else if (sizeof(FLOAT) == 4 && squares < (double)n * TINY_SQUARES &&                \
+                   (out->low != 0 || out->high != 0)) {                                       \
+            double wide_total = 0.0, wide_squares = 0.0; /* in the caller's mode: exact */    \
             for (Py_ssize_t i = 0; i < n; i++) {                                              \
                 double v = (double)LOAD(a[i]);                                                \
+                wide_total += v;                                                              \
                 wide_squares += v * v;                                                        \
             }                                                                                 \
+            out->total = wide_total;                                                          \
             out->squares = wide_squares;                                                      \
         }                                                                                     \
     }

@@ -362,3 +362,16 @@ def test_skips_between_ordinary_steps_are_never_judged():
         sink.write(_gradients(step, math.inf if skipped else rng.lognormal(0.0, 0.05), not skipped))
         sink.end_step(step)
     assert sink.found == []
+
+
+def test_held_gradients_of_a_step_that_never_returned_are_judged():
+    """A step that raised never settles its verdict: its held gradients are judged when a later
+    step ends, and at close."""
+    sink = AnomalySink(Detector([AnomalyZScore()], rank=0))
+    sink.write(_gradients(0, math.nan, _ScalerVerdict()))
+    sink.end_step(0)
+    assert {record.step for record in sink.found} == {0}
+    closing = AnomalySink(Detector([AnomalyZScore()], rank=0))
+    closing.write(_gradients(5, math.nan, _ScalerVerdict()))
+    closing.close()
+    assert {record.step for record in closing.found} == {5}

@@ -43,6 +43,15 @@ def test_non_finite_values_follow_numpy(values):
         assert_same_number(got[op], want[op])
 
 
+@pytest.mark.parametrize("case", ["tiny", "huge"])
+def test_norm_alone_keeps_what_fp32_loses(case):
+    """The default ops (norm alone) measure no min or max: the squares of tiny values, and of huge
+    finite ones, are still taken again in float64 as numpy takes them."""
+    array = np.array(NON_FINITE_VALUES[case], dtype=np.float32)
+    (got,) = _stats([torch.from_numpy(array.copy())], ops=("norm",))
+    assert_same_number(got["norm"], numpy_stats(array)["norm"])
+
+
 def test_many_tensors_of_mixed_dtypes_and_shapes():
     generator = torch.Generator().manual_seed(0)
     tensors = [
