@@ -205,7 +205,7 @@ class TorchSession(SessionLifecycle):
         wrapped so that the step is collected when it returns; its result passes through unchanged."""
         torch_hook = bool(args) and args[0] is optimizer  # not a back-end's wrapped step: args replaceable
         closure = kwargs.get("closure") if "closure" in kwargs else (args[1] if len(args) > 1 else None)
-        if self.collection is not None:  # a loss scaler's say on this step's gradients
+        if self.collection is not None and self.collection.collect:  # a loss scaler's say on its gradients
             verdict = scaler_verdict(optimizer) if torch_hook else self.backend.late_verdict()
             if verdict is not None:
                 self.collection.gradients_judged = verdict

@@ -28,6 +28,7 @@ norm/nans. Nothing here raises on non-finite values. ``zeros`` compares |x| with
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 from collections.abc import Sequence
@@ -38,7 +39,7 @@ import torch
 
 from adapters.torch.in_place import KINDS, PLAIN, in_place, kernel_parts, kernel_sweep, kernel_tuple
 from monitor.stats import fused_stats
-from monitor.stats.host_stats import EMPTY_VALUE, TINY_SQUARES, columns, kernel_row, probe_index
+from monitor.stats.host_stats import EMPTY_VALUE, columns, float32_sums_lost, kernel_row, probe_index
 
 #: accelerators: elements per chunk for the counting ops (bounds their temporaries).
 COUNT_CHUNK = 1 << 24
@@ -175,9 +176,13 @@ def _library_parts(tensors: Sequence[torch.Tensor], ops: tuple[str, ...], eps: f
                 small += part.lt_(eps).sum().item()  # 0/1 in acc: exact below 2**24 per chunk
         low = float(np.min(lows)) if lows else 0.0
         high = float(np.max(highs)) if highs else 0.0
-        extremes = (low, high) if minmax else None
-        if floating and acc != _F64 and _lost_in_fp32(total, squared, flat, extremes, squares):
-            total, squared = _double_sums(flat)
+        if floating and acc != _F64:
+            finite = (
+                math.isfinite(low) and math.isfinite(high) if minmax else functools.partial(_all_finite, flat)
+            )
+            nonzero = squares and ((low, high) != (0.0, 0.0) if minmax else squared > 0)
+            if float32_sums_lost(total, squared, flat.numel(), finite, nonzero):
+                total, squared = _double_sums(flat)
         nans = 0.0
         if "nans" in ops and floating:
             witness = squared if squares else total if sums else low + high
@@ -187,18 +192,9 @@ def _library_parts(tensors: Sequence[torch.Tensor], ops: tuple[str, ...], eps: f
     return np.array(parts, dtype=np.float64)
 
 
-def _lost_in_fp32(
-    total: float, squared: float, flat: torch.Tensor, extremes: tuple[float, float] | None, squares: bool
-) -> bool:
-    """Whether fp32 sums lost what float64 keeps: finite values whose sum or squares overflowed
-    (the measured ``extremes`` say the values are finite, or, not measured, a check of the tensor
-    does), or, where squares were summed, values so small (not all zero) that they underflowed."""
-    if not (math.isfinite(total) and math.isfinite(squared)):  # rare: a check may read the tensor
-        if extremes is None:
-            return bool(torch.isfinite(flat).all())
-        return math.isfinite(extremes[0]) and math.isfinite(extremes[1])
-    nonzero = squared > 0 if extremes is None else extremes != (0.0, 0.0)
-    return squares and squared < flat.numel() * TINY_SQUARES and nonzero
+def _all_finite(flat: torch.Tensor) -> bool:
+    """Whether a tensor holds no NaN or Inf (a pass over it: asked only where a sum is not finite)."""
+    return bool(torch.isfinite(flat).all())
 
 
 def _double_sums(flat: torch.Tensor) -> tuple[float, float]:

@@ -18,7 +18,7 @@ data; ``nans`` counts NaN elements; ``zeros`` is the share of ``|x| < eps`` comp
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -60,6 +60,18 @@ def kernel_row(parts: tuple, numel: int, ops: Sequence[str]) -> list[float]:
     return [every[_POSITION[op]] for op in ops]
 
 
+def float32_sums_lost(
+    total: float, squares: float, numel: int, finite: bool | Callable[[], bool], nonzero: bool
+) -> bool:
+    """Whether float32 sums lost what float64 keeps, so that they are taken again in float64:
+    finite values whose sum or squares overflowed (``finite`` says whether the values are; a
+    callable is asked only then), or values so small, not all zero (``nonzero``), that their
+    squares fell under float32's normal range (``TINY_SQUARES``)."""
+    if not (math.isfinite(total) and math.isfinite(squares)):
+        return finite() if callable(finite) else finite
+    return nonzero and squares < numel * TINY_SQUARES
+
+
 def _chunk_parts(array: np.ndarray, eps: float) -> tuple:
     """The kernel tuple of any non-empty array, widened chunk by chunk (float16, integers)."""
     flat = array.reshape(-1)
@@ -73,9 +85,8 @@ def _chunk_parts(array: np.ndarray, eps: float) -> tuple:
         with np.errstate(invalid="ignore", over="ignore"):
             low, high = chunk.min(), chunk.max()
             total, squares = float(chunk.sum(dtype=wide)), float(np.dot(chunk, chunk))
-            overflowed = not (math.isfinite(total) and math.isfinite(squares))
-            underflowed = squares < chunk.size * TINY_SQUARES and (low != 0 or high != 0)
-            if (overflowed or underflowed) and math.isfinite(low) and math.isfinite(high):
+            finite, nonzero = math.isfinite(low) and math.isfinite(high), low != 0 or high != 0
+            if wide == np.float32 and float32_sums_lost(total, squares, chunk.size, finite, nonzero):
                 double = chunk.astype(np.float64)
                 total, squares = float(double.sum()), float(np.dot(double, double))
             pieces.append(

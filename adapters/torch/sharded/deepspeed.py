@@ -72,15 +72,17 @@ class DeepSpeedBackend(TorchBackend):
         super().__init__(wrapper)  # self.optimizer: the torch optimizer inside
         self.wrapper = wrapper
         self._verdict: LateVerdict | None = None
+        config = getattr(wrapper, "loss_scale_config", None)  # FP16_Optimizer's; ZeRO's own attribute
+        dynamic = getattr(wrapper, "dynamic_loss_scale", getattr(config, "dynamic_loss_scale", False))
+        #: fp16 with a dynamic loss scale: a step that finds an overflow (its ``overflow`` flag)
+        #: skips the update while the scale is lowered, which the first steps of a run do by design
+        self._loss_scaled = dynamic is True
 
     def late_verdict(self) -> LateVerdict | None:
-        """fp16 with a dynamic loss scale: the step finds an overflow (its ``overflow`` flag) and
-        skips the update while the scale is lowered, which the first steps of a run do by design,
-        so that step's gradients are left to the scaler. bf16 (no loss scale) skips a step with a
-        NaN gradient too, but that is a fault: judged as always."""
-        config = getattr(self.wrapper, "loss_scale_config", None)
-        dynamic = getattr(self.wrapper, "dynamic_loss_scale", getattr(config, "dynamic_loss_scale", False))
-        self._verdict = LateVerdict() if dynamic is True else None
+        """Under a dynamic loss scale, the step's gradients are left to the scaler when it finds an
+        overflow. bf16 (no loss scale) skips a step with a NaN gradient too, but that is a fault:
+        judged as always."""
+        self._verdict = LateVerdict() if self._loss_scaled else None
         return self._verdict
 
     def settle_verdict(self) -> None:
