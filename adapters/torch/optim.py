@@ -156,13 +156,27 @@ class TorchBackend:
         """Hooks around each optimizer step, called as ``fn(optimizer, args, kwargs)``."""
         return [self.optimizer.register_step_pre_hook(before), self.optimizer.register_step_post_hook(after)]
 
+    #: a dynamic loss scale decides inside this back-end's own step whether the update is skipped
+    #: (DeepSpeed's and Megatron's fp16); torch's own scaler is read by the session instead.
+    loss_scaled = False
+    _verdict: LateVerdict | None = None
+
     def late_verdict(self) -> LateVerdict | None:
         """For a step about to run: the judgement of its gradients that its loss scaler gives
-        inside the step, or None (judged as always; torch's own scaler is read by the session)."""
-        return None
+        inside the step, or None (judged as always). Without a loss scale a skipped update (bf16
+        with a NaN gradient) is a fault."""
+        self._verdict = LateVerdict() if self.loss_scaled else None
+        return self._verdict
 
     def settle_verdict(self) -> None:
         """The step has returned: settle what ``late_verdict`` handed out."""
+        if self._verdict is not None:
+            self._verdict.settle(not self.overflowed())
+            self._verdict = None
+
+    def overflowed(self) -> bool:
+        """Whether the step that just returned found an overflow and skipped its update."""
+        return False
 
     def step_count(self) -> int | None:
         return optimizer_step_count(self.optimizer)

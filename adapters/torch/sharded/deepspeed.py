@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from adapters.torch.method_wrap import MethodWrap
-from adapters.torch.optim import BACKENDS, LateVerdict, TorchBackend, unwrap_chain
+from adapters.torch.optim import BACKENDS, TorchBackend, unwrap_chain
 
 
 def _is_deepspeed(obj: Any) -> bool:
@@ -71,24 +71,14 @@ class DeepSpeedBackend(TorchBackend):
     def __init__(self, wrapper: Any) -> None:
         super().__init__(wrapper)  # self.optimizer: the torch optimizer inside
         self.wrapper = wrapper
-        self._verdict: LateVerdict | None = None
         config = getattr(wrapper, "loss_scale_config", None)  # FP16_Optimizer's; ZeRO's own attribute
         dynamic = getattr(wrapper, "dynamic_loss_scale", getattr(config, "dynamic_loss_scale", False))
         #: fp16 with a dynamic loss scale: a step that finds an overflow (its ``overflow`` flag)
         #: skips the update while the scale is lowered, which the first steps of a run do by design
-        self._loss_scaled = dynamic is True
+        self.loss_scaled = dynamic is True
 
-    def late_verdict(self) -> LateVerdict | None:
-        """Under a dynamic loss scale, the step's gradients are left to the scaler when it finds an
-        overflow. bf16 (no loss scale) skips a step with a NaN gradient too, but that is a fault:
-        judged as always."""
-        self._verdict = LateVerdict() if self._loss_scaled else None
-        return self._verdict
-
-    def settle_verdict(self) -> None:
-        if self._verdict is not None:
-            self._verdict.settle(not getattr(self.wrapper, "overflow", False))
-            self._verdict = None
+    def overflowed(self) -> bool:
+        return bool(getattr(self.wrapper, "overflow", False))
 
     def register_step_hooks(self, before: Callable, after: Callable) -> list:
         """Wrap the DeepSpeed wrapper's own ``step`` on the instance (restored by ``remove()``).

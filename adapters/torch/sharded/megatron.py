@@ -51,6 +51,9 @@ class MegatronBackend(TorchBackend):
         self._local_grad: Callable[[torch.nn.Parameter], torch.Tensor | None] = lambda p: None
         #: model parameter -> the tensor the inner optimizer updates for it (master copy / shard).
         self._main: dict[torch.nn.Parameter, torch.Tensor] = {}
+        #: fp16 with a dynamic loss scale skips the update of a step whose gradients overflow
+        #: (``found_inf``, agreed over the model-parallel ranks) while the scale comes down
+        self.loss_scaled = _dynamic_scale(optimizer)
 
     def prepare(self, params: Sequence[torch.nn.Parameter], local_grad: Callable) -> None:
         self._local_grad = local_grad
@@ -69,6 +72,11 @@ class MegatronBackend(TorchBackend):
 
     def register_step_hooks(self, before: Callable, after: Callable) -> list:
         return [MethodWrap(self.megatron, "step", before, after)]
+
+    def overflowed(self) -> bool:
+        """``found_inf`` of the step that returned (already read by Megatron, so no wait here)."""
+        found_inf = getattr(self.megatron, "found_inf", None)
+        return isinstance(found_inf, torch.Tensor) and bool(found_inf.item() > 0)
 
     def step_count(self) -> int | None:
         return optimizer_step_count(self.inner) if self.inner is not None else None
@@ -171,6 +179,7 @@ class ChainedBackend(TorchBackend):
         self.optimizer = optimizer
         self.parts: list[MegatronBackend] = [_part_backend(o) for o in optimizer.chained_optimizers]
         self._owner: dict[torch.nn.Parameter, MegatronBackend] = {}
+        self.loss_scaled = any(part.loss_scaled for part in self.parts)
 
     def prepare(self, params: Sequence[torch.nn.Parameter], local_grad: Callable) -> None:
         for part in self.parts:
@@ -192,6 +201,10 @@ class ChainedBackend(TorchBackend):
     def register_step_hooks(self, before: Callable, after: Callable) -> list:
         return [MethodWrap(self.optimizer, "step", before, after)]
 
+    def overflowed(self) -> bool:
+        """An overflow in any part skips every part's update."""
+        return any(part.overflowed() for part in self.parts)
+
     def step_count(self) -> int | None:
         return next((c for c in (part.step_count() for part in self.parts) if c is not None), None)
 
@@ -210,6 +223,13 @@ class ChainedBackend(TorchBackend):
     def state_owner(self, param: Any) -> tuple[torch.optim.Optimizer, torch.Tensor] | None:
         owner = self._owner.get(param)
         return owner.state_owner(param) if owner is not None else None
+
+
+def _dynamic_scale(optimizer: Any) -> bool:
+    """Whether the optimizer's gradient scaler is Megatron's dynamic one (fp16). Under a constant
+    scale an overflow skips the update too, but nothing lowers the scale: that is a fault."""
+    scaler = getattr(optimizer, "grad_scaler", None)
+    return any(cls.__name__ == "DynamicGradScaler" for cls in type(scaler).__mro__)
 
 
 def _one_group(groups: list[Any]) -> Any:
