@@ -3,6 +3,7 @@ whether any rank holds a flag, and when DDP writes its reduction into the gradie
 
 from __future__ import annotations
 
+import datetime
 import functools
 import gc
 import logging
@@ -206,10 +207,25 @@ def _gloo_group() -> Any:
         logger.warning("trainmon: this torch has no gloo backend: %s", fallback)
         return None
     try:
-        return dist.new_group(backend="gloo")
+        return dist.new_group(backend="gloo", timeout=_world_timeout())
     except Exception as exc:  # gloo cannot connect (a node that needs GLOO_SOCKET_IFNAME, say)
         logger.warning("trainmon: no gloo group could be made (%r): %s", exc, fallback)
         return None
+
+
+def _world_timeout() -> datetime.timedelta | None:
+    """The timeout the run gave its default group, so that the monitor's own group waits as long
+    as the training's collectives do (a rank that saves a checkpoint for an hour is no fault);
+    None (torch's default) where this torch does not tell it."""
+    world = dist.group.WORLD
+    for device in getattr(world, "_device_types", ()):
+        try:
+            timeout = world._get_backend(device).options._timeout
+        except Exception:  # a private accessor: absent in some versions and back-ends
+            continue
+        if isinstance(timeout, datetime.timedelta):
+            return timeout
+    return None
 
 
 class StoreChannel:

@@ -11,6 +11,7 @@ sinks from delivering.
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import sys
@@ -308,9 +309,13 @@ def _agreement_worker(rank: int, world_size: int, workdir: str) -> None:
     from adapters.torch import dist as monitor_dist
     from tests.log_capture import trainmon_records
 
+    # a run that gives its collectives longer than torch's default (a slow checkpoint, say)
+    world_timeout = datetime.timedelta(seconds=4321)
+    dist.distributed_c10d._set_pg_timeout(world_timeout, dist.group.WORLD)
     with trainmon_records() as records:
         own = [monitor_dist.any_rank(rank == asking, torch.device("cpu")) for asking in (1, -1)]
         group = monitor_dist._agreement_groups[-1][1]
+        group_timeout = group._get_backend(torch.device("cpu")).options._timeout
         available = dist.is_gloo_available
         dist.is_gloo_available = lambda: False  # a torch built without gloo
         monitor_dist._agreement_groups.clear()
@@ -329,6 +334,7 @@ def _agreement_worker(rank: int, world_size: int, workdir: str) -> None:
         {
             "own_group": own,
             "own_group_is_not_the_default": group is not None and group is not dist.group.WORLD,
+            "own_group_waits_as_long": group_timeout == world_timeout,
             "default_group": default,
             "unmade_group": unmade,
             "told": [m for m in records.warnings() if "agree on the default process group" in m],
@@ -339,8 +345,9 @@ def _agreement_worker(rank: int, world_size: int, workdir: str) -> None:
 def test_ranks_agree_in_a_gloo_group_of_their_own_or_on_the_default_group_without_gloo(tmp_path):
     """The flag of one rank reaches every rank: through the monitor's own gloo group (on the CPU,
     never waiting for an accelerator), or, in a torch without gloo or where the group cannot be
-    made, through the default group, said once each."""
+    made, through the default group, said once each. The own group waits as long as the run's."""
     for result in run_ranks(_agreement_worker, 2, str(tmp_path)):
         assert result["own_group"] == [True, False] and result["own_group_is_not_the_default"]
+        assert result["own_group_waits_as_long"]
         assert result["default_group"] == result["unmade_group"] == [True, False]
         assert len(result["told"]) == 2, result["told"]  # no gloo, then a group that cannot be made
