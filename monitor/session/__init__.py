@@ -1,7 +1,8 @@
 """A monitoring session, framework-free: ``TrainerMon`` (``trainer``), what every adapter's
 session shares (``lifecycle``: start, stop, ending a step), its collections (``collection``), which
 steps are collected (``schedule``), live reconfiguration (``dynamic``), and the core that turns a
-step's records into files, detection and the latest values (``core``, ``run_info``).
+step's records into files, detection and the latest values (``core``, ``run_info``); msprobe's
+older method names live apart (``old_names``).
 
 The top of the core: may import every other part of ``monitor``; only ``trainer`` names an
 adapter, lazily, when ``set_monitor`` sees the model's type.

@@ -10,12 +10,12 @@ import json
 import logging
 import os
 import sys
-import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from monitor.config.schema import MonitorConfig, load_config
 from monitor.session.dynamic import DynamicControl, dynamic_mode
+from monitor.session.old_names import MsprobeOldNames
 
 logger = logging.getLogger("trainmon")
 #: ``{tag: {op: value}}`` of one data type, as the accessors return it
@@ -35,7 +35,7 @@ def _framework_of(model: Any) -> str:
     )
 
 
-class TrainerMon:
+class TrainerMon(MsprobeOldNames):
     """Training-state monitor with msprobe's TrainerMon interface.
 
     Args:
@@ -296,21 +296,6 @@ class TrainerMon:
     def ops(self, value: list[str]) -> None:
         self._restart_with(ops=value)
 
-    def reload_xy(self, xy_distribution: bool = False) -> None:
-        """Deprecated (msprobe): switch activation monitoring; use DYNAMIC_MONITOR or start()/stop()."""
-        _deprecated("reload_xy", "DYNAMIC_MONITOR or start()/stop()")
-        self._restart_with(xy_distribution=xy_distribution)
-
-    def monitor_gnorm_with_ad(self, *args: Any, **kwargs: Any) -> TrainerMon:
-        """Deprecated name of set_monitor (older msprobe), with its arguments; forwards to it."""
-        _deprecated("monitor_gnorm_with_ad", "set_monitor")
-        return self.set_monitor(*args, **kwargs)
-
-    def set_wrapped_optimizer(self, optimizer: Any) -> None:
-        """Deprecated (older msprobe): remember the optimizer for a later set_monitor call."""
-        _deprecated("set_wrapped_optimizer", "set_monitor(..., optimizer=...)")
-        self._wrapped_optimizer = optimizer
-
     # -- reading -----------------------------------------------------------------------------
 
     @property
@@ -400,8 +385,3 @@ class TrainerMon:
         if self._early_collectives is not None:
             self._early_collectives.remove()
             self._early_collectives = None  # a later attach wraps the collectives anew
-
-
-def _deprecated(old: str, new: str) -> None:
-    warnings.warn(f"TrainerMon.{old} is deprecated; use {new}", DeprecationWarning, stacklevel=3)
-    logger.warning("trainmon: TrainerMon.%s is deprecated; use %s", old, new)
