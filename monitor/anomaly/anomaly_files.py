@@ -1,11 +1,12 @@
 """Reading the per-rank anomaly files and keeping the k earliest records (for anomaly-analyse).
 
-Reads ``DIR/<sub-directory>/anomaly.json`` files (normally ``DIR/rank{R}/anomaly.json``). Both
-record formats are read: trainmon's (key ``{tag}_{op}_step_{step}_call_{call_id}``, records with
-``op``/``value``/``baseline``/``rule``) and msprobe's (key ``{tag}_step_{step}_call_{call_id}``, no
-op/value; the op and rule, and in later versions value and history mean, are parsed from the
-message). Required fields: rank, step, tag_name, message; a record without them or with a mistyped
-field is skipped and counted, a file that cannot be read as a UTF-8 JSON object is skipped with one
+Reads ``DIR/<sub-directory>/anomaly.json`` files (normally ``DIR/rank{R}/anomaly.json``). Records
+hold msprobe's fields, under trainmon's key (``{tag}_{op}_step_{step}_call_{call_id}``) or
+msprobe's (``{tag}_step_{step}_call_{call_id}``); the op and rule, and in later versions the value
+and history mean, are parsed from the message. Records that carry ``op``/``value``/``baseline``/
+``rule`` fields themselves (anomaly-analyse's own output) are taken as they are. Required
+fields: rank, step, tag_name, message; a record without them or with a mistyped field is skipped
+and counted, a file that cannot be read as a UTF-8 JSON object is skipped with one
 warning and counted. Records are ordered by :mod:`monitor.anomaly.ordering`.
 """
 
