@@ -215,6 +215,27 @@ def test_merged_the_tensor_that_moved_against_clipping_on_every_rank_is_the_root
     assert any("moved x" in line for line in merged.evidence)
 
 
+def test_merged_with_every_rank_abnormal_the_rank_far_from_its_peers_is_the_root():
+    """A cause every rank shares (a learning-rate jump, say) lifts one activation x30 on each of
+    four ranks, and rank 3's x3000: no rank is alone in the phase, so the one whose value lies far
+    from its peers' median is named (the others' records come first in the computed order)."""
+    incidents = []
+    for rank in range(4):
+        run = Run(rank=rank)
+        rng = np.random.default_rng(40 + rank)
+        _clean(run, rng, range(15), tasks=("actv",))
+        values = _noise(rng)
+        values[1] *= 3000.0 if rank == 3 else 30.0
+        run.step(15, {"actv": values})
+        incidents += [incident.to_json() for incident in run.incidents]
+    (merged,) = merge(incidents)
+    assert merged.ranks == [0, 1, 2, 3]
+    assert merged.root["tag_name"] == "0:layers.1.fc/rank3/actv", (merged.root, merged.evidence)
+    (peer_line,) = [line for line in merged.evidence if "off its peers' median" in line]
+    factor = float(re.search(r"x([0-9.]+) off", peer_line).group(1))
+    assert 50 < factor < 200, peer_line  # about 3000 / 30
+
+
 def test_merged_the_rank_abnormal_first_is_the_root_though_another_shows_an_earlier_phase_later():
     """Rank 0's reduced gradient breaks at step 15; rank 1's activations only at step 16 (within
     the merge window): the root is rank 0's at step 15, not rank 1's earlier phase a step later."""
