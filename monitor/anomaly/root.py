@@ -19,6 +19,8 @@ while training or from every rank in ``anomaly-analyse``. The heuristics, in ord
 5. **Ranks.** With several ranks, the ranks that show the first phase while their peers do not
    are named (a bad batch or a corrupted local gradient on one rank); with three or more ranks
    showing the same tensor, one whose value is far from its peers' median is preferred.
+6. **Changed after backward.** Reduced gradients abnormal while no local gradient was (a step-wide
+   comparison, not tensor by tensor) are said to have changed in the reduction or in place.
 
 Where they fail: a fault that first shows in a phase the monitor does not collect is named at
 the first phase it does collect; when two faults start at one step the earlier phase wins; a
