@@ -25,6 +25,7 @@ detected at its step and first, the root named in 90% of targeted faults, no fal
 from __future__ import annotations
 
 import argparse
+import collections
 import concurrent.futures
 import contextlib
 import dataclasses
@@ -85,6 +86,10 @@ DDP_OTHERS = ("loss_x100", "grad_after_backward", "dead_layer")
 #: each fault under one of them, the other for the other family, so that both optimizers, clipping
 #: on and off, accumulation and two seeds are seen under DDP without running every combination
 DDP_SETTINGS = (("adamw", False, 2, 0), ("sgd", True, 1, 1))
+
+
+#: faults whose NaN stays in the weights for the rest of the run (each tag: one record)
+STAYING = ("nan_activation",)
 
 
 def fault_step(steps: int, seed: int) -> int:
@@ -148,13 +153,20 @@ def score(case: Case, summary: dict, cells: int | None) -> dict:
     Faulty runs: ``detected`` (a record at the fault step; an LR blow-up: at it or the next),
     ``first_incident`` (the first incident starts there), ``root_module`` / ``root_rank`` (the
     first incident's root names the injected module / rank; None where the fault has none),
-    ``early_incidents`` (incidents before the fault). Clean runs: ``false_incidents``. Both:
-    ``records`` written and, for one-process runs, the abnormal ``cells`` the rules judged (what
+    ``early_incidents`` (incidents before the fault), ``most_records_per_tag`` (a NaN that stays:
+    one). Clean runs: ``false_incidents``. Both: ``records`` written and, for one-process runs,
+    the abnormal ``cells`` the rules judged (what
     msprobe prints a line for, each step).
     """
     records = load_records(summary["anomaly_dir"])
     merged = load_merged(summary["anomaly_dir"])
-    result: dict = {"records": len(records), "incidents": len(merged), "cells": cells}
+    per_tag = collections.Counter((r["rank"], r["tag_name"]) for r in records)
+    result: dict = {
+        "records": len(records),
+        "incidents": len(merged),
+        "cells": cells,
+        "most_records_per_tag": max(per_tag.values(), default=0),
+    }
     if summary["expected"] is None:
         result["false_incidents"] = len(merged)
         return result
@@ -308,13 +320,18 @@ def report(rows: list[dict], rule_sets: list[str]) -> dict:
                 row["score"]["records"] for row in clean if row["case"]["ranks"] == 1
             ),
             "clean_cells": sum(row["score"]["cells"] or 0 for row in clean),
+            "nan_stays_records_per_tag": max(
+                (row["score"]["most_records_per_tag"] for row in mine if row["case"]["fault"] in STAYING),
+                default=0,
+            ),
         }
         t = totals[name]
         print(
             f"  total: detected at the fault step {t['detected']}/{t['faulty_runs']}, first incident there "
             f"{t['first_incident']}/{t['faulty_runs']}, root named {t['root_named']}/{t['targeted']} "
             f"targeted; clean: {t['false_incidents']} false incidents in {t['clean_steps']} steps, "
-            f"{t['clean_records']} records"
+            f"{t['clean_records']} records; a NaN that stays: at most {t['nan_stays_records_per_tag']} "
+            "record(s) per tag"
         )
     return totals
 
@@ -379,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
 def missed_targets(totals: dict | None) -> list[str]:
     """The recommended rules' targets that these runs miss: every fault detected at its step and
     its incident the run's first, the root named in at least 90% of targeted faults, no false
-    incident in a clean run."""
+    incident in a clean run, a NaN that stays written once per tag."""
     if not totals:
         return []
     runs = totals["faulty_runs"]
@@ -390,6 +407,8 @@ def missed_targets(totals: dict | None) -> list[str]:
     ]
     if totals["targeted"] and totals["root_named"] < 0.9 * totals["targeted"]:
         missed.append(f"root named in {totals['root_named']} of {totals['targeted']} targeted faults")
+    if totals["nan_stays_records_per_tag"] > 1:
+        missed.append(f"a NaN that stays wrote {totals['nan_stays_records_per_tag']} records for one tag")
     if totals["false_incidents"]:
         missed.append(f"{totals['false_incidents']} false incidents in {totals['clean_steps']} clean steps")
     return missed
