@@ -157,6 +157,14 @@ def _ddp_worker(rank: int, world_size: int, workdir: str) -> None:
     )
 
 
+def test_a_bad_config_fails_when_the_callback_is_built():
+    from monitor import ConfigError
+    from monitor.integrations.lightning import TrainmonCallback
+
+    with pytest.raises(ConfigError, match="nrom"):
+        TrainmonCallback({**CONFIG, "ops": ["nrom"]})
+
+
 @pytest.mark.distributed
 def test_two_ddp_ranks_each_record_their_own_gradients(tmp_path):
     results = run_ranks(_ddp_worker, 2, str(tmp_path))
