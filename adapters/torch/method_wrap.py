@@ -19,9 +19,10 @@ class MethodWrap:
     """Runs ``before(obj, args, kwargs)`` before each call of ``obj.<name>`` and, if given,
     ``after(obj, args, kwargs)`` after it returns.
 
-    The original gets the caller's arguments and its result is returned unchanged; an exception
-    from ``before`` or from the original propagates and skips the rest, as with torch's
-    optimizer step hooks.
+    The original gets the caller's arguments and its result is returned unchanged (and kept as
+    ``last_result`` until the next call: what a step reported, read by ``after``'s owner); an
+    exception from ``before`` or from the original propagates and skips the rest, as with
+    torch's optimizer step hooks.
     """
 
     def __init__(self, target: Any, name: str, before: Callable, after: Callable | None = None) -> None:
@@ -30,13 +31,15 @@ class MethodWrap:
         self._had_own, self._previous = name in own, own.get(name)
         inner = getattr(target, name)
         self.active = True
+        self.last_result: Any = None
 
         @functools.wraps(inner)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             if not self.active:
                 return inner(*args, **kwargs)
             before(target, args, kwargs)
-            result = inner(*args, **kwargs)
+            self.last_result = None
+            result = self.last_result = inner(*args, **kwargs)
             if after is not None:
                 after(target, args, kwargs)
             return result

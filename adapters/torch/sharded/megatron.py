@@ -52,8 +52,9 @@ class MegatronBackend(TorchBackend):
         #: model parameter -> the tensor the inner optimizer updates for it (master copy / shard).
         self._main: dict[torch.nn.Parameter, torch.Tensor] = {}
         #: fp16 with a dynamic loss scale skips the update of a step whose gradients overflow
-        #: (``found_inf``, agreed over the model-parallel ranks) while the scale comes down
+        #: while the scale comes down
         self.loss_scaled = _dynamic_scale(optimizer)
+        self._step: MethodWrap | None = None
 
     def prepare(self, params: Sequence[torch.nn.Parameter], local_grad: Callable) -> None:
         self._local_grad = local_grad
@@ -71,12 +72,11 @@ class MegatronBackend(TorchBackend):
         return param in self._main
 
     def register_step_hooks(self, before: Callable, after: Callable) -> list:
-        return [MethodWrap(self.megatron, "step", before, after)]
+        self._step = MethodWrap(self.megatron, "step", before, after)
+        return [self._step]
 
     def overflowed(self) -> bool:
-        """``found_inf`` of the step that returned (already read by Megatron, so no wait here)."""
-        found_inf = getattr(self.megatron, "found_inf", None)
-        return isinstance(found_inf, torch.Tensor) and bool(found_inf.item() > 0)
+        return _update_skipped(self._step)
 
     def step_count(self) -> int | None:
         return optimizer_step_count(self.inner) if self.inner is not None else None
@@ -180,6 +180,7 @@ class ChainedBackend(TorchBackend):
         self.parts: list[MegatronBackend] = [_part_backend(o) for o in optimizer.chained_optimizers]
         self._owner: dict[torch.nn.Parameter, MegatronBackend] = {}
         self.loss_scaled = any(part.loss_scaled for part in self.parts)
+        self._step: MethodWrap | None = None
 
     def prepare(self, params: Sequence[torch.nn.Parameter], local_grad: Callable) -> None:
         for part in self.parts:
@@ -199,11 +200,11 @@ class ChainedBackend(TorchBackend):
         return _one_group([part.shard_group for part in self.parts if part.sharded])
 
     def register_step_hooks(self, before: Callable, after: Callable) -> list:
-        return [MethodWrap(self.optimizer, "step", before, after)]
+        self._step = MethodWrap(self.optimizer, "step", before, after)
+        return [self._step]
 
     def overflowed(self) -> bool:
-        """An overflow in any part skips every part's update."""
-        return any(part.overflowed() for part in self.parts)
+        return _update_skipped(self._step)
 
     def step_count(self) -> int | None:
         return next((c for c in (part.step_count() for part in self.parts) if c is not None), None)
@@ -223,6 +224,15 @@ class ChainedBackend(TorchBackend):
     def state_owner(self, param: Any) -> tuple[torch.optim.Optimizer, torch.Tensor] | None:
         owner = self._owner.get(param)
         return owner.state_owner(param) if owner is not None else None
+
+
+def _update_skipped(step: MethodWrap | None) -> bool:
+    """Whether the step that just returned skipped its update: Megatron's ``step`` returns
+    ``(update_successful, grad_norm, num_zeros)``, False first when its scaler found an Inf/NaN
+    (``found_inf``, agreed over the model-parallel ranks). Read from that plain bool, never from
+    the ``found_inf`` tensor, whose read would wait for the device."""
+    result = step.last_result if step is not None else None
+    return isinstance(result, tuple) and len(result) > 0 and result[0] is False
 
 
 def _dynamic_scale(optimizer: Any) -> bool:
