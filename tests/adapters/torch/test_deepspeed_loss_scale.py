@@ -13,6 +13,10 @@ import pytest
 import torch
 
 from tests.adapters.torch.distributed import run_ranks, save_result
+from tests.adapters.torch.loss_scale_checks import (
+    assert_nan_gradient_is_fault,
+    assert_overflows_left_to_scaler,
+)
 from tests.training import MLP
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -61,20 +65,10 @@ def _worker(rank: int, world_size: int, workdir: str) -> None:
 def test_fp16_overflow_steps_are_no_incident_and_a_bad_batch_still_is(tmp_path, stage):
     env = {"DS_STAGE": str(stage), "DS_PRECISION": "fp16", "MONITOR_OUTPUT_DIR": str(tmp_path / "out")}
     results = run_ranks(_worker, 2, str(tmp_path), env)
-    for rank, result in enumerate(results):
-        assert 2 < result["skipped"] < STEPS - 2 and result["step"] == STEPS, result
-        if rank == BAD_RANK:
-            (incident,) = result["incidents"]
-            assert incident[0] == BAD_STEP and incident[1].endswith(".input:0/rank1/actv"), incident
-            assert incident[2] == "NonFinite"
-        else:
-            assert result["incidents"] == [], f"rank {rank}: the scaler's overflows are no fault"
+    assert_overflows_left_to_scaler(results, STEPS, BAD_STEP, BAD_RANK)
 
 
 def test_under_bf16_a_nan_gradient_is_a_fault(tmp_path):
     env = {"DS_STAGE": "1", "DS_PRECISION": "bf16", "MONITOR_OUTPUT_DIR": str(tmp_path / "out")}
     results = run_ranks(_worker, 2, str(tmp_path), env)
-    bad, other = results[BAD_RANK], results[1 - BAD_RANK]
-    assert bad["incidents"][0][0] == BAD_STEP and bad["incidents"][0][2] == "NonFinite"
-    # the other rank's forward was clean; its gradients turned NaN through the reduction
-    assert other["incidents"] and other["incidents"][0][0] == BAD_STEP
+    assert_nan_gradient_is_fault(results, BAD_STEP, BAD_RANK)

@@ -15,6 +15,10 @@ import torch
 
 from tests.adapters.torch import megatron_cpu_shim
 from tests.adapters.torch.distributed import run_ranks, save_result
+from tests.adapters.torch.loss_scale_checks import (
+    assert_nan_gradient_is_fault,
+    assert_overflows_left_to_scaler,
+)
 from tests.training import MLP
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -74,22 +78,12 @@ def test_fp16_overflow_steps_are_no_incident_and_a_bad_batch_still_is(tmp_path):
     pytest.importorskip("megatron.core")
     env = {"LOSS_SCALE": "dynamic", "MONITOR_OUTPUT_DIR": str(tmp_path / "out")}
     results = run_ranks(_worker, 2, str(tmp_path), env)
-    for rank, result in enumerate(results):
-        assert 2 < result["skipped"] < STEPS - 2 and result["step"] == STEPS, result
-        if rank == BAD_RANK:
-            (incident,) = result["incidents"]
-            assert incident[0] == BAD_STEP and incident[1].endswith(".input:0/rank1/actv"), incident
-            assert incident[2] == "NonFinite"
-        else:
-            assert result["incidents"] == [], f"rank {rank}: the scaler's overflows are no fault"
+    assert_overflows_left_to_scaler(results, STEPS, BAD_STEP, BAD_RANK)
 
 
 def test_under_a_constant_loss_scale_a_nan_gradient_is_a_fault(tmp_path):
     pytest.importorskip("megatron.core")
     env = {"LOSS_SCALE": "constant", "MONITOR_OUTPUT_DIR": str(tmp_path / "out")}
     results = run_ranks(_worker, 2, str(tmp_path), env)
-    bad, other = results[BAD_RANK], results[1 - BAD_RANK]
-    assert bad["skipped"] == other["skipped"] == 1, "only the bad batch's step is skipped"
-    assert bad["incidents"][0][0] == BAD_STEP and bad["incidents"][0][2] == "NonFinite"
-    # the other rank's forward was clean; its gradients turned NaN through the reduction
-    assert other["incidents"] and other["incidents"][0][0] == BAD_STEP
+    assert [result["skipped"] for result in results] == [1, 1], "only the bad batch's step is skipped"
+    assert_nan_gradient_is_fault(results, BAD_STEP, BAD_RANK)
