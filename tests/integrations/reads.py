@@ -168,3 +168,17 @@ def watch_ddp_verdicts() -> tuple[list[bool], list]:
 
     collection.ddp_reduces_after_pass_end = spy
     return verdicts, found
+
+
+def ddp_rank_result(reads, output_dir: str, what: str, verdicts: list[bool]) -> dict:
+    """What one DDP rank of an integration test reports: the values compared against its own
+    reads, its steps, its unreduced gradients' norms (to show they differ from the peer's) and
+    whether the monitor measured them at the backward pass's end."""
+    rows = written_rows(output_dir)
+    unreduced = {k: v for k, v in rows.items() if k[0] == "grad_unreduced"}
+    return {
+        "compared": compare(reads.steps, rows, what),
+        "steps": sorted(reads.steps),
+        "norms": {f"{n}@{s}": v["norm"] for (_, n, s), v in sorted(unreduced.items())},
+        "measured_at_pass_end": verdicts,
+    }

@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("transformers")
 
 from tests.adapters.torch.distributed import run_ranks, save_result
-from tests.integrations.reads import CONFIG, compare, watch_ddp_verdicts, written_rows
+from tests.integrations.reads import CONFIG, compare, ddp_rank_result, watch_ddp_verdicts, written_rows
 
 
 def test_every_data_type_matches_the_trainers_tensors(tmp_path):
@@ -130,19 +130,13 @@ def _ddp_worker(rank: int, world_size: int, workdir: str) -> None:
     os.environ.update(LOCAL_RANK=str(rank), MONITOR_OUTPUT_DIR=os.path.join(workdir, "out"))
     verdicts, found = watch_ddp_verdicts()
     reads, callback, trainer = train(os.path.join(workdir, f"run{rank}"))
-    rows = written_rows(callback.monitor.output_dir)
-    compared = compare(reads.steps, rows, f"hf rank {rank}")
-    unreduced = {k: v for k, v in rows.items() if k[0] == "grad_unreduced"}
     save_result(
         workdir,
         rank,
         {
-            "compared": compared,
-            "steps": sorted(reads.steps),
+            **ddp_rank_result(reads, callback.monitor.output_dir, f"hf rank {rank}", verdicts),
             "micro_batches": reads.micro_batches,
             "ddp": type(trainer.model_wrapped).__name__,
-            "norms": {f"{n}@{s}": v["norm"] for (_, n, s), v in sorted(unreduced.items())},
-            "measured_at_pass_end": verdicts,
             "found_the_trainers_wrapper": [any(w is trainer.model_wrapped for w in f or ()) for f in found],
         },
     )

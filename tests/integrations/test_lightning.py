@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("lightning")
 
 from tests.adapters.torch.distributed import run_ranks, save_result
-from tests.integrations.reads import CONFIG, compare, watch_ddp_verdicts, written_rows
+from tests.integrations.reads import CONFIG, compare, ddp_rank_result, watch_ddp_verdicts, written_rows
 
 
 @pytest.mark.parametrize("grad_acc", [1, 2])
@@ -136,18 +136,12 @@ def _ddp_worker(rank: int, world_size: int, workdir: str) -> None:
     )
     verdicts, found = watch_ddp_verdicts()
     reads, callback, trainer = train(os.path.join(workdir, f"run{rank}"), grad_acc=2)
-    rows = written_rows(callback.monitor.output_dir)
-    compared = compare(reads.steps, rows, f"lightning rank {rank}")
-    unreduced = {k: v for k, v in rows.items() if k[0] == "grad_unreduced"}
     save_result(
         workdir,
         rank,
         {
-            "compared": compared,
-            "steps": sorted(reads.steps),
+            **ddp_rank_result(reads, callback.monitor.output_dir, f"lightning rank {rank}", verdicts),
             "strategy": type(trainer.strategy).__name__,
-            "norms": {f"{n}@{s}": v["norm"] for (_, n, s), v in sorted(unreduced.items())},
-            "measured_at_pass_end": verdicts,
             # the strategy unwraps its model at the end of fit: the one wrapper found holds the module
             "found_the_trainers_wrapper": [
                 len(f or ()) == 1 and any(m is trainer.lightning_module for m in f[0].modules())
