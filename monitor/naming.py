@@ -130,6 +130,15 @@ def name_candidates(vpp_stage: int, raw_name: str, squashed: str) -> tuple[str, 
     return tuple(dict.fromkeys([*names, *prefixed]))
 
 
+def without_wrapper(key: str) -> str:
+    """A targets key without leading ``module.`` segments: every name is matched in a spelling
+    without them too (``name_candidates``), so a key written for a DDP-wrapped model
+    (``module.fc2``) selects the same module of the model run without the wrapper."""
+    while key.startswith("module."):
+        key = key[len("module.") :]
+    return key
+
+
 def key_selects(key: str, candidate: str) -> bool:
     """True when a targets key selects a name: exact, or a dotted prefix on a name boundary.
 
@@ -144,13 +153,13 @@ def key_selects(key: str, candidate: str) -> bool:
 
 def is_selected_exactly(keys: Iterable[str], candidates: Iterable[str]) -> bool:
     """True when a targets key names one spelling of the name exactly (modules, as msprobe does)."""
-    keys = set(keys)
+    keys = {without_wrapper(k) for k in keys}
     return any(c in keys for c in candidates)
 
 
 def is_selected(keys: Iterable[str], candidates: Iterable[str]) -> bool:
     """True when any targets key selects any spelling of the name (no keys: everything)."""
-    keys = tuple(keys)
+    keys = tuple(without_wrapper(k) for k in keys)
     if not keys:
         return True
     candidates = tuple(candidates)
@@ -209,12 +218,11 @@ def unmatched_targets(
         while cut > 0 and spelling[:cut] not in parents:
             parents.add(spelling[:cut])
             cut = spelling.rfind(".", 0, cut)
+    bare = {key: without_wrapper(key) for key in keys}
     unmatched = [
         key
-        for key in keys
-        if not (
-            key in spellings or (prefixes and (key in parents or (key.endswith(".") and key[:-1] in parents)))
-        )
+        for key, b in bare.items()
+        if not (b in spellings or (prefixes and (b in parents or (b.endswith(".") and b[:-1] in parents))))
     ]
     short = list(dict.fromkeys(squash_name(raw) for _, raw in named)) if unmatched else []  # a spelling
     return [(key, _closest(key, short) if i < suggest else None) for i, key in enumerate(unmatched)]

@@ -25,8 +25,9 @@ MEANINGS = {
         "module or parameter names to monitor (empty: everything). A key selects a name exactly "
         "or as a dotted prefix on a name boundary: `layers.1` selects `layers.1.mlp.weight` but "
         "not `layers.10.*`. Raw, squashed and `N:`-prefixed spellings match; a leading `module.` "
-        "(DDP) is optional. A plain list of names is accepted too. A key that names no module or "
-        "parameter of the model is warned about at attach, with the closest name."
+        "(DDP) is optional, in the key as in the name (a config written for a DDP run selects the "
+        "same modules without the wrapper). A plain list of names is accepted too. A key that "
+        "names no module or parameter of the model is warned about at attach, with the closest name."
     ),
     "wg_distribution": (
         "weight gradients: `grad_unreduced` (each rank's local gradient, accumulated over the "

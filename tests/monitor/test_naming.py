@@ -10,11 +10,13 @@ from monitor.naming import (
     build_tag,
     distinct_names,
     is_selected,
+    is_selected_exactly,
     key_selects,
     name_candidates,
     select_names,
     split_tag,
     squash_name,
+    unmatched_targets,
 )
 
 # --------------------------------------------------------------------------------------------- squash_name
@@ -117,6 +119,14 @@ def test_leading_ddp_module_segments_are_stripped():
 
 def test_key_in_raw_spelling_still_selects():
     assert _selects(["module.encoder.block"], "module.encoder.block.1.weight")
+
+
+def test_a_key_written_for_ddp_selects_the_same_name_without_the_wrapper():
+    """A config written for a DDP run (``module.fc2``) reused on the bare model (``fc2``)."""
+    assert _selects(["module.encoder.block.1"], "encoder.block.1.weight", squash=False)
+    assert not _selects(["module.encoder.block.1"], "encoder.block.12.weight", squash=False)
+    assert unmatched_targets(["module.encoder.block.1"], [(0, "encoder.block.1.weight")]) == []
+    assert is_selected_exactly(["module.fc2"], name_candidates(0, "fc2", "fc2"))
 
 
 def test_squashed_key_selects_the_long_raw_name():
