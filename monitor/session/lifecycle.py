@@ -29,6 +29,16 @@ logger = logging.getLogger("trainmon")
 _KINDS = ("wg_distribution", "mv_distribution", "param_distribution", "mg_direction", "xy_distribution")
 
 
+#: what records a row per monitored parameter
+_PER_PARAMETER = (
+    "wg_distribution",
+    "mv_distribution",
+    "param_distribution",
+    "mg_direction",
+    "ur_distribution",
+)
+
+
 def recorded_kinds(config: MonitorConfig) -> list[str]:
     """The config keys of what a collection with ``config`` records (empty: nothing)."""
     kinds = [k for k in _KINDS if getattr(config, k)]
@@ -142,6 +152,13 @@ class SessionLifecycle(IncidentResponses, ABC):
                 "trainmon: nothing to record: the config switches on none of %s, cc_distribution, "
                 "ur_distribution or recording_l2_features",
                 ", ".join(_KINDS),
+            )
+        per_parameter = [k for k in kinds if k in _PER_PARAMETER]
+        if per_parameter and not len(self.collection.registry):
+            logger.warning(
+                "trainmon: no parameter is selected (targets: %s), so %s record nothing",
+                ", ".join(config.targets) or "none",
+                ", ".join(per_parameter),
             )
         logger.info(
             "trainmon: monitoring %d %s (%s) on rank %d from step %d, output %s",

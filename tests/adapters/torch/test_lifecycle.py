@@ -170,6 +170,18 @@ def test_a_targets_key_that_names_nothing_is_warned_about_with_the_closest_name(
     assert "'norm.weght' selects no module or parameter" in unmatched[0] and "'norm.weight'?" in unmatched[0]
     assert "'lm_head'" in unmatched[1] and "print_struct: true lists" in unmatched[1]
     assert not [m for m in _warnings(caplog) if "targets key" in m]
+    # a module without parameters may be targeted for activations: nothing is wrong there
+    assert not [m for m in _warnings(caplog) if "no parameter is selected" in m]
+
+
+def test_weight_data_types_with_no_parameter_selected_are_warned_about(caplog):
+    mlp = MLP()
+    with caplog.at_level(logging.WARNING, logger="trainmon"):
+        mon = TrainerMon({"wg_distribution": True, "format": "api", "targets": {"norm.weght": {}}})
+        mon.set_monitor(mlp, 1, torch.optim.AdamW(mlp.parameters()))
+        mon.stop()
+    (told,) = [m for m in _warnings(caplog) if "no parameter is selected" in m]
+    assert "targets: norm.weght" in told and "wg_distribution record nothing" in told, told
 
 
 def test_attaching_again_after_stop_monitors_the_new_run_and_only_it():
