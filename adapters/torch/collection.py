@@ -17,7 +17,8 @@ import torch
 
 from adapters.torch.activations import Activations, select_modules
 from adapters.torch.dist import ddp_reduces_after_pass_end, rank_in_group, world_size
-from adapters.torch.grads import GradCounting, unreduced_source
+from adapters.torch.grad_sources import unreduced_source
+from adapters.torch.grads import GradCounting
 from adapters.torch.l2 import L2Features
 from adapters.torch.optim import TorchBackend, without_adam_moments
 from adapters.torch.params import ParamRegistry

@@ -36,7 +36,6 @@ import dataclasses
 import logging
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import torch
 
@@ -47,6 +46,8 @@ from adapters.torch.sharded.tp_activations import Piece, TensorParallelMerge
 from adapters.torch.stats import stack_rows, tensor_stats
 
 logger = logging.getLogger("trainmon")
+#: backward passes in one step, at least, before a step that never ends is said
+STRAY_PASSES = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +101,9 @@ class UnreducedGrads:
         self._every_micro_batch = False
         #: after take(): (micro-batches of the step, parameters whose row is missing).
         self.counted: tuple[int, int] = (0, 0)
+        #: backward passes in one step after which a step that never ends is said (once)
+        self._stray_after = max(STRAY_PASSES, 16 * self.grad_acc_steps)
+        self._told_stray = False
         #: after take(): the statistics it returned (``measured_rows`` indexes them).
         self.taken_matrix: torch.Tensor | None = None
         #: whether the optimizer consumes and frees each micro-batch's gradient (DeepSpeed ZeRO-2/3),
@@ -157,6 +161,7 @@ class UnreducedGrads:
         try:
             count = self._micro[index] + 1
             self._micro[index] = count
+            self._passes_without_step(count)
             grad = self.accumulated(index, param)
             if grad is None:
                 return
@@ -222,6 +227,7 @@ class UnreducedGrads:
             if self._waiting:
                 for index in slots:
                     self._waiting.pop(index, None)
+            self._passes_without_step(micro[noted[0]])
             local = [self._local(i, grad) for i, grad in zip(slots, grads)] if self._dtensors else grads
             self._rows.put_many(slots, local)
             if self.keep_measured:
@@ -232,6 +238,20 @@ class UnreducedGrads:
         except Exception as exc:
             self.collect = False
             self.on_error("grad_unreduced", exc)
+
+    def _passes_without_step(self, count: int) -> None:
+        """Say once when one step has run for far more backward passes than grad_acc_steps: the
+        optimizer that steps is then likely not the one given to set_monitor, and nothing is
+        written until that one steps."""
+        if count >= self._stray_after and not self._told_stray:
+            self._told_stray = True
+            logger.warning(
+                "trainmon: %d backward passes and no step of the monitored optimizer (grad_acc_steps "
+                "is %d): nothing is written until it steps. Is the optimizer given to set_monitor the "
+                "one that steps (not one made anew after loading a checkpoint, say)?",
+                count,
+                self.grad_acc_steps,
+            )
 
     def _lost_to_reduction(self, index: int, param: torch.Tensor, last: bool) -> bool:
         """Whether the step's accumulated gradient of parameter ``index`` can no longer exist
@@ -305,6 +325,7 @@ class UnreducedGrads:
         try:
             micro = self._micro[index]
             self._micro[index] = micro + 1
+            self._passes_without_step(micro + 1)
             local = self._local(index, grad.detach())
             self._micro_rows[(index, micro)] = tensor_stats(local, self.ops, self.eps)
         except Exception as exc:
@@ -363,35 +384,3 @@ class UnreducedGrads:
         self._noted.clear()
         self._end_queued = False
         self.release()
-
-
-def unreduced_source(
-    chunks: Sequence[torch.nn.Module], backend: Any, registry: ParamRegistry, counting: GradCounting
-) -> Any:
-    """The one source of grad_unreduced (never two: msprobe 1.2.2 could install both under Megatron).
-
-    Megatron DistributedDataParallel chunks: their bucket reductions (adapters.torch.sharded.megatron_grads),
-    unless per-micro-batch gradients are asked for; FSDP2 models: hooks on the unsharded
-    parameters (adapters.torch.sharded.fsdp); FSDP1 models: hooks on the flat parameters
-    (adapters.torch.sharded.fsdp_flat); every other model: per-parameter hooks.
-    """
-    from adapters.torch.sharded.fsdp import UnshardedGrads, fsdp2_modules
-
-    slots = getattr(backend, "slots", None)  # FSDP1's flat parameters
-    if slots is not None:
-        from adapters.torch.sharded.fsdp_flat import FlatGrads
-
-        found = {
-            i: slots[id(entry.param)] for i, entry in enumerate(registry.params) if id(entry.param) in slots
-        }
-        return FlatGrads(found, registry, counting)
-    fsdp_modules = fsdp2_modules(chunks)
-    if fsdp_modules:
-        return UnshardedGrads(fsdp_modules, registry, counting)
-    if not counting.per_micro_batch and any(type(c).__module__.startswith("megatron.") for c in chunks):
-        from adapters.torch.sharded.megatron_grads import BucketGrads, bucket_groups
-
-        groups = bucket_groups(chunks)
-        if groups:
-            return BucketGrads(groups, registry, counting.ops, counting.eps, counting.on_error)
-    return UnreducedGrads(registry, counting)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from adapters.torch.grads import STRAY_PASSES
 from monitor import TrainerMon
 from tests.adapters.torch.helpers import ALL_OPS, MLP, assert_stats_close, make_batches
 
@@ -243,3 +244,25 @@ def test_measured_gradients_are_not_kept_alive_by_the_monitor():
             gc.collect()
             assert all(g() is None for g in grads)
         mon.stop()
+
+
+def test_backward_passes_with_no_step_of_the_monitored_optimizer_are_said_once(trainmon_log):
+    """The optimizer that steps is not the one given to set_monitor (one made anew after loading
+    a checkpoint): nothing can be written, and a warning says why, once."""
+    torch.manual_seed(0)
+    model = MLP()
+    monitored = torch.optim.SGD(model.parameters(), lr=0.1)
+    stepping = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = TrainerMon(CONFIG)
+    mon.set_monitor(model, grad_acc_steps=2, optimizer=monitored)
+    (x,) = make_batches(1, 1)[0]
+    for _ in range(STRAY_PASSES + 10):
+        _loss(model, x).backward()
+        stepping.step()
+        stepping.zero_grad()
+    mon.stop()
+    warned = [
+        r.getMessage() for r in trainmon_log.records if "no step of the monitored optimizer" in r.getMessage()
+    ]
+    assert len(warned) == 1 and f"{STRAY_PASSES} backward passes" in warned[0], warned
+    assert mon.generate_wgrad_metrics() == ({}, {})
