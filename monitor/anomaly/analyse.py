@@ -36,6 +36,7 @@ from monitor.anomaly.anomaly_files import (
     Summary,
     _warn,
     collect,
+    earlier_runs_files,
     find_anomaly_files,
     load_anomaly_file,
     scan_file,
@@ -195,6 +196,13 @@ def report_anomalies(paths: list[str], k: int, steps: frozenset[int] | None, out
         if status == 0:
             print(f"written to {out_file}" + (f" and {incidents_file}" if with_incidents else ""))
         print(summary.line())
+        earlier = earlier_runs_files(paths)
+        if earlier:
+            print(
+                f"not read: {len(earlier)} anomaly file(s) of earlier runs in these directories "
+                f"({earlier[0]}{', ...' if len(earlier) > 1 else ''}); to analyse one, copy it as "
+                f"<dir>/rank<R>/{INPUT_NAME} into a directory of its own and point -d there"
+            )
     return status
 
 

@@ -83,6 +83,17 @@ def find_anomaly_files(data_dir: str) -> list[str]:
     return sorted(found)
 
 
+def earlier_runs_files(paths: list[str]) -> list[str]:
+    """The anomaly files that earlier runs in the same output directories left beside ``paths``
+    (``anomaly.json.earlier-<time>``, kept when a new run began there), sorted; they are not read."""
+    found = []
+    for path in paths:
+        directory, name = os.path.split(path)
+        with os.scandir(directory) as entries:
+            found += [e.path for e in entries if e.name.startswith(f"{name}.earlier-") and e.is_file()]
+    return sorted(found)
+
+
 @dataclass
 class FileResult:
     """What one anomaly file contributes: its k earliest selected records and its counts."""

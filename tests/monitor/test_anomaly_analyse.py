@@ -399,6 +399,21 @@ def test_both_formats_ranked_into_the_output_file(tree: Path, capsys: pytest.Cap
     assert out.rstrip().splitlines()[-1] == "6 records from 2 files; skipped 0 files, 0 records"
 
 
+def test_anomaly_files_of_earlier_runs_are_named_as_not_read(tree: Path, capsys) -> None:
+    """A second run in the same output directory set the first run's file aside: the analysis
+    reads the newest run's only, and says that earlier ones are there."""
+    earlier = tree / "rank0" / "anomaly.json.earlier-20261204-010203"
+    earlier.write_text((tree / "rank0" / "anomaly.json").read_text())
+    assert main(["-d", str(tree)]) == 0
+    last = capsys.readouterr().out.rstrip().splitlines()
+    assert last[-2] == "6 records from 2 files; skipped 0 files, 0 records"
+    assert last[-1].startswith(
+        f"not read: 1 anomaly file(s) of earlier runs in these directories ({earlier})"
+    )
+    earlier.unlink()
+    assert main(["-d", str(tree)]) == 0 and "not read" not in capsys.readouterr().out
+
+
 def test_step_filter_and_top_k(tree: Path, tmp_path: Path) -> None:
     for flag in ("-s", "--step", "--step_list"):
         out = tmp_path / flag.strip("-")
