@@ -306,7 +306,15 @@ def run(args: argparse.Namespace) -> int:
     status = 0
     anomaly_dir = os.path.join(run_.data_dir, "anomaly_detected")
     paths = analyse.find_anomaly_files(anomaly_dir) if os.path.isdir(anomaly_dir) else []
-    if paths:  # the ranking goes where the plain command writes it: beside the anomaly files
+    later = rank_csv.newer_run_than(run_.data_dir, run_.rank_dirs) if paths else None
+    if later is not None:  # the anomaly files are the newest run's; earlier runs' were set aside
+        with analyse.stdout_guard():
+            print(
+                f"No ranking of detected anomalies: the anomaly files under {anomaly_dir} belong to a "
+                f"later run ({os.path.basename(later)}) than the one chosen by --start/--end; that "
+                "run's own were kept there as anomaly.json.earlier-<time>, if it wrote any."
+            )
+    elif paths:  # the ranking goes where the plain command writes it: beside the anomaly files
         ranking_dir = run_.out_dir if args.out_path else anomaly_dir
         status = analyse.report_anomalies(paths, run_.k, run_.steps, ranking_dir)
     else:

@@ -102,6 +102,22 @@ def find_rank_dirs(
     return {rank: paths[0] for rank, paths in sorted(found.items())}
 
 
+def newer_run_than(root: str, rank_dirs: dict[int, str]) -> str | None:
+    """A rank directory under ``root`` whose time tag is later than every one of ``rank_dirs``
+    (a run after the one chosen by time), or None."""
+
+    def stamp(name: str) -> Any:
+        match = RANK_DIR_PATTERN.match(name)
+        return parse_time_tag(match.group(1)) if match else None
+
+    chosen = [t for t in (stamp(os.path.basename(p)) for p in rank_dirs.values()) if t is not None]
+    if not chosen:
+        return None
+    with os.scandir(root) as entries:
+        later = [e.path for e in entries if (t := stamp(e.name)) is not None and t > max(chosen)]
+    return min(later) if later else None
+
+
 def list_csv_files(
     rank_dir: str | os.PathLike, types: tuple[str, ...] | None = None
 ) -> dict[str, list[CsvFile]]:

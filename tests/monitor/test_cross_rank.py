@@ -520,6 +520,27 @@ def test_one_run_of_several_in_a_root_is_chosen_by_its_time_tags(tmp_path, capsy
     assert "--start: expected a time like 'Dec03_21-34-40'" in capsys.readouterr().err
 
 
+def test_the_anomaly_files_of_a_later_run_are_not_ranked_for_a_run_chosen_by_time(tmp_path, capsys):
+    """The anomaly files under anomaly_detected are the newest run's: for an earlier run chosen
+    by --start/--end the ranking of detected anomalies is left out, and said why."""
+    root = tmp_path / "monitor_output"
+    root.mkdir()
+    for run, stamp in (("a", "Jan01_10-00-00"), ("b", "Jan02_10-00-05")):
+        write_run(tmp_path / run, ranks=3, steps=4)
+        for directory in (tmp_path / run).iterdir():
+            directory.rename(root / (stamp + directory.name[len(stamp) :]))
+    record = {"rank": 0, "step": 2, "tag_name": "0:fc.weight/rank0/acc_grad", "message": "rule: norm"}
+    (root / "anomaly_detected" / "rank0").mkdir(parents=True)
+    (root / "anomaly_detected" / "rank0" / "anomaly.json").write_text(json.dumps({"r": record}))
+    capsys.readouterr()
+    assert run_cli("-d", str(root), "--end", "Jan01_23-59-59") == 0
+    out = capsys.readouterr().out
+    assert "No ranking of detected anomalies" in out and "later run (Jan02_10-00-05-rank" in out, out
+    assert run_cli("-d", str(root), "--start", "Jan02_00-00-00") == 0
+    out = capsys.readouterr().out
+    assert "No ranking" not in out and "Top 1 of 1 anomalies" in out, out
+
+
 def test_malformed_rows_and_a_truncated_line_are_dropped_with_a_warning(tmp_path, capsys):
     write_run(tmp_path, scaled=(2, 7, 3.0), per_record=20)
     (path,) = next(tmp_path.glob("*-rank0-*")).glob("grad_unreduced_*.csv")
