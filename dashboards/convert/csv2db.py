@@ -187,7 +187,8 @@ def csv2db(
             database.add(rank, prefix, series)
             if series.duplicates:
                 logger.warning(
-                    "trainmon csv2db: rank%d/%s: %d rows written twice for a step; kept the later ones",
+                    "trainmon csv2db: rank%d/%s: %d rows written twice for a step; kept the later ones "
+                    "(a restarted run, or several runs in one directory: --start/--end choose one)",
                     rank,
                     prefix,
                     series.duplicates,

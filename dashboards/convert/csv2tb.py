@@ -136,7 +136,8 @@ def csv2tensorboard_by_step(
     ):
         if result["duplicates"]:
             logger.warning(
-                "trainmon csv2tb: rank%d/%s: %d rows written twice for a step; the later ones were kept",
+                "trainmon csv2tb: rank%d/%s: %d rows written twice for a step; the later ones were kept "
+                "(a restarted run, or several runs in one directory: --start/--end choose one)",
                 rank,
                 prefix,
                 result["duplicates"],
