@@ -106,6 +106,13 @@ class Incident:
             "step_batch_ids": {str(step): ids for step, ids in sorted(self.step_batch_ids.items())},
         }
 
+    def __repr__(self) -> str:
+        """One line (the records, possibly thousands, are in ``records`` and ``to_json()``)."""
+        return (
+            f"Incident({self.id}, step {self.onset_step}, rank {self.rank}, {self.state}, "
+            f"{describe_root(self.root)}, {len(self.records) + self.more_records} records)"
+        )
+
     def announcement(self) -> str:
         """The one console line of a new incident."""
         return (

@@ -77,6 +77,19 @@ def test_a_nan_that_stays_is_one_incident_with_one_record_per_tag(caplog):
     assert len(warnings) == 1 and "incident 1 at step 20" in warnings[0].getMessage()
 
 
+def test_an_incident_prints_as_one_line():
+    rng = np.random.default_rng(1)
+    run = Run()
+    _clean(run, rng, range(15))
+    values = _noise(rng)
+    values[2] = math.nan
+    run.step(15, {"actv": values, "acc_grad": values, "post_grad": values})
+    (incident,) = run.incidents
+    text = repr(incident)
+    assert "\n" not in text and len(text) < 300, text
+    assert text.startswith("Incident(1, step 15, rank 0, open, root 0:layers.2.fc") and "3 records)" in text
+
+
 def test_a_tag_that_stays_abnormal_is_one_record_and_a_new_episode_is_another():
     run = Run(rules=[AnomalyTurbulence(0.5, warmup=1, noise=0, floor=0)])
     values = [1.0] * 5 + [10.0, 100.0, 1000.0] + [1.0] * 10 + [1e6] + [1.0] * 10
