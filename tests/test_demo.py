@@ -52,6 +52,7 @@ def test_demo_without_spike_reports_no_anomaly(tmp_path):
     done = _demo("--steps", "40", "--no-spike", "--output", str(tmp_path / "run"), cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert "Detected:    no anomalies" in done.stdout
+    assert "anomaly-analyse" not in done.stdout  # nothing to analyse: not suggested
     assert _anomaly_steps(tmp_path / "run") == set()
 
 

@@ -143,7 +143,7 @@ def _run_demo(args: argparse.Namespace) -> int:
         )
     else:
         print("Detected:    no anomalies")
-    if os.path.isdir(anomaly_dir):
+    if incidents and os.path.isdir(anomaly_dir):
         print(f"Next:        trainmon anomaly-analyse -d {anomaly_dir}")
     if os.path.isdir(os.path.join(summary["output_dir"], "values")):  # format: parquet
         pattern = os.path.join(summary["root"], "*", "values", "*", "*.parquet")
