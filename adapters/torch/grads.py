@@ -248,7 +248,8 @@ class UnreducedGrads:
             logger.warning(
                 "trainmon: %d backward passes and no step of the monitored optimizer (grad_acc_steps "
                 "is %d): nothing is written until it steps. Is the optimizer given to set_monitor the "
-                "one that steps (not one made anew after loading a checkpoint, say)?",
+                "one that steps (not one made anew after loading a checkpoint, say), and grad_acc_steps "
+                "about the number of micro-batches a step has?",
                 count,
                 self.grad_acc_steps,
             )
