@@ -26,6 +26,9 @@ number of micro-batches is counted, not assumed: a step that ends earlier (a sho
 of an epoch) gets the sum of the micro-batches it had, described at the optimizer's call.
 
 Per micro-batch (``monitor_mbs_grad``): each pass's gradients with their micro-step index.
+
+A step that runs for hundreds of passes (``UnendedStep``: likely another optimizer steps than
+the one monitored) is said once, and from then on holds its latest pass's statistics only.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from mindspore import ops
 from adapters.mindspore.dist import world_size
 from adapters.mindspore.params import ParamRegistry
 from adapters.mindspore.stats import StatEngine, host_memory
+from monitor.session.collection import UnendedStep
 
 
 class UnreducedGrads:
@@ -60,6 +64,7 @@ class UnreducedGrads:
         #: set by the collection before each step's forward: the hooks do nothing when False.
         self.collect = False
         self._micro = [0] * len(registry)
+        self._unended = UnendedStep(grad_acc_steps)
         self._sums: dict[int, ms.Tensor] = {}
         self._described: set[int] = set()
         #: after take(): (micro-batches of the step, rows missing from it).
@@ -117,6 +122,8 @@ class UnreducedGrads:
             kept = grads if self._reusable else []
             self._blocks.append((keys, self.engine.matrix(grads), kept))
             self._pending = []
+            if self._unended.passes(max(self._micro, default=0)):
+                del self._blocks[:-1]  # a step that never ends holds its latest pass's only
 
     def take(self) -> tuple[list[int], list[int] | None, ms.Tensor]:
         """This step's rows in firing order: parameter indices, micro-steps (or None), statistics.

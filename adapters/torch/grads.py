@@ -44,10 +44,9 @@ from adapters.torch.params import ParamRegistry
 from adapters.torch.row_buffer import RowBuffer
 from adapters.torch.sharded.tp_activations import Piece, TensorParallelMerge
 from adapters.torch.stats import stack_rows, tensor_stats
+from monitor.session.collection import UnendedStep
 
 logger = logging.getLogger("trainmon")
-#: backward passes in one step, at least, before a step that never ends is said
-STRAY_PASSES = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,9 +100,7 @@ class UnreducedGrads:
         self._every_micro_batch = False
         #: after take(): (micro-batches of the step, parameters whose row is missing).
         self.counted: tuple[int, int] = (0, 0)
-        #: backward passes in one step after which a step that never ends is said (once)
-        self._stray_after = max(STRAY_PASSES, 16 * self.grad_acc_steps)
-        self._told_stray = False
+        self._unended = UnendedStep(self.grad_acc_steps)
         #: after take(): the statistics it returned (``measured_rows`` indexes them).
         self.taken_matrix: torch.Tensor | None = None
         #: whether the optimizer consumes and frees each micro-batch's gradient (DeepSpeed ZeRO-2/3),
@@ -161,7 +158,7 @@ class UnreducedGrads:
         try:
             count = self._micro[index] + 1
             self._micro[index] = count
-            self._passes_without_step(count)
+            self._unended.passes(count)
             grad = self.accumulated(index, param)
             if grad is None:
                 return
@@ -227,7 +224,7 @@ class UnreducedGrads:
             if self._waiting:
                 for index in slots:
                     self._waiting.pop(index, None)
-            self._passes_without_step(micro[noted[0]])
+            self._unended.passes(micro[noted[0]])
             local = [self._local(i, grad) for i, grad in zip(slots, grads)] if self._dtensors else grads
             self._rows.put_many(slots, local)
             if self.keep_measured:
@@ -238,21 +235,6 @@ class UnreducedGrads:
         except Exception as exc:
             self.collect = False
             self.on_error("grad_unreduced", exc)
-
-    def _passes_without_step(self, count: int) -> None:
-        """Say once when one step has run for far more backward passes than grad_acc_steps: the
-        optimizer that steps is then likely not the one given to set_monitor, and nothing is
-        written until that one steps."""
-        if count >= self._stray_after and not self._told_stray:
-            self._told_stray = True
-            logger.warning(
-                "trainmon: %d backward passes and no step of the monitored optimizer (grad_acc_steps "
-                "is %d): nothing is written until it steps. Is the optimizer given to set_monitor the "
-                "one that steps (not one made anew after loading a checkpoint, say), and grad_acc_steps "
-                "about the number of micro-batches a step has?",
-                count,
-                self.grad_acc_steps,
-            )
 
     def _lost_to_reduction(self, index: int, param: torch.Tensor, last: bool) -> bool:
         """Whether the step's accumulated gradient of parameter ``index`` can no longer exist
@@ -326,7 +308,9 @@ class UnreducedGrads:
         try:
             micro = self._micro[index]
             self._micro[index] = micro + 1
-            self._passes_without_step(micro + 1)
+            if self._unended.passes(micro + 1):  # a step that never ends holds its latest pass's only
+                for earlier in range(0 if micro + 1 == self._unended.after else micro - 1, micro):
+                    self._micro_rows.pop((index, earlier), None)
             local = self._local(index, grad.detach())
             self._micro_rows[(index, micro)] = tensor_stats(local, self.ops, self.eps)
         except Exception as exc:

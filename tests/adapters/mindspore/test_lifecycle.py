@@ -140,6 +140,30 @@ def test_a_targets_key_that_names_nothing_is_warned_about(caplog):
     assert "'layers.1.weigth' selects no module or parameter" in told and "'layers.1.weight'?" in told
 
 
+def test_passes_with_no_step_of_the_monitored_optimizer_are_said_once_and_held_bounded(caplog):
+    """The optimizer that steps is not the one given to set_monitor: a warning says so once, and
+    the gradient statistics held for a step that never ends stay those of its latest pass."""
+    import mindspore as ms
+
+    from monitor.session.collection import UNENDED_PASSES
+
+    net, monitored = _fresh("Adam")
+    stepping = nn.Adam(net.trainable_params())
+    grad_fn = ms.value_and_grad(lambda x: net(x).square().mean(), None, stepping.parameters)
+    (x,) = make_batches(1, 1)[0]
+    with caplog.at_level(logging.WARNING, logger="trainmon"):
+        mon = TrainerMon({"wg_distribution": True, "format": "api"})
+        mon.set_monitor(net, grad_acc_steps=1, optimizer=monitored)
+        for _ in range(UNENDED_PASSES + 10):
+            _, grads = grad_fn(ms.Tensor(x))
+            stepping(grads)
+        held = len(mon._session.collection.grads._blocks)
+        mon.stop()
+    told = [r.getMessage() for r in caplog.records if "no step of the monitored optimizer" in r.getMessage()]
+    assert len(told) == 1 and f"{UNENDED_PASSES} backward passes" in told[0], told
+    assert held == 1
+
+
 @pytest.mark.parametrize("ranks", [[1], ["1"]])
 def test_a_rank_outside_module_ranks_attaches_nothing(ranks, hook_calls):
     net, optimizer = _fresh()

@@ -5,10 +5,11 @@ micro-batches than grad_acc_steps, and steps whose last micro-batch runs inside
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
-from adapters.torch.grads import STRAY_PASSES
 from monitor import TrainerMon
+from monitor.session.collection import UNENDED_PASSES
 from tests.adapters.torch.helpers import ALL_OPS, MLP, assert_stats_close, make_batches
 
 CONFIG = {"wg_distribution": True, "ops": ALL_OPS, "format": "api"}
@@ -246,23 +247,27 @@ def test_measured_gradients_are_not_kept_alive_by_the_monitor():
         mon.stop()
 
 
-def test_backward_passes_with_no_step_of_the_monitored_optimizer_are_said_once(trainmon_log):
+@pytest.mark.parametrize("per_micro_batch", [False, True], ids=["per step", "per micro-batch"])
+def test_backward_passes_with_no_step_of_the_monitored_optimizer_are_said_once(trainmon_log, per_micro_batch):
     """The optimizer that steps is not the one given to set_monitor (one made anew after loading
-    a checkpoint): nothing can be written, and a warning says why, once."""
+    a checkpoint): nothing can be written, a warning says why, once, and what a step that never
+    ends holds stays bounded (its latest pass's rows)."""
     torch.manual_seed(0)
     model = MLP()
     monitored = torch.optim.SGD(model.parameters(), lr=0.1)
     stepping = torch.optim.SGD(model.parameters(), lr=0.1)
-    mon = TrainerMon(CONFIG)
+    mon = TrainerMon({**CONFIG, "monitor_mbs_grad": per_micro_batch})
     mon.set_monitor(model, grad_acc_steps=2, optimizer=monitored)
     (x,) = make_batches(1, 1)[0]
-    for _ in range(STRAY_PASSES + 10):
+    for _ in range(UNENDED_PASSES + 10):
         _loss(model, x).backward()
         stepping.step()
         stepping.zero_grad()
+    held = len(mon._session.collection.grads._micro_rows)
     mon.stop()
     warned = [
         r.getMessage() for r in trainmon_log.records if "no step of the monitored optimizer" in r.getMessage()
     ]
-    assert len(warned) == 1 and f"{STRAY_PASSES} backward passes" in warned[0], warned
+    assert len(warned) == 1 and f"{UNENDED_PASSES} backward passes" in warned[0], warned
     assert mon.generate_wgrad_metrics() == ({}, {})
+    assert held <= len(list(model.parameters()))
