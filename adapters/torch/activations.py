@@ -33,12 +33,14 @@ import torch
 
 from adapters.torch.compiled import eager
 from adapters.torch.dist import dtensor_type, local_tensor
+from adapters.torch.micro_steps import MicroSteps
 from adapters.torch.sharded.tp_activations import Piece, TensorParallelMerge
 from adapters.torch.stats import stack_rows, tensor_stats
 from monitor.config.schema import MonitorConfig
 from monitor.datatypes.modules import call_name, direction_tensors, row_names
 from monitor.datatypes.modules import select_modules as select_module_names
 from monitor.record import RowSet, SameRows
+from monitor.session.collection import UnendedStep
 
 
 def _row_set(rows: list[tuple[int, str, int]], rank: int, task: str) -> RowSet:
@@ -78,44 +80,6 @@ def select_modules(
     ]
 
 
-class MicroSteps:
-    """The micro-step of each model chunk within a step: a pre-hook on each chunk's root (run
-    before any other) counts its training-mode calls while ``active()``, except the forward a
-    checkpoint recomputes during the backward."""
-
-    def __init__(self, chunks: Sequence[torch.nn.Module], active: Callable[[], bool]) -> None:
-        self.chunks = list(chunks)
-        self.active = active
-        self.reset()
-
-    def register(self) -> list:
-        """Register the counting hooks; returns removable handles."""
-        return [
-            chunk.register_forward_pre_hook(self._hook(vpp), prepend=True)
-            for vpp, chunk in enumerate(self.chunks)
-        ]
-
-    def _hook(self, vpp: int) -> Callable:
-        count = eager(functools.partial(self._count, vpp))
-
-        def hook(module: torch.nn.Module, args: Any) -> None:
-            if self.active() and module.training:
-                count()
-
-        return hook
-
-    def _count(self, vpp: int) -> None:
-        if torch._C._current_graph_task_id() == -1:  # not a checkpoint's recompute
-            self._current[vpp] += 1
-
-    def of(self, vpp: int) -> int:
-        """The chunk's current micro-step (0 before its first counted call)."""
-        return max(self._current[vpp], 0)
-
-    def reset(self) -> None:
-        self._current = [-1] * len(self.chunks)
-
-
 class Activations:
     """Hooks on selected modules; statistics kept as small vectors until the step is written."""
 
@@ -129,6 +93,7 @@ class Activations:
         backward: bool,
         on_error: Callable[[str, BaseException], None],
         merge: TensorParallelMerge | None = None,
+        unended: UnendedStep | None = None,
     ) -> None:
         self.chunks = list(chunks)
         self.modules = modules
@@ -139,7 +104,7 @@ class Activations:
         self.on_error = on_error
         #: set by the session before each step's forward: the hooks do nothing when False.
         self.collect = False
-        self.micro = MicroSteps(self.chunks, lambda: self.collect)
+        self.micro = MicroSteps(self.chunks, lambda: self.collect, unended, self._forget_rows)
         #: calls per (module, micro-step) so far, in the forward and in checkpoint recomputes.
         self._calls: dict[tuple[int, int], int] = {}
         self._recomputed: dict[tuple[int, int], int] = {}
@@ -388,11 +353,15 @@ class Activations:
     def reset(self) -> None:
         """Forget the step (a module that does not run in a step has no row for it)."""
         self.micro.reset()
+        self._spreads.clear()
+        self._forget_rows()
+
+    def _forget_rows(self) -> None:
+        """Drop the rows held so far (and what names them) for the micro-steps to come."""
         self._calls.clear()
         self._recomputed.clear()
         self._seen.clear()
         self._watched.clear()
-        self._spreads.clear()
         for prefix in self._rows:
             self._rows[prefix] = []
             self._stats[prefix] = []

@@ -31,7 +31,7 @@ from monitor.config.schema import MonitorConfig
 from monitor.datatypes.params import PARAM_TASKS, param_row_tables, reduced_index
 from monitor.datatypes.update_ratio import submit_histograms
 from monitor.record import RowSet
-from monitor.session.collection import BaseCollection
+from monitor.session.collection import BaseCollection, UnendedStep
 from monitor.session.core import MonitorCore
 from monitor.session.run_info import run_info
 from monitor.stats.host_stats import scalar_matrix
@@ -83,9 +83,16 @@ class Collection(BaseCollection):
         backend.prepare([entry.param for entry in self.registry.params], self.registry.grad)
         info = run_info("torch", torch.__version__, rank, world_size(), [type(c).__name__ for c in chunks])
         self.core = MonitorCore(config, rank, pp_stage, group_mates, output_dir=output_dir, info=info)
+        unended = UnendedStep(grad_acc_steps)  # one for the gradients and activations: said once
         if config.wg_distribution:  # UnreducedGrads, or BucketGrads for Megatron
             counting = GradCounting(
-                grad_acc_steps, self.ops, self.eps, config.monitor_mbs_grad, self.fail, last_micro_batch
+                grad_acc_steps,
+                self.ops,
+                self.eps,
+                config.monitor_mbs_grad,
+                self.fail,
+                last_micro_batch,
+                unended,
             )
             self.grads = unreduced_source(chunks, backend, self.registry, counting)
             # the measured gradients are kept for reuse only where reuse can happen (one process,
@@ -111,7 +118,7 @@ class Collection(BaseCollection):
             modules = select_modules(chunks, config, every=False)
             forward, backward = not config.backward_only, not config.forward_only
             self.activations = Activations(
-                chunks, modules, self.ops, self.eps, forward, backward, self.fail, self._tp_merge
+                chunks, modules, self.ops, self.eps, forward, backward, self.fail, self._tp_merge, unended
             )
             self._handles += self.activations.register()
         if config.recording_l2_features:

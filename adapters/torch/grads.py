@@ -60,6 +60,8 @@ class GradCounting:
     per_micro_batch: bool
     on_error: Callable[[str, BaseException], None]
     last_micro_batch: Callable[[], bool] | None = None
+    #: tells a step that never ends (shared with the activations, so that it is said once)
+    unended: UnendedStep | None = None
 
 
 class UnreducedGrads:
@@ -100,7 +102,7 @@ class UnreducedGrads:
         self._every_micro_batch = False
         #: after take(): (micro-batches of the step, parameters whose row is missing).
         self.counted: tuple[int, int] = (0, 0)
-        self._unended = UnendedStep(self.grad_acc_steps)
+        self._unended = counting.unended or UnendedStep(self.grad_acc_steps)
         #: after take(): the statistics it returned (``measured_rows`` indexes them).
         self.taken_matrix: torch.Tensor | None = None
         #: whether the optimizer consumes and frees each micro-batch's gradient (DeepSpeed ZeRO-2/3),

@@ -19,8 +19,8 @@ from typing import Any, Literal
 
 import torch
 
-from adapters.torch.activations import MicroSteps
 from adapters.torch.compiled import eager
+from adapters.torch.micro_steps import MicroSteps
 from adapters.torch.sharded.fsdp_internals import FlatSlot
 from adapters.torch.sharded.spectral import ShardedWeight, linear_weight, split_dimension
 from adapters.torch.sharded.spectral_flat import FlatPieceWeight, flat_weights

@@ -250,13 +250,14 @@ def test_measured_gradients_are_not_kept_alive_by_the_monitor():
 @pytest.mark.parametrize("per_micro_batch", [False, True], ids=["per step", "per micro-batch"])
 def test_backward_passes_with_no_step_of_the_monitored_optimizer_are_said_once(trainmon_log, per_micro_batch):
     """The optimizer that steps is not the one given to set_monitor (one made anew after loading
-    a checkpoint): nothing can be written, a warning says why, once, and what a step that never
-    ends holds stays bounded (its latest pass's rows)."""
+    a checkpoint): nothing can be written, a warning says why, once (for gradients and
+    activations alike), and what a step that never ends holds stays bounded (its latest pass's
+    rows)."""
     torch.manual_seed(0)
     model = MLP()
     monitored = torch.optim.SGD(model.parameters(), lr=0.1)
     stepping = torch.optim.SGD(model.parameters(), lr=0.1)
-    mon = TrainerMon({**CONFIG, "monitor_mbs_grad": per_micro_batch})
+    mon = TrainerMon({**CONFIG, "monitor_mbs_grad": per_micro_batch, "xy_distribution": True})
     mon.set_monitor(model, grad_acc_steps=2, optimizer=monitored)
     (x,) = make_batches(1, 1)[0]
     for _ in range(UNENDED_PASSES + 10):
@@ -264,6 +265,7 @@ def test_backward_passes_with_no_step_of_the_monitored_optimizer_are_said_once(t
         stepping.step()
         stepping.zero_grad()
     held = len(mon._session.collection.grads._micro_rows)
+    held_activations = len(mon._session.collection.activations._rows["actv"])
     mon.stop()
     warned = [
         r.getMessage() for r in trainmon_log.records if "no step of the monitored optimizer" in r.getMessage()
@@ -271,3 +273,4 @@ def test_backward_passes_with_no_step_of_the_monitored_optimizer_are_said_once(t
     assert len(warned) == 1 and f"{UNENDED_PASSES} backward passes" in warned[0], warned
     assert mon.generate_wgrad_metrics() == ({}, {})
     assert held <= len(list(model.parameters()))
+    assert held_activations <= 4 * len(list(model.modules()))  # one pass's inputs and outputs at most

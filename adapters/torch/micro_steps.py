@@ -1,0 +1,61 @@
+"""The micro-step of each model chunk within a step, for the activation and l2 hooks."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from adapters.torch.compiled import eager
+from monitor.session.collection import UnendedStep
+
+
+class MicroSteps:
+    """The micro-step of each model chunk within a step: a pre-hook on each chunk's root (run
+    before any other) counts its training-mode calls while ``active()``, except the forward a
+    checkpoint recomputes during the backward."""
+
+    def __init__(
+        self,
+        chunks: Sequence[torch.nn.Module],
+        active: Callable[[], bool],
+        unended: UnendedStep | None = None,
+        forget: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.chunks = list(chunks)
+        self.active = active
+        #: past ``unended``'s count of passes, each new micro-step first has ``forget`` drop the
+        #: rows held so far: a step that never ends holds its latest micro-step's only
+        self.unended, self.forget = unended, forget
+        self.reset()
+
+    def register(self) -> list:
+        """Register the counting hooks; returns removable handles."""
+        return [
+            chunk.register_forward_pre_hook(self._hook(vpp), prepend=True)
+            for vpp, chunk in enumerate(self.chunks)
+        ]
+
+    def _hook(self, vpp: int) -> Callable:
+        count = eager(functools.partial(self._count, vpp))
+
+        def hook(module: torch.nn.Module, args: Any) -> None:
+            if self.active() and module.training:
+                count()
+
+        return hook
+
+    def _count(self, vpp: int) -> None:
+        if torch._C._current_graph_task_id() == -1:  # not a checkpoint's recompute
+            self._current[vpp] += 1
+            if self.unended is not None and self.unended.passes(self._current[vpp] + 1):
+                self.forget()
+
+    def of(self, vpp: int) -> int:
+        """The chunk's current micro-step (0 before its first counted call)."""
+        return max(self._current[vpp], 0)
+
+    def reset(self) -> None:
+        self._current = [-1] * len(self.chunks)
