@@ -38,6 +38,7 @@ from adapters.mindspore.stats import StatEngine
 from monitor.config.schema import MonitorConfig
 from monitor.datatypes.modules import call_name, direction_tensors, row_names, select_modules
 from monitor.record import RowSet
+from monitor.session.collection import UnendedStep
 
 #: held tensor elements (per direction) above which their statistics are taken at once.
 HOLD_MAX = 1 << 24
@@ -186,9 +187,11 @@ class Activations:
         forward: bool,
         backward: bool,
         on_error: Callable[[str, BaseException], None],
+        unended: UnendedStep | None = None,
     ) -> None:
         self.chunks = list(chunks)
         self.cells = cells
+        self.unended = unended
         self.engine = engine
         self.forward = forward
         self.backward = backward
@@ -198,7 +201,7 @@ class Activations:
         self.roots = RootCalls(
             self.chunks,
             lambda: self.collect,
-            on_start=lambda vpp: self._guard("actv_grad", self._held["actv_grad"].describe, self.engine),
+            on_start=self._micro_step_started,
             on_end=lambda vpp: self._guard("actv", self._held["actv"].describe, self.engine),
         )
         self._calls: dict[tuple[int, int], int] = {}
@@ -215,6 +218,15 @@ class Activations:
             handles.append(entry.cell.register_forward_pre_hook(self._before(index), with_kwargs=True))
             handles.append(entry.cell.register_forward_hook(self._after(index), with_kwargs=True))
         return handles + self.roots.register_ends()
+
+    def _micro_step_started(self, vpp: int) -> None:
+        """The gradients of the last micro-step are complete: measured; past ``unended``'s count,
+        the rows held so far are dropped (a step that never ends holds its latest micro-step's)."""
+        self._guard("actv_grad", self._held["actv_grad"].describe, self.engine)
+        if self.unended is not None and self.unended.passes(self.roots.micro_of(vpp) + 1):
+            self._calls.clear()
+            for held in self._held.values():
+                held.blocks.clear()
 
     # -- hooks -------------------------------------------------------------------------------
 

@@ -47,7 +47,7 @@ from monitor.config.schema import MonitorConfig
 from monitor.datatypes.params import param_row_tables, reduced_index
 from monitor.datatypes.update_ratio import adam_histograms, submit_histograms
 from monitor.record import RowSet
-from monitor.session.collection import BaseCollection
+from monitor.session.collection import BaseCollection, UnendedStep
 from monitor.session.core import MonitorCore
 from monitor.session.run_info import run_info
 from monitor.stats.host_stats import probe_index
@@ -127,15 +127,15 @@ class Collection(BaseCollection):
             # MindSpore parameters carry no tensor-parallel marker: tp_group does not filter rows.
             reduced_index([False] * len(params), rank_in_group(dp_group), None),
         )
+        unended = UnendedStep(grad_acc_steps)  # one for the gradients and activations: said once
         if config.wg_distribution:
-            self.grads = UnreducedGrads(
-                self.registry, grad_acc_steps, self.engine, config.monitor_mbs_grad, self.fail
-            )
+            mbs = config.monitor_mbs_grad
+            self.grads = UnreducedGrads(self.registry, grad_acc_steps, self.engine, mbs, self.fail, unended)
             self._handles += self.grads.register()
         if config.xy_distribution:
             forward, backward = not config.backward_only, not config.forward_only
             cells = select_cells(chunks, config)
-            self.activations = Activations(chunks, cells, self.engine, forward, backward, self.fail)
+            self.activations = Activations(chunks, cells, self.engine, forward, backward, self.fail, unended)
             self._handles += self.activations.register()
         if config.recording_l2_features:
             self.l2 = L2Features(chunks, config, self.fail)

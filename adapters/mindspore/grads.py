@@ -55,6 +55,7 @@ class UnreducedGrads:
         engine: StatEngine,
         per_micro_batch: bool,
         on_error: Callable[[str, BaseException], None],
+        unended: UnendedStep | None = None,
     ) -> None:
         self.registry = registry
         self.grad_acc_steps = grad_acc_steps
@@ -64,7 +65,7 @@ class UnreducedGrads:
         #: set by the collection before each step's forward: the hooks do nothing when False.
         self.collect = False
         self._micro = [0] * len(registry)
-        self._unended = UnendedStep(grad_acc_steps)
+        self._unended = unended or UnendedStep(grad_acc_steps)
         self._sums: dict[int, ms.Tensor] = {}
         self._described: set[int] = set()
         #: after take(): (micro-batches of the step, rows missing from it).

@@ -152,16 +152,19 @@ def test_passes_with_no_step_of_the_monitored_optimizer_are_said_once_and_held_b
     grad_fn = ms.value_and_grad(lambda x: net(x).square().mean(), None, stepping.parameters)
     (x,) = make_batches(1, 1)[0]
     with caplog.at_level(logging.WARNING, logger="trainmon"):
-        mon = TrainerMon({"wg_distribution": True, "format": "api"})
+        mon = TrainerMon({"wg_distribution": True, "xy_distribution": True, "format": "api"})
         mon.set_monitor(net, grad_acc_steps=1, optimizer=monitored)
         for _ in range(UNENDED_PASSES + 10):
             _, grads = grad_fn(ms.Tensor(x))
             stepping(grads)
         held = len(mon._session.collection.grads._blocks)
+        activations = mon._session.collection.activations._held.values()
+        held_activations = sum(len(rows) for held in activations for rows, _ in held.blocks)
         mon.stop()
     told = [r.getMessage() for r in caplog.records if "no step of the monitored optimizer" in r.getMessage()]
     assert len(told) == 1 and f"{UNENDED_PASSES} backward passes" in told[0], told
     assert held == 1
+    assert held_activations <= 4 * len(list(net.cells_and_names()))  # one pass's rows at most
 
 
 @pytest.mark.parametrize("ranks", [[1], ["1"]])
