@@ -160,7 +160,8 @@ class UnreducedGrads:
         try:
             count = self._micro[index] + 1
             self._micro[index] = count
-            self._unended.passes(count)
+            if count >= self._unended.after:  # compared here: this runs per parameter and pass
+                self._unended.passes(count)
             grad = self.accumulated(index, param)
             if grad is None:
                 return
@@ -310,7 +311,7 @@ class UnreducedGrads:
         try:
             micro = self._micro[index]
             self._micro[index] = micro + 1
-            if self._unended.passes(micro + 1):  # a step that never ends holds its latest pass's only
+            if micro >= self._unended.after - 1 and self._unended.passes(micro + 1):  # then: latest pass only
                 for earlier in range(0 if micro + 1 == self._unended.after else micro - 1, micro):
                     self._micro_rows.pop((index, earlier), None)
             local = self._local(index, grad.detach())
