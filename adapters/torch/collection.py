@@ -144,6 +144,12 @@ class Collection(BaseCollection):
 
     # -- attach-time tables ------------------------------------------------------------------
 
+    def micro_batch_begins(self) -> None:
+        """A trainer announces each micro-batch: activations and l2 count micro-steps from it."""
+        for part in (self.activations, self.l2):
+            if part is not None:
+                part.micro.announce()
+
     def _build_rows(self, tp_group: Any, dp_group: Any) -> dict[str, tuple[list[int], RowSet]]:
         """Parameter index lists and row labels per data type, computed once."""
         params = self.registry.params

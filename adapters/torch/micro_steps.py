@@ -29,6 +29,8 @@ class MicroSteps:
         #: past ``unended``'s count of passes, each new micro-step first has ``forget`` drop the
         #: rows held so far: a step that never ends holds its latest micro-step's only
         self.unended, self.forget = unended, forget
+        #: micro-batches are announced (``announce``) instead of counted at the roots' calls
+        self._announced = False
         self.reset()
 
     def register(self) -> list:
@@ -48,10 +50,21 @@ class MicroSteps:
         return hook
 
     def _count(self, vpp: int) -> None:
-        if torch._C._current_graph_task_id() == -1:  # not a checkpoint's recompute
-            self._current[vpp] += 1
-            if self.unended is not None and self.unended.passes(self._current[vpp] + 1):
-                self.forget()
+        if not self._announced and torch._C._current_graph_task_id() == -1:  # not a recompute
+            self._advance(vpp)
+
+    def announce(self) -> None:
+        """A trainer says a micro-batch's forward begins (Lightning's training_step may call
+        submodules, never the root): from now on micro-steps are counted from these calls only."""
+        self._announced = True
+        if self.active():
+            for vpp in range(len(self.chunks)):
+                self._advance(vpp)
+
+    def _advance(self, vpp: int) -> None:
+        self._current[vpp] += 1
+        if self.unended is not None and self.unended.passes(self._current[vpp] + 1):
+            self.forget()
 
     def of(self, vpp: int) -> int:
         """The chunk's current micro-step (0 before its first counted call)."""

@@ -143,6 +143,14 @@ class TorchSession(SessionLifecycle):
         """The loop says whether the micro-batch about to run backward is its step's last."""
         self._told_last = last
 
+    def micro_batch_begins(self) -> None:
+        """A trainer says a micro-batch's forward begins (see ``TrainerMon.micro_batch_begins``)."""
+        if self.collection is not None:
+            try:
+                self.collection.micro_batch_begins()
+            except Exception as exc:  # never the trainer's problem
+                self.collection.fail("actv", exc)
+
     # -- public control ----------------------------------------------------------------------
 
     # -- the collection of one config --------------------------------------------------------

@@ -58,6 +58,7 @@ class TrainmonCallback(MonitorCallback, Callback):
         dataset); the batch index counts where the loop's progress cannot be read."""
         if self.attached:
             self.monitor.set_last_micro_batch(_ends_step(trainer, batch_idx))
+            self.monitor.micro_batch_begins()  # training_step may never call the module itself
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, idx: int) -> None:
         if self._one_optimizer:

@@ -224,6 +224,14 @@ class TrainerMon(MsprobeOldNames):
         if told is not None:
             told(last)
 
+    def micro_batch_begins(self) -> None:
+        """Say that a micro-batch's forward begins, where the model given to set_monitor is not
+        called once per micro-batch (Lightning's training_step calling submodules; the Lightning
+        callback does this): activation rows then take their micro-step from these calls. PyTorch only."""
+        begins = getattr(self._session, "micro_batch_begins", None)
+        if begins is not None:
+            begins()
+
     def update_skipped(self) -> None:
         """This step ended without ``optimizer.step`` (a loss scaler found Inf/NaN and skipped the
         update): the monitor's step numbers keep pace with the loop's, what the step measured is

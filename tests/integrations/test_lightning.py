@@ -4,6 +4,7 @@ one process and on 2 gloo ranks."""
 
 from __future__ import annotations
 
+import glob
 import os
 
 import numpy as np
@@ -193,3 +194,45 @@ def test_per_micro_batch_rows_are_each_micro_batchs_own_gradient(tmp_path):
     assert expected and set(rows) == set(expected)
     for key, grad in expected.items():
         assert_stats_close(rows[key], grad, what=f"micro-batch row {key}")
+
+
+def test_activations_take_their_micro_step_from_lightnings_micro_batches(tmp_path):
+    """training_step calls the submodules, never the LightningModule itself: the callback says
+    when each micro-batch begins, so the second micro-batch's rows are micro-step 1 (not an extra
+    call of each module at micro-step 0), and each row is the norm of that micro-batch's output."""
+    import lightning as L
+
+    from tests.integrations.lightning_run import train
+    from tests.integrations.reads import CONFIG
+
+    class OwnRead(L.Callback):
+        """The head's output norm per (step, micro-batch), read by a forward hook of the test's."""
+
+        def __init__(self) -> None:
+            self.norms: dict[tuple[int, int], float] = {}
+            self._micro, self._step = 0, -1
+
+        def on_train_start(self, trainer, pl_module) -> None:
+            pl_module.head.register_forward_hook(self._read)
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            self._micro = self._micro + 1 if trainer.global_step == self._step else 0
+            self._step = trainer.global_step
+
+        def _read(self, module, args, output) -> None:
+            if module.training:
+                self.norms[(self._step, self._micro)] = float(output.detach().double().norm())
+
+    own = OwnRead()
+    config = {**CONFIG, "xy_distribution": True, "wg_distribution": False, "targets": {"head": {}}}
+    _, callback, _ = train(str(tmp_path), 2, monitor_config=config, callbacks=(own,))
+    rows = pd.concat(
+        pd.read_csv(f) for f in glob.glob(os.path.join(callback.monitor.output_dir, "actv_[0-9]*.csv"))
+    )
+    outputs = rows[rows["name"].str.startswith("head") & rows["name"].str.contains("output")]
+    assert set(outputs["name"]) == {"head.output"}, sorted(set(outputs["name"]))  # no extra calls
+    written = {(int(r.step), int(r.micro_step)): float(r.norm) for r in outputs.itertuples()}
+    assert {micro for _, micro in written} == {0, 1}
+    assert written.keys() == own.norms.keys()
+    for key, norm in own.norms.items():
+        assert written[key] == pytest.approx(norm, rel=1e-5), key
