@@ -133,10 +133,19 @@ def onset_batches(root: dict[str, Any], step_ids: list[Any]) -> list[dict[str, A
 
 
 def describe_root(root: dict[str, Any]) -> str:
-    """``root <tag> <op> <value> (<rule>, baseline <b>)`` for console lines and tables."""
+    """``root <tag> <op> <value> (<rule>, baseline <b>)`` for console lines and tables; the root
+    module's rows, which the files name ``.input`` / ``.output`` as msprobe does, say so."""
     value, baseline = number(root.get("value")), number(root.get("baseline"))
     base = f", baseline {baseline:.3g}" if baseline == baseline else ""
-    return f"root {root['tag_name']} {root.get('op', '')} = {value:.3g} ({root.get('rule')}{base})"
+    tag = str(root["tag_name"])
+    name = split_tag(tag)[1]
+    model = ""
+    if name.startswith((".input", ".output")):
+        what = "input" if name.startswith(".input") else "output"
+        if "_grad" in name:
+            what += "'s gradient"
+        model = f" [the model's own {what}]"
+    return f"root {tag}{model} {root.get('op', '')} = {value:.3g} ({root.get('rule')}{base})"
 
 
 class IncidentTracker:

@@ -15,7 +15,7 @@ import pytest
 
 from monitor.anomaly.detector import Detector
 from monitor.anomaly.incident_files import merge
-from monitor.anomaly.incidents import CLOSE_AFTER, MAX_UNJUDGED_STEPS, AnomalySink
+from monitor.anomaly.incidents import CLOSE_AFTER, MAX_UNJUDGED_STEPS, AnomalySink, describe_root
 from monitor.anomaly.root import choose_root
 from monitor.anomaly.rules import AnomalyTurbulence, AnomalyZScore
 from monitor.record import RowSet, StepRecord
@@ -88,6 +88,20 @@ def test_an_incident_prints_as_one_line():
     text = repr(incident)
     assert "\n" not in text and len(text) < 300, text
     assert text.startswith("Incident(1, step 15, rank 0, open, root 0:layers.2.fc") and "3 records)" in text
+
+
+@pytest.mark.parametrize(
+    "tag, said",
+    [
+        ("0:.input:1/rank0/actv", " [the model's own input] "),
+        ("0:.output_grad_0:0/rank0/actv_grad", " [the model's own output's gradient] "),
+        ("0:layers.0.fc.input:0/rank0/actv", None),
+    ],
+)
+def test_the_root_modules_rows_are_named_for_what_they_are_in_console_lines(tag, said):
+    line = describe_root({"tag_name": tag, "op": "norm", "value": 5.0, "baseline": 1.0, "rule": "R"})
+    assert line.startswith(f"root {tag}")
+    assert (said in line) if said else ("model's own" not in line), line
 
 
 def test_a_tag_that_stays_abnormal_is_one_record_and_a_new_episode_is_another():
