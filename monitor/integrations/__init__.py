@@ -29,12 +29,31 @@ logger = logging.getLogger("trainmon")
 MonitorSource = str | os.PathLike | Mapping[str, Any] | MonitorConfig | TrainerMon
 
 
+#: the keyword arguments a callback passes on to TrainerMon
+TRAINER_MON_KWARGS = ("process_group", "params_have_main_grad", "opt_ty")
+#: trainer -> the module of its callback, named when a callback is handed to another trainer
+CALLBACKS = {
+    "the Hugging Face Trainer": "monitor.integrations.hf",
+    "Lightning": "monitor.integrations.lightning",
+    "MindSpore's Model.train": "monitor.integrations.mindspore",
+}
+
+
 def as_monitor(source: MonitorSource, **trainer_mon_kwargs: Any) -> TrainerMon:
     """A TrainerMon from a config (validated now) or the one given.
 
     Raises:
         ConfigError: the config cannot be read or a value is invalid.
+        TypeError: a keyword argument TrainerMon does not take (the trainer gives the model, the
+            optimizer and grad_acc_steps).
     """
+    unknown = sorted(set(trainer_mon_kwargs) - set(TRAINER_MON_KWARGS))
+    if unknown:
+        raise TypeError(
+            f"TrainmonCallback: unexpected keyword argument(s) {', '.join(unknown)}: it takes the config "
+            f"and TrainerMon's {', '.join(TRAINER_MON_KWARGS)}; the trainer gives the model, the "
+            "optimizer and the micro-batches per step"
+        )
     if isinstance(source, TrainerMon):
         return source
     return TrainerMon(source, **trainer_mon_kwargs)
@@ -46,11 +65,30 @@ class MonitorCallback:
 
     Args:
         config: a config file path, a dict, a MonitorConfig, or a TrainerMon already built.
-        **trainer_mon_kwargs: passed to TrainerMon (e.g. ``params_have_main_grad``).
+        **trainer_mon_kwargs: passed to TrainerMon (``process_group``, ``params_have_main_grad``).
+
+    ``callback.monitor`` is the TrainerMon: ``on_incident``, ``on_checkpoint``, ``set_batch_ids``
+    and ``incidents`` are reached through it.
 
     Raises:
         ConfigError: the config is invalid (raised here, before training starts).
+        TypeError: a keyword argument that TrainerMon does not take.
     """
+
+    #: the trainer this callback is for (a key of CALLBACKS)
+    trainer = ""
+
+    def __getattr__(self, name: str) -> Any:
+        """A trainer event this callback does not have: it was handed to another trainer."""
+        if name.startswith("on_") and self.trainer:
+            others = "; ".join(
+                f"{t}: {m}.TrainmonCallback" for t, m in CALLBACKS.items() if t != self.trainer
+            )
+            raise AttributeError(
+                f"{type(self).__name__} has no {name!r}: this is trainmon's callback for {self.trainer} "
+                f"({CALLBACKS[self.trainer]}); each trainer has its own ({others})"
+            )
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def __init__(self, config: MonitorSource, **trainer_mon_kwargs: Any) -> None:
         self.monitor = as_monitor(config, **trainer_mon_kwargs)

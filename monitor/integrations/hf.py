@@ -26,7 +26,10 @@ from monitor.integrations import MonitorCallback
 
 
 class TrainmonCallback(MonitorCallback, TrainerCallback):
-    """Attach trainmon to a Hugging Face Trainer run. Arguments: ``MonitorCallback``."""
+    """Attach trainmon to a Hugging Face Trainer run: ``TrainmonCallback(config,
+    **trainer_mon_kwargs)`` (see ``MonitorCallback``); ``callback.monitor`` is the TrainerMon."""
+
+    trainer = "the Hugging Face Trainer"
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.attach(

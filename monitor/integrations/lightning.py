@@ -30,7 +30,10 @@ logger = logging.getLogger("trainmon")
 
 
 class TrainmonCallback(MonitorCallback, Callback):
-    """Attach trainmon to a Lightning run. Arguments: ``MonitorCallback``."""
+    """Attach trainmon to a Lightning run: ``TrainmonCallback(config, **trainer_mon_kwargs)`` (see
+    ``MonitorCallback``); ``callback.monitor`` is the TrainerMon."""
+
+    trainer = "Lightning"
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         optimizers = list(trainer.optimizers)

@@ -124,6 +124,32 @@ def test_a_bad_config_fails_when_the_callback_is_built():
         TrainmonCallback({**CONFIG, "ops": ["nrom"]})
 
 
+def test_an_unknown_keyword_argument_is_named_with_what_the_callback_takes():
+    from monitor.integrations.hf import TrainmonCallback
+
+    with pytest.raises(
+        TypeError, match=r"unexpected keyword argument\(s\) grad_acc_steps: it takes the config"
+    ):
+        TrainmonCallback(CONFIG, grad_acc_steps=2)
+
+
+def test_the_lightning_callback_handed_to_the_trainer_names_the_one_to_use():
+    """Transformers' own callback handler calls every event on every callback: a Lightning
+    callback there fails with a message that names the Hugging Face one."""
+    pytest.importorskip("lightning")
+    from transformers import TrainerControl, TrainerState, TrainingArguments
+    from transformers.trainer_callback import CallbackHandler
+
+    from monitor.integrations.lightning import TrainmonCallback
+
+    handler = CallbackHandler([TrainmonCallback(CONFIG)], None, None, None, None)
+    with pytest.raises(
+        AttributeError, match=r"callback for Lightning .*monitor\.integrations\.hf\.TrainmonCallback"
+    ):
+        handler.on_init_end(TrainingArguments(output_dir="unused"), TrainerState(), TrainerControl())
+    assert not hasattr(TrainmonCallback(CONFIG), "on_init_end")  # probing stays an AttributeError
+
+
 def _ddp_worker(rank: int, world_size: int, workdir: str) -> None:
     from tests.integrations.hf_run import train
 
