@@ -22,7 +22,7 @@ from monitor.config.values import (
     describe,
     kind_of,
     not_one_of,
-    warn_unknown,
+    unknown_key,
 )
 
 SINK_TYPES = ("webhook", "command", "file")
@@ -131,7 +131,7 @@ def parse_bundle(value: Any) -> BundleSpec | None:
         )
     for key in value:
         if key not in BUNDLE_KEYS:
-            warn_unknown(str(key), BUNDLE_KEYS, "alert.bundle.")
+            raise unknown_key(f"alert.bundle.{key}", str(key), BUNDLE_KEYS)
     return BundleSpec(
         incidents=as_int(value.get("incidents", 1), "alert.bundle.incidents", 1, 1000),
         max_mb=as_number(value.get("max_mb", 64.0), "alert.bundle.max_mb", positive=True),
@@ -151,7 +151,7 @@ def _sink(spec: Any, path: str) -> SinkSpec:
     kind = kind_of(spec, path, "type", SINK_TYPES, "an object with 'type'")
     for key in spec:
         if key not in SINK_KEYS[kind]:
-            warn_unknown(str(key), SINK_KEYS[kind], f"{path}.")
+            raise unknown_key(f"{path}.{key}", str(key), SINK_KEYS[kind], f"unknown key for a {kind} sink")
     ranks = spec.get("ranks", "lowest")
     if ranks not in RANK_CHOICES:
         raise not_one_of(f"{path}.ranks", ranks, RANK_CHOICES)

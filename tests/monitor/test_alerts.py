@@ -400,11 +400,17 @@ def test_stop_needs_every_rank():
         load_config({"alert": {"actions": ["stop"]}, "module_ranks": [0]})
 
 
-def test_config_round_trips_and_unknown_sink_keys_are_named(caplog):
-    raw = {
-        "sinks": [{"type": "file", "path": "x.jsonl", "cooldown_s": 5, "colour": "red"}],
-        "actions": ["stop"],
-    }
+def test_config_round_trips_and_unknown_sink_and_bundle_keys_are_errors():
+    """Sinks and bundles are trainmon's own: a misspelt key there is an error at the door (an
+    alert that silently goes nowhere is what alerts exist to prevent)."""
+    raw = {"sinks": [{"type": "file", "path": "x.jsonl", "cooldown_s": 5}], "actions": ["stop"]}
     config = load_config({"alert": raw})
-    assert "alert.sinks[0].colour" in caplog.text
     assert load_config(config.to_dict()) == config
+    with pytest.raises(
+        ConfigError, match=r"alert\.sinks\[0\]\.retry: unknown key for a file sink; .*'retries'"
+    ):
+        load_config({"alert": {"sinks": [{"type": "file", "path": "x.jsonl", "retry": 3}]}})
+    with pytest.raises(
+        ConfigError, match=r"alert\.bundle\.incident: unknown key; .*did you mean 'incidents'"
+    ):
+        load_config({"alert": {"bundle": {"incident": 2}}})
