@@ -76,17 +76,17 @@ class MonitorCallback:
     """
 
     #: the trainer this callback is for (a key of CALLBACKS)
-    trainer = ""
+    for_trainer = ""
 
     def __getattr__(self, name: str) -> Any:
         """A trainer event this callback does not have: it was handed to another trainer."""
-        if name.startswith("on_") and self.trainer:
+        if name.startswith("on_") and self.for_trainer:
             others = "; ".join(
-                f"{t}: {m}.TrainmonCallback" for t, m in CALLBACKS.items() if t != self.trainer
+                f"{t}: {m}.TrainmonCallback" for t, m in CALLBACKS.items() if t != self.for_trainer
             )
             raise AttributeError(
-                f"{type(self).__name__} has no {name!r}: this is trainmon's callback for {self.trainer} "
-                f"({CALLBACKS[self.trainer]}); each trainer has its own ({others})"
+                f"{type(self).__name__} has no {name!r}: this is trainmon's callback for {self.for_trainer} "
+                f"({CALLBACKS[self.for_trainer]}); each trainer has its own ({others})"
             )
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 

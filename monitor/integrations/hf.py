@@ -29,7 +29,7 @@ class TrainmonCallback(MonitorCallback, TrainerCallback):
     """Attach trainmon to a Hugging Face Trainer run: ``TrainmonCallback(config,
     **trainer_mon_kwargs)`` (see ``MonitorCallback``); ``callback.monitor`` is the TrainerMon."""
 
-    trainer = "the Hugging Face Trainer"
+    for_trainer = "the Hugging Face Trainer"
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.attach(

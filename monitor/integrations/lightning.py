@@ -33,7 +33,7 @@ class TrainmonCallback(MonitorCallback, Callback):
     """Attach trainmon to a Lightning run: ``TrainmonCallback(config, **trainer_mon_kwargs)`` (see
     ``MonitorCallback``); ``callback.monitor`` is the TrainerMon."""
 
-    trainer = "Lightning"
+    for_trainer = "Lightning"
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         optimizers = list(trainer.optimizers)

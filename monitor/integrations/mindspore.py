@@ -37,7 +37,7 @@ class TrainmonCallback(MonitorCallback, Callback):
         ConfigError: the config is invalid (raised here, before training starts).
     """
 
-    trainer = "MindSpore's Model.train"
+    for_trainer = "MindSpore's Model.train"
 
     def __init__(self, config: MonitorSource, grad_acc_steps: int = 1, **trainer_mon_kwargs: Any) -> None:
         super().__init__(config, **trainer_mon_kwargs)
