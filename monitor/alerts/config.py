@@ -8,7 +8,6 @@ no output or log line shows their values.
 from __future__ import annotations
 
 import os
-import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -170,11 +169,6 @@ def _sink(spec: Any, path: str) -> SinkSpec:
         argv = as_str_list(spec.get("argv"), f"{path}.argv")
         if not argv or not argv[0]:
             raise ConfigError(f"{path}.argv: expected the program and its arguments, got {describe(argv)}")
-        if shutil.which(argv[0]) is None:  # checked here, as url_env is: not at the first incident
-            raise ConfigError(
-                f"{path}.argv[0]: expected a program (a path, or a name on PATH) that can be run, "
-                f"got {argv[0]!r}, which is not found"
-            )
         return SinkSpec(kind, argv=argv, **common)
     target = spec.get("path")
     if not isinstance(target, str) or not target:

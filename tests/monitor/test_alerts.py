@@ -381,11 +381,6 @@ def test_a_callback_that_raises_is_reported_once_and_others_still_run(tmp_path, 
             {"sinks": [{"type": "command", "argv": "notify-send"}]},
             "alert.sinks[0].argv: expected a list of strings",
         ),
-        (
-            {"sinks": [{"type": "command", "argv": ["/no/such/notifier", "--urgent"]}]},
-            "alert.sinks[0].argv[0]: expected a program (a path, or a name on PATH) that can be run, "
-            "got '/no/such/notifier', which is not found",
-        ),
         ({"sinks": [{"type": "file"}]}, "alert.sinks[0].path: expected a file path, got None"),
         ({"sinks": {"type": "file"}}, "alert.sinks: expected a list of sinks"),
         (
