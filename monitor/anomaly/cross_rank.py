@@ -307,14 +307,14 @@ def run(args: argparse.Namespace) -> int:
     anomaly_dir = os.path.join(run_.data_dir, "anomaly_detected")
     paths = analyse.find_anomaly_files(anomaly_dir) if os.path.isdir(anomaly_dir) else []
     later = rank_csv.newer_run_than(run_.data_dir, run_.rank_dirs) if paths else None
-    if later is not None:  # the anomaly files are the newest run's; earlier runs' were set aside
+    if later is not None:  # a later run that wrote anomaly files set the chosen run's aside
         with analyse.stdout_guard():
             print(
-                f"No ranking of detected anomalies: the anomaly files under {anomaly_dir} belong to a "
-                f"later run ({os.path.basename(later)}) than the one chosen by --start/--end; that "
-                "run's own were kept there as anomaly.json.earlier-<time>, if it wrote any."
+                f"Note: the anomaly files under {anomaly_dir} are likely a later run's "
+                f"({os.path.basename(later)}) than the one chosen by --start/--end, whose own a new "
+                "run keeps there as anomaly.json.earlier-<time>."
             )
-    elif paths:  # the ranking goes where the plain command writes it: beside the anomaly files
+    if paths:  # the ranking goes where the plain command writes it: beside the anomaly files
         ranking_dir = run_.out_dir if args.out_path else anomaly_dir
         status = analyse.report_anomalies(paths, run_.k, run_.steps, ranking_dir)
     else:

@@ -103,18 +103,24 @@ def find_rank_dirs(
 
 
 def newer_run_than(root: str, rank_dirs: dict[int, str]) -> str | None:
-    """A rank directory under ``root`` whose time tag is later than every one of ``rank_dirs``
-    (a run after the one chosen by time), or None."""
+    """A directory under ``root`` of one of ``rank_dirs``' ranks with a later time tag than that
+    rank's (a later run than the one chosen by time), or None. Ranks are compared each with its
+    own: their clocks name their directories, seconds apart within one run."""
 
     def stamp(name: str) -> Any:
         match = RANK_DIR_PATTERN.match(name)
-        return parse_time_tag(match.group(1)) if match else None
+        return (int(match.group(2)), parse_time_tag(match.group(1))) if match else None
 
-    chosen = [t for t in (stamp(os.path.basename(p)) for p in rank_dirs.values()) if t is not None]
-    if not chosen:
-        return None
+    chosen = {rank: t for rank, t in (stamp(os.path.basename(p)) or (None, None) for p in rank_dirs.values())}
     with os.scandir(root) as entries:
-        later = [e.path for e in entries if (t := stamp(e.name)) is not None and t > max(chosen)]
+        later = [
+            e.path
+            for e in entries
+            if (found := stamp(e.name)) is not None
+            and chosen.get(found[0]) is not None
+            and found[1] is not None
+            and found[1] > chosen[found[0]]
+        ]
     return min(later) if later else None
 
 
