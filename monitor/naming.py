@@ -130,13 +130,22 @@ def name_candidates(vpp_stage: int, raw_name: str, squashed: str) -> tuple[str, 
     return tuple(dict.fromkeys([*names, *prefixed]))
 
 
-def without_wrapper(key: str) -> str:
-    """A targets key without leading ``module.`` segments: every name is matched in a spelling
-    without them too (``name_candidates``), so a key written for a DDP-wrapped model
-    (``module.fc2``) selects the same module of the model run without the wrapper."""
-    while key.startswith("module."):
-        key = key[len("module.") :]
-    return key
+def without_wrapper(keys: Iterable[str], raw_names: Iterable[str]) -> tuple[str, ...]:
+    """The targets keys as they select among a model's ``raw_names``: a leading ``module.`` is
+    dropped from the keys where no name of the model starts with it (a config written for a
+    DDP-wrapped model, reused on the bare one); where one does (DDP's wrapper, or a submodule
+    really called ``module``), every key is taken as written."""
+    keys = tuple(keys)
+    if not any(key.startswith("module.") for key in keys):
+        return keys
+    if any(raw == "module" or raw.startswith("module.") for raw in raw_names):
+        return keys
+    bare = []
+    for key in keys:
+        while key.startswith("module."):
+            key = key[len("module.") :]
+        bare.append(key)
+    return tuple(bare)
 
 
 def key_selects(key: str, candidate: str) -> bool:
@@ -153,13 +162,13 @@ def key_selects(key: str, candidate: str) -> bool:
 
 def is_selected_exactly(keys: Iterable[str], candidates: Iterable[str]) -> bool:
     """True when a targets key names one spelling of the name exactly (modules, as msprobe does)."""
-    keys = {without_wrapper(k) for k in keys}
+    keys = set(keys)
     return any(c in keys for c in candidates)
 
 
 def is_selected(keys: Iterable[str], candidates: Iterable[str]) -> bool:
     """True when any targets key selects any spelling of the name (no keys: everything)."""
-    keys = tuple(without_wrapper(k) for k in keys)
+    keys = tuple(keys)
     if not keys:
         return True
     candidates = tuple(candidates)
@@ -180,7 +189,8 @@ def select_names(
     selected under another name is skipped: a parameter shared by several chunks is monitored
     once, under its first selected name.
     """
-    keys = tuple(targets)
+    named = list(named)
+    keys = without_wrapper(targets, (raw for _, raw in named))
     chosen: list[tuple[int, int, str]] = []
     seen: set[Hashable] = set()
     for position, (vpp, raw) in enumerate(named):
@@ -218,7 +228,7 @@ def unmatched_targets(
         while cut > 0 and spelling[:cut] not in parents:
             parents.add(spelling[:cut])
             cut = spelling.rfind(".", 0, cut)
-    bare = {key: without_wrapper(key) for key in keys}
+    bare = dict(zip(keys, without_wrapper(keys, (raw for _, raw in named)), strict=True))
     unmatched = [
         key
         for key, b in bare.items()

@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from monitor.config.schema import MonitorConfig
-from monitor.naming import distinct_names, is_selected_exactly, name_candidates, squash_name
+from monitor.naming import distinct_names, is_selected_exactly, name_candidates, squash_name, without_wrapper
 from monitor.record import RowSet
 
 ATTENTION_PREFIX, ATTENTION_TASK = "attention_hook", "qkt"
@@ -71,8 +71,9 @@ def select_l2_modules(
     ``(chunk, raw name, module)`` triples; none unless ``recording_l2_features``."""
     if not config.recording_l2_features:
         return [], []
-    attention_keys = config.l2_targets.get("attention_hook", ())
-    linear_keys = config.l2_targets.get("linear_hook", ())
+    raw_names = [raw for _, raw, _ in named]
+    attention_keys = without_wrapper(config.l2_targets.get("attention_hook", ()), raw_names)
+    linear_keys = without_wrapper(config.l2_targets.get("linear_hook", ()), raw_names)
 
     def listed(keys: Sequence[str], vpp: int, raw: str) -> bool:
         return is_selected_exactly(keys, name_candidates(vpp, raw, squash_name(raw)))

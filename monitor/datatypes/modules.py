@@ -18,7 +18,14 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 from monitor.config.schema import MonitorConfig
-from monitor.naming import distinct_names, is_selected_exactly, name_candidates, squash_name, wrapped_twins
+from monitor.naming import (
+    distinct_names,
+    is_selected_exactly,
+    name_candidates,
+    squash_name,
+    without_wrapper,
+    wrapped_twins,
+)
 
 logger = logging.getLogger("trainmon")
 
@@ -48,8 +55,9 @@ def select_modules(
     the wrapper's (``wrapped_twins``), only where a targets key names it. Names are made distinct
     within a chunk (``distinct_names``).
     """
-    keys = tuple(config.targets)
     named = list(named)
+    keys = without_wrapper(config.targets, (raw for _, raw in named))
+    key_formats = dict(zip(keys, config.targets.values(), strict=True))
     twins = wrapped_twins(named)
     selected = []
     for position, (vpp, raw) in enumerate(named):
@@ -59,7 +67,7 @@ def select_modules(
         formats: Mapping[str, str] = {}
         for key in keys:
             if key in candidates:
-                formats = config.targets[key]
+                formats = key_formats[key]
         if every or config.all_xy or not keys or is_selected_exactly(keys, candidates):
             selected.append(SelectedModule(position, vpp, raw, formats))
     names = distinct_names([(module.vpp_stage, module.name) for module in selected], config.squash_name)

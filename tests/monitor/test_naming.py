@@ -10,13 +10,13 @@ from monitor.naming import (
     build_tag,
     distinct_names,
     is_selected,
-    is_selected_exactly,
     key_selects,
     name_candidates,
     select_names,
     split_tag,
     squash_name,
     unmatched_targets,
+    without_wrapper,
 )
 
 # --------------------------------------------------------------------------------------------- squash_name
@@ -122,11 +122,17 @@ def test_key_in_raw_spelling_still_selects():
 
 
 def test_a_key_written_for_ddp_selects_the_same_name_without_the_wrapper():
-    """A config written for a DDP run (``module.fc2``) reused on the bare model (``fc2``)."""
-    assert _selects(["module.encoder.block.1"], "encoder.block.1.weight", squash=False)
-    assert not _selects(["module.encoder.block.1"], "encoder.block.12.weight", squash=False)
-    assert unmatched_targets(["module.encoder.block.1"], [(0, "encoder.block.1.weight")]) == []
-    assert is_selected_exactly(["module.fc2"], name_candidates(0, "fc2", "fc2"))
+    """A config written for a DDP run (``module.fc2``) reused on the bare model (``fc2``); where
+    the model has names under ``module`` (DDP, or a submodule really called so) keys stay as written."""
+    bare = [(0, "encoder.block.1.weight"), (0, "encoder.block.12.weight"), (0, "fc2")]
+    assert [name for _, name in select_names(bare, ["module.encoder.block.1"], squash=False)] == [
+        "encoder.block.1.weight"
+    ]
+    assert unmatched_targets(["module.encoder.block.1", "module.fc2"], bare) == []
+    assert without_wrapper(["module.fc2", "fc3"], ["fc2", "fc3"]) == ("fc2", "fc3")
+    own = [(0, "module.fc2.weight"), (0, "fc2.weight")]  # a submodule called module beside fc2
+    assert [name for _, name in select_names(own, ["module.fc2"], squash=False)] == ["module.fc2.weight"]
+    assert without_wrapper(["module.fc2"], [raw for _, raw in own]) == ("module.fc2",)
 
 
 def test_squashed_key_selects_the_long_raw_name():
