@@ -220,13 +220,16 @@ class Activations:
         return handles + self.roots.register_ends()
 
     def _micro_step_started(self, vpp: int) -> None:
-        """The gradients of the last micro-step are complete: measured; past ``unended``'s count,
-        the rows held so far are dropped (a step that never ends holds its latest micro-step's)."""
+        """The gradients of the last micro-step are complete: measured; in a step the gradients
+        took for one that never ends, the rows held so far are dropped (the latest are kept)."""
         self._guard("actv_grad", self._held["actv_grad"].describe, self.engine)
-        if self.unended is not None and self.unended.passes(self.roots.micro_of(vpp) + 1):
-            self._calls.clear()
-            for held in self._held.values():
-                held.blocks.clear()
+        if self.unended is not None and self.unended.now:
+            self._guard("actv", self._forget_rows)
+
+    def _forget_rows(self) -> None:
+        self._calls.clear()
+        for held in self._held.values():
+            held.blocks.clear()
 
     # -- hooks -------------------------------------------------------------------------------
 

@@ -123,7 +123,7 @@ class UnreducedGrads:
             kept = grads if self._reusable else []
             self._blocks.append((keys, self.engine.matrix(grads), kept))
             self._pending = []
-            if self._unended.passes(max(self._micro, default=0)):
+            if self._unended.is_unended(max(self._micro, default=0)):
                 del self._blocks[:-1]  # a step that never ends holds its latest pass's only
 
     def take(self) -> tuple[list[int], list[int] | None, ms.Tensor]:
@@ -162,6 +162,7 @@ class UnreducedGrads:
     def reset(self) -> None:
         """Forget the step: micro-batch counters, running sums, held gradients and statistics."""
         self._micro = [0] * len(self.registry)
+        self._unended.end_step()
         self._sums.clear()
         self._described = set()
         self._fired = 0

@@ -161,7 +161,7 @@ class UnreducedGrads:
             count = self._micro[index] + 1
             self._micro[index] = count
             if count >= self._unended.after:  # compared here: this runs per parameter and pass
-                self._unended.passes(count)
+                self._unended.is_unended(count)
             grad = self.accumulated(index, param)
             if grad is None:
                 return
@@ -227,7 +227,7 @@ class UnreducedGrads:
             if self._waiting:
                 for index in slots:
                     self._waiting.pop(index, None)
-            self._unended.passes(micro[noted[0]])
+            self._unended.is_unended(micro[noted[0]])
             local = [self._local(i, grad) for i, grad in zip(slots, grads)] if self._dtensors else grads
             self._rows.put_many(slots, local)
             if self.keep_measured:
@@ -311,7 +311,8 @@ class UnreducedGrads:
         try:
             micro = self._micro[index]
             self._micro[index] = micro + 1
-            if micro >= self._unended.after - 1 and self._unended.passes(micro + 1):  # then: latest pass only
+            # a step that never ends keeps its latest pass's rows only
+            if micro >= self._unended.after - 1 and self._unended.is_unended(micro + 1):
                 for earlier in range(0 if micro + 1 == self._unended.after else micro - 1, micro):
                     self._micro_rows.pop((index, earlier), None)
             local = self._local(index, grad.detach())
@@ -364,6 +365,7 @@ class UnreducedGrads:
     def reset(self) -> None:
         """Forget the step: micro-batch counters and pending statistics."""
         self._micro = [0] * len(self.registry)
+        self._unended.end_step()
         self._rows.clear()
         self._micro_rows.clear()
         self._held = [None] * len(self.registry)

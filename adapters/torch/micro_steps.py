@@ -26,8 +26,8 @@ class MicroSteps:
     ) -> None:
         self.chunks = list(chunks)
         self.active = active
-        #: past ``unended``'s count of passes, each new micro-step first has ``forget`` drop the
-        #: rows held so far: a step that never ends holds its latest micro-step's only
+        #: once the gradients have taken the step for one that never ends (``unended.now``), each
+        #: new micro-step first has ``forget`` drop the rows held so far: the latest one's are kept
         self.unended, self.forget = unended, forget
         #: micro-batches are announced (``announce``) instead of counted at the roots' calls
         self._announced = False
@@ -63,8 +63,11 @@ class MicroSteps:
 
     def _advance(self, vpp: int) -> None:
         self._current[vpp] += 1
-        if self.unended is not None and self.unended.passes(self._current[vpp] + 1):
-            self.forget()
+        if self.unended is not None and self.unended.now:
+            try:
+                self.forget()
+            except Exception:  # never the training's problem: the rows are then kept
+                self.unended = None
 
     def of(self, vpp: int) -> int:
         """The chunk's current micro-step (0 before its first counted call)."""

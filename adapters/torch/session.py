@@ -244,7 +244,10 @@ class TorchSession(SessionLifecycle):
 
     def _after_step(self, optimizer: Any, args: tuple, kwargs: dict) -> None:
         """Optimizer post-hook; an optimizer that never called its closure is collected here."""
-        self.backend.settle_verdict()
+        try:
+            self.backend.settle_verdict()
+        except Exception as exc:  # left unsettled, the step's gradients are judged as ever
+            logger.error("trainmon: reading the loss scaler's verdict failed (%r)", exc)
         if self._closure_pending:
             self._closure_pending = False
             self._begin_update()

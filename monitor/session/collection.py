@@ -35,28 +35,36 @@ UNENDED_PASSES = 256
 class UnendedStep:
     """Tells a step that has run for far more backward passes than ``grad_acc_steps``: the
     optimizer that steps is then likely not the one given to set_monitor, and nothing is written
-    until that one steps. Said once; the gradient sources bound what they hold from then on."""
+    until that one steps. Said once; from then on in that step the gradient sources and, told by
+    ``now``, the activations hold their latest pass's rows only."""
 
     def __init__(self, grad_acc_steps: int) -> None:
         self.grad_acc_steps = grad_acc_steps
         self.after = max(UNENDED_PASSES, 16 * grad_acc_steps)
+        #: the current step has been taken for one that never ends (reset by ``end_step``)
+        self.now = False
         self._told = False
 
-    def passes(self, count: int) -> bool:
+    def is_unended(self, count: int) -> bool:
         """Whether a step with ``count`` backward passes so far counts as one that never ends."""
         if count < self.after:
             return False
+        self.now = True
         if not self._told:
             self._told = True
             logger.warning(
                 "trainmon: %d backward passes and no step of the monitored optimizer (grad_acc_steps "
-                "is %d): nothing is written until it steps. Is the optimizer given to set_monitor the "
-                "one that steps (not one made anew after loading a checkpoint, say), and grad_acc_steps "
-                "about the number of micro-batches a step has?",
+                "is %d): nothing is written until it steps, and until then only the latest pass's "
+                "rows are kept. Is the optimizer given to set_monitor the one that steps (not one "
+                "made anew after loading a checkpoint, say), and grad_acc_steps about the number of "
+                "micro-batches a step has?",
                 count,
                 self.grad_acc_steps,
             )
         return True
+
+    def end_step(self) -> None:
+        self.now = False
 
 
 class BaseCollection(ABC):
