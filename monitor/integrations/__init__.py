@@ -51,8 +51,8 @@ def as_monitor(source: MonitorSource, **trainer_mon_kwargs: Any) -> TrainerMon:
     if unknown:
         raise TypeError(
             f"TrainmonCallback: unexpected keyword argument(s) {', '.join(unknown)}: it takes the config "
-            f"and TrainerMon's {', '.join(TRAINER_MON_KWARGS)}; the trainer gives the model, the "
-            "optimizer and the micro-batches per step"
+            f"and TrainerMon's {', '.join(TRAINER_MON_KWARGS)}; the trainer gives the model and the "
+            "optimizer"
         )
     if isinstance(source, TrainerMon):
         return source

@@ -77,6 +77,9 @@ class BaseCollection(ABC):
     collectives.
     """
 
+    #: this rank holds one pipeline stage's part of the model (set with the targets' check)
+    pipeline_stage = False
+
     core: MonitorCore
     registry: Any
     _rows: dict[str, tuple[list[int], RowSet]]
@@ -296,6 +299,7 @@ class BaseCollection(ABC):
         (their ``(vpp_stage, raw_name)``), or ``l2_targets`` key that names no module, with the
         closest name there. Under pipeline parallelism (``pipeline``) a rank holds only its stage's
         part: a key naming another stage's is expected, so it is said at info level only."""
+        self.pipeline_stage = pipeline
         level = logging.INFO if pipeline else logging.WARNING
         where = "this pipeline stage" if pipeline else "the model"
         lists = [("targets", self.config.targets, modules + params, True)]

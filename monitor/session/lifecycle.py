@@ -155,8 +155,9 @@ class SessionLifecycle(IncidentResponses, ABC):
             )
         per_parameter = [k for k in kinds if k in _PER_PARAMETER]
         if per_parameter and not len(self.collection.registry):
-            logger.warning(
-                "trainmon: no parameter is selected (targets: %s), so %s record nothing",
+            logger.log(  # a pipeline stage may well hold none of the targets
+                logging.INFO if self.collection.pipeline_stage else logging.WARNING,
+                "trainmon: no parameter is selected here (targets: %s), so %s record nothing",
                 ", ".join(config.targets) or "none",
                 ", ".join(per_parameter),
             )
