@@ -122,7 +122,7 @@ class Collection(BaseCollection):
             )
             self._handles += self.activations.register()
         if config.recording_l2_features:
-            self.l2 = L2Features(chunks, config, self.fail)
+            self.l2 = L2Features(chunks, config, self.fail, unended)
             self._handles += self.l2.register()
         self._register_recorders(chunks, StructureRecorder, stack_recorder)
         if collectives is not None:

@@ -27,6 +27,7 @@ from adapters.torch.sharded.spectral_flat import FlatPieceWeight, flat_weights
 from monitor.config.schema import MonitorConfig
 from monitor.datatypes.l2 import BREAKDOWN, FIRST_ITERATIONS, WARM_ITERATIONS, L2Steps
 from monitor.record import RowSet
+from monitor.session.collection import UnendedStep
 
 logger = logging.getLogger("trainmon")
 
@@ -133,6 +134,7 @@ class L2Features(L2Steps):
         chunks: Sequence[torch.nn.Module],
         config: MonitorConfig,
         on_error: Callable[[str, BaseException], None],
+        unended: UnendedStep | None = None,
     ) -> None:
         named = [
             (vpp, raw, module) for vpp, chunk in enumerate(chunks) for raw, module in chunk.named_modules()
@@ -140,7 +142,7 @@ class L2Features(L2Steps):
         flattened = flat_weights(chunks)  # FSDP1: where each flattened 2-D weight lies
         super().__init__(named, config, functools.partial(is_linear, flattened=flattened), on_error)
         self.chunks = list(chunks)
-        self.micro = MicroSteps(self.chunks, lambda: self.collect)
+        self.micro = MicroSteps(self.chunks, lambda: self.collect, unended, super().reset)
         #: per linear module held in pieces (shard_reduce): how its weight lies across the ranks
         self._pieces: dict[int, ShardedWeight | FlatPieceWeight] = {}
         whole = []
