@@ -107,20 +107,14 @@ def newer_run_than(root: str, rank_dirs: dict[int, str]) -> str | None:
     rank's (a later run than the one chosen by time), or None. Ranks are compared each with its
     own: their clocks name their directories, seconds apart within one run."""
 
-    def stamp(name: str) -> Any:
+    def stamp(name: str) -> tuple[int, Any] | None:
         match = RANK_DIR_PATTERN.match(name)
         return (int(match.group(2)), parse_time_tag(match.group(1))) if match else None
 
-    chosen = {rank: t for rank, t in (stamp(os.path.basename(p)) or (None, None) for p in rank_dirs.values())}
+    chosen = dict(filter(None, (stamp(os.path.basename(p)) for p in rank_dirs.values())))
     with os.scandir(root) as entries:
-        later = [
-            e.path
-            for e in entries
-            if (found := stamp(e.name)) is not None
-            and chosen.get(found[0]) is not None
-            and found[1] is not None
-            and found[1] > chosen[found[0]]
-        ]
+        stamps = [(e.path, stamp(e.name)) for e in entries]
+    later = [path for path, s in stamps if s and s[1] and chosen.get(s[0]) and s[1] > chosen[s[0]]]
     return min(later) if later else None
 
 
