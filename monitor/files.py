@@ -20,6 +20,9 @@ TIME_FORMAT = "%b%d_%H-%M-%S"
 #: per-rank directory names: "{time}-rank{R}-{uuid8}"; msprobe's converters match this.
 RANK_DIR_PATTERN = re.compile(r"^([\w-]{0,20})-rank(\d{1,5})-([0-9a-f]{8})$")
 OUTPUT_ENV = "MONITOR_OUTPUT_DIR"
+#: what a file an earlier run left in an output directory is renamed with, before its time
+#: (``anomaly.json.earlier-<time>``): kept, not overwritten, and not read as the new run's
+EARLIER_RUN = ".earlier-"
 
 
 def output_root() -> str:

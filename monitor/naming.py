@@ -56,8 +56,7 @@ def wrapped_twins(named: Iterable[tuple[int, str]]) -> set[tuple[int, str]]:
 def unwrapped_name(name: str) -> str:
     """The name without what wrappers add: leading ``module.`` (DDP, DeepSpeed, Megatron's
     Float16Module) and the segments of torch.compile, FSDP1 and activation checkpointing."""
-    while name.startswith("module."):
-        name = name[len("module.") :]
+    name = _without_ddp_prefix(name)
     if "_" in name:
         name = ".".join(part for part in name.split(".") if part not in _WRAPPER_SEGMENTS)
     return name
@@ -122,10 +121,7 @@ def name_candidates(vpp_stage: int, raw_name: str, squashed: str) -> tuple[str, 
     Raw and squashed names, with and without the chunk prefix, and without the leading
     ``module.`` segments that DDP/DeepSpeed/Megatron wrappers add.
     """
-    bare = raw_name
-    while bare.startswith("module."):
-        bare = bare[len("module.") :]
-    names = dict.fromkeys((raw_name, squashed, bare))
+    names = dict.fromkeys((raw_name, squashed, _without_ddp_prefix(raw_name)))
     prefixed = [chunk_name(vpp_stage, n) for n in names]
     return tuple(dict.fromkeys([*names, *prefixed]))
 
@@ -140,12 +136,14 @@ def without_wrapper(keys: Iterable[str], raw_names: Iterable[str]) -> tuple[str,
         return keys
     if any(raw == "module" or raw.startswith("module.") for raw in raw_names):
         return keys
-    bare = []
-    for key in keys:
-        while key.startswith("module."):
-            key = key[len("module.") :]
-        bare.append(key)
-    return tuple(bare)
+    return tuple(_without_ddp_prefix(key) for key in keys)
+
+
+def _without_ddp_prefix(name: str) -> str:
+    """The name without the leading ``module.`` segments that DDP-like wrappers add."""
+    while name.startswith("module."):
+        name = name[len("module.") :]
+    return name
 
 
 def key_selects(key: str, candidate: str) -> bool:

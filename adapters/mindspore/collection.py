@@ -115,7 +115,8 @@ class Collection(BaseCollection):
             self.update_ratio = False
         self.registry = ParamRegistry(chunks, config)
         cells = [(vpp, raw) for vpp, chunk in enumerate(chunks) for raw, _ in chunk.cells_and_names()]
-        self._warn_unmatched_targets(cells, self.registry.names, len(group_mates) > 1)
+        self.pipeline_stage = len(group_mates) > 1
+        self._warn_unmatched_targets(cells, self.registry.names)
         info = run_info("mindspore", ms.__version__, rank, world_size(), [type(c).__name__ for c in chunks])
         self.core = MonitorCore(config, rank, pp_stage, group_mates, output_dir=output_dir, info=info)
         params = self.registry.params

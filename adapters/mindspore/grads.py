@@ -123,7 +123,7 @@ class UnreducedGrads:
             kept = grads if self._reusable else []
             self._blocks.append((keys, self.engine.matrix(grads), kept))
             self._pending = []
-            if self._unended.is_unended(max(self._micro, default=0)):
+            if self._unended.is_unended(self._micro[keys[-1][0]]):
                 del self._blocks[:-1]  # a step that never ends holds its latest pass's only
 
     def take(self) -> tuple[list[int], list[int] | None, ms.Tensor]:

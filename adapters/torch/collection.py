@@ -77,7 +77,8 @@ class Collection(BaseCollection):
         self.update_ratio = self._update_ratio_wanted()
         self.registry = ParamRegistry(chunks, config, main_grad, backend.named_parameters)
         modules = [(vpp, raw) for vpp, chunk in enumerate(chunks) for raw, _ in chunk.named_modules()]
-        self._warn_unmatched_targets(modules, self.registry.names, len(group_mates) > 1)
+        self.pipeline_stage = len(group_mates) > 1
+        self._warn_unmatched_targets(modules, self.registry.names)
         #: collected steps left to tell whether the optimizer keeps Adam's moments (a shard may hold none)
         self._moment_checks_left = 20 if config.mv_distribution and not backend.sharded else 0
         backend.prepare([entry.param for entry in self.registry.params], self.registry.grad)

@@ -310,10 +310,10 @@ class UnreducedGrads:
         """One micro-batch's own gradient of parameter ``index``, before it is accumulated."""
         try:
             micro = self._micro[index]
-            self._micro[index] = micro + 1
-            # a step that never ends keeps its latest pass's rows only
-            if micro >= self._unended.after - 1 and self._unended.is_unended(micro + 1):
-                for earlier in range(0 if micro + 1 == self._unended.after else micro - 1, micro):
+            self._micro[index] = count = micro + 1
+            # compared here (per parameter and pass); a step that never ends keeps its latest rows
+            if count >= self._unended.after and self._unended.is_unended(count):
+                for earlier in range(0 if count == self._unended.after else micro - 1, micro):
                     self._micro_rows.pop((index, earlier), None)
             local = self._local(index, grad.detach())
             self._micro_rows[(index, micro)] = tensor_stats(local, self.ops, self.eps)

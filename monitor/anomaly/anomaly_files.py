@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from monitor.anomaly.ordering import AnomalyRecord, TopK, select_records
 from monitor.anomaly.workers import map_in_workers, max_workers, total_size
+from monitor.files import EARLIER_RUN
 
 INPUT_NAME = "anomaly.json"
 PARALLEL_BYTES = 32 * 2**20
@@ -90,7 +91,7 @@ def earlier_runs_files(paths: list[str]) -> list[str]:
     for path in paths:
         directory, name = os.path.split(path)
         with os.scandir(directory) as entries:
-            found += [e.path for e in entries if e.name.startswith(f"{name}.earlier-") and e.is_file()]
+            found += [e.path for e in entries if e.name.startswith(f"{name}{EARLIER_RUN}") and e.is_file()]
     return sorted(found)
 
 

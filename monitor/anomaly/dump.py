@@ -25,7 +25,7 @@ from typing import Any
 
 from monitor.anomaly.detector import Anomaly
 from monitor.anomaly.incident_files import INCIDENTS_NAME
-from monitor.files import atomic_write_text, make_private_dir
+from monitor.files import EARLIER_RUN, atomic_write_text, make_private_dir
 
 logger = logging.getLogger("trainmon")
 
@@ -127,10 +127,10 @@ def _keep_earlier(path: str) -> None:
     if os.path.islink(path) or not os.path.isfile(path):  # a link is refused when written
         return
     stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(os.lstat(path).st_mtime))
-    kept, number = f"{path}.earlier-{stamp}", 1
+    kept, number = f"{path}{EARLIER_RUN}{stamp}", 1
     while os.path.lexists(kept):
         number += 1
-        kept = f"{path}.earlier-{stamp}-{number}"
+        kept = f"{path}{EARLIER_RUN}{stamp}-{number}"
     os.replace(path, kept)
     logger.warning("trainmon: the anomaly file of an earlier run at %s is kept as %s", path, kept)
 

@@ -14,6 +14,7 @@ when the callback is built, before training starts.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 from collections.abc import Mapping
@@ -29,8 +30,8 @@ logger = logging.getLogger("trainmon")
 MonitorSource = str | os.PathLike | Mapping[str, Any] | MonitorConfig | TrainerMon
 
 
-#: the keyword arguments a callback passes on to TrainerMon
-TRAINER_MON_KWARGS = ("process_group", "params_have_main_grad", "opt_ty")
+#: the keyword arguments a callback passes on to TrainerMon (all of its own but the config)
+TRAINER_MON_KWARGS = tuple(inspect.signature(TrainerMon).parameters)[1:]
 #: trainer -> the module of its callback, named when a callback is handed to another trainer
 CALLBACKS = {
     "the Hugging Face Trainer": "monitor.integrations.hf",

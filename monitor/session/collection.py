@@ -77,7 +77,7 @@ class BaseCollection(ABC):
     collectives.
     """
 
-    #: this rank holds one pipeline stage's part of the model (set with the targets' check)
+    #: this rank holds one pipeline stage's part of the model (set by the adapters at attach)
     pipeline_stage = False
 
     core: MonitorCore
@@ -292,14 +292,12 @@ class BaseCollection(ABC):
                 described,
             )
 
-    def _warn_unmatched_targets(
-        self, modules: list[tuple[int, str]], params: list[tuple[int, str]], pipeline: bool
-    ) -> None:
+    def _warn_unmatched_targets(self, modules: list[tuple[int, str]], params: list[tuple[int, str]]) -> None:
         """One warning per ``targets`` key that names none of the model's modules and parameters
         (their ``(vpp_stage, raw_name)``), or ``l2_targets`` key that names no module, with the
-        closest name there. Under pipeline parallelism (``pipeline``) a rank holds only its stage's
-        part: a key naming another stage's is expected, so it is said at info level only."""
-        self.pipeline_stage = pipeline
+        closest name there. Under pipeline parallelism (``pipeline_stage``) a rank holds only its
+        stage's part: a key naming another stage's is expected, so it is said at info level only."""
+        pipeline = self.pipeline_stage
         level = logging.INFO if pipeline else logging.WARNING
         where = "this pipeline stage" if pipeline else "the model"
         lists = [("targets", self.config.targets, modules + params, True)]
