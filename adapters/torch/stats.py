@@ -17,8 +17,8 @@ Per-tensor cost: the kernel takes the addresses of a whole list of tensors in on
 derived column-wise with numpy. One-at-a-time rows (a hook per parameter) gather in
 adapters.torch.row_buffer without a Python object each.
 
-Accelerators: ``torch._foreach_norm`` over the list, one aminmax per tensor, fp32 sums, counts
-in COUNT_CHUNK pieces so their temporaries stay bounded; no host synchronisation.
+Accelerators: ``torch._foreach_norm`` over the list, one aminmax per tensor, sums accumulated in
+float64, counts in COUNT_CHUNK pieces so their temporaries stay bounded; no host synchronisation.
 
 NaN/Inf policy: min, max, norm and mean propagate NaN/Inf exactly as numpy does on the same
 data; ``nans`` counts NaN elements; empty tensors give NaN for min/max/mean/zeros and 0 for
@@ -209,25 +209,31 @@ def _double_sums(flat: torch.Tensor) -> tuple[float, float]:
 
 
 def _device_block(tensors: Sequence[torch.Tensor], ops: tuple[str, ...], eps: float) -> torch.Tensor:
-    """Accelerator tensors of one dtype and device: fused multi-tensor reductions, no host sync."""
-    acc = _accumulate_dtype(tensors[0].dtype)
+    """Accelerator tensors of one dtype and device: fused multi-tensor reductions, no host sync.
+
+    Sums and sums of squares accumulate in float64 as the elements are read (no widened copy):
+    the host path can take a float32 sum again in float64 where it lost range, but here reading
+    the verdict would stall the device, and a float32 sum of squares turns vanishing gradients
+    (below 1e-19) into a norm of 0 and huge finite ones into Inf."""
     floating = tensors[0].is_floating_point()
     device = tensors[0].device
+    listed = list(tensors)
     columns: dict[str, torch.Tensor] = {}
     if "norm" in ops:
         if floating:
-            norms = torch._foreach_norm(list(tensors), 2, dtype=acc)
+            norms = torch._foreach_norm(listed, 2, dtype=_F64)
         else:
-            norms = [torch.linalg.vector_norm(t.to(acc)) for t in tensors]
-        columns["norm"] = torch.stack(norms).to(_F64)
+            norms = [torch.linalg.vector_norm(t.to(_F64)) for t in tensors]
+        columns["norm"] = torch.stack(norms)
     if "min" in ops or "max" in ops:
         pairs = [torch.aminmax(t) for t in tensors]
         columns["min"] = torch.stack([p.min for p in pairs]).to(_F64)
         columns["max"] = torch.stack([p.max for p in pairs]).to(_F64)
     numel = torch.tensor([t.numel() for t in tensors], dtype=_F64, device=device)
     if "mean" in ops:
-        columns["mean"] = torch.stack([t.sum(dtype=acc) for t in tensors]).to(_F64) / numel
+        columns["mean"] = torch.stack([t.sum(dtype=_F64) for t in tensors]) / numel
     if "zeros" in ops:
+        acc = _accumulate_dtype(tensors[0].dtype)
         counts = []
         for t in tensors:
             pieces = t.reshape(-1).split(COUNT_CHUNK)

@@ -32,6 +32,12 @@ CONFIG = {
 }
 
 
+def host_copy(tensor: torch.Tensor) -> np.ndarray:
+    """A numpy copy of a tensor on any device, in its own dtype (bf16 widened to float32)."""
+    tensor = tensor.detach().cpu()
+    return (tensor.float() if tensor.dtype == torch.bfloat16 else tensor).numpy().copy()
+
+
 class StepReads:
     """Per step (the trainer's logged step number): every data type's tensors, copied to numpy."""
 
@@ -62,7 +68,7 @@ class StepReads:
 
     def _copier(self, name: str):
         def copy(param: torch.Tensor) -> None:
-            self._accumulated[name] = param.grad.detach().numpy().copy()
+            self._accumulated[name] = host_copy(param.grad)
             self._count += 1
 
         return copy
@@ -71,7 +77,7 @@ class StepReads:
         def copy(grad: torch.Tensor) -> None:
             if not self._own or name in self._own[-1]:  # a new micro-batch's backward
                 self._own.append({})
-            self._own[-1][name] = grad.detach().numpy().copy()
+            self._own[-1][name] = host_copy(grad)
 
         return copy
 
@@ -79,8 +85,8 @@ class StepReads:
         """At the optimizer's step, after clipping: the gradient it uses and the parameters."""
         params = self.named_parameters()
         self.steps[step]["grad_unreduced"] = dict(self._accumulated)
-        self.steps[step]["grad_reduced"] = {n: p.grad.detach().numpy().copy() for n, p in params}
-        self.steps[step]["param_origin"] = {n: p.detach().numpy().copy() for n, p in params}
+        self.steps[step]["grad_reduced"] = {n: host_copy(p.grad) for n, p in params}
+        self.steps[step]["param_origin"] = {n: host_copy(p) for n, p in params}
         self.micro_batches.append(self._count // max(len(params), 1))
         self.own[step] = self._own
         self._accumulated, self._count, self._own = {}, 0, []
@@ -88,9 +94,9 @@ class StepReads:
     def after_update(self, step: int, optimizer: torch.optim.Optimizer) -> None:
         """After the update: the parameters and Adam's moments, from ``optimizer.state``."""
         params = self.named_parameters()
-        self.steps[step]["param_updated"] = {n: p.detach().numpy().copy() for n, p in params}
+        self.steps[step]["param_updated"] = {n: host_copy(p) for n, p in params}
         for key in ("exp_avg", "exp_avg_sq"):
-            self.steps[step][key] = {n: optimizer.state[p][key].numpy().copy() for n, p in params}
+            self.steps[step][key] = {n: host_copy(optimizer.state[p][key]) for n, p in params}
 
     def update_skipped(self, step: int) -> None:
         """The step's update was skipped (a loss scaler's overflow): of what the optimizer would

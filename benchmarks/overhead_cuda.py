@@ -1,0 +1,232 @@
+"""The monitor's cost on a CUDA GPU: the statistics of many tensors, and whole training steps.
+
+Needs a CUDA device (it refuses to run without one); the CPU benchmarks (overhead.py,
+scaling.py) measure process CPU time, which on a GPU says little: here the host launches work
+and waits, so the cost is wall time with the device synchronised at each step's end.
+
+"stats": ``stat_matrix`` + the one device-to-host copy over N float32 tensors that hold 64M
+elements together (a model's gradients), per call: the host's time to issue the work ("host",
+what delays the training thread) and the time until the values are on the host ("ready"); with
+``torch._foreach_norm`` alone (what gradient clipping spends) as the floor.
+
+"steps": a GPT-like model (about 200M parameters, bf16 autocast, AdamW) trained in alternating
+unmonitored (A) and monitored (B) blocks, A B B A ..., as overhead.py does; per pair the ratio
+of median step times B/A, the median over pairs reported with its spread, and the peak of
+allocated device memory in B blocks over A blocks. "many": the same for N/2 Linear(64, 64)
+layers summed (N parameter tensors), in microseconds per tensor and step.
+
+    python benchmarks/overhead_cuda.py                     # everything
+    python benchmarks/overhead_cuda.py --parts stats --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+from blocks import EVERYTHING_WITH_ALERTS  # noqa: E402
+from torch import nn  # noqa: E402
+
+OPS = ["min", "max", "norm", "mean", "zeros", "nans"]
+SCENARIOS = {
+    "wg": {"wg_distribution": True},
+    "mv": {"mv_distribution": True},
+    "param": {"param_distribution": True},
+    "xy": {"xy_distribution": True, "all_xy": True},
+    "all": EVERYTHING_WITH_ALERTS,
+}
+#: about 200M parameters; a step of batch 8 takes tens of milliseconds on an H200
+GPT = {"vocab": 32768, "hidden": 1024, "heads": 16, "layers": 12, "seq": 512}
+OUTPUT = os.environ.get("MONITOR_OUTPUT_DIR") or tempfile.mkdtemp(prefix="trainmon-cuda-")
+
+
+def _median_ms(samples: list[float]) -> float:
+    return 1000 * statistics.median(samples)
+
+
+def stat_costs(counts: list[int], elements: int = 1 << 26, repeats: int = 7) -> list[dict]:
+    """Per tensor count: host and ready times of one stat_matrix call, and of _foreach_norm."""
+    from adapters.torch.stats import stat_matrix, to_host
+
+    rows = []
+    for count in counts:
+        generator = torch.Generator(device="cuda").manual_seed(count)
+        size = elements // count
+        tensors = [torch.randn(size, device="cuda", generator=generator) for _ in range(count)]
+        timings: dict[str, list[float]] = {"host": [], "ready": [], "floor": []}
+        for repeat in range(repeats + 2):
+            torch.cuda.synchronize()
+            started = time.perf_counter()
+            values, fetch = to_host(stat_matrix(tensors, OPS))
+            issued = time.perf_counter()
+            values = fetch() if values is None else values
+            ready = time.perf_counter()
+            torch.cuda.synchronize()
+            floor = time.perf_counter()
+            torch.stack(torch._foreach_norm(tensors, 2)).cpu()
+            floor_done = time.perf_counter()
+            if repeat >= 2:
+                timings["host"].append(issued - started)
+                timings["ready"].append(ready - started)
+                timings["floor"].append(floor_done - floor)
+        row = {"tensors": count, **{k: _median_ms(v) for k, v in timings.items()}}
+        row["host_us_per_tensor"] = 1000 * row["host"] / count
+        rows.append(row)
+        print(
+            f"stats  {count:6d} tensors: host {row['host']:8.2f} ms"
+            f" ({row['host_us_per_tensor']:5.1f} us each)  ready {row['ready']:8.2f} ms"
+            f"  foreach_norm {row['floor']:6.2f} ms",
+            flush=True,
+        )
+        del tensors
+    return rows
+
+
+class ManyLinears(nn.Module):
+    """N/2 Linear(64, 64) applied to one input and summed: N parameter tensors."""
+
+    def __init__(self, tensors: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(64, 64) for _ in range(tensors // 2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return sum(layer(x) for layer in self.layers)
+
+
+def alternate(
+    label: str, model: nn.Module, loss_of, config: dict, pairs: int, steps: int, warmup: int = 2
+) -> dict:
+    """Ratios of median step times (B/A) per pair and the peak device memory of B over A; the
+    monitor writes under ``label`` in the output directory."""
+    from monitor import TrainerMon
+
+    os.environ["MONITOR_OUTPUT_DIR"] = os.path.join(OUTPUT, label)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    mon = None
+    blocks = []
+    for pair in range(pairs):
+        for monitored in (False, True) if pair % 2 == 0 else (True, False):
+            if monitored:
+                if mon is None:
+                    mon = TrainerMon({"targets": {}, "ops": OPS, **config})
+                    mon.set_monitor(model, grad_acc_steps=1, optimizer=optimizer)
+                else:
+                    mon.start()
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            walls = []
+            for i in range(warmup + steps):
+                started = time.perf_counter()
+                with torch.autocast("cuda", dtype=torch.bfloat16):
+                    loss = loss_of(model)
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                torch.cuda.synchronize()
+                if i >= warmup:
+                    walls.append(time.perf_counter() - started)
+            if monitored:
+                mon.flush()
+                mon.stop()
+            blocks.append({"monitored": monitored, "wall": walls, "peak": torch.cuda.max_memory_allocated()})
+    ratios, extras = [], []
+    for first, second in zip(blocks[0::2], blocks[1::2]):
+        plain, watched = (second, first) if first["monitored"] else (first, second)
+        ratios.append(statistics.median(watched["wall"]) / statistics.median(plain["wall"]))
+        extras.append(statistics.median(watched["wall"]) - statistics.median(plain["wall"]))
+    plain_peak = max(b["peak"] for b in blocks if not b["monitored"])
+    watched_peak = max(b["peak"] for b in blocks if b["monitored"])
+    return {
+        "ratio": statistics.median(ratios),
+        "spread": [min(ratios), max(ratios)],
+        "extra_ms": 1000 * statistics.median(extras),
+        "step_ms": _median_ms([t for b in blocks if not b["monitored"] for t in b["wall"]]),
+        "peak_growth": watched_peak / plain_peak - 1,
+    }
+
+
+def gpt_steps(names: list[str], pairs: int, steps: int) -> dict:
+    from adapters.torch.demo import GPTConfig, TinyGPT, synthetic_batch
+
+    cfg = GPTConfig(**GPT)
+    torch.manual_seed(0)
+    model = TinyGPT(cfg).cuda()
+    tokens, targets = (t.cuda() for t in synthetic_batch(cfg, 8, torch.Generator().manual_seed(0)))
+
+    def loss_of(m: nn.Module) -> torch.Tensor:
+        return nn.functional.cross_entropy(m(tokens).reshape(-1, cfg.vocab).float(), targets.reshape(-1))
+
+    results = {}
+    params = sum(p.numel() for p in model.parameters())
+    for name in names:
+        r = results[name] = alternate(f"gpt-{name}", model, loss_of, SCENARIOS[name], pairs, steps)
+        print(
+            f"steps  GPT {params / 1e6:.0f}M {name:6s}: {r['ratio']:.3f}"
+            f" ({r['spread'][0]:.3f}-{r['spread'][1]:.3f})  +{r['extra_ms']:6.2f} ms"
+            f" on {r['step_ms']:6.1f} ms  peak memory {r['peak_growth']:+.1%}",
+            flush=True,
+        )
+    return results
+
+
+def many_steps(counts: list[int], names: list[str], pairs: int, steps: int) -> dict:
+    results = {}
+    for count in counts:
+        torch.manual_seed(0)
+        model = ManyLinears(count).cuda()
+        x = torch.randn(256, 64, device="cuda")
+
+        def loss_of(m: nn.Module, x: torch.Tensor = x) -> torch.Tensor:
+            return m(x).pow(2).mean()
+
+        for name in names:
+            r = alternate(f"{count}-{name}", model, loss_of, SCENARIOS[name], pairs, steps)
+            r["us_per_tensor"] = 1000 * r["extra_ms"] / count
+            results[f"{count}/{name}"] = r
+            print(
+                f"many   {count:6d} tensors {name:6s}: {r['ratio']:.3f}  +{r['extra_ms']:7.2f} ms on"
+                f" {r['step_ms']:7.2f} ms = {r['us_per_tensor']:5.1f} us a tensor",
+                flush=True,
+            )
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--parts", default="stats,steps,many", help="comma-separated: %(default)s")
+    parser.add_argument("--counts", default="77,400,2000,8000", help="tensor counts of 'stats' and 'many'")
+    parser.add_argument("--scenarios", default=",".join(SCENARIOS), help="of 'steps': %(default)s")
+    parser.add_argument("--pairs", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per block")
+    parser.add_argument("--json", help="also write the results here")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        parser.error("no CUDA device: this benchmark measures the monitor on a GPU")
+    parts = args.parts.split(",")
+    counts = [int(c) for c in args.counts.split(",")]
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
+    results: dict = {}
+    if "stats" in parts:
+        results["stats"] = stat_costs(counts)
+    if "steps" in parts:
+        results["steps"] = gpt_steps(args.scenarios.split(","), args.pairs, args.steps)
+    if "many" in parts:
+        results["many"] = many_steps([c for c in counts if c >= 2000], ["wg", "all"], args.pairs, args.steps)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,104 @@
+"""The accelerator path of the statistics and a training run on it, against numpy on host copies.
+
+Accelerator tensors are reduced with torch's own device ops (``_device_block``: a fused norm over
+the list, one min/max per tensor, float64 sums, bounded counting pieces) and reach the host in one
+asynchronous copy per step. Where a GPU is present that path runs on it ("cuda"); everywhere the
+same device ops also run on CPU tensors ("device-ops"), so the machine without a GPU still checks
+their numbers; "cpu" is the host path, for comparison.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import adapters.torch.stats as stats
+from monitor import TrainerMon
+from tests.integrations.reads import CONFIG, StepReads, compare, host_copy, written_rows
+from tests.reference_stats import (
+    ALL_OPS,
+    NON_FINITE_VALUES,
+    assert_same_number,
+    assert_stats_close,
+    numpy_stats,
+)
+from tests.training import MLP
+
+PATHS = ["cpu", "device-ops"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.fixture(params=PATHS)
+def device(request, monkeypatch) -> str:
+    """The device tensors are made on; "device-ops" routes CPU tensors through the device path."""
+    if request.param == "device-ops":
+        monkeypatch.setattr(stats, "kernel_sweep", lambda tensors: None)
+        monkeypatch.setattr(stats, "_cpu_block", stats._device_block)
+        return "cpu"
+    return request.param
+
+
+def _rows(tensors: list[torch.Tensor], ops=ALL_OPS) -> list[dict[str, float]]:
+    matrix = stats.stat_matrix(tensors, ops)
+    assert matrix.shape == (len(tensors), len(ops)) and matrix.device == tensors[0].device
+    values, fetch = stats.to_host(matrix)
+    values = fetch() if values is None else values
+    return [dict(zip(ops, row)) for row in values.tolist()]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("values", list(NON_FINITE_VALUES.values()), ids=list(NON_FINITE_VALUES))
+def test_non_finite_tiny_and_huge_values_follow_numpy(device, dtype, values):
+    """Float64 accumulation: vanishing values keep their norm, huge finite ones stay finite."""
+    tensor = torch.tensor(values, dtype=dtype, device=device)
+    (got,) = _rows([tensor])
+    want = numpy_stats(host_copy(tensor))
+    for op in ALL_OPS:
+        assert_same_number(got[op], want[op])
+
+
+def test_many_tensors_of_mixed_dtypes_shapes_and_layouts(device, monkeypatch):
+    """Non-contiguous, empty, scalar, integer and half tensors in one call; counting pieces of
+    a few elements so that their folding is exercised too."""
+    monkeypatch.setattr(stats, "COUNT_CHUNK", 7)
+    generator = torch.Generator().manual_seed(0)
+    host = [
+        torch.randn(37, 5, generator=generator),
+        torch.randn(6, 9, generator=generator).t(),
+        torch.randn(64, generator=generator).to(torch.bfloat16),
+        torch.randn(3, 4, 5, generator=generator).to(torch.float16),
+        torch.zeros(0),
+        torch.tensor(2.5),
+        torch.randint(-5, 5, (23,), generator=generator),
+        torch.randn(50, generator=generator).masked_fill(torch.arange(50) % 9 == 0, float("nan")),
+    ]
+    host[0][3, :] = 0.0
+    tensors = [t.to(device) for t in host]
+    for got, tensor in zip(_rows(tensors), host):
+        assert_stats_close(got, host_copy(tensor), what=f"{tensor.dtype} {tuple(tensor.shape)}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_training_run_records_every_data_type_as_numpy_reads_it(device, dtype, tmp_path, monkeypatch):
+    """Gradients (each micro-batch's sum and the one the step uses), parameters before and after
+    the update and Adam's moments, all on the device, against the test's own host copies."""
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path))
+    torch.manual_seed(0)
+    model = MLP().to(device=device, dtype=dtype)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    reads = StepReads(model)
+    mon = TrainerMon(CONFIG)
+    mon.set_monitor(model, grad_acc_steps=2, optimizer=optimizer)
+    generator = torch.Generator().manual_seed(1)
+    for step in range(3):
+        for _ in range(2):
+            batch = torch.randn(5, 6, generator=generator).to(device=device, dtype=dtype)
+            model(batch).float().pow(2).mean().backward()
+        reads.before_update(step)
+        optimizer.step()
+        reads.after_update(step, optimizer)
+        optimizer.zero_grad(set_to_none=True)
+    mon.stop()
+    reads.remove()
+    (rank_dir,) = [p for p in tmp_path.rglob("*") if p.is_dir() and any(p.glob("*.csv"))]
+    compared = compare(reads.steps, written_rows(str(rank_dir)), what=f"{device} {dtype}")
+    assert compared == 3 * 6 * len(list(model.parameters())) * len(ALL_OPS)
