@@ -9,6 +9,9 @@ elements together (a model's gradients), per call: the host's time to issue the 
 what delays the training thread) and the time until the values are on the host ("ready"); with
 ``torch._foreach_norm`` alone (what gradient clipping spends) as the floor.
 
+"dispatch" (no GPU needed): the same device ops on CPU tensors, for the host's cost of issuing
+them per tensor, which does not depend on a GPU.
+
 "steps": a GPT-like model (about 200M parameters, bf16 autocast, AdamW) trained in alternating
 unmonitored (A) and monitored (B) blocks, A B B A ..., as overhead.py does; per pair the ratio
 of median step times B/A, the median over pairs reported with its spread, and the peak of
@@ -17,6 +20,7 @@ layers summed (N parameter tensors), in microseconds per tensor and step.
 
     python benchmarks/overhead_cuda.py                     # everything
     python benchmarks/overhead_cuda.py --parts stats --json out.json
+    python benchmarks/overhead_cuda.py --parts dispatch                # no GPU needed
 """
 
 from __future__ import annotations
@@ -90,6 +94,33 @@ def stat_costs(counts: list[int], elements: int = 1 << 26, repeats: int = 7) -> 
             flush=True,
         )
         del tensors
+    return rows
+
+
+def dispatch_costs(counts: list[int], repeats: int = 5) -> list[dict]:
+    """The accelerator path's host cost per tensor, its device ops run on CPU tensors: without
+    a GPU this is the part of the cost that does not depend on one (what torch spends to issue
+    each operation). N tensors, half of 256 elements and half of 16 (weights and biases)."""
+    from adapters.torch.device_stats import device_block
+
+    torch.set_num_threads(1)
+    rows = []
+    for count in counts:
+        tensors = [torch.randn(256 if i % 2 else 16) for i in range(count)]
+        device_block(tensors, tuple(OPS), 1e-8)
+        samples = []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            device_block(tensors, tuple(OPS), 1e-8)
+            samples.append(time.perf_counter() - started)
+        row = {"tensors": count, "host": _median_ms(samples)}
+        row["host_us_per_tensor"] = 1000 * row["host"] / count
+        rows.append(row)
+        print(
+            f"dispatch {count:6d} tensors (CPU): {row['host']:8.2f} ms"
+            f" ({row['host_us_per_tensor']:5.2f} us each)",
+            flush=True,
+        )
     return rows
 
 
@@ -204,19 +235,24 @@ def many_steps(counts: list[int], names: list[str], pairs: int, steps: int) -> d
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--parts", default="stats,steps,many", help="comma-separated: %(default)s")
+    parser.add_argument(
+        "--parts", help="comma-separated, of: dispatch (CPU), stats, steps, many (default: the last three)"
+    )
     parser.add_argument("--counts", default="77,400,2000,8000", help="tensor counts of 'stats' and 'many'")
     parser.add_argument("--scenarios", default=",".join(SCENARIOS), help="of 'steps': %(default)s")
     parser.add_argument("--pairs", type=int, default=4)
     parser.add_argument("--steps", type=int, default=5, help="timed steps per block")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        parser.error("no CUDA device: this benchmark measures the monitor on a GPU")
-    parts = args.parts.split(",")
+    parts = (args.parts or "stats,steps,many").split(",")
+    if set(parts) - {"dispatch"} and not torch.cuda.is_available():
+        parser.error("no CUDA device: only --parts dispatch runs without a GPU")
     counts = [int(c) for c in args.counts.split(",")]
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
+    if torch.cuda.is_available():
+        print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
     results: dict = {}
+    if "dispatch" in parts:
+        results["dispatch"] = dispatch_costs(counts)
     if "stats" in parts:
         results["stats"] = stat_costs(counts)
     if "steps" in parts:

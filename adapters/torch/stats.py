@@ -17,8 +17,9 @@ Per-tensor cost: the kernel takes the addresses of a whole list of tensors in on
 derived column-wise with numpy. One-at-a-time rows (a hook per parameter) gather in
 adapters.torch.row_buffer without a Python object each.
 
-Accelerators: ``torch._foreach_norm`` over the list, one aminmax per tensor, sums accumulated in
-float64, counts in COUNT_CHUNK pieces so their temporaries stay bounded; no host synchronisation.
+Accelerators: adapters.torch.device_stats (small tensors stacked by size and reduced row by row,
+larger ones with a fused norm over the list and their own reductions, sums in float64); no host
+synchronisation.
 
 NaN/Inf policy: min, max, norm and mean propagate NaN/Inf exactly as numpy does on the same
 data; ``nans`` counts NaN elements; empty tensors give NaN for min/max/mean/zeros and 0 for
@@ -37,12 +38,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from adapters.torch.device_stats import count_nans, device_block, id_column, on_device
 from adapters.torch.in_place import KINDS, PLAIN, in_place, kernel_parts, kernel_sweep, kernel_tuple
 from monitor.stats import fused_stats
 from monitor.stats.host_stats import EMPTY_VALUE, columns, float32_sums_lost, kernel_row, probe_index
 
-#: accelerators: elements per chunk for the counting ops (bounds their temporaries).
-COUNT_CHUNK = 1 << 24
 #: CPU: elements per cache-resident chunk (512 KiB of fp32).
 CPU_CHUNK = 1 << 17
 _F64 = torch.float64
@@ -51,21 +51,6 @@ _BUFFERS = threading.local()
 
 def _accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def _id_column(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    return torch.stack(
-        [
-            t.reshape(()).to(_F64) if t.numel() == 1 else t.new_full((), float("nan"), dtype=_F64)
-            for t in tensors
-        ]
-    )
-
-
-def _count_nans(t: torch.Tensor, chunk: int) -> torch.Tensor:
-    flat = t.reshape(-1)
-    parts = [torch.count_nonzero(torch.isnan(piece)) for piece in flat.split(chunk)]
-    return parts[0] if len(parts) == 1 else torch.stack(parts).sum()
 
 
 def _scratch(dtype: torch.dtype, numel: int, slot: int) -> torch.Tensor:
@@ -97,7 +82,7 @@ def _cpu_block(tensors: Sequence[torch.Tensor], ops: tuple[str, ...], eps: float
     else:
         parts = _library_parts(tensors, ops, eps)
     numel = np.fromiter((t.numel() for t in tensors), dtype=np.float64, count=len(tensors))
-    identity = _id_column(tensors).numpy() if "id" in ops else None
+    identity = id_column(tensors).numpy() if "id" in ops else None
     return torch.from_numpy(columns(parts, numel, ops, identity))
 
 
@@ -187,7 +172,7 @@ def _library_parts(tensors: Sequence[torch.Tensor], ops: tuple[str, ...], eps: f
         if "nans" in ops and floating:
             witness = squared if squares else total if sums else low + high
             if not math.isfinite(witness):
-                nans = float(_count_nans(t, CPU_CHUNK))
+                nans = float(count_nans(t, CPU_CHUNK))
         parts.append((low, high, total, squared, small, nans))
     return np.array(parts, dtype=np.float64)
 
@@ -208,56 +193,11 @@ def _double_sums(flat: torch.Tensor) -> tuple[float, float]:
     return total, squared
 
 
-def _device_block(tensors: Sequence[torch.Tensor], ops: tuple[str, ...], eps: float) -> torch.Tensor:
-    """Accelerator tensors of one dtype and device: fused multi-tensor reductions, no host sync.
-
-    Sums and sums of squares accumulate in float64 as the elements are read (no widened copy):
-    the host path can take a float32 sum again in float64 where it lost range, but here reading
-    the verdict would stall the device, and a float32 sum of squares turns vanishing gradients
-    (below 1e-19) into a norm of 0 and huge finite ones into Inf."""
-    floating = tensors[0].is_floating_point()
-    device = tensors[0].device
-    listed = list(tensors)
-    columns: dict[str, torch.Tensor] = {}
-    if "norm" in ops:
-        if floating:
-            norms = torch._foreach_norm(listed, 2, dtype=_F64)
-        else:
-            norms = [torch.linalg.vector_norm(t.to(_F64)) for t in tensors]
-        columns["norm"] = torch.stack(norms)
-    if "min" in ops or "max" in ops:
-        pairs = [torch.aminmax(t) for t in tensors]
-        columns["min"] = torch.stack([p.min for p in pairs]).to(_F64)
-        columns["max"] = torch.stack([p.max for p in pairs]).to(_F64)
-    numel = torch.tensor([t.numel() for t in tensors], dtype=_F64, device=device)
-    if "mean" in ops:
-        columns["mean"] = torch.stack([t.sum(dtype=_F64) for t in tensors]) / numel
-    if "zeros" in ops:
-        acc = _accumulate_dtype(tensors[0].dtype)
-        counts = []
-        for t in tensors:
-            pieces = t.reshape(-1).split(COUNT_CHUNK)
-            # compared in acc precision: an eps below the half types' range must not round to 0
-            found = [
-                torch.count_nonzero((p.abs() if p.dtype == acc else p.to(acc).abs_()) < eps) for p in pieces
-            ]
-            counts.append(found[0] if len(found) == 1 else torch.stack(found).sum())
-        columns["zeros"] = torch.stack(counts).to(_F64) / numel
-    if "nans" in ops:
-        if floating:
-            columns["nans"] = torch.stack([_count_nans(t, COUNT_CHUNK) for t in tensors]).to(_F64)
-        else:
-            columns["nans"] = torch.zeros(len(tensors), dtype=_F64, device=device)
-    if "id" in ops:
-        columns["id"] = _id_column(tensors)
-    return torch.stack([columns[op] for op in ops], dim=1)
-
-
 def _group_columns(tensors: Sequence[torch.Tensor], ops: tuple[str, ...], eps: float) -> torch.Tensor:
     """The (len(tensors), len(ops)) block of non-empty tensors that share a dtype and device."""
     if tensors[0].device.type == "cpu":
         return _cpu_block(tensors, ops, eps)
-    return _device_block(tensors, ops, eps)
+    return device_block(tensors, ops, eps)
 
 
 @torch.no_grad()
@@ -284,11 +224,16 @@ def stat_matrix(tensors: Sequence[torch.Tensor], ops: Sequence[str], eps: float 
         return _group_columns(tensors, ops, eps)
     device = tensors[0].device
     out = torch.empty((len(tensors), len(ops)), dtype=_F64, device=device)
-    for i in empty:
-        out[i] = torch.tensor([EMPTY_VALUE.get(op, float("nan")) for op in ops], dtype=_F64)
+    if empty:
+        empty_row = [EMPTY_VALUE.get(op, float("nan")) for op in ops]
+        out.index_copy_(
+            0, on_device(empty, torch.long, device), on_device([empty_row] * len(empty), _F64, device)
+        )
     for index in groups.values():
         block = _group_columns([tensors[i] for i in index], ops, eps)
-        out.index_copy_(0, torch.tensor(index, device=device), block.to(device))
+        if block.device != device:
+            block = on_device(block.tolist(), _F64, device)
+        out.index_copy_(0, on_device(index, torch.long, device), block)
     return out
 
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import adapters.torch.stats as stats
+from adapters.torch import device_stats
 from monitor import TrainerMon
 from tests.integrations.reads import CONFIG, StepReads, compare, host_copy, written_rows
 from tests.reference_stats import (
@@ -32,7 +33,7 @@ def device(request, monkeypatch) -> str:
     """The device tensors are made on; "device-ops" routes CPU tensors through the device path."""
     if request.param == "device-ops":
         monkeypatch.setattr(stats, "kernel_sweep", lambda tensors: None)
-        monkeypatch.setattr(stats, "_cpu_block", stats._device_block)
+        monkeypatch.setattr(stats, "_cpu_block", device_stats.device_block)
         return "cpu"
     return request.param
 
@@ -59,7 +60,7 @@ def test_non_finite_tiny_and_huge_values_follow_numpy(device, dtype, values):
 def test_many_tensors_of_mixed_dtypes_shapes_and_layouts(device, monkeypatch):
     """Non-contiguous, empty, scalar, integer and half tensors in one call; counting pieces of
     a few elements so that their folding is exercised too."""
-    monkeypatch.setattr(stats, "COUNT_CHUNK", 7)
+    monkeypatch.setattr(device_stats, "COUNT_CHUNK", 7)
     generator = torch.Generator().manual_seed(0)
     host = [
         torch.randn(37, 5, generator=generator),
@@ -102,3 +103,31 @@ def test_a_training_run_records_every_data_type_as_numpy_reads_it(device, dtype,
     (rank_dir,) = [p for p in tmp_path.rglob("*") if p.is_dir() and any(p.glob("*.csv"))]
     compared = compare(reads.steps, written_rows(str(rank_dir)), what=f"{device} {dtype}")
     assert compared == 3 * 6 * len(list(model.parameters())) * len(ALL_OPS)
+
+
+def test_same_sized_tensors_are_stacked_into_a_few_reductions(device, monkeypatch):
+    """Thousands of small tensors of a few sizes (a mixture-of-experts model's experts and
+    biases) cost a fixed number of reductions, not several per tensor: one per statistic and
+    size (min and max together). The numbers first with matrices of a few rows, so that several
+    are stacked, and tensors of their own beside them."""
+    monkeypatch.setattr(device_stats, "STACK_ELEMENTS", 16 * 40)
+    generator = torch.Generator().manual_seed(2)
+    host = [torch.randn(16, generator=generator) * (i + 1) for i in range(300)]
+    host += [torch.randn(4, 4, generator=generator) for _ in range(20)]  # the same size, another shape
+    host += [torch.randn(9, generator=generator), torch.randn(70_000, generator=generator)]
+    host[7][3], host[300][1, 1], host[-1][5] = float("nan"), 0.0, float("inf")
+    tensors = [t.to(device) for t in host]
+    for got, tensor in zip(_rows(tensors), host):
+        assert_stats_close(got, host_copy(tensor))
+    if stats.kernel_sweep(tensors) is not None:
+        return  # the host path reads them all in one C call: no reductions to count
+    monkeypatch.setattr(device_stats, "STACK_ELEMENTS", 1 << 24)
+    assert _reductions(tensors[:320]) == _reductions(tensors[:320] * 10) < 10
+
+
+def _reductions(tensors: list[torch.Tensor]) -> int:
+    """How many reduction kernels one statistics call runs over ``tensors`` (torch's profiler)."""
+    reducing = {"aten::aminmax", "aten::sum", "aten::linalg_vector_norm", "aten::count_nonzero"}
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        stats.stat_matrix(tensors, ALL_OPS)
+    return sum(event.count for event in profile.key_averages() if event.key in reducing)

@@ -83,7 +83,7 @@ def test_integer_tensor_statistics():
 
 
 def test_counts_are_exact_when_taken_in_chunks(monkeypatch):
-    monkeypatch.setattr(stats, "COUNT_CHUNK", 7)
+    monkeypatch.setattr(stats, "CPU_CHUNK", 7)
     array = np.random.default_rng(0).normal(size=1000).astype(np.float32)
     array[::3] = 0.0
     array[::11] = np.nan

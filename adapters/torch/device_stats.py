@@ -1,0 +1,164 @@
+"""Statistics of accelerator tensors with torch's own device ops: the host never waits for the
+device, and the number of kernel launches does not grow with the number of small tensors.
+
+``device_block(tensors, ops, eps)`` turns tensors of one dtype and device into a float64
+(len(tensors), len(ops)) matrix on that device. Tensors of at most STACKED elements that share
+their size (a mixture-of-experts model's experts, every layer's biases and norms) are stacked into
+matrices of at most STACK_ELEMENTS elements and reduced row by row: a handful of kernels for any
+number of them, where one reduction per statistic and tensor launches five or six kernels per
+tensor (tens of thousands a step for thousands of experts, each costing the host microseconds).
+Larger tensors get their own reductions, whose launch costs little beside reading them, and one
+fused norm over their list.
+
+Sums and sums of squares accumulate in float64 as the elements are read (no widened copy): the
+host path can take a float32 sum again in float64 where it lost range, but here reading that
+verdict would stall the device, and a float32 sum of squares turns vanishing gradients (below
+1e-19) into a norm of 0 and huge finite ones into Inf. ``zeros`` compares in float32 (float64
+for float64 tensors), where an eps below the half types' range still exists. Small host values
+(element counts, row indices) reach the device through pinned memory without a blocking copy:
+torch's blocking host-to-device copy synchronises the stream, which would stop the training
+thread at every call until the device caught up.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+#: elements per piece of the counting ops (bounds their temporaries)
+COUNT_CHUNK = 1 << 24
+#: a tensor of at most this many elements is stacked with its same-sized peers
+STACKED = 1 << 16
+#: elements of one stacked matrix (bounds its copy: 64 MB of float32)
+STACK_ELEMENTS = 1 << 24
+_F64 = torch.float64
+
+
+def on_device(values: Sequence[float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list as a tensor on ``device``, copied without making the host wait."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type == "cpu":
+        return host
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
+
+
+def id_column(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The value of each one-element tensor (msprobe's "id" op), NaN for the others."""
+    return torch.stack(
+        [
+            t.reshape(()).to(_F64) if t.numel() == 1 else t.new_full((), float("nan"), dtype=_F64)
+            for t in tensors
+        ]
+    )
+
+
+def count_nans(t: torch.Tensor, chunk: int) -> torch.Tensor:
+    """The number of NaN elements, counted in pieces of ``chunk`` (a 0-d tensor on t's device)."""
+    flat = t.reshape(-1)
+    parts = [torch.count_nonzero(torch.isnan(piece)) for piece in flat.split(chunk)]
+    return parts[0] if len(parts) == 1 else torch.stack(parts).sum()
+
+
+def _compared_dtype(dtype: torch.dtype) -> torch.dtype:
+    return _F64 if dtype == _F64 else torch.float32
+
+
+def device_block(tensors: Sequence[torch.Tensor], ops: tuple[str, ...], eps: float) -> torch.Tensor:
+    """The statistics matrix of non-empty tensors of one dtype and device (see the module)."""
+    by_size: dict[int, list[int]] = {}
+    alone: list[int] = []
+    for i, t in enumerate(tensors):
+        if t.numel() <= STACKED:
+            by_size.setdefault(t.numel(), []).append(i)
+        else:
+            alone.append(i)
+    parts: list[tuple[list[int], torch.Tensor]] = []
+    for size, index in by_size.items():
+        if len(index) == 1:
+            alone.extend(index)
+            continue
+        rows = max(1, STACK_ELEMENTS // size)
+        for start in range(0, len(index), rows):
+            chosen = index[start : start + rows]
+            matrix = torch.stack([tensors[i].reshape(-1) for i in chosen])
+            parts.append((chosen, _row_columns(matrix, ops, eps)))
+    if alone:
+        parts.append((alone, _tensor_columns([tensors[i] for i in alone], ops, eps)))
+    if len(parts) == 1 and len(parts[0][0]) == len(tensors) and parts[0][0] == sorted(parts[0][0]):
+        return parts[0][1]
+    device = tensors[0].device
+    order = on_device([i for index, _ in parts for i in index], torch.long, device)
+    out = torch.empty((len(tensors), len(ops)), dtype=_F64, device=device)
+    return out.index_copy_(0, order, torch.cat([block for _, block in parts]))
+
+
+def _row_columns(matrix: torch.Tensor, ops: tuple[str, ...], eps: float) -> torch.Tensor:
+    """Statistics of each row of a (tensors, elements) matrix: one reduction per op."""
+    floating = matrix.is_floating_point()
+    size = matrix.shape[1]
+    columns: dict[str, torch.Tensor] = {}
+    if "norm" in ops:
+        columns["norm"] = torch.linalg.vector_norm(matrix if floating else matrix.to(_F64), dim=1, dtype=_F64)
+    if "min" in ops or "max" in ops:
+        low, high = torch.aminmax(matrix, dim=1)
+        columns["min"], columns["max"] = low.to(_F64), high.to(_F64)
+    if "mean" in ops:
+        columns["mean"] = matrix.sum(dim=1, dtype=_F64).div_(size)
+    if "zeros" in ops:
+        compared = _compared_dtype(matrix.dtype)
+        small = (matrix.abs() if matrix.dtype == compared else matrix.to(compared).abs_()) < eps
+        columns["zeros"] = torch.count_nonzero(small, dim=1).to(_F64).div_(size)
+    if "nans" in ops:
+        if floating:
+            columns["nans"] = torch.count_nonzero(torch.isnan(matrix), dim=1).to(_F64)
+        else:
+            columns["nans"] = matrix.new_zeros(matrix.shape[0], dtype=_F64)
+    if "id" in ops:
+        columns["id"] = (
+            matrix[:, 0].to(_F64) if size == 1 else matrix.new_full((len(matrix),), float("nan"), dtype=_F64)
+        )
+    return torch.stack([columns[op] for op in ops], dim=1)
+
+
+def _tensor_columns(tensors: Sequence[torch.Tensor], ops: tuple[str, ...], eps: float) -> torch.Tensor:
+    """Statistics of tensors of any sizes: a fused norm over the list, the rest tensor by tensor."""
+    floating = tensors[0].is_floating_point()
+    device = tensors[0].device
+    columns: dict[str, torch.Tensor] = {}
+    if "norm" in ops:
+        if floating:
+            norms = torch._foreach_norm(list(tensors), 2, dtype=_F64)
+        else:
+            norms = [torch.linalg.vector_norm(t.to(_F64)) for t in tensors]
+        columns["norm"] = torch.stack(norms)
+    if "min" in ops or "max" in ops:
+        pairs = [torch.aminmax(t) for t in tensors]
+        columns["min"] = torch.stack([p.min for p in pairs]).to(_F64)
+        columns["max"] = torch.stack([p.max for p in pairs]).to(_F64)
+    if "mean" in ops or "zeros" in ops:  # one tensor (an activation's hook) needs no host copy
+        sizes = [t.numel() for t in tensors]
+        numel = float(sizes[0]) if len(sizes) == 1 else on_device(sizes, _F64, device)
+    if "mean" in ops:
+        columns["mean"] = torch.stack([t.sum(dtype=_F64) for t in tensors]) / numel
+    if "zeros" in ops:
+        compared = _compared_dtype(tensors[0].dtype)
+        counts = []
+        for t in tensors:
+            pieces = t.reshape(-1).split(COUNT_CHUNK)
+            found = [
+                torch.count_nonzero((p.abs() if p.dtype == compared else p.to(compared).abs_()) < eps)
+                for p in pieces
+            ]
+            counts.append(found[0] if len(found) == 1 else torch.stack(found).sum())
+        columns["zeros"] = torch.stack(counts).to(_F64) / numel
+    if "nans" in ops:
+        if floating:
+            columns["nans"] = torch.stack([count_nans(t, COUNT_CHUNK) for t in tensors]).to(_F64)
+        else:
+            columns["nans"] = torch.zeros(len(tensors), dtype=_F64, device=device)
+    if "id" in ops:
+        columns["id"] = id_column(tensors)
+    return torch.stack([columns[op] for op in ops], dim=1)
