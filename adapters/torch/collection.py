@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from adapters.torch.activations import Activations, select_modules
+from adapters.torch.device_stats import on_device, with_host_columns
 from adapters.torch.dist import ddp_reduces_after_pass_end, rank_in_group, world_size
 from adapters.torch.grad_sources import unreduced_source
 from adapters.torch.grads import GradCounting
@@ -39,11 +40,17 @@ from monitor.stats.host_stats import scalar_matrix
 logger = logging.getLogger("trainmon")
 
 
-def _scalar(value: float | torch.Tensor, device: torch.device | None) -> torch.Tensor:
-    """A float64 0-d tensor of a share (kept on its device where it is a tensor already)."""
-    if isinstance(value, torch.Tensor):
-        return value
-    return torch.tensor(value, dtype=torch.float64, device=device)
+def _shares(values: list[float | torch.Tensor], device: torch.device | None) -> list[torch.Tensor]:
+    """The shares as float64 0-d tensors on ``device``: the host floats in one copy that does
+    not wait for the device, the device's shares as they are."""
+    on_host = [k for k, v in enumerate(values) if not isinstance(v, torch.Tensor)]
+    if not on_host:
+        return list(values)
+    hosted = on_device([values[k] for k in on_host], torch.float64, device or torch.device("cpu"))
+    shares = list(values)
+    for k, share in zip(on_host, hosted):
+        shares[k] = share
+    return shares
 
 
 class Collection(BaseCollection):
@@ -221,7 +228,7 @@ class Collection(BaseCollection):
 
     def _reusable(self) -> Any:
         """The unreduced-gradient source whose rows the reduced pass may reuse (``measured_rows``),
-        or None.
+        or None. Never on an accelerator: comparing there would make the host wait for the device.
 
         Only where a gradient changed since is seen: one process (no reduction), torch's own
         optimizers and ``.grad``, where in-place kernels bump the version and those that do not
@@ -230,7 +237,8 @@ class Collection(BaseCollection):
         """
         if not getattr(self.grads, "keep_measured", False):
             return None
-        return self.grads if getattr(self.grads, "taken_matrix", None) is not None else None
+        taken = getattr(self.grads, "taken_matrix", None)
+        return self.grads if taken is not None and taken.device.type == "cpu" else None
 
     def _submit_tensors(
         self, prefix: str, tensor_of: Callable[[torch.nn.Parameter], Any], reuse: Any = None
@@ -274,22 +282,22 @@ class Collection(BaseCollection):
         positions ``present`` of ``index``."""
         ops = (*self.ops, *SHARD_COLUMNS)
         pieces = stat_matrix(tensors, self.ops, self.eps)
-        counts = torch.tensor([t.numel() for t in tensors], dtype=torch.float64)
+        counts = np.array([t.numel() for t in tensors], dtype=np.float64)
         if self.config.shard_reduce:
             full = torch.full(
                 (len(index), len(self.ops)), float("nan"), dtype=torch.float64, device=pieces.device
             )
-            full[present] = pieces
-            all_counts = torch.zeros(len(index), dtype=torch.float64)
+            full.index_copy_(0, on_device(present, torch.long, pieces.device), pieces)
+            all_counts = np.zeros(len(index), dtype=np.float64)
             all_counts[present] = counts
-            merged = shard_reduce(full, all_counts.to(pieces.device), self.ops, self.backend.shard_group)
+            merged = shard_reduce(
+                full, on_device(all_counts, torch.float64, pieces.device), self.ops, self.backend.shard_group
+            )
             self._submit(prefix, *held_rows(rows, merged), ops)
             return
-        whole = torch.tensor(
-            [self.backend.numel(self.registry.params[index[p]].param) for p in present], dtype=torch.float64
-        )
-        extra = torch.stack([counts, (counts < whole).to(torch.float64)], dim=1).to(pieces.device)
-        self._submit(prefix, rows.take(present), torch.cat([pieces, extra], dim=1), ops)
+        whole = np.array([self.backend.numel(self.registry.params[index[p]].param) for p in present])
+        extra = np.stack([counts, (counts < whole).astype(np.float64)], axis=1).reshape(-1, 2)
+        self._submit(prefix, rows.take(present), with_host_columns(pieces, extra), ops)
 
     def _unreduced_columns(self, index: list[int], matrix: torch.Tensor) -> tuple[torch.Tensor, tuple | None]:
         """Gradients that are DTensors (tensor parallelism) are measured on this rank's piece:
@@ -310,10 +318,8 @@ class Collection(BaseCollection):
                 (whole, whole) if self.grads.tags.get(i) else (local, whole)
                 for i, (local, whole) in zip(index, numels)
             ]
-        extra = torch.tensor(
-            [(local, float(local < whole)) for local, whole in numels], dtype=torch.float64
-        ).reshape(-1, 2)
-        return torch.cat([matrix, extra.to(matrix.device)], dim=1), (*self.ops, *SHARD_COLUMNS)
+        extra = np.array([(local, float(local < whole)) for local, whole in numels], dtype=np.float64)
+        return with_host_columns(matrix, extra.reshape(-1, 2)), (*self.ops, *SHARD_COLUMNS)
 
     def _unreduced_switched_off(self) -> None:
         """grad_unreduced failed here earlier: its merge's header still goes to the mesh mates,
@@ -365,14 +371,14 @@ class Collection(BaseCollection):
         for k, share in zip(compared, sign_shares(grads, moments)):
             values[k] = share
         if self.backend.sharded:
-            self._submit_shares(index, rows, [_scalar(v, device) for v in values], present)
+            self._submit_shares(index, rows, _shares(values, device), present)
             return
         if len(present) != len(index):
             rows = rows.take([position for position, _ in present])
         if all(isinstance(v, float) for v in values):  # host values: one vectorised pass
             matrix = torch.from_numpy(scalar_matrix(np.array(values, dtype=np.float64), self.ops, self.eps))
         else:
-            matrix = stat_matrix([_scalar(v, device) for v in values], self.ops, self.eps)
+            matrix = stat_matrix(_shares(values, device), self.ops, self.eps)
         self._submit("other", rows, matrix)
 
     def _submit_shares(
@@ -384,9 +390,9 @@ class Collection(BaseCollection):
         counts = np.array([count for _, count in present], dtype=np.float64)
         if not self.config.shard_reduce:
             whole = np.array([self.backend.numel(self.registry.params[index[p]].param) for p in positions])
-            shares = stat_matrix(values, self.ops, self.eps).cpu().numpy()
+            shares = stat_matrix(values, self.ops, self.eps)
             extra = np.stack([counts, (counts < whole).astype(np.float64)], axis=1).reshape(-1, 2)
-            self._submit("other", rows.take(positions), np.concatenate([shares, extra], axis=1), ops)
+            self._submit("other", rows.take(positions), with_host_columns(shares, extra), ops)
             return
         device = values[0].device if values else torch.device("cpu")
         shares = torch.full((len(index), 1), float("nan"), dtype=torch.float64, device=device)

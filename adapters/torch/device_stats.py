@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 #: elements per piece of the counting ops (bounds their temporaries)
@@ -35,14 +36,22 @@ STACK_ELEMENTS = 1 << 24
 _F64 = torch.float64
 
 
-def on_device(values: Sequence[float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A small host list as a tensor on ``device``, copied without making the host wait."""
-    host = torch.tensor(values, dtype=dtype)
+def on_device(
+    values: Sequence | np.ndarray | torch.Tensor, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """Small host values (a list, an array or a CPU tensor) as a tensor on ``device``, copied
+    without making the host wait."""
+    host = values.to(dtype) if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
     if device.type == "cpu":
         return host
     if device.type == "cuda":
         host = host.pin_memory()
     return host.to(device, non_blocking=True)
+
+
+def with_host_columns(matrix: torch.Tensor, columns: np.ndarray) -> torch.Tensor:
+    """``matrix`` with host columns (element counts, flags) appended, on its device."""
+    return torch.cat([matrix, on_device(columns, matrix.dtype, matrix.device)], dim=1)
 
 
 def id_column(tensors: Sequence[torch.Tensor]) -> torch.Tensor:

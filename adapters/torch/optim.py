@@ -207,9 +207,11 @@ class TorchBackend:
         master copy, a flat partition...), or None where this rank updates none of it."""
         return self.optimizer, param
 
-    def adam_hyper(self, param: Any) -> tuple[float, float, float, float] | None:
+    def adam_hyper(self, param: Any) -> tuple[float | torch.Tensor, float, float, float] | None:
         """``(step, beta1, beta2, eps)`` of the Adam state behind ``param``'s moments, from the
-        param group of the tensor the optimizer updates; None before its first update."""
+        param group of the tensor the optimizer updates; None before its first update. The step
+        stays a float64 tensor where the optimizer keeps it on an accelerator (fused or
+        capturable Adam): reading it would make the host wait for the device."""
         owner = self.state_owner(param)
         if owner is None:
             return None
@@ -219,7 +221,12 @@ class TorchBackend:
             return None
         group = self._param_group(optimizer, key)
         beta1, beta2 = group.get("betas", (0.9, 0.999))
-        return float(state["step"]), float(beta1), float(beta2), float(group.get("eps", 1e-8))
+        step = state["step"]
+        if isinstance(step, torch.Tensor) and step.device.type != "cpu":
+            step = step.to(torch.float64)
+        else:
+            step = float(step)
+        return step, float(beta1), float(beta2), float(group.get("eps", 1e-8))
 
     def _param_group(self, optimizer: torch.optim.Optimizer, tensor: torch.Tensor) -> dict:
         """The param group holding ``tensor`` (the defaults when none does), from a map built

@@ -232,7 +232,7 @@ def stat_matrix(tensors: Sequence[torch.Tensor], ops: Sequence[str], eps: float 
     for index in groups.values():
         block = _group_columns([tensors[i] for i in index], ops, eps)
         if block.device != device:
-            block = on_device(block.tolist(), _F64, device)
+            block = on_device(block, _F64, device) if block.device.type == "cpu" else block.to(device)
         out.index_copy_(0, on_device(index, torch.long, device), block)
     return out
 
@@ -302,9 +302,16 @@ def stack_rows(rows: Sequence[list[float] | torch.Tensor], width: int) -> torch.
     device = next((r.device for r in rows if isinstance(r, torch.Tensor)), None)
     if device is None:  # numpy builds a matrix from lists of floats several times faster
         return torch.from_numpy(np.array(rows, dtype=np.float64).reshape(len(rows), width))
-    return torch.stack(
-        [r if isinstance(r, torch.Tensor) else torch.tensor(r, dtype=_F64, device=device) for r in rows]
+    on_host = [k for k, r in enumerate(rows) if not isinstance(r, torch.Tensor)]
+    if not on_host:
+        return torch.stack(list(rows))
+    # host rows beside device ones (a CPU tensor given to a module): one copy that does not wait
+    out = torch.empty((len(rows), width), dtype=_F64, device=device)
+    out.index_copy_(
+        0, on_device(on_host, torch.long, device), on_device([rows[k] for k in on_host], _F64, device)
     )
+    there = [k for k, r in enumerate(rows) if isinstance(r, torch.Tensor)]
+    return out.index_copy_(0, on_device(there, torch.long, device), torch.stack([rows[k] for k in there]))
 
 
 def to_host(matrix: torch.Tensor) -> tuple[np.ndarray | None, Any]:

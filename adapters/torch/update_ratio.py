@@ -17,8 +17,10 @@ from monitor.datatypes.update_ratio import BINS
 def _counts(values: torch.Tensor) -> torch.Tensor:
     """[bucket counts..., nan count, inf count] of one tensor, on its device."""
     flat = values.reshape(-1).float()
-    finite = torch.isfinite(flat)
-    binned = torch.histc(flat[finite].clamp(-1.0, 1.0), bins=BINS, min=-1.0, max=1.0)
+    # non-finite values moved outside the range, which histc leaves out: a boolean mask's
+    # selection would make the host wait for the device to learn its size
+    inside = torch.where(torch.isfinite(flat), flat.clamp(-1.0, 1.0), 2.0)
+    binned = torch.histc(inside, bins=BINS, min=-1.0, max=1.0)
     nans = torch.isnan(flat).sum().to(binned.dtype).reshape(1)
     infs = torch.isinf(flat).sum().to(binned.dtype).reshape(1)
     return torch.cat([binned, nans, infs])

@@ -194,9 +194,10 @@ class TrainerMon(MsprobeOldNames):
 
     def set_batch_ids(self, ids: Any) -> None:
         """Name the micro-batch about to run: sample indices, shard and offset, any JSON-ready value
-        (a tensor or array of indices is turned into a list). Call once per micro-batch, before its
-        forward; incidents, their alert messages and ``skip_batches.json`` name the micro-batches
-        where they began.
+        (a tensor or array of indices is turned into a list: pass the indices the data loader
+        gives, on the CPU, since reading a tensor on an accelerator makes the host wait for it).
+        Call once per micro-batch, before its forward; incidents, their alert messages and
+        ``skip_batches.json`` name the micro-batches where they began.
 
         Raises:
             TypeError: ``ids`` cannot be written as JSON.
