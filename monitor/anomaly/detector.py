@@ -35,6 +35,11 @@ __all__ = ["NONFINITE", "NONFINITE_ID", "REFERENCE_FIELDS", "Anomaly", "Detector
 #: layout version of Detector.state_dict().
 STATE_VERSION = 1
 NONFINITE_ID, MOVED_ALONE_ID, FIRST_RULE_ID = 0, 1, 2
+#: records whose "norm" column holds a share in [0, 1] (mg_direction: the share of gradient signs
+#: that agree with Adam's exp_avg), where 0 is an ordinary value of a tensor of a few elements,
+#: not a norm that vanished
+SHARE_PREFIXES = frozenset({"other"})
+
 #: smoothing of the per-tag level of the norms (EMA of log|norm|) the ratios are measured against.
 LEVEL_BETA = 0.9
 
@@ -118,6 +123,8 @@ class Detector:
             else:
                 mask, baseline = rule.apply(view, cells, ops)
             mask &= ~(reported if judged is None else reported[:, judged])
+            if record.prefix in SHARE_PREFIXES:
+                mask &= view != 0
             if mask.any():
                 row, col = np.nonzero(mask)
                 column = col if judged is None else judged[col]

@@ -237,7 +237,8 @@ class AnomalyZScore:
     nearly cancel (a bias gradient of a small classifier head on one rank) falls 5x on its own
     now and then, which is noise, yet a log z-score of 6. Zero, NaN and Inf never enter the history; a
     ``norm`` that drops to exactly zero after such a history is flagged (a layer whose gradients
-    died). A step that is flagged still enters it, so one spike is reported once, not at every
+    died; the detector leaves out mg_direction's share, whose norm column may be 0 by chance).
+    A step that is flagged still enters it, so one spike is reported once, not at every
     step of its echo in the optimizer's moments.
 
     False positives on a stationary signal (100 tags x 10,000 steps of i.i.d. noise, measured by
