@@ -92,14 +92,21 @@ def assert_plain_floats(metrics: dict[str, dict[str, float]]) -> None:
 
 
 def update_histogram_reference(
-    exp_avg: np.ndarray, exp_avg_sq: np.ndarray, step: float, betas: tuple[float, float], eps: float
+    exp_avg: np.ndarray,
+    exp_avg_sq: np.ndarray,
+    step: float,
+    betas: tuple[float, float],
+    eps: float,
+    bias_correction: bool = True,
 ) -> dict[str, tuple[np.ndarray, int]]:
     """ur_distribution's reference, per kind: numpy's 30 bucket counts over [-1, 1] of the finite
     values (those beyond in the edge buckets) and the NaN count, of Adam's update and of
-    m/sqrt(v)."""
+    m/sqrt(v), the moments bias-corrected as the optimizer corrects them (or not)."""
     beta1, beta2 = betas
-    m_hat = np.asarray(exp_avg, dtype=np.float64) / (1 - beta1**step)
-    root_v = np.sqrt(np.asarray(exp_avg_sq, dtype=np.float64) / (1 - beta2**step))
+    m_hat = np.asarray(exp_avg, dtype=np.float64)
+    root_v = np.sqrt(np.asarray(exp_avg_sq, dtype=np.float64))
+    if bias_correction:
+        m_hat, root_v = m_hat / (1 - beta1**step), root_v / np.sqrt(1 - beta2**step)
     edges = np.linspace(-1, 1, 31)
     with np.errstate(invalid="ignore", divide="ignore"):
         kinds = {"adam_update": m_hat / (root_v + eps), "adam_ratio": m_hat / root_v}

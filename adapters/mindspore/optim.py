@@ -93,8 +93,9 @@ class OptimizerView:
             return None
         return int(global_step.asnumpy().reshape(-1)[0])
 
-    def adam_hyper(self) -> tuple[float, float, float, float] | None:
-        """``(step, beta1, beta2, eps)`` of an Adam-family optimizer after an update, else None."""
+    def adam_hyper(self) -> tuple[float, float, float, float, bool] | None:
+        """``(step, beta1, beta2, eps, bias_correction)`` of an Adam-family optimizer after an
+        update, else None. AdamWeightDecay applies m / (sqrt(v) + eps) without bias correction."""
         step = self.step_count()
         values = [getattr(self.optimizer, name, None) for name in ("beta1", "beta2", "eps")]
         if not step or any(v is None for v in values):
@@ -102,7 +103,7 @@ class OptimizerView:
         beta1, beta2, eps = (
             float(np.asarray(v.asnumpy() if hasattr(v, "asnumpy") else v).reshape(-1)[0]) for v in values
         )
-        return float(step), beta1, beta2, eps
+        return float(step), beta1, beta2, eps, not isinstance(self.optimizer, ms.nn.AdamWeightDecay)
 
     def not_updated_yet(self) -> ms.Tensor:
         """0-d bool Tensor on the device: the optimizer has not made an update yet (no sync)."""

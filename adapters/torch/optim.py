@@ -207,9 +207,10 @@ class TorchBackend:
         master copy, a flat partition...), or None where this rank updates none of it."""
         return self.optimizer, param
 
-    def adam_hyper(self, param: Any) -> tuple[float | torch.Tensor, float, float, float] | None:
-        """``(step, beta1, beta2, eps)`` of the Adam state behind ``param``'s moments, from the
-        param group of the tensor the optimizer updates; None before its first update. The step
+    def adam_hyper(self, param: Any) -> tuple[float | torch.Tensor, float, float, float, bool] | None:
+        """``(step, beta1, beta2, eps, bias_correction)`` of the Adam state behind ``param``'s
+        moments, from the param group of the tensor the optimizer updates (DeepSpeed's and apex's
+        Adams keep ``bias_correction`` there); None before its first update. The step
         stays a float64 tensor where the optimizer keeps it on an accelerator (fused or
         capturable Adam): reading it would make the host wait for the device."""
         owner = self.state_owner(param)
@@ -226,7 +227,8 @@ class TorchBackend:
             step = step.to(torch.float64)
         else:
             step = float(step)
-        return step, float(beta1), float(beta2), float(group.get("eps", 1e-8))
+        correction = bool(group.get("bias_correction", True))
+        return step, float(beta1), float(beta2), float(group.get("eps", 1e-8)), correction
 
     def _param_group(self, optimizer: torch.optim.Optimizer, tensor: torch.Tensor) -> dict:
         """The param group holding ``tensor`` (the defaults when none does), from a map built

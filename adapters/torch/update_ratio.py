@@ -43,9 +43,10 @@ def update_histograms(
         exp_avg, exp_avg_sq = backend.moment(param, "exp_avg"), backend.moment(param, "exp_avg_sq")
         if hyper is None or exp_avg is None or exp_avg_sq is None:
             continue
-        step, beta1, beta2, eps = hyper
-        m_hat = exp_avg / (1.0 - beta1**step)
-        root_v = (exp_avg_sq / (1.0 - beta2**step)).sqrt()
+        step, beta1, beta2, eps, bias_correction = hyper
+        m_hat, root_v = exp_avg, exp_avg_sq.sqrt()
+        if bias_correction:
+            m_hat, root_v = m_hat / (1.0 - beta1**step), root_v / (1.0 - beta2**step) ** 0.5
         rows[position] = torch.stack([_counts(m_hat / (root_v + eps)), _counts(m_hat / root_v)])
     if merge:
         return _merged(rows, len(params), backend.shard_group)

@@ -31,11 +31,21 @@ def host_counts(values: np.ndarray) -> np.ndarray:
 
 
 def adam_histograms(
-    exp_avg: np.ndarray, exp_avg_sq: np.ndarray, step: float, beta1: float, beta2: float, eps: float
+    exp_avg: np.ndarray,
+    exp_avg_sq: np.ndarray,
+    step: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    bias_correction: bool = True,
 ) -> np.ndarray:
-    """(2, BINS + 2): the counts of Adam's update and of m/sqrt(v) (host arrays, float64)."""
-    m_hat = np.asarray(exp_avg, dtype=np.float64) / (1.0 - beta1**step)
-    root_v = np.sqrt(np.asarray(exp_avg_sq, dtype=np.float64) / (1.0 - beta2**step))
+    """(2, BINS + 2): the counts of Adam's update and of m/sqrt(v) (host arrays, float64), with
+    the moments bias-corrected where the optimizer corrects them (not MindSpore's
+    AdamWeightDecay, nor a DeepSpeed or apex Adam with ``bias_correction`` off)."""
+    m_hat = np.asarray(exp_avg, dtype=np.float64)
+    root_v = np.sqrt(np.asarray(exp_avg_sq, dtype=np.float64))
+    if bias_correction:
+        m_hat, root_v = m_hat / (1.0 - beta1**step), root_v / np.sqrt(1.0 - beta2**step)
     with np.errstate(divide="ignore", invalid="ignore"):
         return np.stack([host_counts(m_hat / (root_v + eps)), host_counts(m_hat / root_v)])
 

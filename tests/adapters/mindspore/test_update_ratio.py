@@ -1,5 +1,6 @@
 """ur_distribution on MindSpore: Adam's update and m/sqrt(v) histograms in TensorBoard, checked
-against numpy on the optimizer's own moments (copied by the test after each update)."""
+against numpy on the optimizer's own moments (copied by the test after each update), corrected for
+bias as each optimizer corrects them: Adam does, AdamWeightDecay applies m / (sqrt(v) + eps) as is."""
 
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ def test_update_histograms_equal_numpy_on_the_optimizers_moments(kind):
     for step, record in enumerate(capture):
         for j, name in enumerate(names):
             expected = update_histogram_reference(
-                record["exp_avg"][j], record["exp_avg_sq"][j], step + 1, betas, eps
+                record["exp_avg"][j], record["exp_avg_sq"][j], step + 1, betas, eps, kind == "Adam"
             )
             for kind_name, (counts, nans) in expected.items():
                 got_counts, got_nans = found[(f"0:{name}/rank0/{kind_name}", step)]
