@@ -19,9 +19,11 @@ try:
 except ImportError:  # built without a C compiler: numpy partitions instead
     _peer_rows = None
 
-#: finite values a row needs for a verdict on a value's size (of two ranks neither can be told
-#: to be the odd one)
-MIN_RANKS = 3
+#: finite values a row needs for a verdict on a value's size: of two ranks neither can be told
+#: to be the odd one, and of three each rank's peers are two whose median is their mean, so an
+#: outlier lifts the other two ranks' deviations to half its own and the step's MAD with them:
+#: no value can then lie more than about 2 MADs off
+MIN_RANKS = 4
 #: ranks holding a tensor that a NaN/Inf verdict needs: the non-finite one and one finite peer
 MIN_RANKS_NONFINITE = 2
 

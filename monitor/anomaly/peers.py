@@ -18,8 +18,9 @@ tensor are compared. Rank i's value x_i is measured against the median of the OT
   at exactly 0 is 3 units away, not infinitely many. Otherwise, when size and MAD are both 0,
   any non-zero value is an outlier.
 
-A rank is flagged when |x_i - m_i| > k_mad * scale with at least MIN_RANKS (3) finite values in
-its row (of two ranks neither can be told to be the odd one), or when its value is NaN/Inf while
+A rank is flagged when |x_i - m_i| > k_mad * scale with at least MIN_RANKS (4) finite values in
+its row (of two ranks neither can be told to be the odd one; of three, an outlier is its peers'
+peer and lifts the step's MAD to half its own deviation), or when its value is NaN/Inf while
 at least one peer holds a finite value: a rank that alone went non-finite in a two-rank run is
 named too. False-positive rates on noise: see benchmarks/cross_rank.py and docs/anomalies.md.
 

@@ -263,7 +263,7 @@ def test_a_parquet_run_whose_ops_change_on_one_rank_has_no_false_outliers(tmp_pa
     assert run_cli("-d", str(tmp_path), "--ops", "norm,max") == 0
     document = load(tmp_path / cross_rank.OUTPUT_NAME)
     assert {(rank, step, op) for rank, step, _, _, op in found_keys(document)} == {(1, 4, "norm")}
-    assert document["judged"] == 6 * len(NAMES) * 2  # max at steps 3-5: three ranks, still judged
+    assert document["judged"] == 9 * len(NAMES)  # max at steps 3-5: three ranks, not judged
 
 
 def test_unscaled_run_reports_nothing(tmp_path, capsys):
@@ -406,11 +406,20 @@ def test_a_nan_value_is_an_outlier_with_infinite_deviation(tmp_path):
     )
 
 
+def test_three_ranks_get_no_verdict_on_sizes_since_an_outlier_lifts_the_mad_with_it(tmp_path, capsys):
+    """Of three ranks an outlier of any size is about 2 MADs off: its peers' median is their
+    mean and their own deviations are half of its. So no verdict is given, and the user is told."""
+    document = _run_from(tmp_path, {0: [1.0, 1.0], 1: [1.1, 1.1], 2: [0.9, 1000.0]})
+    assert (document["judged"], document["outliers_total"]) == (0, 0)
+    printed = capsys.readouterr().out
+    assert "only where at least 4" in printed and "this run has 3 rank directories" in printed
+
+
 def test_two_ranks_get_no_verdict_on_sizes_and_are_told_why(tmp_path, capsys):
     document = _run_from(tmp_path, {0: [1.0, 1.0], 1: [1.0, 100.0]})
     assert (document["judged"], document["outliers_total"]) == (0, 0)
     printed = capsys.readouterr().out
-    assert "No cross-rank verdict on sizes: a value is compared with its peers' only where at least 3" in (
+    assert "No cross-rank verdict on sizes: a value is compared with its peers' only where at least 4" in (
         printed
     )
     assert "this run has 2 rank directories with grad_unreduced" in printed
@@ -452,12 +461,9 @@ def test_a_rank_gone_non_finite_is_named_while_one_peer_stays_finite(tmp_path, c
         finite = [v[outlier["step"]] for v in by_rank.values() if math.isfinite(v[outlier["step"]])]
         assert outlier["peers_median"] == pytest.approx(float(np.median(finite)))
         assert outlier["deviation_mads"] == "inf"
-    printed = capsys.readouterr().out
-    if len(by_rank) == 2:
-        assert f"{len(flagged)} found" in printed
-        assert ("NaN/Inf where a peer is finite" in printed) == bool(flagged)
-    else:  # the first step's three finite values were judged on size
-        assert f"1 (tensor, step, op) values judged; {len(flagged)} outliers on 2 rank(s)" in printed
+    printed = capsys.readouterr().out  # no verdict on sizes below 4 ranks, NaN/Inf ones still
+    assert f"{len(flagged)} found" in printed
+    assert ("NaN/Inf where a peer is finite" in printed) == bool(flagged)
 
 
 # ----------------------------------------------------------------------------------------- input and output
