@@ -50,6 +50,7 @@ DuckDB does the reading and writing (out of core, on every core).
 
 from __future__ import annotations
 
+import io
 import logging
 import os
 import re
@@ -68,6 +69,7 @@ from dashboards.convert.event_values import EventDirs
 from dashboards.convert.runs import ConvertError, select_rank_dirs
 from dashboards.csvfiles import header_ops, list_csv_files
 from dashboards.plugin.eventsource import EventSource
+from monitor.anomaly.rank_csv import read_complete_lines
 from monitor.files import make_private_dir
 from monitor.memory_limit import COMPACT_DEFAULT, parse_size
 from monitor.writers.parquet_files import live_prefixes, part_steps, row_count
@@ -256,7 +258,7 @@ def _part_rows(
         con.register("events", frame)
         source = None if frame.empty else "SELECT * FROM events"
     else:
-        source = _table_values(paths)
+        source = _table_values(con, paths)
     if earlier:
         kept = (
             "SELECT step, micro_step, vpp_stage, name, -1 AS _file, op, CAST(value AS DOUBLE) AS value "
@@ -276,14 +278,16 @@ def _part_rows(
     """
 
 
-def _table_values(paths: Sequence[str]) -> str | None:
+def _table_values(con: Any, paths: Sequence[str]) -> str | None:
     """Every value of these CSV and live Parquet files as a row (step, micro_step, vpp_stage,
     name, _file, op, value), ``_file`` the place in ``paths`` of the CSV file, or of a rank
     directory's first Parquet file (None where they hold no statistic)."""
     csv_files, parquet_dirs = {}, {}
     for index, path in enumerate(paths):
-        if path.endswith(".parquet") and row_count(path) is None:  # a disk fault cut it short
-            logger.warning("trainmon compact: skipping %s: not a whole Parquet file", path)
+        if path.endswith(".parquet") and row_count(path) is None:
+            if not os.path.exists(path):  # merged away by the live run since it was listed
+                raise FileNotFoundError(path)
+            logger.warning("trainmon compact: skipping %s: not a whole Parquet file", path)  # cut short
         elif path.endswith(".parquet"):  # values/data_type=*/ in a rank directory
             rank_dir = os.path.dirname(os.path.dirname(os.path.dirname(path)))
             parquet_dirs.setdefault(rank_dir, (index, []))[1].append(path)
@@ -294,29 +298,41 @@ def _table_values(paths: Sequence[str]) -> str | None:
         f"FROM read_parquet([{', '.join(quoted(p) for p in files)}])"
         for index, files in parquet_dirs.values()
     ]
-    csv_rows = _csv_values(csv_files)
+    csv_rows = _csv_values(con, csv_files)
     return " UNION ALL ".join(([csv_rows] if csv_rows else []) + selects) or None
 
 
-def _csv_values(paths: dict[int, str]) -> str | None:
+def _csv_values(con: Any, paths: dict[int, str]) -> str | None:
     """Every value of these CSV files (by their ``_file``) as a row (step, micro_step,
-    vpp_stage, name, _file, op, value); None where they hold no statistic."""
-    selects, ops = [], []
+    vpp_stage, name, _file, op, value); None where they hold no statistic. Complete lines only,
+    as every reader takes them: a run killed while writing leaves its last line cut short, and
+    read as a row it would give a wrong value (``-0.0`` of ``-0.016``) and lose the rest."""
+    selects, ops, has_micro = [], [], False
     for index, path in paths.items():
         file_ops = list(header_ops(path))
+        if not file_ops:  # empty, or a header without statistics: nothing to read
+            continue
         ops += [op for op in file_ops if op not in ops]
         with open(path, encoding="utf-8", errors="replace") as handle:
             header = handle.readline().strip().split(",")
+        has_micro |= "micro_step" in header
         types = {**{c: t for c, t in _LABELS.items() if c in header}, **dict.fromkeys(file_ops, "DOUBLE")}
         columns = ", ".join(f"{quoted(c)}: {quoted(t)}" for c, t in types.items())
-        selects.append(
-            f"SELECT *, {index} AS _file FROM read_csv({quoted(path)}, header = true, "
-            f"columns = {{{columns}}}, auto_detect = false, null_padding = true, ignore_errors = true)"
-        )
+        if _ends_a_line(path):
+            source = (
+                f"read_csv({quoted(path)}, header = true, columns = {{{columns}}}, auto_detect = false, "
+                "null_padding = true, ignore_errors = true)"
+            )
+        else:  # its complete lines, read from memory
+            source = f"complete_lines_{index}"
+            con.read_csv(
+                io.BytesIO(read_complete_lines(path)), header=True, columns=types, auto_detect=False,
+                null_padding=True, ignore_errors=True,
+            ).create_view(source)  # fmt: skip
+        selects.append(f"SELECT *, {index} AS _file FROM {source}")
     if not ops:
         return None
     union = " UNION ALL BY NAME ".join(selects)
-    has_micro = any("'micro_step'" in select for select in selects)
     micro = "micro_step" if has_micro else "CAST(NULL AS BIGINT) AS micro_step"
     op_columns = ", ".join(f'"{op}"' for op in ops)
     return f"""
@@ -324,6 +340,15 @@ def _csv_values(paths: dict[int, str]) -> str | None:
             UNPIVOT (SELECT step, {micro}, vpp_stage, name, _file, {op_columns} FROM ({union}))
             ON {op_columns} INTO NAME op VALUE value)
     """
+
+
+def _ends_a_line(path: str) -> bool:
+    """Whether a file's last byte ends a line (an empty file has no line to cut short)."""
+    with open(path, "rb") as handle:
+        if handle.seek(0, os.SEEK_END) == 0:
+            return True
+        handle.seek(-1, os.SEEK_END)
+        return handle.read(1) == b"\n"
 
 
 def _write_part(

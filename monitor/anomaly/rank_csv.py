@@ -361,14 +361,13 @@ def _parquet_tables(
     since it was listed makes the files be listed once more; a file cut short is skipped."""
     try:
         wide = parquet_files.read_wide(paths, window)
-    except FileNotFoundError:
+    except (FileNotFoundError, ValueError):  # merged away since listed, or cut short
         listed = parquet_files.live_prefixes(rank_dir, (prefix,)).get(prefix, [])
         relisted = [p for p in listed if parquet_files.overlaps(p, window)]
-        wide = parquet_files.read_wide(relisted, window)
-    except ValueError:
-        bad = [path for path in paths if parquet_files.row_count(path) is None]
-        warnings.append(f"skipping unreadable Parquet files: {', '.join(bad)}")
-        wide = parquet_files.read_wide([path for path in paths if path not in bad], window)
+        bad = [path for path in relisted if parquet_files.row_count(path) is None]
+        if bad:
+            warnings.append(f"skipping unreadable Parquet files: {', '.join(bad)}")
+        wide = parquet_files.read_wide([path for path in relisted if path not in bad], window)
     if not len(wide.steps):
         return []
     names, name_codes = parquet_files.distinct_names(tuple(wide.names))

@@ -99,6 +99,26 @@ def test_every_value_round_trips_and_a_second_run_writes_nothing(tmp_path):
     assert sorted(runs) == sorted([(0, dirs[0].name), (0, later[0].name), (1, dirs[1].name)])
 
 
+def test_a_line_cut_short_and_a_file_without_a_header_are_left_out(tmp_path):
+    """A run killed while writing leaves a last line cut short: it is not a row (its first
+    value would be read wrong and the rest lost), as no reader takes it for one; an empty CSV
+    file beside the others holds nothing to read."""
+    dirs = write_run(tmp_path, ranks=(0,), steps=range(4), window=2)
+    last = sorted(dirs[0].glob("grad_reduced_*.csv"))[-1]
+    text = last.read_bytes()
+    cut = text[:-6]  # ",0.0412,0\n" cut to ",0.0": a wrong value, the next one lost
+    last.write_bytes(cut)
+    (dirs[0] / "grad_reduced_4-5.csv").write_bytes(b"")
+    compact(str(tmp_path))
+    got = _dataset(tmp_path / "dataset")
+    name = cut.splitlines()[-1].split(b",")[1].decode()
+    assert not [key for key in got if key[5] == 3 and key[3] == name]  # the cut row
+    for key, value in got.items():
+        _, _, _, row_name, _, step, op = key
+        assert value == pytest.approx(generated_value(0, 0, step, NAMES.index(row_name), op), rel=1e-6)
+    assert len(got) == (4 * len(NAMES) - 1) * len(OPS)
+
+
 def _write_values(directory, values: np.ndarray, ndigits: int, step: int = 0) -> Path:
     directory.mkdir(exist_ok=True)
     writer = CsvWriter(directory, ndigits, 10)
@@ -384,6 +404,30 @@ def test_a_merge_during_compaction_makes_it_start_again(tmp_path, monkeypatch):
     assert compact(str(tmp_path)) == {"written": 1, "kept": 0}
     assert len(calls) == 2 and calls[0] != calls[1]
     _same(_dataset(tmp_path / "dataset"), expected, digits=None)
+
+
+def test_a_file_merged_away_while_its_footer_is_checked_is_not_taken_for_one_cut_short(tmp_path, monkeypatch):
+    """The merge may also take a listed file away just before compact checks that it is whole:
+    a missing file starts the compaction again, where a skipped one would lose its steps."""
+    import dashboards.convert.compact as compact_module
+    from monitor.writers.parquet import ParquetWriter
+
+    directory = tmp_path / "Jan02_03-04-05-rank0-00000000"
+    writer = ParquetWriter(directory, 0, merge_steps=2)
+    rows = RowSet.build([0], ["a.weight"], 0, "post_grad")
+    for step in range(4):
+        writer.write(StepRecord("grad_reduced", step, ("norm",), rows, np.array([[1.0 + step]])))
+        writer.end_step(step)
+    checked = compact_module.row_count
+
+    def merge_then_check(path):
+        writer.close()  # the training's writer merges its windows meanwhile (once: then a no-op)
+        return checked(path)
+
+    monkeypatch.setattr(compact_module, "row_count", merge_then_check)
+    compact(str(tmp_path))
+    got = _dataset(tmp_path / "dataset")
+    assert {key[5]: value for key, value in got.items()} == {step: 1.0 + step for step in range(4)}
 
 
 def test_an_unreadable_live_parquet_file_is_skipped_and_the_rest_compacted(tmp_path, caplog):
