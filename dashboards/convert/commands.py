@@ -56,7 +56,8 @@ def _add_monitor_path(parser: argparse.ArgumentParser) -> None:
         "--monitor-path",
         dest="monitor_path",
         default=None,
-        help="the monitor's output directory (MONITOR_OUTPUT_DIR) holding {time}-rank{R}-{id} directories",
+        help="the monitor's output directory (what MONITOR_OUTPUT_DIR named in training) holding "
+        "{time}-rank{R}-{id} directories",
     )
 
 
@@ -97,12 +98,22 @@ def _add_options(parser: argparse.ArgumentParser, output_help: str) -> None:
     parser.add_argument("-o", "--output", default=None, help=output_help)
 
 
+def _unusable_output(command: str, output: str | None, directory: bool) -> bool:
+    """Whether ``-o`` names what cannot be written (said on stderr): a file where a directory is
+    to be written, or a directory where a file is; checked before any work is done."""
+    if output is None or not os.path.exists(output) or os.path.isdir(output) == directory:
+        return False
+    kind, expected = ("a file", "a directory") if directory else ("a directory", "a file")
+    print(f"trainmon {command}: -o {output!r} is {kind}: expected {expected} to write", file=sys.stderr)
+    return True
+
+
 def _convert(command: str, convert: Callable[..., str], args: argparse.Namespace, *hints: str) -> int:
     """Run a converter on parsed options; print what it wrote and ``hints`` (``{out}``: that path)."""
     from dashboards.convert.runs import ConvertError
 
     monitor_path = _monitor_path(args, command)
-    if monitor_path is None:
+    if monitor_path is None or _unusable_output(command, args.output, directory=command != "csv2db"):
         return 2
     try:
         out = convert(
@@ -168,7 +179,7 @@ def run_compact(args: argparse.Namespace) -> int:
         print("trainmon compact: needs DuckDB: pip install -e '.[dataset]'", file=sys.stderr)
         return 2
     monitor_path = _monitor_path(args, "compact")
-    if monitor_path is None:
+    if monitor_path is None or _unusable_output("compact", args.output, directory=True):
         return 2
     try:
         limit = memory_limit.memory_limit(args.memory_limit, memory_limit.COMPACT_DEFAULT)

@@ -22,7 +22,7 @@ import numpy as np
 import pandas as pd
 
 from dashboards.convert.commands import DATA_TYPES, MAX_PROCESSES
-from dashboards.csvfiles import CsvTable, as_csv_table, read_csv_files
+from dashboards.csvfiles import CsvTable, as_csv_table, read_csv_file, read_csv_files
 from monitor.anomaly import rank_csv
 from monitor.datatypes.tasks import RowKey
 from monitor.files import RANK_DIR_PATTERN, in_time_range, parse_time_tag, time_bounds
@@ -170,16 +170,28 @@ class Series:
 def _tables(rank_dir: str, prefix: str) -> list[CsvTable]:
     """A data type's rows in a rank directory: its CSV files, or where it has none its live
     Parquet files (``rank_csv.list_parts`` decides), one CsvTable per set of ops; Parquet files
-    that cannot be read are skipped with a warning."""
+    that cannot be read, and CSV files whose first line is not a monitor header, are skipped
+    with a warning naming them."""
     parts = rank_csv.list_parts(rank_dir, (prefix,)).get(prefix, [])
     if not any(part.parquet for part in parts):
-        return read_csv_files([part.path for part in parts])
+        try:
+            return read_csv_files([part.path for part in parts])
+        except ValueError:  # one of them is not a monitor CSV file: the others are read
+            return [table for part in parts if (table := _csv_table_or_none(part.path)) is not None]
     warnings: list[str] = []
     every_step = (-(2**62), 2**62)
     tables = rank_csv.read_parts(rank_dir, prefix, parts, every_step, warnings)
     for warning in warnings:
         logger.warning("trainmon: %s", warning)
     return [as_csv_table(table) for table in tables]
+
+
+def _csv_table_or_none(path: str) -> CsvTable | None:
+    try:
+        return read_csv_file(path)
+    except ValueError as exc:
+        logger.warning("trainmon: skipping %s: %s", path, exc)
+        return None
 
 
 def read_series(dirs: Sequence[str], prefix: str) -> Series | None:

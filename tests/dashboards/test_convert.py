@@ -195,6 +195,19 @@ def test_csv2db_round_trip(tmp_path):
     )
 
 
+def test_a_file_that_is_not_a_monitor_csv_is_skipped_and_named(tmp_path, caplog):
+    """A stray file named like the monitor's, but with another first line, does not stop the
+    conversion: it is skipped with a warning naming it, and the other files are converted."""
+    dirs = write_run(tmp_path / "run", ranks=(0,), steps=range(4), window=2)
+    stray = dirs[0] / "grad_reduced_4-5.csv"
+    stray.write_text("garbage,header\n1,2\n")
+    with caplog.at_level(logging.WARNING, logger="trainmon"):
+        path = csv2db(str(tmp_path / "run"), output_path=str(tmp_path / "m.db"), progress=False)
+    assert f"skipping {stray}: not a monitor CSV header" in caplog.text
+    steps = sqlite3.connect(path).execute("SELECT DISTINCT step FROM stats ORDER BY step").fetchall()
+    assert [step for (step,) in steps] == [0, 1, 2, 3]
+
+
 def test_csv2db_on_the_demo_output(demo_runs, tmp_path):
     path = csv2db(str(demo_runs["csv"]), output_path=str(tmp_path / "demo.db"), progress=False)
     db = sqlite3.connect(path)
@@ -235,6 +248,30 @@ def test_command_lines(tmp_path, capsys, name):
     with pytest.raises(SystemExit):
         parser.parse_args(["-d", "x", "--types", "exp_avg,grad_reducd"])
     assert "got 'exp_avg,grad_reducd'; did you mean 'grad_reduced'?" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["csv2tb", "csv2db", "compact"])
+def test_an_output_of_the_wrong_kind_is_refused_before_any_work(tmp_path, capsys, name):
+    """-o naming a file where a directory is written (csv2tb, compact), or a directory where the
+    database file is (csv2db): a one-line error, nothing converted, nothing replaced."""
+    write_run(tmp_path / "run")
+    wrong = tmp_path / "wrong"
+    wrong.mkdir() if name == "csv2db" else wrong.write_text("keep me")
+    description, add_arguments, run = COMMANDS[name]
+    parser = argparse.ArgumentParser(description=description)
+    add_arguments(parser)
+    assert run(parser.parse_args([str(tmp_path / "run"), "-o", str(wrong)])) == 2
+    kind, expected = ("a directory", "a file") if name == "csv2db" else ("a file", "a directory")
+    assert (
+        f"trainmon {name}: -o {str(wrong)!r} is {kind}: expected {expected} to write"
+        in capsys.readouterr().err
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run", "wrong"]
+    if name == "csv2db":
+        assert not list(wrong.iterdir())
+    else:
+        assert wrong.read_text() == "keep me"
+    assert all("rank" in p.name for p in (tmp_path / "run").iterdir())  # no default output either
 
 
 def test_the_command_module_does_not_import_the_converters():
