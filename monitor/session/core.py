@@ -17,7 +17,7 @@ from monitor.anomaly.dump import AnomalyDump
 from monitor.anomaly.incidents import AnomalySink, Incident
 from monitor.anomaly.rules import build_rules
 from monitor.config.schema import MonitorConfig
-from monitor.files import find_rank_dir, make_private_dir, output_root, rank_dir_name
+from monitor.files import OUTPUT_ENV, find_rank_dir, make_private_dir, output_root, rank_dir_name
 from monitor.record import StepRecord
 from monitor.session.run_info import write_run_info
 from monitor.writers.api import ApiWriter
@@ -87,7 +87,18 @@ class MonitorCore:
         self._writer = WriterThread(sinks)
 
     def _rank_dir(self) -> str:
-        make_private_dir(self.root)
+        try:
+            make_private_dir(self.root)
+        except OSError as exc:  # a file in the way, no permission: said at the door, naming the setting
+            where = (
+                f"{OUTPUT_ENV}={os.environ[OUTPUT_ENV]!r}"
+                if os.environ.get(OUTPUT_ENV)
+                else "./monitor_output"
+            )
+            raise OSError(
+                f"trainmon: the output directory {self.root!r} ({where}) cannot be made: "
+                f"{exc.strerror or exc}; expected a directory this process may write in"
+            ) from exc
         path = None
         if self.config.append_output:
             path = find_rank_dir(self.root, self.rank, *self.config.append_output)

@@ -105,6 +105,16 @@ def test_a_symlink_at_the_output_directory_is_refused(tmp_path, monkeypatch):
     assert list(elsewhere.iterdir()) == []
 
 
+def test_an_output_directory_that_cannot_be_made_is_refused_naming_the_setting(tmp_path, monkeypatch):
+    """A file where MONITOR_OUTPUT_DIR's directory would go: one error at attach that names the
+    setting and its value, and nothing written."""
+    (tmp_path / "afile").write_text("")
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "afile" / "sub"))
+    with pytest.raises(OSError, match=r"MONITOR_OUTPUT_DIR='.*afile/sub'\) cannot be made: Not a directory"):
+        _train(EVERYTHING)
+    assert [p.name for p in tmp_path.iterdir()] == ["afile"]
+
+
 @pytest.mark.parametrize(
     "planted, config",
     [
