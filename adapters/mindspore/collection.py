@@ -107,12 +107,9 @@ class Collection(BaseCollection):
         #: graph mode: (step, statistics of the parameters before that step's update)
         self._origin: tuple[int, Any] | None = None
         self.engine = StatEngine(config.ops, config.eps)
-        if config.mv_distribution and view.moment_problem:
-            logger.warning("trainmon: mv_distribution: %s; no exp_avg/exp_avg_sq rows", view.moment_problem)
         self.update_ratio = self._update_ratio_wanted()
-        if self.update_ratio and view.moment_problem:
-            logger.warning("trainmon: ur_distribution: %s; no histograms", view.moment_problem)
-            self.update_ratio = False
+        view.say_missing_moments(config, self.update_ratio)
+        self.update_ratio = self.update_ratio and not view.moment_problem
         self.registry = ParamRegistry(chunks, config)
         cells = [(vpp, raw) for vpp, chunk in enumerate(chunks) for raw, _ in chunk.cells_and_names()]
         self.pipeline_stage = len(group_mates) > 1

@@ -9,10 +9,13 @@ substrings.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import mindspore as ms
 import numpy as np
+
+logger = logging.getLogger("trainmon")
 
 #: optimizer class name -> attributes holding (exp_avg, exp_avg_sq).
 MOMENT_ATTRIBUTES: dict[str, tuple[str, str]] = {
@@ -21,6 +24,12 @@ MOMENT_ATTRIBUTES: dict[str, tuple[str, str]] = {
     "Lamb": ("moments1", "moments2"),
 }
 MOMENT_KEYS = ("exp_avg", "exp_avg_sq")
+#: what each data type leaves out where the optimizer keeps no Adam moments
+WITHOUT_MOMENTS = {
+    "mv_distribution": "no exp_avg/exp_avg_sq rows",
+    "mg_direction": "every share is 1.0",
+    "ur_distribution": "no histograms",
+}
 
 
 def hookable_optimizer(optimizer: Any) -> ms.nn.Optimizer:
@@ -67,6 +76,15 @@ class OptimizerView:
                 self.moment_problem, self.moments = problem, {}
                 return
             self.moments[key] = moments
+
+    def say_missing_moments(self, config: Any, update_ratio: bool) -> None:
+        """Once at attach, per data type switched on (``config``'s mv_distribution and
+        mg_direction, ``update_ratio``): what an optimizer without Adam moments leaves it,
+        instead of rows missing or flat in silence."""
+        wanted = {"mv_distribution": config.mv_distribution, "mg_direction": config.mg_direction}
+        for key, on in {**wanted, "ur_distribution": update_ratio}.items():
+            if on and self.moment_problem:
+                logger.warning("trainmon: %s: %s; %s", key, self.moment_problem, WITHOUT_MOMENTS[key])
 
     def _check_alignment(self, attribute: str, moments: tuple) -> str | None:
         if len(moments) != len(self.parameters):

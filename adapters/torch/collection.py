@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from adapters.torch.activations import Activations, select_modules
-from adapters.torch.device_stats import on_device, with_host_columns
+from adapters.torch.device_stats import device_scalars, on_device, with_host_columns
 from adapters.torch.dist import ddp_reduces_after_pass_end, rank_in_group, world_size
 from adapters.torch.grad_sources import unreduced_source
 from adapters.torch.grads import GradCounting
@@ -38,19 +38,6 @@ from monitor.session.run_info import run_info
 from monitor.stats.host_stats import scalar_matrix
 
 logger = logging.getLogger("trainmon")
-
-
-def _shares(values: list[float | torch.Tensor], device: torch.device | None) -> list[torch.Tensor]:
-    """The shares as float64 0-d tensors on ``device``: the host floats in one copy that does
-    not wait for the device, the device's shares as they are."""
-    on_host = [k for k, v in enumerate(values) if not isinstance(v, torch.Tensor)]
-    if not on_host:
-        return list(values)
-    hosted = on_device([values[k] for k in on_host], torch.float64, device or torch.device("cpu"))
-    shares = list(values)
-    for k, share in zip(on_host, hosted):
-        shares[k] = share
-    return shares
 
 
 class Collection(BaseCollection):
@@ -87,7 +74,8 @@ class Collection(BaseCollection):
         self.pipeline_stage = len(group_mates) > 1
         self._warn_unmatched_targets(modules, self.registry.names)
         #: collected steps left to tell whether the optimizer keeps Adam's moments (a shard may hold none)
-        self._moment_checks_left = 20 if config.mv_distribution and not backend.sharded else 0
+        wanted = config.mv_distribution or config.mg_direction
+        self._moment_checks_left = 20 if wanted and not backend.sharded else 0
         backend.prepare([entry.param for entry in self.registry.params], self.registry.grad)
         info = run_info("torch", torch.__version__, rank, world_size(), [type(c).__name__ for c in chunks])
         self.core = MonitorCore(config, rank, pp_stage, group_mates, output_dir=output_dir, info=info)
@@ -207,16 +195,18 @@ class Collection(BaseCollection):
         self._end_step()
 
     def _check_moments(self) -> None:
-        """mv_distribution with an optimizer that keeps no Adam moments (SGD, Adagrad, ...): said
-        once, instead of writing no rows in silence."""
+        """mv_distribution or mg_direction with an optimizer that keeps no Adam moments (SGD,
+        Adagrad, ...): said once, instead of writing no rows, or shares of 1.0, in silence."""
         self._moment_checks_left -= 1
         verdict = without_adam_moments(self.backend, [p.param for p in self.registry.params])
         if verdict is not None:
             self._moment_checks_left = 0
-        if verdict:
+        if verdict and self.config.mv_distribution:
             logger.warning(
                 "trainmon: mv_distribution: %s keeps no exp_avg/exp_avg_sq; no moment rows", verdict
             )
+        if verdict and self.config.mg_direction:
+            logger.warning("trainmon: mg_direction: %s keeps no exp_avg; every share is 1.0", verdict)
 
     # -- statistics --------------------------------------------------------------------------
 
@@ -371,14 +361,14 @@ class Collection(BaseCollection):
         for k, share in zip(compared, sign_shares(grads, moments)):
             values[k] = share
         if self.backend.sharded:
-            self._submit_shares(index, rows, _shares(values, device), present)
+            self._submit_shares(index, rows, device_scalars(values, device), present)
             return
         if len(present) != len(index):
             rows = rows.take([position for position, _ in present])
         if all(isinstance(v, float) for v in values):  # host values: one vectorised pass
             matrix = torch.from_numpy(scalar_matrix(np.array(values, dtype=np.float64), self.ops, self.eps))
         else:
-            matrix = stat_matrix(_shares(values, device), self.ops, self.eps)
+            matrix = stat_matrix(device_scalars(values, device), self.ops, self.eps)
         self._submit("other", rows, matrix)
 
     def _submit_shares(

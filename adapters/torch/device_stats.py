@@ -49,6 +49,18 @@ def on_device(
     return host.to(device, non_blocking=True)
 
 
+def device_scalars(values: Sequence[float | torch.Tensor], device: torch.device | None) -> list[torch.Tensor]:
+    """Host floats and device 0-d tensors as float64 0-d tensors on ``device``: the floats in one
+    copy that does not wait for the device, the tensors as they are."""
+    on_host = [k for k, v in enumerate(values) if not isinstance(v, torch.Tensor)]
+    scalars = list(values)
+    if on_host:
+        hosted = on_device([values[k] for k in on_host], _F64, device or torch.device("cpu"))
+        for k, scalar in zip(on_host, hosted):
+            scalars[k] = scalar
+    return scalars
+
+
 def with_host_columns(matrix: torch.Tensor, columns: np.ndarray) -> torch.Tensor:
     """``matrix`` with host columns (element counts, flags) appended, on its device."""
     return torch.cat([matrix, on_device(columns, matrix.dtype, matrix.device)], dim=1)

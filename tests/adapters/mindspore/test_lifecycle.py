@@ -140,6 +140,20 @@ def test_a_targets_key_that_names_nothing_is_warned_about(caplog):
     assert "'layers.1.weigth' selects no module or parameter" in told and "'layers.1.weight'?" in told
 
 
+def test_an_optimizer_without_moments_is_said_for_moments_and_mg_direction(caplog):
+    """Momentum keeps no Adam moments: no moment rows, and every mg_direction share is 1.0;
+    both said at attach, so that a flat line of ones is not read as agreeing signs."""
+    net = Net()
+    optimizer = nn.Momentum(net.trainable_params(), learning_rate=0.01, momentum=0.9)
+    with caplog.at_level(logging.WARNING, logger="trainmon"):
+        mon = TrainerMon({"mv_distribution": True, "mg_direction": True, "format": "api"})
+        mon.set_monitor(net, grad_acc_steps=1, optimizer=optimizer)
+        mon.stop()
+    told = [r.getMessage() for r in caplog.records if "keeps no Adam moments" in r.getMessage()]
+    assert len(told) == 2, told
+    assert "mv_distribution" in told[0] and "mg_direction" in told[1] and "every share is 1.0" in told[1]
+
+
 def test_passes_with_no_step_of_the_monitored_optimizer_are_said_once_and_held_bounded(caplog):
     """The optimizer that steps is not the one given to set_monitor: a warning says so once, and
     the gradient statistics held for a step that never ends stay those of its latest pass."""

@@ -259,6 +259,25 @@ def test_moments_of_an_optimizer_without_them_are_warned_about_once(caplog):
         assert all(optimizer_type.__name__ in m for m in about)
 
 
+def test_mg_direction_with_an_optimizer_without_moments_says_its_shares_are_all_one(caplog):
+    """Without exp_avg every share is 1.0 (msprobe's value): written, but said once, so that a
+    flat line of ones is not read as gradients agreeing with their momentum."""
+    for optimizer_type, warned in ((torch.optim.SGD, 1), (torch.optim.AdamW, 0)):
+        caplog.clear()
+        torch.manual_seed(0)
+        model = MLP()
+        optimizer = optimizer_type(model.parameters(), lr=0.01)
+        with caplog.at_level(logging.WARNING, logger="trainmon"):
+            mon = TrainerMon({"mg_direction": True, "format": "api"})
+            mon.set_monitor(model, 2, optimizer)
+            _train(model, optimizer, 3)
+            shares = [row["norm"] for row in mon._latest("other").values()] if warned else []
+            mon.stop()
+        about = [m for m in _warnings(caplog) if "mg_direction" in m and "every share is 1.0" in m]
+        assert len(about) == warned, (optimizer_type, _warnings(caplog))
+        assert shares == [1.0] * len(shares) and (shares or not warned)
+
+
 def test_whether_an_optimizer_keeps_adam_moments_is_told_only_once_an_update_made_state():
     from adapters.torch.optim import TorchBackend, without_adam_moments
 
