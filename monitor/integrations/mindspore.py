@@ -10,7 +10,8 @@ moments from the host (a compiled step runs no hook); in PyNative mode the optim
 mark the steps. At ``on_train_end`` it closes the outputs.
 
 Step numbers: the monitor's step ``s`` is the optimizer's update ``s + 1`` (MindSpore's
-``cur_step_num`` after it), counted from the update count at attach. With dataset sinking a
+``cur_step_num`` after it), also when ``Model.train`` runs again with the same callback: each
+run starts from the optimizer's update count (``global_step``). With dataset sinking a
 callback runs once per sunk group of steps: the last of them is collected, without its
 ``param_origin`` rows (its parameters before the update are gone by then).
 """
@@ -53,6 +54,7 @@ class TrainmonCallback(MonitorCallback, Callback):
             model=args.network,
             grad_acc_steps=self.grad_acc_steps,
             optimizer=args.optimizer,
+            start_iteration=_updates_so_far(args.optimizer),
         )
 
     def on_train_step_end(self, run_context: Any) -> None:
@@ -61,3 +63,10 @@ class TrainmonCallback(MonitorCallback, Callback):
 
     def on_train_end(self, run_context: Any) -> None:
         self.detach()
+
+
+def _updates_so_far(optimizer: Any) -> int:
+    """The optimizer's update count (``global_step``, one host copy at attach), 0 without one:
+    a later ``Model.train`` of the same model goes on numbering where the last one ended."""
+    count = getattr(optimizer, "global_step", None)
+    return int(count.asnumpy().reshape(-1)[0]) if count is not None else 0

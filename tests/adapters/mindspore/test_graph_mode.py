@@ -151,6 +151,25 @@ def test_model_train_callback_in_pynative_mode_says_nothing_of_step_end(tmp_path
         assert_stats_close(dict(row), final[name], ops=["min", "max", "norm"], what=name)
 
 
+def test_a_second_model_train_with_the_same_callback_goes_on_numbering(tmp_path, monkeypatch):
+    """Each Model.train attaches anew (a run directory of its own) from the optimizer's update
+    count: steps 0-1, then 2-3, as the optimizer counts them, not 0-1 twice."""
+    from monitor.integrations.mindspore import TrainmonCallback
+
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path))
+    net = Net()
+    optimizer = nn.Adam(net.trainable_params(), learning_rate=0.05)
+    data = [(x[0], np.tanh(x[0][:4])) for (x,) in make_batches(4, 1, batch=1)]
+    dataset = ds.GeneratorDataset(data, ["x", "y"], shuffle=False).batch(2)
+    callback = TrainmonCallback({**CONFIG, "ops": ["norm"]})
+    model = ms.train.Model(net, nn.MSELoss(), optimizer)
+    for _ in range(2):
+        model.train(1, dataset, callbacks=[callback], dataset_sink_mode=False)
+    assert int(optimizer.global_step.asnumpy().reshape(-1)[0]) == 4
+    runs = sorted(os.path.join(tmp_path, d) for d in os.listdir(tmp_path) if "-rank0-" in d)
+    assert sorted(tuple(collected_steps(run, "param_updated")) for run in runs) == [(0, 1), (2, 3)]
+
+
 def test_step_end_does_nothing_in_pynative_mode():
     """In PyNative mode the optimizer's hooks mark the steps: step_end() neither counts nor collects."""
     net = Net()
