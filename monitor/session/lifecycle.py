@@ -162,12 +162,12 @@ class SessionLifecycle(IncidentResponses, ABC):
                 ", ".join(per_parameter),
             )
         logger.info(
-            "trainmon: monitoring %d %s (%s) on rank %d from step %d, output %s",
+            "trainmon: recording %s on rank %d from step %d (%d %s selected), output %s",
+            ", ".join(kinds) or "nothing",
+            self.rank,
+            self.collection.schedule.start_step,  # the first step it may collect
             len(self.collection.registry),
             self.monitored,
-            ", ".join(kinds) or "nothing selected",
-            self.rank,
-            self.step,
             self.collection.core.output_dir or "in memory (format api)",
         )
 
