@@ -129,7 +129,15 @@ def _compact_once(monitor_path: str, output: str | None, memory_limit: int) -> d
     if not ranks:
         raise ConvertError(f"monitor_path: no {{time}}-rank{{R}}-{{id}} directory under {monitor_path!r}")
     output = os.path.abspath(output or os.path.join(monitor_path, "dataset"))
+    for directory in (d for dirs in ranks.values() for d in dirs):
+        if os.path.commonpath([output, os.path.abspath(directory)]) == os.path.abspath(directory):
+            raise ConvertError(
+                f"output: {output!r} is inside the rank directory {directory!r}: expected one outside"
+            )
     make_private_dir(output)
+    for name in os.listdir(output):  # what a compaction killed while writing compact.json or a table left
+        if name.startswith(TEMPORARY_PREFIX) and os.path.isfile(os.path.join(output, name)):
+            os.unlink(os.path.join(output, name))
     manifest = Manifest(os.path.join(output, MANIFEST), monitor_path, output)
     con = duckdb.connect()
     con.execute(f"SET memory_limit = '{int(memory_limit)}B'")

@@ -19,6 +19,7 @@ duckdb = pytest.importorskip("duckdb", reason="DuckDB is not installed here (pip
 import numpy as np  # noqa: E402
 
 from dashboards.convert.compact import FARTHEST_RANK_SQL, compact  # noqa: E402
+from dashboards.convert.runs import ConvertError  # noqa: E402
 from monitor.record import RowSet, StepRecord  # noqa: E402
 from monitor.writers.csv import CsvWriter  # noqa: E402
 from tests.dashboards.conftest import NAMES, OPS, generated_value, read_csv_rows, write_run  # noqa: E402
@@ -371,6 +372,26 @@ def test_a_killed_compaction_leaves_a_readable_dataset_and_the_next_one_goes_on_
     assert not list((tmp_path / "dataset").rglob(".tmp-*"))
     monkeypatch.chdir(tmp_path)  # the run named by another path: still the same sources
     assert compact(".", str(tmp_path / "dataset")) == {"written": 0, "kept": 4}
+
+
+def test_an_output_inside_a_rank_directory_is_refused(tmp_path):
+    """The dataset would be read as the rank's own files by the next compaction and the readers."""
+    dirs = write_run(tmp_path, ranks=(0,), steps=range(2))
+    with pytest.raises(ConvertError, match=r"is inside the rank directory .*: expected one outside"):
+        compact(str(tmp_path), str(dirs[0] / "ds"))
+    assert not (dirs[0] / "ds").exists()
+
+
+def test_temporary_files_a_killed_compaction_left_beside_the_tables_are_removed(tmp_path):
+    """A kill while compact.json or a table is written leaves its temporary file in the
+    dataset's directory; the next compaction removes it, and nothing else there."""
+    write_run(tmp_path, ranks=(0,), steps=range(2))
+    dataset = tmp_path / "dataset"
+    dataset.mkdir()
+    for name in (".tmp-k3j2h1g0", ".tmp-9abc.parquet.tmp", "notes.txt"):
+        (dataset / name).write_text("left")
+    compact(str(tmp_path))
+    assert not list(dataset.glob(".tmp-*")) and (dataset / "notes.txt").read_text() == "left"
 
 
 def test_a_merge_during_compaction_makes_it_start_again(tmp_path, monkeypatch):
