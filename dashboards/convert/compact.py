@@ -57,7 +57,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from dashboards.convert.compact_manifest import DOUBLE, FLOAT, MANIFEST, Manifest
+from dashboards.convert.compact_manifest import DOUBLE, FLOAT, open_dataset
 from dashboards.convert.compact_tables import (
     TEMPORARY_PREFIX,
     TEMPORARY_SUFFIX,
@@ -70,7 +70,6 @@ from dashboards.convert.runs import ConvertError, select_rank_dirs
 from dashboards.csvfiles import header_ops, list_csv_files
 from dashboards.plugin.eventsource import EventSource
 from monitor.anomaly.rank_csv import read_complete_lines
-from monitor.files import make_private_dir
 from monitor.memory_limit import COMPACT_DEFAULT, parse_size
 from monitor.writers.parquet_files import live_prefixes, part_steps, row_count
 
@@ -129,16 +128,7 @@ def _compact_once(monitor_path: str, output: str | None, memory_limit: int) -> d
     if not ranks:
         raise ConvertError(f"monitor_path: no {{time}}-rank{{R}}-{{id}} directory under {monitor_path!r}")
     output = os.path.abspath(output or os.path.join(monitor_path, "dataset"))
-    for directory in (d for dirs in ranks.values() for d in dirs):
-        if os.path.commonpath([output, os.path.abspath(directory)]) == os.path.abspath(directory):
-            raise ConvertError(
-                f"output: {output!r} is inside the rank directory {directory!r}: expected one outside"
-            )
-    make_private_dir(output)
-    for name in os.listdir(output):  # what a compaction killed while writing compact.json or a table left
-        if name.startswith(TEMPORARY_PREFIX) and os.path.isfile(os.path.join(output, name)):
-            os.unlink(os.path.join(output, name))
-    manifest = Manifest(os.path.join(output, MANIFEST), monitor_path, output)
+    manifest = open_dataset(output, monitor_path, [d for dirs in ranks.values() for d in dirs])
     con = duckdb.connect()
     con.execute(f"SET memory_limit = '{int(memory_limit)}B'")
     events = EventDirs()

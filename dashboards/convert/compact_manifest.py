@@ -10,8 +10,9 @@ import os
 import time
 from typing import Any
 
-from dashboards.convert.compact_tables import read_json_object
-from monitor.files import atomic_write_text
+from dashboards.convert.compact_tables import TEMPORARY_PREFIX, read_json_object
+from dashboards.convert.runs import ConvertError
+from monitor.files import atomic_write_text, make_private_dir
 
 logger = logging.getLogger("trainmon")
 
@@ -91,6 +92,19 @@ class Manifest:
                 kept,
             )
 
+    def other_directories(self, rank_dirs: set[str]) -> list[str]:
+        """The rank directories the dataset was made from, when none of them is among
+        ``rank_dirs`` (this run's, by name): the dataset is another run's."""
+        earlier = {
+            str(source[0]).split("/")[0].split(os.sep)[0]
+            for units in self._old.values()
+            for was in units.values()
+            if isinstance(was, dict)
+            for source in was.get("sources") or []
+            if isinstance(source, list) and source
+        }
+        return [] if earlier & rank_dirs else sorted(earlier)
+
     def carried(self, part: str, unit: str) -> list[str]:
         """The unit's files on disk, when some or all of its sources are gone: their values are kept."""
         return self._carried.get((part, unit), [])
@@ -123,3 +137,33 @@ class Manifest:
                 parts.setdefault(part, {})[unit] = self.current[part][unit]
         atomic_write_text(self.path, json.dumps({"value_type": value_type, "parts": parts}, indent=1))
         self._saved_at = time.monotonic()
+
+
+def open_dataset(output: str, monitor_path: str, rank_dirs: list[str]) -> Manifest:
+    """Make ``output`` ready for a compaction of the run whose rank directories are ``rank_dirs``
+    and return its manifest: the temporary files a killed compaction left beside the tables
+    removed, and a dataset made from other rank directories said (its values stay, as those of
+    deleted sources do, but compacting one run into another's dataset is likely a mistake).
+
+    Raises:
+        ConvertError: ``output`` is inside a rank directory (it would be read as the rank's files).
+    """
+    for directory in map(os.path.abspath, rank_dirs):
+        if os.path.commonpath([output, directory]) == directory:
+            raise ConvertError(
+                f"output: {output!r} is inside the rank directory {directory!r}: expected one outside"
+            )
+    make_private_dir(output)
+    for name in os.listdir(output):
+        if name.startswith(TEMPORARY_PREFIX) and os.path.isfile(os.path.join(output, name)):
+            os.unlink(os.path.join(output, name))
+    manifest = Manifest(os.path.join(output, MANIFEST), monitor_path, output)
+    others = manifest.other_directories({os.path.basename(d) for d in rank_dirs})
+    if others:
+        logger.warning(
+            "trainmon compact: %s holds a dataset made from other rank directories (%s): their values "
+            "stay beside this run's; compact into a new directory to keep the runs apart",
+            output,
+            ", ".join(others[:3]) + (" ..." if len(others) > 3 else ""),
+        )
+    return manifest

@@ -374,6 +374,18 @@ def test_a_killed_compaction_leaves_a_readable_dataset_and_the_next_one_goes_on_
     assert compact(".", str(tmp_path / "dataset")) == {"written": 0, "kept": 4}
 
 
+def test_compacting_into_another_runs_dataset_is_said(tmp_path, caplog):
+    """-o naming the dataset of another run merges the two (a dataset keeps what it held): said,
+    naming the other run's directories; compacting the same run again says nothing."""
+    first = write_run(tmp_path / "a", ranks=(0,), steps=range(2))
+    write_run(tmp_path / "b", ranks=(0,), steps=range(2), stamp="Jan03_03-04-05")
+    compact(str(tmp_path / "a"), str(tmp_path / "ds"))
+    compact(str(tmp_path / "a"), str(tmp_path / "ds"))
+    assert "other rank directories" not in caplog.text
+    compact(str(tmp_path / "b"), str(tmp_path / "ds"))
+    assert f"made from other rank directories ({first[0].name})" in caplog.text
+
+
 def test_an_output_inside_a_rank_directory_is_refused(tmp_path):
     """The dataset would be read as the rank's own files by the next compaction and the readers."""
     dirs = write_run(tmp_path, ranks=(0,), steps=range(2))
