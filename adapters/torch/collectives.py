@@ -21,7 +21,9 @@ after that step was written is dropped and counted (one warning), never folded i
 Rows: ``{op}.{pre|post}_{k}`` (k: index of the tensor-like argument; a list of tensors or of
 P2POps is one argument, its statistics taken over all its tensors together), with
 ``@{file}[{line}]`` of the matching call site appended when ``cc_codeline`` is set; the merge
-rules are in ``monitor.collectives.totals``. Each call costs one stat_matrix and one host copy of its result.
+rules are in ``monitor.collectives.totals``. Each call costs one stat_matrix and one host copy of its
+result; on an accelerator that copy is started without a wait and its rows are merged at the end of
+the step, so that measuring never makes the training thread wait for the device.
 
 ``cc_log_only`` measures nothing: every distinct (op, call stack) is logged once with dtypes,
 shapes and group size, and the first optimizer step raises ``CollectivesLogged``.
@@ -40,7 +42,7 @@ import torch.distributed as dist
 
 from adapters.torch.cc_callsite import CallSites
 from adapters.torch.cc_wrap import REGISTRY, CallInfo, measurable
-from adapters.torch.stats import stat_matrix
+from adapters.torch.stats import stat_matrix, to_host
 from monitor.collectives.base import CollectiveMonitorBase
 from monitor.collectives.totals import StepTotals
 from monitor.config.schema import MonitorConfig
@@ -109,6 +111,8 @@ class CollectiveMonitor(CollectiveMonitorBase):
         self._eps = config.eps
         self._step = 0
         self._totals: dict[int, StepTotals] = {}
+        #: step -> accelerator calls whose statistics are on their way to the host, in call order
+        self._copying: dict[int, list[tuple]] = {}
         self._closed_below = 0  # completions of steps below this are late
         self._pending = 0
         self._polled: list[tuple[_Call, list]] = []
@@ -129,6 +133,8 @@ class CollectiveMonitor(CollectiveMonitorBase):
             self._closed_below = max(self._closed_below, step)
             for old in [s for s in self._totals if s < step]:
                 del self._totals[old]
+            for old in [s for s in self._copying if s < step]:
+                del self._copying[old]
         self._update_listening()
 
     def take(self, step: int, rank: int) -> list[tuple[RowSet, tuple[str, ...], np.ndarray]]:
@@ -136,7 +142,12 @@ class CollectiveMonitor(CollectiveMonitorBase):
         self._poll(finish=step)
         with self._lock:
             totals = self._totals.pop(step, None)
+            copying = self._copying.pop(step, [])
             self._closed_below = max(self._closed_below, step + 1)
+        for token, phase, sizes, numel, fetch in copying:  # started long before: seldom a wait
+            totals = totals if totals is not None else StepTotals()
+            for k, part in self._summaries(sizes, fetch(), numel):
+                totals.add((token.name, phase, k, token.site), part)
         if not totals:
             return []
         values = totals.values(self._ops)
@@ -183,15 +194,25 @@ class CollectiveMonitor(CollectiveMonitorBase):
     def _forget_steps(self) -> None:
         with self._lock:
             self._totals.clear()
+            self._copying.clear()
             self._polled.clear()
 
     # -- measuring ---------------------------------------------------------------------------
 
     def _measure(self, token: _Call, phase: str) -> None:
-        """Statistics of every tensor of the call (one host copy), merged into the step's rows."""
+        """Statistics of every tensor of the call (one host copy), merged into the step's rows;
+        on an accelerator the copy is started and the merge waits for the step's end (``take``)."""
         flat = [t for _, tensors in token.groups for t in tensors]
-        stats = stat_matrix(flat, self._stat_ops, self._eps).cpu().numpy() if flat else None
+        stats, fetch = to_host(stat_matrix(flat, self._stat_ops, self._eps)) if flat else (None, None)
         numel = np.fromiter((t.numel() for t in flat), dtype=np.float64, count=len(flat))
+        if fetch is not None:
+            sizes = [(k, [None] * len(tensors)) for k, tensors in token.groups]  # counts are what is used
+            with self._lock:
+                if token.step < self._closed_below:
+                    self._late(1)
+                else:
+                    self._copying.setdefault(token.step, []).append((token, phase, sizes, numel, fetch))
+            return
         parts = [
             ((token.name, phase, k, token.site), part)
             for k, part in self._summaries(token.groups, stats, numel)

@@ -147,6 +147,10 @@ def _stats_worker(rank: int, world_size: int, workdir: str) -> None:
     from monitor import TrainerMon
 
     os.environ["MONITOR_OUTPUT_DIR"] = os.path.join(workdir, "out")
+    if os.environ.get("STATS_COPY") == "deferred":  # as on an accelerator: the values arrive later
+        import adapters.torch.collectives as collectives
+
+        collectives.to_host = lambda matrix: (None, matrix.numpy)
     originals = _originals()
     peer = 1 - rank
     config = {
@@ -208,8 +212,11 @@ def _read_csv(path: str) -> tuple[list[str], list[dict[str, str]]]:
         return list(reader.fieldnames), list(reader)
 
 
-def test_statistics_steps_csv_and_restore(tmp_path):
-    results = run_ranks(_stats_worker, 2, str(tmp_path))
+@pytest.mark.parametrize("copy", ["host", "deferred"])
+def test_statistics_steps_csv_and_restore(tmp_path, copy):
+    """Every kind of call against the test's own numpy statistics, on the host and with the copy
+    of each call's statistics arriving later, as on an accelerator (merged at the step's end)."""
+    results = run_ranks(_stats_worker, 2, str(tmp_path), env={"STATS_COPY": copy})
     for rank, result in enumerate(results):
         files = sorted(os.path.basename(p) for p in glob.glob(os.path.join(result["dir"], "comm_*.csv")))
         assert files == ["comm_0-0.csv", "comm_2-2.csv"], f"rank {rank}: {files}"
