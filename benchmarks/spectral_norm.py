@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     batches = [synthetic_batch(cfg, 8, generator) for _ in range(8)]
     config = load_config({"recording_l2_features": True, "l2_targets": {"linear_hook": []}})
     features = torch_l2.L2Features([model], config, lambda what, exc: print(what, exc))
-    lanczos, applications = torch_l2.lanczos_top, []
+    lanczos, applications = torch_l2.lanczos, []
 
     def counted(apply, start, min_steps):
         calls = [0]
@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         applications.append(calls[0])
         return result
 
-    torch_l2.lanczos_top = counted
+    torch_l2.lanczos = counted
     worst, seconds, collected = 0.0, 0.0, 0
     for step in range(args.steps):
         tokens, targets = batches[step % len(batches)]

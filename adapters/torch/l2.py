@@ -91,12 +91,12 @@ def summarise(per_head: torch.Tensor, heads: str) -> torch.Tensor:
     return per_head
 
 
-def lanczos_top(
+def lanczos(
     apply: Callable[[torch.Tensor], torch.Tensor], start: torch.Tensor, steps: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The largest eigenvalue of a symmetric positive semi-definite operator and its Ritz vector,
-    after ``steps`` Lanczos steps with full reorthogonalisation, on the operator's device (the
-    small tridiagonal eigenproblem may synchronise with the host on CUDA).
+    """``steps`` Lanczos steps with full reorthogonalisation on a symmetric positive
+    semi-definite operator, on its device without a host sync: the basis (steps, n) and the
+    tridiagonal (steps, steps) whose top eigenpair gives the operator's (``top_eigenpairs``).
 
     Lanczos converges on the top eigenvalue far faster than power iteration when the largest
     eigenvalues lie close together (as the singular values of trained weights often do).
@@ -121,9 +121,39 @@ def lanczos_top(
         alive = beta[j] > BREAKDOWN * scale
         beta[j] = torch.where(alive, beta[j], 0.0)
         q = torch.where(alive, w / beta[j].clamp_min(1e-30), 0.0)
-    tridiagonal = torch.diag(alpha) + torch.diag(beta[:-1], 1) + torch.diag(beta[:-1], -1)
-    values, vectors = torch.linalg.eigh(tridiagonal)
-    return values[-1], basis.T @ vectors[:, -1]
+    return basis, torch.diag(alpha) + torch.diag(beta[:-1], 1) + torch.diag(beta[:-1], -1)
+
+
+def top_eigenpairs(matrices: torch.Tensor, squarings: int = 30) -> tuple[torch.Tensor, torch.Tensor]:
+    """The largest eigenvalue and a unit eigenvector of each of a batch (b, k, k) of small
+    symmetric positive semi-definite matrices, on their device in float64 without a host sync
+    (torch's eigh checks its solver's result on the host: on CUDA a wait per weight).
+
+    Squared ``squarings`` times and normalised each time, a matrix tends to a multiple of the
+    projector on its top eigenvector (its eigenvalues' ratios raised to the 2**squarings-th
+    power); the projector's largest column points along that vector, and the Rayleigh quotient
+    of it is the eigenvalue, accurate to float64 rounding of the matrix's norm. Eigenvalues that
+    tie make a projector on their space, any vector of which has the same quotient."""
+    wide = matrices.to(torch.float64)
+    power = wide
+    for _ in range(squarings):
+        power = power / torch.linalg.matrix_norm(power, keepdim=True).clamp_min(1e-300)
+        power = power @ power
+    largest = torch.linalg.vector_norm(power, dim=1).argmax(dim=1)  # (b,) the largest column
+    vectors = torch.gather(power, 2, largest[:, None, None].expand(-1, power.shape[1], 1))[..., 0]
+    vectors = vectors / torch.linalg.vector_norm(vectors, dim=1, keepdim=True).clamp_min(1e-300)
+    values = torch.einsum("bi,bij,bj->b", vectors, wide, vectors)
+    return values.to(matrices.dtype), vectors.to(matrices.dtype)
+
+
+def lanczos_top(
+    apply: Callable[[torch.Tensor], torch.Tensor], start: torch.Tensor, steps: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The largest eigenvalue of a symmetric positive semi-definite operator and its Ritz vector,
+    after ``steps`` Lanczos steps (one operator; ``L2Features`` solves a step's together)."""
+    basis, tridiagonal = lanczos(apply, start, steps)
+    values, vectors = top_eigenpairs(tridiagonal[None])
+    return values[0], basis.T @ vectors[0]
 
 
 class L2Features(L2Steps):
@@ -216,32 +246,33 @@ class L2Features(L2Steps):
         return self.take_rows(rank, lambda values: torch.cat(values).float())
 
     def linear_values(self, rank: int) -> tuple[RowSet, torch.Tensor] | None:
-        """``[kernel_norm, sr]`` of every linear module's weight now; None without any."""
+        """``[kernel_norm, sr]`` of every linear module's weight now; None without any. The
+        tridiagonal eigenproblems of all weights are solved together, on their device."""
         if not self.linear:
             return None
-        values = []
+        runs, frobenius = [], []
         with torch.no_grad():
             for index, (_, _, module) in enumerate(self.linear):
                 layout = self._pieces.get(index)
                 if layout is not None:
                     piece = layout.piece(module)
                     gram = functools.partial(layout.gram, piece)
-                    sigma = self._spectral_norm(index, gram, layout.size, piece.device)
-                    frobenius = layout.frobenius(piece)
+                    runs.append(self._lanczos(index, gram, layout.size, piece.device))
+                    frobenius.append(layout.frobenius(piece))
                 else:
                     weight = linear_weight(module).detach().float()
-                    sigma = self._spectral_norm(index, *_gram(weight), weight.device)
-                    frobenius = torch.linalg.vector_norm(weight)
-                ratio = frobenius / sigma
-                values.append(torch.stack([sigma, torch.where(sigma > 0, ratio, 0.0)]))  # a zero weight: 0
-        return self.linear_rows(rank), torch.stack(values)
+                    runs.append(self._lanczos(index, *_gram(weight), weight.device))
+                    frobenius.append(torch.linalg.vector_norm(weight))
+            sigma = self._spectral_norms(runs)
+            frobenius = torch.stack([f.to(sigma.device) for f in frobenius])
+            ratio = torch.where(sigma > 0, frobenius / sigma, 0.0)  # a zero weight: 0
+        return self.linear_rows(rank), torch.stack([sigma, ratio], dim=1)
 
-    def _spectral_norm(
+    def _lanczos(
         self, index: int, gram: Callable[[torch.Tensor], torch.Tensor], size: int, device: torch.device
-    ) -> torch.Tensor:
-        """The largest singular value: Lanczos on a Gram matrix of the weight (``gram``, of
-        ``size``), started from the last step's top Ritz vector plus a random one (random alone
-        the first time)."""
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Lanczos on a Gram matrix of the weight (``gram``, of ``size``), started from the last
+        step's top Ritz vector plus a random one (random alone the first time)."""
         fresh = torch.randn(size, generator=self._generator(device), device=device)
         start = self.vectors.get(index)
         steps = WARM_ITERATIONS
@@ -249,10 +280,31 @@ class L2Features(L2Steps):
             start, steps = fresh, FIRST_ITERATIONS
         else:  # half the last top vector, half a random one (see monitor.datatypes.l2)
             start = start / torch.linalg.vector_norm(start).clamp_min(1e-30) + fresh / math.sqrt(size)
-        theta, vector = lanczos_top(gram, start, min(steps, size))
-        # a NaN weight gives NaN now, not a NaN start for every later step
-        self.vectors[index] = torch.nan_to_num(vector, nan=1.0, posinf=1.0, neginf=-1.0)
-        return theta.clamp_min(0).sqrt()
+        return lanczos(gram, start, min(steps, size))
+
+    def _spectral_norms(self, runs: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """The largest singular value of each weight from its Lanczos run, all tridiagonals in
+        one batch per device (padded with zeros, which add only zero eigenvalues); keeps each top
+        Ritz vector for the next step."""
+        by_device: dict[torch.device, list[int]] = {}
+        for k, (basis, _) in enumerate(runs):
+            by_device.setdefault(basis.device, []).append(k)
+        sigma: list[torch.Tensor | None] = [None] * len(runs)
+        for device, chosen in by_device.items():
+            width = max(runs[k][1].shape[0] for k in chosen)
+            padded = torch.zeros(len(chosen), width, width, device=device)
+            for row, k in enumerate(chosen):
+                steps = runs[k][1].shape[0]
+                padded[row, :steps, :steps] = runs[k][1]
+            values, vectors = top_eigenpairs(padded)
+            for row, k in enumerate(chosen):
+                basis = runs[k][0]
+                vector = basis.T @ vectors[row, : basis.shape[0]]
+                # a NaN weight gives NaN now, not a NaN start for every later step
+                self.vectors[k] = torch.nan_to_num(vector, nan=1.0, posinf=1.0, neginf=-1.0)
+                sigma[k] = values[row].clamp_min(0).sqrt()
+        first = runs[0][0].device
+        return torch.stack([s.to(first) for s in sigma])
 
 
 def _gram(weight: torch.Tensor) -> tuple[Callable[[torch.Tensor], torch.Tensor], int]:
