@@ -21,7 +21,7 @@ from adapters.torch.dist import ddp_reduces_after_pass_end, rank_in_group, world
 from adapters.torch.grad_sources import unreduced_source
 from adapters.torch.grads import GradCounting
 from adapters.torch.l2 import L2Features
-from adapters.torch.optim import TorchBackend, without_adam_moments
+from adapters.torch.optim import OptimizerChecks, TorchBackend
 from adapters.torch.params import ParamRegistry
 from adapters.torch.sharded.shards import SHARD_COLUMNS, held_rows, shard_reduce
 from adapters.torch.sharded.tp_activations import TensorParallelMerge
@@ -74,8 +74,7 @@ class Collection(BaseCollection):
         self.pipeline_stage = len(group_mates) > 1
         self._warn_unmatched_targets(modules, self.registry.names)
         #: collected steps left to tell whether the optimizer keeps Adam's moments (a shard may hold none)
-        wanted = config.mv_distribution or config.mg_direction
-        self._moment_checks_left = 20 if wanted and not backend.sharded else 0
+        self._optimizer_checks = OptimizerChecks(config, backend.sharded)
         backend.prepare([entry.param for entry in self.registry.params], self.registry.grad)
         info = run_info("torch", torch.__version__, rank, world_size(), [type(c).__name__ for c in chunks])
         self.core = MonitorCore(config, rank, pp_stage, group_mates, output_dir=output_dir, info=info)
@@ -183,8 +182,11 @@ class Collection(BaseCollection):
             return
         cfg = self.config
         moment = self.backend.moment
-        if self._moment_checks_left:
-            self._guard("the check of the optimizer's moments", self._check_moments)  # not exp_avg's rows
+        if self._optimizer_checks.pending:  # not exp_avg's rows, whatever they say
+            params = [p.param for p in self.registry.params]
+            self._guard(
+                "the checks of the optimizer", self._optimizer_checks.after_update, self.backend, params
+            )
         for prefix in ("exp_avg", "exp_avg_sq"):
             if self._wanted(prefix, cfg.mv_distribution):
                 self._guard(prefix, self._submit_tensors, prefix, lambda p, k=prefix: moment(p, k))
@@ -193,20 +195,6 @@ class Collection(BaseCollection):
         if self._wanted("ur", self.update_ratio):
             self._guard("ur", self._submit_update_histograms)
         self._end_step()
-
-    def _check_moments(self) -> None:
-        """mv_distribution or mg_direction with an optimizer that keeps no Adam moments (SGD,
-        Adagrad, ...): said once, instead of writing no rows, or shares of 1.0, in silence."""
-        self._moment_checks_left -= 1
-        verdict = without_adam_moments(self.backend, [p.param for p in self.registry.params])
-        if verdict is not None:
-            self._moment_checks_left = 0
-        if verdict and self.config.mv_distribution:
-            logger.warning(
-                "trainmon: mv_distribution: %s keeps no exp_avg/exp_avg_sq; no moment rows", verdict
-            )
-        if verdict and self.config.mg_direction:
-            logger.warning("trainmon: mg_direction: %s keeps no exp_avg; every share is 1.0", verdict)
 
     # -- statistics --------------------------------------------------------------------------
 

@@ -45,9 +45,11 @@ def local_tensor(tensor: Any) -> torch.Tensor:
 
 def all_gather_flat(output: torch.Tensor, tensor: torch.Tensor, group: Any = None) -> None:
     """All-gather ``tensor`` into one ``output`` tensor (the form gloo accepts), by the name this
-    torch offers without a deprecation warning (``all_gather_single`` from torch 2.13 on)."""
+    torch offers without a deprecation warning (``all_gather_single`` from torch 2.13 on). The
+    monitor's own call: cc_distribution does not count it among the run's collectives."""
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(output, tensor, group=group)
+    with REGISTRY.unobserved():
+        gather(output, tensor, group=group)
 
 
 def partials_summed(tensor: Any) -> Any:
@@ -60,7 +62,7 @@ def partials_summed(tensor: Any) -> Any:
     from torch.distributed.tensor import Replicate
 
     placements = [Replicate() if p.is_partial() else p for p in tensor.placements]
-    with torch.no_grad():
+    with torch.no_grad(), REGISTRY.unobserved():  # the monitor's own all-reduce, not the run's
         return tensor.redistribute(tensor.device_mesh, placements)
 
 

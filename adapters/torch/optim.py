@@ -16,11 +16,14 @@ The generic back-end serves every torch.optim optimizer whose state uses the key
 from __future__ import annotations
 
 import importlib
+import logging
 import sys
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
+
+logger = logging.getLogger("trainmon")
 
 #: wrappers that hold the optimizer that really steps and only forward to it, by class name ->
 #: the attribute holding it. accelerate's AcceleratedOptimizer subclasses torch.optim.Optimizer
@@ -267,6 +270,61 @@ def without_adam_moments(backend: TorchBackend, params: Sequence[torch.nn.Parame
     if not any("betas" in group for owner, _ in owners for group in owner.param_groups):
         return type(optimizer).__name__
     return None
+
+
+def taken_over(backend: TorchBackend, params: Sequence[torch.nn.Parameter]) -> str | None:
+    """Why the torch optimizer the monitor hooked updates none of the model's parameters, if it
+    does not: a wrapper made after ``set_monitor`` (``deepspeed.initialize``) partitioned them
+    (ZeRO-3 leaves each a placeholder with a ``ds_id``) or gave the optimizer flat partitions in
+    their place (ZeRO-1/2). Then grad_reduced, the moments and param_updated describe nothing of
+    the training; said at the first update. None where it does, or where a back-end maps them."""
+    if type(backend) is not TorchBackend or not params:
+        return None
+    if any(hasattr(param, "ds_id") for param in params):
+        return "DeepSpeed ZeRO-3 partitioned the model's parameters after set_monitor"
+    held = {id(tensor) for group in backend.optimizer.param_groups for tensor in group["params"]}
+    if not any(id(param) in held for param in params):
+        return f"{type(backend.optimizer).__name__} updates none of the monitored parameters"
+    return None
+
+
+class OptimizerChecks:
+    """What is said once about the optimizer after its updates, instead of rows that are missing,
+    flat or of other tensors in silence: that it keeps no Adam moments (with mv_distribution or
+    mg_direction, asked until an update has made state), and at the first update that it updates
+    none of the model's parameters (``taken_over``)."""
+
+    def __init__(self, config: Any, sharded: bool) -> None:
+        self.config = config
+        self.first = True
+        wanted = config.mv_distribution or config.mg_direction
+        self.moment_checks_left = 20 if wanted and not sharded else 0
+
+    @property
+    def pending(self) -> bool:
+        return self.first or self.moment_checks_left > 0
+
+    def after_update(self, backend: TorchBackend, params: Sequence[torch.nn.Parameter]) -> None:
+        if self.first:
+            self.first = False
+            why = taken_over(backend, params)
+            if why:
+                logger.warning(
+                    "trainmon: %s: gradients after reduction, moments and updated parameters describe "
+                    "none of this training; attach after the wrapper is made (deepspeed.initialize)",
+                    why,
+                )
+        if self.moment_checks_left:
+            self.moment_checks_left -= 1
+            verdict = without_adam_moments(backend, params)
+            if verdict is not None:
+                self.moment_checks_left = 0
+            if verdict and self.config.mv_distribution:
+                logger.warning(
+                    "trainmon: mv_distribution: %s keeps no exp_avg/exp_avg_sq; no moment rows", verdict
+                )
+            if verdict and self.config.mg_direction:
+                logger.warning("trainmon: mg_direction: %s keeps no exp_avg; every share is 1.0", verdict)
 
 
 def optimizer_backend(optimizer: Any, chunks: Sequence[torch.nn.Module] = ()) -> TorchBackend:

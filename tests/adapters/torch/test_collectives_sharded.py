@@ -52,6 +52,8 @@ def _worker(rank: int, world_size: int, workdir: str) -> None:
     sharded = _shard(model, case, world_size)
     optimizer = torch.optim.AdamW(sharded.parameters(), lr=0.05)
     config = {"cc_distribution": {"enable": True}, "format": "api", "ops": ["norm"], "collect_times": 1}
+    if os.environ["MERGED"] == "1":  # the monitor's own gathers that merge the pieces are not the run's
+        config.update(wg_distribution=True, param_distribution=True, mv_distribution=True, shard_reduce=True)
     mon = TrainerMon(config)
     mon.set_monitor(sharded, 1, optimizer)
     x = torch.randn(5, 6, generator=torch.Generator().manual_seed(rank))
@@ -73,9 +75,12 @@ def _worker(rank: int, world_size: int, workdir: str) -> None:
     )
 
 
+@pytest.mark.parametrize("merged", [False, True], ids=["pieces", "shard_reduce"])
 @pytest.mark.parametrize("case", ["fsdp2", "fsdp1"])
-def test_fsdps_gathers_and_reduce_scatters_are_recorded_with_the_replicas_numbers(tmp_path, case):
-    results = run_ranks(_worker, 2, str(tmp_path), {"FSDP_CASE": case})
+def test_fsdps_gathers_and_reduce_scatters_are_recorded_with_the_replicas_numbers(tmp_path, case, merged):
+    """With shard_reduce the monitor gathers the pieces' statistics itself: those calls are its
+    own, not the run's, and change no row."""
+    results = run_ranks(_worker, 2, str(tmp_path), {"FSDP_CASE": case, "MERGED": str(int(merged))})
     for rank, result in enumerate(results):
         comm = result["comm"]
         gathered = [name for name in comm if name.startswith("all_gather") and name.endswith(".post_0")]

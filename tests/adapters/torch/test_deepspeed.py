@@ -429,3 +429,47 @@ def test_update_histograms_equal_deepspeeds_optimizer_state(tmp_path):
         for key, (counts, nans) in pieces.items():
             assert (counts / ranks_per_whole).tolist() == expected[key][0], f"stage {stage} {key}"
             assert nans / ranks_per_whole == expected[key][1], f"stage {stage} {key}"
+
+
+def _attached_before_initialize_worker(rank: int, world_size: int, workdir: str) -> None:
+    import logging
+
+    import deepspeed
+
+    from monitor import TrainerMon
+
+    os.environ.update(LOCAL_RANK=str(rank), DS_ACCELERATOR="cpu")
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+    said = {}
+    for stage in (0, 1, 3):
+        records: list[logging.LogRecord] = []
+        handler = logging.Handler()
+        handler.emit = records.append
+        logging.getLogger("trainmon").addHandler(handler)
+        torch.manual_seed(0)
+        model = MLP(SIZES)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+        mon = TrainerMon({"wg_distribution": True, "mv_distribution": True, "format": "api"})
+        mon.set_monitor(model, grad_acc_steps=GAS, optimizer=optimizer)  # too early: before initialize
+        config = {
+            "train_batch_size": 2 * MICRO * GAS,
+            "train_micro_batch_size_per_gpu": MICRO,
+            "gradient_accumulation_steps": GAS,
+            "zero_optimization": {"stage": stage},
+        }
+        engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+        _train_step(engine, rank, 0, torch.float32)
+        mon.stop()
+        logging.getLogger("trainmon").removeHandler(handler)
+        said[stage] = [r.getMessage() for r in records if "describe none of this training" in r.getMessage()]
+    save_result(workdir, rank, said)
+
+
+def test_attaching_before_deepspeed_initialize_is_said_where_it_makes_the_rows_wrong(tmp_path):
+    """ZeRO-1/2 give the torch optimizer flat partitions in place of the model's parameters, and
+    ZeRO-3 partitions the parameters themselves: a monitor attached before initialize reads
+    neither, which is said at the first update. ZeRO-0 updates the parameters themselves: silent."""
+    for said in run_ranks(_attached_before_initialize_worker, 2, str(tmp_path)):
+        assert said["0"] == []
+        assert len(said["1"]) == 1 and "AdamW updates none of the monitored parameters" in said["1"][0]
+        assert len(said["3"]) == 1 and "DeepSpeed ZeRO-3 partitioned" in said["3"][0]
