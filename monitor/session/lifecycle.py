@@ -42,7 +42,8 @@ _PER_PARAMETER = (
 def recorded_kinds(config: MonitorConfig) -> list[str]:
     """The config keys of what a collection with ``config`` records (empty: nothing)."""
     kinds = [k for k in _KINDS if getattr(config, k)]
-    kinds += [k for k in ("ur_distribution", "recording_l2_features") if getattr(config, k)]
+    kinds += ["ur_distribution"] if config.ur_distribution and config.format == "tensorboard" else []
+    kinds += ["recording_l2_features"] if config.recording_l2_features else []
     return kinds + (["cc_distribution"] if config.cc_distribution.enable else [])
 
 

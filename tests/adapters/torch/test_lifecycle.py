@@ -314,6 +314,13 @@ def test_a_config_that_switches_nothing_on_is_warned_about(caplog):
             mon.set_monitor(model, 2, optimizer)
             mon.stop()
         assert not [m for m in _warnings(caplog) if "nothing to record" in m], something
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="trainmon"):  # ur_distribution needs TensorBoard
+        mon = TrainerMon({"ur_distribution": True, "wg_distribution": True, "format": "csv"})
+        mon.set_monitor(model, 2, optimizer)
+        mon.stop()
+    (attached,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("trainmon: recording")]
+    assert "recording wg_distribution on" in attached, attached
 
 
 def test_module_ranks_without_this_rank_monitors_nothing(_output_dir):
