@@ -32,6 +32,9 @@ _tokens = itertools.count()
 REFRESH_SECONDS = 1.0
 #: seconds after which every CSV file is looked at again, not only the newest of each data type.
 FULL_SCAN_SECONDS = 30.0
+#: the newest windows of a data type looked at on every refresh: the one being appended to and
+#: the one before it (its last rows may land after the next window's file was made)
+GROWING = 2
 
 
 class Chunk(NamedTuple):
@@ -226,9 +229,10 @@ class CsvSource(Source):
     def _scan(self) -> None:
         """List the files (only when the directory changed) and stat what may have grown.
 
-        A file is re-examined when it is the newest window of its data type (the one being
-        appended to) or at least every FULL_SCAN_SECONDS, so a directory of thousands of one-step
-        files costs a few system calls per refresh, not thousands.
+        A file is re-examined when it is one of the two newest windows of its data type (the one
+        being appended to, and the one before it, whose last rows may land after the next window's
+        file was made) or at least every FULL_SCAN_SECONDS, so a directory of thousands of
+        one-step files costs a few system calls per refresh, not thousands.
         """
         now = time.monotonic()
         full = now - self._full_scan >= FULL_SCAN_SECONDS
@@ -239,17 +243,18 @@ class CsvSource(Source):
             self._listed_at = time.time()
             self._listing = list_csv_files(self.path)
             self._dir_mtime = mtime
-        if not relisted:  # only the newest window of each data type can have grown
+        if not relisted:  # only the newest windows of each data type can have grown
             chunks = {prefix: list(listed) for prefix, listed in self._chunks.items()}
             for listed in chunks.values():
-                last = listed[-1]
-                try:
-                    st = os.stat(last.key[0], follow_symlinks=False)
-                except OSError:
-                    continue
-                listed[-1] = Chunk(
-                    (last.key[0], st.st_size, st.st_mtime_ns), last.first, last.last, st.st_size
-                )
+                for index in range(max(len(listed) - GROWING, 0), len(listed)):
+                    chunk = listed[index]
+                    try:
+                        st = os.stat(chunk.key[0], follow_symlinks=False)
+                    except OSError:
+                        continue
+                    listed[index] = Chunk(
+                        (chunk.key[0], st.st_size, st.st_mtime_ns), chunk.first, chunk.last, st.st_size
+                    )
             self._finish(chunks)
             return
         known = {c.key[0]: c for chunks in self._chunks.values() for c in chunks}
@@ -257,7 +262,7 @@ class CsvSource(Source):
         for prefix, listed in self._listing.items():
             for index, item in enumerate(listed):
                 chunk = known.get(item.path)
-                if chunk is None or full or index == len(listed) - 1:
+                if chunk is None or full or index >= len(listed) - GROWING:
                     try:
                         st = os.stat(item.path, follow_symlinks=False)
                     except OSError:
@@ -270,7 +275,9 @@ class CsvSource(Source):
 
     def _finish(self, chunks: dict[str, list[Chunk]]) -> None:
         self._chunks = chunks
-        self._version = repr(sorted((p, len(c), c[-1].key[1:]) for p, c in chunks.items() if c))
+        self._version = repr(
+            sorted((p, len(c), [chunk.key[1:] for chunk in c[-GROWING:]]) for p, c in chunks.items() if c)
+        )
 
     def chunks(self, prefix: str) -> list[Chunk]:
         with self._lock:
@@ -284,7 +291,9 @@ class CsvSource(Source):
             chunks = [c for c in chunks if c.nbytes > 0]
             if not chunks:
                 continue
-            first, last = self._bounds(chunks[0]), self._bounds(chunks[-1])
+            # the outermost files that can be read: a stray or damaged one does not hide the rest
+            first = next((b for b in map(self._bounds, chunks) if b is not None), None)
+            last = next((b for b in map(self._bounds, reversed(chunks)) if b is not None), None)
             if first is None or last is None:
                 continue
             found[prefix] = PrefixInfo(last.ops, first.first_step, last.last_step, len(chunks))

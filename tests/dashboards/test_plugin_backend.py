@@ -326,6 +326,41 @@ def test_new_steps_appear_while_the_run_goes_on(tmp_path, fresh, fmt):
     assert np.array_equal(after["values"][:, :3], before["values"])
 
 
+def test_a_csv_window_that_filled_up_after_it_was_read_is_read_again(tmp_path, fresh):
+    """A window's file is read while its steps are still being written; its last step lands
+    as the next window's file appears. The next look reads it again: no step of it stays missing."""
+    from monitor.writers.csv import CsvWriter
+
+    directory = tmp_path / "Jan02_03-04-05-rank0-00000000"
+    directory.mkdir()
+    rows = RowSet.build([0, 0], ["a.weight", "b.weight"], 0, "post_grad")
+    writer = CsvWriter(directory, 6, 2)  # windows of two steps: steps 0-1, then 2-3
+    writer.write(StepRecord("grad_reduced", 0, ("norm",), rows, np.array([[1.0], [2.0]])))
+    writer.end_step(0)  # flushed
+    api = Api(tmp_path)
+    (run,) = api.runs().values()
+    assert api.heatmap(run=run["id"], prefix="grad_reduced", op="norm", rank=0)["steps"] == [0]
+    for step in (1, 2):
+        writer.write(StepRecord("grad_reduced", step, ("norm",), rows, np.array([[1.0], [2.0]]) + step))
+        writer.end_step(step)
+    writer.close()
+    (run,) = api.runs().values()
+    view = api.heatmap(run=run["id"], prefix="grad_reduced", op="norm", rank=0)
+    assert view["steps"] == [0, 1, 2] and view["values"][:, 1].tolist() == [2.0, 3.0]
+
+
+def test_a_stray_newest_csv_file_does_not_hide_its_data_type(tmp_path):
+    """A file named like the newest window but holding no monitor rows: the data type is still
+    listed and shown from the files that can be read."""
+    directory = write_run(tmp_path, steps=range(4))[0]
+    (directory / "grad_reduced_50-59.csv").write_text("junk\nmore junk\n")
+    api = Api(tmp_path)
+    (run,) = api.runs().values()
+    assert run["prefixes"]["grad_reduced"]["last_step"] == 3
+    view = api.heatmap(run=run["id"], prefix="grad_reduced", op="norm", rank=0)
+    assert view["steps"] == [0, 1, 2, 3]
+
+
 @pytest.mark.parametrize("fmt", ["csv", "tensorboard", "parquet"])
 def test_unreadable_files_are_skipped_not_fatal(tmp_path, fmt):
     directory = write_run(tmp_path, fmt=fmt, steps=range(4))[0]
