@@ -251,6 +251,11 @@ def test_other_runs_render_and_new_steps_appear_live(page):
     # the heatmap of the run switched to last (4 steps) replaces the previous one asynchronously
     session.wait_for("return +document.querySelector('.tm-canvas').dataset.cols === 4;", 30, "live run")
     assert _state(session)["cols"] == 4
+    # a run without an incidents file has no toggle to show, nor a count left from the run before
+    session.wait_for(
+        "return document.querySelector('.tm-view-toggle').offsetParent === null;", 20, "no toggle"
+    )
+    assert session.script("return document.querySelector('.tm-view-incidents').textContent;") == "Incidents"
     write_run(
         logdir / "live", fmt="tensorboard", steps=range(4, 6), stamp="Jan02_03-04-05"
     )  # the same rank dir

@@ -129,15 +129,16 @@ export class SideList {
     this.anomalyList.hidden = view !== "anomalies";
     this.incidentsButton.classList.toggle("tm-view-active", view === "incidents");
     this.anomaliesButton.classList.toggle("tm-view-active", view === "anomalies");
-    if (incidents) this.incidentsButton.textContent = `Incidents (${incidents.total})`;
-    if (anomalies) this.anomaliesButton.textContent = `All anomalies (${anomalies.total})`;
+    this.incidentsButton.textContent = incidents ? `Incidents (${incidents.total})` : "Incidents";
+    this.anomaliesButton.textContent = anomalies ? `All anomalies (${anomalies.total})` : "All anomalies";
     const body = view === "incidents" ? incidents : anomalies;
     if (!body) return;
     const shown = view === "incidents" ? body.incidents.length : body.items.length;
     const name = view === "incidents" ? "Incidents" : "Anomalies";
-    this.title.textContent = body.total === 0 ? `${name}: none recorded` :
+    const unread = body.skipped_files ? ` (${body.skipped_files} file(s) could not be read)` : "";
+    this.title.textContent = (body.total === 0 ? `${name}: none recorded` :
       `${name} (earliest first): ${body.matching} of ${body.total}` +
-      (body.matching > shown ? ` (first ${shown} shown)` : "");
+      (body.matching > shown ? ` (first ${shown} shown)` : "")) + unread;
   }
 
   anomalyEntry(a) {
