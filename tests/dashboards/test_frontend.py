@@ -202,6 +202,17 @@ def test_tab_opens_on_the_first_incident_with_heatmap_and_list(page):
     session.leave_frames()
     session.screenshot(str(artifacts() / "trainmon-tab-csv.png"))
     session.enter_frame("iframe")
+    # "one tag, all ranks" opens on the tag the tab landed on, not on the first row
+    mode = "const s = document.querySelectorAll('.tm-controls select')[3]; s.value = arguments[0];"
+    session.script(mode + "s.dispatchEvent(new Event('change'));", "tag")
+    session.wait_for(
+        "return document.querySelector('.tm-heat-title').textContent.includes('all ranks');", 20, "tag"
+    )
+    assert f"{row_name}, all ranks" in _state(session)["title"]
+    session.script(mode + "s.dispatchEvent(new Event('change'));", "rank")
+    session.wait_for(
+        "return document.querySelector('.tm-heat-title').textContent.includes('rank 0');", 20, "rank"
+    )
 
 
 def test_clicking_an_anomaly_and_a_cell(page):
@@ -256,10 +267,18 @@ def test_other_runs_render_and_new_steps_appear_live(page):
         "return document.querySelector('.tm-view-toggle').offsetParent === null;", 20, "no toggle"
     )
     assert session.script("return document.querySelector('.tm-view-incidents').textContent;") == "Incidents"
+    session.script(  # a cell looked at stays selected as new steps arrive
+        """const c = document.querySelector('.tm-canvas'), r = c.getBoundingClientRect();
+        const at = {clientX: r.right - 5, clientY: r.top + 5, bubbles: true};
+        c.dispatchEvent(new MouseEvent('click', at));"""
+    )
+    selected = _state(session)["selected"]
+    assert selected.endswith(",3")
     write_run(
         logdir / "live", fmt="tensorboard", steps=range(4, 6), stamp="Jan02_03-04-05"
     )  # the same rank dir
     session.wait_for("return +document.querySelector('.tm-canvas').dataset.cols === 6;", 30, "live update")
+    assert _state(session)["selected"] == selected
     session.leave_frames()
     session.screenshot(str(artifacts() / "trainmon-tab-live.png"))
     session.enter_frame("iframe")

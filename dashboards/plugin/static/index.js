@@ -285,9 +285,27 @@ class App {
       const d = this.data;
       const r = d.row_keys.findIndex((k) => k[0] === a.row[0] && k[1] === a.row[1] && k[2] === a.row[2]);
       const c = d.steps.indexOf(a.step);
+      if (r >= 0) this.state.row = { key: d.row_keys[r], label: d.rows[r] };  // "one tag, all ranks" shows it
       if (r >= 0 && c >= 0) this.heatmap.select(r, c);
     };
     await this.refresh();
+  }
+
+  // The selected cell as what survives a redraw with new steps: its row (by key where rows are
+  // tags, by position where they are ranks) and its step; null without one.
+  selection() {
+    const d = this.data;
+    if (!d || !this.heatmap.selected) return null;
+    const [r, c] = this.heatmap.selected;
+    return { key: d.mode === "rank" ? d.row_keys[r] : null, row: r, step: d.steps[c] };
+  }
+
+  reselect(kept) {
+    const d = this.data;
+    const wanted = JSON.stringify(kept.key);
+    const r = kept.key ? d.row_keys.findIndex((k) => JSON.stringify(k) === wanted) : kept.row;
+    const c = d.steps.indexOf(kept.step);
+    if (r >= 0 && r < d.rows.length && c >= 0) this.heatmap.select(r, c);
   }
 
   async poll() {
@@ -304,7 +322,11 @@ class App {
       this.lists.updateRun(run);
       if (run.prefixes[this.state.prefix]) this.fillOps();
       await this.lists.load();
-      if (this.state.hi === null) await this.refresh();
+      if (this.state.hi === null) {
+        const kept = this.selection();  // new steps must not clear what the user looked at
+        if (kept) this.afterDraw = () => this.reselect(kept);
+        await this.refresh();
+      }
     } catch (error) {
       this.status.textContent = `error: ${error.message}`;
     }
