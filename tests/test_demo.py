@@ -85,7 +85,9 @@ def test_a_short_demo_places_its_spike_within_its_steps_and_says_why_it_went_uns
     assert done.returncode == 0, done.stderr
     assert "spike at step 4\n" in done.stdout
     assert "the spike at step 4 came before the rules had values enough" in done.stdout
-    assert "try --spike-step 10 or later" in done.stdout  # the template's rule waits for 10 values
+    assert "try --steps 20 --spike-step 10" in done.stdout  # the rule waits for 10 values: past step 7
+    done = _demo("--steps", "12", "--spike-step", "5", "--output", str(tmp_path / "longer"), cwd=tmp_path)
+    assert "try --spike-step 10 or later" in done.stdout
 
 
 def test_a_demo_config_that_records_nothing_says_so(tmp_path):

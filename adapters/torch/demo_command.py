@@ -136,10 +136,15 @@ def _run_demo(args: argparse.Namespace) -> int:
             for line in incident.evidence:
                 print(f"    - {line}")
     elif spike_step is not None and spike_step < summary["first_judged_step"]:
+        first = summary["first_judged_step"]  # a later spike, in more steps if they end before it
+        advice = (
+            f"--spike-step {first} or later"
+            if first < args.steps
+            else f"--steps {first + 10} --spike-step {first}"
+        )
         print(
             f"Detected:    no anomalies: the spike at step {spike_step} came before the rules had "
-            f"values enough to compare it with (their warm-up); try --spike-step "
-            f"{summary['first_judged_step']} or later"
+            f"values enough to compare it with (their warm-up); try {advice}"
         )
     else:
         print("Detected:    no anomalies")
