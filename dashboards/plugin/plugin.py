@@ -27,6 +27,7 @@ only ever shown as text by the front end.
 from __future__ import annotations
 
 import logging
+import os
 from importlib import resources
 
 import numpy as np
@@ -40,6 +41,7 @@ from dashboards.plugin.heatmap import MAX_COLUMNS, PRESENT, Matrix, encode, rank
 from dashboards.plugin.incidents import select as select_incidents
 from dashboards.plugin.store import RunStore
 from monitor.datatypes.tasks import ACTIVATION_PREFIXES, RowKey, scalar_tag_pattern
+from monitor.files import RANK_DIR_PATTERN
 
 logger = logging.getLogger("trainmon")
 
@@ -177,7 +179,12 @@ class TrainmonPlugin(base_plugin.TBPlugin):
     def _serve_runs(self, request):
         def build(args):
             runs = [self._store.summary(run) for run in self._store.runs()]
-            return http_util.Respond(request, {"runs": runs}, "application/json")
+            logdir = self._store.logdir
+            found = {  # why there is nothing to show, when there is not
+                "exists": os.path.isdir(logdir),
+                "rank_directory": bool(RANK_DIR_PATTERN.match(os.path.basename(os.path.normpath(logdir)))),
+            }
+            return http_util.Respond(request, {"runs": runs, "logdir": found}, "application/json")
 
         return self._answer(request, build)
 

@@ -48,6 +48,17 @@ def fresh(monkeypatch):
 # -- the demo's outputs ---------------------------------------------------------------------------
 
 
+def test_an_empty_runs_list_says_whether_the_logdir_is_missing_or_one_ranks_directory(tmp_path):
+    """What the tab tells a user whose TensorBoard shows nothing: a logdir that does not exist,
+    or one rank's directory where the output directory holding them was meant."""
+    missing = Api(tmp_path / "nowhere").json("/runs")
+    assert missing["runs"] == [] and missing["logdir"] == {"exists": False, "rank_directory": False}
+    rank = write_run(tmp_path / "out")[0]
+    inside = Api(rank).json("/runs")
+    assert inside["runs"] == [] and inside["logdir"] == {"exists": True, "rank_directory": True}
+    assert Api(tmp_path / "out").json("/runs")["logdir"] == {"exists": True, "rank_directory": False}
+
+
 def test_runs_lists_both_demo_formats_with_their_data_types(demo_runs):
     runs = Api(demo_runs["csv"].parent).runs()
     assert set(runs) == {"demo_csv", "demo_tensorboard"}

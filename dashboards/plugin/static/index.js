@@ -109,8 +109,13 @@ class App {
     this.build();
     await this.loadRuns();
     if (!this.runs.length) {
-      this.heatTitle.textContent = "No trainmon output under this logdir yet (per-rank directories " +
-        "{time}-rank{R}-{id}); this page checks again every few seconds.";
+      const logdir = this.logdir || {};
+      this.heatTitle.textContent = (logdir.rank_directory ?
+        "This logdir is one rank's directory: start TensorBoard on the directory that holds the " +
+        "{time}-rank{R}-{id} directories (MONITOR_OUTPUT_DIR)." :
+        logdir.exists === false ? "This logdir does not exist (yet)" :
+        "No trainmon output under this logdir yet (per-rank directories {time}-rank{R}-{id})") +
+        "; this page checks again every few seconds.";
     }
     setInterval(() => this.poll(), POLL_MS);
   }
@@ -120,6 +125,7 @@ class App {
   async loadRuns() {
     const body = await getJSON("runs");
     this.runs = body.runs;
+    this.logdir = body.logdir;
     const label = (r) => `${r.name} (${r.format || "no data yet"}, ${r.ranks.length} rank${r.ranks.length === 1 ? "" : "s"})`;
     setOptions(this.runSelect, this.runs.map((r) => [r.id, label(r)]), this.state.run);
     if (!this.run() && this.runs.length) {
