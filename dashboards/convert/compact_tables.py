@@ -13,6 +13,7 @@ from typing import Any
 
 from monitor.anomaly.incident_files import INCIDENTS_NAME
 from monitor.anomaly.ordering import parse_record
+from monitor.files import FILE_MODE, make_private_dir
 from monitor.session.run_info import RUN_INFO_FILE
 
 #: a file being written is named ``{TEMPORARY_PREFIX}*{TEMPORARY_SUFFIX}`` until it is renamed into place
@@ -82,9 +83,10 @@ def copy_to_parquet(con: Any, query: str, target: str, level: int = 3) -> None:
     """``query`` into the Parquet file ``target`` (zstd at ``level``), through a temporary name in
     its directory that no ``*.parquet`` pattern matches, so that a compaction killed while it
     writes leaves the dataset readable (DuckDB is told to write that file itself, not another
-    temporary one beside it)."""
+    temporary one beside it). Files get the monitor's modes (0640, directories 0750), so that
+    the group the outputs are shared with (a Spark account, say) reads the dataset too."""
     directory = os.path.dirname(target)
-    os.makedirs(directory, exist_ok=True)
+    make_private_dir(directory)
     fd, temporary = tempfile.mkstemp(prefix=TEMPORARY_PREFIX, suffix=TEMPORARY_SUFFIX, dir=directory)
     os.close(fd)
     try:
@@ -92,6 +94,7 @@ def copy_to_parquet(con: Any, query: str, target: str, level: int = 3) -> None:
             f"COPY ({query}) TO {quoted(temporary)} (FORMAT parquet, COMPRESSION zstd, "
             f"COMPRESSION_LEVEL {level}, PARQUET_VERSION V2, USE_TMP_FILE false)"
         )
+        os.chmod(temporary, FILE_MODE)
         os.replace(temporary, target)
     except BaseException:
         if os.path.exists(temporary):

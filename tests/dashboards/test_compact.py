@@ -8,6 +8,7 @@ import math
 import os
 import re
 import shutil
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -384,6 +385,20 @@ def test_compacting_into_another_runs_dataset_is_said(tmp_path, caplog):
     assert "other rank directories" not in caplog.text
     compact(str(tmp_path / "b"), str(tmp_path / "ds"))
     assert f"made from other rank directories ({first[0].name})" in caplog.text
+
+
+def test_the_dataset_has_the_outputs_modes(tmp_path):
+    """Files 0640 and directories 0750, as the monitor's own outputs: a group reader (a Spark
+    account) reads the dataset as it reads the run."""
+    write_run(tmp_path, ranks=(0,), steps=range(2))
+    compact(str(tmp_path))
+    modes = {
+        path.relative_to(tmp_path).as_posix(): stat.S_IMODE(path.stat().st_mode)
+        for path in (tmp_path / "dataset").rglob("*")
+    }
+    assert modes and all(
+        mode == (0o750 if (tmp_path / p).is_dir() else 0o640) for p, mode in modes.items()
+    ), modes
 
 
 def test_an_output_inside_a_rank_directory_is_refused(tmp_path):
