@@ -5,6 +5,7 @@ the framework-free core imports neither."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 #: entry-point group of the sub-commands registered by the adapters and dashboards.
@@ -99,9 +100,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``trainmon`` console script."""
+    """Entry point of the ``trainmon`` console script. Output piped into a reader that stops
+    early (``| head``) ends the command quietly, as other command-line tools do."""
     args = build_parser().parse_args(argv)
-    return args.run(args)
+    try:
+        return args.run(args)
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit's flush
+        return 141  # the shell's code for a command ended by SIGPIPE
 
 
 if __name__ == "__main__":

@@ -98,6 +98,23 @@ def _add_options(parser: argparse.ArgumentParser, output_help: str) -> None:
     parser.add_argument("-o", "--output", default=None, help=output_help)
 
 
+#: the converters' Python parameters (msprobe's names) as the command line names them
+CLI_NAMES = {
+    "monitor_path": "DIR",
+    "time_start": "--start",
+    "time_end": "--end",
+    "process_num": "-j",
+    "data_type_list": "--types",
+    "output": "-o",
+}
+
+
+def _cli_message(message: str) -> str:
+    """A converter's error as the command line says it: ``--start: ...`` for ``time_start: ...``."""
+    name, colon, rest = message.partition(":")
+    return f"{CLI_NAMES[name]}:{rest}" if colon and name in CLI_NAMES else message
+
+
 def _unusable_output(command: str, output: str | None, directory: bool) -> bool:
     """Whether ``-o`` names what cannot be written (said on stderr): a file where a directory is
     to be written, or a directory where a file is; checked before any work is done."""
@@ -126,7 +143,7 @@ def _convert(command: str, convert: Callable[..., str], args: argparse.Namespace
             progress=not args.no_progress,
         )
     except ConvertError as exc:
-        print(f"trainmon {command}: {exc}", file=sys.stderr)
+        print(f"trainmon {command}: {_cli_message(str(exc))}", file=sys.stderr)
         return 2
     print(f"Written:     {out}")
     for hint in hints:
@@ -194,7 +211,7 @@ def run_compact(args: argparse.Namespace) -> int:
         if not existed:  # nothing half-written left behind: all of it was this compaction's
             shutil.rmtree(out, ignore_errors=True)
         hint = " (a larger --memory-limit may help)" if isinstance(exc, duckdb.OutOfMemoryException) else ""
-        print(f"trainmon compact: {str(exc).splitlines()[0]}{hint}", file=sys.stderr)
+        print(f"trainmon compact: {_cli_message(str(exc).splitlines()[0])}{hint}", file=sys.stderr)
         return 2
     print(f"Written:     {out} ({counts['written']} part(s) written, {counts['kept']} up to date)")
     values = f"read_parquet('{out}/values/**/*.parquet', hive_partitioning = true)"

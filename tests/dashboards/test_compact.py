@@ -244,6 +244,17 @@ def test_no_run_is_a_clear_error(tmp_path, how):
     assert done.returncode == 2 and "no {time}-rank{R}-{id} directory" in done.stderr
 
 
+def test_output_into_a_pipe_closed_early_ends_quietly(tmp_path):
+    """``trainmon compact DIR | head -1``: the reader closes the pipe before the summary lines are
+    written; the command ends with the shell's SIGPIPE code, without a traceback."""
+    write_run(tmp_path, ranks=(0,), steps=range(2))
+    command = [sys.executable, "-m", "monitor.cli", "compact", str(tmp_path)]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    process.stdout.close()  # the reader is gone before anything is written
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 141 and "Traceback" not in stderr, stderr
+
+
 @pytest.mark.parametrize(
     ("argv", "what"), [([], "no directory"), (["a", "-d", "b"], "two different directories")]
 )

@@ -235,7 +235,9 @@ def test_command_lines(tmp_path, capsys, name):
     assert f"Written:     {target}" in captured.out
     assert "1/1" in captured.err and "rank0/grad_reduced" in captured.err  # the progress line (tqdm or plain)
     assert run(parser.parse_args(["-d", str(tmp_path / "nowhere")])) == 2
-    assert "expected an existing directory" in capsys.readouterr().err
+    assert f"trainmon {name}: DIR: expected an existing directory" in capsys.readouterr().err
+    assert run(parser.parse_args([str(tmp_path), "--start", "yesterday"])) == 2  # the option's name
+    assert f"trainmon {name}: --start: expected a time like" in capsys.readouterr().err
     assert run(parser.parse_args([str(tmp_path / "nowhere")])) == 2  # DIR, as compact takes it
     assert "expected an existing directory" in capsys.readouterr().err
     assert run(parser.parse_args([])) == 2
