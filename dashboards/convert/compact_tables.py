@@ -7,6 +7,7 @@ Each table is rewritten whole at every compaction (they are small), through a te
 from __future__ import annotations
 
 import json
+import logging
 import os
 import tempfile
 from typing import Any
@@ -15,6 +16,8 @@ from monitor.anomaly.incident_files import INCIDENTS_NAME
 from monitor.anomaly.ordering import parse_record
 from monitor.files import FILE_MODE, make_private_dir
 from monitor.session.run_info import RUN_INFO_FILE
+
+logger = logging.getLogger("trainmon")
 
 #: a file being written is named ``{TEMPORARY_PREFIX}*{TEMPORARY_SUFFIX}`` until it is renamed into place
 TEMPORARY_PREFIX, TEMPORARY_SUFFIX = ".tmp-", ".parquet.tmp"
@@ -65,13 +68,20 @@ INCIDENTS = (
 
 
 def read_json_object(path: str) -> dict[str, Any]:
-    """A JSON file holding an object ({} when it is missing, unreadable or something else)."""
+    """A JSON file holding an object: {} when it is missing, and, said, when it cannot be read or
+    holds something else (a file cut short by a kill: its records are left out)."""
     try:
         with open(path, encoding="utf-8") as handle:
             document = json.load(handle)
-        return document if isinstance(document, dict) else {}
-    except (OSError, ValueError):
+    except FileNotFoundError:
         return {}
+    except (OSError, ValueError) as exc:
+        logger.warning("trainmon compact: skipping %s: %s", path, exc)
+        return {}
+    if not isinstance(document, dict):
+        logger.warning("trainmon compact: skipping %s: expected a JSON object", path)
+        return {}
+    return document
 
 
 def quoted(text: str) -> str:

@@ -398,6 +398,16 @@ def test_compacting_into_another_runs_dataset_is_said(tmp_path, caplog):
     assert f"made from other rank directories ({first[0].name})" in caplog.text
 
 
+def test_an_anomaly_file_that_cannot_be_read_is_named(tmp_path, caplog):
+    """A kill while anomaly.json was replaced may leave it unreadable: its records are left out
+    of the dataset's table, and the file is named, as anomaly-analyse names it."""
+    write_run(tmp_path, ranks=(0,), steps=range(2), anomalies=[(0, "grad_reduced", 1, 0, "norm")])
+    (bad,) = tmp_path.glob("anomaly_detected/rank0/anomaly.json")
+    bad.write_text('{"cut short')
+    compact(str(tmp_path))
+    assert f"skipping {bad}" in caplog.text
+
+
 def test_the_dataset_has_the_outputs_modes(tmp_path):
     """Files 0640 and directories 0750, as the monitor's own outputs: a group reader (a Spark
     account) reads the dataset as it reads the run."""
