@@ -286,6 +286,12 @@ def _check(args: argparse.Namespace) -> Settings:
         raise UsageError(
             f"no per-rank output directories found: expected {where} (point -d at MONITOR_OUTPUT_DIR)"
         )
+    absent = sorted(set(ranks or ()) - set(rank_dirs))
+    if absent:
+        print(
+            f"anomaly-analyse: --ranks: no output directory of rank(s) {absent} under {data_dir}",
+            file=sys.stderr,
+        )
     if not present.intersection(types):
         raise UsageError(
             f"no CSV or Parquet files of type {', '.join(types)} in {len(rank_dirs)} rank directories "

@@ -415,6 +415,13 @@ def test_three_ranks_get_no_verdict_on_sizes_since_an_outlier_lifts_the_mad_with
     assert "only where at least 4" in printed and "this run has 3 rank directories" in printed
 
 
+def test_ranks_asked_for_that_the_run_lacks_are_named(tmp_path, capsys):
+    _run_from(tmp_path, {0: [1.0], 1: [1.0]})
+    capsys.readouterr()
+    assert run_cli("-d", str(tmp_path), "--ranks", "[0, 1, 7]") == 0
+    assert f"--ranks: no output directory of rank(s) [7] under {tmp_path}" in capsys.readouterr().err
+
+
 def test_two_ranks_get_no_verdict_on_sizes_and_are_told_why(tmp_path, capsys):
     document = _run_from(tmp_path, {0: [1.0, 1.0], 1: [1.0, 100.0]})
     assert (document["judged"], document["outliers_total"]) == (0, 0)
