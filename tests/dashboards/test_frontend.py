@@ -349,6 +349,33 @@ def test_no_script_errors_in_the_console(page):
     assert errors == []
 
 
+def test_zeros_on_a_log_scale_have_their_own_colour_and_an_all_zero_matrix_says_so(page):
+    """A log scale has no place for 0: such cells get their own legend entry instead of the
+    smallest value's colour, and a matrix of zeros (no NaN anywhere: the nans op) says so
+    instead of a made-up range."""
+    session, base, _ = page
+    runs = {r["name"]: r for r in _json(base, "/data/plugin/trainmon/runs")["runs"]}
+    session.script(  # the demo's run records every op
+        "const s = document.querySelector('select'); s.value = arguments[0];"
+        "s.dispatchEvent(new Event('change'));",
+        runs["demo_csv"]["id"],
+    )
+    session.wait_for(
+        f"return document.querySelector('.tm-canvas').dataset.run === {json.dumps(runs['demo_csv']['id'])};",
+        30,
+        "the demo's run",
+    )
+    legend = "return document.querySelector('.tm-legend').textContent;"
+    choose = "const s = document.querySelectorAll('.tm-controls select')[2]; s.value = arguments[0];"
+    for op, says in (("nans", "every value 0"), ("zeros", "0NaN")):  # the "0" item before "NaN"
+        session.script(choose + "s.dispatchEvent(new Event('change'));", op)
+        session.wait_for(
+            f"return document.querySelector('.tm-heat-title').textContent.includes(' {op} ');", 20, op
+        )
+        assert says in session.script(legend), session.script(legend)
+    session.script(choose + "s.dispatchEvent(new Event('change'));", "norm")
+
+
 def test_a_tensorboard_run_links_its_chart_to_tensorboards_charts_without_smoothing(page):
     """Last, as it leaves the tab: TensorBoard's own charts of the selected tag, smoothing 0
     (its default 0.6 turns a one-step spike into a decaying curve)."""

@@ -7,6 +7,7 @@ export const COLORS = {
   posinf: "#000000",   // +Inf
   neginf: "#2979ff",   // -Inf
   missing: "#e6e6e6",  // nothing recorded
+  zero: "#ffffff",     // exactly 0 on a log scale, which has no place for it
   anomaly: "#ff00ff",  // outline of an anomaly cell
   selected: "#00e5ff", // outline of the selected cell
 };
@@ -41,24 +42,27 @@ export function scaleOf(values, status, cols, { log, perRow }) {
   const rows = cols ? values.length / cols : 0;
   const lows = new Float64Array(perRow ? rows : 1).fill(Infinity);
   const highs = new Float64Array(perRow ? rows : 1).fill(-Infinity);
+  let zeros = false;
   for (let i = 0; i < values.length; i++) {
     if (status[i] !== 0 || !Number.isFinite(values[i])) continue;
     const t = tf(values[i]);
-    if (t === null) continue;
+    if (t === null) { zeros = true; continue; }
     const k = perRow ? Math.floor(i / cols) : 0;
     if (t < lows[k]) lows[k] = t;
     if (t > highs[k]) highs[k] = t;
   }
+  const empty = lows[0] === Infinity;  // no finite value the scale can place (all 0 on a log scale)
   for (let k = 0; k < lows.length; k++) {
     if (lows[k] === Infinity) { lows[k] = 0; highs[k] = 1; }
     if (highs[k] === lows[k]) highs[k] = lows[k] + 1;
   }
+  // -1: an exact 0 on a log scale, drawn in its own colour rather than as the smallest value
   const map = (v, row) => {
     const k = perRow ? row : 0;
     const t = tf(v);
-    return t === null ? 0 : (t - lows[k]) / (highs[k] - lows[k]);
+    return t === null ? -1 : (t - lows[k]) / (highs[k] - lows[k]);
   };
-  return { lo: lows[0], hi: highs[0], log, perRow, map };
+  return { lo: lows[0], hi: highs[0], log, perRow, map, zeros, empty };
 }
 
 export class Heatmap {
@@ -134,6 +138,7 @@ export class Heatmap {
     const px = image.data;
     const special = {
       nan: hex(COLORS.nan), posinf: hex(COLORS.posinf), neginf: hex(COLORS.neginf), missing: hex(COLORS.missing),
+      zero: hex(COLORS.zero),
     };
     for (let r = 0; r < rows; r++) {
       for (let c = 0; c < cols; c++) {
@@ -145,7 +150,10 @@ export class Heatmap {
           if (Number.isNaN(v)) rgb = special.nan;
           else if (v === Infinity) rgb = special.posinf;
           else if (v === -Infinity) rgb = special.neginf;
-          else rgb = ramp(this.scale.map(v, r));
+          else {
+            const t = this.scale.map(v, r);
+            rgb = t < 0 ? special.zero : ramp(t);
+          }
         }
         px.set([rgb[0], rgb[1], rgb[2], 255], i * 4);
       }

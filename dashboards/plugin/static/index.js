@@ -223,8 +223,10 @@ class App {
     this.heatmap.show(this.data, { log: this.state.log, perRow: this.state.perRow });
     const sc = this.heatmap.scale;
     const fmt = (t) => formatValue(sc.log ? 10 ** t : t);
-    const range = sc.perRow ? "each row from its min to its max" : `${fmt(sc.lo)} … ${fmt(sc.hi)}`;
-    const items = [["tm-ramp", `${range}${sc.log ? " (log |value|)" : ""}`],
+    const range = sc.empty ? "every value 0" :
+      sc.perRow ? "each row from its min to its max" : `${fmt(sc.lo)} … ${fmt(sc.hi)}`;
+    const items = [["tm-ramp", `${range}${sc.log && !sc.empty ? " (log |value|)" : ""}`],
+      ...(sc.zeros ? [[COLORS.zero, "0"]] : []),
       [COLORS.nan, "NaN"], [COLORS.posinf, "+Inf"], [COLORS.neginf, "-Inf"], [COLORS.missing, "not recorded"],
       ["outline", "anomaly"]];
     this.legend.replaceChildren(...items.map(([color, text]) => {
