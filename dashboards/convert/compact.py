@@ -50,7 +50,6 @@ DuckDB does the reading and writing (out of core, on every core).
 
 from __future__ import annotations
 
-import io
 import logging
 import os
 import re
@@ -58,6 +57,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from dashboards.convert.compact_manifest import DOUBLE, FLOAT, open_dataset
+from dashboards.convert.compact_sources import say_rejected, table_values
 from dashboards.convert.compact_tables import (
     TEMPORARY_PREFIX,
     TEMPORARY_SUFFIX,
@@ -67,11 +67,10 @@ from dashboards.convert.compact_tables import (
 )
 from dashboards.convert.event_values import EventDirs
 from dashboards.convert.runs import ConvertError, select_rank_dirs
-from dashboards.csvfiles import header_ops, list_csv_files
+from dashboards.csvfiles import list_csv_files
 from dashboards.plugin.eventsource import EventSource
-from monitor.anomaly.rank_csv import read_complete_lines
 from monitor.memory_limit import COMPACT_DEFAULT, parse_size
-from monitor.writers.parquet_files import live_prefixes, part_steps, row_count
+from monitor.writers.parquet_files import live_prefixes, part_steps
 
 logger = logging.getLogger("trainmon")
 
@@ -94,7 +93,6 @@ WHOLE = "whole"
 _PART_FILE = re.compile(r"steps-\d+-\d+\.parquet")
 #: times a compaction starts again when a file it listed went away (a live Parquet merge)
 RETRIES = 3
-_LABELS = {"vpp_stage": "BIGINT", "name": "VARCHAR", "step": "BIGINT", "micro_step": "BIGINT"}
 
 
 def compact(
@@ -256,7 +254,7 @@ def _part_rows(
         con.register("events", frame)
         source = None if frame.empty else "SELECT * FROM events"
     else:
-        source = _table_values(con, paths)
+        source = table_values(con, paths)
     if earlier:
         kept = (
             "SELECT step, micro_step, vpp_stage, name, -1 AS _file, op, CAST(value AS DOUBLE) AS value "
@@ -276,79 +274,6 @@ def _part_rows(
     """
 
 
-def _table_values(con: Any, paths: Sequence[str]) -> str | None:
-    """Every value of these CSV and live Parquet files as a row (step, micro_step, vpp_stage,
-    name, _file, op, value), ``_file`` the place in ``paths`` of the CSV file, or of a rank
-    directory's first Parquet file (None where they hold no statistic)."""
-    csv_files, parquet_dirs = {}, {}
-    for index, path in enumerate(paths):
-        if path.endswith(".parquet") and row_count(path) is None:
-            if not os.path.exists(path):  # merged away by the live run since it was listed
-                raise FileNotFoundError(path)
-            logger.warning("trainmon compact: skipping %s: not a whole Parquet file", path)  # cut short
-        elif path.endswith(".parquet"):  # values/data_type=*/ in a rank directory
-            rank_dir = os.path.dirname(os.path.dirname(os.path.dirname(path)))
-            parquet_dirs.setdefault(rank_dir, (index, []))[1].append(path)
-        else:
-            csv_files[index] = path
-    selects = [
-        f"SELECT step, micro_step, vpp_stage, name, {index} AS _file, op, value "
-        f"FROM read_parquet([{', '.join(quoted(p) for p in files)}])"
-        for index, files in parquet_dirs.values()
-    ]
-    csv_rows = _csv_values(con, csv_files)
-    return " UNION ALL ".join(([csv_rows] if csv_rows else []) + selects) or None
-
-
-def _csv_values(con: Any, paths: dict[int, str]) -> str | None:
-    """Every value of these CSV files (by their ``_file``) as a row (step, micro_step,
-    vpp_stage, name, _file, op, value); None where they hold no statistic. Complete lines only,
-    as every reader takes them: a run killed while writing leaves its last line cut short, and
-    read as a row it would give a wrong value (``-0.0`` of ``-0.016``) and lose the rest."""
-    selects, ops, has_micro = [], [], False
-    for index, path in paths.items():
-        file_ops = list(header_ops(path))
-        if not file_ops:  # empty, or a header without statistics: nothing to read
-            continue
-        ops += [op for op in file_ops if op not in ops]
-        with open(path, encoding="utf-8", errors="replace") as handle:
-            header = handle.readline().strip().split(",")
-        has_micro |= "micro_step" in header
-        types = {**{c: t for c, t in _LABELS.items() if c in header}, **dict.fromkeys(file_ops, "DOUBLE")}
-        columns = ", ".join(f"{quoted(c)}: {quoted(t)}" for c, t in types.items())
-        if _ends_a_line(path):
-            source = (
-                f"read_csv({quoted(path)}, header = true, columns = {{{columns}}}, auto_detect = false, "
-                "null_padding = true, ignore_errors = true)"
-            )
-        else:  # its complete lines, read from memory
-            source = f"complete_lines_{index}"
-            con.read_csv(
-                io.BytesIO(read_complete_lines(path)), header=True, columns=types, auto_detect=False,
-                null_padding=True, ignore_errors=True,
-            ).create_view(source)  # fmt: skip
-        selects.append(f"SELECT *, {index} AS _file FROM {source}")
-    if not ops:
-        return None
-    union = " UNION ALL BY NAME ".join(selects)
-    micro = "micro_step" if has_micro else "CAST(NULL AS BIGINT) AS micro_step"
-    op_columns = ", ".join(f'"{op}"' for op in ops)
-    return f"""
-        SELECT step, micro_step, vpp_stage, name, _file, op, value FROM (
-            UNPIVOT (SELECT step, {micro}, vpp_stage, name, _file, {op_columns} FROM ({union}))
-            ON {op_columns} INTO NAME op VALUE value)
-    """
-
-
-def _ends_a_line(path: str) -> bool:
-    """Whether a file's last byte ends a line (an empty file has no line to cut short)."""
-    with open(path, "rb") as handle:
-        if handle.seek(0, os.SEEK_END) == 0:
-            return True
-        handle.seek(-1, os.SEEK_END)
-        return handle.read(1) == b"\n"
-
-
 def _write_part(
     con: Any, query: str | None, directory: str, value_type: str, block: int | None = None
 ) -> tuple[str, list[str]]:
@@ -363,6 +288,7 @@ def _write_part(
     number = f"step // {STEPS_PER_FILE}"
     only = "" if block is None else f" AND {number} = {block}"
     con.execute(f"CREATE OR REPLACE TEMP TABLE part AS SELECT * FROM ({query}) WHERE step IS NOT NULL{only}")
+    say_rejected(con)
     if value_type == FLOAT:  # a 32-bit float holds it exactly (counts), or to the CSV's six digits
         (fits,) = con.execute(
             """SELECT coalesce(bool_and(NOT isfinite(value)

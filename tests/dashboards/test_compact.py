@@ -398,6 +398,20 @@ def test_compacting_into_another_runs_dataset_is_said(tmp_path, caplog):
     assert f"made from other rank directories ({first[0].name})" in caplog.text
 
 
+def test_a_row_that_does_not_parse_is_left_out_and_said(tmp_path, caplog):
+    """A value that is no number: the row is left out, as every reader leaves it, and the file
+    is named with the count, once."""
+    dirs = write_run(tmp_path, ranks=(0,), steps=range(2), window=2)
+    (path,) = dirs[0].glob("grad_reduced_*.csv")
+    lines = path.read_text().splitlines(keepends=True)
+    lines[1] = ",".join([*lines[1].split(",")[:3], "abc", *lines[1].split(",")[4:]])
+    path.write_text("".join(lines))
+    compact(str(tmp_path))
+    assert caplog.text.count(f"{path}: skipped 1 row(s) that did not parse") == 1
+    got = _dataset(tmp_path / "dataset")
+    assert len(got) == (2 * len(NAMES) - 1) * len(OPS)
+
+
 def test_an_anomaly_file_that_cannot_be_read_is_named(tmp_path, caplog):
     """A kill while anomaly.json was replaced may leave it unreadable: its records are left out
     of the dataset's table, and the file is named, as anomaly-analyse names it."""
@@ -478,7 +492,7 @@ def test_a_merge_during_compaction_makes_it_start_again(tmp_path, monkeypatch):
 def test_a_file_merged_away_while_its_footer_is_checked_is_not_taken_for_one_cut_short(tmp_path, monkeypatch):
     """The merge may also take a listed file away just before compact checks that it is whole:
     a missing file starts the compaction again, where a skipped one would lose its steps."""
-    import dashboards.convert.compact as compact_module
+    import dashboards.convert.compact_sources as sources
     from monitor.writers.parquet import ParquetWriter
 
     directory = tmp_path / "Jan02_03-04-05-rank0-00000000"
@@ -487,13 +501,13 @@ def test_a_file_merged_away_while_its_footer_is_checked_is_not_taken_for_one_cut
     for step in range(4):
         writer.write(StepRecord("grad_reduced", step, ("norm",), rows, np.array([[1.0 + step]])))
         writer.end_step(step)
-    checked = compact_module.row_count
+    checked = sources.row_count
 
     def merge_then_check(path):
         writer.close()  # the training's writer merges its windows meanwhile (once: then a no-op)
         return checked(path)
 
-    monkeypatch.setattr(compact_module, "row_count", merge_then_check)
+    monkeypatch.setattr(sources, "row_count", merge_then_check)
     compact(str(tmp_path))
     got = _dataset(tmp_path / "dataset")
     assert {key[5]: value for key, value in got.items()} == {step: 1.0 + step for step in range(4)}
