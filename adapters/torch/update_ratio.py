@@ -4,13 +4,14 @@ nothing is rendered on the training thread."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from adapters.torch.stats import to_host
 from monitor.datatypes.update_ratio import BINS
 
 
@@ -28,14 +29,16 @@ def _counts(values: torch.Tensor) -> torch.Tensor:
 
 def update_histograms(
     backend: Any, params: Sequence[Any], merge: bool = False
-) -> tuple[list[int], np.ndarray] | None:
+) -> tuple[list[int], np.ndarray | Callable[[], np.ndarray]] | None:
     """Histograms of the parameters that have Adam state: ``(positions, counts)``.
 
     Moments and hyper-parameters come from the optimizer back-end: this rank's piece where the
     optimizer is sharded. ``merge``: sum the counts over the back-end's shard group(s) (bucket
     counts add up over pieces), so that every rank holds the whole tensor's histogram; every rank
     must call it then. ``counts`` is (len(positions), 2, BINS + 2): per kind (update,
-    ratio) the bucket counts, then the NaN and Inf counts. None when no parameter has state yet.
+    ratio) the bucket counts, then the NaN and Inf counts (without ``merge`` on an accelerator,
+    a function that completes their copy, for the writer thread). None when no parameter has
+    state yet.
     """
     rows: dict[int, torch.Tensor] = {}
     for position, param in enumerate(params):
@@ -52,7 +55,8 @@ def update_histograms(
         return _merged(rows, len(params), backend.shard_group)
     if not rows:
         return None
-    return list(rows), torch.stack(list(rows.values())).cpu().numpy()
+    values, fetch = to_host(torch.stack(list(rows.values())))  # on an accelerator: copied later
+    return list(rows), values if fetch is None else fetch
 
 
 def _merged(rows: dict[int, torch.Tensor], count: int, groups: Any) -> tuple[list[int], np.ndarray] | None:

@@ -10,7 +10,8 @@ never breaks the histogram. Histograms are written to TensorBoard only.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -51,10 +52,16 @@ def adam_histograms(
 
 
 def submit_histograms(
-    core: Any, step: int, rank: int, labels: Sequence[tuple[int, str]], counts: np.ndarray
+    core: Any,
+    step: int,
+    rank: int,
+    labels: Sequence[tuple[int, str]],
+    counts: np.ndarray | Callable[[], np.ndarray],
 ) -> None:
     """Hand one step's histograms to the core: ``labels`` (vpp_stage, name) per row of
-    ``counts`` (rows, 2, BINS + 2), one tag per kind."""
+    ``counts`` (rows, 2, BINS + 2), one tag per kind; ``counts`` may be a function that
+    completes their copy from an accelerator, called once, on the writer thread."""
+    resolved = functools.cache(counts) if callable(counts) else (lambda: counts)
     for kind_index, kind in enumerate(KINDS):
         tags = [build_tag(vpp, name, rank, kind) for vpp, name in labels]
-        core.submit_histograms(step, tags, EDGES, counts[:, kind_index])
+        core.submit_histograms(step, tags, EDGES, lambda k=kind_index: resolved()[:, k])

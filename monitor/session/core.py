@@ -157,13 +157,14 @@ class MonitorCore:
         self._writer.submit(record)
 
     def submit_histograms(self, step: int, tags: list[str], edges: Any, counts: Any) -> None:
-        """Histograms (TensorBoard only): ``counts`` rows are bucket counts then NaN and Inf counts."""
+        """Histograms (TensorBoard only): ``counts`` rows are bucket counts then NaN and Inf counts
+        (or a function giving them, called on the writer thread)."""
         writer = self.file_writer
         if not hasattr(writer, "write_histogram"):
             return
 
         def write() -> None:
-            for tag, row in zip(tags, counts):
+            for tag, row in zip(tags, counts() if callable(counts) else counts):
                 writer.write_histogram(step, tag, edges, row[:-2], nan_count=row[-2], inf_count=row[-1])
 
         self._writer.call(write)

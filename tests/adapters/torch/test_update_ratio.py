@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from monitor import TrainerMon
@@ -21,7 +22,14 @@ def _expected(optimizer, param):
     )
 
 
-def test_update_histograms_equal_numpy_on_the_optimizer_state():
+@pytest.mark.parametrize("copy", ["host", "deferred"])
+def test_update_histograms_equal_numpy_on_the_optimizer_state(copy, monkeypatch):
+    """The histograms in TensorBoard against numpy's, also with the counts' copy completed later
+    on the writer thread, as on an accelerator."""
+    if copy == "deferred":
+        import adapters.torch.update_ratio as update_ratio
+
+        monkeypatch.setattr(update_ratio, "to_host", lambda matrix: (None, matrix.numpy))
     torch.manual_seed(0)
     model = MLP()
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
