@@ -46,6 +46,10 @@ ANOMALIES = (
     ("rule", "VARCHAR"),
     ("message", "VARCHAR"),
     ("key", "VARCHAR"),
+    ("pp_stage", "BIGINT"),
+    ("vpp_stage", "BIGINT"),
+    ("call_id", "BIGINT"),
+    ("group_mates", "VARCHAR"),
 )
 INCIDENTS = (
     ("rank", "BIGINT"),
@@ -176,6 +180,10 @@ def _anomaly_rows(anomaly_dirs: list[str]) -> list[tuple]:
                         r.rule,
                         r.message,
                         key,
+                        r.pp_stage,
+                        r.vpp_stage,
+                        r.call_id,
+                        json.dumps(list(r.group_mates)),
                     )
                 )
     return rows

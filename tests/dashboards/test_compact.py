@@ -4,6 +4,7 @@ significant digits, else doubles); resumable, and the later of two writes wins."
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -230,9 +231,12 @@ def test_micro_steps_anomalies_and_the_command(tmp_path):
     assert got[(0, "grad_unreduced", 0, "a.weight", 0, 0, "nans")] == 0.0
     assert all(key[4] is None for key in got if key[1] == "grad_reduced")  # no micro-step: NULL
     (anomaly,) = duckdb.sql(
-        f"SELECT rank, step, op FROM read_parquet('{tmp_path}/ds/anomalies.parquet')"
+        "SELECT rank, step, op, pp_stage, vpp_stage, call_id, group_mates "
+        f"FROM read_parquet('{tmp_path}/ds/anomalies.parquet')"
     ).fetchall()
-    assert anomaly == (1, 2, "norm")
+    (record,) = json.loads((tmp_path / "anomaly_detected" / "rank1" / "anomaly.json").read_text()).values()
+    fields = (record["pp_stage"], record["vpp_stage"], record["call_id"], json.dumps(record["group_mates"]))
+    assert anomaly == (1, 2, "norm", *fields)  # all that anomaly-analyse orders records by
     assert "Written:" in done.stdout
 
 
