@@ -53,10 +53,17 @@ def chosen_scenarios(parser: Any, text: str, known: Any) -> list[str]:
 
 
 def alternate(
-    step: Callable[[], None], attach: Callable[[], Any], pairs: int, steps: int
+    step: Callable[[], None],
+    attach: Callable[[], Any],
+    pairs: int,
+    steps: int,
+    clock: Callable[[], float] = time.process_time,
+    before_block: Callable[[bool], None] | None = None,
 ) -> tuple[list, Any]:
     """Train ``pairs`` pairs of blocks; ``attach()`` returns a TrainerMon the first time a block
-    is monitored. Returns the blocks (``monitored``, ``cpu`` per step) and the monitor."""
+    is monitored. Returns the blocks (``monitored``, ``seconds`` per step by ``clock``: process
+    CPU time by default) and the monitor. ``before_block(monitored)`` runs before each block's
+    first (untimed) step."""
     mon = None
     blocks = []
     for pair in range(pairs):
@@ -66,13 +73,15 @@ def alternate(
                     mon = attach()
                 else:
                     mon.start()
+            if before_block is not None:
+                before_block(monitored)
             step()
-            cpu = time.process_time()
+            started = clock()
             for _ in range(steps):
                 step()
             if monitored:
                 mon.flush()
-            blocks.append({"monitored": monitored, "cpu": (time.process_time() - cpu) / steps})
+            blocks.append({"monitored": monitored, "seconds": (clock() - started) / steps})
             if monitored:  # detaching is once per run, not a cost per step
                 mon.stop()
     return blocks, mon
@@ -153,11 +162,11 @@ def files_written(mon: Any) -> int:
 
 
 def pairs_of(blocks: list[dict]) -> list[tuple[float, float]]:
-    """Per pair of neighbouring blocks: (unmonitored, monitored) CPU time per step."""
+    """Per pair of neighbouring blocks: (unmonitored, monitored) time per step."""
     out = []
     for first, second in zip(blocks[0::2], blocks[1::2]):
         plain, watched = (second, first) if first["monitored"] else (first, second)
-        out.append((plain["cpu"], watched["cpu"]))
+        out.append((plain["seconds"], watched["seconds"]))
     return out
 
 

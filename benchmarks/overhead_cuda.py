@@ -39,7 +39,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
-from blocks import EVERYTHING_WITH_ALERTS  # noqa: E402
+from blocks import EVERYTHING_WITH_ALERTS, pairs_of  # noqa: E402
+from blocks import alternate as alternate_blocks  # noqa: E402
 from torch import nn  # noqa: E402
 
 OPS = ["min", "max", "norm", "mean", "zeros", "nans"]
@@ -135,55 +136,49 @@ class ManyLinears(nn.Module):
         return sum(layer(x) for layer in self.layers)
 
 
-def alternate(
-    label: str, model: nn.Module, loss_of, config: dict, pairs: int, steps: int, warmup: int = 2
-) -> dict:
-    """Ratios of median step times (B/A) per pair and the peak device memory of B over A; the
-    monitor writes under ``label`` in the output directory."""
+def alternate(label: str, model: nn.Module, loss_of, config: dict, pairs: int, steps: int) -> dict:
+    """Ratios of step times (B/A) per pair of neighbouring blocks (benchmarks/blocks.py, wall
+    time with the device synchronised at each step's end) and the peak device memory of B over
+    A; the monitor writes under ``label`` in the output directory."""
     from monitor import TrainerMon
 
     os.environ["MONITOR_OUTPUT_DIR"] = os.path.join(OUTPUT, label)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    mon = None
-    blocks = []
-    for pair in range(pairs):
-        for monitored in (False, True) if pair % 2 == 0 else (True, False):
-            if monitored:
-                if mon is None:
-                    mon = TrainerMon({"targets": {}, "ops": OPS, **config})
-                    mon.set_monitor(model, grad_acc_steps=1, optimizer=optimizer)
-                else:
-                    mon.start()
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            walls = []
-            for i in range(warmup + steps):
-                started = time.perf_counter()
-                with torch.autocast("cuda", dtype=torch.bfloat16):
-                    loss = loss_of(model)
-                loss.backward()
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-                torch.cuda.synchronize()
-                if i >= warmup:
-                    walls.append(time.perf_counter() - started)
-            if monitored:
-                mon.flush()
-                mon.stop()
-            blocks.append({"monitored": monitored, "wall": walls, "peak": torch.cuda.max_memory_allocated()})
-    ratios, extras = [], []
-    for first, second in zip(blocks[0::2], blocks[1::2]):
-        plain, watched = (second, first) if first["monitored"] else (first, second)
-        ratios.append(statistics.median(watched["wall"]) / statistics.median(plain["wall"]))
-        extras.append(statistics.median(watched["wall"]) - statistics.median(plain["wall"]))
-    plain_peak = max(b["peak"] for b in blocks if not b["monitored"])
-    watched_peak = max(b["peak"] for b in blocks if b["monitored"])
+
+    def step() -> None:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = loss_of(model)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+
+    def attach() -> TrainerMon:
+        mon = TrainerMon({"targets": {}, "ops": OPS, **config})
+        mon.set_monitor(model, grad_acc_steps=1, optimizer=optimizer)
+        return mon
+
+    peaks: dict[bool, list[int]] = {False: [], True: []}
+    last: list[bool] = []
+
+    def block_boundary(monitored: bool | None) -> None:  # the peak of the block that ended
+        if last:
+            peaks[last.pop()].append(torch.cuda.max_memory_allocated())
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        if monitored is not None:
+            last.append(monitored)
+
+    blocks, _ = alternate_blocks(step, attach, pairs, steps, time.perf_counter, block_boundary)
+    block_boundary(None)
+    measured = pairs_of(blocks)
+    ratios = [watched / plain for plain, watched in measured]
     return {
         "ratio": statistics.median(ratios),
         "spread": [min(ratios), max(ratios)],
-        "extra_ms": 1000 * statistics.median(extras),
-        "step_ms": _median_ms([t for b in blocks if not b["monitored"] for t in b["wall"]]),
-        "peak_growth": watched_peak / plain_peak - 1,
+        "extra_ms": 1000 * statistics.median(watched - plain for plain, watched in measured),
+        "step_ms": _median_ms([plain for plain, _ in measured]),
+        "peak_growth": max(peaks[True]) / max(peaks[False]) - 1,
     }
 
 

@@ -243,39 +243,33 @@ def test_an_l2_targets_key_that_names_no_module_is_warned_about(caplog):
     assert "key 'layers.0.weight'" in unmatched[2]  # a parameter, not a module
 
 
-def test_moments_of_an_optimizer_without_them_are_warned_about_once(caplog):
+@pytest.mark.parametrize(
+    ("config", "told"),
+    [
+        ({"mv_distribution": True}, "keeps no exp_avg/exp_avg_sq; no moment rows"),
+        ({"mg_direction": True}, "keeps no exp_avg; every share is 1.0"),  # msprobe's value
+    ],
+    ids=["moments", "mg_direction"],
+)
+def test_an_optimizer_without_moments_is_said_once(caplog, config, told):
+    """Moments of an optimizer without them: no rows, and mg_direction's shares all 1.0 (written,
+    so that a flat line of ones is not read as gradients agreeing with their momentum): said."""
     for optimizer_type, warned in ((torch.optim.SGD, 1), (torch.optim.Adagrad, 1), (torch.optim.AdamW, 0)):
         caplog.clear()
         torch.manual_seed(0)
         model = MLP()
         optimizer = optimizer_type(model.parameters(), lr=0.01)
         with caplog.at_level(logging.WARNING, logger="trainmon"):
-            mon = TrainerMon({"mv_distribution": True, "format": "api"})
+            mon = TrainerMon({**config, "format": "api"})
             mon.set_monitor(model, 2, optimizer)
             _train(model, optimizer, 3)
+            shares = [row["norm"] for row in mon._latest("other").values()]
             mon.stop()
-        about = [m for m in _warnings(caplog) if "keeps no exp_avg/exp_avg_sq" in m]
+        about = [m for m in _warnings(caplog) if told in m]
         assert len(about) == warned, (optimizer_type, _warnings(caplog))
         assert all(optimizer_type.__name__ in m for m in about)
-
-
-def test_mg_direction_with_an_optimizer_without_moments_says_its_shares_are_all_one(caplog):
-    """Without exp_avg every share is 1.0 (msprobe's value): written, but said once, so that a
-    flat line of ones is not read as gradients agreeing with their momentum."""
-    for optimizer_type, warned in ((torch.optim.SGD, 1), (torch.optim.AdamW, 0)):
-        caplog.clear()
-        torch.manual_seed(0)
-        model = MLP()
-        optimizer = optimizer_type(model.parameters(), lr=0.01)
-        with caplog.at_level(logging.WARNING, logger="trainmon"):
-            mon = TrainerMon({"mg_direction": True, "format": "api"})
-            mon.set_monitor(model, 2, optimizer)
-            _train(model, optimizer, 3)
-            shares = [row["norm"] for row in mon._latest("other").values()] if warned else []
-            mon.stop()
-        about = [m for m in _warnings(caplog) if "mg_direction" in m and "every share is 1.0" in m]
-        assert len(about) == warned, (optimizer_type, _warnings(caplog))
-        assert shares == [1.0] * len(shares) and (shares or not warned)
+        if "mg_direction" in config and warned:
+            assert shares and set(shares) == {1.0}
 
 
 def test_whether_an_optimizer_keeps_adam_moments_is_told_only_once_an_update_made_state():
