@@ -144,10 +144,10 @@ class CollectiveMonitor(CollectiveMonitorBase):
             totals = self._totals.pop(step, None)
             copying = self._copying.pop(step, [])
             self._closed_below = max(self._closed_below, step + 1)
-        for token, phase, sizes, numel, fetch in copying:  # started long before: seldom a wait
+        for (name, phase, site), sizes, numel, fetch in copying:  # started long before: seldom a wait
             totals = totals if totals is not None else StepTotals()
             for k, part in self._summaries(sizes, fetch(), numel):
-                totals.add((token.name, phase, k, token.site), part)
+                totals.add((name, phase, k, site), part)
         if not totals:
             return []
         values = totals.values(self._ops)
@@ -211,7 +211,8 @@ class CollectiveMonitor(CollectiveMonitorBase):
                 if token.step < self._closed_below:
                     self._late(1)
                 else:
-                    self._copying.setdefault(token.step, []).append((token, phase, sizes, numel, fetch))
+                    key = (token.name, phase, token.site)  # not the token: its tensors go now
+                    self._copying.setdefault(token.step, []).append((key, sizes, numel, fetch))
             return
         parts = [
             ((token.name, phase, k, token.site), part)

@@ -2,22 +2,25 @@
 device, and the number of kernel launches does not grow with the number of small tensors.
 
 ``device_block(tensors, ops, eps)`` turns tensors of one dtype and device into a float64
-(len(tensors), len(ops)) matrix on that device. Tensors of at most STACKED elements that share
-their size (a mixture-of-experts model's experts, every layer's biases and norms) are stacked into
-matrices of at most STACK_ELEMENTS elements and reduced row by row: a handful of kernels for any
-number of them, where one reduction per statistic and tensor launches five or six kernels per
-tensor (tens of thousands a step for thousands of experts, each costing the host microseconds).
-Larger tensors get their own reductions, whose launch costs little beside reading them, and one
-fused norm over their list.
+(len(tensors), len(ops)) matrix on that device. Tensors of at most STACKED (64K) elements that
+share their size (every layer's biases and norm weights, a model of many small layers or
+experts) are stacked into matrices of at most STACK_ELEMENTS elements and reduced row by row: a
+handful of kernels for any number of them, where one reduction per statistic and tensor launches
+five or six kernels per tensor, each costing the host microseconds. Larger tensors (an expert's
+weight of millions of elements among them) get their own reductions, whose launch costs little
+beside reading them, and one fused norm over their list.
 
-Sums and sums of squares accumulate in float64 as the elements are read (no widened copy): the
-host path can take a float32 sum again in float64 where it lost range, but here reading that
-verdict would stall the device, and a float32 sum of squares turns vanishing gradients (below
-1e-19) into a norm of 0 and huge finite ones into Inf. ``zeros`` compares in float32 (float64
-for float64 tensors), where an eps below the half types' range still exists. Small host values
-(element counts, row indices) reach the device through pinned memory without a blocking copy:
-torch's blocking host-to-device copy synchronises the stream, which would stop the training
-thread at every call until the device caught up.
+Sums of squares accumulate in float64 (torch's fused norm over a list widens each element as it
+reads it): the host path can take a float32 sum of squares again in float64 where it lost range,
+but here reading that verdict would stall the device, and in float32 vanishing gradients (below
+1e-19) get a norm of 0 and huge finite ones Inf. Sums accumulate in float32 per COUNT_CHUNK
+elements (float64 for float64 and integer tensors), the pieces combined in float64: torch widens
+a whole tensor first where the sum's type differs from its accumulator's, a copy of up to four
+times the tensor. ``zeros`` compares in float32 (float64 for float64 tensors), where an eps below
+the half types' range still exists. Small host values (element counts, row indices) reach the
+device through pinned memory without a blocking copy: torch's blocking host-to-device copy
+synchronises the stream, which would stop the training thread at every call until the device
+caught up.
 """
 
 from __future__ import annotations
@@ -45,8 +48,8 @@ def on_device(
     if device.type == "cpu":
         return host
     if device.type == "cuda":
-        host = host.pin_memory()
-    return host.to(device, non_blocking=True)
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)  # elsewhere a copy from pageable memory must not outlive its source
 
 
 def device_scalars(values: Sequence[float | torch.Tensor], device: torch.device | None) -> list[torch.Tensor]:
@@ -85,6 +88,21 @@ def count_nans(t: torch.Tensor, chunk: int) -> torch.Tensor:
 
 def _compared_dtype(dtype: torch.dtype) -> torch.dtype:
     return _F64 if dtype == _F64 else torch.float32
+
+
+def _summed_dtype(dtype: torch.dtype) -> torch.dtype:
+    """What a sum accumulates in: float32 for the float types torch reads as they are (fp32, and
+    the half types it widens to fp32 in registers), float64 for float64 and integers (exact)."""
+    return torch.float32 if dtype.is_floating_point and dtype != _F64 else _F64
+
+
+def _sum(t: torch.Tensor) -> torch.Tensor:
+    """A float64 0-d sum of ``t``, its pieces of COUNT_CHUNK elements summed in ``_summed_dtype``."""
+    acc = _summed_dtype(t.dtype)
+    pieces = t.reshape(-1).split(COUNT_CHUNK)
+    if len(pieces) == 1:
+        return pieces[0].sum(dtype=acc).to(_F64)
+    return torch.stack([piece.sum(dtype=acc) for piece in pieces]).to(_F64).sum()
 
 
 def device_block(tensors: Sequence[torch.Tensor], ops: tuple[str, ...], eps: float) -> torch.Tensor:
@@ -127,7 +145,7 @@ def _row_columns(matrix: torch.Tensor, ops: tuple[str, ...], eps: float) -> torc
         low, high = torch.aminmax(matrix, dim=1)
         columns["min"], columns["max"] = low.to(_F64), high.to(_F64)
     if "mean" in ops:
-        columns["mean"] = matrix.sum(dim=1, dtype=_F64).div_(size)
+        columns["mean"] = matrix.sum(dim=1, dtype=_summed_dtype(matrix.dtype)).to(_F64).div_(size)
     if "zeros" in ops:
         compared = _compared_dtype(matrix.dtype)
         small = (matrix.abs() if matrix.dtype == compared else matrix.to(compared).abs_()) < eps
@@ -150,8 +168,9 @@ def _tensor_columns(tensors: Sequence[torch.Tensor], ops: tuple[str, ...], eps: 
     device = tensors[0].device
     columns: dict[str, torch.Tensor] = {}
     if "norm" in ops:
-        if floating:
-            norms = torch._foreach_norm(list(tensors), 2, dtype=_F64)
+        if floating:  # contiguous, as the fused kernel takes them (else torch widens each whole)
+            flats = [t if t.is_contiguous() else t.reshape(-1) for t in tensors]
+            norms = torch._foreach_norm(flats, 2, dtype=_F64)
         else:
             norms = [torch.linalg.vector_norm(t.to(_F64)) for t in tensors]
         columns["norm"] = torch.stack(norms)
@@ -163,7 +182,7 @@ def _tensor_columns(tensors: Sequence[torch.Tensor], ops: tuple[str, ...], eps: 
         sizes = [t.numel() for t in tensors]
         numel = float(sizes[0]) if len(sizes) == 1 else on_device(sizes, _F64, device)
     if "mean" in ops:
-        columns["mean"] = torch.stack([t.sum(dtype=_F64) for t in tensors]) / numel
+        columns["mean"] = torch.stack([_sum(t) for t in tensors]) / numel
     if "zeros" in ops:
         compared = _compared_dtype(tensors[0].dtype)
         counts = []

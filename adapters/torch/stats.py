@@ -320,9 +320,10 @@ def to_host(matrix: torch.Tensor) -> tuple[np.ndarray | None, Any]:
         return matrix.numpy(), None
     if matrix.device.type == "cuda":
         host = torch.empty(matrix.shape, dtype=matrix.dtype, pin_memory=True)
-        host.copy_(matrix, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record()
+        with torch.cuda.device(matrix.device):  # the copy and its event on the matrix's stream
+            host.copy_(matrix, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
 
         def fetch() -> np.ndarray:
             done.synchronize()

@@ -48,8 +48,11 @@ def _csv_values(con: Any, paths: dict[int, str]) -> str | None:
     """Every value of these CSV files (by their ``_file``) as a row (step, micro_step,
     vpp_stage, name, _file, op, value); None where they hold no statistic. Complete lines only,
     as every reader takes them: a run killed while writing leaves its last line cut short, and
-    read as a row it would give a wrong value (``-0.0`` of ``-0.016``) and lose the rest."""
+    read as a row it would give a wrong value (``-0.0`` of ``-0.016``) and lose the rest. The
+    newest file (the one a live run may be appending to between a check and DuckDB's read) and any
+    file not ending a line are read from a copy of their complete lines in memory."""
     selects, ops, has_micro = [], [], False
+    newest = max(paths, default=None)
     for index, path in paths.items():
         file_ops = list(header_ops(path))
         if not file_ops:  # empty, or a header without statistics: nothing to read
@@ -60,17 +63,20 @@ def _csv_values(con: Any, paths: dict[int, str]) -> str | None:
         has_micro |= "micro_step" in header
         types = {**{c: t for c, t in _LABELS.items() if c in header}, **dict.fromkeys(file_ops, "DOUBLE")}
         columns = ", ".join(f"{quoted(c)}: {quoted(t)}" for c, t in types.items())
-        if _ends_a_line(path):
+        if index != newest and _ends_a_line(path):
             source = (
                 f"read_csv({quoted(path)}, header = true, columns = {{{columns}}}, auto_detect = false, "
                 "null_padding = true, ignore_errors = true, store_rejects = true)"
             )
-        else:  # its complete lines, read from memory
+        else:  # read now into a table, so that its rows that do not parse are said under its name
             source = f"complete_lines_{index}"
-            con.read_csv(
+            con.register("complete_lines", con.read_csv(
                 io.BytesIO(read_complete_lines(path)), header=True, columns=types, auto_detect=False,
-                null_padding=True, ignore_errors=True,
-            ).create_view(source)  # fmt: skip
+                null_padding=True, ignore_errors=True, store_rejects=True,
+            ))  # fmt: skip
+            con.execute(f"CREATE OR REPLACE TEMP TABLE {source} AS SELECT * FROM complete_lines")
+            con.unregister("complete_lines")
+            say_rejected(con, path)
         selects.append(f"SELECT *, {index} AS _file FROM {source}")
     if not ops:
         return None
@@ -84,9 +90,10 @@ def _csv_values(con: Any, paths: dict[int, str]) -> str | None:
     """
 
 
-def say_rejected(con: Any) -> None:
+def say_rejected(con: Any, path: str | None = None) -> None:
     """The CSV rows just read that did not parse (a value that is no number): left out, as every
-    reader leaves them, and said per file, as csv2tb says it."""
+    reader leaves them, and said per file (``path``: the file of the only read since the last
+    call, read from memory), as csv2tb says it."""
     import duckdb
 
     try:
@@ -96,8 +103,8 @@ def say_rejected(con: Any) -> None:
         ).fetchall()
     except duckdb.CatalogException:  # nothing was read with store_rejects yet
         return
-    for path, count in found:
-        logger.warning("trainmon compact: %s: skipped %d row(s) that did not parse", path, count)
+    for read, count in found:
+        logger.warning("trainmon compact: %s: skipped %d row(s) that did not parse", path or read, count)
     con.execute("DELETE FROM reject_errors")
     con.execute("DELETE FROM reject_scans")
 

@@ -5,9 +5,9 @@ evaluated with numpy over all (tag, op) cells at once. Non-finite values come fi
 default, whatever the rules: a NaN or Inf statistic, or a NaN count above zero, is rule
 ``NonFinite``); then the first rule (in config order) that flags a cell reports it; then, when
 a data type's norms moved together (clipping, loss scaling) and were flagged, the one norm that
-moved against that common move is reported as ``MovedAlone``. Every
-abnormal cell of every step is returned: which of them become records, and how they group into
-incidents, is decided by :mod:`monitor.anomaly.incidents`.
+moved against that common move is reported as ``MovedAlone``. Every abnormal cell of every step
+is returned: which become records, and how they group into incidents, is decided by
+:mod:`monitor.anomaly.incidents`.
 
 Besides the rules' baselines the detector keeps one level per cell (an EMA of log|value|), from
 which each anomaly gets its ``ratio`` to that level and the ``common`` ratio of its column (the
@@ -35,9 +35,8 @@ __all__ = ["NONFINITE", "NONFINITE_ID", "REFERENCE_FIELDS", "Anomaly", "Detector
 #: layout version of Detector.state_dict().
 STATE_VERSION = 1
 NONFINITE_ID, MOVED_ALONE_ID, FIRST_RULE_ID = 0, 1, 2
-#: records whose "norm" column holds a share in [0, 1] (mg_direction: the share of gradient signs
-#: that agree with Adam's exp_avg), where 0 is an ordinary value of a tensor of a few elements,
-#: not a norm that vanished
+#: records whose "norm" column holds a share in [0, 1] (mg_direction's of gradient signs that agree
+#: with exp_avg): 0 is an ordinary value of a tensor of a few elements, not a norm that vanished
 SHARE_PREFIXES = frozenset({"other"})
 
 #: smoothing of the per-tag level of the norms (EMA of log|norm|) the ratios are measured against.
@@ -102,6 +101,8 @@ class Detector:
         scale = _element_scale(values, record.ops)
         rows, cols, ids, baselines = [], [], [], []
         reported = np.zeros(values.shape, dtype=bool)
+        share = record.prefix in SHARE_PREFIXES and "norm" in record.ops  # rows of a share of 0: unjudged
+        shares_of_zero = values[:, record.ops.index("norm")] == 0 if share else None
         if self.non_finite:
             reported = non_finite_cells(values, record.ops)
             if reported.any():
@@ -123,8 +124,8 @@ class Detector:
             else:
                 mask, baseline = rule.apply(view, cells, ops)
             mask &= ~(reported if judged is None else reported[:, judged])
-            if record.prefix in SHARE_PREFIXES:
-                mask &= view != 0
+            if shares_of_zero is not None:
+                mask &= ~shares_of_zero[:, None]
             if mask.any():
                 row, col = np.nonzero(mask)
                 column = col if judged is None else judged[col]

@@ -258,11 +258,19 @@ def test_zscore_baseline_is_not_poisoned_by_nan_inf_or_zero(make_record):
     assert _drive(detector, make_record, series) == [(60, _tag("w"), "norm"), (100, _tag("w"), "norm")]
 
 
-@pytest.mark.parametrize("rule", [AnomalyZScore(), AnomalyTurbulence(0.5)], ids=lambda r: r.name)
+SIX = ("norm", "min", "max", "mean", "zeros", "nans")
+
+
+@pytest.mark.parametrize(
+    "rule",
+    [AnomalyZScore(), AnomalyTurbulence(0.5), AnomalyTurbulence(0.5, ops=SIX)],
+    ids=["z", "t", "t-six"],
+)
 def test_a_share_of_zero_is_a_value_not_a_vanished_norm(make_record, rule):
-    """mg_direction's share of agreeing signs sits in the norm column; for a bias of four
-    elements it is 0, 0.25, ... 1 by chance, so 0 must not read as a norm that died. A
-    gradient's norm that drops to 0 beside it still does."""
+    """mg_direction's share of agreeing signs sits in the norm column (and min, max, mean; zeros
+    is 1 where it is 0); for a bias of four elements it is 0, 0.25, ... 1 by chance, so 0 must not
+    read as a norm that died, nor its zeros column as a jump. A gradient's norm that drops to 0
+    beside it still does."""
     rows = RowSet.build([0], ["b"], 0, "mg_direction")
     grad_rows = RowSet.build([0], ["b"], 0, "post_grad")
     shares = np.random.default_rng(3).choice([0.25, 0.5, 0.75, 1.0], size=40)
@@ -271,11 +279,12 @@ def test_a_share_of_zero_is_a_value_not_a_vanished_norm(make_record, rule):
     found = []
     for step, share in enumerate(shares):
         norm = 0.0 if step == 35 else 1.0 + 0.01 * step
-        for prefix, task, table, value in (
-            ("other", "mg_direction", rows, share),
-            ("grad_reduced", "post_grad", grad_rows, norm),
+        row = [share, share, share, share, float(share == 0), 0.0]
+        for prefix, task, table, values, ops in (
+            ("other", "mg_direction", rows, [row], SIX),
+            ("grad_reduced", "post_grad", grad_rows, [[norm]], ("norm",)),
         ):
-            record = make_record(prefix, step, ["b"], [[value]], ("norm",), rows=table, task=task)
+            record = make_record(prefix, step, ["b"], values, ops, rows=table, task=task)
             found += [(a.step, a.tag_name) for a in detector.evaluate(record)]
     assert found == [(35, _tag("b"))]
 

@@ -35,8 +35,8 @@ export function formatValue(v) {
   return a >= 1e5 || a < 1e-3 ? v.toExponential(4) : String(Number(v.toPrecision(6)));
 }
 
-// The colour scale of the finite values: linear, or log10 of |value| (zeros take the lowest
-// colour); over the whole matrix, or per row (each row from its own min to its own max).
+// The colour scale of the finite values: linear, or log10 of |value| (an exact 0, which has no
+// place there, gets its own colour); over the whole matrix, or per row (each from its min to max).
 export function scaleOf(values, status, cols, { log, perRow }) {
   const tf = (v) => (log ? (v === 0 ? null : Math.log10(Math.abs(v))) : v);
   const rows = cols ? values.length / cols : 0;
@@ -51,7 +51,7 @@ export function scaleOf(values, status, cols, { log, perRow }) {
     if (t < lows[k]) lows[k] = t;
     if (t > highs[k]) highs[k] = t;
   }
-  const empty = lows[0] === Infinity;  // no finite value the scale can place (all 0 on a log scale)
+  const empty = zeros && lows.every((low) => low === Infinity);  // finite values, every one 0
   for (let k = 0; k < lows.length; k++) {
     if (lows[k] === Infinity) { lows[k] = 0; highs[k] = 1; }
     if (highs[k] === lows[k]) highs[k] = lows[k] + 1;

@@ -196,7 +196,9 @@ class App {
     return p;
   }
 
-  async refresh() {
+  // Fetch and draw the heatmap of the current choices; ``then`` runs after this draw only (not
+  // after a newer request's, which supersedes it).
+  async refresh(then = null) {
     const ticket = (this.pending = {});
     this.status.textContent = "loading…";
     try {
@@ -211,6 +213,7 @@ class App {
       this.heatmap.canvas.dataset.selected = "";
       this.heatmap.canvas.dataset.run = this.state.run;
       this.redraw();
+      if (then) then();
       this.status.textContent = `updated ${new Date().toLocaleTimeString()}`;
       this.root.querySelector(".tm-app").dataset.ready = "1";
     } catch (error) {
@@ -238,7 +241,6 @@ class App {
       item.append(swatch, document.createTextNode(text));
       return item;
     }));
-    if (this.afterDraw) { this.afterDraw(); this.afterDraw = null; }
   }
 
   tip(cell, e) {
@@ -289,14 +291,13 @@ class App {
       this.loInput.value = this.hiInput.value = "";
     }
     this.syncControls();
-    this.afterDraw = () => {
+    await this.refresh(() => {
       const d = this.data;
       const r = d.row_keys.findIndex((k) => k[0] === a.row[0] && k[1] === a.row[1] && k[2] === a.row[2]);
       const c = d.steps.indexOf(a.step);
       if (r >= 0) this.state.row = { key: d.row_keys[r], label: d.rows[r] };  // "one tag, all ranks" shows it
       if (r >= 0 && c >= 0) this.heatmap.select(r, c);
-    };
-    await this.refresh();
+    });
   }
 
   // The selected cell as what survives a redraw with new steps: its row (by key where rows are
@@ -332,8 +333,7 @@ class App {
       await this.lists.load();
       if (this.state.hi === null) {
         const kept = this.selection();  // new steps must not clear what the user looked at
-        if (kept) this.afterDraw = () => this.reselect(kept);
-        await this.refresh();
+        await this.refresh(kept && (() => this.reselect(kept)));
       }
     } catch (error) {
       this.status.textContent = `error: ${error.message}`;
