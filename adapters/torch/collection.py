@@ -23,7 +23,7 @@ from adapters.torch.grads import GradCounting
 from adapters.torch.l2 import L2Features
 from adapters.torch.optim import OptimizerChecks, TorchBackend
 from adapters.torch.params import ParamRegistry
-from adapters.torch.sharded.shards import SHARD_COLUMNS, held_rows, shard_reduce
+from adapters.torch.sharded.shards import SHARD_COLUMNS, held_rows, piece_columns, shard_reduce
 from adapters.torch.sharded.tp_activations import TensorParallelMerge
 from adapters.torch.stats import sign_shares, stat_matrix, still_measured, to_host
 from adapters.torch.structure import StructureRecorder, stack_recorder
@@ -274,8 +274,7 @@ class Collection(BaseCollection):
             self._submit(prefix, *held_rows(rows, merged), ops)
             return
         whole = np.array([self.backend.numel(self.registry.params[index[p]].param) for p in present])
-        extra = np.stack([counts, (counts < whole).astype(np.float64)], axis=1).reshape(-1, 2)
-        self._submit(prefix, rows.take(present), with_host_columns(pieces, extra), ops)
+        self._submit(prefix, rows.take(present), with_host_columns(pieces, piece_columns(counts, whole)), ops)
 
     def _unreduced_columns(self, index: list[int], matrix: torch.Tensor) -> tuple[torch.Tensor, tuple | None]:
         """Gradients that are DTensors (tensor parallelism) are measured on this rank's piece:
@@ -296,8 +295,8 @@ class Collection(BaseCollection):
                 (whole, whole) if self.grads.tags.get(i) else (local, whole)
                 for i, (local, whole) in zip(index, numels)
             ]
-        extra = np.array([(local, float(local < whole)) for local, whole in numels], dtype=np.float64)
-        return with_host_columns(matrix, extra.reshape(-1, 2)), (*self.ops, *SHARD_COLUMNS)
+        local, whole = (np.array(side, dtype=np.float64) for side in zip(*numels)) if numels else ([], [])
+        return with_host_columns(matrix, piece_columns(local, whole)), (*self.ops, *SHARD_COLUMNS)
 
     def _unreduced_switched_off(self) -> None:
         """grad_unreduced failed here earlier: its merge's header still goes to the mesh mates,
@@ -369,15 +368,17 @@ class Collection(BaseCollection):
         if not self.config.shard_reduce:
             whole = np.array([self.backend.numel(self.registry.params[index[p]].param) for p in positions])
             shares = stat_matrix(values, self.ops, self.eps)
-            extra = np.stack([counts, (counts < whole).astype(np.float64)], axis=1).reshape(-1, 2)
-            self._submit("other", rows.take(positions), with_host_columns(shares, extra), ops)
+            self._submit(
+                "other", rows.take(positions), with_host_columns(shares, piece_columns(counts, whole)), ops
+            )
             return
         device = values[0].device if values else torch.device("cpu")
         shares = torch.full((len(index), 1), float("nan"), dtype=torch.float64, device=device)
-        all_counts = torch.zeros(len(index), dtype=torch.float64, device=device)
+        all_counts = np.zeros(len(index), dtype=np.float64)
         if values:
-            shares[positions, 0] = torch.stack(values)
-            all_counts[positions] = torch.from_numpy(counts).to(device)
+            shares.index_copy_(0, on_device(positions, torch.long, device), torch.stack(values)[:, None])
+            all_counts[positions] = counts
+        all_counts = on_device(all_counts, torch.float64, device)
         rows, merged = held_rows(rows, shard_reduce(shares, all_counts, ("mean",), self.backend.shard_group))
         whole = stat_matrix(list(torch.from_numpy(merged[:, 0])), self.ops, self.eps).numpy()
         self._submit("other", rows, np.concatenate([whole, merged[:, 1:]], axis=1), ops)

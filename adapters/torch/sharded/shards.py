@@ -22,6 +22,12 @@ from adapters.torch.dist import all_gather_flat
 SHARD_COLUMNS = ("numel", "partial")
 
 
+def piece_columns(counts: np.ndarray, whole: np.ndarray) -> np.ndarray:
+    """The SHARD_COLUMNS of pieces of ``counts`` elements of tensors of ``whole``: (n, 2) float64."""
+    counts = np.asarray(counts, dtype=np.float64)
+    return np.stack([counts, (counts < np.asarray(whole)).astype(np.float64)], axis=1).reshape(-1, 2)
+
+
 def merge_pieces(values: np.ndarray, counts: np.ndarray, ops: Sequence[str]) -> np.ndarray:
     """Merge pieces along axis 0: values (pieces, rows, ops), counts (pieces, rows) -> (rows, ops).
 
