@@ -171,8 +171,8 @@ def _sink(spec: Any, path: str) -> SinkSpec:
             raise ConfigError(f"{path}.argv: expected the program and its arguments, got {describe(argv)}")
         return SinkSpec(kind, argv=argv, **common)
     target = spec.get("path")
-    if not isinstance(target, str) or not target:
-        raise ConfigError(f"{path}.path: expected a file path, got {describe(target)}")
+    if not isinstance(target, str) or not target or target.endswith("/") or os.path.normpath(target) == ".":
+        raise ConfigError(f"{path}.path: expected the path of a file, got {describe(target)}")
     return SinkSpec(kind, path=target, **common)
 
 
@@ -184,10 +184,12 @@ def _webhook(spec: dict, path: str) -> dict[str, Any]:
         url = _environment(url_env, f"{path}.url_env")
     elif not isinstance(url, str):
         raise ConfigError(f"{path}.url: expected an http(s) URL, got {describe(url)}")
-    printable = all(33 <= ord(c) < 127 for c in url)
-    if not printable or urlsplit(url).scheme not in ("http", "https") or not urlsplit(url).hostname:
-        shown = describe(url) if not url_env else f"the value of {url_env}"
-        raise ConfigError(f"{path}.url: expected an http:// or https:// URL without spaces, got {shown}")
+    shown = describe(url) if not url_env else f"the value of {url_env}"
+    if not _usable_url(url):
+        raise ConfigError(
+            f"{path}.url: expected an http:// or https:// URL without spaces, credentials or a bad "
+            f"port, got {shown}"
+        )
     preset = spec.get("preset", "json")
     if preset not in PRESETS:
         raise not_one_of(f"{path}.preset", preset, PRESETS)
@@ -205,6 +207,19 @@ def _webhook(spec: dict, path: str) -> dict[str, Any]:
         "preset": preset,
         "headers_env": MappingProxyType(dict(headers)),
     }
+
+
+def _usable_url(url: str) -> bool:
+    """Whether a webhook URL can be posted to: http(s), a host, a port in range (urllib raises
+    on a bad one only when it is read), no user:password (urllib would take it for the host)."""
+    if not all(33 <= ord(c) < 127 for c in url):
+        return False
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 (read for the ValueError of a port out of range or not a number)
+    except ValueError:  # an unclosed IPv6 bracket, a bad port
+        return False
+    return parts.scheme in ("http", "https") and bool(parts.hostname) and parts.username is None
 
 
 def _environment(variable: Any, path: str) -> str:

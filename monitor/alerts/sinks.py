@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from monitor.alerts.config import SinkSpec
-from monitor.files import FILE_MODE
+from monitor.files import FILE_MODE, make_private_dir
 
 Message = dict[str, Any]
 
@@ -116,12 +116,15 @@ class WebhookSink:
 
     def deliver(self, message: Message) -> None:
         body = json.dumps(payload(message, self.spec.preset), allow_nan=False, default=str).encode("utf-8")
-        request = urllib.request.Request(
-            self.spec.resolved_url(),
-            data=body,
-            method="POST",
-            headers={"Content-Type": "application/json", **self.spec.headers()},
-        )
+        try:  # the URL is read from its variable now (a rotated token is picked up)
+            request = urllib.request.Request(
+                self.spec.resolved_url(),
+                data=body,
+                method="POST",
+                headers={"Content-Type": "application/json", **self.spec.headers()},
+            )
+        except ValueError:  # not its message: it quotes the URL, which may hold a token
+            raise OSError(f"the URL is not usable now (is {self.spec.url_env or 'url'} still set?)") from None
         with _Deadline(self.spec.timeout_s) as deadline:
             try:
                 with _opener(deadline).open(request, timeout=self.spec.timeout_s) as response:
@@ -148,14 +151,17 @@ class CommandSink:
 
     def deliver(self, message: Message) -> None:
         text = json.dumps(message, allow_nan=False, default=str)
-        done = subprocess.run(
-            list(self.spec.argv),
-            input=text.encode("utf-8"),
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            timeout=self.spec.timeout_s,
-            check=False,
-        )
+        try:
+            done = subprocess.run(
+                list(self.spec.argv),
+                input=text.encode("utf-8"),
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                timeout=self.spec.timeout_s,
+                check=False,
+            )
+        except subprocess.TimeoutExpired:  # not its message: it quotes the whole command line
+            raise OSError(f"no exit within timeout_s ({self.spec.timeout_s:g} s)") from None
         if done.returncode != 0:
             error = done.stderr.decode("utf-8", "replace").strip().splitlines()[-1:] or [""]
             raise OSError(f"exit status {done.returncode} {error[0][:200]}".rstrip())
@@ -165,9 +171,10 @@ class FileSink:
     """Appends one JSON line per message (one write, so lines of several ranks never interleave)."""
 
     def __init__(self, spec: SinkSpec, root: str) -> None:
-        self.path = os.path.join(root, spec.path)
+        self.path = os.path.join(root, spec.path)  # an absolute path stays as it is
 
     def deliver(self, message: Message) -> None:
+        make_private_dir(os.path.dirname(self.path))  # the path's directories, where missing
         line = (json.dumps(message, allow_nan=False, default=str) + "\n").encode("utf-8")
         flags = (
             os.O_WRONLY

@@ -363,7 +363,7 @@ def test_a_callback_that_raises_is_reported_once_and_others_still_run(tmp_path, 
         ({"sinks": [{"type": "webhok", "url": "http://x"}]}, "did you mean 'webhook'?"),
         ({"sinks": [{"type": "webhook"}]}, "alert.sinks[0]: expected exactly one of 'url' and 'url_env'"),
         ({"sinks": [{"type": "webhook", "url": "ftp://x/y"}]}, "alert.sinks[0].url: expected an http:// or"),
-        ({"sinks": [{"type": "webhook", "url": "http://x/a b"}]}, "URL without spaces, got 'http://x/a b'"),
+        ({"sinks": [{"type": "webhook", "url": "http://x/a b"}]}, "a bad port, got 'http://x/a b'"),
         (
             {"sinks": [{"type": "webhook", "url_env": "TRAINMON_UNSET_VARIABLE"}]},
             "TRAINMON_UNSET_VARIABLE is not set",
@@ -381,7 +381,11 @@ def test_a_callback_that_raises_is_reported_once_and_others_still_run(tmp_path, 
             {"sinks": [{"type": "command", "argv": "notify-send"}]},
             "alert.sinks[0].argv: expected a list of strings",
         ),
-        ({"sinks": [{"type": "file"}]}, "alert.sinks[0].path: expected a file path, got None"),
+        ({"sinks": [{"type": "file"}]}, "alert.sinks[0].path: expected the path of a file, got None"),
+        ({"sinks": [{"type": "file", "path": "logs/"}]}, "expected the path of a file, got 'logs/'"),
+        ({"sinks": [{"type": "webhook", "url": "http://127.0.0.1:99999/hook"}]}, "or a bad port, got 'http"),
+        ({"sinks": [{"type": "webhook", "url": "http://[::1/x"}]}, "alert.sinks[0].url: expected an http"),
+        ({"sinks": [{"type": "webhook", "url": "http://u:pw@host/x"}]}, "without spaces, credentials"),
         ({"sinks": {"type": "file"}}, "alert.sinks: expected a list of sinks"),
         (
             {"actions": ["stpo"]},
@@ -414,3 +418,25 @@ def test_config_round_trips_and_unknown_sink_and_bundle_keys_are_errors():
         ConfigError, match=r"alert\.bundle\.incident: unknown key; .*did you mean 'incidents'"
     ):
         load_config({"alert": {"bundle": {"incident": 2}}})
+
+
+def test_a_file_sink_makes_its_missing_directories_and_a_webhook_whose_variable_went_names_it(tmp_path):
+    """A file sink's sub-directories are made at its first delivery; a webhook whose URL variable
+    was unset after the config was loaded fails naming the variable (urllib's message would quote
+    the URL, which may hold a token)."""
+    from monitor.alerts.sinks import FileSink, WebhookSink
+
+    (spec,) = load_config({"alert": {"sinks": [{"type": "file", "path": "sub/dir/x.jsonl"}]}}).alert.sinks
+    FileSink(spec, str(tmp_path)).deliver({"step": 3})
+    assert json.loads((tmp_path / "sub" / "dir" / "x.jsonl").read_text()) == {"step": 3}
+    environment = {"TRAINMON_TEST_HOOK": "http://127.0.0.1:8080/secret-token"}
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in environment.items():
+            patch.setenv(name, value)
+        (hook,) = load_config(
+            {"alert": {"sinks": [{"type": "webhook", "url_env": "TRAINMON_TEST_HOOK"}]}}
+        ).alert.sinks
+        patch.delenv("TRAINMON_TEST_HOOK")  # unset after the config was loaded
+        with pytest.raises(OSError) as info:
+            WebhookSink(hook).deliver({"step": 3})
+    assert "TRAINMON_TEST_HOOK" in str(info.value) and "secret" not in str(info.value)
