@@ -74,9 +74,17 @@ def _add(kept: TensorBudget, name: str, tensor: torch.Tensor, what: str) -> None
 def _add_parameter(kept: TensorBudget, session: Any, entry: Any) -> None:
     """A parameter now, its gradient and Adam's moments."""
     registry, backend = session.collection.registry, session.backend
+    dropped = getattr(session, "skipped_grads", {}).get(id(entry.param))
     parts = [
         ("value", entry.param, "the parameter now (after the update of the step that ended)"),
         ("grad", registry.grad(entry.param), "its gradient as the optimizer used it"),
+    ]
+    if dropped is not None:  # skip_step dropped the gradient: the update never happened
+        parts = [
+            ("value", entry.param, "the parameter now (the step's update was skipped)"),
+            ("grad", dropped, "its gradient, which the skipped update did not use"),
+        ]
+    parts += [
         ("exp_avg", backend.moment(entry.param, "exp_avg"), "Adam's first moment"),
         ("exp_avg_sq", backend.moment(entry.param, "exp_avg_sq"), "Adam's second moment"),
     ]

@@ -50,6 +50,8 @@ class TorchSession(SessionLifecycle):
             raise ValueError("set_monitor: optimizer: required (its step marks the end of a training step)")
         self.chunks = [uncompiled(chunk) for chunk in chunks]
         self.compiled = any(given is not plain for given, plain in zip(chunks, self.chunks))
+        #: the gradients skip_step dropped this step, by parameter id, until its bundles are written
+        self.skipped_grads: dict[int, torch.Tensor] = {}
         self.backend = optimizer_backend(a.optimizer, self.chunks)
         self.optimizer = self.backend.optimizer
         if a.config.module_ranks and optimizer_has_replicated_dtensors(self.optimizer):
@@ -276,6 +278,7 @@ class TorchSession(SessionLifecycle):
         return {**info, **inputs}, {**tensors, **generators}
 
     def _keep_module_inputs(self, budget: int) -> None:
+        self.skipped_grads = {}  # the step's bundles are written: the dropped gradients may go
         activations = self.collection.activations if self.collection is not None else None
         if activations is not None:
             activations.keep_inputs(budget)
@@ -289,6 +292,8 @@ class TorchSession(SessionLifecycle):
             return
         for group in self.optimizer.param_groups:
             for param in group["params"]:
+                if param.grad is not None:  # kept for the step's evidence bundle, the key evidence
+                    self.skipped_grads[id(param)] = param.grad
                 param.grad = None
 
     def schedule_channel(self) -> StoreChannel | None:

@@ -94,6 +94,8 @@ class Channel:
         self._warned = False
         #: set by close(): after it, nothing more is delivered
         self._deadline: float | None = None
+        #: set by close(): wakes a retry's back-off, which then gives up if it would outlast it
+        self._closing = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"trainmon-alert {label}", daemon=True)
         self._thread.start()
 
@@ -110,12 +112,21 @@ class Channel:
         under way (a hanging endpoint) ends at its own timeout, on this daemon thread. ``block``:
         wait here for that, else return at once and let the thread finish on its own."""
         self._deadline = time.monotonic() + wait
+        self._closing.set()
         try:
             self.queue.put_nowait(None)
         except queue.Full:  # the thread sees the deadline at its next message, or an empty queue
             pass
         if block:
             self._thread.join(wait)
+            left = sum(item is not None for item in list(self.queue.queue)) + self._thread.is_alive()
+            if left:  # said even where a failure was said before: these were never tried to the end
+                logger.warning(
+                    "trainmon: %s: %d alert message(s) not delivered when the run ended (within %.0f s)",
+                    self.label,
+                    left,
+                    wait,
+                )
 
     def _run(self) -> None:
         while True:
@@ -157,16 +168,28 @@ class Channel:
             try:
                 self.sink.deliver(message)
             except Exception as exc:
-                if attempt == self.spec.retries:
+                delay = self.spec.backoff_s * 2**attempt
+                if attempt == self.spec.retries or not self._may_wait(delay):
                     self.failed += 1
                     self._warn_once(f"failed after {attempt + 1} attempt(s) ({exc}); training goes on")
                     return
-                time.sleep(self.spec.backoff_s * 2**attempt)
             else:
                 self._sent.append(time.monotonic())
                 self.delivered += 1
                 self.suppressed = 0
                 return
+
+    def _may_wait(self, delay: float) -> bool:
+        """Wait ``delay`` seconds before a retry; False (at once) where close() came or comes
+        meanwhile and its deadline falls before the back-off ends."""
+        until = time.monotonic() + delay
+        if self._deadline is None:
+            self._closing.wait(delay)  # woken early by close()
+        if self._deadline is not None:
+            if until > self._deadline:
+                return False
+            time.sleep(max(0.0, until - time.monotonic()))
+        return True
 
     def _warn_once(self, what: str) -> None:
         if not self._warned:
@@ -201,6 +224,7 @@ class Alerts:
         rank: this process's global rank.
         root: the output root (claims, relative file sinks).
         bundle: how many incidents get an evidence bundle (None: none); the session writes them.
+        world_size: the ranks of the job (1: no other rank to wait for a claim of; 0: unknown).
     """
 
     def __init__(
@@ -210,6 +234,7 @@ class Alerts:
         rank: int,
         root: str,
         bundle: BundleSpec | None = None,
+        world_size: int = 0,
     ) -> None:
         self.rank = rank
         self.root = root
@@ -217,7 +242,7 @@ class Alerts:
         #: an incident asked for the actions (``stop``, ``checkpoint``); the session acts on it
         self.action_requested = threading.Event()
         self.action_reason = ""
-        needs_claims = any(spec.ranks == "lowest" for spec in sinks)
+        needs_claims = world_size != 1 and any(spec.ranks == "lowest" for spec in sinks)
         self._claims = os.path.join(root, "anomaly_detected", "alerts") if needs_claims else None
         self.channels = [
             Channel(open_sink(spec, root), spec, spec.label(i), rank, self._claims)

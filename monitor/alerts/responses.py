@@ -77,12 +77,19 @@ class IncidentResponses:
         if self.alerts is not None and self._alerts_config != wanted:
             self._close_alerts(block=False)  # training goes on: the old sinks drain on their own
         if self.alerts is None and (alert.sinks or alert.actions or alert.bundle or self.incident_callbacks):
-            self.alerts = Alerts(alert.sinks, alert.actions, self.rank, root, alert.bundle)
+            world = getattr(self, "world_size", 0)
+            self.alerts = Alerts(alert.sinks, alert.actions, self.rank, root, alert.bundle, world)
             self._alerts_config = wanted
             for callback in self.incident_callbacks:
                 self.alerts.add_callback(callback)
             if "skip_step" in alert.actions and not self.can_skip_updates:
                 logger.warning("trainmon: alert.actions skip_step is not supported here and is ignored")
+            elif "skip_step" in alert.actions and self.config.step_interval > 1:
+                logger.warning(
+                    "trainmon: alert.actions skip_step acts on collected steps: with step_interval %d "
+                    "a NaN gradient of another step reaches the weights",
+                    self.config.step_interval,
+                )
             self._register_exit_hook()
 
     def _connect_alerts(self) -> None:

@@ -440,3 +440,34 @@ def test_a_file_sink_makes_its_missing_directories_and_a_webhook_whose_variable_
         with pytest.raises(OSError) as info:
             WebhookSink(hook).deliver({"step": 3})
     assert "TRAINMON_TEST_HOOK" in str(info.value) and "secret" not in str(info.value)
+
+
+def test_a_single_process_delivers_at_once_and_what_close_leaves_undelivered_is_said(tmp_path, caplog, quick):
+    """One process has no other rank to wait 3 s for; a sink still retrying when the run ends
+    (a command that fails, with a long back-off) says how many messages it never delivered."""
+    monkeypatch_wait = dispatch.CLAIM_WAIT_S
+    dispatch.CLAIM_WAIT_S = 30.0  # a wait would show: the delivery below must not take it
+    try:
+        alert = load_config({"alert": {"sinks": [{"type": "file", "path": "alone.jsonl"}]}}).alert
+        alone = Alerts(alert.sinks, (), 0, str(tmp_path), world_size=1)
+        alone.incident(incident(step=4), None)
+        assert wait_for(lambda: (tmp_path / "alone.jsonl").exists(), 5.0)
+        alone.close()
+    finally:
+        dispatch.CLAIM_WAIT_S = monkeypatch_wait
+    assert not (tmp_path / "anomaly_detected" / "alerts").exists()  # no claims in one process
+    failing = [sys.executable, "-c", "import sys; sys.exit(1)"]
+    sink = {"type": "command", "argv": failing, "ranks": "all", "retries": 3, "backoff_s": 30}
+    alerts = alerts_of([sink], 0, tmp_path)
+    alerts.incident(incident(step=5), None)
+    assert wait_for(lambda: alerts.channels[0].queue.empty(), 5.0)  # its first attempt is under way
+    with caplog.at_level(logging.WARNING, logger="trainmon"):
+        alerts.close()  # the 30 s back-off would outlast the run: the failure is said at once
+    assert "failed after 1 attempt(s) (exit status 1)" in caplog.text
+    slow = [sys.executable, "-c", "import time; time.sleep(4)"]
+    alerts = alerts_of([{"type": "command", "argv": slow, "ranks": "all", "timeout_s": 30}], 0, tmp_path)
+    for step in (6, 7):
+        alerts.incident(incident(step=step), None)
+    with caplog.at_level(logging.WARNING, logger="trainmon"):
+        alerts.close()  # one delivery under way past the 2 s, one still queued
+    assert "2 alert message(s) not delivered when the run ended" in caplog.text

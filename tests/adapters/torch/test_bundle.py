@@ -99,6 +99,31 @@ def test_the_bundle_holds_the_faulty_tensors_and_the_generators_of_its_step(tmp_
     assert "float32 (12, 16)" in grad_line and f"nan {int(np.isnan(copy['grad']).sum())}" in grad_line
 
 
+def test_a_skipped_update_keeps_the_gradient_it_dropped_in_the_bundle(tmp_path, monkeypatch):
+    """skip_step drops the step's gradients before the update; the bundle of the incident still
+    holds the NaN gradient (the key evidence), said to be unused, and the parameter as it was."""
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path))
+    torch.manual_seed(0)
+    model = MLP()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    alert = {"bundle": {"incidents": 1}, "actions": ["skip_step"]}
+    mon = TrainerMon({"wg_distribution": True, "ops": ["norm", "nans"], "alert": alert})
+    mon.set_monitor(model, 1, optimizer)
+    for step, (x,) in enumerate(make_batches(AT + 2, 1)):
+        model(x).pow(2).mean().backward()
+        param = dict(model.named_parameters())[FAULTY]
+        if step == AT:
+            param.grad[0, 0] = float("nan")
+            dropped, before = param.grad.numpy().copy(), param.detach().numpy().copy()
+        optimizer.step()
+        optimizer.zero_grad()
+    mon.stop()
+    bundle = load_bundle(tmp_path / "anomaly_detected" / "rank0" / "bundle_incident1")
+    assert _same(bundle.tensors[f"0:{FAULTY} grad"], dropped)
+    assert _same(bundle.tensors[f"0:{FAULTY} value"], before)  # the update was skipped
+    assert "which the skipped update did not use" in _shown(bundle.path)
+
+
 def test_tensors_over_the_size_limit_are_listed_not_written(tmp_path, monkeypatch):
     monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path))
     rank_dir, _ = _train(tmp_path, {"incidents": 1, "max_mb": 0.001})  # 1,048 bytes
