@@ -146,16 +146,6 @@ def top_eigenpairs(matrices: torch.Tensor, squarings: int = 30) -> tuple[torch.T
     return values.to(matrices.dtype), vectors.to(matrices.dtype)
 
 
-def lanczos_top(
-    apply: Callable[[torch.Tensor], torch.Tensor], start: torch.Tensor, steps: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The largest eigenvalue of a symmetric positive semi-definite operator and its Ritz vector,
-    after ``steps`` Lanczos steps (one operator; ``L2Features`` solves a step's together)."""
-    basis, tridiagonal = lanczos(apply, start, steps)
-    values, vectors = top_eigenpairs(tridiagonal[None])
-    return values[0], basis.T @ vectors[0]
-
-
 class L2Features(L2Steps):
     """The hooks and per-step values of the l2 features of one collection."""
 

@@ -278,13 +278,17 @@ def taken_over(backend: TorchBackend, params: Sequence[torch.nn.Parameter]) -> s
     (ZeRO-3 leaves each a placeholder with a ``ds_id``) or gave the optimizer flat partitions in
     their place (ZeRO-1/2). Then grad_reduced, the moments and param_updated describe nothing of
     the training; said at the first update. None where it does, or where a back-end maps them."""
-    if type(backend) is not TorchBackend or not params:
+    trained = [param for param in params if param.requires_grad]  # frozen ones are nobody's to update
+    if type(backend) is not TorchBackend or not trained:
         return None
-    if any(hasattr(param, "ds_id") for param in params):
+    if any(hasattr(param, "ds_id") for param in trained):
         return "DeepSpeed ZeRO-3 partitioned the model's parameters after set_monitor"
     held = {id(tensor) for group in backend.optimizer.param_groups for tensor in group["params"]}
-    if not any(id(param) in held for param in params):
-        return f"{type(backend.optimizer).__name__} updates none of the monitored parameters"
+    if not any(id(param) in held for param in trained):
+        return (
+            f"{type(backend.optimizer).__name__} updates none of the monitored parameters (other "
+            "tensors in their place: a wrapper's flat partitions, or master copies)"
+        )
     return None
 
 
@@ -311,7 +315,8 @@ class OptimizerChecks:
             if why:
                 logger.warning(
                     "trainmon: %s: gradients after reduction, moments and updated parameters describe "
-                    "none of this training; attach after the wrapper is made (deepspeed.initialize)",
+                    "none of this training; attach after a wrapper that takes the parameters over is "
+                    "made (deepspeed.initialize), passing it",
                     why,
                 )
         if self.moment_checks_left:

@@ -123,7 +123,7 @@ def lanczos_top(
 ) -> tuple[float, np.ndarray]:
     """The largest eigenvalue of a symmetric positive semi-definite operator and its Ritz vector
     after ``steps`` Lanczos steps with full reorthogonalisation, on the host. The torch adapter
-    runs the same algorithm on the device (``adapters.torch.l2.lanczos_top``)."""
+    runs the same algorithm on the device (``adapters.torch.l2.lanczos`` and ``top_eigenpairs``)."""
     basis = np.zeros((steps, start.shape[0]))
     alpha, beta = np.zeros(steps), np.zeros(steps)
     q = start / max(float(np.linalg.norm(start)), 1e-300)

@@ -51,6 +51,12 @@ def adam_histograms(
         return np.stack([host_counts(m_hat / (root_v + eps)), host_counts(m_hat / root_v)])
 
 
+def update_ratio_written(config: Any) -> bool:
+    """Whether ``ur_distribution``'s histograms are written: asked for, in TensorBoard files (the
+    only format that holds histograms)."""
+    return bool(config.ur_distribution) and config.format == "tensorboard"
+
+
 def submit_histograms(
     core: Any,
     step: int,

@@ -20,6 +20,7 @@ from monitor.config.schema import MonitorConfig
 from monitor.datatypes.l2 import ATTENTION_PREFIX, LINEAR_OPS, LINEAR_PREFIX
 from monitor.datatypes.params import unreduced_rows
 from monitor.datatypes.tasks import SCALED_PREFIXES
+from monitor.datatypes.update_ratio import update_ratio_written
 from monitor.errors import StructurePrinted
 from monitor.naming import unmatched_targets
 from monitor.record import RowSet, SameRows, StepRecord
@@ -112,7 +113,7 @@ class BaseCollection(ABC):
 
     def _update_ratio_wanted(self) -> bool:
         """ur_distribution: on when asked for and the format is TensorBoard (else said once)."""
-        if self.config.ur_distribution and self.config.format != "tensorboard":
+        if self.config.ur_distribution and not update_ratio_written(self.config):
             logger.warning(
                 "trainmon: ur_distribution writes TensorBoard histograms; with format %s it is off",
                 self.config.format,

@@ -18,6 +18,7 @@ from typing import Any
 
 from monitor.alerts.responses import IncidentResponses
 from monitor.config.schema import MonitorConfig
+from monitor.datatypes.update_ratio import update_ratio_written
 from monitor.errors import CollectivesLogged, StructurePrinted
 from monitor.session.collection import BaseCollection
 from monitor.session.dynamic import ScheduleChannel
@@ -42,7 +43,7 @@ _PER_PARAMETER = (
 def recorded_kinds(config: MonitorConfig) -> list[str]:
     """The config keys of what a collection with ``config`` records (empty: nothing)."""
     kinds = [k for k in _KINDS if getattr(config, k)]
-    kinds += ["ur_distribution"] if config.ur_distribution and config.format == "tensorboard" else []
+    kinds += ["ur_distribution"] if update_ratio_written(config) else []
     kinds += ["recording_l2_features"] if config.recording_l2_features else []
     return kinds + (["cc_distribution"] if config.cc_distribution.enable else [])
 

@@ -49,3 +49,22 @@ def test_ur_distribution_needs_tensorboard_and_says_so(trainmon_log):
     mon.set_monitor(net, grad_acc_steps=1, optimizer=optimizer)
     assert any("ur_distribution writes TensorBoard histograms" in w for w in trainmon_log.warnings())
     mon.stop()
+
+
+def test_adam_weight_decay_moves_its_parameters_by_its_uncorrected_moments():
+    """What the histograms above assume of AdamWeightDecay, read off its own update: without
+    weight decay a parameter moves by lr * m / (sqrt(v) + eps) exactly, not by the bias-corrected
+    form that Adam uses (about a third of it at the first step)."""
+    from mindspore import nn
+
+    net = Net()
+    optimizer = nn.AdamWeightDecay(net.trainable_params(), learning_rate=0.05, weight_decay=0.0)
+    capture: list[dict] = []
+    train(net, optimizer, make_batches(2, 1), capture, MOMENTS["AdamWeightDecay"])
+    eps = optimizer.eps.asnumpy().item()
+    for record in capture:
+        for before, after, m, v in zip(
+            record["param_origin"], record["param_updated"], record["exp_avg"], record["exp_avg_sq"]
+        ):
+            moved = (before.astype(np.float64) - after) / 0.05
+            np.testing.assert_allclose(moved, m / (np.sqrt(v.astype(np.float64)) + eps), rtol=1e-3, atol=1e-6)

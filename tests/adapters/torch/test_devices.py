@@ -1,8 +1,8 @@
 """The accelerator path of the statistics and a training run on it, against numpy on host copies.
 
-Accelerator tensors are reduced with torch's own device ops (``_device_block``: a fused norm over
-the list, one min/max per tensor, float64 sums, bounded counting pieces) and reach the host in one
-asynchronous copy per step. Where a GPU is present that path runs on it ("cuda"); everywhere the
+Accelerator tensors are reduced with torch's own device ops (``device_stats.device_block``: small
+same-sized tensors stacked and reduced row by row, the others with a fused float64 norm over their
+list and their own reductions) and reach the host in one asynchronous copy per step. Where a GPU is present that path runs on it ("cuda"); everywhere the
 same device ops also run on CPU tensors ("device-ops"), so the machine without a GPU still checks
 their numbers; "cpu" is the host path, for comparison.
 """

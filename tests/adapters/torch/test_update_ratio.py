@@ -19,13 +19,15 @@ def _expected(optimizer, param):
         float(state["step"]),
         group["betas"],
         group["eps"],
+        group.get("bias_correction", True),
     )
 
 
-@pytest.mark.parametrize("copy", ["host", "deferred"])
+@pytest.mark.parametrize("copy", ["host", "deferred", "uncorrected"])
 def test_update_histograms_equal_numpy_on_the_optimizer_state(copy, monkeypatch):
     """The histograms in TensorBoard against numpy's, also with the counts' copy completed later
-    on the writer thread, as on an accelerator."""
+    on the writer thread, as on an accelerator, and for a param group with ``bias_correction``
+    off (as DeepSpeed's and apex's Adams keep it; torch's AdamW ignores the key)."""
     if copy == "deferred":
         import adapters.torch.update_ratio as update_ratio
 
@@ -33,6 +35,8 @@ def test_update_histograms_equal_numpy_on_the_optimizer_state(copy, monkeypatch)
     torch.manual_seed(0)
     model = MLP()
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+    if copy == "uncorrected":
+        optimizer.param_groups[0]["bias_correction"] = False
     mon = TrainerMon({"ur_distribution": True, "format": "tensorboard"})
     mon.set_monitor(model, 1, optimizer)
     expected = {}
