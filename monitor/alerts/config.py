@@ -147,6 +147,10 @@ def parse_actions(value: Any) -> tuple[str, ...]:
     return tuple(dict.fromkeys(actions))
 
 
+#: the longest wait a sink's timing keys take (a larger one is a typo, and overflows a timer)
+_HOUR = 3600.0
+
+
 def _sink(spec: Any, path: str) -> SinkSpec:
     kind = kind_of(spec, path, "type", SINK_TYPES, "an object with 'type'")
     for key in spec:
@@ -157,10 +161,12 @@ def _sink(spec: Any, path: str) -> SinkSpec:
         raise not_one_of(f"{path}.ranks", ranks, RANK_CHOICES)
     common = {
         "ranks": ranks,
-        "timeout_s": as_number(spec.get("timeout_s", 10.0), f"{path}.timeout_s", positive=True),
+        "timeout_s": as_number(
+            spec.get("timeout_s", 10.0), f"{path}.timeout_s", positive=True, at_most=_HOUR
+        ),
         "retries": as_int(spec.get("retries", 3), f"{path}.retries", 0, 10),
-        "backoff_s": as_number(spec.get("backoff_s", 1.0), f"{path}.backoff_s"),
-        "cooldown_s": as_number(spec.get("cooldown_s", 0.0), f"{path}.cooldown_s"),
+        "backoff_s": as_number(spec.get("backoff_s", 1.0), f"{path}.backoff_s", at_most=_HOUR),
+        "cooldown_s": as_number(spec.get("cooldown_s", 0.0), f"{path}.cooldown_s", at_most=24 * _HOUR),
         "max_per_hour": as_int(spec.get("max_per_hour", 30), f"{path}.max_per_hour", 1),
     }
     if kind == "webhook":

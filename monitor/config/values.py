@@ -97,8 +97,8 @@ def range_text(low: int | None, high: int | None) -> str:
     return ""
 
 
-def as_number(value: Any, path: str, positive: bool = False) -> float:
-    """A finite number >= 0 (> 0 with ``positive``)."""
+def as_number(value: Any, path: str, positive: bool = False, at_most: float | None = None) -> float:
+    """A finite number >= 0 (> 0 with ``positive``), at most ``at_most`` where given."""
     try:
         finite = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
     except OverflowError:  # an integer too large for a float
@@ -109,6 +109,8 @@ def as_number(value: Any, path: str, positive: bool = False) -> float:
         raise ConfigError(f"{path}: expected a number > 0, got {value}")
     if value < 0:
         raise ConfigError(f"{path}: expected a number >= 0, got {value}")
+    if at_most is not None and value > at_most:
+        raise ConfigError(f"{path}: expected a number <= {at_most:g}, got {value}")
     return float(value)
 
 

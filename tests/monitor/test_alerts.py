@@ -388,6 +388,10 @@ def test_a_callback_that_raises_is_reported_once_and_others_still_run(tmp_path, 
         ({"sinks": [{"type": "webhook", "url": "http://u:pw@host/x"}]}, "without spaces, credentials"),
         ({"sinks": {"type": "file"}}, "alert.sinks: expected a list of sinks"),
         (
+            {"sinks": [{"type": "file", "path": "a", "backoff_s": 1e12}]},
+            "backoff_s: expected a number <= 3600",
+        ),
+        (
             {"actions": ["stpo"]},
             "alert.actions[0]: expected one of stop, checkpoint, skip_step, got 'stpo'; did you mean 'stop'?",
         ),

@@ -2,9 +2,10 @@
 
 Accelerator tensors are reduced with torch's own device ops (``device_stats.device_block``: small
 same-sized tensors stacked and reduced row by row, the others with a fused float64 norm over their
-list and their own reductions) and reach the host in one asynchronous copy per step. Where a GPU is present that path runs on it ("cuda"); everywhere the
-same device ops also run on CPU tensors ("device-ops"), so the machine without a GPU still checks
-their numbers; "cpu" is the host path, for comparison.
+list and their own reductions) and reach the host in one asynchronous copy per step. Where a GPU is
+present that path runs on it ("cuda"); everywhere the same device ops also run on CPU tensors
+("device-ops"), so the machine without a GPU still checks their numbers; "cpu" is the host path, for
+comparison.
 """
 
 from __future__ import annotations
