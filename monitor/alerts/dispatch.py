@@ -92,6 +92,7 @@ class Channel:
         self.suppressed = 0
         self._sent: collections.deque[float] = collections.deque()
         self._warned = False
+        self._said_limit = False
         #: set by close(): after it, nothing more is delivered
         self._deadline: float | None = None
         #: set by close(): wakes a retry's back-off, which then gives up if it would outlast it
@@ -160,6 +161,10 @@ class Channel:
         cooling = bool(self._sent) and now - self._sent[-1] < self.spec.cooldown_s
         if cooling or len(self._sent) >= self.spec.max_per_hour:
             self.suppressed += 1
+            if not self._said_limit:  # counted in the next delivered message; said once here
+                self._said_limit = True
+                why = "its cooldown_s" if cooling else f"its max_per_hour ({self.spec.max_per_hour})"
+                logger.warning("trainmon: %s holds back a message for %s (said once)", self.label, why)
             return False
         return True
 

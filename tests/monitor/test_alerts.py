@@ -283,7 +283,7 @@ def test_an_endpoint_that_trickles_its_answer_is_cut_off_at_the_sinks_timeout(tm
     listener.close()
 
 
-def test_cool_down_and_hourly_limit_drop_and_count(tmp_path, quick):
+def test_cool_down_and_hourly_limit_drop_and_count(tmp_path, caplog, quick):
     limited, cooled = tmp_path / "limited.jsonl", tmp_path / "cooled.jsonl"
     sinks = [
         {"type": "file", "path": str(limited), "ranks": "all", "max_per_hour": 2},
@@ -297,6 +297,8 @@ def test_cool_down_and_hourly_limit_drop_and_count(tmp_path, quick):
     assert [m["step"] for m in lines(limited)] == [0, 1] and channels[0].suppressed == 3
     assert [m["step"] for m in lines(cooled)] == [0] and channels[1].suppressed == 4
     assert [m["suppressed"] for m in lines(limited)] == [0, 0]
+    said = [r.getMessage() for r in caplog.records if "holds back a message" in r.getMessage()]
+    assert len(said) == 2 and "max_per_hour (2)" in said[0] + said[1] and "cooldown_s" in said[0] + said[1]
 
 
 def test_command_gets_the_message_on_stdin_and_a_failing_one_is_reported(tmp_path, caplog, quick):
