@@ -105,14 +105,15 @@ def _add_module_inputs(kept: TensorBudget, session: Any, incident: dict[str, Any
         if not steps:
             continue
         chosen = micro if micro in steps else steps[-1]
+        module = f"{vpp}:{call or '[the model]'}"  # the root module's call has no name of its own
         changed = []
         for index, (tensor, version) in enumerate(activations.kept_inputs[(vpp, call, chosen)]):
             if tensor._version != version:  # written in place after the call: not what the module saw
                 changed.append(index)
                 continue
             what = f"input {index} of the module's call at micro-batch {chosen}"
-            _add(kept, f"{vpp}:{call} input_{index}", tensor, what)
-        return {"module": f"{vpp}:{call}", "micro_step": chosen, "changed_in_place": changed}
+            _add(kept, f"{module} input_{index}", tensor, what)
+        return {"module": module, "micro_step": chosen, "changed_in_place": changed}
     return None
 
 

@@ -217,6 +217,36 @@ def test_the_bundle_holds_the_inputs_the_faulty_module_received(tmp_path, monkey
     assert names.index("0:layers.1.weight value") < names.index("0:layers.1 input_0")  # the root's first
 
 
+def test_the_models_own_input_is_named_as_such_in_the_bundle(tmp_path, monkeypatch):
+    """A NaN in the batch: the incident's root is the model's own input, and the bundle keeps
+    that batch under the model's name (its call has none of its own: it showed as "0:")."""
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path))
+    torch.manual_seed(0)
+    model = MLP()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    config = {
+        "xy_distribution": True,
+        "all_xy": True,
+        "ops": ["norm", "nans"],
+        "alert": {"bundle": {"incidents": 1}},
+    }
+    mon = TrainerMon(config).set_monitor(model, 1, optimizer)
+    for step, (x,) in enumerate(make_batches(AT + 2, 1)):
+        if step == AT:
+            x = x.clone()
+            x[0, 0] = float("nan")
+            sent = x.numpy().copy()
+        model(x).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        clear_non_finite(model, optimizer)
+    mon.stop()
+    bundle = load_bundle(tmp_path / "anomaly_detected" / "rank0" / "bundle_incident1")
+    assert bundle.manifest["module_inputs"]["module"] == "0:[the model]"
+    assert _same(bundle.tensors["0:[the model] input_0"], sent)
+    assert "inputs of module 0:[the model] at micro-batch 0" in _shown(bundle.path)
+
+
 def test_an_input_written_in_place_after_the_call_is_not_passed_off_as_received(tmp_path, monkeypatch):
     monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path))
     _train_with_faulty_output(_WrittenInPlace(), "scale", 0, {"incidents": 1})
