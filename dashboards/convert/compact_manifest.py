@@ -162,7 +162,8 @@ def open_dataset(output: str, monitor_path: str, rank_dirs: list[str]) -> Manife
     if others:
         logger.warning(
             "trainmon compact: %s holds a dataset made from other rank directories (%s): their values "
-            "stay beside this run's; compact into a new directory to keep the runs apart",
+            "stay beside this run's (as they should if those were this run's, deleted since); to keep "
+            "another run apart, compact into a new directory",
             output,
             ", ".join(others[:3]) + (" ..." if len(others) > 3 else ""),
         )
