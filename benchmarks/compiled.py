@@ -92,7 +92,7 @@ def _work(scenario: str, model_size: str, pairs: int, steps: int) -> dict:
                 step(model, i)
             if model is watched:
                 mon.flush()
-            blocks.append({"monitored": model is watched, "cpu": (time.process_time() - cpu) / steps})
+            blocks.append({"monitored": model is watched, "seconds": (time.process_time() - cpu) / steps})
     mon.stop()
     return {"blocks": blocks, "files": files_written(mon)}
 
