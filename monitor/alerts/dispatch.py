@@ -123,7 +123,8 @@ class Channel:
             left = sum(item is not None for item in list(self.queue.queue)) + self._thread.is_alive()
             if left:  # said even where a failure was said before: these were never tried to the end
                 logger.warning(
-                    "trainmon: %s: %d alert message(s) not delivered when the run ended (within %.0f s)",
+                    "trainmon: %s: %d alert message(s) not delivered in the %.0f s left to it at the "
+                    "run's end",
                     self.label,
                     left,
                     wait,

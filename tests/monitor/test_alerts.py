@@ -476,4 +476,4 @@ def test_a_single_process_delivers_at_once_and_what_close_leaves_undelivered_is_
         alerts.incident(incident(step=step), None)
     with caplog.at_level(logging.WARNING, logger="trainmon"):
         alerts.close()  # one delivery under way past the 2 s, one still queued
-    assert "2 alert message(s) not delivered when the run ended" in caplog.text
+    assert "2 alert message(s) not delivered in the 2 s left to it at the run's end" in caplog.text
