@@ -295,8 +295,8 @@ class Collection(BaseCollection):
                 (whole, whole) if self.grads.tags.get(i) else (local, whole)
                 for i, (local, whole) in zip(index, numels)
             ]
-        local, whole = (np.array(side, dtype=np.float64) for side in zip(*numels)) if numels else ([], [])
-        return with_host_columns(matrix, piece_columns(local, whole)), (*self.ops, *SHARD_COLUMNS)
+        sizes = np.array(numels, dtype=np.float64).reshape(-1, 2)  # (local, whole) per row
+        return with_host_columns(matrix, piece_columns(sizes[:, 0], sizes[:, 1])), (*self.ops, *SHARD_COLUMNS)
 
     def _unreduced_switched_off(self) -> None:
         """grad_unreduced failed here earlier: its merge's header still goes to the mesh mates,

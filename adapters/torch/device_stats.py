@@ -86,7 +86,8 @@ def count_nans(t: torch.Tensor, chunk: int) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.stack(parts).sum()
 
 
-def _compared_dtype(dtype: torch.dtype) -> torch.dtype:
+def accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float64 for float64 tensors, else float32: what comparisons and host sums are made in."""
     return _F64 if dtype == _F64 else torch.float32
 
 
@@ -147,7 +148,7 @@ def _row_columns(matrix: torch.Tensor, ops: tuple[str, ...], eps: float) -> torc
     if "mean" in ops:
         columns["mean"] = matrix.sum(dim=1, dtype=_summed_dtype(matrix.dtype)).to(_F64).div_(size)
     if "zeros" in ops:
-        compared = _compared_dtype(matrix.dtype)
+        compared = accumulate_dtype(matrix.dtype)
         small = (matrix.abs() if matrix.dtype == compared else matrix.to(compared).abs_()) < eps
         columns["zeros"] = torch.count_nonzero(small, dim=1).to(_F64).div_(size)
     if "nans" in ops:
@@ -184,7 +185,7 @@ def _tensor_columns(tensors: Sequence[torch.Tensor], ops: tuple[str, ...], eps: 
     if "mean" in ops:
         columns["mean"] = torch.stack([_sum(t) for t in tensors]) / numel
     if "zeros" in ops:
-        compared = _compared_dtype(tensors[0].dtype)
+        compared = accumulate_dtype(tensors[0].dtype)
         counts = []
         for t in tensors:
             pieces = t.reshape(-1).split(COUNT_CHUNK)

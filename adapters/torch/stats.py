@@ -18,8 +18,8 @@ derived column-wise with numpy. One-at-a-time rows (a hook per parameter) gather
 adapters.torch.row_buffer without a Python object each.
 
 Accelerators: adapters.torch.device_stats (small tensors stacked by size and reduced row by row,
-larger ones with a fused norm over the list and their own reductions, sums in float64); no host
-synchronisation.
+larger ones with a fused float64 norm over the list and their own reductions, sums in float32
+pieces combined in float64); no host synchronisation.
 
 NaN/Inf policy: min, max, norm and mean propagate NaN/Inf exactly as numpy does on the same
 data; ``nans`` counts NaN elements; empty tensors give NaN for min/max/mean/zeros and 0 for
@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from adapters.torch.device_stats import count_nans, device_block, id_column, on_device
+from adapters.torch.device_stats import accumulate_dtype, count_nans, device_block, id_column, on_device
 from adapters.torch.in_place import KINDS, PLAIN, in_place, kernel_parts, kernel_sweep, kernel_tuple
 from monitor.stats import fused_stats
 from monitor.stats.host_stats import EMPTY_VALUE, columns, float32_sums_lost, kernel_row, probe_index
@@ -47,10 +47,6 @@ from monitor.stats.host_stats import EMPTY_VALUE, columns, float32_sums_lost, ke
 CPU_CHUNK = 1 << 17
 _F64 = torch.float64
 _BUFFERS = threading.local()
-
-
-def _accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _scratch(dtype: torch.dtype, numel: int, slot: int) -> torch.Tensor:
@@ -125,7 +121,7 @@ def _library_parts(tensors: Sequence[torch.Tensor], ops: tuple[str, ...], eps: f
     sums = "mean" in ops
     squares = "norm" in ops or ("nans" in ops and floating and not (minmax or sums))
     zeros = "zeros" in ops
-    acc = _accumulate_dtype(first.dtype)
+    acc = accumulate_dtype(first.dtype)
     size = min(CPU_CHUNK, max(t.numel() for t in tensors))
     # half types are read as they are where the library accumulates in fp32 by itself (sum and
     # norm); an upcast copy is made only for the element-wise comparisons and for integers
