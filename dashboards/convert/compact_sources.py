@@ -92,8 +92,9 @@ def _csv_values(con: Any, paths: dict[int, str]) -> str | None:
 
 def say_rejected(con: Any, path: str | None = None) -> None:
     """The CSV rows just read that did not parse (a value that is no number): left out, as every
-    reader leaves them, and said per file (``path``: the file of the only read since the last
-    call, read from memory), as csv2tb says it."""
+    reader leaves them, and said once per file (``path``: the file of the only read since the last
+    call, read from memory), as csv2tb says it; a file whose steps span two of the dataset's files
+    is read once for each."""
     import duckdb
 
     try:
@@ -103,8 +104,13 @@ def say_rejected(con: Any, path: str | None = None) -> None:
         ).fetchall()
     except duckdb.CatalogException:  # nothing was read with store_rejects yet
         return
+    con.execute("CREATE TEMP TABLE IF NOT EXISTS rejects_said (file VARCHAR PRIMARY KEY)")
     for read, count in found:
-        logger.warning("trainmon compact: %s: skipped %d row(s) that did not parse", path or read, count)
+        name = path or read
+        if con.execute("SELECT count(*) FROM rejects_said WHERE file = ?", [name]).fetchone()[0]:
+            continue
+        con.execute("INSERT INTO rejects_said VALUES (?)", [name])
+        logger.warning("trainmon compact: %s: skipped %d row(s) that did not parse", name, count)
     con.execute("DELETE FROM reject_errors")
     con.execute("DELETE FROM reject_scans")
 

@@ -20,7 +20,7 @@ duckdb = pytest.importorskip("duckdb", reason="DuckDB is not installed here (pip
 
 import numpy as np  # noqa: E402
 
-from dashboards.convert.compact import FARTHEST_RANK_SQL, compact  # noqa: E402
+from dashboards.convert.compact import FARTHEST_RANK_SQL, STEPS_PER_FILE, compact  # noqa: E402
 from dashboards.convert.runs import ConvertError  # noqa: E402
 from monitor.record import RowSet, StepRecord  # noqa: E402
 from monitor.writers.csv import CsvWriter  # noqa: E402
@@ -417,6 +417,20 @@ def test_a_row_that_does_not_parse_is_left_out_and_said(tmp_path, caplog):
     for path in paths:
         assert caplog.text.count(f"{path}: skipped 1 row(s) that did not parse") == 1
     assert len(_dataset(tmp_path / "dataset")) == (4 * len(NAMES) - 2) * len(OPS)
+
+
+def test_a_file_spanning_two_dataset_files_says_its_bad_rows_once(tmp_path, caplog):
+    """A CSV file whose steps fall into two of the dataset's step files is read for each: its
+    row that does not parse is still said once, and left out of both."""
+    dirs = write_run(tmp_path, ranks=(0,), steps=range(STEPS_PER_FILE - 2, STEPS_PER_FILE + 6), window=3)
+    path = dirs[0] / f"grad_reduced_{STEPS_PER_FILE - 1}-{STEPS_PER_FILE + 1}.csv"  # not the newest
+    lines = path.read_text().splitlines(keepends=True)
+    lines[1] = ",".join([*lines[1].split(",")[:3], "abc", *lines[1].split(",")[4:]])
+    path.write_text("".join(lines))
+    compact(str(tmp_path))
+    assert caplog.text.count("did not parse") == 1
+    assert f"{path}: skipped 1 row(s) that did not parse" in caplog.text
+    assert len(_dataset(tmp_path / "dataset")) == (8 * len(NAMES) - 1) * len(OPS)
 
 
 def test_an_anomaly_file_that_cannot_be_read_is_named(tmp_path, caplog):
