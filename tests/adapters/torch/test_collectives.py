@@ -167,6 +167,13 @@ def _stats_worker(rank: int, world_size: int, workdir: str) -> None:
 
     expect = Expected()
     _collected_step_0(rank, peer, expect)
+    if os.environ.get("STATS_COPY") == "deferred":  # what waits for the step's end holds no tensor
+        t = torch.tensor([2.0, -6.0]) * (rank + 1)
+        expect.call("all_reduce", dist.all_reduce, t)
+        kept = weakref.ref(t)
+        del t
+        gc.collect()
+        assert kept() is None, "the monitor kept a call's tensor until the step's end"
     _step(model, optimizer)
     step0 = mon._core.latest.latest("comm")
     expect.check(step0, rank)
