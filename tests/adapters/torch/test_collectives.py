@@ -170,7 +170,7 @@ def _stats_worker(rank: int, world_size: int, workdir: str) -> None:
     if os.environ.get("STATS_COPY") == "deferred":  # what waits for the step's end holds no tensor
         t = torch.tensor([2.0, -6.0]) * (rank + 1)
         expect.call("all_reduce", dist.all_reduce, t)
-        kept = weakref.ref(t)
+        kept = weakref.ref(t.untyped_storage())  # alive while any view of the data is
         del t
         gc.collect()
         assert kept() is None, "the monitor kept a call's tensor until the step's end"
@@ -408,7 +408,7 @@ def _bounded_and_released(rank: int, originals: dict) -> None:
     assert got[f"0:{op}.post_0/rank{rank}/comm"]["calls"] == 4
     assert got[f"0:{op}.post_0/rank{rank}/comm"]["norm"] == pytest.approx(np.linalg.norm(first))
     assert len([m for m in records.messages if "more than 4 asynchronous collectives" in m]) == 1
-    refs = [weakref.ref(b) for b in buffers]
+    refs = [weakref.ref(b.untyped_storage()) for b in buffers]  # alive while any view of the data is
     del buffers, works, work  # the loop variable holds the last work, which holds its tensor
     gc.collect()
     assert all(ref() is None for ref in refs), "the monitor kept tensors of finished calls"

@@ -232,7 +232,7 @@ def test_measured_gradients_are_not_kept_alive_by_the_monitor():
         mon.set_monitor(model, grad_acc_steps=1, optimizer=optimizer)
         (x,) = make_batches(1, 1)[0]
         _loss(model, x).backward()
-        grads = [weakref.ref(p.grad) for p in model.parameters()]
+        grads = [weakref.ref(p.grad.untyped_storage()) for p in model.parameters()]  # any view keeps it
         for p in model.parameters():
             p.grad = None  # freed by its owner after the hook
         gc.collect()
