@@ -38,7 +38,7 @@ def _fresh_dynamo():
     torch._dynamo.reset()
 
 
-def _monitored(config: dict, compiled: str | None, backend: str = BACKEND) -> dict:
+def _monitored(config: dict, compiled: str | None, backend: str = BACKEND, fullgraph: bool = False) -> dict:
     """Per step, per data type: ``{tag: {op: value}}``.
 
     compiled: None (eager), "before" (set_monitor on the compiled model before its first call, the
@@ -47,7 +47,7 @@ def _monitored(config: dict, compiled: str | None, backend: str = BACKEND) -> di
     torch.manual_seed(0)
     model = MLP()
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
-    target = model if compiled is None else torch.compile(model, backend=backend)
+    target = model if compiled is None else torch.compile(model, backend=backend, fullgraph=fullgraph)
     if compiled == "after":
         target(torch.ones(5, 6)).pow(2).mean().backward()
         optimizer.zero_grad()
@@ -101,6 +101,20 @@ def test_attaching_to_an_already_compiled_model_records_its_activations(trainmon
     said = [r.getMessage() for r in trainmon_log.records[seen:] if "compiles again" in r.getMessage()]
     assert len(said) == 1, said
     _assert_same(_monitored(config, None), compiled, prefixes, rel=1e-6)
+
+
+def test_code_compiled_with_fullgraph_trains_on_with_what_is_read_outside_it(trainmon_log, monkeypatch):
+    """fullgraph=True makes any graph break an error, and measuring inside compiled code needs
+    one: the module hooks traced there measure nothing (said once) instead of failing the run;
+    gradients and parameters, read outside compiled code, are eager's, so training is too."""
+    monkeypatch.setattr("adapters.torch.compiled._said_fullgraph", False)
+    config = {"xy_distribution": True, "all_xy": True, "wg_distribution": True, "param_distribution": True}
+    compiled = _monitored(config, "before", fullgraph=True)
+    assert not torch._dynamo.utils.counters["graph_break"]
+    _assert_same(_monitored(config, None), compiled, [*KINDS["wg"][1], *KINDS["param"][1]], rel=1e-6)
+    assert not any(step["actv"] or step["actv_grad"] for step in compiled["steps"])
+    said = [r.getMessage() for r in trainmon_log.records if "fullgraph=True" in r.getMessage()]
+    assert len(said) == 1, said
 
 
 def _compiled_graphs_per_step(config: dict) -> tuple[list[int], list[int]]:
