@@ -20,7 +20,8 @@ while training or from every rank in ``anomaly-analyse``. The heuristics, in ord
    are named (a bad batch or a corrupted local gradient on one rank); with three or more ranks
    showing the same tensor, one whose value is far from its peers' median is preferred.
 6. **Changed after backward.** Reduced gradients abnormal while no local gradient was (a step-wide
-   comparison, not tensor by tensor) are said to have changed in the reduction or in place.
+   comparison, not tensor by tensor) are said to have changed in the reduction or in place; in one
+   rank's own records, also that another rank's gradient may have reached them in the reduction.
 
 Where they fail: a fault that first shows in a phase the monitor does not collect is named at
 the first phase it does collect; when two faults start at one step the earlier phase wins; a
@@ -201,8 +202,10 @@ def choose_root(records: Sequence[Record]) -> tuple[Record, list[str]]:
     if peer is not None:
         evidence.append(f"rank {root['rank']}'s value is x{peer[1]:.3g} off its peers' median")
     if phase == PHASES["post_grad"] and not any(phase_of(r) == PHASES["acc_grad"] for r in records):
+        # one rank's own records cannot tell its reduction's fault from a peer's gradient it received
+        peers = "another rank's gradient reached it, " if len({r.get("rank") for r in records}) == 1 else ""
         evidence.append(
             "its reduced gradient is abnormal while no local gradient was: it changed after backward "
-            "(in the reduction, or edited in place before the optimizer step)"
+            f"({peers}in the reduction, or edited in place before the optimizer step)"
         )
     return root, evidence
