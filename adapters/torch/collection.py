@@ -163,6 +163,8 @@ class Collection(BaseCollection):
 
     def before_update(self) -> None:
         """Optimizer pre-step: activations, gradients, mg_direction, parameters before the update."""
+        if self.collect and self._optimizer_checks.first:
+            self._guard("the checks of the optimizer", self._leave_out_what_describes_nothing)
         if not self._start_update():  # raises StructurePrinted when print_struct stops the run
             return
         cfg = self.config
@@ -175,6 +177,10 @@ class Collection(BaseCollection):
             self._guard("other", self._submit_mg_direction)
         if self._wanted("param_origin", cfg.param_distribution):
             self._guard("param_origin", self._submit_tensors, "param_origin", self.backend.value)
+
+    def _leave_out_what_describes_nothing(self) -> None:
+        params = [p.param for p in self.registry.params]
+        self._failed.update(self._optimizer_checks.describing_nothing(self.backend, params))
 
     def after_update(self) -> None:
         """Optimizer post-step: moments and parameters after the update, then the step is written."""

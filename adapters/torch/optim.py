@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from monitor.datatypes.l2 import LINEAR_PREFIX
+
 logger = logging.getLogger("trainmon")
 
 #: wrappers that hold the optimizer that really steps and only forward to it, by class name ->
@@ -272,31 +274,42 @@ def without_adam_moments(backend: TorchBackend, params: Sequence[torch.nn.Parame
     return None
 
 
-def taken_over(backend: TorchBackend, params: Sequence[torch.nn.Parameter]) -> str | None:
+#: the data types that describe only the optimizer's own tensors, and so nothing of a training
+#: whose parameters a wrapper took over; with the parameters themselves partitioned away (empty
+#: placeholders), also those read from the parameters.
+OPTIMIZER_SIDE = ("grad_reduced", "exp_avg", "exp_avg_sq", "param_updated", "ur", "other")
+PARAMETER_SIDE = ("param_origin", LINEAR_PREFIX)
+
+
+def taken_over(
+    backend: TorchBackend, params: Sequence[torch.nn.Parameter]
+) -> tuple[str, tuple[str, ...]] | None:
     """Why the torch optimizer the monitor hooked updates none of the model's parameters, if it
-    does not: a wrapper made after ``set_monitor`` (``deepspeed.initialize``) partitioned them
-    (ZeRO-3 leaves each a placeholder with a ``ds_id``) or gave the optimizer flat partitions in
-    their place (ZeRO-1/2). Then grad_reduced, the moments and param_updated describe nothing of
-    the training; said at the first update. None where it does, or where a back-end maps them."""
+    does not, and the data types that then describe nothing of the training: a wrapper made after
+    ``set_monitor`` (``deepspeed.initialize``) partitioned them (ZeRO-3 leaves each an empty
+    placeholder with a ``ds_id``) or gave the optimizer flat partitions in their place (ZeRO-1/2).
+    None where it does, or where a back-end maps them."""
     trained = [param for param in params if param.requires_grad]  # frozen ones are nobody's to update
     if type(backend) is not TorchBackend or not trained:
         return None
     if any(hasattr(param, "ds_id") for param in trained):
-        return "DeepSpeed ZeRO-3 partitioned the model's parameters after set_monitor"
+        why = "DeepSpeed ZeRO-3 partitioned the model's parameters after set_monitor"
+        return why, OPTIMIZER_SIDE + PARAMETER_SIDE
     held = {id(tensor) for group in backend.optimizer.param_groups for tensor in group["params"]}
     if not any(id(param) in held for param in trained):
-        return (
+        why = (
             f"{type(backend.optimizer).__name__} updates none of the monitored parameters (other "
             "tensors in their place: a wrapper's flat partitions, or master copies)"
         )
+        return why, OPTIMIZER_SIDE
     return None
 
 
 class OptimizerChecks:
-    """What is said once about the optimizer after its updates, instead of rows that are missing,
-    flat or of other tensors in silence: that it keeps no Adam moments (with mv_distribution or
-    mg_direction, asked until an update has made state), and at the first update that it updates
-    none of the model's parameters (``taken_over``)."""
+    """What is said once about the optimizer, instead of rows that are missing, flat or of other
+    tensors in silence: before the first update, that it updates none of the model's parameters
+    (``taken_over``: those rows are then not written), and after updates that it keeps no Adam
+    moments (with mv_distribution or mg_direction, asked until an update has made state)."""
 
     def __init__(self, config: Any, sharded: bool) -> None:
         self.config = config
@@ -304,21 +317,31 @@ class OptimizerChecks:
         wanted = config.mv_distribution or config.mg_direction
         self.moment_checks_left = 20 if wanted and not sharded else 0
 
+    def describing_nothing(
+        self, backend: TorchBackend, params: Sequence[torch.nn.Parameter]
+    ) -> tuple[str, ...]:
+        """Before the first update: the data types that would describe none of this training
+        (said once, with what to do), else none."""
+        if not self.first:
+            return ()
+        self.first = False
+        found = taken_over(backend, params)
+        if not found:
+            return ()
+        why, parts = found
+        logger.warning(
+            "trainmon: %s: %s would describe none of this training and are not written; attach "
+            "after a wrapper that takes the parameters over is made (deepspeed.initialize), passing it",
+            why,
+            ", ".join(parts),
+        )
+        return parts
+
     @property
     def pending(self) -> bool:
-        return self.first or self.moment_checks_left > 0
+        return self.moment_checks_left > 0
 
     def after_update(self, backend: TorchBackend, params: Sequence[torch.nn.Parameter]) -> None:
-        if self.first:
-            self.first = False
-            why = taken_over(backend, params)
-            if why:
-                logger.warning(
-                    "trainmon: %s: gradients after reduction, moments and updated parameters describe "
-                    "none of this training; attach after a wrapper that takes the parameters over is "
-                    "made (deepspeed.initialize), passing it",
-                    why,
-                )
         if self.moment_checks_left:
             self.moment_checks_left -= 1
             verdict = without_adam_moments(backend, params)

@@ -449,7 +449,8 @@ def _attached_before_initialize_worker(rank: int, world_size: int, workdir: str)
         torch.manual_seed(0)
         model = MLP(SIZES)
         optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
-        mon = TrainerMon({"wg_distribution": True, "mv_distribution": True, "format": "api"})
+        config = {"wg_distribution": True, "mv_distribution": True, "param_distribution": True}
+        mon = TrainerMon({**config, "format": "api"})
         mon.set_monitor(model, grad_acc_steps=GAS, optimizer=optimizer)  # too early: before initialize
         config = {
             "train_batch_size": 2 * MICRO * GAS,
@@ -459,17 +460,28 @@ def _attached_before_initialize_worker(rank: int, world_size: int, workdir: str)
         }
         engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
         _train_step(engine, rank, 0, torch.float32)
+        written = sorted(p for p in PREFIXES if p != "other" and mon._core.latest.latest(p))
+        values = [v for p in written for row in mon._core.latest.latest(p).values() for v in row.values()]
+        assert np.isfinite(values).all(), f"stage {stage}: rows of what describes nothing: {written}"
         mon.stop()
         logging.getLogger("trainmon").removeHandler(handler)
-        said[stage] = [r.getMessage() for r in records if "describe none of this training" in r.getMessage()]
+        messages = [r.getMessage() for r in records if "describe none of this training" in r.getMessage()]
+        said[stage] = {"said": messages, "written": written}
     save_result(workdir, rank, said)
 
 
 def test_attaching_before_deepspeed_initialize_is_said_where_it_makes_the_rows_wrong(tmp_path):
     """ZeRO-1/2 give the torch optimizer flat partitions in place of the model's parameters, and
     ZeRO-3 partitions the parameters themselves: a monitor attached before initialize reads
-    neither, which is said at the first update. ZeRO-0 updates the parameters themselves: silent."""
+    neither, which is said before the first update, and the rows that would describe nothing of
+    the training (ZeRO-3's empty placeholders: NaN rows) are not written. ZeRO-0 updates the
+    parameters themselves: silent."""
+    everything = sorted(p for p in PREFIXES if p != "other")
     for said in run_ranks(_attached_before_initialize_worker, 2, str(tmp_path)):
-        assert said["0"] == []
-        assert len(said["1"]) == 1 and "AdamW updates none of the monitored parameters" in said["1"][0]
-        assert len(said["3"]) == 1 and "DeepSpeed ZeRO-3 partitioned" in said["3"][0]
+        assert said["0"] == {"said": [], "written": everything}
+        (message,) = said["1"]["said"]
+        assert "AdamW updates none of the monitored parameters" in message
+        assert said["1"]["written"] == ["grad_unreduced", "param_origin"]
+        (message,) = said["3"]["said"]
+        assert "DeepSpeed ZeRO-3 partitioned" in message
+        assert said["3"]["written"] == ["grad_unreduced"]
