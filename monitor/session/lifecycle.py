@@ -107,6 +107,8 @@ class SessionLifecycle(IncidentResponses, ABC):
         self._core: Any = None
         self._hooks: list = []
         self._steps_at_stop: int | None = None
+        #: stop() removed the optimizer's hooks: nothing counts the steps until start()
+        self._stopped_hooks = False
         self._init_responses()
 
     def _attach(self, dormant: bool) -> None:
@@ -176,13 +178,19 @@ class SessionLifecycle(IncidentResponses, ABC):
     def resume_step_count(self, step: int | None) -> None:
         """After stop() no hook counts steps: go on from ``step``, else by the optimizer's own count
         of updates since stop()."""
+        now = self._optimizer_step_count() if self._steps_at_stop is not None else None
         if step is not None:
             self.step = step
-        elif self._steps_at_stop is not None:
-            now = self._optimizer_step_count()
-            if now is not None:
-                self.step += now - self._steps_at_stop
-        self._steps_at_stop = None
+        elif now is not None:
+            self.step += now - self._steps_at_stop
+        elif self._stopped_hooks:
+            logger.warning(
+                "trainmon: start(): the optimizer keeps no count of its updates, so the steps since "
+                "stop() were not counted and rows go on from step %d; pass start(step=...) to number "
+                "them as your loop does",
+                self.step,
+            )
+        self._steps_at_stop, self._stopped_hooks = None, False
 
     def end_collection(self) -> None:
         """End the current collection and keep the hooks (dynamic mode: the file says
@@ -194,6 +202,7 @@ class SessionLifecycle(IncidentResponses, ABC):
         self._end_collection()
         if self._hooks:
             self._steps_at_stop = self._optimizer_step_count()
+            self._stopped_hooks = True
         self._detach_optimizer_hooks()
         self._close_alerts()
 

@@ -81,6 +81,29 @@ def test_start_and_stop_switch_collection_from_python(optimizer_class):
     assert len([d for d in os.listdir(os.path.dirname(mon.output_dir)) if "-rank0-" in d]) == 1
 
 
+@pytest.mark.parametrize("given", [None, 4], ids=["no step given", "start(step=4)"])
+def test_restarting_with_an_optimizer_that_counts_no_updates_asks_for_the_step(given, trainmon_log):
+    """SGD keeps no count of its updates: the steps between stop() and start() are not seen, so
+    without start(step=...) the rows go on from the step stop() left, which is said."""
+    torch.manual_seed(0)
+    model = MLP()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    mon = TrainerMon({"wg_distribution": True, "format": "csv"})
+    mon.set_monitor(model, 1, optimizer)
+    mon.start()  # not stopped: nothing to say
+    for step in range(6):
+        if step == 2:
+            mon.stop()
+        if step == 4:
+            mon.start(step=given)
+        _step(model, optimizer, step)
+    mon.stop()
+    said = [r.getMessage() for r in trainmon_log.records if "keeps no count of its updates" in r.getMessage()]
+    assert collected_steps(mon.output_dir) == ([0, 1, 2, 3] if given is None else [0, 1, 4, 5])
+    assert len(said) == (1 if given is None else 0), said
+    assert given is not None or "rows go on from step 2" in said[0]
+
+
 def test_ops_setter_is_validated_and_applies_from_the_next_step():
     model, optimizer = _fresh()
     mon = TrainerMon({"wg_distribution": True, "ops": ["norm"], "format": "api"})
