@@ -156,7 +156,8 @@ class IncidentTracker:
         self.close_after = close_after
         self.incidents: list[Incident] = []
         self.open: Incident | None = None
-        self._next_id = first_id
+        #: the number the next incident gets (a restarted collection of the run goes on from it)
+        self.next_id = first_id
         self._quiet = 0
         #: tags abnormal at the last collected step (by a rule or non-finite), and at this one.
         self._before: set[str] = set()
@@ -250,7 +251,7 @@ class IncidentTracker:
         root, evidence = choose_root(records)
         micro = min((r["micro_step"] for r in records if phase_of(r) == phase_of(root)), default=0)
         incident = Incident(
-            id=self._next_id,
+            id=self.next_id,
             rank=self.rank,
             onset_step=step,
             onset_micro_step=int(micro),
@@ -259,7 +260,7 @@ class IncidentTracker:
             records=records,
             last_abnormal_step=step,
         )
-        self._next_id += 1
+        self.next_id += 1
         self._quiet = 0
         return incident
 

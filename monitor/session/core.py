@@ -86,6 +86,13 @@ class MonitorCore:
             sinks.append(self._anomaly_sink)
         self._writer = WriterThread(sinks)
 
+    def continue_incidents(self, earlier: MonitorCore) -> None:
+        """Number incidents on from an earlier collection of the same run (``start()`` after
+        ``stop()``, a live reconfiguration), as the anomaly files do with ``alert.dump``."""
+        if self._anomaly_sink is not None and earlier._anomaly_sink is not None:
+            tracker = self._anomaly_sink.tracker
+            tracker.next_id = max(tracker.next_id, earlier._anomaly_sink.tracker.next_id)
+
     def _rank_dir(self) -> str:
         try:
             make_private_dir(self.root)

@@ -147,6 +147,8 @@ class SessionLifecycle(IncidentResponses, ABC):
         if not self._hooks:
             self._attach_optimizer_hooks()
         self.collection = self._new_collection()
+        if self._core is not None:
+            self.collection.core.continue_incidents(self._core)
         self._output_dir = self.collection.core.output_dir
         self._connect_alerts()
         config = self.collection.config

@@ -104,6 +104,29 @@ def test_restarting_with_an_optimizer_that_counts_no_updates_asks_for_the_step(g
     assert given is not None or "rows go on from step 2" in said[0]
 
 
+def test_incident_numbers_go_on_after_a_restart_without_anomaly_files(trainmon_log):
+    """A NaN that stays opens an incident in each collection of the run; the second one is
+    numbered after the first, as the anomaly files would number it with alert.dump."""
+    model, optimizer = _fresh()
+    mon = TrainerMon({"wg_distribution": True, "format": "api", "alert": {"rules": []}})
+    mon.set_monitor(model, 1, optimizer)
+    for step in range(6):
+        if step == 1:
+            with torch.no_grad():
+                next(model.parameters())[0, 0] = float("nan")
+        if step == 2:
+            mon.stop()
+        if step == 4:
+            mon.start(step=4)
+        _step(model, optimizer, step)
+    mon.stop()
+    opened = [m for r in trainmon_log.records if (m := r.getMessage()).startswith("trainmon: incident ")]
+    assert [m.split(" on rank")[0] for m in opened] == [
+        "trainmon: incident 1 at step 1",
+        "trainmon: incident 2 at step 4",
+    ], opened
+
+
 def test_ops_setter_is_validated_and_applies_from_the_next_step():
     model, optimizer = _fresh()
     mon = TrainerMon({"wg_distribution": True, "ops": ["norm"], "format": "api"})
