@@ -6,10 +6,11 @@ monitor.config.schema uses them for every key; they know nothing about which key
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import logging
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from monitor.files import parse_time_tag
@@ -29,9 +30,25 @@ def did_you_mean(value: Any, known: Iterable[str]) -> str:
 
 
 def warn_unknown(key: str, known: tuple[str, ...], path: str) -> None:
-    """One warning for an unknown key, naming the closest known one."""
+    """One warning for an unknown key, naming the closest known one (none inside ``unknown_keys_said``)."""
+    if _unknown_keys_said:
+        return
     hint = did_you_mean(key, known)
     logger.warning("trainmon config: unknown key %r ignored%s", f"{path}{key}", hint)
+
+
+_unknown_keys_said = False
+
+
+@contextlib.contextmanager
+def unknown_keys_said() -> Iterator[None]:
+    """Validating a config read again whose unknown keys were said at its first read."""
+    global _unknown_keys_said
+    before, _unknown_keys_said = _unknown_keys_said, True
+    try:
+        yield
+    finally:
+        _unknown_keys_said = before
 
 
 def unknown_key(

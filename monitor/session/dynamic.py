@@ -23,6 +23,7 @@ sees the announcement only after its step has passed starts at once and says how
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -32,6 +33,7 @@ from typing import Protocol
 
 from monitor.config.files import is_yaml_path, parse_config_text
 from monitor.config.schema import ConfigError, MonitorConfig, validate_config
+from monitor.config.values import unknown_keys_said
 from monitor.files import atomic_write_text
 
 logger = logging.getLogger("trainmon")
@@ -131,7 +133,9 @@ class DynamicControl:
         self._digest = digest
         try:
             text = raw.decode("utf-8")
-            config = validate_config(parse_config_text(text, self.path, is_yaml_path(self.path)))
+            first = not self._known  # TrainerMon read this file just now, and said its unknown keys
+            with unknown_keys_said() if first else contextlib.nullcontext():
+                config = validate_config(parse_config_text(text, self.path, is_yaml_path(self.path)))
         except UnicodeDecodeError:
             self._report(digest, "is not valid, the current state goes on: expected UTF-8 text")
             return None

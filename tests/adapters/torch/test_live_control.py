@@ -47,6 +47,19 @@ def test_dynamic_mode_starts_on_edit_stops_after_collect_times_and_writes_back(t
     mon.stop()
 
 
+def test_dynamic_mode_says_an_unknown_key_once_at_start(tmp_path, monkeypatch, trainmon_log):
+    monkeypatch.setenv("DYNAMIC_MONITOR", "TRUE")
+    path = tmp_path / "monitor.json"
+    path.write_text(json.dumps({"wg_distribution": True, "dynamic_on": True, "wg_distrbution": 1}))
+    model, optimizer = _fresh()
+    mon = TrainerMon(str(path))
+    mon.set_monitor(model, 1, optimizer)
+    _step(model, optimizer, 0)
+    mon.stop()
+    said = [r.getMessage() for r in trainmon_log.records if "unknown key" in r.getMessage()]
+    assert len(said) == 1 and "did you mean 'wg_distribution'" in said[0], said
+
+
 def test_dynamic_mode_with_dynamic_on_at_start_collects_from_the_first_step(tmp_path, monkeypatch):
     monkeypatch.setenv("DYNAMIC_MONITOR", "TRUE")
     path = tmp_path / "monitor.json"
