@@ -124,6 +124,10 @@ class Activations:
         self._dtensor = dtensor_type()
         #: this step's tensors with a gradient hook: id -> (weak reference, version, the rows it names)
         self._watched: dict[int, tuple[weakref.ref, int, list[tuple[int, str, int]]]] = {}
+        #: the rows some tensor's hook names this step: a checkpoint's recompute watches only those
+        #: its forward could not (run without gradients, as the reentrant checkpoint runs it); a
+        #: recomputed input is a detached copy whose gradient is only the checkpointed part's share
+        self._watched_rows: set[tuple[int, str, int]] = set()
         #: while evidence bundles are wanted, the bytes of module inputs the step may still hold on to
         self._keep_left = 0
         #: this step's kept inputs: (vpp_stage, module call, micro-step) -> [(tensor, version)]
@@ -306,8 +310,9 @@ class Activations:
         gradient is spread over a mesh as its tensor is (``tags``)."""
         watched = self._watched
         for position, (tensor, row) in enumerate(zip(tensors, row_names(name, len(tensors)))):
-            if not tensor.requires_grad:
-                continue
+            if not tensor.requires_grad or (vpp, row, micro) in self._watched_rows:
+                continue  # a checkpoint's recompute sees again what the forward watched
+            self._watched_rows.add((vpp, row, micro))
             hit = watched.get(id(tensor))
             if hit is not None and hit[0]() is tensor and hit[1] == tensor._version:
                 hit[2].append((vpp, row, micro))
@@ -362,6 +367,7 @@ class Activations:
         self._recomputed.clear()
         self._seen.clear()
         self._watched.clear()
+        self._watched_rows.clear()
         for prefix in self._rows:
             self._rows[prefix] = []
             self._stats[prefix] = []

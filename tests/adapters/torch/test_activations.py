@@ -67,6 +67,9 @@ def _run(model, config, batches, grad_acc=2):
         optimizer.step()
         optimizer.zero_grad()
         latest = mon._session.core.latest
+        for prefix in ("actv", "actv_grad"):  # by tag, a row written twice would count once
+            record = latest._latest.get(prefix)
+            assert record is None or len(record.values) == len(record.as_dict()), f"{prefix}: a row twice"
         per_step.append((latest.latest("actv"), latest.latest("actv_grad")))
     mon.stop()
     return per_step
