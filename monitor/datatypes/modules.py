@@ -52,8 +52,9 @@ def select_modules(
 
     Every module with ``all_xy`` (or ``every``) or without targets, else those a targets key
     names exactly (raw, squashed or ``N:``-prefixed); a wrapper's only child, whose tensors are
-    the wrapper's (``wrapped_twins``), only where a targets key names it. Names are made distinct
-    within a chunk (``distinct_names``).
+    the wrapper's (``wrapped_twins``), only where a targets key names it and not the wrapper too
+    (``layers.1`` names a checkpoint wrapper and, without its segment, the block inside). Names
+    are made distinct within a chunk (``distinct_names``).
     """
     named = list(named)
     keys = without_wrapper(config.targets, (raw for _, raw in named))
@@ -70,6 +71,13 @@ def select_modules(
                 formats = key_formats[key]
         if every or config.all_xy or not keys or is_selected_exactly(keys, candidates):
             selected.append(SelectedModule(position, vpp, raw, formats))
+    chosen = {(module.vpp_stage, module.name) for module in selected}  # a key naming both: the wrapper's
+    selected = [
+        module
+        for module in selected
+        if (module.vpp_stage, module.name) not in twins
+        or (module.vpp_stage, module.name.rpartition(".")[0]) not in chosen
+    ]
     names = distinct_names([(module.vpp_stage, module.name) for module in selected], config.squash_name)
     return [dataclasses.replace(module, name=name) for module, name in zip(selected, names)]
 

@@ -348,13 +348,16 @@ class _WithAModuleCalledModule(nn.Module):
         return self.head(self.module(x))
 
 
-def _activation_rows(model: nn.Module) -> dict:
+def _activation_rows(model: nn.Module, targets: dict | None = None) -> dict:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    mon = TrainerMon({"xy_distribution": True, "all_xy": True, "format": "api"})
+    selection = {"targets": targets} if targets else {"all_xy": True}
+    mon = TrainerMon({"xy_distribution": True, **selection, "format": "api"})
     mon.set_monitor(model, 1, optimizer)
     model(torch.ones(3, 2)).sum().backward()
     optimizer.step()
+    record = mon._session.core.latest._latest["actv"]
     rows = dict(mon._session.core.latest.latest("actv"))
+    assert len(record.values) == len(rows), "a row written twice"  # by tag it would count once
     mon.stop()
     return rows
 
@@ -371,6 +374,10 @@ def test_a_wrappers_only_child_gives_no_second_row_of_the_same_tensors():
     checkpointed = plain()
     checkpointed[0] = checkpoint_wrapper(checkpointed[0])
     assert _activation_rows(checkpointed) == alone
+    # "0" names the wrapper and, without its segment, the module inside: one row each, not two
+    checkpointed = plain()
+    checkpointed[0] = checkpoint_wrapper(checkpointed[0])
+    assert _activation_rows(checkpointed, {"0": {}}) == _activation_rows(plain(), {"0": {}})
     assert {"0:module.input:0/rank0/actv", "0:head.input:0/rank0/actv"} <= set(
         _activation_rows(_WithAModuleCalledModule())
     )
