@@ -22,6 +22,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Callable, Sequence
 
 import torch
@@ -94,7 +95,15 @@ def has_compiled_modules(modules: Sequence[torch.nn.Module]) -> bool:
 
 
 def recompile_with_hooks(what: str) -> None:
-    """Reset torch.compile's caches once, so that compiled code runs the module hooks just added."""
+    """Reset torch.compile's caches once, so that compiled code runs the module hooks just added;
+    nothing to do while torch.compile has compiled nothing in this process (attached before the
+    first compiled call: the code compiled then holds the hooks)."""
+    if "torch._dynamo" not in sys.modules:
+        return
+    from torch._dynamo.utils import counters
+
+    if not counters["frames"].get("total"):
+        return
     torch.compiler.reset()
     logger.info(
         "trainmon: %s: the model holds compiled modules; torch.compile's caches are reset once so that "

@@ -157,6 +157,23 @@ def test_compiled_models_give_eagers_rows(eager_rows, style, when):
     _assert_same_rows(eager_rows, _run(style, when), rel=1e-5)
 
 
+@pytest.mark.parametrize("style", ["in-place", "assigned"])
+def test_attaching_before_the_first_compiled_call_resets_nothing(style, trainmon_log):
+    """Blocks compiled but not yet run hold no compiled code without the hooks: nothing to reset."""
+    torch._dynamo.reset()
+    counters.clear()  # as in a fresh process: nothing compiled yet
+    torch.manual_seed(0)
+    model = Net()
+    optimizer = torch.optim.AdamW(model.parameters())
+    call = _compile(model, style, "aot_eager")
+    mon = TrainerMon(CONFIG).set_monitor(call, 1, optimizer)
+    call(torch.randn(2, 5, 6)).pow(2).mean().backward()
+    optimizer.step()
+    assert mon._latest("actv")
+    mon.stop()
+    assert not [r for r in trainmon_log.records if "caches are reset" in r.getMessage()]
+
+
 def test_attention_features_alone_attached_after_compile_give_eagers_rows():
     """The attention features' forward hooks are module hooks too: attached after the first
     compiled call, with no other module hook to recompile for, they still run."""
