@@ -248,7 +248,8 @@ class TrainerMon(MsprobeOldNames):
 
     def _follow_dynamic(self, config: MonitorConfig | None, step: int) -> None:
         if config is not None and config.dynamic_on:
-            logger.info("trainmon: config %s updated; collecting from step %d", self.config_file_path, step)
+            first = max(step, config.start_step)  # the first step the new collection may take
+            logger.info("trainmon: config %s updated; collecting from step %d", self.config_file_path, first)
             self.config = config
             self._session.start(config)
             self._dynamic_running = True

@@ -60,6 +60,23 @@ def test_dynamic_mode_says_an_unknown_key_once_at_start(tmp_path, monkeypatch, t
     assert len(said) == 1 and "did you mean 'wg_distribution'" in said[0], said
 
 
+def test_dynamic_mode_keeps_a_later_start_step_and_says_it(tmp_path, monkeypatch, trainmon_log):
+    monkeypatch.setenv("DYNAMIC_MONITOR", "TRUE")
+    path = tmp_path / "monitor.json"
+    config = {"wg_distribution": True, "dynamic_on": True, "start_step": 3, "step_interval": 2}
+    config["collect_times"] = 2
+    path.write_text(json.dumps(config))
+    model, optimizer = _fresh()
+    mon = TrainerMon(str(path))
+    mon.set_monitor(model, 1, optimizer)
+    for step in range(8):
+        _step(model, optimizer, step)
+    mon.stop()
+    assert collected_steps(mon.output_dir) == [3, 5]
+    said = [r.getMessage() for r in trainmon_log.records if "updated; collecting from step" in r.getMessage()]
+    assert len(said) == 1 and said[0].endswith("collecting from step 3"), said
+
+
 def test_dynamic_mode_with_dynamic_on_at_start_collects_from_the_first_step(tmp_path, monkeypatch):
     monkeypatch.setenv("DYNAMIC_MONITOR", "TRUE")
     path = tmp_path / "monitor.json"
