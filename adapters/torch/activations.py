@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -41,6 +42,8 @@ from monitor.datatypes.modules import call_name, direction_tensors, row_names
 from monitor.datatypes.modules import select_modules as select_module_names
 from monitor.record import RowSet, SameRows
 from monitor.session.collection import UnendedStep
+
+logger = logging.getLogger("trainmon")
 
 
 def _row_set(rows: list[tuple[int, str, int]], rank: int, task: str) -> RowSet:
@@ -74,10 +77,18 @@ def select_modules(
 ) -> list[HookedModule]:
     """Modules to hook: every submodule with all_xy (or ``every``), else those named exactly in targets."""
     named = [(vpp, raw, module) for vpp, chunk in enumerate(chunks) for raw, module in chunk.named_modules()]
-    return [
+    selected = [
         HookedModule(m.vpp_stage, m.name, named[m.position][2], m.formats)
         for m in select_module_names([(vpp, raw) for vpp, raw, _ in named], config, every)
     ]
+    containers = [m.name for m in selected if type(m.module).forward is torch.nn.Module.forward]
+    if containers and not (every or config.all_xy):  # all_xy takes every module, containers too
+        logger.warning(
+            "trainmon: targets %s: never called (a container such as ModuleList, whose modules are "
+            "called one by one), so no inputs or outputs to record; name the modules inside",
+            ", ".join(containers),
+        )
+    return selected
 
 
 class Activations:

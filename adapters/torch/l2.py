@@ -185,6 +185,8 @@ class L2Features(L2Steps):
             )
         self.linear = whole
         self._generators: dict[torch.device, torch.Generator] = {}
+        #: attention modules already said to be called without Q and K
+        self._said_no_qk: set[int] = set()
 
     def register(self) -> list:
         if not self.attention:
@@ -211,6 +213,14 @@ class L2Features(L2Steps):
         try:
             tensors = [a for a in args if isinstance(a, torch.Tensor)][:2]
             if len(tensors) < 2 or any(t.dim() != 4 for t in tensors):
+                if index not in self._said_no_qk:
+                    self._said_no_qk.add(index)
+                    logger.warning(
+                        "trainmon: attention_hook %s: called without two 4-D tensors (Q and K, %s) as its "
+                        "first positional arguments; no rows for it",
+                        self.attention[index][1],
+                        self.order,
+                    )
                 return
             with torch.no_grad():
                 q, k = tensors[0].detach(), tensors[1].detach()

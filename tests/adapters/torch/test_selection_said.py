@@ -1,0 +1,47 @@
+"""Targets that can give no rows are said, not left silent: a container module that is never
+called, and an attention module whose calls carry no Q and K."""
+
+from __future__ import annotations
+
+import torch
+
+from monitor import TrainerMon
+from tests.training import MLP
+
+
+def _said(trainmon_log, words: str) -> list[str]:
+    return [m for r in trainmon_log.records if words in (m := r.getMessage())]
+
+
+def _one_step(config: dict) -> dict:
+    torch.manual_seed(0)
+    model = MLP()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = TrainerMon({**config, "format": "api"}).set_monitor(model, 1, optimizer)
+    for _ in range(2):
+        model(torch.randn(3, 6)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    rows = {prefix: mon._latest(prefix) for prefix in ("actv", "attention_hook")}
+    mon.stop()
+    return rows
+
+
+def test_a_container_named_in_targets_is_said_to_be_never_called(trainmon_log):
+    rows = _one_step({"xy_distribution": True, "targets": {"layers": {}, "norm": {}}})
+    assert {tag.split(":")[1] for tag in rows["actv"]} == {"norm.input", "norm.output"}
+    (said,) = _said(trainmon_log, "never called")
+    assert said.startswith("trainmon: targets layers: never called (a container such as ModuleList")
+
+
+def test_all_xy_takes_containers_without_a_word(trainmon_log):
+    assert _one_step({"xy_distribution": True, "all_xy": True})["actv"]
+    assert not _said(trainmon_log, "never called")
+
+
+def test_an_attention_module_called_without_q_and_k_is_said_once(trainmon_log):
+    l2 = {"attention_hook": ["layers.0"], "linear_hook": []}
+    rows = _one_step({"recording_l2_features": True, "l2_targets": l2})
+    assert not rows["attention_hook"]
+    (said,) = _said(trainmon_log, "without two 4-D tensors")
+    assert said.startswith("trainmon: attention_hook layers.0: called without two 4-D tensors (Q and K")
