@@ -144,6 +144,8 @@ class TorchBackend:
     #: the optimizer takes each micro-batch's gradient away after its backward (reduced into its
     #: own buffers and freed), so that ``.grad`` never holds the step's sum.
     frees_micro_batch_grads = False
+    #: what the optimizer's own collectives carry besides the model's values, said with cc_distribution.
+    collectives_caveat: str | None = None
 
     def __init__(self, optimizer: Any) -> None:
         self.optimizer = hookable_optimizer(optimizer)

@@ -67,6 +67,8 @@ class TorchSession(SessionLifecycle):
         self.main_grad = a.params_have_main_grad
         self.groups = (a.tp_group, a.dp_group)
         self.collectives = a.early_collectives
+        #: the back-end's caveat about its collectives, once said
+        self._said_caveat: str | None = None
         self._cleanup: list = []
         #: the optimizer step's closure is running (Lightning, LBFGS-style steps).
         self._in_closure = False
@@ -166,6 +168,10 @@ class TorchSession(SessionLifecycle):
             if self.collectives is not None:
                 self.collectives.remove()  # the registry keeps the wrappers while others subscribe
             self.collectives = CollectiveMonitor(self.config)
+        caveat = self.backend.collectives_caveat if self.config.cc_distribution.enable else None
+        if caveat and caveat != self._said_caveat:
+            self._said_caveat = caveat
+            logger.warning("trainmon: cc_distribution: %s", caveat)
         collection = Collection(
             config=self.config,
             chunks=self.chunks,

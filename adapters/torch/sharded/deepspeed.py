@@ -222,6 +222,13 @@ class Stage3Backend(ShardedBackend):
     ends in padding, which is cut off. The reduced gradient is the sub-group's entry in
     ``averaged_gradients``, filled after the last backward of the step."""
 
+    collectives_caveat = (
+        "DeepSpeed ZeRO-3 pads the last rank's partition of each parameter with memory it never "
+        "writes (torch.empty), and its all-gathers and reduce-scatters carry that padding: their "
+        "comm rows' min, max, norm, mean and nans include whatever it holds (huge values, NaN), "
+        "which is not the model's"
+    )
+
     def prepare(self, params: Sequence[torch.nn.Parameter], local_grad: Callable) -> None:
         super().prepare(params, local_grad)
         wrapper = self.wrapper

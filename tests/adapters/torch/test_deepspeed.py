@@ -467,7 +467,35 @@ def _attached_before_initialize_worker(rank: int, world_size: int, workdir: str)
         logging.getLogger("trainmon").removeHandler(handler)
         messages = [r.getMessage() for r in records if "describe none of this training" in r.getMessage()]
         said[stage] = {"said": messages, "written": written}
+    said["caveat"] = _collectives_caveat_said()
     save_result(workdir, rank, said)
+
+
+def _collectives_caveat_said() -> list[str]:
+    """ZeRO-3 attached as it should be, with cc_distribution: what is said about its padding."""
+    import logging
+
+    import deepspeed
+
+    from monitor import TrainerMon
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("trainmon").addHandler(handler)
+    mon = TrainerMon({"cc_distribution": {"enable": True}, "format": "api"})
+    torch.manual_seed(0)
+    model = MLP(SIZES)
+    config = {"train_batch_size": 2 * MICRO, "train_micro_batch_size_per_gpu": MICRO}
+    engine, *_ = deepspeed.initialize(
+        model=model,
+        optimizer=torch.optim.AdamW(model.parameters()),
+        config={**config, "zero_optimization": {"stage": 3}},
+    )
+    mon.set_monitor(engine.module, grad_acc_steps=1, optimizer=engine)
+    mon.stop()
+    logging.getLogger("trainmon").removeHandler(handler)
+    return [r.getMessage() for r in records if "pads the last rank's partition" in r.getMessage()]
 
 
 def test_attaching_before_deepspeed_initialize_is_said_where_it_makes_the_rows_wrong(tmp_path):
@@ -485,3 +513,4 @@ def test_attaching_before_deepspeed_initialize_is_said_where_it_makes_the_rows_w
         (message,) = said["3"]["said"]
         assert "DeepSpeed ZeRO-3 partitioned" in message
         assert said["3"]["written"] == ["grad_unreduced"]
+        assert len(said["caveat"]) == 1, said["caveat"]  # with cc_distribution, its padding is said
