@@ -41,6 +41,40 @@ class Writer(Protocol):
     def close(self) -> None: ...
 
 
+class RepeatedSteps:
+    """Steps a resumed run writes again into files an earlier run wrote (``append_output``): the
+    earlier values are kept (first write wins). Said when the first is left out, naming where,
+    and at ``close()`` with every step left out per data type, so that none goes unsaid."""
+
+    def __init__(self) -> None:
+        #: data type -> (first, last, count) of the steps left out
+        self._left_out: dict[str, tuple[int, int, int]] = {}
+
+    def leave_out(self, prefix: str, step: int, where: str) -> None:
+        first, last, count = self._left_out.get(prefix, (step, step, 0))
+        if not count:
+            logger.warning(
+                "trainmon: %s: step %d is already in %s, written by an earlier run; such steps are "
+                "not written again (the earlier values are kept)",
+                prefix,
+                step,
+                where,
+            )
+        self._left_out[prefix] = (min(first, step), max(last, step), count + 1)
+
+    def close(self) -> None:
+        for prefix, (first, last, count) in sorted(self._left_out.items()):
+            logger.warning(
+                "trainmon: %s: %d step(s) from %d to %d were already written by an earlier run and "
+                "were not written again",
+                prefix,
+                count,
+                first,
+                last,
+            )
+        self._left_out = {}
+
+
 class _StepEnd:
     __slots__ = ("done", "step")
 

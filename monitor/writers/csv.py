@@ -23,6 +23,7 @@ import numpy as np
 
 from monitor.files import FILE_MODE, open_append
 from monitor.record import RowSet, StepRecord
+from monitor.writers.base import RepeatedSteps
 
 try:
     from monitor.writers import _csv_rows
@@ -86,7 +87,7 @@ class CsvWriter:
         self._digits: dict[tuple[str, ...], np.ndarray] = {}
         #: per prefix, the last step already in a file this writer continues (a resumed run).
         self._resumed_last: dict[str, int] = {}
-        self._skipped: set[str] = set()
+        self._repeated = RepeatedSteps()
 
     def file_name(self, prefix: str, step: int) -> str:
         start = (step // self.window) * self.window
@@ -174,15 +175,9 @@ class CsvWriter:
         if len(record.rows) == 0:
             return
         handle = self._file(record)
-        if record.step <= self._resumed_last.get(record.prefix, -1):
-            if record.prefix not in self._skipped:  # a resumed run repeats steps: first write wins
-                self._skipped.add(record.prefix)
-                logger.warning(
-                    "trainmon: %s: step %d and earlier are already in %s; not written again",
-                    record.prefix,
-                    self._resumed_last[record.prefix],
-                    handle.name if isinstance(handle.name, str) else self.out_dir,
-                )
+        if record.step <= self._resumed_last.get(record.prefix, -1):  # a resumed run repeats steps
+            where = handle.name if isinstance(handle.name, str) else self.out_dir
+            self._repeated.leave_out(record.prefix, record.step, where)
             return
         values = record.resolve()
         step = str(record.step)
@@ -221,6 +216,7 @@ class CsvWriter:
             handle.flush()
 
     def close(self) -> None:
+        self._repeated.close()
         files, self._files = self._files, {}
         for _, handle in files.values():
             handle.close()

@@ -38,6 +38,7 @@ import numpy as np
 
 from monitor.files import FILE_MODE, fsync_directory, make_private_dir
 from monitor.record import RowSet, StepRecord
+from monitor.writers.base import RepeatedSteps
 from monitor.writers.parquet_files import (
     VALUES_DIR,
     covered,
@@ -90,7 +91,7 @@ class ParquetWriter:
         self._merged_until: dict[str, int] = {}
         #: per data type, the last step the directory already had when this writer first saw it
         self._resumed_last: dict[str, int] = {}
-        self._skipped: set[str] = set()
+        self._repeated = RepeatedSteps()
         #: merges under way or due, advanced by one row group per ``idle`` call
         self._merges: list[Generator[None, None, None]] = []
         self._merge_failed = False
@@ -153,15 +154,8 @@ class ParquetWriter:
         prefix = record.prefix
         if prefix not in self._resumed_last:
             self._open(prefix)
-        if record.step <= self._resumed_last[prefix]:
-            if prefix not in self._skipped:  # a resumed run repeats steps: first write wins
-                self._skipped.add(prefix)
-                logger.warning(
-                    "trainmon: %s: step %d and earlier are already in %s; not written again",
-                    prefix,
-                    self._resumed_last[prefix],
-                    self.directory(prefix),
-                )
+        if record.step <= self._resumed_last[prefix]:  # a resumed run repeats steps
+            self._repeated.leave_out(prefix, record.step, self.directory(prefix))
             return
         pa = self._pa
         values = np.ascontiguousarray(record.resolve().T, dtype=np.float64).ravel()
@@ -319,6 +313,7 @@ class ParquetWriter:
 
     def close(self) -> None:
         """Write what is pending, then merge every window (the last one too)."""
+        self._repeated.close()
         if self._pending:
             self.end_step(max(step for by_step in self._pending.values() for step in by_step))
         self._queue_merges(lambda window: True)

@@ -216,6 +216,21 @@ def test_existing_file_is_appended_without_a_second_header(tmp_path, make_record
     assert sum(line.startswith("vpp_stage,") for line in lines) == 1
 
 
+def test_a_resumed_run_writes_no_step_again_and_says_every_one_it_left_out(tmp_path, make_record, caplog):
+    """The earlier run's files span three windows; each window's file says which steps it holds,
+    so steps left out are found file by file: the warnings name the first and, at close, all."""
+    _write_steps(tmp_path, make_record, range(10), window=4)
+    before = {name: (tmp_path / name).read_text() for name in _csv_files(tmp_path)}
+    _write_steps(tmp_path, make_record, range(12), window=4)
+    for name, text in before.items():  # the earlier rows first, as they were
+        assert (tmp_path / name).read_text().startswith(text)
+    steps = pd.concat(pd.read_csv(tmp_path / name) for name in _csv_files(tmp_path))["step"]
+    assert sorted(steps.unique()) == list(range(12)) and len(steps) == 12 * len(NAMES)
+    said = [r.getMessage() for r in caplog.records if "earlier run" in r.getMessage()]
+    assert len(said) == 2 and "step 0 is already in" in said[0], said
+    assert "10 step(s) from 0 to 9 were already written" in said[1], said
+
+
 def test_names_with_commas_and_quotes_are_quoted(tmp_path, make_record):
     names = ['all_reduce,group "tp"', "plain", "line\nbreak"]
     writer = CsvWriter(tmp_path)

@@ -189,7 +189,8 @@ def test_a_resumed_run_does_not_write_a_step_again(tmp_path, make_record, caplog
         writer.end_step(step)
     writer.close()
     assert _same(_read(tmp_path), _expected(range(5)))
-    assert "step 2 and earlier are already in" in caplog.text
+    assert "step 2 is already in" in caplog.text
+    assert "1 step(s) from 2 to 2 were already written by an earlier run" in caplog.text
 
 
 def test_a_record_arriving_after_its_step_ended_gets_a_file_of_its_own(tmp_path, make_record):
