@@ -10,7 +10,7 @@ import os
 import re
 from typing import Any
 
-from monitor.config.values import ConfigError
+from monitor.config.values import ConfigError, warn
 
 
 def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
@@ -36,12 +36,12 @@ def is_yaml_path(path: str) -> bool:
 def parse_config_text(text: str, source: str, is_yaml: bool) -> dict[str, Any]:
     """A config file's text as data (``source`` names it in errors): JSON, or YAML with the safe loader."""
     try:
-        data = _load_yaml(text) if is_yaml else json.loads(text)
+        data = _load_yaml(text) if is_yaml else json.loads(text, object_pairs_hook=_said_duplicates)
     except Exception as exc:
         raise ConfigError(
             f"config file {source!r}: not valid {'YAML' if is_yaml else 'JSON'}: {exc}"
         ) from None
-    if data is None:
+    if data is None:  # a YAML file of comments only: no key set, as "{}" in JSON
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(
@@ -50,12 +50,27 @@ def parse_config_text(text: str, source: str, is_yaml: bool) -> dict[str, Any]:
     return data
 
 
+def _said_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """An object's pairs as a dict, the last value of a repeated key kept (as JSON readers keep
+    it), and said."""
+    data: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in data:
+            warn("key %r appears twice in one object; the last value is used", key)
+        data[key] = value
+    return data
+
+
 def _load_yaml(text: str) -> Any:
     """YAML with the safe loader, reading floats the YAML 1.2 / JSON way (``1e-8`` is a number)."""
     import yaml
 
     class Loader(yaml.SafeLoader):
-        pass
+        def construct_mapping(self, node: Any, deep: bool = False) -> dict:
+            keys = [self.construct_object(key, deep=True) for key, _ in node.value]
+            for key in {k for k in keys if isinstance(k, str) and keys.count(k) > 1}:
+                warn("key %r appears twice in one mapping; the last value is used", key)
+            return super().construct_mapping(node, deep=deep)
 
     Loader.add_implicit_resolver(
         "tag:yaml.org,2002:float",

@@ -10,7 +10,6 @@ hold keys of its other versions), an unknown key inside another section is an er
 from __future__ import annotations
 
 import importlib.util
-import logging
 import os
 import re
 from collections.abc import Mapping
@@ -32,10 +31,9 @@ from monitor.config.values import (
     kind_of,
     not_one_of,
     unknown_key,
+    warn,
     warn_unknown,
 )
-
-logger = logging.getLogger("trainmon")
 
 #: statistics a config may ask for, in msprobe's spelling.
 KNOWN_OPS = ("min", "max", "norm", "zeros", "nans", "mean", "id")
@@ -359,12 +357,14 @@ def _ops(value: Any) -> tuple[str, ...]:
     chosen = []
     for i, op in enumerate(ops):
         if op in IGNORED_OPS:
-            logger.warning("trainmon config: ops[%d] %r is not a scalar statistic and is ignored", i, op)
+            warn("ops[%d] %r is not a scalar statistic and is ignored", i, op)
             continue
         if op not in KNOWN_OPS:
             raise not_one_of(f"ops[{i}]", op, KNOWN_OPS)
         if op not in chosen:
             chosen.append(op)
+    if not chosen:
+        warn("ops names no statistic; norm is recorded, as msprobe does")
     return tuple(chosen) or ("norm",)
 
 

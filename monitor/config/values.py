@@ -25,30 +25,36 @@ class ConfigError(ValueError):
 def did_you_mean(value: Any, known: Iterable[str]) -> str:
     """``"; did you mean 'x'?"`` naming the known name closest to ``value``, or ``""`` when none
     is close (what every error about a misspelt name ends with)."""
-    close = difflib.get_close_matches(value, list(known), n=1) if isinstance(value, str) else []
-    return f"; did you mean {close[0]!r}?" if close else ""
+    if not isinstance(value, str):
+        return ""
+    by_case = {name.lower(): name for name in known}  # "NORM" is close to "norm"
+    close = difflib.get_close_matches(value.lower(), list(by_case), n=1)
+    return f"; did you mean {by_case[close[0]]!r}?" if close else ""
+
+
+def warn(message: str, *args: Any) -> None:
+    """A warning about a config being read (none inside ``config_warnings_said``)."""
+    if not _warnings_said:
+        logger.warning("trainmon config: " + message, *args)
 
 
 def warn_unknown(key: str, known: tuple[str, ...], path: str) -> None:
-    """One warning for an unknown key, naming the closest known one (none inside ``unknown_keys_said``)."""
-    if _unknown_keys_said:
-        return
-    hint = did_you_mean(key, known)
-    logger.warning("trainmon config: unknown key %r ignored%s", f"{path}{key}", hint)
+    """One warning for an unknown key, naming the closest known one."""
+    warn("unknown key %r ignored%s", f"{path}{key}", did_you_mean(key, known))
 
 
-_unknown_keys_said = False
+_warnings_said = False
 
 
 @contextlib.contextmanager
-def unknown_keys_said() -> Iterator[None]:
-    """Validating a config read again whose unknown keys were said at its first read."""
-    global _unknown_keys_said
-    before, _unknown_keys_said = _unknown_keys_said, True
+def config_warnings_said() -> Iterator[None]:
+    """Reading a config again whose warnings were said at its first read."""
+    global _warnings_said
+    before, _warnings_said = _warnings_said, True
     try:
         yield
     finally:
-        _unknown_keys_said = before
+        _warnings_said = before
 
 
 def unknown_key(

@@ -33,7 +33,7 @@ from typing import Protocol
 
 from monitor.config.files import is_yaml_path, parse_config_text
 from monitor.config.schema import ConfigError, MonitorConfig, validate_config
-from monitor.config.values import unknown_keys_said
+from monitor.config.values import config_warnings_said
 from monitor.files import atomic_write_text
 
 logger = logging.getLogger("trainmon")
@@ -133,8 +133,8 @@ class DynamicControl:
         self._digest = digest
         try:
             text = raw.decode("utf-8")
-            first = not self._known  # TrainerMon read this file just now, and said its unknown keys
-            with unknown_keys_said() if first else contextlib.nullcontext():
+            first = not self._known  # TrainerMon read this file just now, and said what it found
+            with config_warnings_said() if first else contextlib.nullcontext():
                 config = validate_config(parse_config_text(text, self.path, is_yaml_path(self.path)))
         except UnicodeDecodeError:
             self._report(digest, "is not valid, the current state goes on: expected UTF-8 text")

@@ -260,6 +260,7 @@ BAD_CONFIGS = [
     ("format_unknown", {"format": "hdf5"}, "format", "got 'hdf5'"),
     ("ops_not_a_list", {"ops": "norm"}, "ops", "got 'norm'"),
     ("ops_misspelt", {"ops": ["norm", "nrom"]}, "ops[1]", "got 'nrom'; did you mean 'norm'?"),
+    ("ops_upper_case", {"ops": ["NORM"]}, "ops[0]", "got 'NORM'; did you mean 'norm'?"),
     ("format_misspelt", {"format": "tensorbord"}, "format", "got 'tensorbord'; did you mean 'tensorboard'?"),
     (
         "rule_name_misspelt",
@@ -502,8 +503,22 @@ def test_only_ignored_ops_fall_back_to_norm():
     assert load_config({"ops": ["shape", "dtype"]}).ops == ("norm",)
 
 
-def test_empty_ops_fall_back_to_norm():
+def test_empty_ops_fall_back_to_norm_as_msprobe_and_say_so(caplog):
     assert load_config({"ops": []}).ops == ("norm",)
+    assert "ops names no statistic; norm is recorded" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("name", "text"),
+    [
+        ("c.json", '{"ops": ["norm"], "wg_distribution": true, "ops": ["max"]}'),
+        ("c.yaml", "ops: [norm]\nops: [max]\n"),
+    ],
+)
+def test_a_key_given_twice_keeps_the_last_value_and_is_said(tmp_path, caplog, name, text):
+    (tmp_path / name).write_text(text)
+    assert load_config(tmp_path / name).ops == ("max",)
+    assert "key 'ops' appears twice" in caplog.text
 
 
 def test_duplicate_ops_are_kept_once_in_order():
