@@ -119,6 +119,15 @@ class SessionLifecycle(IncidentResponses, ABC):
             return
         self._attach_optimizer_hooks()
         self._attach_alerts()
+        updates = self._optimizer_step_count()
+        if self.step == 0 and updates:  # a run resumed from a checkpoint, numbered from 0
+            logger.warning(
+                "trainmon: the optimizer has made %d updates already (restored from a checkpoint?), "
+                "and steps are numbered from 0; pass set_monitor(..., start_iteration=%d) to number "
+                "them as your run does",
+                updates,
+                updates,
+            )
         if not dormant:
             self.start(self.config)
 

@@ -1,5 +1,6 @@
-"""Targets that can give no rows are said, not left silent: a container module that is never
-called, and an attention module whose calls carry no Q and K."""
+"""What would give no rows, or misnumbered ones, is said, not left silent: a container module
+that is never called, an attention module whose calls carry no Q and K, an optimizer restored
+from a checkpoint while steps are numbered from 0."""
 
 from __future__ import annotations
 
@@ -45,3 +46,20 @@ def test_an_attention_module_called_without_q_and_k_is_said_once(trainmon_log):
     assert not rows["attention_hook"]
     (said,) = _said(trainmon_log, "without two 4-D tensors")
     assert said.startswith("trainmon: attention_hook layers.0: called without two 4-D tensors (Q and K")
+
+
+def test_attaching_to_an_optimizer_that_already_stepped_asks_for_start_iteration(trainmon_log):
+    """A run resumed from a checkpoint numbers its steps from 0 unless told: said, with the count."""
+    for given, warned in ((0, True), (2, False)):
+        trainmon_log.records.clear()
+        torch.manual_seed(0)
+        model = MLP()
+        optimizer = torch.optim.AdamW(model.parameters())
+        for _ in range(2):  # the updates a checkpoint would have restored
+            model(torch.randn(3, 6)).sum().backward()
+            optimizer.step()
+        mon = TrainerMon({"wg_distribution": True, "format": "api"})
+        mon.set_monitor(model, 1, optimizer, start_iteration=given)
+        mon.stop()
+        said = _said(trainmon_log, "start_iteration=2")
+        assert len(said) == warned, said
