@@ -7,6 +7,10 @@ when the user imports them; ``import monitor`` never does. Each is a few lines o
 knows the model, the optimizer, the number of micro-batches per step and its own step counter,
 so the user does not have to pass them.
 
+A trainer run again with the same callback on the same model and optimizer (a ``Model.train``
+per epoch) goes on in the first run's directory, from the trainer's step count; another model
+or optimizer, or a run that starts again from an earlier step, gets a run of its own.
+
 Nothing these callbacks do may end the user's run from inside the trainer: a failure to attach
 is logged with its cause and the run goes on unmonitored. A bad config still fails at the door,
 when the callback is built, before training starts.
@@ -17,6 +21,7 @@ from __future__ import annotations
 import inspect
 import logging
 import os
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -94,6 +99,8 @@ class MonitorCallback:
     def __init__(self, config: MonitorSource, **trainer_mon_kwargs: Any) -> None:
         self.monitor = as_monitor(config, **trainer_mon_kwargs)
         self.attached = False
+        #: what the last run was attached to (weak references, and the other arguments)
+        self._last_run: tuple | None = None
 
     def attach(self, trainer: str, **set_monitor_kwargs: Any) -> None:
         """``set_monitor(**set_monitor_kwargs)`` at the start of a training run; a failure is
@@ -109,7 +116,16 @@ class MonitorCallback:
             )
             self.detach()
         try:
-            self.monitor.set_monitor(**set_monitor_kwargs)
+            run = _run_of(set_monitor_kwargs)
+            start = set_monitor_kwargs.get("start_iteration", 0)
+            if run is not None and run == self._last_run and start >= self.monitor.step:
+                # the same model trained on (a run per epoch): one run directory, anomaly files
+                # and incident numbers, from the trainer's step count; one that starts again
+                # from an earlier step gets a run of its own (a step is never written twice)
+                self.monitor.start(step=start)
+            else:
+                self.monitor.set_monitor(**set_monitor_kwargs)
+            self._last_run = run
         except Exception as exc:
             logger.error(
                 "trainmon: could not attach to the %s run (%r); training continues unmonitored",
@@ -144,3 +160,24 @@ class MonitorCallback:
             self.monitor.stop()
         except Exception as exc:
             logger.error("trainmon: closing the outputs failed (%r)", exc, exc_info=exc)
+
+
+def _run_of(set_monitor_kwargs: Mapping[str, Any]) -> tuple | None:
+    """What a run attaches to, comparable with a later run's: weak references to the model and
+    the optimizer (an object freed since is not taken for a new one at its address) and the
+    other arguments but the start step; None where one cannot be referred to weakly."""
+    try:
+        objects = tuple(
+            weakref.ref(set_monitor_kwargs[key]) if set_monitor_kwargs.get(key) is not None else None
+            for key in ("model", "optimizer")
+        )
+    except TypeError:
+        return None
+    others = tuple(
+        sorted(
+            (k, repr(v))
+            for k, v in set_monitor_kwargs.items()
+            if k not in ("model", "optimizer", "start_iteration")
+        )
+    )
+    return objects + others

@@ -11,7 +11,8 @@ mark the steps. At ``on_train_end`` it closes the outputs.
 
 Step numbers: the monitor's step ``s`` is the optimizer's update ``s + 1`` (MindSpore's
 ``cur_step_num`` after it), also when ``Model.train`` runs again with the same callback: each
-run starts from the optimizer's update count (``global_step``). With dataset sinking a
+run starts from the optimizer's update count (``global_step``), in the same run directory when
+it trains the same network with the same optimizer. With dataset sinking a
 callback runs once per sunk group of steps: the last of them is collected, without its
 ``param_origin`` rows (its parameters before the update are gone by then).
 """
