@@ -109,6 +109,8 @@ class SessionLifecycle(IncidentResponses, ABC):
         self._steps_at_stop: int | None = None
         #: stop() removed the optimizer's hooks: nothing counts the steps until start()
         self._stopped_hooks = False
+        #: the step and the optimizer's own update count at attach
+        self._seen_from: tuple[int, int | None] = (step, None)
         self._init_responses()
 
     def _attach(self, dormant: bool) -> None:
@@ -120,6 +122,7 @@ class SessionLifecycle(IncidentResponses, ABC):
         self._attach_optimizer_hooks()
         self._attach_alerts()
         updates = self._optimizer_step_count()
+        self._seen_from = (self.step, updates)
         if self.step == 0 and updates:  # a run resumed from a checkpoint, numbered from 0
             logger.warning(
                 "trainmon: the optimizer has made %d updates already (restored from a checkpoint?), "
@@ -214,8 +217,24 @@ class SessionLifecycle(IncidentResponses, ABC):
         if self._hooks:
             self._steps_at_stop = self._optimizer_step_count()
             self._stopped_hooks = True
+        self._say_unseen_updates()
         self._detach_optimizer_hooks()
         self._close_alerts()
+
+    def _say_unseen_updates(self) -> None:
+        """At stop(): the optimizer updated while attached, yet no step was counted (a compiled
+        step runs no hook): nothing was recorded, which is said instead of left to be found."""
+        step, updates = self._seen_from
+        self._seen_from = (step, None)  # said at the first stop() only
+        now = self._optimizer_step_count() if updates is not None and self.step == step else None
+        if now is not None and now > updates:
+            logger.warning(
+                "trainmon: the optimizer made %d update(s) while attached and the monitor saw none, so "
+                "nothing was recorded: a compiled step runs no hook (MindSpore graph mode: call "
+                "step_end() after each step, as the Model.train callback does; a jit step: "
+                "set_monitor(..., graph_mode=True))",
+                now - updates,
+            )
 
     # -- what each framework provides --------------------------------------------------------
 

@@ -108,6 +108,24 @@ def test_steps_run_together_are_numbered_by_the_update_count(graph_mode, tmp_pat
         assert_stats_close(dict(row), final[name], ops=["min", "max", "norm"], what=name)
 
 
+@pytest.mark.parametrize("step_end", [False, True], ids=["step_end forgotten", "step_end called"])
+def test_updates_the_monitor_never_saw_are_said_at_stop(graph_mode, tmp_path, monkeypatch, caplog, step_end):
+    """Graph mode runs no hook: without step_end() nothing is recorded, which stop() says."""
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path))
+    net = Net()
+    train, optimizer = _train_network(net)
+    mon = TrainerMon({**CONFIG, "ops": ["norm"]})
+    mon.set_monitor(net, grad_acc_steps=1, optimizer=optimizer)
+    for (x,) in make_batches(3, 1):
+        train(ms.Tensor(x), _target(x))
+        if step_end:
+            mon.step_end()
+    mon.stop()
+    said = [r.getMessage() for r in caplog.records if "saw none" in r.getMessage()]
+    assert len(said) == (0 if step_end else 1), said
+    assert step_end or "the optimizer made 3 update(s)" in said[0]
+
+
 def test_model_train_callback_collects_every_step_in_graph_mode(graph_mode, tmp_path, monkeypatch):
     from monitor.integrations.mindspore import TrainmonCallback
 
