@@ -45,14 +45,15 @@ MEANINGS = {
         "in the `other` files"
     ),
     "ur_distribution": (
-        "TensorBoard histograms of Adam's update and of m/sqrt(v) per parameter (format `tensorboard` only)"
+        "TensorBoard histograms of Adam's update and of m/sqrt(v) (bias-corrected where the optimizer "
+        "corrects) per parameter (format `tensorboard` only)"
     ),
     "ops": (
         "any of `min`, `max`, `norm`, `mean`, `zeros`, `nans`, `id`; unknown names are an error; "
         "`shape`/`dtype` (later msprobe) are accepted and ignored. `id` is the value of a one-element "
         "tensor and NaN (no value; msprobe writes none) for any other, never an anomaly by itself"
     ),
-    "eps": "`zeros` counts `|x| < eps`",
+    "eps": "`zeros` is the share of elements with `|x| < eps`",
     "format": (
         "`csv`, `tensorboard`, `parquet` (the dataset's long rows, live; needs the `dataset` extra) or "
         "`api` (in memory, no files), in any case; anything else is an error"
