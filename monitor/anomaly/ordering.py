@@ -7,11 +7,16 @@ records are ranked by when they were produced. The sort key is::
 
     (step, micro_step, stage, V, P, call_id, rank, tag_name, op, message)
 
-* ``stage`` comes from the tag's task (its last ``/`` component): ``actv`` -> 0 (forward);
-  ``actv_grad``, ``pre_grad``, ``acc_grad``, ``post_grad`` and communication tasks ``pre_N`` /
-  ``post_N`` -> 1 (backward); ``exp_avg``, ``exp_avg_sq``, ``mg_direction``, ``param_origin``,
-  ``param_updated`` -> 2 (optimizer); anything else -> 3, i.e. **after** every known stage (the
-  reference sorts unknown tasks first by accident).
+* ``stage`` comes from the tag's task (its last ``/`` component): ``param_origin`` -> -1 (the
+  parameters the step starts from); ``actv`` -> 0 (forward); ``actv_grad``, ``pre_grad``,
+  ``acc_grad``, ``post_grad`` and communication tasks ``pre_N`` / ``post_N`` -> 1 (backward);
+  ``exp_avg``, ``exp_avg_sq``, ``mg_direction``, ``param_updated`` -> 2 (optimizer); anything
+  else -> 3, i.e. **after** every known stage (the reference sorts unknown tasks first by
+  accident, and puts the parameters a step starts from with the optimizer, after their effects).
+  Unknown tasks rank after the step's micro-steps too.
+* ``micro_step``: records of the whole step carry 0, yet those before its micro-steps
+  (``param_origin``) rank before micro-step 0 and those after them (reduced gradients, the
+  optimizer's) after the last one.
 * ``(V, P)`` is ``(vpp_stage, pp_stage)`` for forward records and ``(-vpp_stage, -pp_stage)``
   otherwise: earlier pipeline stages run first in forward, later ones first in backward.
 * ``call_id`` is the order in which the monitor computed the rows within the step **on one rank**
@@ -30,8 +35,17 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from itertools import count
 
-FORWARD, BACKWARD, OPTIMIZER, UNKNOWN = 0, 1, 2, 3
-STAGE_NAMES = {FORWARD: "forward", BACKWARD: "backward", OPTIMIZER: "optimizer", UNKNOWN: "unknown"}
+PARAMETERS, FORWARD, BACKWARD, OPTIMIZER, UNKNOWN = -1, 0, 1, 2, 3
+STAGE_NAMES = {
+    PARAMETERS: "parameters",
+    FORWARD: "forward",
+    BACKWARD: "backward",
+    OPTIMIZER: "optimizer",
+    UNKNOWN: "unknown",
+}
+#: tasks of the whole step, measured after all its micro-steps: ranked after the last of them
+_AFTER_MICRO_STEPS = frozenset({"post_grad", "exp_avg", "exp_avg_sq", "mg_direction", "param_updated"})
+_LAST_MICRO = 1 << 62
 
 #: task key (last component of a tag) -> stage.
 TASK_STAGE: dict[str, int] = {
@@ -43,7 +57,7 @@ TASK_STAGE: dict[str, int] = {
     "exp_avg": OPTIMIZER,
     "exp_avg_sq": OPTIMIZER,
     "mg_direction": OPTIMIZER,
-    "param_origin": OPTIMIZER,
+    "param_origin": PARAMETERS,
     "param_updated": OPTIMIZER,
     "comm": BACKWARD,
 }
@@ -195,7 +209,7 @@ _STAGE_CACHE: dict[str, int] = dict(TASK_STAGE)
 
 
 def stage_of_task(task: str) -> int:
-    """FORWARD, BACKWARD, OPTIMIZER or UNKNOWN for a task key."""
+    """PARAMETERS, FORWARD, BACKWARD, OPTIMIZER or UNKNOWN for a task key."""
     stage = _STAGE_CACHE.get(task)
     if stage is None:
         stage = BACKWARD if _COMM_TASK.fullmatch(task) else UNKNOWN
@@ -214,6 +228,10 @@ def _key(
 ) -> SortKey:
     _, sep, task = tag.rpartition("/")
     stage = stage_of_task(task if sep else "")
+    if stage == PARAMETERS:
+        micro = -1
+    elif stage == UNKNOWN or task in _AFTER_MICRO_STEPS:  # unknown: after every known stage
+        micro = _LAST_MICRO
     if stage == FORWARD:
         return (step, micro, stage, vpp, pp, call_id, rank, tag, op, message)
     return (step, micro, stage, -vpp, -pp, call_id, rank, tag, op, message)

@@ -19,12 +19,15 @@ from monitor.anomaly.ordering import (
     BACKWARD,
     FORWARD,
     OPTIMIZER,
+    PARAMETERS,
+    STAGE_NAMES,
     UNKNOWN,
     AnomalyRecord,
     TopK,
     parse_record,
     select_records,
     sort_key,
+    stage_of,
     stage_of_task,
     top_k,
 )
@@ -155,7 +158,7 @@ def assert_usage_error(capsys: pytest.CaptureFixture, rc: int, text: str) -> Non
         ("exp_avg", OPTIMIZER),
         ("exp_avg_sq", OPTIMIZER),
         ("mg_direction", OPTIMIZER),
-        ("param_origin", OPTIMIZER),
+        ("param_origin", PARAMETERS),
         ("param_updated", OPTIMIZER),
         ("qkt", UNKNOWN),
         ("post_x", UNKNOWN),
@@ -185,7 +188,20 @@ def test_step_then_micro_step_come_first() -> None:
     micro1_forward = rec("0:fc.output:1/rank0/actv", step=2, micro_step=1)
     micro0_backward = rec("0:fc.weight/rank0/acc_grad", step=2, micro_step=0)
     ranked = sorted([late_forward, micro1_forward, early_optimizer, micro0_backward], key=sort_key)
-    assert ranked == [micro0_backward, early_optimizer, micro1_forward, late_forward]
+    assert ranked == [micro0_backward, micro1_forward, early_optimizer, late_forward]
+
+
+def test_a_steps_parameters_rank_before_its_micro_steps_and_its_update_after_them() -> None:
+    """Records of the whole step carry micro-step 0: the parameters it starts from are the cause
+    of all that follows; reduced gradients and the optimizer's come after the last micro-step."""
+    origin = rec("0:fc.weight/rank0/param_origin", step=2)
+    forward = rec("0:.input:0/rank0/actv", step=2)
+    later_micro = rec("0:.input:1/rank0/actv", step=2, micro_step=1)
+    reduced = rec("0:fc.weight/rank0/post_grad", step=2)
+    updated = rec("0:fc.weight/rank0/param_updated", step=2)
+    ranked = sorted([updated, reduced, later_micro, forward, origin], key=sort_key)
+    assert ranked == [origin, forward, later_micro, reduced, updated]
+    assert STAGE_NAMES[stage_of(origin)] == "parameters"
 
 
 def test_pipeline_stages_run_forward_in_order_and_backward_reversed() -> None:
