@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -47,30 +48,30 @@ def test_dynamic_mode_starts_on_edit_stops_after_collect_times_and_writes_back(t
     mon.stop()
 
 
-def test_dynamic_mode_says_an_unknown_key_once_at_start(tmp_path, monkeypatch, trainmon_log):
+def _dynamic_run(tmp_path, monkeypatch, config: dict, steps: int) -> tuple[TrainerMon, Path]:
+    """Dynamic mode with a config file that says dynamic_on from the start, trained ``steps``
+    steps; the monitor is left attached."""
     monkeypatch.setenv("DYNAMIC_MONITOR", "TRUE")
     path = tmp_path / "monitor.json"
-    path.write_text(json.dumps({"wg_distribution": True, "dynamic_on": True, "wg_distrbution": 1}))
+    path.write_text(json.dumps({"wg_distribution": True, "dynamic_on": True, **config}))
     model, optimizer = _fresh()
     mon = TrainerMon(str(path))
     mon.set_monitor(model, 1, optimizer)
-    _step(model, optimizer, 0)
+    for step in range(steps):
+        _step(model, optimizer, step)
+    return mon, path
+
+
+def test_dynamic_mode_says_an_unknown_key_once_at_start(tmp_path, monkeypatch, trainmon_log):
+    mon, _ = _dynamic_run(tmp_path, monkeypatch, {"wg_distrbution": 1}, steps=1)
     mon.stop()
     said = [r.getMessage() for r in trainmon_log.records if "unknown key" in r.getMessage()]
     assert len(said) == 1 and "did you mean 'wg_distribution'" in said[0], said
 
 
 def test_dynamic_mode_keeps_a_later_start_step_and_says_it(tmp_path, monkeypatch, trainmon_log):
-    monkeypatch.setenv("DYNAMIC_MONITOR", "TRUE")
-    path = tmp_path / "monitor.json"
-    config = {"wg_distribution": True, "dynamic_on": True, "start_step": 3, "step_interval": 2}
-    config["collect_times"] = 2
-    path.write_text(json.dumps(config))
-    model, optimizer = _fresh()
-    mon = TrainerMon(str(path))
-    mon.set_monitor(model, 1, optimizer)
-    for step in range(8):
-        _step(model, optimizer, step)
+    config = {"start_step": 3, "step_interval": 2, "collect_times": 2}
+    mon, _ = _dynamic_run(tmp_path, monkeypatch, config, steps=8)
     mon.stop()
     assert collected_steps(mon.output_dir) == [3, 5]
     said = [r.getMessage() for r in trainmon_log.records if "updated; collecting from step" in r.getMessage()]
@@ -78,14 +79,7 @@ def test_dynamic_mode_keeps_a_later_start_step_and_says_it(tmp_path, monkeypatch
 
 
 def test_dynamic_mode_with_dynamic_on_at_start_collects_from_the_first_step(tmp_path, monkeypatch):
-    monkeypatch.setenv("DYNAMIC_MONITOR", "TRUE")
-    path = tmp_path / "monitor.json"
-    path.write_text(json.dumps({"wg_distribution": True, "dynamic_on": True, "collect_times": 3}))
-    model, optimizer = _fresh()
-    mon = TrainerMon(str(path))
-    mon.set_monitor(model, 1, optimizer)
-    for step in range(5):
-        _step(model, optimizer, step)
+    mon, path = _dynamic_run(tmp_path, monkeypatch, {"collect_times": 3}, steps=5)
     assert collected_steps(mon.output_dir) == [0, 1, 2]
     assert json.loads(path.read_text())["dynamic_on"] is False
     mon.stop()
