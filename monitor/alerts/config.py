@@ -1,13 +1,14 @@
 """``alert.sinks`` and ``alert.actions``: their keys, defaults and validation.
 
-Secrets (a webhook URL holding a token, authorization headers) are never written in the config:
-it names environment variables (``url_env``, ``headers_env``) read when the config is loaded, and
-no output or log line shows their values.
+Secrets (a webhook URL holding a token, authorization headers, a chat robot's signing secret) are
+never written in the config: it names environment variables (``url_env``, ``headers_env``,
+``secret_env``) read when the config is loaded, and no output or log line shows their values.
 """
 
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -33,7 +34,7 @@ RANK_CHOICES = ("lowest", "rank0", "all")
 ACTIONS = ("stop", "checkpoint", "skip_step")
 _COMMON = ("type", "ranks", "timeout_s", "retries", "backoff_s", "cooldown_s", "max_per_hour")
 SINK_KEYS = {
-    "webhook": (*_COMMON, "url", "url_env", "preset", "headers_env"),
+    "webhook": (*_COMMON, "url", "url_env", "preset", "headers_env", "secret_env"),
     "command": (*_COMMON, "argv"),
     "file": (*_COMMON, "path"),
 }
@@ -50,6 +51,8 @@ class SinkSpec:
     preset: str = "json"
     #: webhook: header name -> environment variable holding its value.
     headers_env: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    #: webhook (feishu, dingtalk): the variable holding the robot's signing secret.
+    secret_env: str = ""
     #: command: the program and its arguments (no shell); the message arrives on its stdin.
     argv: tuple[str, ...] = ()
     #: file: JSON lines appended here (a relative path is under the output root).
@@ -72,6 +75,10 @@ class SinkSpec:
             url = f"{self._endpoint()}/..." if for_outputs else self.url
             plain.update({"url_env": self.url_env} if self.url_env else {"url": url})
             plain["headers_env"] = dict(self.headers_env)
+            if self.secret_env:
+                plain["secret_env"] = self.secret_env
+            else:
+                plain.pop("secret_env", None)
         if self.type == "command":
             plain["argv"] = list(self.argv)
         return plain
@@ -83,6 +90,14 @@ class SinkSpec:
     def headers(self) -> dict[str, str]:
         """The webhook's extra headers, read from their environment variables."""
         return {name: os.environ.get(variable, "") for name, variable in self.headers_env.items()}
+
+    def secret(self) -> str:
+        """The signing secret (from ``secret_env``; empty: messages are not signed)."""
+        return os.environ.get(self.secret_env, "") if self.secret_env else ""
+
+    def variables(self) -> tuple[str, ...]:
+        """The environment variables holding this sink's secrets."""
+        return tuple(v for v in (self.url_env, *self.headers_env.values(), self.secret_env) if v)
 
     def _endpoint(self) -> str:
         """The webhook URL's scheme, host and port: no path or query, which may hold a token."""
@@ -206,13 +221,39 @@ def _webhook(spec: dict, path: str) -> dict[str, Any]:
             f"got {describe(headers)}"
         )
     for name, variable in headers.items():
-        _environment(variable, f"{path}.headers_env.{name}")
+        if not _HEADER_NAME.fullmatch(str(name)):
+            raise ConfigError(
+                f"{path}.headers_env: expected header names of letters, digits and -, got {describe(name)}"
+            )
+        value = _environment(variable, f"{path}.headers_env.{name}")
+        if not all(32 <= ord(c) < 127 or c == "\t" for c in value):
+            raise ConfigError(
+                f"{path}.headers_env.{name}: the value of {variable} holds a line break or a control "
+                "character; expected one line of printable text"
+            )
+    secret_env = spec.get("secret_env", "")
+    if secret_env:
+        if preset not in _SIGNED:
+            raise ConfigError(
+                f"{path}.secret_env: only the {' and '.join(_SIGNED)} presets sign their messages, "
+                f"got preset {preset!r}"
+            )
+        _environment(secret_env, f"{path}.secret_env")
     return {
         "url": "" if url_env else url,
         "url_env": url_env,
         "preset": preset,
         "headers_env": MappingProxyType(dict(headers)),
+        "secret_env": secret_env,
     }
+
+
+#: presets whose robots can require signed messages (a secret set in the chat tool)
+_SIGNED = ("feishu", "dingtalk")
+#: an HTTP header name (a token of RFC 9110)
+_HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+#: an environment variable's name, as shells write it
+_VARIABLE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 def _usable_url(url: str) -> bool:
@@ -229,8 +270,17 @@ def _usable_url(url: str) -> bool:
 
 
 def _environment(variable: Any, path: str) -> str:
+    """The value of the environment variable named at ``path``. A value that is not a name is
+    not quoted back: it may be the secret itself, pasted where its variable's name belongs."""
     if not isinstance(variable, str) or not variable:
         raise ConfigError(f"{path}: expected the name of an environment variable, got {describe(variable)}")
+    if not _VARIABLE_NAME.fullmatch(variable):
+        bare = variable.strip("${}")
+        hint = f"; write {bare!r}, without $ or braces" if _VARIABLE_NAME.fullmatch(bare) else ""
+        raise ConfigError(
+            f"{path}: expected the name of an environment variable (letters, digits and _, not "
+            f"starting with a digit), got a value that is not one (not shown: it may be a secret){hint}"
+        )
     value = os.environ.get(variable)
     if not value:
         raise ConfigError(f"{path}: the environment variable {variable} is not set")

@@ -7,10 +7,10 @@ its first failure once; a sink that hangs holds up only itself, and a full queue
 (counted). Messages dropped by a limit are counted in the next one delivered (``suppressed``).
 
 Which rank delivers (``ranks``): ``all``; ``rank0``; or ``lowest`` (default), the lowest rank
-whose incident began at that step. Ranks know of each other's incidents through claim files
-``anomaly_detected/alerts/step{S}/rank{R}`` under the output root: each rank that opens an incident
-drops one, waits ``CLAIM_WAIT_S`` and delivers only if no lower rank claimed the step. Where ranks
-do not share the output root (node-local disks), each node's lowest rank delivers.
+whose incident began at that step, naming the root that comes first among those ranks' incidents
+(``monitor.alerts.claims``): each rank that opens an incident claims its step, waits
+``CLAIM_WAIT_S`` and delivers only if no lower rank claimed it. Where ranks do not share the output
+root (node-local disks), each node's lowest rank delivers.
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from monitor.alerts.claims import job_message, read_claims, write_claim
 from monitor.alerts.config import BundleSpec, SinkSpec
 from monitor.alerts.sinks import CallbackSink, Message, open_sink
-from monitor.files import FILE_MODE, make_private_dir
 
 logger = logging.getLogger("trainmon")
 
@@ -37,9 +37,9 @@ logger = logging.getLogger("trainmon")
 QUEUE_SIZE = 64
 #: seconds a ``lowest`` sink waits for other ranks' claims before deciding.
 CLAIM_WAIT_S = 3.0
-#: claims older than this belong to an earlier incident or run in the same output root (the
-#: ranks of one incident find it within seconds of each other).
-CLAIM_MAX_AGE_S = 120.0
+#: claims this many seconds older than the session still count as its own (ranks start a little
+#: apart); an earlier run's are older, as a restart takes longer.
+CLAIM_MARGIN_S = 2.0
 #: seconds ``close`` waits for each sink to deliver what is queued.
 CLOSE_WAIT_S = 5.0
 _HOUR = 3600.0
@@ -82,9 +82,13 @@ def incident_message(incident: Any, output_dir: str | None) -> Message:
 
 
 class Channel:
-    """One sink: its queue, its thread and its limits."""
+    """One sink: its queue, its thread and its limits. ``claims``: the claims directory where the
+    sink delivers for the lowest rank (``ranks: lowest`` in a job of several processes), and the
+    wall-clock time from which claims there are this run's."""
 
-    def __init__(self, sink: Any, spec: SinkSpec, label: str, rank: int, claims: str | None) -> None:
+    def __init__(
+        self, sink: Any, spec: SinkSpec, label: str, rank: int, claims: tuple[str, float] | None
+    ) -> None:
         self.sink, self.spec, self.label, self.rank, self.claims = sink, spec, label, rank, claims
         self.queue: queue.Queue = queue.Queue(QUEUE_SIZE)
         self.delivered = 0
@@ -108,27 +112,28 @@ class Channel:
             self.suppressed += 1
             self._warn_once(f"its queue is full ({QUEUE_SIZE} messages waiting); dropping")
 
-    def close(self, wait: float, block: bool = True) -> None:
-        """Deliver what is queued for at most ``wait`` seconds, then abandon the rest; a delivery
-        under way (a hanging endpoint) ends at its own timeout, on this daemon thread. ``block``:
-        wait here for that, else return at once and let the thread finish on its own."""
+    def close(self, wait: float) -> None:
+        """Deliver what is queued for at most ``wait`` seconds from now, then abandon the rest; a
+        delivery under way (a hanging endpoint) ends at its own timeout, on this daemon thread."""
         self._deadline = time.monotonic() + wait
         self._closing.set()
         try:
             self.queue.put_nowait(None)
         except queue.Full:  # the thread sees the deadline at its next message, or an empty queue
             pass
-        if block:
-            self._thread.join(wait)
-            left = sum(item is not None for item in list(self.queue.queue)) + self._thread.is_alive()
-            if left:  # said even where a failure was said before: these were never tried to the end
-                logger.warning(
-                    "trainmon: %s: %d alert message(s) not delivered in the %.0f s left to it at the "
-                    "run's end",
-                    self.label,
-                    left,
-                    wait,
-                )
+
+    def finish(self, wait: float, given: float) -> None:
+        """Wait at most ``wait`` seconds more for the thread ``close`` ended, then say what it left
+        undelivered of the ``given`` seconds it had."""
+        self._thread.join(wait)
+        left = sum(item is not None for item in list(self.queue.queue)) + self._thread.is_alive()
+        if left:  # said even where a failure was said before: these were never tried to the end
+            logger.warning(
+                "trainmon: %s: %d alert message(s) not delivered in the %.0f s left to it at the run's end",
+                self.label,
+                left,
+                given,
+            )
 
     def _run(self) -> None:
         while True:
@@ -140,19 +145,24 @@ class Channel:
                 return
             queued_at, message = item
             try:
-                if self._mine(queued_at, message) and self._allowed():
-                    self._deliver({**message, "suppressed": self.suppressed})
+                mine = self._mine(queued_at, message)
+                if mine is not None and self._allowed():
+                    self._deliver({**mine, "suppressed": self.suppressed})
             except Exception as exc:  # never let a sink's thread die on an unexpected error
                 self._warn_once(f"failed unexpectedly ({exc!r})")
 
-    def _mine(self, queued_at: float, message: Message) -> bool:
-        """Whether this rank delivers the message (the sink's ``ranks``)."""
+    def _mine(self, queued_at: float, message: Message) -> Message | None:
+        """The message this rank delivers (the sink's ``ranks``), or None where another rank does."""
         if self.spec.ranks == "rank0":
-            return self.rank == 0
+            return message if self.rank == 0 else None
         if self.spec.ranks == "all" or self.claims is None:
-            return True
+            return message
+        directory, since = self.claims
         time.sleep(max(0.0, queued_at + CLAIM_WAIT_S - time.monotonic()))
-        return lowest_claim(os.path.join(self.claims, f"step{message['step']}")) in (None, self.rank)
+        claims = read_claims(os.path.join(directory, f"step{message['step']}"), since)
+        if min(claims, default=self.rank) < self.rank:
+            return None
+        return job_message(message, self.rank, claims)
 
     def _allowed(self) -> bool:
         """The cool-down and the hourly limit; a refused message is counted."""
@@ -203,24 +213,6 @@ class Channel:
             logger.warning("trainmon: %s %s (reported once)", self.label, what)
 
 
-def lowest_claim(directory: str) -> int | None:
-    """The lowest rank with a recent claim file in ``directory``; None when there is none."""
-    try:
-        entries = list(os.scandir(directory))
-    except OSError:
-        return None
-    now = time.time()
-    ranks = []
-    for entry in entries:
-        if entry.name.startswith("rank") and entry.name[4:].isdigit():
-            try:
-                if now - entry.stat().st_mtime <= CLAIM_MAX_AGE_S:
-                    ranks.append(int(entry.name[4:]))
-            except OSError:
-                continue
-    return min(ranks) if ranks else None
-
-
 class Alerts:
     """The sinks, callbacks and actions of one session.
 
@@ -250,8 +242,11 @@ class Alerts:
         self.action_reason = ""
         needs_claims = world_size != 1 and any(spec.ranks == "lowest" for spec in sinks)
         self._claims = os.path.join(root, "anomaly_detected", "alerts") if needs_claims else None
+        #: claims from this time on are this run's (less a margin for the ranks' start and clocks)
+        claims = None if self._claims is None else (self._claims, time.time() - CLAIM_MARGIN_S)
+        hidden = {variable for spec in sinks for variable in spec.variables()}
         self.channels = [
-            Channel(open_sink(spec, root), spec, spec.label(i), rank, self._claims)
+            Channel(open_sink(spec, root, hidden), spec, spec.label(i), rank, claims)
             for i, spec in enumerate(sinks)
         ]
         self._lock = threading.Lock()
@@ -284,7 +279,12 @@ class Alerts:
         """A new incident (writer thread): claim its step, queue its message, ask for the actions."""
         message = incident_message(incident, output_dir)
         if self._claims is not None:
-            self._claim(incident.onset_step)
+            try:
+                write_claim(self._claims, self.root, self.rank, message)
+            except OSError as exc:  # without a claim this rank delivers as if alone
+                logger.warning(
+                    "trainmon: cannot write the alert claim for step %d (%r)", message["step"], exc
+                )
         with self._lock:
             channels = list(self.channels)
         for channel in channels:
@@ -296,15 +296,6 @@ class Alerts:
             self.action_reason = message["summary"]
             self.action_requested.set()
 
-    def _claim(self, step: int) -> None:
-        try:
-            directory = make_private_dir(os.path.join(self._claims, f"step{step}"), under=self.root)
-            path = os.path.join(directory, f"rank{self.rank}")
-            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), FILE_MODE))
-            os.utime(path)  # a claim left by an earlier run in this root becomes this run's
-        except OSError as exc:  # without a claim this rank delivers as if alone
-            logger.warning("trainmon: cannot write the alert claim for step %d (%r)", step, exc)
-
     def close(self, block: bool = True) -> None:
         """Let the sinks deliver what is queued within CLOSE_WAIT_S in all: waiting for them
         (``block``: the end of the run), or not (the alert config changed while training runs:
@@ -312,5 +303,8 @@ class Alerts:
         with self._lock:
             channels, self.channels = self.channels, []
         deadline = time.monotonic() + CLOSE_WAIT_S
-        for channel in channels:
-            channel.close(max(0.0, deadline - time.monotonic()), block)
+        for channel in channels:  # all at once: a hanging sink does not use up the others' time
+            channel.close(CLOSE_WAIT_S)
+        if block:
+            for channel in channels:
+                channel.finish(max(0.0, deadline - time.monotonic()), CLOSE_WAIT_S)

@@ -227,7 +227,7 @@ class IncidentResponses:
         if not self._agree_on_stop(alerts.action_requested.is_set()):
             return
         alerts.action_requested.clear()
-        reason = alerts.action_reason or "an incident on another rank"
+        reason = alerts.action_reason or "an incident on another rank (its log and incidents.json name it)"
         if "checkpoint" in alerts.actions:
             self._checkpoint(reason)
         if "stop" in alerts.actions:
@@ -252,7 +252,10 @@ class IncidentResponses:
         try:
             self.checkpoint_function(self.step, reason)
         except Exception as exc:
-            logger.error("trainmon: the checkpoint function failed (%r); the run goes on", exc)
+            then = (
+                "the run stops as alert.actions asks" if "stop" in self.alerts.actions else "the run goes on"
+            )
+            logger.error("trainmon: the checkpoint function failed (%r); %s", exc, then)
 
     def _agree_on_stop(self, asked_here: bool) -> bool:
         """Whether any rank was asked to act; adapters with several ranks agree through a collective."""

@@ -6,15 +6,21 @@ the thread it runs on belong to ``monitor.alerts.dispatch``.
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import hmac
 import http.client
 import json
 import os
+import signal
 import socket
 import subprocess
 import threading
+import time
 import urllib.error
+import urllib.parse
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 from monitor.alerts.config import SinkSpec
@@ -33,6 +39,43 @@ def payload(message: Message, preset: str) -> dict[str, Any]:
     if preset == "feishu":
         return {"msg_type": "text", "content": {"text": text}}
     return {"msgtype": "text", "text": {"content": text}}  # dingtalk
+
+
+def _signature(key: str, text: str) -> str:
+    return base64.b64encode(hmac.new(key.encode(), text.encode(), hashlib.sha256).digest()).decode()
+
+
+def signed(url: str, body: dict[str, Any], preset: str, secret: str) -> tuple[str, dict[str, Any]]:
+    """The URL and body of a message to a chat robot that requires signing (its "signature"
+    security setting): DingTalk takes a millisecond timestamp and the HMAC-SHA256 of
+    "timestamp\\nsecret" keyed by the secret in the query; Feishu takes a second timestamp and the
+    HMAC-SHA256 of nothing keyed by "timestamp\\nsecret" in the body."""
+    if not secret:
+        return url, body
+    if preset == "dingtalk":
+        stamp = str(int(time.time() * 1000))
+        sign = urllib.parse.quote_plus(_signature(secret, f"{stamp}\n{secret}"))
+        return f"{url}{'&' if '?' in url else '?'}timestamp={stamp}&sign={sign}", body
+    stamp = str(int(time.time()))
+    return url, {**body, "timestamp": stamp, "sign": _signature(f"{stamp}\n{secret}", "")}
+
+
+def rejection(preset: str, answer: bytes) -> str | None:
+    """Why a chat tool refused a message it answered with HTTP 200 (Feishu and DingTalk say so in
+    the body: a wrong keyword, signature or IP filter), or None where it took it."""
+    if preset not in ("feishu", "dingtalk"):
+        return None
+    try:
+        body = json.loads(answer)
+    except ValueError:
+        return None
+    if not isinstance(body, dict):
+        return None
+    for code_key, text_key in (("errcode", "errmsg"), ("code", "msg"), ("StatusCode", "StatusMessage")):
+        code = body.get(code_key)
+        if code not in (None, 0, "0"):
+            return f"{preset} refused the message: {code_key} {code} ({str(body.get(text_key, ''))[:160]})"
+    return None
 
 
 class _Deadline:
@@ -103,7 +146,15 @@ def _opener(deadline: _Deadline) -> urllib.request.OpenerDirector:
         def https_open(self, req: urllib.request.Request) -> Any:
             return self.do_open(https_connection, req, context=self._context)
 
-    return urllib.request.build_opener(HTTPHandler, HTTPSHandler)
+    return urllib.request.build_opener(HTTPHandler, HTTPSHandler, _NoRedirect)
+
+
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    """A redirect is a failure: urllib would follow it as a GET without the message, and carry the
+    authorization headers to whichever host the answer names."""
+
+    def redirect_request(self, *args: Any, **kwargs: Any) -> None:
+        return None
 
 
 class WebhookSink:
@@ -115,10 +166,14 @@ class WebhookSink:
         self.spec = spec
 
     def deliver(self, message: Message) -> None:
-        body = json.dumps(payload(message, self.spec.preset), allow_nan=False, default=str).encode("utf-8")
-        try:  # the URL is read from its variable now (a rotated token is picked up)
+        # the URL and secrets are read from their variables now (a rotated token is picked up)
+        url, content = signed(
+            self.spec.resolved_url(), payload(message, self.spec.preset), self.spec.preset, self.spec.secret()
+        )
+        body = json.dumps(content, allow_nan=False, default=str).encode("utf-8")
+        try:
             request = urllib.request.Request(
-                self.spec.resolved_url(),
+                url,
                 data=body,
                 method="POST",
                 headers={"Content-Type": "application/json", **self.spec.headers()},
@@ -129,8 +184,13 @@ class WebhookSink:
             try:
                 with _opener(deadline).open(request, timeout=self.spec.timeout_s) as response:
                     status = response.status
-                    response.read()
+                    answer = response.read(_ANSWER_BYTES)
             except urllib.error.HTTPError as exc:
+                if 300 <= exc.code < 400:
+                    raise OSError(
+                        f"HTTP {exc.code}, a redirect: not followed (the message and its headers go to "
+                        "the configured URL only; give the URL it redirects to)"
+                    ) from None
                 raise OSError(f"HTTP {exc.code}") from None
             except (OSError, ValueError, http.client.HTTPException) as exc:
                 reason = getattr(exc, "reason", exc)  # not the message: it may quote the URL and its token
@@ -141,30 +201,56 @@ class WebhookSink:
                 raise OSError(f"cannot reach the endpoint ({type(reason).__name__})") from None
         if not 200 <= status < 300:
             raise OSError(f"HTTP {status}")
+        refused = rejection(self.spec.preset, answer)
+        if refused:
+            raise OSError(refused)
+
+
+#: the most of an answer read: a chat tool's verdict is a short JSON object
+_ANSWER_BYTES = 1 << 16
 
 
 class CommandSink:
-    """Runs ``argv`` (no shell) with the message as JSON on stdin; a non-zero exit is a failure."""
+    """Runs ``argv`` (no shell) with the message as JSON on stdin; a non-zero exit is a failure.
+    The program runs in a process group of its own, which a timeout ends whole (a script's
+    children too, so a late page cannot follow the retry), and without the environment variables
+    that hold the webhooks' secrets (``hidden``)."""
 
-    def __init__(self, spec: SinkSpec) -> None:
+    def __init__(self, spec: SinkSpec, hidden: Collection[str] = ()) -> None:
         self.spec = spec
+        self.hidden = frozenset(hidden)
 
     def deliver(self, message: Message) -> None:
         text = json.dumps(message, allow_nan=False, default=str)
+        environment = {k: v for k, v in os.environ.items() if k not in self.hidden}
         try:
-            done = subprocess.run(
+            process = subprocess.Popen(
                 list(self.spec.argv),
-                input=text.encode("utf-8"),
+                stdin=subprocess.PIPE,
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.PIPE,
-                timeout=self.spec.timeout_s,
-                check=False,
+                env=environment,
+                start_new_session=True,
             )
-        except subprocess.TimeoutExpired:  # not its message: it quotes the whole command line
+        except OSError as exc:  # not its message: it quotes the whole command line
+            raise OSError(f"cannot start the program ({exc.strerror or type(exc).__name__})") from None
+        try:
+            _, error_text = process.communicate(text.encode("utf-8"), timeout=self.spec.timeout_s)
+        except subprocess.TimeoutExpired:
+            _end_group(process)
             raise OSError(f"no exit within timeout_s ({self.spec.timeout_s:g} s)") from None
-        if done.returncode != 0:
-            error = done.stderr.decode("utf-8", "replace").strip().splitlines()[-1:] or [""]
-            raise OSError(f"exit status {done.returncode} {error[0][:200]}".rstrip())
+        if process.returncode != 0:
+            error = error_text.decode("utf-8", "replace").strip().splitlines()[-1:] or [""]
+            raise OSError(f"exit status {process.returncode} {error[0][:200]}".rstrip())
+
+
+def _end_group(process: subprocess.Popen) -> None:
+    """Kill the program's whole process group, then collect the program."""
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except OSError:  # gone already
+        pass
+    process.communicate()
 
 
 class FileSink:
@@ -200,10 +286,12 @@ class CallbackSink:
         self.callback(message)
 
 
-def open_sink(spec: SinkSpec, root: str) -> WebhookSink | CommandSink | FileSink:
-    """The sink object of one ``alert.sinks`` entry."""
+def open_sink(
+    spec: SinkSpec, root: str, hidden: Collection[str] = ()
+) -> WebhookSink | CommandSink | FileSink:
+    """The sink object of one ``alert.sinks`` entry; ``hidden``: the variables a command must not see."""
     if spec.type == "webhook":
         return WebhookSink(spec)
     if spec.type == "command":
-        return CommandSink(spec)
+        return CommandSink(spec, hidden)
     return FileSink(spec, root)

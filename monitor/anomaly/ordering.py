@@ -223,15 +223,22 @@ def stage_of(record: AnomalyRecord) -> int:
     return stage_of_task(task_of(record.tag_name))
 
 
-def _key(
-    rank: int, step: int, tag: str, message: str, micro: int, pp: int, vpp: int, call_id: int, op: str
-) -> SortKey:
+def place_in_step(tag: str, micro_step: int) -> tuple[int, int]:
+    """``(micro-step, stage)`` of a tag's row as the ranking places it within its step: the
+    parameters before micro-step 0, whole-step and unknown tasks after the last micro-step."""
     _, sep, task = tag.rpartition("/")
     stage = stage_of_task(task if sep else "")
     if stage == PARAMETERS:
-        micro = -1
-    elif stage == UNKNOWN or task in _AFTER_MICRO_STEPS:  # unknown: after every known stage
-        micro = _LAST_MICRO
+        return -1, stage
+    if stage == UNKNOWN or task in _AFTER_MICRO_STEPS:  # unknown: after every known stage
+        return _LAST_MICRO, stage
+    return micro_step, stage
+
+
+def _key(
+    rank: int, step: int, tag: str, message: str, micro: int, pp: int, vpp: int, call_id: int, op: str
+) -> SortKey:
+    micro, stage = place_in_step(tag, micro)
     if stage == FORWARD:
         return (step, micro, stage, vpp, pp, call_id, rank, tag, op, message)
     return (step, micro, stage, -vpp, -pp, call_id, rank, tag, op, message)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 
 import numpy as np
 import pytest
 
+import monitor.alerts.dispatch as dispatch
 from monitor.record import RowSet, StepRecord
 
 
@@ -48,3 +50,16 @@ def build_record(
 def make_record() -> Callable[..., StepRecord]:
     """``make_record(prefix, step, names, values, ops, **labels)`` -> StepRecord."""
     return build_record
+
+
+@pytest.fixture
+def quick(monkeypatch):
+    """No long waits: claims decided after 0.2 s, close waits 2 s. Afterwards every sink's thread
+    must have ended (a hanging endpoint's once the test's server let go)."""
+    monkeypatch.setattr(dispatch, "CLAIM_WAIT_S", 0.2)
+    monkeypatch.setattr(dispatch, "CLOSE_WAIT_S", 2.0)
+    yield
+    for thread in threading.enumerate():
+        if thread.name.startswith("trainmon-alert"):
+            thread.join(15)
+            assert not thread.is_alive(), f"{thread.name} still runs after close"

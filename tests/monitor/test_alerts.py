@@ -6,106 +6,18 @@ server's request log, the file, or the program's output, never from the dispatch
 
 from __future__ import annotations
 
-import http.server
 import json
 import logging
 import socket
 import sys
 import threading
-import time
 
 import pytest
 
 import monitor.alerts.dispatch as dispatch
 from monitor import ConfigError, load_config
 from monitor.alerts.dispatch import Alerts
-from monitor.anomaly.incidents import Incident
-
-TOKEN = "s3cret-token-value"
-
-
-def incident(step: int = 7, rank: int = 0, number: int = 1) -> Incident:
-    root = {
-        "tag_name": f"0:layers.1.weight/rank{rank}/post_grad",
-        "op": "norm",
-        "value": float("nan"),
-        "baseline": 0.5,
-        "rule": "AnomalyNan",
-    }
-    return Incident(number, rank, step, 0, root, ["root first", "2 ranks"])
-
-
-class Server:
-    """A local HTTP endpoint: answers ``status`` (a list is used up first) after ``delay``
-    seconds, or hangs in ``hang``."""
-
-    def __init__(self, statuses=(200,), hang: bool = False, delay: float = 0.0) -> None:
-        self.requests: list[tuple[dict, dict]] = []
-        self.statuses = list(statuses)
-        self.hang = hang
-        self.delay = delay
-        self.inside = threading.Event()
-        self.release = threading.Event()
-        server = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                server.requests.append((dict(self.headers), body))
-                if server.hang:
-                    server.inside.set()
-                    server.release.wait(30)
-                time.sleep(server.delay)
-                status = server.statuses.pop(0) if len(server.statuses) > 1 else server.statuses[0]
-                self.send_response(status)
-                self.end_headers()
-
-            def log_message(self, *args):
-                pass
-
-        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/hook"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.release.set()
-        self.httpd.shutdown()
-        self.httpd.server_close()
-
-
-@pytest.fixture
-def quick(monkeypatch):
-    """No long waits: claims decided after 0.2 s, close waits 2 s. Afterwards every sink's thread
-    must have ended (a hanging endpoint's once the test's server let go)."""
-    monkeypatch.setattr(dispatch, "CLAIM_WAIT_S", 0.2)
-    monkeypatch.setattr(dispatch, "CLOSE_WAIT_S", 2.0)
-    yield
-    for thread in threading.enumerate():
-        if thread.name.startswith("trainmon-alert"):
-            thread.join(15)
-            assert not thread.is_alive(), f"{thread.name} still runs after close"
-
-
-def alerts_of(config: dict, rank: int, root, actions=()) -> Alerts:
-    alert = load_config({"alert": {"sinks": config}}).alert
-    return Alerts(alert.sinks, actions, rank, str(root))
-
-
-def wait_for(condition, seconds: float = 10.0) -> bool:
-    """Poll ``condition`` until it holds (True) or ``seconds`` pass (False)."""
-    deadline = time.monotonic() + seconds
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.005)
-    return True
-
-
-def lines(path) -> list[dict]:
-    """The complete JSON lines of a file sink (a line being written is left out)."""
-    text = path.read_text() if path.exists() else ""
-    return [json.loads(line) for line in text[: text.rfind("\n") + 1].splitlines()]
+from tests.monitor.alert_endpoints import TOKEN, Server, alerts_of, incident, lines, wait_for
 
 
 @pytest.mark.parametrize(
