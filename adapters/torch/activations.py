@@ -82,7 +82,8 @@ def select_modules(
         for m in select_module_names([(vpp, raw) for vpp, raw, _ in named], config, every)
     ]
     containers = [m.name for m in selected if type(m.module).forward is torch.nn.Module.forward]
-    if containers and not (every or config.all_xy):  # all_xy takes every module, containers too
+    if containers and config.targets and not (every or config.all_xy):  # named ones only: the
+        # whole model (all_xy, empty targets) takes every module, containers too
         logger.warning(
             "trainmon: targets %s: never called (a container such as ModuleList, whose modules are "
             "called one by one), so no inputs or outputs to record; name the modules inside",

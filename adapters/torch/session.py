@@ -54,6 +54,13 @@ class TorchSession(SessionLifecycle):
         self.skipped_grads: dict[int, torch.Tensor] = {}
         self.backend = optimizer_backend(a.optimizer, self.chunks)
         self.optimizer = self.backend.optimizer
+        if not any(group.get("params") for group in getattr(self.optimizer, "param_groups", [{"params": 1}])):
+            raise ValueError(
+                f"set_monitor: optimizer: expected the optimizer that updates the model, got "
+                f"{type(self.optimizer).__name__} holding no parameters (Lightning's placeholder where "
+                "configure_optimizers returns None): its step, which marks a training step's end, "
+                "never comes"
+            )
         if a.config.module_ranks and optimizer_has_replicated_dtensors(self.optimizer):
             raise ValueError(
                 "module_ranks: expected empty with tensor parallelism (the gradients of parameters "

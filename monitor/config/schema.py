@@ -150,6 +150,11 @@ class MonitorConfig:
         for the run's files, webhook URLs cut to scheme and host)."""
         return _plain(self, for_outputs)
 
+    def __reduce__(self) -> tuple:
+        """Pickled (and deep-copied) as its plain dict, validated again when loaded: its read-only
+        mappings cannot be pickled themselves."""
+        return (load_config, (self.to_dict(),))
+
 
 def _plain(value: Any, for_outputs: bool) -> Any:
     if isinstance(value, (MonitorConfig, AlertConfig, CCConfig, RuleSpec)):

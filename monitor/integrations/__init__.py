@@ -7,9 +7,11 @@ when the user imports them; ``import monitor`` never does. Each is a few lines o
 knows the model, the optimizer, the number of micro-batches per step and its own step counter,
 so the user does not have to pass them.
 
-A trainer run again with the same callback on the same model and optimizer (a ``Model.train``
-per epoch) goes on in the first run's directory, from the trainer's step count; another model
-or optimizer, or a run that starts again from an earlier step, gets a run of its own.
+A trainer run again with the same callback on the same model and optimizer (MindSpore's
+``Model.train`` per epoch) goes on in the first run's directory, from the trainer's step count;
+another model or optimizer, or a run that starts again from an earlier step, gets a run of its
+own: so does a second Lightning ``fit`` (``configure_optimizers`` builds a new optimizer) and a
+second Hugging Face ``train()`` (it counts from step 1 again).
 
 Nothing these callbacks do may end the user's run from inside the trainer: a failure to attach
 is logged with its cause and the run goes on unmonitored. A bad config still fails at the door,
@@ -21,6 +23,7 @@ from __future__ import annotations
 import inspect
 import logging
 import os
+import pickle
 import weakref
 from collections.abc import Mapping
 from typing import Any
@@ -102,6 +105,35 @@ class MonitorCallback:
         #: what the last run was attached to (weak references, and the other arguments)
         self._last_run: tuple | None = None
 
+    def __getstate__(self) -> dict[str, Any]:
+        """What a copy of the callback carries (Lightning's ``ddp_spawn`` pickles the callbacks
+        into each process it starts): the config and TrainerMon's arguments, not the session,
+        whose hooks, threads and files belong to this process; each copy attaches its own. A
+        process group does not cross processes and is left out, and so are ``on_incident`` and
+        ``on_checkpoint`` functions that cannot be pickled (a lambda), said once."""
+        monitor = self.monitor
+        state = {k: v for k, v in self.__dict__.items() if k not in ("monitor", "attached", "_last_run")}
+        state["monitor"] = {
+            "config": monitor.config_file_path or monitor.config,
+            "params_have_main_grad": monitor.params_have_main_grad,
+            "on_incident": [f for f in monitor._incident_callbacks if _picklable(f, "on_incident")],
+            "on_checkpoint": [
+                f for f in (monitor._checkpoint_function,) if f is not None and _picklable(f, "on_checkpoint")
+            ],
+        }
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        made = state.pop("monitor")
+        self.__dict__.update(state)
+        self.monitor = TrainerMon(made["config"], params_have_main_grad=made["params_have_main_grad"])
+        for callback in made["on_incident"]:
+            self.monitor.on_incident(callback)
+        for function in made["on_checkpoint"]:
+            self.monitor.on_checkpoint(function)
+        self.attached = False
+        self._last_run = None
+
     def attach(self, trainer: str, **set_monitor_kwargs: Any) -> None:
         """``set_monitor(**set_monitor_kwargs)`` at the start of a training run; a failure is
         logged, never raised, and the run goes on unmonitored. A session still attached from an
@@ -160,6 +192,22 @@ class MonitorCallback:
             self.monitor.stop()
         except Exception as exc:
             logger.error("trainmon: closing the outputs failed (%r)", exc, exc_info=exc)
+
+
+def _picklable(function: Any, what: str) -> bool:
+    """Whether a function given to the monitor can be copied into another process; said if not."""
+    try:
+        pickle.dumps(function)
+    except Exception as exc:
+        logger.warning(
+            "trainmon: the %s function %r cannot be copied into the trainer's other processes (%r); "
+            "it is not called there (give a function defined at module level)",
+            what,
+            function,
+            exc,
+        )
+        return False
+    return True
 
 
 def _run_of(set_monitor_kwargs: Mapping[str, Any]) -> tuple | None:

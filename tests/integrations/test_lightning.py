@@ -91,6 +91,36 @@ def test_a_second_fit_with_the_same_callback_attaches_again(tmp_path):
     assert {step for _, _, step in written_rows(first_dir)} == set(reads.steps)
 
 
+def _note_incident(message: dict) -> None:
+    """An on_incident function at module level: one that a copy of the callback can carry."""
+
+
+def test_a_copied_callback_carries_its_config_and_attaches_on_its_own(tmp_path, trainmon_log):
+    """Lightning's ddp_spawn pickles the callbacks into each process it starts: the copy (a
+    config with l2_targets, which the config holds read-only) is not attached, has the same config,
+    keeps the functions that can be pickled (a lambda is said and left out) and monitors a fit of
+    its own with the right numbers, while the original's outputs are untouched."""
+    import pickle
+
+    from monitor.integrations.lightning import TrainmonCallback
+    from tests.integrations.lightning_run import train
+
+    config = {**CONFIG, "l2_targets": {"attention_hook": [], "linear_hook": []}}
+    callback = TrainmonCallback(config)
+    callback.monitor.on_incident(_note_incident).on_incident(lambda message: None)
+    copy = pickle.loads(pickle.dumps(callback))
+    assert not copy.attached and copy.monitor is not callback.monitor
+    assert copy.monitor.config == callback.monitor.config
+    assert copy.monitor._incident_callbacks == [_note_incident]
+    assert any(
+        "cannot be copied into the trainer's other processes" in r.getMessage() for r in trainmon_log.records
+    )
+    reads, _, _ = train(str(tmp_path), 2, callback=copy)
+    rows = written_rows(copy.monitor.output_dir)
+    assert compare(reads.steps, rows, "copied callback") > 0
+    assert callback.monitor.output_dir is None or not os.path.exists(callback.monitor.output_dir)
+
+
 def test_a_fit_that_failed_leaves_its_ended_steps_on_disk_and_detaches(tmp_path):
     """A fit that raises reaches the callback's ``on_exception``: the hooks go and the outputs are
     closed with every ended step in them."""

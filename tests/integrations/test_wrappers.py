@@ -68,3 +68,15 @@ def test_a_wrapper_that_cannot_be_resolved_is_named_at_the_door(optimizer, names
     mon = TrainerMon(CONFIG)
     with pytest.raises(TypeError, match=f"set_monitor: optimizer: .*got {names}"):
         mon.set_monitor(MLP(), grad_acc_steps=1, optimizer=optimizer)
+
+
+def test_lightnings_placeholder_optimizer_is_refused_naming_it():
+    """configure_optimizers returning None leaves Lightning's placeholder, which holds no
+    parameters and whose step never marks a step's end: attached, the run would write nothing."""
+    pytest.importorskip("lightning")
+    from lightning.pytorch.core.optimizer import _MockOptimizer
+
+    mon = TrainerMon(CONFIG)
+    with pytest.raises(ValueError, match="got _MockOptimizer holding no parameters"):
+        mon.set_monitor(MLP(), grad_acc_steps=1, optimizer=_MockOptimizer())
+    assert mon.output_dir is None

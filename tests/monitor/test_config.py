@@ -559,3 +559,24 @@ def test_existing_monitor_config_is_returned_unchanged():
 def test_plain_dict_form_loads_back_to_the_same_config():
     config = load_config(RICH)
     assert load_config(config.to_dict()) == config
+
+
+def test_a_config_pickles_and_deep_copies_to_an_equal_one(monkeypatch):
+    """Trainers copy their callbacks (Lightning's ddp_spawn pickles them into each process, a
+    deepcopy of a trainer's arguments): the config's read-only mappings must survive both."""
+    import copy
+    import pickle
+
+    monkeypatch.setenv("TRAINMON_TEST_TOKEN", "t")
+    raw = {
+        "targets": {"layers.0": {"input": "tensor"}},
+        "l2_targets": {"attention_hook": ["attn"], "linear_hook": []},
+        "alert": {
+            "sinks": [{"type": "webhook", "url": "http://x", "headers_env": {"A": "TRAINMON_TEST_TOKEN"}}]
+        },
+        "ops": ["norm", "nans"],
+    }
+    config = load_config(raw)
+    for twin in (pickle.loads(pickle.dumps(config)), copy.deepcopy(config)):
+        assert twin == config and twin.to_dict() == config.to_dict()
+        assert dict(twin.targets["layers.0"]) == {"input": "tensor"}

@@ -4,6 +4,7 @@ from a checkpoint while steps are numbered from 0."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from monitor import TrainerMon
@@ -35,8 +36,9 @@ def test_a_container_named_in_targets_is_said_to_be_never_called(trainmon_log):
     assert said.startswith("trainmon: targets layers: never called (a container such as ModuleList")
 
 
-def test_all_xy_takes_containers_without_a_word(trainmon_log):
-    assert _one_step({"xy_distribution": True, "all_xy": True})["actv"]
+@pytest.mark.parametrize("whole_model", [{"all_xy": True}, {"targets": {}}], ids=["all_xy", "empty targets"])
+def test_the_whole_model_takes_containers_without_a_word(trainmon_log, whole_model):
+    assert _one_step({"xy_distribution": True, **whole_model})["actv"]
     assert not _said(trainmon_log, "never called")
 
 
