@@ -18,6 +18,7 @@ from dashboards.convert.csv2db import csv2db
 from dashboards.convert.csv2tb import csv2tensorboard_by_step
 from dashboards.convert.runs import ConvertError
 from tests.dashboards.conftest import NAMES, generated_value, rank_dir, read_csv_rows, same, write_run
+from tests.extras import NEEDS_DUCKDB
 
 PREFIXES = ("grad_reduced", "exp_avg")
 
@@ -252,7 +253,7 @@ def test_command_lines(tmp_path, capsys, name):
     assert "got 'exp_avg,grad_reducd'; did you mean 'grad_reduced'?" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("name", ["csv2tb", "csv2db", "compact"])
+@pytest.mark.parametrize("name", ["csv2tb", "csv2db", pytest.param("compact", marks=NEEDS_DUCKDB)])
 def test_an_output_of_the_wrong_kind_is_refused_before_any_work(tmp_path, capsys, name):
     """-o naming a file where a directory is written (csv2tb, compact), or a directory where the
     database file is (csv2db): a one-line error, nothing converted, nothing replaced."""

@@ -36,6 +36,7 @@ from tests.dashboards.conftest import (
     same,
     write_run,
 )
+from tests.extras import NEEDS_PYARROW, OUTPUT_FORMATS
 
 
 @pytest.fixture
@@ -180,6 +181,7 @@ def test_nan_inf_and_missing_cells_are_told_apart(tmp_path):
     assert not present[3, 5] and present.sum() == len(rows)
 
 
+@NEEDS_PYARROW
 def test_parquet_heatmap_holds_every_value_the_files_hold(tmp_path, fresh):
     """format parquet: every value as pyarrow reads it from the files, NaN, Inf and missing cells
     told apart, rows of several merged files and a step file, micro-steps as their own rows."""
@@ -306,7 +308,7 @@ def test_landing_without_anomalies_opens_the_newest_data(tmp_path):
     assert run["incidents"] is None  # no anomaly files at all
 
 
-@pytest.mark.parametrize("fmt", ["csv", "tensorboard", "parquet"])
+@pytest.mark.parametrize("fmt", OUTPUT_FORMATS)
 def test_new_steps_appear_while_the_run_goes_on(tmp_path, fresh, fmt):
     dirs = write_run(tmp_path, fmt=fmt, steps=range(3), window=10)
     api = Api(tmp_path)
@@ -372,7 +374,7 @@ def test_a_stray_newest_csv_file_does_not_hide_its_data_type(tmp_path):
     assert view["steps"] == [0, 1, 2, 3]
 
 
-@pytest.mark.parametrize("fmt", ["csv", "tensorboard", "parquet"])
+@pytest.mark.parametrize("fmt", OUTPUT_FORMATS)
 def test_unreadable_files_are_skipped_not_fatal(tmp_path, fmt):
     directory = write_run(tmp_path, fmt=fmt, steps=range(4))[0]
     if fmt == "csv":
@@ -511,6 +513,7 @@ def test_root_module_rows_show_its_class_and_files_keep_msprobe_names(tmp_path, 
     )
 
 
+@NEEDS_PYARROW
 def test_a_late_parquet_file_does_not_hide_the_newest_steps(tmp_path):
     """A record of the last step that came after its window was merged: its file sorts last, but
     the data type's ops are those of its steps' files."""

@@ -38,6 +38,7 @@ import adapters.torch.structure as structure_module
 import monitor.structure as monitor_structure
 from adapters.torch import in_place, row_buffer
 from monitor import TrainerMon
+from tests.extras import OUTPUT_FORMATS
 from tests.reliability.ranks import FAULT_STEP as CC_FAULT_STEP
 from tests.reliability.training import ALL_OPS, EVERYTHING, Net, csv_steps, hook_state, make_batches, train
 from tests.shared_configs import STEP_PREFIXES
@@ -292,7 +293,7 @@ def _fill_the_disk_for_new_files(monkeypatch) -> Callable[[TrainerMon], None]:
     return fill
 
 
-@pytest.mark.parametrize("fmt", ["csv", "tensorboard", "parquet"])
+@pytest.mark.parametrize("fmt", OUTPUT_FORMATS)
 def test_a_full_disk_switches_off_the_file_writer_and_nothing_else(fmt, trainmon_log, monkeypatch):
     config = {**ALL_CONFIG, "format": fmt, "step_count_per_record": 100}
     outcome = _faulted_run(

@@ -19,6 +19,9 @@ from tests.adapters.torch.loss_scale_checks import (
 )
 from tests.training import MLP
 
+if importlib.util.find_spec("deepspeed") is None:  # not imported here: the test process stays DeepSpeed-free
+    pytest.skip("deepspeed is not installed (pip install trainmon[deepspeed])", allow_module_level=True)
+
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 STEPS, BAD_STEP, BAD_RANK = 14, 11, 1
