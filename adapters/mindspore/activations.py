@@ -149,7 +149,9 @@ class RootCalls:
     def _starts(self, vpp: int) -> Callable:
         def hook(cell: ms.nn.Cell, args: Any) -> None:
             self._running[vpp] += 1
-            if self.active() and self._running[vpp] == 1 and is_training_call(cell):
+            if self._running[vpp] == 1:
+                self._training[vpp] = is_training_call(cell)
+            if self.active() and self._running[vpp] == 1 and self._training[vpp]:
                 self._micro[vpp] += 1
                 if self.on_start is not None:
                     self.on_start(vpp)
@@ -168,12 +170,19 @@ class RootCalls:
         """Whether a call of the chunk's root is running."""
         return self._running[vpp] > 0
 
+    def training(self, vpp: int) -> bool:
+        """Whether a training call of the chunk's root is running: the root's call decides for
+        the Cells it calls, as a recomputed Cell (``Cell.recompute()``) runs its first forward
+        without recording gradients; its recomputation in the backward pass is outside the call."""
+        return self._running[vpp] > 0 and self._training[vpp]
+
     def micro_of(self, vpp: int) -> int:
         return max(self._micro[vpp], 0)
 
     def reset(self) -> None:
         self._micro = [-1] * len(self.chunks)
         self._running = [0] * len(self.chunks)
+        self._training = [False] * len(self.chunks)
 
 
 class Activations:
@@ -234,7 +243,7 @@ class Activations:
     # -- hooks -------------------------------------------------------------------------------
 
     def _recorded(self, entry: HookedCell) -> bool:
-        return self.roots.inside(entry.vpp_stage) and is_training_call(entry.cell)
+        return self.roots.training(entry.vpp_stage)
 
     def _before(self, index: int) -> Callable:
         def hook(cell: ms.nn.Cell, args: tuple, kwargs: dict) -> None:

@@ -21,7 +21,7 @@ from typing import Any
 import mindspore as ms
 import numpy as np
 
-from adapters.mindspore.activations import RootCalls, is_training_call
+from adapters.mindspore.activations import RootCalls
 from monitor.config.schema import MonitorConfig
 from monitor.datatypes.l2 import FIRST_ITERATIONS, WARM_ITERATIONS, L2Steps, attention_rows, lanczos_top
 from monitor.record import RowSet
@@ -75,7 +75,7 @@ class L2Features(L2Steps):
 
     def _hook(self, index: int) -> Callable:
         def hook(cell: ms.nn.Cell, args: tuple, output: Any) -> None:
-            if self.collect and self.roots.inside(self.attention[index][0]) and is_training_call(cell):
+            if self.collect and self.roots.training(self.attention[index][0]):
                 self._measure(index, args)
 
         return hook
@@ -83,7 +83,7 @@ class L2Features(L2Steps):
     def _measure(self, index: int, args: tuple) -> None:
         try:
             tensors = [a for a in args if isinstance(a, ms.Tensor)][:2]
-            if len(tensors) < 2 or any(len(t.shape) != 4 for t in tensors):
+            if not self.usable_qk(index, [t.shape for t in tensors]):
                 return
             q, k = (t[:, 0] if self.order == "s,b,h,d" else t[0] for t in tensors)  # batch 0: (s, h, d)
             if self.heads == "first":
@@ -91,8 +91,7 @@ class L2Features(L2Steps):
             rows = attention_rows(q.asnumpy(), k.asnumpy(), self.heads)
             self.add_attention(index, self.roots.micro_of(self.attention[index][0]), rows, rows.shape[0])
         except Exception as exc:
-            self.collect = False
-            self.on_error("attention_hook", exc)
+            self.attention_failed(index, exc)
 
     def reset(self) -> None:
         super().reset()

@@ -4,7 +4,7 @@
 Attention: a forward hook on each listed module computes, on the module's device in float32, the
 causal softmax of Q K^T / sqrt(d) of batch 0 (head 0, every head, or each head) and keeps two or
 four numbers per call; nothing is copied to the host until the step is written. Linear: at the
-optimizer step, 16 Lanczos steps per weight, started from the top singular vector of the last
+optimizer step, 24 Lanczos steps per weight, started from the top singular vector of the last
 collected step mixed with a random one; with ``shard_reduce`` a weight held in pieces (FSDP2,
 tensor parallelism) is measured whole through its pieces (adapters.torch.sharded.spectral).
 """
@@ -185,8 +185,6 @@ class L2Features(L2Steps):
             )
         self.linear = whole
         self._generators: dict[torch.device, torch.Generator] = {}
-        #: attention modules already said to be called without Q and K
-        self._said_no_qk: set[int] = set()
 
     def register(self) -> list:
         if not self.attention:
@@ -212,23 +210,14 @@ class L2Features(L2Steps):
             return
         try:
             tensors = [a for a in args if isinstance(a, torch.Tensor)][:2]
-            if len(tensors) < 2 or any(t.dim() != 4 for t in tensors):
-                if index not in self._said_no_qk:
-                    self._said_no_qk.add(index)
-                    logger.warning(
-                        "trainmon: attention_hook %s: called without two 4-D tensors (Q and K, %s) as its "
-                        "first positional arguments; no rows for it",
-                        self.attention[index][1],
-                        self.order,
-                    )
+            if not self.usable_qk(index, [t.shape for t in tensors]):
                 return
             with torch.no_grad():
                 q, k = tensors[0].detach(), tensors[1].detach()
                 rows = summarise(attention_scores(q, k, self.order, self.heads), self.heads)
             self.add_attention(index, self.micro.of(self.attention[index][0]), rows, rows.shape[0])
         except Exception as exc:
-            self.collect = False
-            self.on_error("attention_hook", exc)
+            self.attention_failed(index, exc)
 
     def reset(self) -> None:
         super().reset()
@@ -250,7 +239,7 @@ class L2Features(L2Steps):
         tridiagonal eigenproblems of all weights are solved together, on their device."""
         if not self.linear:
             return None
-        runs, frobenius = [], []
+        runs, frobenius, scales = [], [], []
         with torch.no_grad():
             for index, (_, _, module) in enumerate(self.linear):
                 layout = self._pieces.get(index)
@@ -259,14 +248,23 @@ class L2Features(L2Steps):
                     gram = functools.partial(layout.gram, piece)
                     runs.append(self._lanczos(index, gram, layout.size, piece.device))
                     frobenius.append(layout.frobenius(piece))
+                    scales.append(torch.ones((), device=piece.device))
                 else:
                     weight = linear_weight(module).detach().float()
-                    runs.append(self._lanczos(index, *_gram(weight), weight.device))
-                    frobenius.append(torch.linalg.vector_norm(weight))
+                    # summed in float64: the squares of a weight near 1e19 overflow float32
+                    frobenius.append(torch.linalg.vector_norm(weight, dtype=torch.float64))
+                    # the Gram operator of the weight over its Frobenius norm, which would
+                    # overflow float32 there too; the spectral norm is scaled back below
+                    scale = torch.nan_to_num(frobenius[-1], nan=1.0, posinf=1.0).clamp(1e-30, 1e38).float()
+                    scales.append(scale)
+                    runs.append(self._lanczos(index, *_gram(weight, scale), weight.device))
             sigma = self._spectral_norms(runs)
-            frobenius = torch.stack([f.to(sigma.device) for f in frobenius])
-            ratio = torch.where(sigma > 0, frobenius / sigma, 0.0)  # a zero weight: 0
-        return self.linear_rows(rank), torch.stack([sigma, ratio], dim=1)
+            frobenius = torch.stack([f.to(sigma.device, torch.float64) for f in frobenius])
+            sigma = sigma.double() * torch.stack([s.to(sigma.device, torch.float64) for s in scales])
+            finite = torch.isfinite(frobenius)  # a NaN weight gives NaN, an Inf one inf and sr NaN
+            sigma = torch.where(finite, sigma, frobenius)
+            ratio = torch.where(sigma == 0, 0.0, frobenius / sigma)  # a zero weight: 0
+        return self.linear_rows(rank), torch.stack([sigma, ratio], dim=1).float()
 
     def _lanczos(
         self, index: int, gram: Callable[[torch.Tensor], torch.Tensor], size: int, device: torch.device
@@ -307,11 +305,12 @@ class L2Features(L2Steps):
         return torch.stack([s.to(first) for s in sigma])
 
 
-def _gram(weight: torch.Tensor) -> tuple[Callable[[torch.Tensor], torch.Tensor], int]:
-    """The Gram operator of a whole weight on its smaller side, and that side's length."""
+def _gram(weight: torch.Tensor, scale: torch.Tensor) -> tuple[Callable[[torch.Tensor], torch.Tensor], int]:
+    """The Gram operator of ``weight / scale`` on its smaller side, and that side's length; the
+    vector is scaled before each product, so no intermediate exceeds the weight's own size."""
     if weight.shape[0] >= weight.shape[1]:
-        return (lambda v: weight.T @ (weight @ v)), weight.shape[1]
-    return (lambda v: weight @ (weight.T @ v)), weight.shape[0]
+        return (lambda v: weight.T @ (weight @ (v / scale)) / scale), weight.shape[1]
+    return (lambda v: weight @ (weight.T @ (v / scale)) / scale), weight.shape[0]
 
 
 def _piece_layout(

@@ -3,26 +3,26 @@
 With ``recording_l2_features: true``:
 
 * ``attention_hook`` modules (``l2_targets.attention_hook``, names as in ``targets``): from the
-  first two positional 4-D tensors of each call, taken as Q and K in the layout ``sa_order``
-  (``s,b,h,d`` or ``b,s,h,d``), the causal attention probabilities P = softmax(QK^T / sqrt(d));
-  ``softmax_max`` is the mean over query rows of the row's largest probability and ``entropy``
-  the mean over rows of -sum p log p. A collapsing head drives ``softmax_max`` to 1 and
-  ``entropy`` to 0. Like msprobe, batch 0 and head 0 by default (``l2_heads: "first"``);
-  ``"all"`` takes every head of batch 0 and writes the mean over heads plus the most collapsed
-  head (``softmax_max_top``: the largest, ``entropy_low``: the smallest); ``"each"`` writes one
-  row per head. One row per micro-step, none in eval mode or in a checkpoint's recomputation.
-  Data type ``attention_hook``, rows ``{module}.attention`` (``.head{h}`` with ``each``), task
-  ``qkt``.
+  first two positional tensors of each call, which must be 4-D (as msprobe requires), taken as Q
+  and K in the layout ``sa_order`` (``s,b,h,d`` or ``b,s,h,d``), the causal attention
+  probabilities P = softmax(QK^T / sqrt(d)); ``softmax_max`` is the mean over query rows of the
+  row's largest probability and ``entropy`` the mean over rows of -sum p log p. A collapsing head
+  drives ``softmax_max`` to 1 and ``entropy`` to 0. Like msprobe, batch 0 and head 0 by default
+  (``l2_heads: "first"``); ``"all"`` takes every head of batch 0 and writes the mean over heads
+  plus the most collapsed head (``softmax_max_top``: the largest, ``entropy_low``: the smallest);
+  ``"each"`` writes one row per head. One row per micro-step, none in eval mode or in a
+  checkpoint's recomputation. Data type ``attention_hook``, rows ``{module}.attention``
+  (``.head{h}`` with ``each``), task ``qkt``.
 * ``linear_hook`` modules (listed, or with an empty list every module with a 2-D ``weight`` but
   embeddings): ``kernel_norm``, the spectral norm (largest singular value) of the weight, and
   ``sr`` = Frobenius norm / spectral norm, msprobe's "stable rank" (the textbook stable rank is
   its square; 0 for an all-zero weight, such as a freshly initialised LoRA B). msprobe runs 3
   power iterations from a random start at every step, which can be far below the true value
   when the largest singular values lie close together, as they do in trained weights; ours runs
-  Lanczos (which converges on close values far faster), 16 steps from each module's top
+  Lanczos (which converges on close values far faster), 24 steps from each module's top
   singular vector of the last collected step mixed half and half with a random vector: the
   random half catches a new top direction the last vector barely holds (early in a run from
-  scratch, where 6 steps from the last vector alone came out up to 5% low), and 16 steps reach
+  scratch, where 6 steps from the last vector alone came out up to 5% low), and 24 steps reach
   within 1% even on a Gaussian matrix's crowded top (``benchmarks/spectral_norm.py``). Measured on
   the weights the optimizer is about to update (those of the step's last micro-batch). Data type
   ``linear_hook``, rows ``{module}.linear``, task ``sr``.
@@ -33,12 +33,14 @@ type; msprobe computes them at every step whatever the schedule.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
 from monitor.config.schema import MonitorConfig
+from monitor.datatypes.modules import call_name
 from monitor.naming import distinct_names, is_selected_exactly, name_candidates, squash_name, without_wrapper
 from monitor.record import RowSet
 
@@ -47,10 +49,12 @@ LINEAR_PREFIX, LINEAR_TASK = "linear_hook", "sr"
 LINEAR_OPS = ("kernel_norm", "sr")
 #: Lanczos steps from a random start, and at each later collected step from the last step's top
 #: vector mixed with a random one.
-FIRST_ITERATIONS, WARM_ITERATIONS = 32, 16
+FIRST_ITERATIONS, WARM_ITERATIONS = 32, 24
 #: a Lanczos residual this much smaller than the operator's first product is a breakdown: the
 #: Krylov space is invariant (more steps than the operator's rank) and the iteration ends there
 BREAKDOWN = 1e-4
+
+logger = logging.getLogger("trainmon")
 
 
 def attention_ops(heads: str) -> tuple[str, ...]:
@@ -79,17 +83,43 @@ def select_l2_modules(
         return is_selected_exactly(keys, name_candidates(vpp, raw, squash_name(raw)))
 
     attention = [item for item in named if attention_keys and listed(attention_keys, item[0], item[1])]
-    linear = [
-        item
-        for item in named
-        if (listed(linear_keys, item[0], item[1]) if linear_keys else is_linear(item[2]))
-    ]
+    if not linear_keys:
+        linear = [item for item in named if is_linear(item[2])]
+    else:
+        linear = [item for item in named if listed(linear_keys, item[0], item[1])]
+        not_linear = [item for item in linear if not is_linear(item[2])]
+        if not_linear:  # skipped, the others measured: a spectral norm needs one 2-D weight
+            logger.warning(
+                "trainmon: linear_hook %s: no 2-D weight (not a linear layer, or an embedding "
+                "table); skipped, the other listed modules are measured",
+                ", ".join(raw for _, raw, _ in not_linear),
+            )
+            linear = [item for item in linear if is_linear(item[2])]
     return _named(attention, config.squash_name), _named(linear, config.squash_name)
 
 
 def _named(found: list[tuple[int, str, Any]], squash: bool) -> list[tuple[int, str, Any]]:
     names = distinct_names([(vpp, raw) for vpp, raw, _ in found], squash)
     return [(vpp, name, module) for (vpp, _, module), name in zip(found, names)]
+
+
+def qk_problem(shapes: Sequence[Sequence[int]], order: str, heads: str) -> str | None:
+    """Why the first two positional tensors of a call (their ``shapes``) cannot be Q and K in
+    the layout ``order``, or None where they can: two 4-D tensors of the same batch, sequence
+    and head size, with as many query heads as key heads or a multiple (grouped-query attention,
+    needed only where ``heads`` takes more than the first)."""
+    if len(shapes) < 2 or any(len(shape) != 4 for shape in shapes[:2]):
+        got = ", ".join(f"{len(shape)}-D" for shape in shapes[:2]) or "no tensor"
+        return f"its first two positional tensors are not two 4-D ones (Q and K, {order}): got {got}"
+    q, k = (dict(zip(order.split(","), shape)) for shape in shapes[:2])
+    if (q["b"], q["s"], q["d"]) != (k["b"], k["s"], k["d"]):
+        return (
+            f"Q and K ({order}) differ in batch, sequence or head size: {list(shapes[0])} and "
+            f"{list(shapes[1])}"
+        )
+    if heads != "first" and (k["h"] == 0 or q["h"] % k["h"]):
+        return f"Q's {q['h']} heads are not a multiple of K's {k['h']} (grouped-query attention)"
+    return None
 
 
 def attention_rows(q: np.ndarray, k: np.ndarray, heads: str) -> np.ndarray:
@@ -164,13 +194,47 @@ class L2Steps:
         self.collect = False
         self._rows: list[tuple[int, str, int]] = []
         self._values: list[Any] = []
+        #: attention modules already said to be unusable, and those whose measurement failed
+        self._said: set[int] = set()
+        self._broken: set[int] = set()
+        #: (attention module, micro-step) -> its calls so far this step (``name[1]`` for the second)
+        self._calls: dict[tuple[int, int], int] = {}
         #: per linear module: the top singular vector of the last collected step
         self.vectors: dict[int, Any] = {}
 
+    def usable_qk(self, index: int, shapes: Sequence[Sequence[int]]) -> bool:
+        """Whether a call's first two positional tensors (their ``shapes``) can be Q and K in the
+        layout ``sa_order``; a module whose calls cannot is said once and has no rows, while the
+        other attention modules go on."""
+        problem = qk_problem(shapes, self.order, self.heads)
+        if problem is None and index not in self._broken:
+            return True
+        if problem is not None and index not in self._said:
+            self._said.add(index)
+            logger.warning(
+                "trainmon: attention_hook %s: %s; no rows for it", self.attention[index][1], problem
+            )
+        return False
+
+    def attention_failed(self, index: int, exc: BaseException) -> None:
+        """A module whose measurement raised: said once, then left out; the others go on."""
+        self._broken.add(index)
+        if index not in self._said:
+            self._said.add(index)
+            logger.warning(
+                "trainmon: attention_hook %s failed (%r); no rows for it from now on",
+                self.attention[index][1],
+                exc,
+            )
+
     def add_attention(self, index: int, micro: int, values: Any, count: int) -> None:
         """One call's ``count`` rows (one, or one per head with ``each``) of attention module
-        ``index`` at micro-step ``micro``."""
+        ``index`` at micro-step ``micro``; a second call in the micro-step is ``{module}[1]``, as
+        activation rows name it."""
         vpp, name, _ = self.attention[index]
+        calls = self._calls.get((index, micro), 0)  # a module called again in one micro-step
+        self._calls[index, micro] = calls + 1
+        name = call_name(name, calls)
         if self.heads == "each":
             self._rows += [(vpp, f"{name}.attention.head{h}", micro) for h in range(count)]
         else:
@@ -198,3 +262,4 @@ class L2Steps:
     def reset(self) -> None:
         """Forget the step's rows (the singular vectors stay)."""
         self._rows, self._values = [], []
+        self._calls.clear()

@@ -123,3 +123,71 @@ def test_a_cell_with_a_wg_weight_is_a_linear_one():
     for name, weight in weights.items():
         sigma = np.linalg.svd(weight, compute_uv=False)[0]
         assert rows[f"0:{name}.linear/rank0/sr"]["kernel_norm"] == pytest.approx(sigma, rel=0.01), name
+
+
+def test_a_listed_cell_without_a_2d_weight_and_an_attention_cell_without_qk_are_said(trainmon_log):
+    """``linear_hook`` naming a ReLU next to a Dense: the ReLU is said and skipped, the Dense is
+    measured; ``attention_hook`` on a Cell called with 2-D tensors is said once, no rows."""
+    net = nn.SequentialCell([nn.Dense(4, 8), nn.ReLU(), nn.Dense(8, 3)])
+    optimizer = nn.Adam(net.trainable_params(), learning_rate=0.05)
+    l2 = {"linear_hook": ["1", "2"], "attention_hook": ["0"]}
+    config = {"recording_l2_features": True, "l2_targets": l2, "format": "api"}
+    mon = TrainerMon(config).set_monitor(net, 1, optimizer)
+    grad_fn = ms.value_and_grad(lambda x: (net(x) ** 2).mean(), None, optimizer.parameters)
+    for _ in range(2):
+        _, grads = grad_fn(ms.Tensor(np.ones((2, 4), np.float32)))
+        weight = net[2].weight.asnumpy().astype(np.float64)
+        optimizer(grads)
+    rows, attention = mon._latest("linear_hook"), mon._latest("attention_hook")
+    mon.stop()
+    said = [r.getMessage() for r in trainmon_log.records]
+    assert [m for m in said if "linear_hook 1: no 2-D weight" in m]
+    assert len([m for m in said if "attention_hook 0: its first two positional tensors are not" in m]) == 1
+    assert set(rows) == {"0:2.linear/rank0/sr"} and attention == {}
+    sigma = np.linalg.svd(weight, compute_uv=False)[0]
+    assert rows["0:2.linear/rank0/sr"]["kernel_norm"] == pytest.approx(sigma, rel=0.01)
+
+
+class Recomputed(nn.Cell):
+    """A block around the core attention, recomputed in the backward pass (``Cell.recompute()``)."""
+
+    def __init__(self, inner: nn.Cell) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def construct(self, *args):
+        return self.inner(*args)
+
+
+def test_a_recomputed_attention_cell_is_measured_without_set_train():
+    """A recomputed block runs its Cells' forward without recording gradients, inside the root's
+    training call, and again in the backward pass outside it: the first is measured (the root's
+    call decides), the recomputation is not; no ``set_train`` needed."""
+    net = AttentionNet()
+    net.attention = Recomputed(net.attention)
+    net.attention.recompute()
+    optimizer = nn.Adam(net.trainable_params(), learning_rate=0.05)
+    config = {
+        "recording_l2_features": True,
+        "l2_targets": {"attention_hook": ["attention.inner"], "linear_hook": []},
+        "sa_order": "b,s,h,d",
+        "xy_distribution": True,
+        "targets": {"attention.inner": {}},
+        "format": "api",
+    }
+    mon = TrainerMon(config).set_monitor(net, 1, optimizer)
+    seen = []
+    net.attention.register_forward_pre_hook(
+        lambda cell, args: seen.append((args[0].asnumpy(), args[1].asnumpy()))
+    )
+    grad_fn = ms.value_and_grad(lambda x: net(x).square().mean(), None, optimizer.parameters)
+    rng = np.random.default_rng(2)
+    _, grads = grad_fn(ms.Tensor(rng.normal(size=(2, SEQ, HEADS * DIM)).astype(np.float32)))
+    optimizer(grads)
+    attention, activations = mon._latest("attention_hook"), mon._latest("actv")
+    mon.stop()
+    (row,) = attention.values()
+    np.testing.assert_allclose(
+        [row["softmax_max"], row["entropy"]], expected_attention(*seen[0])[0], rtol=1e-4
+    )
+    assert activations and all(":0/" in tag for tag in activations), activations  # one call, micro-step 0

@@ -46,8 +46,10 @@ def test_an_attention_module_called_without_q_and_k_is_said_once(trainmon_log):
     l2 = {"attention_hook": ["layers.0"], "linear_hook": []}
     rows = _one_step({"recording_l2_features": True, "l2_targets": l2})
     assert not rows["attention_hook"]
-    (said,) = _said(trainmon_log, "without two 4-D tensors")
-    assert said.startswith("trainmon: attention_hook layers.0: called without two 4-D tensors (Q and K")
+    (said,) = _said(trainmon_log, "not two 4-D ones")
+    assert said.startswith(
+        "trainmon: attention_hook layers.0: its first two positional tensors are not two 4-D ones (Q and K"
+    )
 
 
 def test_attaching_to_an_optimizer_that_already_stepped_asks_for_start_iteration(trainmon_log):
