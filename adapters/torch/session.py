@@ -130,11 +130,16 @@ class TorchSession(SessionLifecycle):
         reduced_before = key in self._ddp_forwarded and self._ddp_syncing.get(key, False)
         if reduced_before and self.config.wg_distribution and not self._told_ddp_sync:
             self._told_ddp_sync = True
+            remedy = (
+                "the per-micro-batch rows (monitor_mbs_grad) hold each micro-batch's own"
+                if self.config.monitor_mbs_grad
+                else "or set monitor_mbs_grad for each micro-batch's own"
+            )
             logger.warning(
                 "trainmon: wg_distribution: DDP reduced a micro-batch before the step's last "
                 "(outside model.no_sync()), so grad_unreduced holds other ranks' gradients too; "
-                "accumulate under no_sync(), as torch recommends, or set monitor_mbs_grad for each "
-                "micro-batch's own"
+                "accumulate under no_sync(), as torch recommends; %s",
+                remedy,
             )
         self._ddp_syncing[key] = bool(chunk.require_backward_grad_sync)
         self._ddp_forwarded.add(key)

@@ -57,7 +57,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from dashboards.convert.compact_manifest import DOUBLE, FLOAT, open_dataset
-from dashboards.convert.compact_sources import say_rejected, table_values
+from dashboards.convert.compact_sources import say_rejected, table_values, unreadable_parquet
 from dashboards.convert.compact_tables import (
     TEMPORARY_PREFIX,
     TEMPORARY_SUFFIX,
@@ -77,12 +77,16 @@ logger = logging.getLogger("trainmon")
 #: zstd level of the values: 19 makes them about a tenth smaller than zstd's default level 3 for
 #: about 1.7x the compaction time (benchmarks/dataset.py)
 ZSTD_LEVEL = 19
-#: per data type, tensor, op and step, the rank farthest from the ranks' median: one SQL text
-#: that DuckDB and Spark SQL both run, over a view ``v`` of ``values/`` read with its partitions
+#: per data type, row (chunk, tensor, micro-step), op and step, the rank farthest from the
+#: ranks' median: one SQL text that DuckDB and Spark SQL both run, over a view ``v`` of
+#: ``values/`` read with its partitions; micro_step is NULL for data types without one
 FARTHEST_RANK_SQL = """
-    WITH m AS (SELECT data_type, name, op, step, median(value) AS mid FROM v GROUP BY ALL)
-    SELECT v.data_type, v.name, v.op, v.step, max_by(v.rank, abs(v.value - m.mid)) AS farthest
-    FROM v JOIN m ON v.data_type = m.data_type AND v.name = m.name AND v.op = m.op AND v.step = m.step
+    WITH m AS (SELECT data_type, vpp_stage, name, micro_step, op, step, median(value) AS mid
+        FROM v GROUP BY ALL)
+    SELECT v.data_type, v.vpp_stage, v.name, v.micro_step, v.op, v.step,
+        max_by(v.rank, abs(v.value - m.mid)) AS farthest
+    FROM v JOIN m ON v.data_type = m.data_type AND v.vpp_stage = m.vpp_stage AND v.name = m.name
+        AND v.micro_step IS NOT DISTINCT FROM m.micro_step AND v.op = m.op AND v.step = m.step
     GROUP BY ALL
 """
 #: steps of a part in one file: a step range is read without the rest of the run
@@ -144,14 +148,18 @@ def _compact_once(monitor_path: str, output: str | None, memory_limit: int) -> d
                     sources[part, unit] = block, paths
         manifest.keep_orphans()
         value_type = manifest.dataset_type()
-        written = set()
+        written, twice = set(), {}
         for rewrite in (False, True):  # the second pass: units in another type than the dataset's
             for part, unit in manifest.to_write(value_type, rewrite):
                 block, paths = sources.get((part, unit), (None, []))  # none: kept, sources gone
-                rows = _part_rows(con, prefixes.get(part, ""), paths, events, manifest.carried(part, unit))
-                value_type, files = _write_part(con, rows, os.path.join(output, part), value_type, block)
+                carried = manifest.carried(part, unit)
+                value_type, files, repeated = _write_unit(
+                    con, (prefixes.get(part, ""), paths, events, carried), output, part, value_type, block
+                )
                 manifest.written(part, unit, value_type, files)
                 written.add(part)
+                twice[part] = twice.get(part, 0) + repeated
+        _say_written_twice({part: count for part, count in twice.items() if count})
         _remove_other_parts(output, manifest.current)
         counts = {"written": len(written), "kept": len(manifest.current) - len(written)}
         write_tables(con, monitor_path, ranks, output)
@@ -159,6 +167,46 @@ def _compact_once(monitor_path: str, output: str | None, memory_limit: int) -> d
         con.close()
     manifest.save(value_type, force=True)
     return counts
+
+
+def _write_unit(
+    con: Any, reading: tuple, output: str, part: str, value_type: str, block: int | None
+) -> tuple[str, list[str], int]:
+    """One unit of a part from its sources (``reading``: what ``_part_rows`` takes). A live
+    Parquet file whose data cannot be decoded (its footer read fine) is said and left out, and
+    the unit is read again without it; a file gone meanwhile raises for the caller's retry."""
+    import duckdb
+
+    prefix, paths, events, carried = reading
+    try:
+        rows = _part_rows(con, prefix, paths, events, carried)
+        return _write_part(con, rows, os.path.join(output, part), value_type, block)
+    except duckdb.IOException:
+        raise
+    except duckdb.Error as exc:
+        damaged = unreadable_parquet(con, paths)
+        if not damaged:
+            raise
+        for path in damaged:
+            logger.warning("trainmon compact: skipping %s: its data cannot be read (%s)", path, exc)
+        kept = [path for path in paths if path not in damaged]
+        rows = _part_rows(con, prefix, kept, events, carried)
+        return _write_part(con, rows, os.path.join(output, part), value_type, block)
+
+
+def _say_written_twice(counts: dict[str, int]) -> None:
+    """Said once per compaction, as csv2db says it: values that several source files hold for the
+    same row and step (a second run into the same output root, windows that overlap)."""
+    if counts:
+        parts = sorted(counts)
+        logger.warning(
+            "trainmon compact: %d value(s) written more than once, in %s%s (several runs in one "
+            "output root, or files whose steps overlap); kept the later file's: compact each run "
+            "from a root of its own to keep them apart",
+            sum(counts.values()),
+            ", ".join(parts[:3]),
+            " ..." if len(parts) > 3 else "",
+        )
 
 
 def _units(
@@ -268,27 +316,31 @@ def _part_rows(
         )
     if source is None:
         return None
+    key = "PARTITION BY vpp_stage, name, micro_step, step, op"
     return f"""
-        SELECT step, micro_step, vpp_stage, name, op, value FROM ({source})
-        QUALIFY row_number() OVER (PARTITION BY vpp_stage, name, micro_step, step, op ORDER BY _file DESC) = 1
+        SELECT step, micro_step, vpp_stage, name, op, value,
+            count(*) FILTER (WHERE _file >= 0) OVER ({key}) AS _copies
+        FROM ({source})
+        QUALIFY row_number() OVER ({key} ORDER BY _file DESC) = 1
     """
 
 
 def _write_part(
     con: Any, query: str | None, directory: str, value_type: str, block: int | None = None
-) -> tuple[str, list[str]]:
+) -> tuple[str, list[str], int]:
     """A part's files in ``directory``, a file per STEPS_PER_FILE steps (only the ``block``-th
     when given), its values in ``value_type``, or as doubles where one would not survive a
     32-bit float (rounded back to six significant digits it is not the value read from the CSV);
-    returns the type written and the files' names. The rows of ``query`` are read once, into a
-    temporary table; a row without a step (an empty field in the CSV) has no place in a step
-    range and is left out."""
+    returns the type written, the files' names and how many values the sources held more than
+    once. The rows of ``query`` are read once, into a temporary table; a row without a step (an
+    empty field in the CSV) has no place in a step range and is left out."""
     if query is None:  # the files hold no statistic: no file
-        return value_type, []
+        return value_type, [], 0
     number = f"step // {STEPS_PER_FILE}"
     only = "" if block is None else f" AND {number} = {block}"
     con.execute(f"CREATE OR REPLACE TEMP TABLE part AS SELECT * FROM ({query}) WHERE step IS NOT NULL{only}")
     say_rejected(con)
+    (twice,) = con.execute("SELECT count(*) FROM part WHERE _copies > 1").fetchone()
     if value_type == FLOAT:  # a 32-bit float holds it exactly (counts), or to the CSV's six digits
         (fits,) = con.execute(
             """SELECT coalesce(bool_and(NOT isfinite(value)
@@ -309,4 +361,4 @@ def _write_part(
             ZSTD_LEVEL,
         )
     con.execute("DROP TABLE part")
-    return value_type, names
+    return value_type, names, twice

@@ -139,32 +139,49 @@ class Manifest:
         self._saved_at = time.monotonic()
 
 
+#: what a dataset directory holds: anything else there is the user's, not ours to write among
+DATASET_ENTRIES = frozenset({"values", MANIFEST, "runs.parquet", "anomalies.parquet", "incidents.parquet"})
+
+
 def open_dataset(output: str, monitor_path: str, rank_dirs: list[str]) -> Manifest:
     """Make ``output`` ready for a compaction of the run whose rank directories are ``rank_dirs``
-    and return its manifest: the temporary files a killed compaction left beside the tables
-    removed, and a dataset made from other rank directories said (its values stay, as those of
-    deleted sources do, but compacting one run into another's dataset is likely a mistake).
+    and return its manifest, the temporary files a killed compaction left beside the tables
+    removed.
 
     Raises:
-        ConvertError: ``output`` is inside a rank directory (it would be read as the rank's files).
+        ConvertError: ``output`` is inside a rank directory (it would be read as the rank's files),
+            cannot be made, holds files and no dataset, or holds the dataset of other rank
+            directories (this run's parts would replace the values of the ranks both have).
     """
     for directory in map(os.path.abspath, rank_dirs):
         if os.path.commonpath([output, directory]) == directory:
             raise ConvertError(
                 f"output: {output!r} is inside the rank directory {directory!r}: expected one outside"
             )
-    make_private_dir(output)
-    for name in os.listdir(output):
+    try:
+        make_private_dir(output)
+        names = os.listdir(output)
+    except OSError as exc:
+        raise ConvertError(
+            f"output: {output!r} cannot be made ({exc.strerror or type(exc).__name__}): expected a "
+            "directory this user may write in"
+        ) from None
+    foreign = sorted(n for n in names if n not in DATASET_ENTRIES and not n.startswith(TEMPORARY_PREFIX))
+    if foreign and MANIFEST not in names:  # a dataset's own directory may hold the user's notes too
+        raise ConvertError(
+            f"output: {output!r} holds files that are not a trainmon dataset's ({', '.join(foreign[:3])}"
+            f"{' ...' if len(foreign) > 3 else ''}): expected a new or empty directory, or a dataset "
+            "that trainmon compact wrote"
+        )
+    for name in names:
         if name.startswith(TEMPORARY_PREFIX) and os.path.isfile(os.path.join(output, name)):
             os.unlink(os.path.join(output, name))
     manifest = Manifest(os.path.join(output, MANIFEST), monitor_path, output)
     others = manifest.other_directories({os.path.basename(d) for d in rank_dirs})
     if others:
-        logger.warning(
-            "trainmon compact: %s holds a dataset made from other rank directories (%s): their values "
-            "stay beside this run's (as they should if those were this run's, deleted since); to keep "
-            "another run apart, compact into a new directory",
-            output,
-            ", ".join(others[:3]) + (" ..." if len(others) > 3 else ""),
+        raise ConvertError(
+            f"output: {output!r} holds the dataset of other rank directories "
+            f"({', '.join(others[:3])}{' ...' if len(others) > 3 else ''}): this run's parts would "
+            "replace the values of the ranks both have; expected a new directory, or this run's dataset"
         )
     return manifest

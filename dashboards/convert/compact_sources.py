@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from dashboards.convert.compact_tables import quoted
-from dashboards.csvfiles import header_ops
+from dashboards.csvfiles import header_columns, header_ops
 from monitor.anomaly.rank_csv import read_complete_lines
 from monitor.writers.parquet_files import row_count
 
@@ -56,6 +56,8 @@ def _csv_values(con: Any, paths: dict[int, str]) -> str | None:
     for index, path in paths.items():
         file_ops = list(header_ops(path))
         if not file_ops:  # empty, or a header without statistics: nothing to read
+            if not_a_header(path):
+                logger.warning("trainmon compact: skipping %s: not a monitor CSV header", path)
             continue
         ops += [op for op in file_ops if op not in ops]
         with open(path, encoding="utf-8", errors="replace") as handle:
@@ -66,13 +68,13 @@ def _csv_values(con: Any, paths: dict[int, str]) -> str | None:
         if index != newest and _ends_a_line(path):
             source = (
                 f"read_csv({quoted(path)}, header = true, columns = {{{columns}}}, auto_detect = false, "
-                "null_padding = true, ignore_errors = true, store_rejects = true)"
+                "ignore_errors = true, store_rejects = true)"
             )
         else:  # read now into a table, so that its rows that do not parse are said under its name
             source = f"complete_lines_{index}"
             con.register("complete_lines", con.read_csv(
                 io.BytesIO(read_complete_lines(path)), header=True, columns=types, auto_detect=False,
-                null_padding=True, ignore_errors=True, store_rejects=True,
+                ignore_errors=True, store_rejects=True,
             ))  # fmt: skip
             con.execute(f"CREATE OR REPLACE TEMP TABLE {source} AS SELECT * FROM complete_lines")
             con.unregister("complete_lines")
@@ -90,6 +92,23 @@ def _csv_values(con: Any, paths: dict[int, str]) -> str | None:
     """
 
 
+def unreadable_parquet(con: Any, paths: Sequence[str]) -> list[str]:
+    """The Parquet files among ``paths`` whose columns cannot be decoded in full (damaged data
+    behind a footer that reads fine)."""
+    damaged = []
+    for path in paths:
+        if not path.endswith(".parquet"):
+            continue
+        try:
+            con.execute(
+                "SELECT max(step), max(micro_step), max(vpp_stage), max(length(name)), max(length(op)), "
+                f"max(value) FROM read_parquet({quoted(path)})"
+            ).fetchall()
+        except Exception:  # any failure to decode: DuckDB raises several kinds
+            damaged.append(path)
+    return damaged
+
+
 def say_rejected(con: Any, path: str | None = None) -> None:
     """The CSV rows just read that did not parse (a value that is no number): left out, as every
     reader leaves them, and said once per file (``path``: the file of the only read since the last
@@ -99,8 +118,8 @@ def say_rejected(con: Any, path: str | None = None) -> None:
 
     try:
         found = con.execute(
-            "SELECT s.file_path, count(*) FROM reject_errors e JOIN reject_scans s USING (scan_id, file_id) "
-            "GROUP BY 1 ORDER BY 1"
+            "SELECT s.file_path, count(DISTINCT e.line) FROM reject_errors e "
+            "JOIN reject_scans s USING (scan_id, file_id) GROUP BY 1 ORDER BY 1"
         ).fetchall()
     except duckdb.CatalogException:  # nothing was read with store_rejects yet
         return
@@ -113,6 +132,20 @@ def say_rejected(con: Any, path: str | None = None) -> None:
         logger.warning("trainmon compact: %s: skipped %d row(s) that did not parse", name, count)
     con.execute("DELETE FROM reject_errors")
     con.execute("DELETE FROM reject_scans")
+
+
+def not_a_header(path: str) -> bool:
+    """Whether a CSV file's first line is there but is no monitor CSV header (damaged, another
+    tool's file, not UTF-8), as the other readers say of it; an empty file is not."""
+    with open(path, "rb") as handle:
+        first = handle.readline()
+    if not first.strip():
+        return False
+    try:
+        header_columns(first.decode("utf-8").strip())
+    except (UnicodeDecodeError, ValueError, StopIteration):
+        return True
+    return False
 
 
 def _ends_a_line(path: str) -> bool:

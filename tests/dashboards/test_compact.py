@@ -390,16 +390,68 @@ def test_a_killed_compaction_leaves_a_readable_dataset_and_the_next_one_goes_on_
     assert compact(".", str(tmp_path / "dataset")) == {"written": 0, "kept": 4}
 
 
-def test_compacting_into_another_runs_dataset_is_said(tmp_path, caplog):
-    """-o naming the dataset of another run merges the two (a dataset keeps what it held): said,
-    naming the other run's directories; compacting the same run again says nothing."""
-    first = write_run(tmp_path / "a", ranks=(0,), steps=range(2))
+def test_compacting_into_another_runs_dataset_or_a_users_directory_is_refused(tmp_path):
+    """-o naming the dataset of another run: its parts of the ranks both runs have would be
+    replaced; a directory of the user's files: the dataset would be mixed in among them; one
+    that cannot be made: named at once, not retried as a file that changed. Each is a one-line
+    error naming the directory, with nothing changed there."""
+    write_run(tmp_path / "a", ranks=(0,), steps=range(2))
     write_run(tmp_path / "b", ranks=(0,), steps=range(2), stamp="Jan03_03-04-05")
     compact(str(tmp_path / "a"), str(tmp_path / "ds"))
-    compact(str(tmp_path / "a"), str(tmp_path / "ds"))
-    assert "other rank directories" not in caplog.text
-    compact(str(tmp_path / "b"), str(tmp_path / "ds"))
-    assert f"made from other rank directories ({first[0].name})" in caplog.text
+    before = _dataset(tmp_path / "ds")
+    compact(str(tmp_path / "a"), str(tmp_path / "ds"))  # the same run again: fine
+    with pytest.raises(
+        ConvertError, match=r"holds the dataset of other rank directories \(Jan02_03-04-05-rank0"
+    ):
+        compact(str(tmp_path / "b"), str(tmp_path / "ds"))
+    assert _dataset(tmp_path / "ds") == before
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep")
+    with pytest.raises(ConvertError, match=r"holds files that are not a trainmon dataset's \(notes.txt\)"):
+        compact(str(tmp_path / "a"), str(mine))
+    assert sorted(p.name for p in mine.iterdir()) == ["notes.txt"]
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(ConvertError, match=r"afile/ds' cannot be made \(Not a directory\)"):
+        compact(str(tmp_path / "a"), str(tmp_path / "afile" / "ds"))
+
+
+def test_values_written_twice_keep_the_later_and_are_said_once(tmp_path, caplog):
+    """A second, different run into the same output root overwrote steps 0-1 of rank 0: the
+    dataset holds the later run's values there and the earlier run's after, and says so."""
+    write_run(tmp_path, ranks=(0,), steps=range(4))
+    overwritten = [
+        (0, "grad_reduced", step, row, op) for step in range(2) for row in range(len(NAMES)) for op in OPS
+    ]
+    write_run(
+        tmp_path, ranks=(0,), steps=range(2), stamp="Jan03_03-04-05", special=dict.fromkeys(overwritten, -7.0)
+    )
+    compact(str(tmp_path))
+    got = _dataset(tmp_path / "dataset")
+    assert {v for k, v in got.items() if k[5] < 2} == {-7.0}
+    assert -7.0 not in {v for k, v in got.items() if k[5] >= 2}
+    said = [r.getMessage() for r in caplog.records if "written more than once" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith(f"trainmon compact: {2 * len(NAMES) * len(OPS)} value(s)")
+
+
+def test_a_damaged_header_and_a_short_row_are_left_out_and_said(tmp_path, caplog):
+    """A file whose header was overwritten is not a monitor file: skipped, named. A row cut
+    short mid-file (its last values gone, its line still ended) is left out whole, not kept
+    with the values it still has, and said as a row that did not parse."""
+    dirs = write_run(tmp_path, ranks=(0,), steps=range(4), window=2)
+    first, second = sorted(dirs[0].glob("grad_reduced_*.csv"))
+    first.write_bytes(b"\0" * 10 + first.read_bytes()[10:])
+    lines = second.read_text().splitlines(keepends=True)
+    short_name = lines[2].split(",")[1]
+    lines[2] = ",".join(lines[2].split(",")[:5]) + "\n"
+    second.write_text("".join(lines))
+    compact(str(tmp_path))
+    got = _dataset(tmp_path / "dataset")
+    assert {key[5] for key in got} == {2, 3}
+    assert not [key for key in got if key[3] == short_name and key[5] == int(lines[2].split(",")[2])]
+    assert len(got) == (2 * len(NAMES) - 1) * len(OPS)
+    assert f"skipping {first}: not a monitor CSV header" in caplog.text
+    assert f"{second}: skipped 1 row(s) that did not parse" in caplog.text
 
 
 def test_a_row_that_does_not_parse_is_left_out_and_said(tmp_path, caplog):
@@ -470,7 +522,7 @@ def test_temporary_files_a_killed_compaction_left_beside_the_tables_are_removed(
     dataset's directory; the next compaction removes it, and nothing else there."""
     write_run(tmp_path, ranks=(0,), steps=range(2))
     dataset = tmp_path / "dataset"
-    dataset.mkdir()
+    compact(str(tmp_path))
     for name in (".tmp-k3j2h1g0", ".tmp-9abc.parquet.tmp", "notes.txt"):
         (dataset / name).write_text("left")
     compact(str(tmp_path))
@@ -545,6 +597,20 @@ def test_an_unreadable_live_parquet_file_is_skipped_and_the_rest_compacted(tmp_p
         _, _, _, name, _, step, op = key
         assert value == generated_value(0, 0, step, NAMES.index(name), op)
     assert "not a whole Parquet file" in caplog.text
+
+
+def test_a_live_parquet_file_whose_data_is_damaged_is_skipped_naming_it(tmp_path, caplog):
+    """Its footer reads fine, its data does not decode: the file is named and left out, the
+    others compacted, where DuckDB's own error ended the whole compaction."""
+    dirs = write_run(tmp_path, ranks=(0,), steps=range(4), window=2, fmt="parquet")
+    (bad,) = dirs[0].glob("values/*/steps-0000000000-0000000001.parquet")
+    data = bytearray(bad.read_bytes())
+    for i in range(4, min(len(data) - 200, 600)):  # the column chunks, before the footer
+        data[i] ^= 0x5A
+    bad.write_bytes(bytes(data))
+    compact(str(tmp_path))
+    assert {key[5] for key in _dataset(tmp_path / "dataset")} == {2, 3}
+    assert f"skipping {bad}: its data cannot be read" in caplog.text
 
 
 def test_a_real_runs_incidents_topology_and_config_are_tables_of_the_dataset(tmp_path):
