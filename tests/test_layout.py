@@ -84,7 +84,7 @@ LAYERS = {
     "collectives": ("config",),
     "writers": ("datatypes",),
     "anomaly": ("config", "datatypes", "writers.eventfile", "writers.parquet_files"),
-    "alerts": ("config.values",),
+    "alerts": ("config.values", "anomaly.ordering"),
     "session": ("config", "stats", "datatypes", "collectives", "writers", "anomaly", "alerts"),
     "integrations": ("config", "session"),
 }

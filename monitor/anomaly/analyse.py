@@ -92,8 +92,10 @@ OUTPUT_NAME = "anomaly_analyse.json"
 
 DESCRIPTION = "Rank the anomalies recorded in DIR/rank*/anomaly.json by when they happened in the step."
 EPILOG = """\
-ordering: step, micro_step, stage (forward < backward < optimizer < unknown task), pipeline stage
-(earlier first in forward, later first in backward/optimizer), call_id, rank, tag, op.
+ordering: step; micro_step, with the parameters a step starts from (param_origin) before its
+first micro-step and whole-step rows (reduced gradients, optimizer) after its last; stage
+(parameters < forward < backward < optimizer < unknown task); pipeline stage (earlier first in
+forward, later first in backward/optimizer); call_id, rank, tag, op.
 call_id is the collection order within one step on ONE rank; it is only comparable within a rank.
 exit status: 0 done, 1 output not written, 2 bad input."""
 

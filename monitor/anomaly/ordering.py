@@ -11,7 +11,7 @@ records are ranked by when they were produced. The sort key is::
   parameters the step starts from); ``actv`` -> 0 (forward); ``actv_grad``, ``pre_grad``,
   ``acc_grad``, ``post_grad`` and communication tasks ``pre_N`` / ``post_N`` -> 1 (backward);
   ``exp_avg``, ``exp_avg_sq``, ``mg_direction``, ``param_updated`` -> 2 (optimizer); anything
-  else -> 3, i.e. **after** every known stage (the reference sorts unknown tasks first by
+  else -> 3, i.e. **after** every known stage (msprobe sorts unknown tasks first by
   accident, and puts the parameters a step starts from with the optimizer, after their effects).
   Unknown tasks rank after the step's micro-steps too.
 * ``micro_step``: records of the whole step carry 0, yet those before its micro-steps

@@ -115,8 +115,8 @@ class WriterThread:
 
     def end_step(self, step: int) -> None:
         """End a collected step: sinks flush whole rows / replace their JSON, and this call returns
-        when they have, so a step that has ended survives a crash (the issue's promise: every step
-        before the one a kill interrupts). A writer more than STEP_WAIT_S behind is reported once
+        when they have, so a step that has ended survives a crash (every step before the one a kill
+        interrupts is on disk). A writer more than STEP_WAIT_S behind is reported once
         and no longer waited for."""
         marker = _StepEnd(step)
         if not self._put(marker) or not self._wait_for_steps:
