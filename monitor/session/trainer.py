@@ -250,8 +250,15 @@ class TrainerMon(MsprobeOldNames):
         if config is not None and config.dynamic_on:
             first = max(step, config.start_step)  # the first step the new collection may take
             logger.info("trainmon: config %s updated; collecting from step %d", self.config_file_path, first)
-            self.config = config
-            self._session.start(config)
+            previous, collecting = self.config, self._session.active
+            try:
+                self.config = config
+                self._session.start(config)
+            except Exception:  # back to what ran before the edit, in the same run directory
+                self.config = previous
+                if collecting:
+                    self._session.start(previous)
+                raise
             self._dynamic_running = True
         elif config is not None and self._session.active:  # dynamic_on: false, written in by hand
             logger.info(

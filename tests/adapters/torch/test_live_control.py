@@ -85,6 +85,33 @@ def test_dynamic_mode_with_dynamic_on_at_start_collects_from_the_first_step(tmp_
     mon.stop()
 
 
+def test_a_live_edit_that_cannot_start_leaves_the_running_collection_on(tmp_path, monkeypatch, trainmon_log):
+    """An edit whose collection fails to start (a fault of ours, made here on purpose for configs
+    asking for ``zeros``): the collection that ran goes on in the same directory, the file keeps
+    what the user wrote (it was rewritten with dynamic_on: false), and the failure is said once."""
+    from adapters.torch.session import TorchSession
+
+    made = TorchSession._new_collection
+
+    def refusing(self):
+        if "zeros" in self.config.ops:
+            raise RuntimeError("cannot build this collection")
+        return made(self)
+
+    monkeypatch.setattr(TorchSession, "_new_collection", refusing)
+    mon, path = _dynamic_run(tmp_path, monkeypatch, {"ops": ["norm"]}, steps=2)
+    edit = json.loads(path.read_text()) | {"ops": ["norm", "zeros"]}
+    replace_file(path, json.dumps(edit))
+    model_steps = mon.step
+    for step in range(model_steps, model_steps + 4):
+        _step(mon._session.chunks[0], mon._session.optimizer, step)
+    assert mon.monitoring and collected_steps(mon.output_dir) == list(range(model_steps + 4))
+    assert json.loads(path.read_text()) == edit
+    said = [r.getMessage() for r in trainmon_log.records if "live control failed" in r.getMessage()]
+    assert len(said) == 1 and "cannot build this collection" in said[0]
+    mon.stop()
+
+
 @pytest.mark.parametrize("optimizer_class", [torch.optim.AdamW, torch.optim.SGD])
 def test_start_and_stop_switch_collection_from_python(optimizer_class):
     torch.manual_seed(0)
