@@ -355,6 +355,32 @@ class OptimizerChecks:
                 )
             if verdict and self.config.mg_direction:
                 logger.warning("trainmon: mg_direction: %s keeps no exp_avg; every share is 1.0", verdict)
+            if verdict is False and self.config.mv_distribution:
+                _say_partial_moments(backend, params)
+
+
+def _say_partial_moments(backend: TorchBackend, params: Sequence[torch.nn.Parameter]) -> None:
+    """Parameters whose optimizer state holds no ``exp_avg_sq`` while others' does: Adafactor
+    keeps a factored second moment (``exp_avg_sq_row`` / ``_col``) for matrices. Said once, with
+    the keys their state holds instead, so that their missing rows are not a silent gap."""
+    lacking = [
+        param
+        for param in params
+        if backend.moment(param, "exp_avg_sq") is None
+        and (owner := backend.state_owner(param)) is not None
+        and owner[0].state.get(owner[1])
+    ]
+    if lacking:
+        owner, tensor = backend.state_owner(lacking[0])
+        keys = ", ".join(sorted(k for k in owner.state[tensor] if k != "step")) or "nothing"
+        logger.warning(
+            "trainmon: mv_distribution: %s keeps no exp_avg_sq for %d of %d parameters (their state "
+            "holds %s: a factored second moment); no exp_avg_sq rows for them",
+            type(owner).__name__,
+            len(lacking),
+            len(params),
+            keys,
+        )
 
 
 def optimizer_backend(optimizer: Any, chunks: Sequence[torch.nn.Module] = ()) -> TorchBackend:

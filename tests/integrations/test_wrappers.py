@@ -80,3 +80,33 @@ def test_lightnings_placeholder_optimizer_is_refused_naming_it():
     with pytest.raises(ValueError, match="got _MockOptimizer holding no parameters"):
         mon.set_monitor(MLP(), grad_acc_steps=1, optimizer=_MockOptimizer())
     assert mon.output_dir is None
+
+
+def test_a_factored_second_moment_is_said_and_the_rest_recorded(trainmon_log):
+    """Hugging Face's Adafactor keeps exp_avg_sq for vectors and a factored second moment for
+    matrices: the vectors' rows are written (equal to the optimizer's state), the matrices' gap
+    is said once, naming the keys their state holds."""
+    pytest.importorskip("transformers")
+    from transformers.optimization import Adafactor
+
+    torch.manual_seed(0)
+    model = MLP()
+    optimizer = Adafactor(model.parameters(), lr=1e-2, relative_step=False, scale_parameter=False)
+    mon = TrainerMon({**CONFIG, "wg_distribution": False}).set_monitor(
+        model, grad_acc_steps=1, optimizer=optimizer
+    )
+    for (x,) in make_batches(2, 1):
+        model(x).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    moments = mon.generate_mv_metrics()
+    mon.stop()
+    vectors = {n: p for n, p in model.named_parameters() if p.dim() == 1}
+    assert {t for t in moments if t.endswith("/exp_avg_sq")} == {f"0:{n}/rank0/exp_avg_sq" for n in vectors}
+    for name, param in vectors.items():
+        state = optimizer.state[param]["exp_avg_sq"].numpy()
+        assert_stats_close(moments[f"0:{name}/rank0/exp_avg_sq"], state, ops=CONFIG["ops"])
+    said = [r.getMessage() for r in trainmon_log.records if "keeps no exp_avg_sq for" in r.getMessage()]
+    matrices = sum(p.dim() == 2 for p in model.parameters())
+    assert len(said) == 1 and f"Adafactor keeps no exp_avg_sq for {matrices} of" in said[0]
+    assert "exp_avg_sq_col, exp_avg_sq_row" in said[0]
