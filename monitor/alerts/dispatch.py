@@ -134,6 +134,13 @@ class Channel:
                 left,
                 given,
             )
+        if self.suppressed and not self._thread.is_alive():  # no later message carries the count
+            logger.warning(
+                "trainmon: %s: %d alert message(s) held back by its limits (cooldown_s, max_per_hour, "
+                "a full queue) since its last delivery; see incidents.json",
+                self.label,
+                self.suppressed,
+            )
 
     def _run(self) -> None:
         while True:

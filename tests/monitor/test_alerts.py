@@ -211,6 +211,8 @@ def test_cool_down_and_hourly_limit_drop_and_count(tmp_path, caplog, quick):
     assert [m["suppressed"] for m in lines(limited)] == [0, 0]
     said = [r.getMessage() for r in caplog.records if "holds back a message" in r.getMessage()]
     assert len(said) == 2 and "max_per_hour (2)" in said[0] + said[1] and "cooldown_s" in said[0] + said[1]
+    at_close = [r.getMessage() for r in caplog.records if "held back by its limits" in r.getMessage()]
+    assert sorted(m.split(": ")[2].split()[0] for m in at_close) == ["3", "4"], at_close
 
 
 def test_command_gets_the_message_on_stdin_and_a_failing_one_is_reported(tmp_path, caplog, quick):
