@@ -13,10 +13,11 @@ from typing import Any
 from dashboards.convert.compact_tables import TEMPORARY_PREFIX, read_json_object
 from dashboards.convert.runs import ConvertError
 from monitor.files import atomic_write_text, make_private_dir
+from monitor.writers.parquet_files import DATASET_MANIFEST
 
 logger = logging.getLogger("trainmon")
 
-MANIFEST = "compact.json"
+MANIFEST = DATASET_MANIFEST
 #: the longest a killed compaction loses of the parts it wrote
 SAVE_EVERY_S = 2.0
 #: the value's SQL type where every value survives it, and where one does not

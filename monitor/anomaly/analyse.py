@@ -52,6 +52,7 @@ from monitor.anomaly.report import (
     write_atomic,
 )
 from monitor.anomaly.workers import MAX_JOBS
+from monitor.writers.parquet_files import dataset_hint
 
 __all__ = [
     "DESCRIPTION",
@@ -276,7 +277,7 @@ def _check(args: argparse.Namespace) -> tuple[str, int, frozenset[int] | None, l
     if not paths:
         raise UsageError(
             f"no anomaly files found: expected {os.path.join(data_dir, '<sub-dir>', INPUT_NAME)} "
-            "(point -d at the anomaly_detected directory)"
+            f"(point -d at the anomaly_detected directory){dataset_hint(data_dir)}"
         )
     return make_out_dir(args, data_dir), k, steps, paths
 

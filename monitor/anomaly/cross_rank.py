@@ -33,7 +33,7 @@ from monitor.anomaly import analyse, peers, rank_csv, windows
 from monitor.anomaly.analyse import UsageError
 from monitor.config.values import did_you_mean
 from monitor.files import TIME_FORMAT, time_bounds
-from monitor.writers.parquet_files import live_prefixes
+from monitor.writers.parquet_files import dataset_hint, live_prefixes
 
 OUTPUT_NAME = "cross_rank_outliers.json"
 DEFAULT_TYPES = "grad_unreduced"
@@ -285,6 +285,7 @@ def _check(args: argparse.Namespace) -> Settings:
     if not rank_dirs:
         raise UsageError(
             f"no per-rank output directories found: expected {where} (point -d at MONITOR_OUTPUT_DIR)"
+            f"{dataset_hint(data_dir)}"
         )
     absent = sorted(set(ranks or ()) - set(rank_dirs))
     if absent:

@@ -27,6 +27,21 @@ import numpy as np
 
 #: the subdirectory of a rank's directory that holds the values
 VALUES_DIR = "values"
+#: the file that marks a dataset ``trainmon compact`` wrote (its sources and value type)
+DATASET_MANIFEST = "compact.json"
+
+
+def dataset_hint(path: str) -> str:
+    """For an error about a directory with no run in it: a word when it is a compacted dataset,
+    which the commands that read a run do not take (empty otherwise)."""
+    if not os.path.isfile(os.path.join(path, DATASET_MANIFEST)):
+        return ""
+    return (
+        f"; {path!r} is a dataset written by trainmon compact: give the run's output directory, or "
+        "query the dataset with SQL (docs/dashboards.md)"
+    )
+
+
 _STEP_FILE = re.compile(r"step-(\d+)(?:\.\d+)?\.parquet")
 _MERGED_FILE = re.compile(r"steps-(\d+)-(\d+)\.parquet")
 _LATE_FILE = re.compile(r"late-(\d+)-\d+\.parquet")

@@ -695,3 +695,21 @@ def test_a_part_is_a_file_per_step_range_and_a_run_that_goes_on_rewrites_only_it
     assert rewritten == ["steps-20-29.parquet", "steps-30-39.parquet"]  # the files the new steps reach
     steps = {key[5] for key in _dataset(tmp_path / "dataset")}  # _dataset: no value twice
     assert steps == set(range(32))
+
+
+def test_commands_that_read_a_run_say_when_given_its_dataset(tmp_path):
+    """The dataset is not a run: anomaly-analyse (both modes) and csv2tb given it say so and what
+    to give instead, rather than only that no rank directory is there."""
+    write_run(tmp_path, ranks=(0,), steps=range(2))
+    compact(str(tmp_path))
+    dataset = str(tmp_path / "dataset")
+    hint = f"{dataset!r} is a dataset written by trainmon compact: give the run's output directory"
+    for argv in (
+        ["anomaly-analyse", "-d", dataset],
+        ["anomaly-analyse", "--cross-rank", "-d", dataset],
+        ["csv2tb", dataset],
+    ):
+        done = subprocess.run(
+            [sys.executable, "-m", "monitor.cli", *argv], capture_output=True, text=True, check=False
+        )
+        assert done.returncode == 2 and hint in done.stderr, (argv, done.stderr)
