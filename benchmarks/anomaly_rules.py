@@ -49,7 +49,8 @@ def false_positive_rate(rule, series: np.ndarray) -> float:
         mask, _ = rule.apply(values, state, ("norm",))
         flagged += int(mask.sum())
         judged += int((state["count"] >= rule.warmup).sum())
-        state = rule.update(values, state)
+        learns = getattr(rule, "learns_from_verdicts", False)  # as the detector feeds it
+        state = rule.update(values, state, mask) if learns else rule.update(values, state)
     return flagged / max(judged, 1)
 
 

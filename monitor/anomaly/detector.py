@@ -123,6 +123,7 @@ class Detector:
                 mask, baseline = rule.apply(view, cells, ops, scale=scale)
             else:
                 mask, baseline = rule.apply(view, cells, ops)
+            verdicts = mask.copy() if getattr(rule, "learns_from_verdicts", False) else None
             mask &= ~(reported if judged is None else reported[:, judged])
             if shares_of_zero is not None:
                 mask &= ~shares_of_zero[:, None]
@@ -132,7 +133,8 @@ class Detector:
                 reported[row, column] = True
                 rows.append(row), cols.append(column), baselines.append(baseline[row, col])
                 ids.append(np.full(len(row), FIRST_RULE_ID + number))
-            for name, array in rule.update(view, cells).items():
+            updated = rule.update(view, cells) if verdicts is None else rule.update(view, cells, verdicts)
+            for name, array in updated.items():
                 if index is None and judged is None:
                     state[name] = array
                 elif index is None:
@@ -372,14 +374,22 @@ def rule_identities(rules: list) -> list[dict[str, Any]]:
 
 
 def _state_arrays(rule: Any, saved: Mapping[str, Any], tags: int, ops: int) -> dict[str, np.ndarray]:
-    """One rule's saved arrays, checked against its fields and the tag table."""
-    if set(saved) != set(rule.fields):
+    """One rule's saved arrays, checked against its fields and the tag table; a field the rule
+    gained since states were first saved (``added_fields``) starts at its default."""
+    missing = set(rule.fields) - set(saved)
+    if (
+        not set(saved) <= set(rule.fields)
+        or missing - set(getattr(rule, "added_fields", ()))
+        or (rule.fields and not saved)
+    ):
         raise ValueError(
             f"{type(rule).__name__} state has fields {sorted(saved)}, expected {sorted(rule.fields)}"
         )
+    first = np.array(next(iter(saved.values())), dtype=np.float64) if saved else np.zeros((0, ops))
+    rows = first.shape[0] if first.ndim == 2 else 0
     arrays = {}
     for name in rule.fields:
-        array = np.array(saved[name], dtype=np.float64)
+        array = np.array(saved.get(name, np.full((rows, ops), rule.fields[name])), dtype=np.float64)
         if array.size == 0:
             array = array.reshape(0, ops)
         if array.ndim != 2 or array.shape[1] != ops or array.shape[0] > tags:
