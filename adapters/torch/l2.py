@@ -251,20 +251,21 @@ class L2Features(L2Steps):
                     scales.append(torch.ones((), device=piece.device))
                 else:
                     weight = linear_weight(module).detach().float()
-                    # summed in float64: the squares of a weight near 1e19 overflow float32
-                    frobenius.append(torch.linalg.vector_norm(weight, dtype=torch.float64))
-                    # the Gram operator of the weight over its Frobenius norm, which would
-                    # overflow float32 there too; the spectral norm is scaled back below
-                    scale = torch.nan_to_num(frobenius[-1], nan=1.0, posinf=1.0).clamp(1e-30, 1e38).float()
+                    frobenius.append(torch.linalg.vector_norm(weight))
+                    # Lanczos on the weight over its Frobenius norm: unscaled, the norms of
+                    # Gram products overflow float32 once the spectral norm passes about 4e9
+                    scale = torch.nan_to_num(frobenius[-1], nan=1.0, posinf=1.0).clamp_min(1e-30)
                     scales.append(scale)
                     runs.append(self._lanczos(index, *_gram(weight, scale), weight.device))
             sigma = self._spectral_norms(runs)
-            frobenius = torch.stack([f.to(sigma.device, torch.float64) for f in frobenius])
-            sigma = sigma.double() * torch.stack([s.to(sigma.device, torch.float64) for s in scales])
-            finite = torch.isfinite(frobenius)  # a NaN weight gives NaN, an Inf one inf and sr NaN
+            sigma = sigma * torch.stack([scale.to(sigma.device) for scale in scales])
+            frobenius = torch.stack([f.to(sigma.device) for f in frobenius])
+            # a weight holding NaN gives NaN; one holding Inf, or whose squares overflow float32
+            # (a norm above 1.8e19), inf and an undefined ratio
+            finite = torch.isfinite(frobenius)
             sigma = torch.where(finite, sigma, frobenius)
             ratio = torch.where(sigma == 0, 0.0, frobenius / sigma)  # a zero weight: 0
-        return self.linear_rows(rank), torch.stack([sigma, ratio], dim=1).float()
+        return self.linear_rows(rank), torch.stack([sigma, ratio], dim=1)
 
     def _lanczos(
         self, index: int, gram: Callable[[torch.Tensor], torch.Tensor], size: int, device: torch.device

@@ -44,19 +44,20 @@ def test_a_weight_re_drawn_between_steps_stays_within_one_percent():
 
 
 def test_non_finite_and_huge_weights_give_what_their_values_say():
-    """NaN anywhere: both NaN. Inf: an infinite norm and an undefined ratio. A finite weight of
-    1e19 (its Gram matrix would overflow float32): measured as exactly as a small one."""
+    """NaN anywhere: both NaN (the ratio was 0). Inf, or squares beyond float32 (1e19): an
+    infinite norm and an undefined ratio, never a finite value that is wrong. Large but within
+    float32 (1e17): measured as exactly as a small one."""
     generator = torch.Generator().manual_seed(5)
     base = torch.randn(24, 16, generator=generator)
     nan, inf = base.clone(), base.clone()
     nan[3, 4], inf[2, 2] = float("nan"), float("inf")
-    huge = base * 1e19
-    (nan_norm, nan_sr), (inf_norm, inf_sr), (huge_norm, huge_sr) = _measured([nan, inf, huge])
+    measured = _measured([nan, inf, base * 1e19, base * 1e17])
+    (nan_norm, nan_sr), (inf_norm, inf_sr), (over_norm, over_sr), (large_norm, large_sr) = measured
     assert np.isnan(nan_norm) and np.isnan(nan_sr)
-    assert inf_norm == float("inf") and np.isnan(inf_sr)
-    singular = np.linalg.svd(huge.double().numpy(), compute_uv=False)
-    assert huge_norm == pytest.approx(singular[0], rel=1e-4)
-    assert huge_sr == pytest.approx(np.sqrt((singular**2).sum()) / singular[0], rel=1e-4)
+    assert inf_norm == over_norm == float("inf") and np.isnan(inf_sr) and np.isnan(over_sr)
+    singular = np.linalg.svd((base * 1e17).double().numpy(), compute_uv=False)
+    assert large_norm == pytest.approx(singular[0], rel=1e-4)
+    assert large_sr == pytest.approx(np.sqrt((singular**2).sum()) / singular[0], rel=1e-4)
 
 
 class CoreAttention(nn.Module):
