@@ -88,7 +88,8 @@ def test_dynamic_mode_with_dynamic_on_at_start_collects_from_the_first_step(tmp_
 def test_a_live_edit_that_cannot_start_leaves_the_running_collection_on(tmp_path, monkeypatch, trainmon_log):
     """An edit whose collection fails to start (a fault of ours, made here on purpose for configs
     asking for ``zeros``): the collection that ran goes on in the same directory, the file keeps
-    what the user wrote (it was rewritten with dynamic_on: false), and the failure is said once."""
+    what the user wrote until the collection ends (it was rewritten with dynamic_on: false at
+    once), the steps collected before the edit still count, and the failure is said once."""
     from adapters.torch.session import TorchSession
 
     made = TorchSession._new_collection
@@ -99,16 +100,18 @@ def test_a_live_edit_that_cannot_start_leaves_the_running_collection_on(tmp_path
         return made(self)
 
     monkeypatch.setattr(TorchSession, "_new_collection", refusing)
-    mon, path = _dynamic_run(tmp_path, monkeypatch, {"ops": ["norm"]}, steps=2)
+    mon, path = _dynamic_run(tmp_path, monkeypatch, {"ops": ["norm"], "collect_times": 5}, steps=2)
     edit = json.loads(path.read_text()) | {"ops": ["norm", "zeros"]}
     replace_file(path, json.dumps(edit))
     model_steps = mon.step
     for step in range(model_steps, model_steps + 4):
         _step(mon._session.chunks[0], mon._session.optimizer, step)
-    assert mon.monitoring and collected_steps(mon.output_dir) == list(range(model_steps + 4))
-    assert json.loads(path.read_text()) == edit
-    said = [r.getMessage() for r in trainmon_log.records if "live control failed" in r.getMessage()]
+    # the steps collected before the edit still count: collect_times 5 ends after step 4
+    assert collected_steps(mon.output_dir) == list(range(5)) and not mon.monitoring
+    assert json.loads(path.read_text()) == {**edit, "dynamic_on": False}  # written back at the end
+    said = [r.getMessage() for r in trainmon_log.records if "cannot be applied" in r.getMessage()]
     assert len(said) == 1 and "cannot build this collection" in said[0]
+    assert said[0].endswith("collecting on with the previous config")
     mon.stop()
 
 
