@@ -254,6 +254,10 @@ _SIGNED = ("feishu", "dingtalk")
 _HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 #: an environment variable's name, as shells write it
 _VARIABLE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+#: a name quoted back in an error: the usual upper-case form; a chat robot's secret pasted in
+#: its place (DingTalk's SEC and hex digits, Feishu's mixed case) is a valid name, yet no such
+#: name, and is not shown
+_SHOWN_NAME = re.compile(r"[A-Z_][A-Z0-9_]{0,63}")
 
 
 def _usable_url(url: str) -> bool:
@@ -276,12 +280,13 @@ def _environment(variable: Any, path: str) -> str:
         raise ConfigError(f"{path}: expected the name of an environment variable, got {describe(variable)}")
     if not _VARIABLE_NAME.fullmatch(variable):
         bare = variable.strip("${}")
-        hint = f"; write {bare!r}, without $ or braces" if _VARIABLE_NAME.fullmatch(bare) else ""
+        hint = f"; write {bare!r}, without $ or braces" if _SHOWN_NAME.fullmatch(bare) else ""
         raise ConfigError(
             f"{path}: expected the name of an environment variable (letters, digits and _, not "
             f"starting with a digit), got a value that is not one (not shown: it may be a secret){hint}"
         )
     value = os.environ.get(variable)
     if not value:
-        raise ConfigError(f"{path}: the environment variable {variable} is not set")
+        named = variable if _SHOWN_NAME.fullmatch(variable) else "named there (not shown: it may be a secret)"
+        raise ConfigError(f"{path}: the environment variable {named} is not set")
     return value

@@ -134,22 +134,15 @@ class Channel:
                 left,
                 given,
             )
-        if self.suppressed and not self._thread.is_alive():  # no later message carries the count
-            logger.warning(
-                "trainmon: %s: %d alert message(s) held back by its limits (cooldown_s, max_per_hour, "
-                "a full queue) since its last delivery; see incidents.json",
-                self.label,
-                self.suppressed,
-            )
 
     def _run(self) -> None:
         while True:
             try:
                 item = self.queue.get(timeout=None if self._deadline is None else 0.1)
             except queue.Empty:  # closing, and nothing left
-                return
+                return self._say_held_back()
             if item is None or (self._deadline is not None and time.monotonic() > self._deadline):
-                return
+                return self._say_held_back()
             queued_at, message = item
             try:
                 mine = self._mine(queued_at, message)
@@ -157,6 +150,17 @@ class Channel:
                     self._deliver({**mine, "suppressed": self.suppressed})
             except Exception as exc:  # never let a sink's thread die on an unexpected error
                 self._warn_once(f"failed unexpectedly ({exc!r})")
+
+    def _say_held_back(self) -> None:
+        """At the sink's end: the messages its limits held back since its last delivery, which no
+        later message will count."""
+        if self.suppressed:
+            logger.warning(
+                "trainmon: %s: %d alert message(s) held back by its limits (cooldown_s, max_per_hour, "
+                "a full queue) since its last delivery; incidents.json has every incident",
+                self.label,
+                self.suppressed,
+            )
 
     def _mine(self, queued_at: float, message: Message) -> Message | None:
         """The message this rank delivers (the sink's ``ranks``), or None where another rank does."""

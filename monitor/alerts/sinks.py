@@ -250,7 +250,13 @@ def _end_group(process: subprocess.Popen) -> None:
         os.killpg(process.pid, signal.SIGKILL)
     except OSError:  # gone already
         pass
-    process.communicate()
+    try:
+        process.communicate(timeout=1.0)
+    except subprocess.TimeoutExpired:  # a descendant that left the group holds its stderr open
+        for pipe in (process.stdin, process.stderr):
+            if pipe is not None:
+                pipe.close()
+        process.wait()
 
 
 class FileSink:

@@ -247,6 +247,38 @@ def test_bad_secret_settings_are_refused_without_quoting_a_secret(monkeypatch, s
         assert hidden not in str(info.value)
 
 
+def test_a_signing_secret_pasted_where_its_variable_belongs_is_not_quoted_back():
+    """A DingTalk secret (SEC and hex digits) is a valid variable name, yet not one anybody
+    names a variable: the error says the variable is not set without showing it."""
+    secret = "SEC4f2a9be0c1d2e3f4a5b6c7d8e9f0a1b2c3d4e5f6a7b8c9d0"
+    with pytest.raises(ConfigError, match="is not set") as info:
+        load_config(
+            {
+                "alert": {
+                    "sinks": [
+                        {"type": "webhook", "url": "http://x", "preset": "dingtalk", "secret_env": secret}
+                    ]
+                }
+            }
+        )
+    assert "4f2a9b" not in str(info.value)
+    with pytest.raises(ConfigError, match="TRAINMON_UNSET_SECRET is not set"):
+        load_config(
+            {
+                "alert": {
+                    "sinks": [
+                        {
+                            "type": "webhook",
+                            "url": "http://x",
+                            "preset": "feishu",
+                            "secret_env": "TRAINMON_UNSET_SECRET",
+                        }
+                    ]
+                }
+            }
+        )
+
+
 def test_a_header_value_with_a_line_break_is_refused_at_the_door(monkeypatch):
     monkeypatch.setenv("HOOK_TOKEN", "Bearer abc\nX-Evil: 1")
     with pytest.raises(ConfigError, match="the value of HOOK_TOKEN holds a line break") as info:
