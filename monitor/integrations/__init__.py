@@ -30,6 +30,7 @@ from typing import Any
 
 from monitor.config.schema import MonitorConfig
 from monitor.errors import StructurePrinted
+from monitor.session.dynamic import dynamic_mode
 from monitor.session.trainer import TrainerMon
 
 logger = logging.getLogger("trainmon")
@@ -112,9 +113,15 @@ class MonitorCallback:
         process group does not cross processes and is left out, and so are ``on_incident`` and
         ``on_checkpoint`` functions that cannot be pickled (a lambda), said once."""
         monitor = self.monitor
+        if monitor.process_group is not None:
+            logger.warning(
+                "trainmon: the callback's process_group does not cross into the trainer's other "
+                "processes; each copy attaches with the default group"
+            )
         state = {k: v for k, v in self.__dict__.items() if k not in ("monitor", "attached", "_last_run")}
         state["monitor"] = {
-            "config": monitor.config_file_path or monitor.config,
+            "config": monitor.config,  # as it is now (``mon.ops = ...`` included)
+            "path": monitor.config_file_path if dynamic_mode() else None,  # dynamic mode watches it
             "params_have_main_grad": monitor.params_have_main_grad,
             "on_incident": [f for f in monitor._incident_callbacks if _picklable(f, "on_incident")],
             "on_checkpoint": [
@@ -126,7 +133,16 @@ class MonitorCallback:
     def __setstate__(self, state: dict[str, Any]) -> None:
         made = state.pop("monitor")
         self.__dict__.update(state)
-        self.monitor = TrainerMon(made["config"], params_have_main_grad=made["params_have_main_grad"])
+        main_grad = made["params_have_main_grad"]
+        try:
+            self.monitor = TrainerMon(made["path"] or made["config"], params_have_main_grad=main_grad)
+        except Exception as exc:  # the watched file changed or went: its config as it was copied
+            logger.error(
+                "trainmon: the copied callback cannot read %s (%r); using the config it carried",
+                made["path"],
+                exc,
+            )
+            self.monitor = TrainerMon(made["config"], params_have_main_grad=main_grad)
         for callback in made["on_incident"]:
             self.monitor.on_incident(callback)
         for function in made["on_checkpoint"]:

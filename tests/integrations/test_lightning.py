@@ -111,6 +111,9 @@ def test_a_copied_callback_carries_its_config_and_attaches_on_its_own(tmp_path, 
     copy = pickle.loads(pickle.dumps(callback))
     assert not copy.attached and copy.monitor is not callback.monitor
     assert copy.monitor.config == callback.monitor.config
+    changed = TrainmonCallback(config)
+    changed.monitor.ops = ["norm", "nans"]  # a change made in Python, not in any file
+    assert pickle.loads(pickle.dumps(changed)).monitor.config.ops == ("norm", "nans")
     assert copy.monitor._incident_callbacks == [_note_incident]
     assert any(
         "cannot be copied into the trainer's other processes" in r.getMessage() for r in trainmon_log.records
