@@ -57,9 +57,9 @@ class TorchSession(SessionLifecycle):
         if not any(group.get("params") for group in getattr(self.optimizer, "param_groups", [{"params": 1}])):
             raise ValueError(
                 f"set_monitor: optimizer: expected the optimizer that updates the model, got "
-                f"{type(self.optimizer).__name__} holding no parameters (Lightning's placeholder where "
-                "configure_optimizers returns None): its step, which marks a training step's end, "
-                "never comes"
+                f"{type(self.optimizer).__name__} holding no parameters (such as Lightning's "
+                "placeholder where configure_optimizers returns None): its step, which marks a "
+                "training step's end, never comes"
             )
         if a.config.module_ranks and optimizer_has_replicated_dtensors(self.optimizer):
             raise ValueError(

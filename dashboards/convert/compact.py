@@ -158,8 +158,11 @@ def _compact_once(monitor_path: str, output: str | None, memory_limit: int) -> d
                 )
                 manifest.written(part, unit, value_type, files)
                 written.add(part)
-                twice[part] = twice.get(part, 0) + repeated
-        _say_written_twice({part: count for part, count in twice.items() if count})
+                twice[part, unit] = repeated  # a unit written again as doubles: counted once
+        by_part: dict[str, int] = {}
+        for (part, _), count in twice.items():
+            by_part[part] = by_part.get(part, 0) + count
+        _say_written_twice({part: count for part, count in by_part.items() if count})
         _remove_other_parts(output, manifest.current)
         counts = {"written": len(written), "kept": len(manifest.current) - len(written)}
         write_tables(con, monitor_path, ranks, output)

@@ -151,8 +151,9 @@ def open_dataset(output: str, monitor_path: str, rank_dirs: list[str]) -> Manife
 
     Raises:
         ConvertError: ``output`` is inside a rank directory (it would be read as the rank's files),
-            cannot be made, holds files and no dataset, or holds the dataset of other rank
-            directories (this run's parts would replace the values of the ranks both have).
+            cannot be made, holds files and no dataset, or, outside ``monitor_path``, holds the
+            dataset of other rank directories (this run's parts would replace the values of the
+            ranks both have).
     """
     for directory in map(os.path.abspath, rank_dirs):
         if os.path.commonpath([output, directory]) == directory:
@@ -179,7 +180,17 @@ def open_dataset(output: str, monitor_path: str, rank_dirs: list[str]) -> Manife
             os.unlink(os.path.join(output, name))
     manifest = Manifest(os.path.join(output, MANIFEST), monitor_path, output)
     others = manifest.other_directories({os.path.basename(d) for d in rank_dirs})
-    if others:
+    root = os.path.abspath(monitor_path)
+    if others and os.path.commonpath([output, root]) == root:  # the root's own dataset: a resumed
+        # job's earlier rank directories, deleted since, whose values stay
+        logger.warning(
+            "trainmon compact: %s was made from rank directories no longer under %s (%s); their values "
+            "stay, and the steps this run's files hold replace theirs",
+            output,
+            monitor_path,
+            ", ".join(others[:3]) + (" ..." if len(others) > 3 else ""),
+        )
+    elif others:
         raise ConvertError(
             f"output: {output!r} holds the dataset of other rank directories "
             f"({', '.join(others[:3])}{' ...' if len(others) > 3 else ''}): this run's parts would "

@@ -713,3 +713,36 @@ def test_commands_that_read_a_run_say_when_given_its_dataset(tmp_path):
             [sys.executable, "-m", "monitor.cli", *argv], capture_output=True, text=True, check=False
         )
         assert done.returncode == 2 and hint in done.stderr, (argv, done.stderr)
+
+
+def test_a_resumed_job_adds_to_the_dataset_in_its_own_root(tmp_path, caplog):
+    """The root's own dataset (the default -o) was made from rank directories deleted since, and
+    the job resumed into new ones: it goes on, keeping the earlier values and saying so."""
+    (first,) = write_run(tmp_path, ranks=(0,), steps=range(2)).values()
+    compact(str(tmp_path))
+    shutil.rmtree(first)
+    write_run(tmp_path, ranks=(0,), steps=range(2, 4), stamp="Jan03_03-04-05")
+    compact(str(tmp_path))
+    assert {key[5] for key in _dataset(tmp_path / "dataset")} == {0, 1, 2, 3}
+    assert "no longer under" in caplog.text
+
+
+def test_the_farthest_rank_query_keeps_chunks_and_micro_steps_apart():
+    """Two model chunks and two micro-steps of one tensor: each (chunk, micro-step) has its own
+    median and its own farthest rank, as numpy finds them; rows without micro-steps (NULL) too."""
+    rng = np.random.default_rng(4)
+    rows, expected = [], set()
+    for vpp in (0, 1):
+        for micro in (0, 1, None):
+            values = rng.permutation([1.0, 2.0, 3.0, 40.0 + 10 * vpp + (micro or 0)])
+            for rank, value in enumerate(values):
+                rows.append((rank, "actv", vpp, "w", micro, "norm", 5, float(value)))
+            farthest = int(np.argmax(np.abs(values - np.median(values))))
+            expected.add(("actv", vpp, "w", micro, "norm", 5, farthest))
+    con = duckdb.connect()
+    con.execute(
+        "CREATE TABLE v (rank BIGINT, data_type VARCHAR, vpp_stage BIGINT, name VARCHAR, "
+        "micro_step BIGINT, op VARCHAR, step BIGINT, value DOUBLE)"
+    )
+    con.executemany("INSERT INTO v VALUES (?, ?, ?, ?, ?, ?, ?, ?)", rows)
+    assert set(con.execute(FARTHEST_RANK_SQL).fetchall()) == expected
