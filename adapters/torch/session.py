@@ -54,7 +54,8 @@ class TorchSession(SessionLifecycle):
         self.skipped_grads: dict[int, torch.Tensor] = {}
         self.backend = optimizer_backend(a.optimizer, self.chunks)
         self.optimizer = self.backend.optimizer
-        if not any(group.get("params") for group in getattr(self.optimizer, "param_groups", [{"params": 1}])):
+        groups = getattr(self.optimizer, "param_groups", [{"params": 1}])
+        if type(self.backend) is TorchBackend and not any(group.get("params") for group in groups):
             raise ValueError(
                 f"set_monitor: optimizer: expected the optimizer that updates the model, got "
                 f"{type(self.optimizer).__name__} holding no parameters (such as Lightning's "

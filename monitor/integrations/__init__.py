@@ -23,7 +23,7 @@ from __future__ import annotations
 import inspect
 import logging
 import os
-import pickle
+import sys
 import weakref
 from collections.abc import Mapping
 from typing import Any
@@ -211,19 +211,22 @@ class MonitorCallback:
 
 
 def _picklable(function: Any, what: str) -> bool:
-    """Whether a function given to the monitor can be copied into another process; said if not."""
-    try:
-        pickle.dumps(function)
-    except Exception as exc:
-        logger.warning(
-            "trainmon: the %s function %r cannot be copied into the trainer's other processes (%r); "
-            "it is not called there (give a function defined at module level)",
-            what,
-            function,
-            exc,
-        )
-        return False
-    return True
+    """Whether a function given to the monitor can be copied into another process: one defined at
+    the top of a module, which a copy names by its module and name (a lambda, a closure, a bound
+    method or a callable object is left out, and said once)."""
+    module = sys.modules.get(getattr(function, "__module__", None) or "")
+    found: Any = module
+    for part in getattr(function, "__qualname__", "<none>").split("."):
+        found = getattr(found, part, None)
+    if inspect.isfunction(function) and found is function:
+        return True
+    logger.warning(
+        "trainmon: the %s function %r cannot be copied into the trainer's other processes; it is not "
+        "called there (give a function defined at the top of a module)",
+        what,
+        function,
+    )
+    return False
 
 
 def _run_of(set_monitor_kwargs: Mapping[str, Any]) -> tuple | None:
