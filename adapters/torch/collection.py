@@ -140,10 +140,14 @@ class Collection(BaseCollection):
     # -- attach-time tables ------------------------------------------------------------------
 
     def micro_batch_begins(self) -> None:
-        """A trainer announces each micro-batch: activations and l2 count micro-steps from it."""
+        """A trainer announces each micro-batch: activations, l2 and per-micro-batch gradients
+        count micro-steps from it."""
         for part in (self.activations, self.l2):
             if part is not None:
                 part.micro.announce()
+        announce = getattr(self.grads, "announce", None)  # per-parameter hooks only
+        if announce is not None:
+            announce()
 
     def _build_rows(self, tp_group: Any, dp_group: Any) -> dict[str, tuple[list[int], RowSet]]:
         """Parameter index lists and row labels per data type, computed once."""

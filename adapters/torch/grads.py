@@ -77,6 +77,8 @@ class UnreducedGrads:
         #: set by the session before each step's forward: the hooks do nothing when False.
         self.collect = False
         self._micro = [0] * len(registry)
+        #: micro-batches a trainer announced this step, less one (None: none announced)
+        self.announced: int | None = None
         #: per step: the accumulated gradients' rows, by parameter index
         self._rows = RowBuffer(len(registry), self.ops, self.eps)
         #: per micro-batch: rows by (parameter index, micro-step)
@@ -316,7 +318,8 @@ class UnreducedGrads:
                 for earlier in range(0 if count == self._unended.after else micro - 1, micro):
                     self._micro_rows.pop((index, earlier), None)
             local = self._local(index, grad.detach())
-            self._micro_rows[(index, micro)] = tensor_stats(local, self.ops, self.eps)
+            key = micro if self.announced is None else self.announced
+            self._micro_rows[(index, key)] = tensor_stats(local, self.ops, self.eps)
         except Exception as exc:
             self.collect = False
             self.on_error("grad_unreduced", exc)
@@ -362,8 +365,15 @@ class UnreducedGrads:
         self._taken_grads, self._taken = [], {}
         self.taken_matrix = None
 
+    def announce(self) -> None:
+        """A trainer says a micro-batch begins: per-micro-batch rows take their micro-step from
+        these calls, as activation rows do, so that one whose forward had no backward (a
+        training_step returning None) still numbers the next micro-batch as the one it is."""
+        self.announced = 0 if self.announced is None else self.announced + 1
+
     def reset(self) -> None:
         """Forget the step: micro-batch counters and pending statistics."""
+        self.announced = None
         self._micro = [0] * len(self.registry)
         self._unended.end_step()
         self._rows.clear()

@@ -156,6 +156,32 @@ def test_per_micro_batch_rows_of_closure_steps_with_a_short_step(trainmon_log):
     assert len(said) == 1 and "step 1 had 1 micro-batch(es)" in said[0] and "a row per micro-batch" in said[0]
 
 
+def test_announced_micro_batches_number_the_gradients_as_the_activations(trainmon_log):
+    """A trainer announces each micro-batch (``micro_batch_begins``, as the Lightning callback
+    does); the first of a step's two runs its forward and no backward (a training_step returning
+    None): the second's own gradient is micro-step 1, as its activations are, not 0."""
+    torch.manual_seed(0)
+    model = MLP()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    mon = TrainerMon({**CONFIG, "monitor_mbs_grad": True, "xy_distribution": True})
+    mon.set_monitor(model, grad_acc_steps=2, optimizer=optimizer)
+    for first, second in make_batches(2, 2):
+        mon.micro_batch_begins()
+        model(first)  # no backward for this one
+        mon.micro_batch_begins()
+        _loss(model, second).backward()
+        grads = _copies(model)
+        optimizer.step()
+        optimizer.zero_grad()
+        _, unreduced = mon.generate_wgrad_metrics()
+        assert sorted(unreduced) == sorted(f"0:{name}:1/rank0/acc_grad" for name in grads), sorted(unreduced)
+        for name, grad in grads.items():
+            assert_stats_close(unreduced[f"0:{name}:1/rank0/acc_grad"], grad, what=name)
+        activations = mon._latest("actv")
+        assert {tag.split("/")[0].rsplit(":", 1)[1] for tag in activations} == {"0", "1"}
+    mon.stop()
+
+
 def test_an_optimizer_that_calls_its_closure_several_times_records_the_first_evaluation():
     """LBFGS evaluates the closure again in its line search; the step records the gradient of
     the first evaluation, from which the update starts, and the training is unchanged."""
