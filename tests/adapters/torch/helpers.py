@@ -23,6 +23,7 @@ __all__ = [
     "flat_values",
     "latest_rows",
     "make_batches",
+    "measured_linear",
     "merge_piece_rows",
     "numpy_stats",
     "read_histograms",
@@ -90,3 +91,21 @@ def clear_non_finite(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -
             for value in optimizer.state[p].values():
                 if isinstance(value, torch.Tensor) and value.is_floating_point():
                     value.nan_to_num_(0.0)
+
+
+def measured_linear(weights: list[torch.Tensor]) -> list[tuple[float, float]]:
+    """``(kernel_norm, sr)`` of each weight in turn, as a collection measures it (L2Features on
+    one linear layer, its own start vectors carried from weight to weight)."""
+    from adapters.torch.l2 import L2Features
+    from monitor.config.schema import load_config
+
+    layer = torch.nn.Linear(weights[0].shape[1], weights[0].shape[0], bias=False)
+    config = load_config({"recording_l2_features": True, "l2_targets": {"linear_hook": []}})
+    features = L2Features([torch.nn.Sequential(layer)], config, lambda what, exc: None)
+    measured = []
+    for weight in weights:
+        with torch.no_grad():
+            layer.weight.copy_(weight)
+        _, values = features.linear_values(0)
+        measured.append((values[0, 0].item(), values[0, 1].item()))
+    return measured

@@ -21,6 +21,7 @@ from torch.utils.checkpoint import checkpoint
 
 from adapters.torch.demo import Block, GPTConfig
 from monitor import TrainerMon
+from tests.adapters.torch.helpers import measured_linear
 from tests.reference_stats import expected_attention
 
 CFG = GPTConfig(vocab=40, hidden=24, heads=3, layers=1, seq=7)
@@ -173,19 +174,12 @@ def test_listed_linear_modules_only_and_nothing_without_the_switch(tmp_path, mon
 def _spectral_norms(shape: tuple[int, int], weights) -> list[tuple[float, float]]:
     """``(measured, exact)`` for each weight in turn, measured as a collection measures it
     (L2Features, its own start vectors), exact by numpy.linalg.svd of a copy."""
-    from adapters.torch.l2 import L2Features
-    from monitor.config.schema import load_config
-
-    layer = nn.Linear(shape[1], shape[0], bias=False)
-    config = load_config({"recording_l2_features": True, "l2_targets": {"linear_hook": []}})
-    features = L2Features([nn.Sequential(layer)], config, lambda what, exc: None)
-    pairs = []
-    for weight in weights:
-        with torch.no_grad():
-            layer.weight.copy_(weight)
-        _, values = features.linear_values(0)
-        pairs.append((values[0, 0].item(), np.linalg.svd(weight.double().numpy(), compute_uv=False)[0]))
-    return pairs
+    weights = list(weights)
+    measured = measured_linear(weights)
+    return [
+        (kernel_norm, np.linalg.svd(weight.double().numpy(), compute_uv=False)[0])
+        for (kernel_norm, _), weight in zip(measured, weights)
+    ]
 
 
 @pytest.mark.parametrize("shape", [(96, 288), (288, 96), (256, 256)])

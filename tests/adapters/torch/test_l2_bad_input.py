@@ -12,24 +12,8 @@ import torch
 from torch import nn
 
 from monitor import TrainerMon
-from monitor.config.schema import load_config
+from tests.adapters.torch.helpers import measured_linear
 from tests.reference_stats import expected_attention
-
-
-def _measured(weights: list[torch.Tensor]) -> list[tuple[float, float]]:
-    """``(kernel_norm, sr)`` of each weight in turn, as a collection measures it."""
-    from adapters.torch.l2 import L2Features
-
-    layer = nn.Linear(weights[0].shape[1], weights[0].shape[0], bias=False)
-    config = load_config({"recording_l2_features": True, "l2_targets": {"linear_hook": []}})
-    features = L2Features([nn.Sequential(layer)], config, lambda what, exc: None)
-    measured = []
-    for weight in weights:
-        with torch.no_grad():
-            layer.weight.copy_(weight)
-        _, values = features.linear_values(0)
-        measured.append((values[0, 0].item(), values[0, 1].item()))
-    return measured
 
 
 def test_a_weight_re_drawn_between_steps_stays_within_one_percent():
@@ -38,7 +22,7 @@ def test_a_weight_re_drawn_between_steps_stays_within_one_percent():
     percent of such steps)."""
     generator = torch.Generator().manual_seed(11)
     weights = [torch.randn(512, 512, generator=generator) for _ in range(40)]
-    for step, ((kernel_norm, _), weight) in enumerate(zip(_measured(weights), weights)):
+    for step, ((kernel_norm, _), weight) in enumerate(zip(measured_linear(weights), weights)):
         exact = np.linalg.svd(weight.double().numpy(), compute_uv=False)[0]
         assert kernel_norm == pytest.approx(exact, rel=0.01), step
 
@@ -51,7 +35,7 @@ def test_non_finite_and_huge_weights_give_what_their_values_say():
     base = torch.randn(24, 16, generator=generator)
     nan, inf = base.clone(), base.clone()
     nan[3, 4], inf[2, 2] = float("nan"), float("inf")
-    measured = _measured([nan, inf, base * 1e19, base * 1e17])
+    measured = measured_linear([nan, inf, base * 1e19, base * 1e17])
     (nan_norm, nan_sr), (inf_norm, inf_sr), (over_norm, over_sr), (large_norm, large_sr) = measured
     assert np.isnan(nan_norm) and np.isnan(nan_sr)
     assert inf_norm == over_norm == float("inf") and np.isnan(inf_sr) and np.isnan(over_sr)
