@@ -66,7 +66,7 @@ MEANINGS = {
     "step_interval": (
         "collect when `(step - start_step) % step_interval == 0` (0 is an error, not a ZeroDivisionError)"
     ),
-    "collect_times": "collected steps, after which the hooks are removed (must be >= 1; see the API)",
+    "collect_times": "collected steps, after which the hooks are removed (must be >= 1; see The API above)",
     "module_ranks": (
         "ranks that monitor (empty: all); other ranks attach nothing and write nothing. Strings "
         'such as `"0"` are accepted.'
