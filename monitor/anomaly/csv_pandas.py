@@ -16,14 +16,17 @@ import pandas as pd
 
 from monitor.anomaly.rank_csv import NAN_TEXT
 
+#: parse floats as Python's float() does: pandas 2's default ("high") is off by an ulp on about
+#: 4% of 6-digit values, so it is asked for "round_trip"; pandas 3 rounds correctly by default
+#: and deprecates the choice (a warning in every reader's output)
+_EXACT_FLOATS = {"float_precision": "round_trip"} if int(pd.__version__.split(".")[0]) < 3 else {}
+
 
 def read_frame(data: bytes, labels: list[str], ops: tuple[str, ...]) -> tuple[Any, int]:
     """The label and op columns of CSV text (header first) as a DataFrame, and the count of rows
     dropped as malformed."""
-    # every column read (no usecols), so that a row with too many fields is an error, not kept;
-    # "round_trip" parses as Python's float() does: pandas' default ("high") is off by an ulp on
-    # about 4% of 6-digit values, and pandas 2.3 does not deprecate it
-    common = {"keep_default_na": False, "encoding_errors": "replace", "float_precision": "round_trip"}
+    # every column read (no usecols), so that a row with too many fields is an error, not kept
+    common = {"keep_default_na": False, "encoding_errors": "replace", **_EXACT_FLOATS}
     dtypes = {**dict.fromkeys(ops, np.float64), **dict.fromkeys(labels, np.int64), "name": "category"}
     na_values = dict.fromkeys(ops, NAN_TEXT)  # a tensor may be called "nan"
     try:

@@ -57,7 +57,7 @@ def test_every_value_is_read_exactly_as_written(tmp_path, engine, malformed):
     values = np.random.default_rng(3).lognormal(0, 30, (500, 2)) * np.random.default_rng(4).choice(
         [-1, 1], (500, 2)
     )
-    rows = "".join(f"0,t{i},{i},{a!r},{b!r}\n" for i, (a, b) in enumerate(values))
+    rows = "".join(f"0,t{i},{i},{float(a)!r},{float(b)!r}\n" for i, (a, b) in enumerate(values))
     path = _write(tmp_path / "x_0-499.csv", HEADER + rows + ("0,bad,1,one,2\n" if malformed else ""))
     table = read_csv_file(path)
     assert table.skipped == int(malformed)
