@@ -3,10 +3,11 @@
 The long form is ``benchmarks/leak.py`` (2,000 monitored steps, RSS at step 200 against the end).
 Here a shorter form that still catches a per-step leak: after a warm-up, two windows of 50 steps
 with every data type on. No type of live Python object (tensors included) may grow in both windows
-(a one-time cache fill grows in one), the resident set size may not grow by 2% (one step's
-activations are ~1% of RSS, so keeping each step's autograd graph would exceed it), and the open
-descriptors not at all. After stop(), no hook, wrapper or thread of ours remains and nothing global
-keeps the monitor alive.
+(a one-time cache fill grows in one), the resident set size may not grow by 1% over the second
+window (one step's activations are ~1% of RSS, so keeping each step's autograd graph would grow it
+by half; the first window holds one-time growth, which is a larger share of a smaller process such
+as the PyTorch-only install's), and the open descriptors not at all. After stop(), no hook, wrapper
+or thread of ours remains and nothing global keeps the monitor alive.
 """
 
 from __future__ import annotations
@@ -44,19 +45,20 @@ def test_a_long_run_does_not_grow_objects_rss_or_descriptors():
     config = {**leak.CONFIG, "step_count_per_record": 10}  # files roll over during the measurement
     run = leak.Run(config, width=128, batch=64)
     run.steps(40)
-    rss, fds = leak.rss_bytes(), leak.open_descriptors()
-    counts = [leak.live_objects()]
+    fds = leak.open_descriptors()
+    counts, rss = [leak.live_objects()], [leak.rss_bytes()]
     for _ in range(2):
         run.steps(50)
         counts.append(leak.live_objects())
-    rss_growth = (leak.rss_bytes() - rss) / rss
+        rss.append(leak.rss_bytes())
+    rss_growth = (rss[2] - rss[1]) / rss[1]
     fds_after = leak.open_descriptors()
     run.mon.stop()
     # a per-step leak grows in both 60-step windows; a one-time cache fill (ABC caches, ...) in one
     first, second = counts[1] - counts[0], counts[2] - counts[1]
     grown = {k: (first[k], second[k]) for k in first | second if min(first[k], second[k]) > 2}
     assert not grown, f"object types that grew in both 50-step windows: {grown}"
-    assert rss_growth < 0.02, f"RSS grew by {100 * rss_growth:.2f}% over 100 steps"
+    assert rss_growth < 0.01, f"RSS grew by {100 * rss_growth:.2f}% over the second 50 steps ({rss})"
     assert fds_after == fds, f"open descriptors {fds} -> {fds_after}"
 
 
