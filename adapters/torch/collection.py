@@ -21,7 +21,8 @@ from adapters.torch.dist import ddp_reduces_after_pass_end, rank_in_group, world
 from adapters.torch.grad_sources import unreduced_source
 from adapters.torch.grads import GradCounting
 from adapters.torch.l2 import L2Features
-from adapters.torch.optim import OptimizerChecks, TorchBackend
+from adapters.torch.optim import TorchBackend
+from adapters.torch.optimizer_checks import OptimizerChecks
 from adapters.torch.params import ParamRegistry
 from adapters.torch.sharded.shards import SHARD_COLUMNS, held_rows, piece_columns, shard_reduce
 from adapters.torch.sharded.tp_activations import TensorParallelMerge

@@ -16,16 +16,11 @@ The generic back-end serves every torch.optim optimizer whose state uses the key
 from __future__ import annotations
 
 import importlib
-import logging
 import sys
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
-
-from monitor.datatypes.l2 import LINEAR_PREFIX
-
-logger = logging.getLogger("trainmon")
 
 #: wrappers that hold the optimizer that really steps and only forward to it, by class name ->
 #: the attribute holding it. accelerate's AcceleratedOptimizer subclasses torch.optim.Optimizer
@@ -256,131 +251,6 @@ BACKEND_MODULES = {
     "megatron": "adapters.torch.sharded.megatron",
     "deepspeed": "adapters.torch.sharded.deepspeed",
 }
-
-
-def without_adam_moments(backend: TorchBackend, params: Sequence[torch.nn.Parameter]) -> str | bool | None:
-    """Whether the optimizer behind ``params`` keeps no Adam moments, after an update: the name of
-    its type when it holds state for them without ``exp_avg``/``exp_avg_sq`` or its groups have no
-    ``betas`` (a stateless SGD); False when a parameter has either; None while it cannot tell (no
-    update has made any state yet, as when a loss scaler skipped the first steps)."""
-    if any(backend.moment(param, key) is not None for param in params for key in ("exp_avg", "exp_avg_sq")):
-        return False
-    owners = [owner for owner in map(backend.state_owner, params) if owner is not None]
-    if not owners:
-        return None
-    optimizer = owners[0][0]
-    if any(owner.state.get(tensor) for owner, tensor in owners):
-        return type(optimizer).__name__
-    if not any("betas" in group for owner, _ in owners for group in owner.param_groups):
-        return type(optimizer).__name__
-    return None
-
-
-#: the data types that describe only the optimizer's own tensors, and so nothing of a training
-#: whose parameters a wrapper took over; with the parameters themselves partitioned away (empty
-#: placeholders), also those read from the parameters.
-OPTIMIZER_SIDE = ("grad_reduced", "exp_avg", "exp_avg_sq", "param_updated", "ur", "other")
-PARAMETER_SIDE = ("param_origin", LINEAR_PREFIX)
-
-
-def taken_over(
-    backend: TorchBackend, params: Sequence[torch.nn.Parameter]
-) -> tuple[str, tuple[str, ...]] | None:
-    """Why the torch optimizer the monitor hooked updates none of the model's parameters, if it
-    does not, and the data types that then describe nothing of the training: a wrapper made after
-    ``set_monitor`` (``deepspeed.initialize``) partitioned them (ZeRO-3 leaves each an empty
-    placeholder with a ``ds_id``) or gave the optimizer flat partitions in their place (ZeRO-1/2).
-    None where it does, or where a back-end maps them."""
-    trained = [param for param in params if param.requires_grad]  # frozen ones are nobody's to update
-    if type(backend) is not TorchBackend or not trained:
-        return None
-    if any(hasattr(param, "ds_id") for param in trained):
-        why = "DeepSpeed ZeRO-3 partitioned the model's parameters after set_monitor"
-        return why, OPTIMIZER_SIDE + PARAMETER_SIDE
-    held = {id(tensor) for group in backend.optimizer.param_groups for tensor in group["params"]}
-    if not any(id(param) in held for param in trained):
-        why = (
-            f"{type(backend.optimizer).__name__} updates none of the monitored parameters (other "
-            "tensors in their place: a wrapper's flat partitions, or master copies)"
-        )
-        return why, OPTIMIZER_SIDE
-    return None
-
-
-class OptimizerChecks:
-    """What is said once about the optimizer, instead of rows that are missing, flat or of other
-    tensors in silence: before the first update, that it updates none of the model's parameters
-    (``taken_over``: those rows are then not written), and after updates that it keeps no Adam
-    moments (with mv_distribution or mg_direction, asked until an update has made state)."""
-
-    def __init__(self, config: Any, sharded: bool) -> None:
-        self.config = config
-        self.first = True
-        wanted = config.mv_distribution or config.mg_direction
-        self.moment_checks_left = 20 if wanted and not sharded else 0
-
-    def describing_nothing(
-        self, backend: TorchBackend, params: Sequence[torch.nn.Parameter]
-    ) -> tuple[str, ...]:
-        """Before the first update: the data types that would describe none of this training
-        (said once, with what to do), else none."""
-        if not self.first:
-            return ()
-        self.first = False
-        found = taken_over(backend, params)
-        if not found:
-            return ()
-        why, parts = found
-        logger.warning(
-            "trainmon: %s: %s would describe none of this training and are not written; attach "
-            "after a wrapper that takes the parameters over is made (deepspeed.initialize), passing it",
-            why,
-            ", ".join(parts),
-        )
-        return parts
-
-    @property
-    def pending(self) -> bool:
-        return self.moment_checks_left > 0
-
-    def after_update(self, backend: TorchBackend, params: Sequence[torch.nn.Parameter]) -> None:
-        if self.moment_checks_left:
-            self.moment_checks_left -= 1
-            verdict = without_adam_moments(backend, params)
-            if verdict is not None:
-                self.moment_checks_left = 0
-            if verdict and self.config.mv_distribution:
-                logger.warning(
-                    "trainmon: mv_distribution: %s keeps no exp_avg/exp_avg_sq; no moment rows", verdict
-                )
-            if verdict and self.config.mg_direction:
-                logger.warning("trainmon: mg_direction: %s keeps no exp_avg; every share is 1.0", verdict)
-            if verdict is False and self.config.mv_distribution:
-                _say_partial_moments(backend, params)
-
-
-def _say_partial_moments(backend: TorchBackend, params: Sequence[torch.nn.Parameter]) -> None:
-    """Parameters whose optimizer state holds no ``exp_avg_sq`` while others' does: Adafactor
-    keeps a factored second moment (``exp_avg_sq_row`` / ``_col``) for matrices. Said once, with
-    the keys their state holds instead, so that their missing rows are not a silent gap."""
-    lacking = [
-        param
-        for param in params
-        if backend.moment(param, "exp_avg_sq") is None
-        and (owner := backend.state_owner(param)) is not None
-        and owner[0].state.get(owner[1])
-    ]
-    if lacking:
-        owner, tensor = backend.state_owner(lacking[0])
-        keys = ", ".join(sorted(k for k in owner.state[tensor] if k != "step")) or "nothing"
-        logger.warning(
-            "trainmon: mv_distribution: %s keeps no exp_avg_sq for %d of %d parameters (their state "
-            "holds %s: a factored second moment); no exp_avg_sq rows for them",
-            type(owner).__name__,
-            len(lacking),
-            len(params),
-            keys,
-        )
 
 
 def optimizer_backend(optimizer: Any, chunks: Sequence[torch.nn.Module] = ()) -> TorchBackend:

@@ -189,6 +189,39 @@ class SessionLifecycle(IncidentResponses, ABC):
             self.collection.core.output_dir or "in memory (format api)",
         )
 
+    def start_or_go_back(self, config: MonitorConfig, source: str) -> bool:
+        """Collect with ``config`` (a live edit from ``source``) from the current step; where its
+        collection cannot be built, the one that ran before goes on (in the same run directory,
+        its collected steps still counted towards collect_times), or nothing, as before; said
+        either way. Whether the new config runs."""
+        previous, running = self.config, self.collection
+        try:
+            self.start(config)
+            return True
+        except Exception as exc:  # a fault of ours: never the training's end
+            self.config = previous
+            if running is None:
+                logger.error("trainmon: %s: the edit cannot be applied (%r); nothing changed", source, exc)
+                return False
+            try:
+                self.start(previous)
+                self.collection.schedule.collected = running.schedule.collected
+            except Exception as again:
+                logger.error(
+                    "trainmon: %s: the edit cannot be applied (%r), and going back to the previous "
+                    "config failed too (%r): nothing is collected until the next valid edit",
+                    source,
+                    exc,
+                    again,
+                )
+                return False
+            logger.error(
+                "trainmon: %s: the edit cannot be applied (%r); collecting on with the previous config",
+                source,
+                exc,
+            )
+            return False
+
     def resume_step_count(self, step: int | None) -> None:
         """After stop() no hook counts steps: go on from ``step``, else by the optimizer's own count
         of updates since stop()."""

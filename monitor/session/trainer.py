@@ -250,14 +250,9 @@ class TrainerMon(MsprobeOldNames):
         if config is not None and config.dynamic_on:
             first = max(step, config.start_step)  # the first step the new collection may take
             logger.info("trainmon: config %s updated; collecting from step %d", self.config_file_path, first)
-            previous, running = self.config, self._session.collection
-            try:
+            if self._session.start_or_go_back(config, f"config {self.config_file_path}"):
                 self.config = config
-                self._session.start(config)
-            except Exception as exc:  # the edit cannot run: what ran before it goes on
-                self._go_back(previous, running, exc)
-                return
-            self._dynamic_running = True
+                self._dynamic_running = True
         elif config is not None and self._session.active:  # dynamic_on: false, written in by hand
             logger.info(
                 "trainmon: config %s says dynamic_on: false; collecting ended at step %d",
@@ -269,36 +264,6 @@ class TrainerMon(MsprobeOldNames):
         elif self._dynamic_running and not self._session.active:
             self._dynamic_running = False
             self._dynamic.finish()
-
-    def _go_back(self, previous: MonitorConfig, running: Any, exc: Exception) -> None:
-        """A live edit whose collection could not start: the collection that ran before it goes
-        on (in the same run directory, its collected steps still counted towards collect_times),
-        or nothing, as before; said either way."""
-        self.config = self._session.config = previous
-        if running is None:
-            logger.error(
-                "trainmon: config %s: the edit cannot be applied (%r); nothing changed",
-                self.config_file_path,
-                exc,
-            )
-            return
-        try:
-            self._session.start(previous)
-            self._session.collection.schedule.collected = running.schedule.collected
-        except Exception as again:
-            logger.error(
-                "trainmon: config %s: the edit cannot be applied (%r), and going back to the previous "
-                "config failed too (%r): nothing is collected until the next valid edit",
-                self.config_file_path,
-                exc,
-                again,
-            )
-            return
-        logger.error(
-            "trainmon: config %s: the edit cannot be applied (%r); collecting on with the previous config",
-            self.config_file_path,
-            exc,
-        )
 
     def start(self, step: int | None = None) -> None:
         """Start (or restart) collecting from the next step, with the current config.

@@ -273,7 +273,8 @@ def test_an_optimizer_without_moments_is_said_once(caplog, config, told):
 
 
 def test_whether_an_optimizer_keeps_adam_moments_is_told_only_once_an_update_made_state():
-    from adapters.torch.optim import TorchBackend, without_adam_moments
+    from adapters.torch.optim import TorchBackend
+    from adapters.torch.optimizer_checks import without_adam_moments
 
     def verdicts(optimizer_type, **kwargs):
         torch.manual_seed(0)
