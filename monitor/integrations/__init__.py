@@ -111,7 +111,7 @@ class MonitorCallback:
         into each process it starts): the config and TrainerMon's arguments, not the session,
         whose hooks, threads and files belong to this process; each copy attaches its own. A
         process group does not cross processes and is left out, and so are ``on_incident`` and
-        ``on_checkpoint`` functions that cannot be pickled (a lambda), said once."""
+        ``on_checkpoint`` functions not defined at the top of a module (a lambda), each said."""
         monitor = self.monitor
         if monitor.process_group is not None:
             logger.warning(
@@ -123,9 +123,9 @@ class MonitorCallback:
             "config": monitor.config,  # as it is now (``mon.ops = ...`` included)
             "path": monitor.config_file_path if dynamic_mode() else None,  # dynamic mode watches it
             "params_have_main_grad": monitor.params_have_main_grad,
-            "on_incident": [f for f in monitor._incident_callbacks if _picklable(f, "on_incident")],
+            "on_incident": [f for f in monitor._incident_callbacks if _copyable(f, "on_incident")],
             "on_checkpoint": [
-                f for f in (monitor._checkpoint_function,) if f is not None and _picklable(f, "on_checkpoint")
+                f for f in (monitor._checkpoint_function,) if f is not None and _copyable(f, "on_checkpoint")
             ],
         }
         return state
@@ -210,10 +210,10 @@ class MonitorCallback:
             logger.error("trainmon: closing the outputs failed (%r)", exc, exc_info=exc)
 
 
-def _picklable(function: Any, what: str) -> bool:
+def _copyable(function: Any, what: str) -> bool:
     """Whether a function given to the monitor can be copied into another process: one defined at
     the top of a module, which a copy names by its module and name (a lambda, a closure, a bound
-    method or a callable object is left out, and said once)."""
+    method or a callable object is left out, and said)."""
     module = sys.modules.get(getattr(function, "__module__", None) or "")
     found: Any = module
     for part in getattr(function, "__qualname__", "<none>").split("."):
