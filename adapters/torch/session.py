@@ -54,8 +54,9 @@ class TorchSession(SessionLifecycle):
         self.skipped_grads: dict[int, torch.Tensor] = {}
         self.backend = optimizer_backend(a.optimizer, self.chunks)
         self.optimizer = self.backend.optimizer
-        groups = getattr(self.optimizer, "param_groups", [{"params": 1}])
-        if type(self.backend) is TorchBackend and not any(group.get("params") for group in groups):
+        groups = getattr(self.optimizer, "param_groups", None)
+        holds_none = groups is not None and not any(group.get("params") for group in groups)
+        if type(self.backend) is TorchBackend and holds_none:
             raise ValueError(
                 f"set_monitor: optimizer: expected the optimizer that updates the model, got "
                 f"{type(self.optimizer).__name__} holding no parameters (such as Lightning's "

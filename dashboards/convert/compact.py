@@ -50,10 +50,11 @@ DuckDB does the reading and writing (out of core, on every core).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from dashboards.convert.compact_manifest import DOUBLE, FLOAT, open_dataset
@@ -152,17 +153,20 @@ def _compact_once(monitor_path: str, output: str | None, memory_limit: int) -> d
         for rewrite in (False, True):  # the second pass: units in another type than the dataset's
             for part, unit in manifest.to_write(value_type, rewrite):
                 block, paths = sources.get((part, unit), (None, []))  # none: kept, sources gone
-                carried = manifest.carried(part, unit)
+                rows_of = functools.partial(
+                    _part_rows,
+                    con,
+                    prefixes.get(part, ""),
+                    events=events,
+                    earlier=manifest.carried(part, unit),
+                )
                 value_type, files, repeated = _write_unit(
-                    con, (prefixes.get(part, ""), paths, events, carried), output, part, value_type, block
+                    con, rows_of, paths, os.path.join(output, part), value_type, block
                 )
                 manifest.written(part, unit, value_type, files)
                 written.add(part)
                 twice[part, unit] = repeated  # a unit written again as doubles: counted once
-        by_part: dict[str, int] = {}
-        for (part, _), count in twice.items():
-            by_part[part] = by_part.get(part, 0) + count
-        _say_written_twice({part: count for part, count in by_part.items() if count})
+        _say_written_twice(twice)
         _remove_other_parts(output, manifest.current)
         counts = {"written": len(written), "kept": len(manifest.current) - len(written)}
         write_tables(con, monitor_path, ranks, output)
@@ -173,17 +177,21 @@ def _compact_once(monitor_path: str, output: str | None, memory_limit: int) -> d
 
 
 def _write_unit(
-    con: Any, reading: tuple, output: str, part: str, value_type: str, block: int | None
+    con: Any,
+    rows_of: Callable[[Sequence[str]], str | None],
+    paths: Sequence[str],
+    directory: str,
+    value_type: str,
+    block: int | None,
 ) -> tuple[str, list[str], int]:
-    """One unit of a part from its sources (``reading``: what ``_part_rows`` takes). A live
-    Parquet file whose data cannot be decoded (its footer read fine) is said and left out, and
-    the unit is read again without it; a file gone meanwhile raises for the caller's retry."""
+    """One unit of a part from its source ``paths`` (``rows_of``: their rows' query), as
+    ``_write_part`` writes it. A live Parquet file whose data cannot be decoded (its footer read
+    fine) is said and left out, and the unit is read again without it; a file gone meanwhile
+    raises for the caller's retry."""
     import duckdb
 
-    prefix, paths, events, carried = reading
     try:
-        rows = _part_rows(con, prefix, paths, events, carried)
-        return _write_part(con, rows, os.path.join(output, part), value_type, block)
+        return _write_part(con, rows_of(paths), directory, value_type, block)
     except duckdb.IOException:
         raise
     except duckdb.Error as exc:
@@ -193,15 +201,15 @@ def _write_unit(
         for path in damaged:
             logger.warning("trainmon compact: skipping %s: its data cannot be read (%s)", path, exc)
         kept = [path for path in paths if path not in damaged]
-        rows = _part_rows(con, prefix, kept, events, carried)
-        return _write_part(con, rows, os.path.join(output, part), value_type, block)
+        return _write_part(con, rows_of(kept), directory, value_type, block)
 
 
-def _say_written_twice(counts: dict[str, int]) -> None:
+def _say_written_twice(counts: dict[tuple[str, str], int]) -> None:
     """Said once per compaction, as csv2db says it: values that several source files hold for the
-    same row and step (a second run into the same output root, windows that overlap)."""
-    if counts:
-        parts = sorted(counts)
+    same row and step (a second run into the same output root, windows that overlap), counted
+    per (part, unit)."""
+    if any(counts.values()):
+        parts = sorted({part for (part, _), count in counts.items() if count})
         logger.warning(
             "trainmon compact: %d value(s) written more than once, in %s%s (several runs in one "
             "output root, or files whose steps overlap); kept the later file's: compact each run "
