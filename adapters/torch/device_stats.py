@@ -1,26 +1,29 @@
 """Statistics of accelerator tensors with torch's own device ops: the host never waits for the
-device, and the number of kernel launches does not grow with the number of small tensors.
+device, and the number of kernel launches does not grow with the number of tensors.
 
 ``device_block(tensors, ops, eps)`` turns tensors of one dtype and device into a float64
-(len(tensors), len(ops)) matrix on that device. Tensors of at most STACKED (64K) elements that
-share their size (every layer's biases and norm weights, a model of many small layers or
-experts) are stacked into matrices of at most STACK_ELEMENTS elements and reduced row by row: a
-handful of kernels for any number of them, where one reduction per statistic and tensor launches
-five or six kernels per tensor, each costing the host microseconds. Larger tensors (an expert's
-weight of millions of elements among them) get their own reductions, whose launch costs little
-beside reading them, and one fused norm over their list.
+(len(tensors), len(ops)) matrix on that device. On a GPU each operation costs the host a launch
+of several microseconds (tens in a virtual machine), while reading a tensor of a million elements
+takes the device about one: one reduction per statistic and tensor made a model's gradients cost
+several times its training step. The tensors are therefore packed: copied one after another
+into buffers of at most PACK_ELEMENTS elements (in the accumulation type, so that half types are
+widened once), each buffer cut into pieces of at most PIECE elements that never span two tensors,
+and every statistic of every piece taken by one segmented reduction per buffer; the pieces' rows
+then combine into the tensors' rows with one more segmented reduction per statistic. The number
+of launches follows the number of buffers (the total size), not the number of tensors. Integer
+tensors, rare here, are packed in float64 (exact up to 2**53).
 
-Sums of squares accumulate in float64 (torch's fused norm over a list widens each element as it
-reads it): the host path can take a float32 sum of squares again in float64 where it lost range,
-but here reading that verdict would stall the device, and in float32 vanishing gradients (below
-1e-19) get a norm of 0 and huge finite ones Inf. Sums accumulate in float32 per COUNT_CHUNK
-elements (float64 for float64 and integer tensors), the pieces combined in float64: torch widens
-a whole tensor first where the sum's type differs from its accumulator's, a copy of up to four
-times the tensor. ``zeros`` compares in float32 (float64 for float64 tensors), where an eps below
-the half types' range still exists. Small host values (element counts, row indices) reach the
-device through pinned memory without a blocking copy: torch's blocking host-to-device copy
-synchronises the stream, which would stop the training thread at every call until the device
-caught up.
+Squares are taken and summed in float64: the host path can take a float32 sum of squares again
+in float64 where it lost range, but here reading that verdict would stall the device, and in
+float32 vanishing gradients (below 1e-19) get a norm of 0 and huge finite ones Inf. Sums
+accumulate in float32 per piece (float64 for float64 tensors) and the pieces combine in float64;
+only a piece whose sum passes float32's range (values near 1e34) comes out Inf. ``zeros``
+compares in float32 (float64 for float64 tensors), where an eps below the half types' range
+still exists; counts of zeros and NaNs are exact (a piece holds fewer than 2**24 elements). Min
+and max are NaN wherever a NaN was counted, as numpy has them. Small host values (element
+counts, offsets) reach the device through pinned memory without a blocking copy: torch's
+blocking host-to-device copy synchronises the stream, which would stop the training thread at
+every call until the device caught up.
 """
 
 from __future__ import annotations
@@ -29,13 +32,17 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
+from torch._utils import _flatten_dense_tensors
 
-#: elements per piece of the counting ops (bounds their temporaries)
-COUNT_CHUNK = 1 << 24
-#: a tensor of at most this many elements is stacked with its same-sized peers
-STACKED = 1 << 16
-#: elements of one stacked matrix (bounds its copy: 64 MB of float32)
-STACK_ELEMENTS = 1 << 24
+#: elements of one packed buffer of floating tensors (bounds its copy: 64 MB of float32)
+PACK_ELEMENTS = 1 << 24
+#: elements of one piece of a packed buffer: many pieces keep a GPU's multiprocessors busy, and
+#: a piece's float32 sum and counts stay exact or close
+PIECE = 1 << 16
+#: what a piece's row holds: min, max, sum ("mean"), sum of squares ("norm"), counts of zeros and NaNs
+_PIECE_STATISTICS = ("min", "max", "mean", "norm", "zeros", "nans")
+#: how a statistic's pieces reduce (the others are sums)
+_REDUCTION = {"min": "min", "max": "max"}
 _F64 = torch.float64
 
 
@@ -91,115 +98,130 @@ def accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
     return _F64 if dtype == _F64 else torch.float32
 
 
-def _summed_dtype(dtype: torch.dtype) -> torch.dtype:
-    """What a sum accumulates in: float32 for the float types torch reads as they are (fp32, and
-    the half types it widens to fp32 in registers), float64 for float64 and integers (exact)."""
-    return torch.float32 if dtype.is_floating_point and dtype != _F64 else _F64
-
-
-def _sum(t: torch.Tensor) -> torch.Tensor:
-    """A float64 0-d sum of ``t``, its pieces of COUNT_CHUNK elements summed in ``_summed_dtype``."""
-    acc = _summed_dtype(t.dtype)
-    pieces = t.reshape(-1).split(COUNT_CHUNK)
-    if len(pieces) == 1:
-        return pieces[0].sum(dtype=acc).to(_F64)
-    return torch.stack([piece.sum(dtype=acc) for piece in pieces]).to(_F64).sum()
-
-
-def device_block(tensors: Sequence[torch.Tensor], ops: tuple[str, ...], eps: float) -> torch.Tensor:
-    """The statistics matrix of non-empty tensors of one dtype and device (see the module)."""
-    by_size: dict[int, list[int]] = {}
-    alone: list[int] = []
-    for i, t in enumerate(tensors):
-        if t.numel() <= STACKED:
-            by_size.setdefault(t.numel(), []).append(i)
-        else:
-            alone.append(i)
-    parts: list[tuple[list[int], torch.Tensor]] = []
-    for size, index in by_size.items():
-        if len(index) == 1:
-            alone.extend(index)
-            continue
-        rows = max(1, STACK_ELEMENTS // size)
-        for start in range(0, len(index), rows):
-            chosen = index[start : start + rows]
-            matrix = torch.stack([tensors[i].reshape(-1) for i in chosen])
-            parts.append((chosen, _row_columns(matrix, ops, eps)))
-    if alone:
-        parts.append((alone, _tensor_columns([tensors[i] for i in alone], ops, eps)))
-    if len(parts) == 1 and len(parts[0][0]) == len(tensors) and parts[0][0] == sorted(parts[0][0]):
-        return parts[0][1]
+def device_block(
+    tensors: Sequence[torch.Tensor], ops: tuple[str, ...], eps: float, laid_out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The statistics matrix of non-empty tensors of one dtype and device, packed into buffers
+    (see the module). ``laid_out``: the tensors' elements already one after another in one flat
+    tensor of the accumulation type (a stager's buffer, the tensors views of it), read there."""
     device = tensors[0].device
-    order = on_device([i for index, _ in parts for i in index], torch.long, device)
-    out = torch.empty((len(tensors), len(ops)), dtype=_F64, device=device)
-    return out.index_copy_(0, order, torch.cat([block for _, block in parts]))
-
-
-def _row_columns(matrix: torch.Tensor, ops: tuple[str, ...], eps: float) -> torch.Tensor:
-    """Statistics of each row of a (tensors, elements) matrix: one reduction per op."""
-    floating = matrix.is_floating_point()
-    size = matrix.shape[1]
-    columns: dict[str, torch.Tensor] = {}
-    if "norm" in ops:
-        columns["norm"] = torch.linalg.vector_norm(matrix if floating else matrix.to(_F64), dim=1, dtype=_F64)
-    if "min" in ops or "max" in ops:
-        low, high = torch.aminmax(matrix, dim=1)
-        columns["min"], columns["max"] = low.to(_F64), high.to(_F64)
-    if "mean" in ops:
-        columns["mean"] = matrix.sum(dim=1, dtype=_summed_dtype(matrix.dtype)).to(_F64).div_(size)
-    if "zeros" in ops:
-        compared = accumulate_dtype(matrix.dtype)
-        small = (matrix.abs() if matrix.dtype == compared else matrix.to(compared).abs_()) < eps
-        columns["zeros"] = torch.count_nonzero(small, dim=1).to(_F64).div_(size)
-    if "nans" in ops:
-        if floating:
-            columns["nans"] = torch.count_nonzero(torch.isnan(matrix), dim=1).to(_F64)
-        else:
-            columns["nans"] = matrix.new_zeros(matrix.shape[0], dtype=_F64)
-    if "id" in ops:
-        columns["id"] = (
-            matrix[:, 0].to(_F64) if size == 1 else matrix.new_full((len(matrix),), float("nan"), dtype=_F64)
-        )
-    return torch.stack([columns[op] for op in ops], dim=1)
-
-
-def _tensor_columns(tensors: Sequence[torch.Tensor], ops: tuple[str, ...], eps: float) -> torch.Tensor:
-    """Statistics of tensors of any sizes: a fused norm over the list, the rest tensor by tensor."""
-    floating = tensors[0].is_floating_point()
-    device = tensors[0].device
-    columns: dict[str, torch.Tensor] = {}
-    if "norm" in ops:
-        if floating:  # contiguous, as the fused kernel takes them (else torch widens each whole)
-            flats = [t if t.is_contiguous() else t.reshape(-1) for t in tensors]
-            norms = torch._foreach_norm(flats, 2, dtype=_F64)
-        else:
-            norms = [torch.linalg.vector_norm(t.to(_F64)) for t in tensors]
-        columns["norm"] = torch.stack(norms)
-    if "min" in ops or "max" in ops:
-        pairs = [torch.aminmax(t) for t in tensors]
-        columns["min"] = torch.stack([p.min for p in pairs]).to(_F64)
-        columns["max"] = torch.stack([p.max for p in pairs]).to(_F64)
-    if "mean" in ops or "zeros" in ops:  # one tensor (an activation's hook) needs no host copy
-        sizes = [t.numel() for t in tensors]
-        numel = float(sizes[0]) if len(sizes) == 1 else on_device(sizes, _F64, device)
-    if "mean" in ops:
-        columns["mean"] = torch.stack([_sum(t) for t in tensors]) / numel
-    if "zeros" in ops:
-        compared = accumulate_dtype(tensors[0].dtype)
-        counts = []
-        for t in tensors:
-            pieces = t.reshape(-1).split(COUNT_CHUNK)
-            found = [
-                torch.count_nonzero((p.abs() if p.dtype == compared else p.to(compared).abs_()) < eps)
-                for p in pieces
-            ]
-            counts.append(found[0] if len(found) == 1 else torch.stack(found).sum())
-        columns["zeros"] = torch.stack(counts).to(_F64) / numel
-    if "nans" in ops:
-        if floating:
-            columns["nans"] = torch.stack([count_nans(t, COUNT_CHUNK) for t in tensors]).to(_F64)
-        else:
-            columns["nans"] = torch.zeros(len(tensors), dtype=_F64, device=device)
+    dtype = tensors[0].dtype
+    acc = accumulate_dtype(dtype) if dtype.is_floating_point else _F64  # integers: exact to 2**53
+    sizes = np.fromiter((t.numel() for t in tensors), dtype=np.int64, count=len(tensors))
+    layout = _Layout(sizes)
+    minmax = "min" in ops or "max" in ops
+    wanted = [op for op in _PIECE_STATISTICS if op in ops or (op == "nans" and minmax)]
+    # every small host value in one copy: each buffer's piece offsets, pieces per tensor, sizes
+    facts = on_device(np.concatenate([*layout.offsets, layout.per_tensor, sizes]), torch.long, device)
+    pieces = []
+    for b, offsets in enumerate(layout.offsets_on(facts)):
+        low, high = layout.span(b)
+        buffer = _flatten(layout.parts(b, tensors)) if laid_out is None else laid_out[low:high]
+        pieces.append(_piece_columns(buffer.to(acc), offsets, wanted, eps))
+    rows = _combine(torch.cat(pieces) if len(pieces) > 1 else pieces[0], layout, facts, wanted)
+    columns = dict(zip(wanted, rows.unbind(1)))
+    numel = facts[-len(sizes) :].to(_F64)
+    if "mean" in columns:
+        columns["mean"] = columns["mean"] / numel
+    if "zeros" in columns:
+        columns["zeros"] = columns["zeros"] / numel
+    if "norm" in columns:
+        columns["norm"] = columns["norm"].sqrt()
+    if minmax:  # a NaN makes both NaN, as numpy has them, whatever the segmented reduction did
+        nan = torch.tensor(float("nan"), dtype=_F64, device=device)
+        seen = columns["nans"] > 0
+        for op in ("min", "max"):
+            columns[op] = torch.where(seen, nan, columns[op])
     if "id" in ops:
         columns["id"] = id_column(tensors)
     return torch.stack([columns[op] for op in ops], dim=1)
+
+
+def _flatten(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The parts' elements one after another in a new flat tensor (one that is alone, as it is):
+    torch's own flattening of a list (what DDP buckets with) views each part in C++, where a
+    Python ``reshape`` per part cost more than the copy of a small one."""
+    if len(parts) == 1:
+        return parts[0].reshape(-1)
+    return _flatten_dense_tensors(parts)
+
+
+class _Layout:
+    """Where the tensors' elements lie when packed: one after another, cut into buffers of
+    PACK_ELEMENTS, and into pieces of at most PIECE that never span two tensors or buffers."""
+
+    def __init__(self, sizes: np.ndarray) -> None:
+        self.sizes = sizes
+        self.starts = np.cumsum(sizes) - sizes
+        self.total = int(sizes.sum())
+        count = -(-sizes // PIECE)
+        within = np.arange(int(count.sum())) - np.repeat(np.cumsum(count) - count, count)
+        cuts = np.repeat(self.starts, count) + within * PIECE
+        cuts = np.union1d(cuts, np.arange(PACK_ELEMENTS, self.total, PACK_ELEMENTS))
+        self.owner = np.searchsorted(self.starts, cuts, side="right") - 1
+        buffer = cuts // PACK_ELEMENTS
+        self.bounds = np.searchsorted(buffer, np.arange(int(buffer[-1]) + 2))
+        lengths = np.diff(np.append(cuts, self.total))
+        self.offsets = [
+            np.concatenate(([0], np.cumsum(lengths[low:high])))
+            for low, high in zip(self.bounds[:-1], self.bounds[1:])
+        ]
+        self.per_tensor = np.bincount(self.owner, minlength=len(sizes))
+
+    def offsets_on(self, facts: torch.Tensor) -> list[torch.Tensor]:
+        """Each buffer's piece offsets, as views of the device copy of the host values."""
+        views, at = [], 0
+        for offsets in self.offsets:
+            views.append(facts[at : at + len(offsets)])
+            at += len(offsets)
+        return views
+
+    def span(self, b: int) -> tuple[int, int]:
+        """Buffer ``b``'s elements in the packed order."""
+        return b * PACK_ELEMENTS, min((b + 1) * PACK_ELEMENTS, self.total)
+
+    def parts(self, b: int, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Buffer ``b``'s tensors: whole, or the piece of one that a buffer's edge cuts."""
+        low, high = self.span(b)
+        first = int(self.owner[self.bounds[b]])
+        last = int(self.owner[self.bounds[b + 1] - 1])
+        parts = list(tensors[first : last + 1])
+        for k in {0, len(parts) - 1}:
+            i = first + k
+            start, stop = int(self.starts[i]), int(self.starts[i] + self.sizes[i])
+            if start < low or stop > high:
+                parts[k] = parts[k].reshape(-1)[max(start, low) - start : min(stop, high) - start]
+        return parts
+
+
+def _piece_columns(
+    buffer: torch.Tensor, offsets: torch.Tensor, wanted: list[str], eps: float
+) -> torch.Tensor:
+    """Per piece of a flat buffer, one float64 column per ``wanted`` statistic: min, max, sum
+    ("mean"), sum of squares ("norm"), the count below eps ("zeros") and of NaNs ("nans"); one
+    reduction each."""
+    columns = []
+    for op in wanted:
+        if op == "zeros":
+            values = buffer.abs().lt_(eps)  # 1.0 where below eps, in the buffer's type
+        elif op == "nans":
+            values = torch.isnan(buffer).to(buffer.dtype)
+        elif op == "norm":  # squares in float64: vanishing values keep their norm, huge ones stay finite
+            values = buffer.to(_F64, copy=True).square_()  # a copy even of a float64 tensor's own data
+        else:
+            values = buffer
+        columns.append(torch.segment_reduce(values, _REDUCTION.get(op, "sum"), offsets=offsets, unsafe=True))
+    return torch.stack(columns, dim=1).to(_F64)
+
+
+def _combine(pieces: torch.Tensor, layout: _Layout, facts: torch.Tensor, wanted: list[str]) -> torch.Tensor:
+    """The tensors' rows from their pieces' rows (min of minima, max of maxima, sums of the rest)."""
+    tensors = len(layout.sizes)
+    if len(layout.owner) == tensors:  # one piece each: the pieces are the tensors
+        return pieces
+    lengths = facts[-2 * tensors : -tensors]
+    columns = [
+        torch.segment_reduce(pieces[:, k], _REDUCTION.get(op, "sum"), lengths=lengths, unsafe=True)
+        for k, op in enumerate(wanted)
+    ]
+    return torch.stack(columns, dim=1)

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from adapters.torch.in_place import in_place, kernel_parts, kernel_sweep
-from adapters.torch.stats import stack_rows, tensor_stats
+from adapters.torch.stats import stack_rows, stat_matrix, tensor_stats
 from monitor.stats import fused_stats
 from monitor.stats.host_stats import columns
 
@@ -64,16 +64,22 @@ class RowBuffer:
             self._numel[slots] = swept[2]
             return
         direct: dict[int, tuple[list[int], list[torch.Tensor]]] = {}
+        elsewhere: tuple[list[int], list[torch.Tensor]] = ([], [])
         for slot, t in zip(slots, tensors):
             found = in_place(t) if self._direct else None
             if found is None:
-                other[slot] = tensor_stats(t, self.ops, self.eps)
+                elsewhere[0].append(slot)
+                elsewhere[1].append(t)
                 continue
             if other:
                 other.pop(slot, None)
             kind_slots, flats = direct.setdefault(found[1], ([], []))
             kind_slots.append(slot)
             flats.append(found[0])
+        if elsewhere[0]:  # accelerator tensors: one packed call (a few launches) for all of them
+            matrix = stat_matrix(elsewhere[1], self.ops, self.eps)
+            rows = matrix.tolist() if matrix.device.type == "cpu" else matrix.unbind(0)
+            other.update(zip(elsewhere[0], rows))
         for kind, (kind_slots, flats) in direct.items():
             counts = [t.numel() for t in flats]
             self._raw[kind_slots] = kernel_parts(kind, [t.data_ptr() for t in flats], counts, self.eps)

@@ -17,9 +17,10 @@ Per-tensor cost: the kernel takes the addresses of a whole list of tensors in on
 derived column-wise with numpy. One-at-a-time rows (a hook per parameter) gather in
 adapters.torch.row_buffer without a Python object each.
 
-Accelerators: adapters.torch.device_stats (small tensors stacked by size and reduced row by row,
-larger ones with a fused float64 norm over the list and their own reductions, sums in float32
-pieces combined in float64); no host synchronisation.
+Accelerators: adapters.torch.device_stats (tensors packed into a few buffers, each statistic of
+each buffer one segmented reduction; squares in float64, sums in float32 pieces combined in
+float64) and, for a hook's tensor, adapters.torch.staged_stats (copied at the hook, measured with
+its peers later); no host synchronisation.
 
 NaN/Inf policy: min, max, norm and mean propagate NaN/Inf exactly as numpy does on the same
 data; ``nans`` counts NaN elements; empty tensors give NaN for min/max/mean/zeros and 0 for
@@ -40,6 +41,7 @@ import torch
 
 from adapters.torch.device_stats import accumulate_dtype, count_nans, device_block, id_column, on_device
 from adapters.torch.in_place import KINDS, PLAIN, in_place, kernel_parts, kernel_sweep, kernel_tuple
+from adapters.torch.staged_stats import StagedRow, staged_row
 from monitor.stats import fused_stats
 from monitor.stats.host_stats import EMPTY_VALUE, columns, float32_sums_lost, kernel_row, probe_index
 
@@ -279,22 +281,37 @@ def sign_shares(grads: Sequence[torch.Tensor], moments: Sequence[torch.Tensor]) 
     return shares
 
 
-def tensor_stats(t: torch.Tensor, ops: Sequence[str], eps: float = 1e-8) -> list[float] | torch.Tensor:
-    """Statistics of one tensor: a list of floats for a CPU tensor, a float64 vector (len(ops),)
-    on the device for an accelerator's (no host synchronisation). ``stack_rows`` stacks them."""
+def tensor_stats(
+    t: torch.Tensor, ops: Sequence[str], eps: float = 1e-8
+) -> list[float] | torch.Tensor | StagedRow:
+    """Statistics of one tensor: a list of floats for a CPU tensor; for an accelerator's a
+    ``StagedRow`` (copied to be measured with its peers, adapters.torch.staged_stats) or a float64
+    vector (len(ops),) on the device, with no host synchronisation. ``stack_rows`` stacks them."""
     ops = tuple(ops)
     parts = None if "id" in ops else kernel_tuple(t, eps)
     if parts is not None:
         return kernel_row(parts, t.numel(), ops)
+    if t.numel() and _staged(t):
+        staged = staged_row(t, ops, eps)
+        if staged is not None:
+            return staged
     row = stat_matrix((t,), ops, eps)[0]
     return row.tolist() if row.device.type == "cpu" else row
 
 
-def stack_rows(rows: Sequence[list[float] | torch.Tensor], width: int) -> torch.Tensor:
+def _staged(t: torch.Tensor) -> bool:
+    """Whether a tensor measured alone is staged with its peers: on accelerators, where each
+    operation is a launch (on the CPU the kernel reads it in place at once)."""
+    return t.device.type != "cpu"
+
+
+def stack_rows(rows: Sequence[list[float] | torch.Tensor | StagedRow], width: int) -> torch.Tensor:
     """A float64 (len(rows), width) matrix of ``tensor_stats`` rows: on the host when they all
     are, else on the first device row's device."""
     if not rows:
         return torch.empty((0, width), dtype=_F64)
+    if any(isinstance(r, StagedRow) for r in rows):
+        rows = [r.value() if isinstance(r, StagedRow) else r for r in rows]
     device = next((r.device for r in rows if isinstance(r, torch.Tensor)), None)
     if device is None:  # numpy builds a matrix from lists of floats several times faster
         return torch.from_numpy(np.array(rows, dtype=np.float64).reshape(len(rows), width))

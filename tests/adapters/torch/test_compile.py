@@ -4,7 +4,8 @@ attention features included, whether the monitor attached before or after the fi
 Per-block compile is tested both ways users write it: ``block.compile()`` in place and
 ``torch.compile(block)`` assigned into the ModuleList. Most cases use the ``aot_eager`` backend
 (dynamo and AOT autograd as with inductor, without the minutes of C++ compilation on a CPU
-machine); one case runs inductor itself. Graph breaks are read from dynamo's own counters.
+machine); one case runs inductor itself, on CPU and, where a GPU is present, on it (its Triton
+kernels). Graph breaks are read from dynamo's own counters.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ CONFIG = {
     "step_interval": 2,
 }
 STEPS = 4
+#: where inductor's case runs: its C++ kernels on CPU, its Triton kernels on a GPU where present
+INDUCTOR_DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 class Attention(torch.nn.Module):
@@ -42,7 +45,7 @@ class Attention(torch.nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         scores = torch.einsum("bshd,bthd->bhst", q, k) / q.shape[-1] ** 0.5
-        causal = torch.ones(q.shape[1], q.shape[1], dtype=torch.bool).tril()
+        causal = torch.ones(q.shape[1], q.shape[1], dtype=torch.bool, device=q.device).tril()
         probs = scores.masked_fill(~causal, float("-inf")).softmax(-1)
         return torch.einsum("bhst,bthd->bshd", probs, q).flatten(-2)
 
@@ -90,12 +93,16 @@ def _compile(model: Net, style: str, backend: str) -> torch.nn.Module:
 
 
 def _run(
-    style: str | None, when: str = "before", backend: str = "aot_eager", config: dict = CONFIG
+    style: str | None,
+    when: str = "before",
+    backend: str = "aot_eager",
+    config: dict = CONFIG,
+    device: str = "cpu",
 ) -> list[dict]:
     """Two warm-up steps, then STEPS steps; every data type's latest rows after each of those."""
     torch._dynamo.reset()
     torch.manual_seed(0)
-    model = Net()
+    model = Net().to(device)
     optimizer = torch.optim.AdamW(model.parameters())
     call: torch.nn.Module = model
     mon = None
@@ -106,7 +113,7 @@ def _run(
         call = _compile(model, style, backend)
 
     def step(seed: int) -> None:
-        x = torch.randn(2, 5, 6, generator=torch.Generator().manual_seed(seed))
+        x = torch.randn(2, 5, 6, generator=torch.Generator().manual_seed(seed)).to(device)
         call(x).pow(2).mean().backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -183,12 +190,14 @@ def test_attention_features_alone_attached_after_compile_give_eagers_rows():
     _assert_same_rows(eager_rows, compiled_rows, rel=1e-5, prefixes=("attention_hook", "linear_hook"))
 
 
-def test_inductor_gives_eagers_rows_within_float_tolerance(eager_rows):
+@pytest.mark.parametrize("device", INDUCTOR_DEVICES)
+def test_inductor_gives_eagers_rows_within_float_tolerance(eager_rows, device):
     # inductor's own kernels (softmax, GELU, fused matmuls) round differently, and the differences
     # grow through the blocks: a mean that cancels to 0.16 differs in its fifth digit, and the
     # sign of a gradient element near zero may flip, which moves mg_direction's share of agreeing
     # signs by a whole element (compared with aot_eager above, which rounds as eager does)
-    compiled = _run("assigned", "before", backend="inductor")
+    eager_rows = eager_rows if device == "cpu" else _run(None, device=device)
+    compiled = _run("assigned", "before", backend="inductor", device=device)
     prefixes = tuple(p for p in PREFIXES if p != "other")
     _assert_same_rows(eager_rows, compiled, rel=1e-3, abs_tol=1e-4, prefixes=prefixes)
 

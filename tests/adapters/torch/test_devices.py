@@ -1,20 +1,22 @@
 """The accelerator path of the statistics and a training run on it, against numpy on host copies.
 
-Accelerator tensors are reduced with torch's own device ops (``device_stats.device_block``: small
-same-sized tensors stacked and reduced row by row, the others with a fused float64 norm over their
-list and their own reductions) and reach the host in one asynchronous copy per step. Where a GPU is
-present that path runs on it ("cuda"); everywhere the same device ops also run on CPU tensors
-("device-ops"), so the machine without a GPU still checks their numbers; "cpu" is the host path, for
-comparison.
+Accelerator tensors are reduced with torch's own device ops (``device_stats.device_block``: packed
+into a few buffers cut into pieces, each statistic of every piece one segmented reduction; a
+hook's tensor staged first, ``staged_stats``) and reach the host in one asynchronous copy per
+step. Where a GPU is present that path runs on it ("cuda"); everywhere the same device ops also
+run on CPU tensors ("device-ops"), so the machine without a GPU still checks their numbers; "cpu"
+is the host path, for comparison.
 """
 
 from __future__ import annotations
+
+import threading
 
 import pytest
 import torch
 
 import adapters.torch.stats as stats
-from adapters.torch import device_stats
+from adapters.torch import device_stats, row_buffer, staged_stats
 from monitor import TrainerMon
 from tests.integrations.reads import CONFIG, StepReads, compare, host_copy, written_rows
 from tests.reference_stats import (
@@ -34,7 +36,11 @@ def device(request, monkeypatch) -> str:
     """The device tensors are made on; "device-ops" routes CPU tensors through the device path."""
     if request.param == "device-ops":
         monkeypatch.setattr(stats, "kernel_sweep", lambda tensors: None)
+        monkeypatch.setattr(stats, "kernel_tuple", lambda t, eps: None)
+        monkeypatch.setattr(stats, "_staged", lambda t: True)
         monkeypatch.setattr(stats, "_cpu_block", device_stats.device_block)
+        monkeypatch.setattr(row_buffer, "in_place", lambda t: None)
+        monkeypatch.setattr(row_buffer, "kernel_sweep", lambda tensors: None)
         return "cpu"
     return request.param
 
@@ -66,9 +72,11 @@ def test_non_finite_tiny_and_huge_values_follow_numpy(request, device, dtype, va
 
 
 def test_many_tensors_of_mixed_dtypes_shapes_and_layouts(device, monkeypatch):
-    """Non-contiguous, empty, scalar, integer and half tensors in one call; counting pieces of
-    a few elements so that their folding is exercised too."""
-    monkeypatch.setattr(device_stats, "COUNT_CHUNK", 7)
+    """Non-contiguous, empty, scalar, integer, half and float64 tensors in one call, in pieces
+    and buffers of a few elements so that their folding is exercised too; the tensors measured
+    are left as they were."""
+    monkeypatch.setattr(device_stats, "PIECE", 7)
+    monkeypatch.setattr(device_stats, "PACK_ELEMENTS", 70)
     generator = torch.Generator().manual_seed(0)
     host = [
         torch.randn(37, 5, generator=generator),
@@ -79,11 +87,19 @@ def test_many_tensors_of_mixed_dtypes_shapes_and_layouts(device, monkeypatch):
         torch.tensor(2.5),
         torch.randint(-5, 5, (23,), generator=generator),
         torch.randn(50, generator=generator).masked_fill(torch.arange(50) % 9 == 0, float("nan")),
+        torch.randn(45, generator=generator, dtype=torch.float64),
+        torch.randint(0, 2, (31,), generator=generator).bool(),
     ]
     host[0][3, :] = 0.0
-    tensors = [t.to(device) for t in host]
+    tensors = [t.to(device, copy=True) for t in host]
+    for dtype in {t.dtype for t in tensors}:  # one dtype at a time too: the common case's own path
+        of_dtype = [(t, h) for t, h in zip(tensors, host) if t.dtype == dtype and t.numel()]
+        for got, (_, tensor) in zip(_rows([t for t, _ in of_dtype]), of_dtype):
+            assert_stats_close(got, host_copy(tensor), what=f"{tensor.dtype} {tuple(tensor.shape)}")
     for got, tensor in zip(_rows(tensors), host):
         assert_stats_close(got, host_copy(tensor), what=f"{tensor.dtype} {tuple(tensor.shape)}")
+    for tensor, original in zip(tensors, host):
+        assert torch.equal(tensor.cpu(), original) or torch.isnan(original).any(), tensor.dtype
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -113,29 +129,109 @@ def test_a_training_run_records_every_data_type_as_numpy_reads_it(device, dtype,
     assert compared == 3 * 6 * len(list(model.parameters())) * len(ALL_OPS)
 
 
-def test_same_sized_tensors_are_stacked_into_a_few_reductions(device, monkeypatch):
-    """Thousands of small tensors of a few sizes (a mixture-of-experts model's experts and
-    biases) cost a fixed number of reductions, not several per tensor: one per statistic and
-    size (min and max together). The numbers first with matrices of a few rows, so that several
-    are stacked, and tensors of their own beside them."""
-    monkeypatch.setattr(device_stats, "STACK_ELEMENTS", 16 * 40)
+def test_tensors_of_any_size_are_packed_into_a_few_reductions(request, device, monkeypatch):
+    """Thousands of tensors (a mixture-of-experts model's experts and biases, beside a large
+    embedding) cost a fixed number of reductions, not several per tensor: a few per buffer they
+    are packed into. The numbers first with buffers and pieces of a few dozen elements, so that
+    tensors span pieces and buffers, then the count with the real sizes."""
+    monkeypatch.setattr(device_stats, "PACK_ELEMENTS", 16 * 40)
+    monkeypatch.setattr(device_stats, "PIECE", 24)
     generator = torch.Generator().manual_seed(2)
     host = [torch.randn(16, generator=generator) * (i + 1) for i in range(300)]
-    host += [torch.randn(4, 4, generator=generator) for _ in range(20)]  # the same size, another shape
+    host += [torch.randn(4, 4, generator=generator) for _ in range(20)]
     host += [torch.randn(9, generator=generator), torch.randn(70_000, generator=generator)]
-    host[7][3], host[300][1, 1], host[-1][5] = float("nan"), 0.0, float("inf")
+    host += [torch.randn(30, 50, generator=generator).t(), torch.full((100,), -3.0), torch.zeros(50)]
+    host[7][3], host[300][1, 1], host[321][5], host[321][60_000] = (
+        float("nan"),
+        0.0,
+        float("inf"),
+        float("nan"),
+    )
     tensors = [t.to(device) for t in host]
     for got, tensor in zip(_rows(tensors), host):
         assert_stats_close(got, host_copy(tensor))
-    if stats.kernel_sweep(tensors) is not None:
-        return  # the host path reads them all in one C call: no reductions to count
-    monkeypatch.setattr(device_stats, "STACK_ELEMENTS", 1 << 24)
-    assert _reductions(tensors[:320]) == _reductions(tensors[:320] * 10) < 10
+    if request.node.callspec.params["device"] == "cpu":
+        return  # the host path reads them with its C kernel: no reductions to count
+    monkeypatch.setattr(device_stats, "PACK_ELEMENTS", 1 << 24)
+    monkeypatch.setattr(device_stats, "PIECE", 1 << 16)
+    # one per statistic on the buffer's pieces, one per statistic to combine pieces into tensors
+    assert _reductions(tensors) == _reductions(tensors * 10) == 2 * len(ALL_OPS)
 
 
 def _reductions(tensors: list[torch.Tensor]) -> int:
-    """How many reduction kernels one statistics call runs over ``tensors`` (torch's profiler)."""
+    """How many reductions one statistics call runs over ``tensors`` (torch's profiler). A fused
+    norm over a list counts once: on a GPU it is one launch per chunk of the list, where torch's
+    CPU fallback takes each tensor's norm in turn."""
     reducing = {"aten::aminmax", "aten::sum", "aten::linalg_vector_norm", "aten::count_nonzero"}
+    reducing |= {"aten::segment_reduce", "aten::_foreach_norm"}
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
         stats.stat_matrix(tensors, ALL_OPS)
-    return sum(event.count for event in profile.key_averages() if event.key in reducing)
+    return sum(
+        1 for event in profile.events() if event.name in reducing and not _under(event, "aten::_foreach_norm")
+    )
+
+
+def _under(event, name: str) -> bool:
+    """Whether a profiler event ran inside an event called ``name``."""
+    parent = event.cpu_parent
+    while parent is not None:
+        if parent.name == name:
+            return True
+        parent = parent.cpu_parent
+    return False
+
+
+def test_tensors_measured_one_at_a_time_are_measured_as_they_were_when_staged(device, monkeypatch):
+    """Hooks' tensors (activations, a micro-batch's gradients) are copied into a staging buffer
+    and measured with their peers later: each row is the tensor as it was at its hook, though
+    it changed in place since; batches seal when full (buffers of a few dozen elements here), a
+    tensor larger than a buffer is measured at once, and half types are widened exactly."""
+    monkeypatch.setattr(device_stats, "PACK_ELEMENTS", 100)
+    monkeypatch.setattr(device_stats, "PIECE", 16)
+    generator = torch.Generator().manual_seed(3)
+    host = [torch.randn(n, generator=generator) * (n + 1) for n in (7, 40, 33, 1, 90, 64, 250, 12)]
+    host[1][4], host[4][0], host[6][9] = float("nan"), 0.0, float("-inf")
+    host[5] = host[5].to(torch.bfloat16)
+    tensors = [t.to(device, copy=True) for t in host]
+    rows = []
+    for t in tensors:
+        rows.append(stats.tensor_stats(t, ALL_OPS))
+        t.mul_(-3.0)  # changed once its hook returned: the row keeps what the hook saw
+    matrix = stats.stack_rows(rows, len(ALL_OPS))
+    values, fetch = stats.to_host(matrix)
+    values = fetch() if values is None else values
+    for row, tensor in zip(values.tolist(), host):
+        assert_stats_close(
+            dict(zip(ALL_OPS, row)), host_copy(tensor), what=f"{tensor.dtype} {tensor.numel()}"
+        )
+
+
+def test_hooks_on_several_threads_share_a_stager_and_a_dropped_batch_lets_its_buffer_go(device, monkeypatch):
+    """Forward hooks run on the training thread and backward hooks on autograd's: rows staged
+    from both at once are each their own tensor's. Rows nobody reads (a step abandoned) do not
+    keep their buffer."""
+    monkeypatch.setattr(device_stats, "PACK_ELEMENTS", 64)
+    generator = torch.Generator().manual_seed(4)
+    host = [torch.randn(1 + k % 17, generator=generator) + k for k in range(200)]
+    tensors = [t.to(device) for t in host]
+    rows: list = [None] * len(tensors)
+
+    def stage(start: int) -> None:
+        for k in range(start, len(tensors), 2):
+            rows[k] = stats.tensor_stats(tensors[k], ALL_OPS)
+
+    threads = [threading.Thread(target=stage, args=(start,)) for start in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    values, fetch = stats.to_host(stats.stack_rows(rows, len(ALL_OPS)))
+    values = fetch() if values is None else values
+    for row, tensor in zip(values.tolist(), host):
+        assert_stats_close(dict(zip(ALL_OPS, row)), host_copy(tensor))
+    if not isinstance(stats.tensor_stats(tensors[0], ALL_OPS), staged_stats.StagedRow):
+        return  # the host path measures at once: nothing staged
+    (stager,) = [
+        s for key, s in staged_stats._STAGERS.items() if key[0] == tensors[0].device and key[3] == 1e-8
+    ]
+    assert stager._open() is None  # the row just made and dropped took its batch with it
