@@ -125,6 +125,7 @@ class Activations:
         #: with ``merge``: each row's mesh tag (None: left per rank), and the spread of the raw
         #: outputs of each module's last call, seen before tensor parallelism makes them local
         self.merge = merge
+        self._failure_said = False
         self._tags: dict[str, list[Piece | None]] = {"actv": [], "actv_grad": []}
         self._spreads: dict[int, list] = {}
         #: the last step's RowSet per prefix, handed out again while the rows stay the same
@@ -172,8 +173,7 @@ class Activations:
             tensors = _select(self.modules[index], "output", output)
             self._spreads[index] = [self.merge.spread(t) for t in tensors]
         except Exception as exc:
-            self.collect = False
-            self.on_error("actv", exc)
+            self._failed("actv", exc)
 
     def _call_name(self, index: int, micro: int, recompute: bool) -> str:
         """Module name, with ``[k]`` for the k-th extra call within one micro-step.
@@ -207,8 +207,7 @@ class Activations:
             if self._keep_left and not recompute:
                 self._keep(entry.vpp_stage, name, micro, tensors)
         except Exception as exc:
-            self.collect = False
-            self.on_error("actv", exc)
+            self._failed("actv", exc)
 
     def keep_inputs(self, budget: int) -> None:
         """Drop the inputs kept so far and keep those of the coming steps' module calls, while
@@ -259,8 +258,7 @@ class Activations:
             calls = self._recomputed if recompute else self._calls
             calls[(index, micro)] = calls.get((index, micro), 0) + 1
         except Exception as exc:
-            self.collect = False
-            self.on_error("actv", exc)
+            self._failed("actv", exc)
 
     def _known_tags(self, tensors: list[torch.Tensor]) -> list[Piece | None]:
         """Mesh tags of plain tensors measured earlier this step (None for the others)."""
@@ -289,15 +287,12 @@ class Activations:
     ) -> None:
         if not tensors:
             return
+        # a DTensor's piece first, for every tensor: its partial sums are collectives that the
+        # mesh mates take too, whatever measuring does after
+        resolved = [self._piece(t, tags[k] if tags is not None else None) for k, t in enumerate(tensors)]
         seen = self._seen
         rows, row_tags = [], []
-        for position, t in enumerate(tensors):
-            tag = tags[position] if tags is not None else None
-            if isinstance(t, self._dtensor):  # tensor parallelism without local outputs: this rank's piece
-                if self.merge is not None:
-                    t, tag = self.merge.local(t)
-                else:
-                    t = local_tensor(t)
+        for t, tag in resolved:
             hit = seen.get(id(t))
             if hit is not None and hit[0]() is t and hit[1] == t._version:
                 rows.append(hit[2])
@@ -311,6 +306,26 @@ class Activations:
         self._stats[prefix].extend(rows)
         if self.merge is not None:
             self._tags[prefix].extend(row_tags)
+
+    def _piece(self, t: torch.Tensor, tag: Piece | None) -> tuple[torch.Tensor, Piece | None]:
+        """A tensor as measured: a DTensor's local piece, partial sums done (tagged to merge)."""
+        if not isinstance(t, self._dtensor):
+            return t, tag
+        if self.merge is not None:
+            return self.merge.local(t)
+        return local_tensor(t), tag
+
+    def _failed(self, prefix: str, exc: BaseException) -> None:
+        """A hook failed: the data type is switched off here, as any failure is; with
+        tensor-parallel merges it stays on, since its hooks take partial sums with the mesh mates,
+        which a rank that stopped would leave waiting. The failing calls have no rows (said once)."""
+        if self.merge is None:
+            self.collect = False
+            self.on_error(prefix, exc)
+        elif not self._failure_said:
+            self._failure_said = True
+            told = "stays on (the tensor-parallel mesh mates take collectives with its hooks)"
+            logger.error("trainmon: %s failed in a hook (%r) and %s", prefix, exc, told, exc_info=exc)
 
     def _watch(
         self, vpp: int, name: str, micro: int, tensors: list[torch.Tensor], tags: list[Piece | None] | None
@@ -341,8 +356,7 @@ class Activations:
                 for vpp, name, micro in rows:  # the gradient is measured once (``_seen``)
                     self._measure("actv_grad", vpp, name, micro, [grad], [tag])
             except Exception as exc:
-                self.collect = False
-                self.on_error("actv_grad", exc)
+                self._failed("actv_grad", exc)
             return None
 
         return hook

@@ -21,12 +21,14 @@ from adapters.torch.dist import ddp_reduces_after_pass_end, rank_in_group, world
 from adapters.torch.grad_sources import unreduced_source
 from adapters.torch.grads import GradCounting
 from adapters.torch.l2 import L2Features
+from adapters.torch.mg_direction import sign_agreement
 from adapters.torch.optim import TorchBackend
 from adapters.torch.optimizer_checks import OptimizerChecks
 from adapters.torch.params import ParamRegistry
+from adapters.torch.sharded.merge_failures import MERGED_PARTS, MergeFailures
 from adapters.torch.sharded.shards import SHARD_COLUMNS, held_rows, piece_columns, shard_reduce
 from adapters.torch.sharded.tp_activations import TensorParallelMerge
-from adapters.torch.stats import sign_shares, stat_matrix, still_measured, to_host
+from adapters.torch.stats import stat_matrix, still_measured, to_host
 from adapters.torch.structure import StructureRecorder, stack_recorder
 from adapters.torch.update_ratio import update_histograms
 from monitor.config.schema import MonitorConfig
@@ -75,7 +77,8 @@ class Collection(BaseCollection):
         self.pipeline_stage = len(group_mates) > 1
         self._warn_unmatched_targets(modules, self.registry.names)
         #: collected steps left to tell whether the optimizer keeps Adam's moments (a shard may hold none)
-        self._optimizer_checks = OptimizerChecks(config, backend.sharded)
+        holds_parameters = not backend.sharded or backend.dtensors  # DTensors: the optimizer holds them
+        self._optimizer_checks = OptimizerChecks(config, backend.sharded, holds_parameters)
         backend.prepare([entry.param for entry in self.registry.params], self.registry.grad)
         info = run_info("torch", torch.__version__, rank, world_size(), [type(c).__name__ for c in chunks])
         self.core = MonitorCore(config, rank, pp_stage, group_mates, output_dir=output_dir, info=info)
@@ -107,6 +110,8 @@ class Collection(BaseCollection):
         self._tp_merge = TensorParallelMerge() if tensor_parallel else None
         if self._tp_merge is not None and hasattr(self.grads, "tags"):
             self.grads.merge = self._tp_merge
+        merged = backend.sharded and config.shard_reduce
+        self._merges = MergeFailures(backend.shard_group, self._merge_shape, self.fail) if merged else None
         self.collectives = collectives
         if self.grads is not None:
             self._handles += self.grads.register()
@@ -207,6 +212,23 @@ class Collection(BaseCollection):
             self._guard("ur", self._submit_update_histograms)
         self._end_step()
 
+    # -- merged parts (shard_reduce): a failure here reaches the merge's other ranks ------------
+
+    def _wanted(self, part: str, switch: bool) -> bool:
+        if self._merges is not None and switch and part in MERGED_PARTS:
+            self._merges.pay(part)  # where the part's gather comes: the others may wait in it
+        return super()._wanted(part, switch)
+
+    def _guard(self, part: str, fn: Callable, *args: Any) -> None:
+        if self._merges is not None and part in MERGED_PARTS:
+            self._merges.run(part, fn, *args)
+        else:
+            super()._guard(part, fn, *args)
+
+    def _merge_shape(self, part: str) -> tuple[int, tuple[str, ...]]:
+        """A merged part's gather: its rows and the ops of its columns (mg_direction: the share)."""
+        return len(self._rows[part][0]), ("mean",) if part == "other" else self.ops
+
     # -- statistics --------------------------------------------------------------------------
 
     def _submit(
@@ -282,6 +304,7 @@ class Collection(BaseCollection):
             merged = shard_reduce(
                 full, on_device(all_counts, torch.float64, pieces.device), self.ops, self.backend.shard_group
             )
+            self._merges.gathered(prefix)
             self._submit(prefix, *held_rows(rows, merged), ops)
             return
         whole = np.array([self.backend.numel(self.registry.params[index[p]].param) for p in present])
@@ -336,28 +359,8 @@ class Collection(BaseCollection):
         (the count-weighted mean of the pieces' shares is the whole tensor's share), or merged.
         """
         index, rows = self._rows["other"]
-        values: list[float | torch.Tensor] = []
-        present, compared, grads, moments = [], [], [], []
-        device = None
-        for position, i in enumerate(index):
-            param = self.registry.params[i].param
-            grad = self.backend.grad(param)
-            if grad is None:
-                continue
-            device = grad.device if device is None else device
-            moment = self.backend.moment(param, "exp_avg")
-            if moment is None:
-                values.append(1.0)
-            elif moment.shape != grad.shape or moment.numel() == 0:
-                values.append(float("nan"))
-            else:
-                compared.append(len(values))
-                grads.append(grad)
-                moments.append(moment)
-                values.append(0.0)
-            present.append((position, grad.numel()))
-        for k, share in zip(compared, sign_shares(grads, moments)):
-            values[k] = share
+        params = [self.registry.params[i].param for i in index]
+        values, present, device = sign_agreement(self.backend, params)
         if self.backend.sharded:
             self._submit_shares(index, rows, device_scalars(values, device), present)
             return
@@ -390,6 +393,8 @@ class Collection(BaseCollection):
             shares.index_copy_(0, on_device(positions, torch.long, device), torch.stack(values)[:, None])
             all_counts[positions] = counts
         all_counts = on_device(all_counts, torch.float64, device)
-        rows, merged = held_rows(rows, shard_reduce(shares, all_counts, ("mean",), self.backend.shard_group))
+        gathered = shard_reduce(shares, all_counts, ("mean",), self.backend.shard_group)
+        self._merges.gathered("other")
+        rows, merged = held_rows(rows, gathered)
         whole = stat_matrix(list(torch.from_numpy(merged[:, 0])), self.ops, self.eps).numpy()
         self._submit("other", rows, np.concatenate([whole, merged[:, 1:]], axis=1), ops)

@@ -43,6 +43,14 @@ def local_tensor(tensor: Any) -> torch.Tensor:
         return tensor.to_local()
 
 
+def collective_device() -> torch.device:
+    """Where the monitor's own small collectives run: the host, unless the world's backend
+    reduces device tensors only (NCCL)."""
+    if "gloo" in str(dist.get_backend()) or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
 def all_gather_flat(output: torch.Tensor, tensor: torch.Tensor, group: Any = None) -> None:
     """All-gather ``tensor`` into one ``output`` tensor (the form gloo accepts), by the name this
     torch offers without a deprecation warning (``all_gather_single`` from torch 2.13 on). The

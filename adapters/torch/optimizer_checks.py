@@ -71,11 +71,16 @@ class OptimizerChecks:
     (``taken_over``: those rows are then not written), and after updates that it keeps no Adam
     moments (with mv_distribution or mg_direction, asked until an update has made state)."""
 
-    def __init__(self, config: Any, sharded: bool) -> None:
+    def __init__(self, config: Any, sharded: bool, holds_parameters: bool) -> None:
+        """``sharded``: a back-end whose ranks hold pieces (a rank may hold no piece of some
+        parameters, so partial moments are not said); ``holds_parameters``: its optimizer holds
+        the model's parameters themselves (FSDP2 and tensor parallelism do), so its state tells
+        whether it keeps moments, where flat partitions (ZeRO, FSDP1, Megatron) are mapped."""
         self.config = config
         self.first = True
+        self.sharded = sharded
         wanted = config.mv_distribution or config.mg_direction
-        self.moment_checks_left = 20 if wanted and not sharded else 0
+        self.moment_checks_left = 20 if wanted and holds_parameters else 0
 
     def describing_nothing(
         self, backend: TorchBackend, params: Sequence[torch.nn.Parameter]
@@ -113,7 +118,7 @@ class OptimizerChecks:
                 )
             if verdict and self.config.mg_direction:
                 logger.warning("trainmon: mg_direction: %s keeps no exp_avg; every share is 1.0", verdict)
-            if verdict is False and self.config.mv_distribution:
+            if verdict is False and self.config.mv_distribution and not self.sharded:
                 _say_partial_moments(backend, params)
 
 

@@ -20,6 +20,13 @@ from adapters.torch.dist import all_gather_flat
 
 #: extra columns written for sharded data: element count of the row's piece, and 1 when partial.
 SHARD_COLUMNS = ("numel", "partial")
+#: the element count a rank sends for every row when its own part failed (see PeerFailed)
+FAILED_COUNT = -1.0
+
+
+class PeerFailed(RuntimeError):
+    """A rank sent its rows marked failed (``FAILED_COUNT``) to a merge: every rank of the merge
+    raises this at the same collective, so that all switch the part off at one step."""
 
 
 def piece_columns(counts: np.ndarray, whole: np.ndarray) -> np.ndarray:
@@ -71,11 +78,14 @@ def shard_reduce(matrix: torch.Tensor, counts: torch.Tensor, ops: Sequence[str],
     Returns:
         (rows, ops + 2) float64: merged values, the total element count, and 0 (not partial).
     """
-    values = matrix
+    values, failed = matrix, set()
     for one in group if isinstance(group, tuple) else (group,):
-        merged, total = _gather_merge(values, counts, ops, one)
+        merged, total, failing = _gather_merge(values, counts, ops, one)
+        failed.update(failing)
         values = torch.from_numpy(merged).to(matrix.device)
         counts = torch.from_numpy(total).to(matrix.device)
+    if failed:
+        raise PeerFailed(f"rank(s) {sorted(failed)} failed to measure their pieces; merged nowhere")
     host_counts = counts.cpu().numpy()
     return np.concatenate(
         [values.cpu().numpy(), host_counts[:, None], np.zeros((len(host_counts), 1))], axis=1
@@ -92,10 +102,19 @@ def held_rows(rows: Any, merged: np.ndarray) -> tuple[Any, np.ndarray]:
     return rows.take(held.tolist()), merged[held]
 
 
+def failed_rows(rows: int, width: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """What a rank whose own part failed gives ``shard_reduce`` in its peers' place: NaN rows of
+    the part's shape, counted ``FAILED_COUNT``."""
+    matrix = torch.full((rows, width), float("nan"), dtype=torch.float64, device=device)
+    return matrix, torch.full((rows,), FAILED_COUNT, dtype=torch.float64, device=device)
+
+
 def _gather_merge(
     matrix: torch.Tensor, counts: torch.Tensor, ops: Sequence[str], group: Any
-) -> tuple[np.ndarray, np.ndarray]:
-    """Merged values and total counts of the pieces held by ``group``'s ranks."""
+) -> tuple[np.ndarray, np.ndarray, list[int]]:
+    """Merged values and total counts of the pieces held by ``group``'s ranks, and the (global)
+    ranks that sent failed rows: those pass the failure on, as failed rows, to the next mesh
+    dimension's merge, whose ranks would otherwise wait for the ones that stopped here."""
     packed = torch.cat([matrix, counts.to(matrix.dtype).unsqueeze(1)], dim=1).contiguous()
     world = dist.get_world_size(group)
     # the concatenated output form: gloo accepts only this one (NCCL accepts both)
@@ -103,4 +122,8 @@ def _gather_merge(
     gathered = torch.empty((world * rows, columns), dtype=packed.dtype, device=packed.device)
     all_gather_flat(gathered, packed, group=group)
     host = gathered.cpu().numpy().reshape(world, *packed.shape)
-    return merge_pieces(host[:, :, :-1], host[:, :, -1], ops), host[:, :, -1].sum(axis=0)
+    failing = np.flatnonzero((host[:, :, -1] < 0).any(axis=1))
+    if failing.size:
+        members = dist.get_process_group_ranks(group) if group is not None else range(world)
+        return host[0, :, :-1] * np.nan, np.full(rows, FAILED_COUNT), [members[r] for r in failing]
+    return merge_pieces(host[:, :, :-1], host[:, :, -1], ops), host[:, :, -1].sum(axis=0), []

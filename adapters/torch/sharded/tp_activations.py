@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from adapters.torch.cc_wrap import REGISTRY
-from adapters.torch.dist import all_gather_flat, local_tensor, partials_summed
+from adapters.torch.dist import all_gather_flat, collective_device, local_tensor, partials_summed
 from adapters.torch.sharded.shards import shard_reduce
 
 logger = logging.getLogger("trainmon")
@@ -98,7 +98,7 @@ class TensorParallelMerge:
             header, rows, mesh = torch.tensor([-1.0, 0.0, 0.0], dtype=torch.float64), [], None
             self._tell("tagging", f"trainmon: shard_reduce: tensor-parallel pieces left per rank ({exc!r})")
         world = dist.get_world_size()
-        device = _collective_device()
+        device = collective_device()
         gathered = torch.empty(world * 3, dtype=torch.float64, device=device)
         with REGISTRY.unobserved():  # the monitor's own collectives are not the run's
             all_gather_flat(gathered, header.to(device))
@@ -143,10 +143,3 @@ class TensorParallelMerge:
         if what not in self._told:
             self._told.add(what)
             logger.warning(message)
-
-
-def _collective_device() -> torch.device:
-    """Where the header goes: the host, unless the world's backend reduces device tensors only (NCCL)."""
-    if "gloo" in str(dist.get_backend()) or not torch.cuda.is_available():
-        return torch.device("cpu")
-    return torch.device("cuda", torch.cuda.current_device())

@@ -585,3 +585,90 @@ def test_a_nan_in_one_ranks_shard_is_counted_once_and_makes_the_merged_row_nan(t
             merged = result["got"]["merged"][name]
             assert_stats_close(merged, want, what=f"r{rank} {name} merged")
             assert merged["numel"] == want.size
+
+
+def _optimizer_without_moments_worker(rank: int, world_size: int, workdir: str) -> None:
+    import logging
+
+    from monitor import TrainerMon
+
+    told: dict[str, list[str]] = {}
+    for name, make in (("SGD", torch.optim.SGD), ("AdamW", torch.optim.AdamW)):
+        messages: list[str] = []
+        handler = logging.Handler()
+        handler.emit = lambda record, into=messages: into.append(record.getMessage())
+        logging.getLogger("trainmon").addHandler(handler)
+        model, _ = _sharded("fsdp2")
+        optimizer = make(model.parameters(), lr=0.05)
+        mon = TrainerMon({"mv_distribution": True, "ops": ALL_OPS, "format": "api"})
+        mon.set_monitor(model, MICRO, optimizer)
+        for step in range(2):
+            _train_step(model, optimizer, rank, step)
+        rows = mon._latest("exp_avg")
+        mon.stop()
+        logging.getLogger("trainmon").removeHandler(handler)
+        told[name] = [m for m in messages if "keeps no" in m] + [f"rows: {bool(rows)}"]
+    save_result(workdir, rank, told)
+
+
+def test_an_optimizer_without_moments_under_fsdp2_is_said_as_without_sharding(tmp_path):
+    """FSDP2's optimizer holds the model's (sharded) parameters: one without Adam moments (SGD)
+    is said, as in one process, rather than leaving mv_distribution's rows missing in silence;
+    AdamW, whose moments some rank holds only an empty piece of, is not."""
+    per_rank = run_ranks(_optimizer_without_moments_worker, WORLD, str(tmp_path))
+    for told in per_rank:
+        said = "trainmon: mv_distribution: SGD keeps no exp_avg/exp_avg_sq; no moment rows"
+        assert told["SGD"] == [said, "rows: False"], told["SGD"]
+        assert told["AdamW"] == ["rows: True"], told["AdamW"]
+
+
+def _fault_worker(rank: int, world_size: int, workdir: str, where: str) -> None:
+    """Rank 1 alone fails while measuring exp_avg at step 1: before its pieces' gather (the
+    statistics) or after it (taking the merged rows)."""
+    import adapters.torch.collection as collection_module
+    from monitor import TrainerMon
+
+    model, _ = _sharded("fsdp2")
+    optimizer = _optimizer(model.parameters())
+    config = {"wg_distribution": True, "mv_distribution": True, "ops": ALL_OPS, "format": "api"}
+    mon = TrainerMon({**config, "shard_reduce": True}).set_monitor(model, MICRO, optimizer)
+    now = {"step": 0, "prefix": None}
+    submit_pieces = collection_module.Collection._submit_pieces
+
+    def noting(self, prefix, *args):
+        now["prefix"] = prefix
+        return submit_pieces(self, prefix, *args)
+
+    name = "stat_matrix" if where == "before" else "held_rows"
+    original = getattr(collection_module, name)
+
+    def failing(*args, **kwargs):
+        if rank == 1 and now["step"] == 1 and now["prefix"] == "exp_avg":
+            raise RuntimeError("a fault of ours on rank 1")
+        return original(*args, **kwargs)
+
+    collection_module.Collection._submit_pieces = noting
+    setattr(collection_module, name, failing)
+    seen = []
+    for step in range(4):
+        now["step"] = step
+        _train_step(model, optimizer, rank, step)
+        seen.append(
+            {prefix: bool(mon._latest(prefix)) for prefix in ("grad_reduced", "exp_avg", "exp_avg_sq")}
+        )
+    failed = sorted(mon._session.collection._failed)
+    mon.stop()
+    save_result(workdir, rank, {"seen": seen, "failed": failed})
+
+
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_a_fault_of_ours_on_one_rank_switches_a_merged_part_off_on_every_rank(tmp_path, where):
+    """shard_reduce gathers every merged data type's pieces at every step: a rank whose part
+    failed must not leave its mates waiting in that gather (gloo aborts, NCCL hangs). Failed
+    before its gather, it joins it with rows marked failed at that step; after, at the next. The
+    part is switched off on both ranks at one step, the others go on, and training finishes."""
+    per_rank = run_ranks(functools.partial(_fault_worker, where=where), WORLD, str(tmp_path))
+    for result in per_rank:
+        assert result["failed"] == ["exp_avg"], result["failed"]
+        assert all(s["grad_reduced"] and s["exp_avg_sq"] for s in result["seen"]), result["seen"]
+        assert result["seen"][0]["exp_avg"], result["seen"]

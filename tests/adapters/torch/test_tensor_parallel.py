@@ -428,12 +428,80 @@ def _failing_rank_worker(rank: int, world_size: int, workdir: str) -> None:
 def test_a_rank_whose_activations_fail_leaves_its_mates_per_rank_not_waiting(tmp_path):
     """The header all-gather: rank 1 measures nothing from step 1 on, so rank 0's rows of that
     step stay its own piece (no merge, no rank left waiting in the merge's all-gather), for
-    activations and unreduced gradients alike."""
+    activations and unreduced gradients alike. Rank 1's activation hooks stay on (said), since
+    they take partial sums with rank 0; its unreduced gradients are switched off."""
     first, second = run_ranks(_failing_rank_worker, 2, str(tmp_path))
-    assert any("failed and is switched off" in m for m in second["messages"]), second["messages"]
+    assert any("grad_unreduced failed and is switched off" in m for m in second["messages"]), second[
+        "messages"
+    ]
+    assert any("actv failed in a hook" in m and "stays on" in m for m in second["messages"]), second[
+        "messages"
+    ]
     assert any("measured different tensor-parallel rows" in m for m in first["messages"]), first["messages"]
     merged, alone = first["rows"][0], first["rows"][1]
     assert merged["norm"] > np.linalg.norm(first["local"][0]) * 1.01  # step 0: both ranks' columns
     assert_stats_close(alone, np.array(first["local"][1]), what="rank 0 up.output at step 1", rel=1e-6)
     whole, pieces = first["unreduced"][0], first["unreduced"][2]
     assert not whole["partial"] and pieces["partial"] and pieces["numel"] * 2 == whole["numel"]
+
+
+class FedBlock(torch.nn.Module):
+    """A Block whose input requires a gradient: under column parallelism that gradient reaches
+    the hooks as a partial sum, which the hooks of both ranks complete together."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pre = torch.nn.Linear(6, 6)
+        self.block = Block()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.block(self.pre(x))
+
+
+def _failing_once_worker(rank: int, world_size: int, workdir: str) -> None:
+    import logging
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    import adapters.torch.activations as activations_module
+    from monitor import TrainerMon
+
+    torch.manual_seed(0)
+    model = FedBlock()
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    parallelize_module(model, mesh, {"block.up": ColwiseParallel(), "block.down": RowwiseParallel()})
+    optimizer = _optimizer(model.parameters())
+    mon = TrainerMon({**ACTIVATIONS, "shard_reduce": True}).set_monitor(model, 1, optimizer)
+    messages: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())
+    logging.getLogger("trainmon").addHandler(handler)
+    measure, failures = activations_module.tensor_stats, [1 if rank == 1 else 0]
+
+    def once(*args, **kwargs):
+        if failures[0] and mon_step[0] == 1:
+            failures[0] -= 1
+            raise RuntimeError("injected")
+        return measure(*args, **kwargs)
+
+    activations_module.tensor_stats = once
+    mon_step, grads = [0], []
+    for step in range(3):
+        mon_step[0] = step
+        _train_step(model, optimizer, Layout(dp=1, tp=2), rank, step)
+        grads.append(mon._latest("actv_grad").get(f"0:block.up.input_grad:0/rank{rank}/actv_grad"))
+    mon.stop()
+    save_result(workdir, rank, {"messages": messages, "grads": grads})
+
+
+def test_a_rank_whose_activation_hook_fails_still_takes_the_partial_sums_its_mate_waits_in(tmp_path):
+    """The input gradient of a column-parallel layer is a partial sum that the hooks complete
+    with an all-reduce of the mesh: rank 1, whose activation statistics failed once, keeps its
+    hooks on (said), so rank 0 is not left in that all-reduce alone and both train to the end,
+    their rows of the steps after merged as before."""
+    first, second = run_ranks(_failing_once_worker, 2, str(tmp_path))
+    assert any("actv failed in a hook" in m and "stays on" in m for m in second["messages"]), second
+    assert not any("switched off" in m for m in first["messages"] + second["messages"])
+    for step in (0, 2):
+        assert first["grads"][step] == second["grads"][step], step  # merged: the same whole tensor
