@@ -99,7 +99,9 @@ def discover(logdir: str) -> list[Run]:
         anomaly_dir = os.path.join(root, ANOMALY_DIR)
         has_anomalies = os.path.isdir(anomaly_dir) and not os.path.islink(anomaly_dir)
         for number, job in enumerate(jobs):
-            first = min(job.values(), key=_order_key).name
+            # named by its lowest rank's directory: the order of ranks started within one second
+            # falls back to modification times, which change as each rank writes
+            first = job[min(job)].name
             name = label if len(jobs) == 1 else f"{label} @ {RANK_DIR_PATTERN.match(first).group(1)}"
             runs.append(
                 Run(

@@ -239,6 +239,17 @@ def test_clicking_an_anomaly_and_a_cell(page):
     chart = _state(session)["chart"]
     assert chart["ranks"] == 1 and chart["points"] == DEMO_STEPS and third["prefix"] in chart["title"]
     assert session.script("return document.querySelector('.tm-scalars-link');") is None  # CSV: no scalars
+    # a jump to another data type's anomaly takes the open chart along, not left on the old tag
+    listed = _json(base, f"/data/plugin/trainmon/anomalies?run={urllib.parse.quote(run)}&limit=1000")
+    shown = state["anomalies_shown"]
+    other = next(a for a in listed["items"] if a["prefix"] != third["prefix"] and a["index"] < shown)
+    session.script(
+        "[...document.querySelectorAll('.tm-anomaly')]"
+        ".find((li) => li.dataset.index === arguments[0]).click();",
+        str(other["index"]),
+    )
+    title = "document.querySelector('.tm-chart-title').textContent"
+    session.wait_for(f"return {title}.includes({json.dumps(other['prefix'])});", 20, "the chart jumped to")
     session.leave_frames()
     session.screenshot(str(artifacts() / "trainmon-tab-chart.png"))
     session.enter_frame("iframe")
@@ -255,7 +266,7 @@ def test_other_runs_render_and_new_steps_appear_live(page):
         )
         session.wait_for(  # the heatmap drawn last is this run's, not the previous run's
             f"return document.querySelector('.tm-canvas').dataset.run === {json.dumps(runs[name]['id'])} && "
-            "document.querySelector('.tm-heat-title').textContent.includes('rows');",
+            "document.querySelector('.tm-heat-title').textContent.includes(' row');",
             30,
             name,
         )
@@ -389,7 +400,7 @@ def test_a_tensorboard_run_links_its_chart_to_tensorboards_charts_without_smooth
     )
     session.wait_for(
         f"return document.querySelector('.tm-canvas').dataset.run === {json.dumps(run_id)} && "
-        "document.querySelector('.tm-heat-title').textContent.includes('rows');",
+        "document.querySelector('.tm-heat-title').textContent.includes(' row');",
         30,
         "the TensorBoard run",
     )

@@ -60,6 +60,19 @@ def test_an_empty_runs_list_says_whether_the_logdir_is_missing_or_one_ranks_dire
     assert Api(tmp_path / "out").json("/runs")["logdir"] == {"exists": True, "rank_directory": False}
 
 
+def test_a_runs_id_stays_while_its_ranks_write(tmp_path):
+    """The page keeps what the user looks at by the run's id: ranks started within one second
+    must not swap the id as each one's directory changes (written in turn by a live run)."""
+    root = tmp_path / "out"
+    write_run(root, ranks=(0, 1))
+    ids = []
+    for rank, stamp in ((1, 1_000_000), (0, 2_000_000), (1, 3_000_000)):
+        os.utime(rank_dir(root, rank), (stamp, stamp))
+        (run,) = Api(root).json("/runs")["runs"]
+        ids.append(run["id"])
+    assert ids == [f".#{rank_dir(root, 0).name}"] * 3, ids
+
+
 def test_runs_lists_both_demo_formats_with_their_data_types(demo_runs):
     runs = Api(demo_runs["csv"].parent).runs()
     assert set(runs) == {"demo_csv", "demo_tensorboard"}

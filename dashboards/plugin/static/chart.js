@@ -44,6 +44,7 @@ export class LineChart {
       link.href = scalars;
       link.target = "_top";
       link.textContent = "in TensorBoard's charts, smoothing 0";
+      link.title = "untick \"Ignore outliers in chart scaling\" in TensorBoard's settings to see a spike whole";
       this.title.append(" · ", link);
     }
     this.legend.replaceChildren(...series.ranks.map((rank, i) => {

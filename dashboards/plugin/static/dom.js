@@ -40,6 +40,11 @@ export function setOptions(select, options, value) {
   if (value !== undefined && options.some(([v]) => String(v) === String(value))) select.value = String(value);
 }
 
+// "1 row", "2 rows": a count with its noun.
+export function plural(count, one, many = `${one}s`) {
+  return `${count} ${count === 1 ? one : many}`;
+}
+
 // A value of the JSON answers: numbers, or the encoder's strings for non-finite ones.
 export function formatAny(v) {
   if (v === null || v === undefined) return "?";

@@ -4,7 +4,7 @@
 
 import { COLORS, Heatmap, formatValue } from "./heatmap.js";
 import { LineChart } from "./chart.js";
-import { BASE, el, formatAny, getJSON, labelled, routeURL, setOptions } from "./dom.js";
+import { BASE, el, formatAny, getJSON, labelled, plural, routeURL, setOptions } from "./dom.js";
 import { SideList } from "./lists.js";
 
 const POLL_MS = 5000;
@@ -208,7 +208,8 @@ class App {
       const what = this.state.mode === "rank" ? `rank ${data.rank}` : `${this.state.row.label}, all ranks`;
       this.heatTitle.textContent = `${data.prefix} · ${data.op} · ${what} · steps ${data.steps[0] ?? "-"}–` +
         `${data.steps[data.steps.length - 1] ?? "-"} (${data.steps.length} columns` +
-        `${data.sampled ? ", sampled: narrow the step range for every step" : ""}) · ${data.rows.length} rows`;
+        `${data.sampled ? ", sampled: narrow the step range for every step" : ""}) · ${plural(data.rows.length, "row")}` +
+        (data.skipped ? ` · ${plural(data.skipped, "entry", "entries")} could not be read` : "");
       this.heatmap.selected = null;
       this.heatmap.canvas.dataset.selected = "";
       this.heatmap.canvas.dataset.run = this.state.run;
@@ -296,7 +297,9 @@ class App {
       const r = d.row_keys.findIndex((k) => k[0] === a.row[0] && k[1] === a.row[1] && k[2] === a.row[2]);
       const c = d.steps.indexOf(a.step);
       if (r >= 0) this.state.row = { key: d.row_keys[r], label: d.rows[r] };  // "one tag, all ranks" shows it
-      if (r >= 0 && c >= 0) this.heatmap.select(r, c);
+      if (r < 0 || c < 0) this.chartBox.hidden = true;  // not the chart of a tag this heatmap does not show
+      else if (this.chartBox.hidden) this.heatmap.select(r, c);
+      else this.openChart({ row: r, col: c });  // the open chart follows the jump
     });
   }
 

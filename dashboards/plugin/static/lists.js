@@ -3,13 +3,11 @@
 // clicking an incident's root, one of its records or an anomaly calls onJump(record, key) so the
 // heatmap shows that cell. A run without incidents files (msprobe's own monitor) lists anomalies.
 
-import { el, formatAny, getJSON, labelled, setOptions } from "./dom.js";
+import { el, formatAny, getJSON, labelled, plural, setOptions } from "./dom.js";
 
 const ANOMALY_LIMIT = 500;
 const INCIDENT_LIMIT = 200;
 const RECORD_LIMIT = 1000;
-
-function plural(n, word) { return `${n} ${word}${n === 1 ? "" : "s"}`; }
 
 // " (history b)", or nothing where the rule has no history (a NaN or Inf is abnormal by itself).
 function history(baseline) {
@@ -135,7 +133,11 @@ export class SideList {
     if (!body) return;
     const shown = view === "incidents" ? body.incidents.length : body.items.length;
     const name = view === "incidents" ? "Incidents" : "Anomalies";
-    const unread = body.skipped_files ? ` (${body.skipped_files} file(s) could not be read)` : "";
+    const unread = [
+      body.skipped_files ? `${plural(body.skipped_files, "file")} could not be read` : "",
+      body.skipped_incidents ? `${plural(body.skipped_incidents, "incident")} could not be read` : "",
+      body.skipped_records ? `${plural(body.skipped_records, "record")} could not be read` : "",
+    ].filter(Boolean).map((text) => ` (${text})`).join("");
     this.title.textContent = (body.total === 0 ? `${name}: none recorded` :
       `${name} (earliest first): ${body.matching} of ${body.total}` +
       (body.matching > shown ? ` (first ${shown} shown)` : "")) + unread;
