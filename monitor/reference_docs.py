@@ -22,7 +22,9 @@ from monitor.config.schema import MonitorConfig
 #: config key (``section.key`` inside ``alert`` / ``cc_distribution``) -> what it does.
 MEANINGS = {
     "targets": (
-        "module or parameter names to monitor (empty: everything). A key selects a name exactly "
+        "module or parameter names to monitor (empty: everything; parameters that do not require "
+        "a gradient, frozen ones, are never selected: they have no gradient or moments and do not "
+        "change). A key selects a name exactly "
         "or as a dotted prefix on a name boundary: `layers.1` selects `layers.1.mlp.weight` but "
         "not `layers.10.*`. Raw, squashed and `N:`-prefixed spellings match; a leading `module.` "
         "(DDP) is optional, in the key as in the name (a config written for a DDP run selects the "
