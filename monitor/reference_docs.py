@@ -106,7 +106,8 @@ MEANINGS = {
     "shard_reduce": (
         "ours: with sharded parameters or optimizers, merge the ranks' pieces so each row is the "
         "whole tensor (one all_gather per data type per collected step); under tensor parallelism "
-        "also activations and unreduced gradients, and the spectral norms of FSDP and DTensor weights"
+        "also activations and unreduced gradients, and the spectral norms of FSDP and DTensor weights. "
+        "Every rank must have the same config: set_monitor compares them and refuses configs that differ"
     ),
     "cc_distribution.enable": (
         "statistics of the tensors passing through torch.distributed collectives, see "

@@ -186,6 +186,29 @@ def rank_in_group(group: Any) -> int | None:
 _agreement_groups: list[tuple[Any, Any]] = []
 
 
+def same_on_every_rank(value: int, device: torch.device) -> bool:
+    """Whether ``value`` (below 2**62) is the same on every rank of the world; every rank must
+    call it at the same point (one small all_reduce of the maximum and the negated minimum, in
+    the group ``any_rank`` agrees in)."""
+    if world_size() <= 1:
+        return True
+    group, on_cpu = _agreement_group(device)
+    pair = torch.tensor([value, -value], dtype=torch.int64, device="cpu" if on_cpu else device)
+    with REGISTRY.unobserved():
+        dist.all_reduce(pair, op=dist.ReduceOp.MAX, group=group)
+    highest, lowest = pair.tolist()
+    return highest == -lowest
+
+
+def _agreement_group(device: torch.device) -> tuple[Any, bool]:
+    """The group the monitor's agreements reduce in, and whether they reduce CPU tensors there."""
+    world = dist.group.WORLD
+    if not _agreement_groups or _agreement_groups[-1][0] is not world:
+        _agreement_groups[:] = [(world, _gloo_group())]
+    group = _agreement_groups[-1][1]
+    return group, group is not None or "gloo" in str(dist.get_backend()) or device.type == "meta"
+
+
 def any_rank(flag: bool, device: torch.device) -> bool:
     """Whether ``flag`` holds on any rank of the world (one small all_reduce, unseen by
     cc_distribution); every rank must call it at the same point.
@@ -198,11 +221,7 @@ def any_rank(flag: bool, device: torch.device) -> bool:
     """
     if world_size() <= 1:
         return flag
-    world = dist.group.WORLD
-    if not _agreement_groups or _agreement_groups[-1][0] is not world:
-        _agreement_groups[:] = [(world, _gloo_group())]
-    group = _agreement_groups[-1][1]
-    on_cpu = group is not None or "gloo" in str(dist.get_backend()) or device.type == "meta"
+    group, on_cpu = _agreement_group(device)
     value = torch.tensor([1 if flag else 0], dtype=torch.int32, device="cpu" if on_cpu else device)
     with REGISTRY.unobserved():
         dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)

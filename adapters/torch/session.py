@@ -28,6 +28,7 @@ from adapters.torch.dist import (
     ddp_wrappers,
     global_rank,
     pipeline_info,
+    same_on_every_rank,
     schedule_channel,
     world_size,
 )
@@ -68,6 +69,13 @@ class TorchSession(SessionLifecycle):
                 "module_ranks: expected empty with tensor parallelism (the gradients of parameters "
                 "replicated over a device mesh dimension can be partial sums, completed by a collective "
                 f"every rank of the mesh takes part in), got {list(a.config.module_ranks)}"
+            )
+        device = next((p.device for chunk in self.chunks for p in chunk.parameters()), torch.device("cpu"))
+        if a.config.shard_reduce and not same_on_every_rank(a.config.fingerprint(), device):
+            raise ValueError(
+                "shard_reduce: expected the same config on every rank (its merges are collectives "
+                "that every rank takes at the same steps for the same data types), got configs that "
+                "differ between ranks"
             )
         super().__init__(a.config, global_rank(), a.start_iteration, a.on_step_end)
         self.world_size = world_size()

@@ -10,8 +10,10 @@ hold keys of its other versions), an unknown key inside another section is an er
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
+import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from types import MappingProxyType
@@ -149,6 +151,10 @@ class MonitorConfig:
         """A plain, JSON-serialisable dict of the config (for dynamic rewrites; ``for_outputs``:
         for the run's files, webhook URLs cut to scheme and host)."""
         return _plain(self, for_outputs)
+
+    def fingerprint(self) -> int:
+        """A checksum of every setting (the ranks of one run compare theirs)."""
+        return zlib.crc32(json.dumps(self.to_dict(), sort_keys=True, default=str).encode())
 
     def __reduce__(self) -> tuple:
         """Pickled (and deep-copied) as its plain dict, validated again when loaded: its read-only

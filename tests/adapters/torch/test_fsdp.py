@@ -672,3 +672,27 @@ def test_a_fault_of_ours_on_one_rank_switches_a_merged_part_off_on_every_rank(tm
         assert result["failed"] == ["exp_avg"], result["failed"]
         assert all(s["grad_reduced"] and s["exp_avg_sq"] for s in result["seen"]), result["seen"]
         assert result["seen"][0]["exp_avg"], result["seen"]
+
+
+def _differing_config_worker(rank: int, world_size: int, workdir: str) -> None:
+    from monitor import TrainerMon
+
+    model, _ = _sharded("fsdp2")
+    config = {"wg_distribution": True, "ops": ALL_OPS, "format": "api", "shard_reduce": True}
+    if rank == 1:
+        config["step_interval"] = 2
+    try:
+        TrainerMon(config).set_monitor(model, MICRO, _optimizer(model.parameters()))
+        refused = ""
+    except ValueError as exc:
+        refused = str(exc)
+    _train_step(model, _optimizer(model.parameters()), rank, 0)  # the ranks still train together
+    save_result(workdir, rank, {"refused": refused})
+
+
+def test_shard_reduce_refuses_configs_that_differ_between_ranks_at_the_door(tmp_path):
+    """shard_reduce's merges are collectives every rank takes at the same steps: ranks given
+    different configs (one collecting every other step) are refused at set_monitor on every
+    rank, rather than aborting (gloo) or hanging (NCCL) at the first step they disagree."""
+    for result in run_ranks(_differing_config_worker, WORLD, str(tmp_path)):
+        assert result["refused"].startswith("shard_reduce: expected the same config on every rank"), result
