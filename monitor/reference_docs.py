@@ -107,7 +107,9 @@ MEANINGS = {
         "ours: with sharded parameters or optimizers, merge the ranks' pieces so each row is the "
         "whole tensor (one all_gather per data type per collected step); under tensor parallelism "
         "also activations and unreduced gradients, and the spectral norms of FSDP and DTensor weights. "
-        "Every rank must have the same config: set_monitor compares them and refuses configs that differ"
+        "Every rank must collect the same: with sharded parameters set_monitor compares the configs "
+        "(all but format, ndigits, step_count_per_record, append_output and alert) and refuses ones "
+        "that differ"
     ),
     "cc_distribution.enable": (
         "statistics of the tensors passing through torch.distributed collectives, see "

@@ -9,16 +9,14 @@ and nothing global is patched (msprobe registers global hooks). ``input_grad`` i
 gradient of the loss with respect to the tensor the module received; when that tensor also
 feeds other modules it includes their contributions.
 
-Micro-steps are counted by a pre-hook on each model chunk's root (one call per micro-batch);
-a forward that runs inside a backward pass (activation-checkpoint recompute, reentrant or not)
-is recognised by ``torch._C._current_graph_task_id() != -1`` (what torch.utils.checkpoint itself
-uses), never by inspecting the Python stack (slow, and fragile across torch versions): it is not
-measured again, only given the gradient hooks that reentrant checkpointing needs.
+Micro-steps are counted by a pre-hook on each model chunk's root (one call per micro-batch); a
+forward inside a backward pass (activation-checkpoint recompute) is recognised as
+torch.utils.checkpoint does, by ``torch._C._current_graph_task_id() != -1``, not from the Python
+stack: it is not measured again, only given the gradient hooks that reentrant checkpointing needs.
 
-Under torch.compile the hooks are traced into the compiled code; the measuring part of each runs
-eagerly (adapters.torch.compiled), so collected steps have one graph break per hooked call and
-other steps none.
-With ``shard_reduce``, tensor-parallel modules' tensors merge into whole ones (sharded.tp_activations).
+Under torch.compile the measuring part of each hook runs eagerly (adapters.torch.compiled): one
+graph break per hooked call on collected steps, none on others. With ``shard_reduce``,
+tensor-parallel modules' tensors merge into whole ones (sharded.tp_activations).
 """
 
 from __future__ import annotations
@@ -173,7 +171,7 @@ class Activations:
             tensors = _select(self.modules[index], "output", output)
             self._spreads[index] = [self.merge.spread(t) for t in tensors]
         except Exception as exc:
-            self._failed("actv", exc)
+            self.failed("actv", exc)
 
     def _call_name(self, index: int, micro: int, recompute: bool) -> str:
         """Module name, with ``[k]`` for the k-th extra call within one micro-step.
@@ -207,7 +205,7 @@ class Activations:
             if self._keep_left and not recompute:
                 self._keep(entry.vpp_stage, name, micro, tensors)
         except Exception as exc:
-            self._failed("actv", exc)
+            self.failed("actv", exc)
 
     def keep_inputs(self, budget: int) -> None:
         """Drop the inputs kept so far and keep those of the coming steps' module calls, while
@@ -258,7 +256,7 @@ class Activations:
             calls = self._recomputed if recompute else self._calls
             calls[(index, micro)] = calls.get((index, micro), 0) + 1
         except Exception as exc:
-            self._failed("actv", exc)
+            self.failed("actv", exc)
 
     def _known_tags(self, tensors: list[torch.Tensor]) -> list[Piece | None]:
         """Mesh tags of plain tensors measured earlier this step (None for the others)."""
@@ -311,21 +309,18 @@ class Activations:
         """A tensor as measured: a DTensor's local piece, partial sums done (tagged to merge)."""
         if not isinstance(t, self._dtensor):
             return t, tag
-        if self.merge is not None:
-            return self.merge.local(t)
-        return local_tensor(t), tag
+        return self.merge.local(t) if self.merge is not None else (local_tensor(t), tag)
 
-    def _failed(self, prefix: str, exc: BaseException) -> None:
-        """A hook failed: the data type is switched off here, as any failure is; with
-        tensor-parallel merges it stays on, since its hooks take partial sums with the mesh mates,
-        which a rank that stopped would leave waiting. The failing calls have no rows (said once)."""
+    def failed(self, prefix: str, exc: BaseException) -> None:
+        """Switched off, as any failure is; with tensor-parallel merges on (their hooks take partial
+        sums with the mesh mates, who would wait) said once, the failing calls without rows."""
         if self.merge is None:
             self.collect = False
             self.on_error(prefix, exc)
         elif not self._failure_said:
             self._failure_said = True
             told = "stays on (the tensor-parallel mesh mates take collectives with its hooks)"
-            logger.error("trainmon: %s failed in a hook (%r) and %s", prefix, exc, told, exc_info=exc)
+            logger.error("trainmon: %s failed (%r) and %s", prefix, exc, told, exc_info=exc)
 
     def _watch(
         self, vpp: int, name: str, micro: int, tensors: list[torch.Tensor], tags: list[Piece | None] | None
@@ -356,14 +351,18 @@ class Activations:
                 for vpp, name, micro in rows:  # the gradient is measured once (``_seen``)
                     self._measure("actv_grad", vpp, name, micro, [grad], [tag])
             except Exception as exc:
-                self._failed("actv_grad", exc)
+                self.failed("actv_grad", exc)
             return None
 
         return hook
 
     def take(self, rank: int) -> list[tuple[str, RowSet, torch.Tensor]]:
         """This step's records: ``(prefix, rows, statistics)`` for actv and actv_grad; resets."""
-        matrices = {prefix: stack_rows(self._stats[prefix], len(self.ops)) for prefix in self._rows}
+        try:
+            matrices = {prefix: stack_rows(self._stats[prefix], len(self.ops)) for prefix in self._rows}
+        except Exception:
+            self.merge is None or self.merge.merge([], self.ops)  # the mesh mates wait for its header
+            raise
         if self.merge is not None:  # every rank, rows or not: its mesh mates wait for its header
             self.merge.merge(
                 [

@@ -111,7 +111,8 @@ class Collection(BaseCollection):
         if self._tp_merge is not None and hasattr(self.grads, "tags"):
             self.grads.merge = self._tp_merge
         merged = backend.sharded and config.shard_reduce
-        self._merges = MergeFailures(backend.shard_group, self._merge_shape, self.fail) if merged else None
+        counts = {part: len(index) for part, (index, _) in self._rows.items()}
+        self._merges = MergeFailures(backend.shard_group, counts, self.ops, self.fail) if merged else None
         self.collectives = collectives
         if self.grads is not None:
             self._handles += self.grads.register()
@@ -220,14 +221,14 @@ class Collection(BaseCollection):
         return super()._wanted(part, switch)
 
     def _guard(self, part: str, fn: Callable, *args: Any) -> None:
-        if self._merges is not None and part in MERGED_PARTS:
-            self._merges.run(part, fn, *args)
-        else:
-            super()._guard(part, fn, *args)
+        merges = self._merges if part in MERGED_PARTS else None
+        (super()._guard if merges is None else merges.run)(part, fn, *args)
 
-    def _merge_shape(self, part: str) -> tuple[int, tuple[str, ...]]:
-        """A merged part's gather: its rows and the ops of its columns (mg_direction: the share)."""
-        return len(self._rows[part][0]), ("mean",) if part == "other" else self.ops
+    def fail(self, part: str, exc: BaseException) -> None:
+        if part in ("actv", "actv_grad") and self._tp_merge is not None and self.activations is not None:
+            self.activations.failed(part, exc)  # stays on: its hooks take collectives with the mesh
+        else:
+            super().fail(part, exc)
 
     # -- statistics --------------------------------------------------------------------------
 
@@ -240,12 +241,9 @@ class Collection(BaseCollection):
     def _reusable(self) -> Any:
         """The unreduced-gradient source whose rows the reduced pass may reuse (``measured_rows``),
         or None. Never on an accelerator: comparing there would make the host wait for the device.
-
-        Only where a gradient changed since is seen: one process (no reduction), torch's own
-        optimizers and ``.grad``, where in-place kernels bump the version and those that do not
-        (a loss scaler's unscaling) rescale every gradient alike, which ``still_measured`` sees
-        in one of them (Megatron's and DeepSpeed's kernels write gradients without either).
-        """
+        Only where a gradient changed since is seen: one process, torch's own optimizers and
+        ``.grad``, where in-place kernels bump the version and those that do not (a loss scaler's
+        unscaling) rescale every gradient alike, which ``still_measured`` sees in one of them."""
         if not getattr(self.grads, "keep_measured", False):
             return None
         taken = getattr(self.grads, "taken_matrix", None)

@@ -6,8 +6,8 @@ device, and the number of kernel launches does not grow with the number of tenso
 of several microseconds (tens in a virtual machine), while reading a tensor of a million elements
 takes the device about one: one reduction per statistic and tensor made a model's gradients cost
 several times its training step. The tensors are therefore packed: copied one after another
-into buffers of at most PACK_ELEMENTS elements (in the accumulation type, so that half types are
-widened once), each buffer cut into pieces of at most PIECE elements that never span two tensors,
+into buffers of at most PACK_ELEMENTS elements (then widened to the accumulation type, float32
+for half types), each buffer cut into pieces of at most PIECE elements that never span two tensors,
 and every statistic of every piece taken by one segmented reduction per buffer; the pieces' rows
 then combine into the tensors' rows with one more segmented reduction per statistic. The number
 of launches follows the number of buffers (the total size), not the number of tensors. Integer
@@ -111,6 +111,8 @@ def device_block(
     layout = _Layout(sizes)
     minmax = "min" in ops or "max" in ops
     wanted = [op for op in _PIECE_STATISTICS if op in ops or (op == "nans" and minmax)]
+    if not wanted:  # msprobe's "id" alone
+        return torch.stack([id_column(tensors)], dim=1)
     # every small host value in one copy: each buffer's piece offsets, pieces per tensor, sizes
     facts = on_device(np.concatenate([*layout.offsets, layout.per_tensor, sizes]), torch.long, device)
     pieces = []
@@ -128,10 +130,9 @@ def device_block(
     if "norm" in columns:
         columns["norm"] = columns["norm"].sqrt()
     if minmax:  # a NaN makes both NaN, as numpy has them, whatever the segmented reduction did
-        nan = torch.tensor(float("nan"), dtype=_F64, device=device)
-        seen = columns["nans"] > 0
+        seen = columns["nans"] > 0  # (no host value: a blocking copy would wait for the device)
         for op in ("min", "max"):
-            columns[op] = torch.where(seen, nan, columns[op])
+            columns[op] = columns[op].masked_fill(seen, float("nan"))
     if "id" in ops:
         columns["id"] = id_column(tensors)
     return torch.stack([columns[op] for op in ops], dim=1)
@@ -167,6 +168,8 @@ class _Layout:
             for low, high in zip(self.bounds[:-1], self.bounds[1:])
         ]
         self.per_tensor = np.bincount(self.owner, minlength=len(sizes))
+        #: the tensor a buffer's edge cuts, flattened: ``(index, flat)``
+        self._cut: tuple[int, torch.Tensor] | None = None
 
     def offsets_on(self, facts: torch.Tensor) -> list[torch.Tensor]:
         """Each buffer's piece offsets, as views of the device copy of the host values."""
@@ -181,7 +184,8 @@ class _Layout:
         return b * PACK_ELEMENTS, min((b + 1) * PACK_ELEMENTS, self.total)
 
     def parts(self, b: int, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """Buffer ``b``'s tensors: whole, or the piece of one that a buffer's edge cuts."""
+        """Buffer ``b``'s tensors: whole, or the piece of one that a buffer's edge cuts (such a
+        tensor flattened once for all its buffers: a non-contiguous one is copied then)."""
         low, high = self.span(b)
         first = int(self.owner[self.bounds[b]])
         last = int(self.owner[self.bounds[b + 1] - 1])
@@ -190,7 +194,9 @@ class _Layout:
             i = first + k
             start, stop = int(self.starts[i]), int(self.starts[i] + self.sizes[i])
             if start < low or stop > high:
-                parts[k] = parts[k].reshape(-1)[max(start, low) - start : min(stop, high) - start]
+                if self._cut is None or self._cut[0] != i:
+                    self._cut = (i, parts[k].reshape(-1))
+                parts[k] = self._cut[1][max(start, low) - start : min(stop, high) - start]
         return parts
 
 

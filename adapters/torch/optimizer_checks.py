@@ -27,7 +27,10 @@ def without_adam_moments(backend: TorchBackend, params: Sequence[torch.nn.Parame
     if not owners:
         return None
     optimizer = owners[0][0]
-    if any(owner.state.get(tensor) for owner, tensor in owners):
+    states = [owner.state.get(tensor) for owner, tensor in owners]
+    if any(state and ("exp_avg" in state or "exp_avg_sq" in state) for state in states):
+        return False  # kept, though this rank reads none (an HSDP replica's pieces are not counted)
+    if any(states):
         return type(optimizer).__name__
     if not any("betas" in group for owner, _ in owners for group in owner.param_groups):
         return type(optimizer).__name__

@@ -9,21 +9,22 @@ import numpy as np
 import torch
 
 from adapters.torch.in_place import in_place, kernel_parts, kernel_sweep
+from adapters.torch.staged_stats import StagedRow
 from adapters.torch.stats import stack_rows, stat_matrix, tensor_stats
 from monitor.stats import fused_stats
 from monitor.stats.host_stats import columns
 
 
 class RowBuffer:
-    """Statistics rows of tensors measured one at a time (a hook per parameter) or many at
-    once (``put_many``: the gradients of a backward pass), by slot.
+    """Statistics rows of tensors measured one at a time (a hook per parameter) or many at once
+    (``put_many``: the gradients of a backward pass), by slot.
 
     A CPU tensor's kernel tuple goes straight into a preallocated float64 array: no Python
     object per tensor outlives the call, so hooks on thousands of parameters neither pay for
     building rows nor wake the garbage collector, whose passes grow with the number of live
     objects. Other tensors (accelerators, integer types, the ``id`` op) keep the row
-    ``tensor_stats`` gives. ``take`` returns the rows in the order they were put; a slot put
-    again moves to the end.
+    ``tensor_stats`` gives (an accelerator's: a ``StagedRow``, measured with its peers later).
+    ``take`` returns the rows in the order they were put; a slot put again moves to the end.
     """
 
     def __init__(self, size: int, ops: Sequence[str], eps: float) -> None:
@@ -32,7 +33,7 @@ class RowBuffer:
         self._raw = np.empty((size, 6), dtype=np.float64)
         self._numel = np.zeros(size, dtype=np.float64)
         self._order: dict[int, None] = {}
-        self._other: dict[int, list[float] | torch.Tensor] = {}
+        self._other: dict[int, list[float] | torch.Tensor | StagedRow] = {}
         self._direct = "id" not in self.ops
 
     def put(self, slot: int, t: torch.Tensor) -> None:

@@ -71,7 +71,8 @@ class TorchSession(SessionLifecycle):
                 f"every rank of the mesh takes part in), got {list(a.config.module_ranks)}"
             )
         device = next((p.device for chunk in self.chunks for p in chunk.parameters()), torch.device("cpu"))
-        if a.config.shard_reduce and not same_on_every_rank(a.config.fingerprint(), device):
+        sharded = a.config.shard_reduce and self.backend.sharded
+        if sharded and not same_on_every_rank(a.config.fingerprint(), device):
             raise ValueError(
                 "shard_reduce: expected the same config on every rank (its merges are collectives "
                 "that every rank takes at the same steps for the same data types), got configs that "

@@ -10,14 +10,17 @@ back; ``stack_rows`` in adapters.torch.stats reads it. Buffers hold at most PACK
 elements (64 MB of float32) and exist only while open; a larger tensor is measured at once.
 
 Hooks run on the training thread (forward) and on autograd's device threads (backward): a lock
-per stager keeps the buffer consistent. Copies made on one CUDA stream and measured from
-another are ordered by making the measuring stream wait for the copying ones.
+per stager keeps the buffer consistent. Copies made on one CUDA stream and measured from another
+are ordered by making the measuring stream wait for the copying ones, and a reader on a third
+waits for the measuring one; the buffer is recorded on every stream that used it. (Side streams
+are not covered by a test: the machines that run the tests have no GPU.)
 """
 
 from __future__ import annotations
 
 import threading
 import weakref
+from typing import Any
 
 import torch
 
@@ -48,12 +51,16 @@ class _Batch:
         self.filled = 0
         self.streams: set = set()
         self.matrix: torch.Tensor | None = None
+        #: the CUDA stream the rows were measured on (None elsewhere)
+        self.sealed_on: Any = None
 
     def rows(self) -> torch.Tensor:
         if self.matrix is None:
             with self.stager.lock:
                 if self.matrix is None:
                     self.stager.seal(self)
+        if self.sealed_on is not None and torch.cuda.current_stream(self.stager.device) != self.sealed_on:
+            torch.cuda.current_stream(self.stager.device).wait_stream(self.sealed_on)  # measured there
         return self.matrix
 
 
@@ -84,7 +91,10 @@ class Stager:
             with torch.no_grad():
                 view.copy_(t.reshape(-1))
             if self.device.type == "cuda":
-                batch.streams.add(torch.cuda.current_stream(self.device))
+                stream = torch.cuda.current_stream(self.device)
+                if stream not in batch.streams:  # the buffer, even dropped unsealed, outlives the copy
+                    batch.streams.add(stream)
+                    batch.buffer.record_stream(stream)
             batch.views.append(view)
             batch.filled += size
             return StagedRow(batch, len(batch.views) - 1)
@@ -98,6 +108,7 @@ class Stager:
             for stream in batch.streams - {current}:
                 current.wait_stream(stream)
             batch.buffer.record_stream(current)  # not reused before the measuring stream read it
+            batch.sealed_on = current
         with torch.no_grad():
             batch.matrix = device_block(batch.views, self.ops, self.eps, laid_out=batch.buffer)
         batch.buffer, batch.views = None, []

@@ -153,13 +153,19 @@ class MonitorConfig:
         return _plain(self, for_outputs)
 
     def fingerprint(self) -> int:
-        """A checksum of every setting (the ranks of one run compare theirs)."""
-        return zlib.crc32(json.dumps(self.to_dict(), sort_keys=True, default=str).encode())
+        """A checksum of what decides which tensors are measured when (the ranks of one run
+        compare theirs): every setting but how the results are written and alerted."""
+        collected = {k: v for k, v in self.to_dict().items() if k not in _WRITING_KEYS}
+        return zlib.crc32(json.dumps(collected, sort_keys=True, default=str).encode())
 
     def __reduce__(self) -> tuple:
         """Pickled (and deep-copied) as its plain dict, validated again when loaded: its read-only
         mappings cannot be pickled themselves."""
         return (load_config, (self.to_dict(),))
+
+
+#: settings of how results are written and alerted, which may differ between ranks
+_WRITING_KEYS = frozenset({"format", "ndigits", "step_count_per_record", "append_output", "alert"})
 
 
 def _plain(value: Any, for_outputs: bool) -> Any:

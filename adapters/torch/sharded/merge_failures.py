@@ -4,7 +4,7 @@ With ``shard_reduce`` every rank all-gathers each merged data type's pieces at e
 step. A rank whose part failed (and was switched off there, as any failure is) would leave its
 mates waiting in that gather: gloo aborts the process on the mismatched collective, NCCL hangs.
 So whatever fails, the rank still joins the part's gather: at the step it failed, or at the next
-one if it had gathered already, with its rows marked failed (``shards.failed_rows``). Every rank
+one if it had gathered already, saying that it failed (``shard_reduce(..., failed=True)``). Every rank
 of the merge then raises ``PeerFailed`` at that same gather, and the part is switched off
 everywhere at one step; the training goes on.
 """
@@ -12,11 +12,13 @@ everywhere at one step; the training goes on.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
+import torch
+
 from adapters.torch.dist import collective_device
-from adapters.torch.sharded.shards import PeerFailed, failed_rows, shard_reduce
+from adapters.torch.sharded.shards import GatheredThenFailed, PeerFailed, shard_reduce
 
 logger = logging.getLogger("trainmon")
 
@@ -29,17 +31,19 @@ class MergeFailures:
 
     Args:
         group: the shard group (or tuple of mesh groups) the parts merge over.
-        shape_of: a part's gather: its rows and the ops of its statistics columns.
+        rows: each part's number of rows (the shape of its gather, with its ops).
+        ops: the statistics merged (mg_direction merges its share alone, as a mean).
         fail: switches a part off on this rank (logged once).
     """
 
     def __init__(
         self,
         group: Any,
-        shape_of: Callable[[str], tuple[int, tuple[str, ...]]],
+        rows: Mapping[str, int],
+        ops: tuple[str, ...],
         fail: Callable[[str, BaseException], None],
     ) -> None:
-        self.group, self._shape_of, self._fail = group, shape_of, fail
+        self.group, self._rows, self._ops, self._fail = group, rows, ops, fail
         self._gathered: set[str] = set()
         self._owed: set[str] = set()
 
@@ -54,7 +58,10 @@ class MergeFailures:
         try:
             submit(*args)
         except PeerFailed as exc:  # every rank of the merge saw it at the same gather
-            self._fail(part, exc)
+            self._fail(part, exc.with_traceback(None))  # the cause's traceback is the failing rank's
+        except GatheredThenFailed as exc:
+            self._owed.add(part)
+            self._fail(part, exc.__cause__ or exc)
         except Exception as exc:
             if part in self._gathered:
                 self._owed.add(part)
@@ -70,10 +77,11 @@ class MergeFailures:
             self._tell(part)
 
     def _tell(self, part: str) -> None:
-        rows, ops = self._shape_of(part)
-        matrix, counts = failed_rows(rows, len(ops), collective_device())
+        ops = ("mean",) if part == "other" else self._ops
+        device, rows = collective_device(), self._rows[part]
+        matrix = torch.full((rows, len(ops)), float("nan"), dtype=torch.float64, device=device)
         try:
-            shard_reduce(matrix, counts, ops, self.group)
+            shard_reduce(matrix, torch.zeros(rows, dtype=torch.float64, device=device), ops, self.group, True)
         except PeerFailed:
             pass  # the verdict this rank sent itself
         except Exception as exc:  # the gather itself failed: nothing more this rank can do

@@ -20,13 +20,16 @@ from adapters.torch.dist import all_gather_flat
 
 #: extra columns written for sharded data: element count of the row's piece, and 1 when partial.
 SHARD_COLUMNS = ("numel", "partial")
-#: the element count a rank sends for every row when its own part failed (see PeerFailed)
-FAILED_COUNT = -1.0
 
 
 class PeerFailed(RuntimeError):
-    """A rank sent its rows marked failed (``FAILED_COUNT``) to a merge: every rank of the merge
-    raises this at the same collective, so that all switch the part off at one step."""
+    """A rank's part of a merge failed and it said so in the merge's gather: every rank of the
+    merge raises this at that same gather, so that all switch the part off at one step."""
+
+
+class GatheredThenFailed(RuntimeError):
+    """This rank took part in every gather of a merge, then failed (its cause is the error): its
+    mates do not know, and are told at the part's next gather."""
 
 
 def piece_columns(counts: np.ndarray, whole: np.ndarray) -> np.ndarray:
@@ -66,7 +69,9 @@ def _masked(reduce: Any, column: np.ndarray, present: np.ndarray, raw: np.ndarra
     return np.where(nan_in_piece, np.nan, result)
 
 
-def shard_reduce(matrix: torch.Tensor, counts: torch.Tensor, ops: Sequence[str], group: Any) -> np.ndarray:
+def shard_reduce(
+    matrix: torch.Tensor, counts: torch.Tensor, ops: Sequence[str], group: Any, failed: bool = False
+) -> np.ndarray:
     """Whole-tensor statistics from every rank's pieces: one all_gather per group.
 
     Args:
@@ -74,18 +79,32 @@ def shard_reduce(matrix: torch.Tensor, counts: torch.Tensor, ops: Sequence[str],
         counts: (rows,) element counts of this rank's pieces (0 where it holds none).
         group: the process group whose ranks hold the pieces, or a tuple of groups (the
             dimensions of a device mesh), merged one after the other.
+        failed: this rank's part failed: every rank of the merge raises ``PeerFailed``.
 
     Returns:
         (rows, ops + 2) float64: merged values, the total element count, and 0 (not partial).
+
+    Raises:
+        PeerFailed: some rank said its part failed (on every rank of the merge alike).
+        GatheredThenFailed: this rank failed after a gather; it still took every later one.
     """
-    values, failed = matrix, set()
+    values, failing, error = matrix, [], None
     for one in group if isinstance(group, tuple) else (group,):
-        merged, total, failing = _gather_merge(values, counts, ops, one)
-        failed.update(failing)
-        values = torch.from_numpy(merged).to(matrix.device)
-        counts = torch.from_numpy(total).to(matrix.device)
-    if failed:
-        raise PeerFailed(f"rank(s) {sorted(failed)} failed to measure their pieces; merged nowhere")
+        host, failing = _gather(values, counts, one, failed or bool(failing))
+        try:  # whatever fails here, the next mesh dimension's gather is still taken
+            merged, total = (
+                merge_pieces(host[:, :-1, :-1], host[:, :-1, -1], ops),
+                host[:, :-1, -1].sum(axis=0),
+            )
+            values = torch.from_numpy(merged).to(matrix.device)
+            counts = torch.from_numpy(total).to(matrix.device)
+        except Exception as exc:
+            error = error or exc
+            values, counts = torch.full_like(values, float("nan")), torch.zeros_like(counts)
+    if failing:
+        raise PeerFailed(f"rank(s) {sorted(failing)} failed to measure their pieces; merged nowhere")
+    if error is not None:
+        raise GatheredThenFailed(repr(error)) from error
     host_counts = counts.cpu().numpy()
     return np.concatenate(
         [values.cpu().numpy(), host_counts[:, None], np.zeros((len(host_counts), 1))], axis=1
@@ -102,28 +121,21 @@ def held_rows(rows: Any, merged: np.ndarray) -> tuple[Any, np.ndarray]:
     return rows.take(held.tolist()), merged[held]
 
 
-def failed_rows(rows: int, width: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """What a rank whose own part failed gives ``shard_reduce`` in its peers' place: NaN rows of
-    the part's shape, counted ``FAILED_COUNT``."""
-    matrix = torch.full((rows, width), float("nan"), dtype=torch.float64, device=device)
-    return matrix, torch.full((rows,), FAILED_COUNT, dtype=torch.float64, device=device)
-
-
-def _gather_merge(
-    matrix: torch.Tensor, counts: torch.Tensor, ops: Sequence[str], group: Any
-) -> tuple[np.ndarray, np.ndarray, list[int]]:
-    """Merged values and total counts of the pieces held by ``group``'s ranks, and the (global)
-    ranks that sent failed rows: those pass the failure on, as failed rows, to the next mesh
-    dimension's merge, whose ranks would otherwise wait for the ones that stopped here."""
-    packed = torch.cat([matrix, counts.to(matrix.dtype).unsqueeze(1)], dim=1).contiguous()
+def _gather(
+    matrix: torch.Tensor, counts: torch.Tensor, group: Any, failed: bool
+) -> tuple[np.ndarray, list[int]]:
+    """Every rank's (rows + 1, columns + 1) pieces of ``group`` on the host: values, counts and a
+    last row saying whether the rank's part failed (so a part of no rows can say it too); and
+    the (global) ranks that said so, which every later mesh dimension is told in turn."""
+    packed = torch.cat([matrix, counts.to(matrix.dtype).unsqueeze(1)], dim=1)
+    status = torch.zeros((1, packed.shape[1]), dtype=packed.dtype, device=packed.device)
+    status[0, -1] = 1.0 if failed else 0.0
+    packed = torch.cat([packed, status]).contiguous()
     world = dist.get_world_size(group)
     # the concatenated output form: gloo accepts only this one (NCCL accepts both)
     rows, columns = packed.shape
     gathered = torch.empty((world * rows, columns), dtype=packed.dtype, device=packed.device)
     all_gather_flat(gathered, packed, group=group)
-    host = gathered.cpu().numpy().reshape(world, *packed.shape)
-    failing = np.flatnonzero((host[:, :, -1] < 0).any(axis=1))
-    if failing.size:
-        members = dist.get_process_group_ranks(group) if group is not None else range(world)
-        return host[0, :, :-1] * np.nan, np.full(rows, FAILED_COUNT), [members[r] for r in failing]
-    return merge_pieces(host[:, :, :-1], host[:, :, -1], ops), host[:, :, -1].sum(axis=0), []
+    host = gathered.cpu().numpy().reshape(world, rows, columns)
+    members = dist.get_process_group_ranks(group) if group is not None else list(range(world))
+    return host, [members[r] for r in np.flatnonzero(host[:, -1, -1] > 0)]

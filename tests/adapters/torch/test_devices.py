@@ -231,7 +231,5 @@ def test_hooks_on_several_threads_share_a_stager_and_a_dropped_batch_lets_its_bu
         assert_stats_close(dict(zip(ALL_OPS, row)), host_copy(tensor))
     if not isinstance(stats.tensor_stats(tensors[0], ALL_OPS), staged_stats.StagedRow):
         return  # the host path measures at once: nothing staged
-    (stager,) = [
-        s for key, s in staged_stats._STAGERS.items() if key[0] == tensors[0].device and key[3] == 1e-8
-    ]
+    stager = staged_stats._STAGERS[(tensors[0].device, torch.float32, tuple(ALL_OPS), 1e-8)]
     assert stager._open() is None  # the row just made and dropped took its batch with it

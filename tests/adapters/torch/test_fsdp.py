@@ -587,7 +587,7 @@ def test_a_nan_in_one_ranks_shard_is_counted_once_and_makes_the_merged_row_nan(t
             assert merged["numel"] == want.size
 
 
-def _optimizer_without_moments_worker(rank: int, world_size: int, workdir: str) -> None:
+def _optimizer_without_moments_worker(rank: int, world_size: int, workdir: str, case: str) -> None:
     import logging
 
     from monitor import TrainerMon
@@ -598,7 +598,7 @@ def _optimizer_without_moments_worker(rank: int, world_size: int, workdir: str) 
         handler = logging.Handler()
         handler.emit = lambda record, into=messages: into.append(record.getMessage())
         logging.getLogger("trainmon").addHandler(handler)
-        model, _ = _sharded("fsdp2")
+        model, _ = _sharded(case)
         optimizer = make(model.parameters(), lr=0.05)
         mon = TrainerMon({"mv_distribution": True, "ops": ALL_OPS, "format": "api"})
         mon.set_monitor(model, MICRO, optimizer)
@@ -611,20 +611,23 @@ def _optimizer_without_moments_worker(rank: int, world_size: int, workdir: str) 
     save_result(workdir, rank, told)
 
 
-def test_an_optimizer_without_moments_under_fsdp2_is_said_as_without_sharding(tmp_path):
+@pytest.mark.parametrize("case", ["fsdp2", "hsdp"])
+def test_an_optimizer_without_moments_under_fsdp2_is_said_as_without_sharding(tmp_path, case):
     """FSDP2's optimizer holds the model's (sharded) parameters: one without Adam moments (SGD)
     is said, as in one process, rather than leaving mv_distribution's rows missing in silence;
-    AdamW, whose moments some rank holds only an empty piece of, is not."""
-    per_rank = run_ranks(_optimizer_without_moments_worker, WORLD, str(tmp_path))
+    AdamW is not, also where some rank holds only an empty piece of a moment or (HSDP's second
+    replica) pieces that are not counted, and so reads none."""
+    worker = functools.partial(_optimizer_without_moments_worker, case=case)
+    per_rank = run_ranks(worker, WORLDS.get(case, WORLD), str(tmp_path))
     for told in per_rank:
         said = "trainmon: mv_distribution: SGD keeps no exp_avg/exp_avg_sq; no moment rows"
         assert told["SGD"] == [said, "rows: False"], told["SGD"]
-        assert told["AdamW"] == ["rows: True"], told["AdamW"]
+        assert told["AdamW"][:-1] == [], told["AdamW"]  # (HSDP's second replica writes no rows)
 
 
 def _fault_worker(rank: int, world_size: int, workdir: str, where: str) -> None:
     """Rank 1 alone fails while measuring exp_avg at step 1: before its pieces' gather (the
-    statistics) or after it (taking the merged rows)."""
+    statistics), inside the merge once gathered, or after it (taking the merged rows)."""
     import adapters.torch.collection as collection_module
     from monitor import TrainerMon
 
@@ -639,8 +642,11 @@ def _fault_worker(rank: int, world_size: int, workdir: str, where: str) -> None:
         now["prefix"] = prefix
         return submit_pieces(self, prefix, *args)
 
-    name = "stat_matrix" if where == "before" else "held_rows"
-    original = getattr(collection_module, name)
+    import adapters.torch.sharded.shards as shards_module
+
+    module = shards_module if where == "inside" else collection_module
+    name = {"before": "stat_matrix", "inside": "merge_pieces", "after": "held_rows"}[where]
+    original = getattr(module, name)
 
     def failing(*args, **kwargs):
         if rank == 1 and now["step"] == 1 and now["prefix"] == "exp_avg":
@@ -648,7 +654,7 @@ def _fault_worker(rank: int, world_size: int, workdir: str, where: str) -> None:
         return original(*args, **kwargs)
 
     collection_module.Collection._submit_pieces = noting
-    setattr(collection_module, name, failing)
+    setattr(module, name, failing)
     seen = []
     for step in range(4):
         now["step"] = step
@@ -661,7 +667,7 @@ def _fault_worker(rank: int, world_size: int, workdir: str, where: str) -> None:
     save_result(workdir, rank, {"seen": seen, "failed": failed})
 
 
-@pytest.mark.parametrize("where", ["before", "after"])
+@pytest.mark.parametrize("where", ["before", "inside", "after"])
 def test_a_fault_of_ours_on_one_rank_switches_a_merged_part_off_on_every_rank(tmp_path, where):
     """shard_reduce gathers every merged data type's pieces at every step: a rank whose part
     failed must not leave its mates waiting in that gather (gloo aborts, NCCL hangs). Failed

@@ -434,9 +434,7 @@ def test_a_rank_whose_activations_fail_leaves_its_mates_per_rank_not_waiting(tmp
     assert any("grad_unreduced failed and is switched off" in m for m in second["messages"]), second[
         "messages"
     ]
-    assert any("actv failed in a hook" in m and "stays on" in m for m in second["messages"]), second[
-        "messages"
-    ]
+    assert any("actv failed" in m and "stays on" in m for m in second["messages"]), second["messages"]
     assert any("measured different tensor-parallel rows" in m for m in first["messages"]), first["messages"]
     merged, alone = first["rows"][0], first["rows"][1]
     assert merged["norm"] > np.linalg.norm(first["local"][0]) * 1.01  # step 0: both ranks' columns
@@ -501,7 +499,7 @@ def test_a_rank_whose_activation_hook_fails_still_takes_the_partial_sums_its_mat
     hooks on (said), so rank 0 is not left in that all-reduce alone and both train to the end,
     their rows of the steps after merged as before."""
     first, second = run_ranks(_failing_once_worker, 2, str(tmp_path))
-    assert any("actv failed in a hook" in m and "stays on" in m for m in second["messages"]), second
+    assert any("actv failed" in m and "stays on" in m for m in second["messages"]), second
     assert not any("switched off" in m for m in first["messages"] + second["messages"])
     for step in (0, 2):
         assert first["grads"][step] == second["grads"][step], step  # merged: the same whole tensor
