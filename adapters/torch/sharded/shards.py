@@ -90,14 +90,12 @@ def shard_reduce(
     """
     values, failing, error = matrix, [], None
     for one in group if isinstance(group, tuple) else (group,):
-        host, failing = _gather(values, counts, one, failed or bool(failing))
+        host, said = _gather(values, counts, one, failed or bool(failing))
+        failing = failing or said  # later mesh dimensions hear it from those who heard it first
         try:  # whatever fails here, the next mesh dimension's gather is still taken
-            merged, total = (
-                merge_pieces(host[:, :-1, :-1], host[:, :-1, -1], ops),
-                host[:, :-1, -1].sum(axis=0),
-            )
-            values = torch.from_numpy(merged).to(matrix.device)
-            counts = torch.from_numpy(total).to(matrix.device)
+            pieces, piece_counts = host[:, :-1, :-1], host[:, :-1, -1]
+            values = torch.from_numpy(merge_pieces(pieces, piece_counts, ops)).to(matrix.device)
+            counts = torch.from_numpy(piece_counts.sum(axis=0)).to(matrix.device)
         except Exception as exc:
             error = error or exc
             values, counts = torch.full_like(values, float("nan")), torch.zeros_like(counts)

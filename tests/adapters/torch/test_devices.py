@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 
+import numpy as np
 import pytest
 import torch
 
@@ -99,7 +100,10 @@ def test_many_tensors_of_mixed_dtypes_shapes_and_layouts(device, monkeypatch):
     for got, tensor in zip(_rows(tensors), host):
         assert_stats_close(got, host_copy(tensor), what=f"{tensor.dtype} {tuple(tensor.shape)}")
     for tensor, original in zip(tensors, host):
-        assert torch.equal(tensor.cpu(), original) or torch.isnan(original).any(), tensor.dtype
+        torch.testing.assert_close(tensor.cpu(), original, rtol=0, atol=0, equal_nan=True)
+    identity = _rows(tensors, ops=["id"])  # msprobe's "id" alone: the value of one-element tensors
+    assert identity[5]["id"] == 2.5
+    assert all(np.isnan(row["id"]) for row, t in zip(identity, host) if t.numel() != 1)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
