@@ -16,11 +16,14 @@ them per tensor, which does not depend on a GPU.
 unmonitored (A) and monitored (B) blocks, A B B A ..., as overhead.py does; per pair the ratio
 of median step times B/A, the median over pairs reported with its spread, and the peak of
 allocated device memory in B blocks over A blocks. "many": the same for N/2 Linear(64, 64)
-layers summed (N parameter tensors), in microseconds per tensor and step.
+layers summed (N parameter tensors), in microseconds per tensor and step. "profile": torch's
+profiler over monitored GPT steps of each scenario, the ops by host and by device time and the
+host's waits for the device (not part of the default run).
 
     python benchmarks/overhead_cuda.py                     # everything
     python benchmarks/overhead_cuda.py --parts stats --json out.json
     python benchmarks/overhead_cuda.py --parts dispatch                # no GPU needed
+    python benchmarks/overhead_cuda.py --parts profile --scenarios xy  # where a step's time goes
 """
 
 from __future__ import annotations
@@ -206,6 +209,60 @@ def gpt_steps(names: list[str], pairs: int, steps: int) -> dict:
     return results
 
 
+def profile_steps(names: list[str], steps: int) -> dict:
+    """Where a monitored GPT step's time goes, per scenario (``profile_one``)."""
+    return {name: profile_one(name, steps) for name in names}
+
+
+def profile_one(name: str, steps: int, top: int = 25) -> dict:
+    """torch's profiler over ``steps`` collected steps of the GPT with scenario ``name`` (CPU and
+    CUDA activities): the ops by their own host time and by their device time, and the host's
+    waits for the device (synchronisations, values read back), printed and returned."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from adapters.torch.demo import GPTConfig, TinyGPT, synthetic_batch
+    from monitor import TrainerMon
+
+    cfg = GPTConfig(**GPT)
+    torch.manual_seed(0)
+    model = TinyGPT(cfg).cuda()
+    tokens, targets = (t.cuda() for t in synthetic_batch(cfg, 8, torch.Generator().manual_seed(0)))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    os.environ["MONITOR_OUTPUT_DIR"] = os.path.join(OUTPUT, f"profile-{name}")
+    mon = TrainerMon({"targets": {}, "ops": OPS, **SCENARIOS[name]})
+    mon.set_monitor(model, grad_acc_steps=1, optimizer=optimizer)
+
+    def step() -> None:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = model(tokens).reshape(-1, cfg.vocab).float()
+        nn.functional.cross_entropy(logits, targets.reshape(-1)).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+
+    for _ in range(2):
+        step()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+    mon.stop()
+    averages = prof.key_averages()
+    device_time = "self_device_time_total"
+    by_host = sorted(averages, key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
+    by_device = sorted(averages, key=lambda e: getattr(e, device_time, 0), reverse=True)[:top]
+    waiting = ("synchronize", "_local_scalar_dense", "item")
+    waits = [e for e in averages if any(word in e.key.lower() for word in waiting)]
+    print(f"profile {name}: {steps} steps", flush=True)
+    print(averages.table(sort_by="self_cpu_time_total", row_limit=top), flush=True)
+    print(averages.table(sort_by=device_time, row_limit=top), flush=True)
+    return {
+        "host_ms": {e.key: e.self_cpu_time_total / 1000 / steps for e in by_host},
+        "device_ms": {e.key: getattr(e, device_time, 0) / 1000 / steps for e in by_device},
+        "calls_per_step": {e.key: e.count / steps for e in by_host},
+        "waits_per_step": {e.key: e.count / steps for e in waits},
+    }
+
+
 def many_steps(counts: list[int], names: list[str], pairs: int, steps: int) -> dict:
     results = {}
     for count in counts:
@@ -231,7 +288,8 @@ def many_steps(counts: list[int], names: list[str], pairs: int, steps: int) -> d
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--parts", help="comma-separated, of: dispatch (CPU), stats, steps, many (default: the last three)"
+        "--parts",
+        help="comma-separated, of: dispatch (CPU), stats, steps, many, profile (default: stats,steps,many)",
     )
     parser.add_argument("--counts", default="77,400,2000,8000", help="tensor counts of 'stats' and 'many'")
     parser.add_argument("--scenarios", default=",".join(SCENARIOS), help="of 'steps': %(default)s")
@@ -252,6 +310,8 @@ def main(argv: list[str] | None = None) -> int:
         results["stats"] = stat_costs(counts)
     if "steps" in parts:
         results["steps"] = gpt_steps(args.scenarios.split(","), args.pairs, args.steps)
+    if "profile" in parts:
+        results["profile"] = profile_steps(args.scenarios.split(","), args.steps)
     if "many" in parts:
         results["many"] = many_steps([c for c in counts if c >= 2000], ["wg", "all"], args.pairs, args.steps)
     if args.json:
