@@ -6,8 +6,9 @@ accumulated in place, an activation modified by the next layer). So each tensor 
 the hook, into the open staging buffer of its device (one launch, widening half types to float32
 exactly), and the buffer's tensors are measured together (``device_stats.device_block``: a few
 launches for all of them) when it is full or when a row is read. A hook gets a ``StagedRow``
-back; ``stack_rows`` in adapters.torch.stats reads it. Buffers hold at most PACK_ELEMENTS
-elements (64 MB of float32) and exist only while open; a larger tensor is measured at once.
+back; ``stack_rows`` in adapters.torch.stats reads them (``stacked_rows``: one gather for all).
+Buffers hold at most PACK_ELEMENTS elements (64 MB of float32) and exist only while open; a
+larger tensor is measured at once.
 
 Hooks run on the training thread (forward) and on autograd's device threads (backward): a lock
 per stager keeps the buffer consistent. Copies made on one CUDA stream and measured from another
@@ -20,12 +21,13 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from adapters.torch import device_stats
-from adapters.torch.device_stats import accumulate_dtype, device_block
+from adapters.torch.device_stats import accumulate_dtype, device_block, on_device
 
 
 class StagedRow:
@@ -112,6 +114,25 @@ class Stager:
         with torch.no_grad():
             batch.matrix = device_block(batch.views, self.ops, self.eps, laid_out=batch.buffer)
         batch.buffer, batch.views = None, []
+
+
+def stacked_rows(rows: Sequence[StagedRow]) -> torch.Tensor:
+    """Staged rows as one float64 (len(rows), len(ops)) matrix on their device: each batch read
+    once and the rows picked from the batches' matrices with one gather, not a view per row."""
+    offsets: dict[int, int] = {}
+    matrices, index, total = [], [], 0
+    for row in rows:
+        batch = row._batch
+        at = offsets.get(id(batch))
+        if at is None:
+            at = offsets[id(batch)] = total
+            matrices.append(batch.rows())
+            total += len(matrices[-1])
+        index.append(at + row._index)
+    whole = matrices[0] if len(matrices) == 1 else torch.cat(matrices)
+    if index == list(range(total)):
+        return whole
+    return whole.index_select(0, on_device(index, torch.long, whole.device))
 
 
 def _no_batch() -> None:

@@ -41,7 +41,7 @@ import torch
 
 from adapters.torch.device_stats import accumulate_dtype, count_nans, device_block, id_column, on_device
 from adapters.torch.in_place import KINDS, PLAIN, in_place, kernel_parts, kernel_sweep, kernel_tuple
-from adapters.torch.staged_stats import StagedRow, staged_row
+from adapters.torch.staged_stats import StagedRow, stacked_rows, staged_row
 from monitor.stats import fused_stats
 from monitor.stats.host_stats import EMPTY_VALUE, columns, float32_sums_lost, kernel_row, probe_index
 
@@ -310,7 +310,10 @@ def stack_rows(rows: Sequence[list[float] | torch.Tensor | StagedRow], width: in
     are, else on the first device row's device."""
     if not rows:
         return torch.empty((0, width), dtype=_F64)
-    if any(isinstance(r, StagedRow) for r in rows):
+    staged = [isinstance(r, StagedRow) for r in rows]
+    if all(staged):  # an accelerator's hooks: picked from their batches at once
+        return stacked_rows(rows)
+    if any(staged):
         rows = [r.value() if isinstance(r, StagedRow) else r for r in rows]
     device = next((r.device for r in rows if isinstance(r, torch.Tensor)), None)
     if device is None:  # numpy builds a matrix from lists of floats several times faster
