@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from monitor.anomaly.detector_state import STATE_VERSION, rule_identities, saved_levels, state_arrays
 from monitor.anomaly.root import ALONE_FACTOR
 from monitor.anomaly.rules import MOVED_ALONE, NONFINITE, non_finite_cells
 from monitor.anomaly.verdicts import REFERENCE_FIELDS, Anomaly, Verdicts
@@ -32,8 +33,6 @@ from monitor.record import RowSet, StepRecord
 
 __all__ = ["NONFINITE", "NONFINITE_ID", "REFERENCE_FIELDS", "Anomaly", "Detector", "Verdicts"]
 
-#: layout version of Detector.state_dict().
-STATE_VERSION = 1
 NONFINITE_ID, MOVED_ALONE_ID, FIRST_RULE_ID = 0, 1, 2
 #: records whose "norm" column holds a share in [0, 1] (mg_direction's of gradient signs that agree
 #: with exp_avg): 0 is an ordinary value of a tensor of a few elements, not a norm that vanished
@@ -307,11 +306,11 @@ class Detector:
             for entry in state["baselines"]:
                 prefix, ops = str(entry["prefix"]), tuple(str(op) for op in entry["ops"])
                 states[(prefix, ops)] = [
-                    _state_arrays(rule, saved_state, len(rows[prefix]), len(ops))
+                    state_arrays(rule, saved_state, len(rows[prefix]), len(ops))
                     for rule, saved_state in zip(self.rules, entry["states"], strict=True)
                 ]
             levels = {  # absent in states saved before norm levels were kept: they start again
-                str(prefix): _saved_levels(saved, len(rows[prefix]))
+                str(prefix): saved_levels(saved, len(rows[prefix]))
                 for prefix, saved in state.get("levels", {}).items()
             }
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
@@ -359,52 +358,3 @@ def _columns(rule: Any, ops: tuple[str, ...]) -> np.ndarray | None:
     if judged is None or all(op in judged for op in ops):
         return None
     return np.array([i for i, op in enumerate(ops) if op in judged], dtype=np.int64)
-
-
-def rule_identities(rules: list) -> list[dict[str, Any]]:
-    """Each rule's class and parameters as plain data, to tell whether a saved state fits."""
-
-    def plain(value: Any) -> Any:
-        return list(value) if isinstance(value, tuple) else value
-
-    return [
-        {"rule": type(rule).__name__, "args": {k: plain(v) for k, v in sorted(vars(rule).items())}}
-        for rule in rules
-    ]
-
-
-def _state_arrays(rule: Any, saved: Mapping[str, Any], tags: int, ops: int) -> dict[str, np.ndarray]:
-    """One rule's saved arrays, checked against its fields and the tag table; a field the rule
-    gained since states were first saved (``added_fields``) starts at its default."""
-    missing = set(rule.fields) - set(saved)
-    if (
-        not set(saved) <= set(rule.fields)
-        or missing - set(getattr(rule, "added_fields", ()))
-        or (rule.fields and not saved)
-    ):
-        raise ValueError(
-            f"{type(rule).__name__} state has fields {sorted(saved)}, expected {sorted(rule.fields)}"
-        )
-    first = np.array(next(iter(saved.values())), dtype=np.float64) if saved else np.zeros((0, ops))
-    rows = first.shape[0] if first.ndim == 2 else 0
-    arrays = {}
-    for name in rule.fields:
-        array = np.array(saved.get(name, np.full((rows, ops), rule.fields[name])), dtype=np.float64)
-        if array.size == 0:
-            array = array.reshape(0, ops)
-        if array.ndim != 2 or array.shape[1] != ops or array.shape[0] > tags:
-            raise ValueError(
-                f"{type(rule).__name__}.{name} has shape {array.shape}, expected (<= {tags}, {ops})"
-            )
-        arrays[name] = array
-    return arrays
-
-
-def _saved_levels(saved: Mapping[str, Any], rows: int) -> tuple[np.ndarray, np.ndarray]:
-    """A data type's saved (level, count) arrays, checked against its tag table's length (they
-    may be shorter: levels grow only with records that hold a norm)."""
-    level = np.asarray(saved["level"], dtype=np.float64)
-    count = np.asarray(saved["count"], dtype=np.float64)
-    if level.ndim != 1 or level.shape != count.shape or len(level) > rows:
-        raise ValueError(f"norm levels of {level.shape} / {count.shape} for {rows} tags")
-    return level, count
