@@ -90,7 +90,7 @@ class BaseCollection(ABC):
         self.rank = rank
         self.ops = config.ops
         self.schedule = Schedule.from_config(config)
-        self.schedule.start_step = max(self.schedule.start_step, first_step)
+        self.schedule.first_step = first_step
         self.collect = False
         self._failed: set[str] = set()
         self._told: set[str] = set()

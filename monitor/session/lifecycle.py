@@ -183,7 +183,7 @@ class SessionLifecycle(IncidentResponses, ABC):
             "trainmon: recording %s on rank %d from step %d (%d %s selected), output %s",
             ", ".join(kinds) or "nothing",
             self.rank,
-            self.collection.schedule.start_step,  # the first step it may collect
+            self.collection.schedule.first_wanted,
             len(self.collection.registry),
             self.monitored,
             self.collection.core.output_dir or "in memory (format api)",

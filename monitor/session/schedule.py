@@ -15,13 +15,18 @@ class Schedule:
     """Counts collected steps and answers ``wants(step)``.
 
     A step N is collected iff N >= start_step, (N - start_step) % step_interval == 0 and fewer
-    than collect_times steps were collected so far.
+    than collect_times steps were collected so far, as in msprobe. A collection that begins later
+    (attached at ``start_iteration``, ``start()`` after ``stop()``, a live edit) takes no step
+    before ``first_step`` and keeps the interval's phase: with start_step 0 and step_interval 10
+    a run resumed at step 1005 collects 1010, 1020, ... as the original run did.
     """
 
     start_step: int = 0
     step_interval: int = 1
     collect_times: int = 100_000_000
     collected: int = 0
+    #: the first step this collection may take (where it began)
+    first_step: int = 0
 
     @classmethod
     def from_config(cls, config: MonitorConfig) -> Schedule:
@@ -30,9 +35,15 @@ class Schedule:
     def wants(self, step: int) -> bool:
         return (
             not self.finished
-            and step >= self.start_step
+            and step >= max(self.start_step, self.first_step)
             and (step - self.start_step) % self.step_interval == 0
         )
+
+    @property
+    def first_wanted(self) -> int:
+        """The first step this collection would take."""
+        earliest = max(self.start_step, self.first_step)
+        return earliest + (self.start_step - earliest) % self.step_interval
 
     def mark_collected(self) -> None:
         self.collected += 1

@@ -6,6 +6,7 @@ framework is imported lazily when ``set_monitor`` sees the model.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -249,6 +250,7 @@ class TrainerMon(MsprobeOldNames):
     def _follow_dynamic(self, config: MonitorConfig | None, step: int) -> None:
         if config is not None and config.dynamic_on:
             first = max(step, config.start_step)  # the first step the new collection may take
+            config = dataclasses.replace(config, start_step=first)  # step_interval counts from it
             logger.info("trainmon: config %s updated; collecting from step %d", self.config_file_path, first)
             if self._session.start_or_go_back(config, f"config {self.config_file_path}"):
                 self.config = config

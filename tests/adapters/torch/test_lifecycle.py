@@ -117,6 +117,25 @@ def test_schedule_start_step_interval_and_collect_times():
     assert window_starts(mon.output_dir) == [2, 5]
 
 
+def test_step_interval_counts_from_start_step_whenever_collection_begins(trainmon_log):
+    """msprobe collects step N when (N - start_step) % step_interval == 0: a run resumed at step 5
+    collects the same steps as the run it continues (10, 20), and so does a collection begun
+    again by start() or a change of ops in Python (not 5, 15 or 23, 33)."""
+    model, optimizer = _fresh()
+    mon = TrainerMon({"wg_distribution": True, "step_interval": 10})
+    mon.set_monitor(model, grad_acc_steps=2, optimizer=optimizer, start_iteration=5)
+    said = [r.getMessage() for r in trainmon_log.records if "recording" in r.getMessage()]
+    assert "from step 10 " in said[-1], said
+    _train(model, optimizer, 18)  # steps 5 .. 22
+    mon.stop()
+    mon.start(step=23)
+    _train(model, optimizer, 10)  # steps 23 .. 32
+    mon.ops = ["norm", "max"]
+    _train(model, optimizer, 10)  # steps 33 .. 42
+    mon.stop()
+    assert collected_steps(mon.output_dir, prefix="") == [10, 20, 30, 40]
+
+
 def test_start_iteration_offsets_the_step_counter():
     model, optimizer = _fresh()
     mon = TrainerMon({"wg_distribution": True, "start_step": 100})
