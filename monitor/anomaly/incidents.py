@@ -159,9 +159,11 @@ class IncidentTracker:
         #: the number the next incident gets (a restarted collection of the run goes on from it)
         self.next_id = first_id
         self._quiet = 0
-        #: tags abnormal at the last collected step (by a rule or non-finite), and at this one.
+        #: tags abnormal at the last collected step that had them (by a rule or non-finite), and
+        #: at this one; those of ``_before`` this step has rows for, abnormal or not
         self._before: set[str] = set()
         self._now: set[str] = set()
+        self._present: set[str] = set()
         self._recorded: set[str] = set()
         self._new: list[Anomaly] = []
         self._last_step: int | None = None
@@ -170,11 +172,14 @@ class IncidentTracker:
     def observe(self, verdicts: Verdicts) -> list[Anomaly]:
         """One record's abnormal cells; returns those that become records (first per tag).
 
-        A tag abnormal at the step before (by a rule or non-finite: a spike that turns into NaN
-        is one event) adds no record. Python work is per abnormal tag, not per cell, and an
-        Anomaly is built only for a new record: a NaN that makes every statistic of every tag
-        NaN costs one set lookup per tag and step.
+        A tag abnormal at the last step that had it (by a rule or non-finite: a spike that turns
+        into NaN is one event) adds no record: a micro-step's row that a shorter step lacks (the
+        last step of an epoch) keeps its state. Python work is per abnormal tag, not per cell,
+        and an Anomaly is built only for a new record: a NaN that makes every statistic of every
+        tag NaN costs a few set lookups per tag and step.
         """
+        if self._before:
+            self._present.update(self._before.intersection(verdicts.record.rows.tags))
         if not len(verdicts):
             return []
         _, first = np.unique(verdicts.rows, return_index=True)
@@ -204,7 +209,8 @@ class IncidentTracker:
         opened = closed = None
         self._last_step = step
         new, abnormal = self._new, bool(self._now)
-        self._before, self._now, self._recorded, self._new = self._now, set(), set(), []
+        self._before = (self._before - self._present) | self._now
+        self._now, self._present, self._recorded, self._new = set(), set(), set(), []
         if self.open is None and new:
             opened = self.open = self._start(step, new)
             if step_ids:

@@ -118,6 +118,25 @@ def test_a_tag_that_stays_abnormal_is_one_record_and_a_new_episode_is_another():
     assert (second.onset_step, second.state) == (18, "closed")
 
 
+def test_a_nan_that_stays_is_not_recorded_again_after_a_step_without_its_row():
+    """The last step of an epoch may have fewer micro-batches: a tag of the missing micro-step has
+    no row there, which is no return to normal."""
+    rng = np.random.default_rng(0)
+    run = Run()
+    _clean(run, rng, range(20), tasks=("actv",))
+    short = RowSet.build([0, 0], list(NAMES[:2]), 0, "actv")
+    for step in range(20, 30):
+        if step == 24:  # only layers 0 and 1 have rows at this step
+            values = np.array([[1.0], [math.nan]])
+            run.sink.write(StepRecord("actv", step, ("norm",), short, values, np.arange(2)))
+            run.sink.end_step(step)
+        else:
+            run.step(step, {"actv": [1.0, math.nan, math.nan, math.nan]})
+    assert sorted(r.tag_name for r in run.records) == [f"0:{name}/rank0/actv" for name in NAMES[1:]]
+    (incident,) = run.incidents
+    assert incident.abnormal_steps == 10
+
+
 def test_a_spike_that_turns_into_nan_is_one_record():
     """A rule's hit followed by NaN on the same tag is one event: the NaN steps are counted by the
     incident, not recorded again."""
