@@ -19,9 +19,15 @@ while training or from every rank in ``anomaly-analyse``. The heuristics, in ord
 5. **Ranks.** With several ranks, the ranks that show the first phase while their peers do not
    are named (a bad batch or a corrupted local gradient on one rank); with three or more ranks
    showing the same tensor, one whose value is far from its peers' median is preferred.
-6. **Changed after backward.** Reduced gradients abnormal while no local gradient was (a step-wide
-   comparison, not tensor by tensor) are said to have changed in the reduction or in place; in one
-   rank's own records, also that another rank's gradient may have reached them in the reduction.
+6. **Shared causes.** When the root's whole data type moved by SHARED_FACTOR or more with it
+   (the median over every tensor, flagged or not), the evidence says that the cause is shared
+   (the loss or its scale, the batch, the learning rate), even when the root is the only record.
+7. **Changed after backward.** Reduced gradients abnormal while no local gradient was (a step-wide
+   comparison, not tensor by tensor) are said to have changed after backward: rescaled together
+   (clipping, a loss scaler) when they moved as a whole, else in the reduction or in place; in
+   one rank's own records, also that another rank's gradient may have reached them.
+8. **Non-finite at once.** When three or more gradients of the first phase turned NaN/Inf at
+   once, the tensor named is merely the one nearest the loss: the evidence says so.
 
 Where they fail: a fault that first shows in a phase the monitor does not collect is named at
 the first phase it does collect; when two faults start at one step the earlier phase wins; a
@@ -72,6 +78,8 @@ OTHER_PHASE = 8
 ALONE_FACTOR = 4.0
 #: with three or more ranks, a value this far from its peers' median marks its rank.
 PEER_FACTOR = 4.0
+#: a data type whose tensors moved this much as a whole (their median), with the root, shares a cause.
+SHARED_FACTOR = 2.0
 
 
 def phase_of(record: Record) -> int:
@@ -190,22 +198,54 @@ def choose_root(records: Sequence[Record]) -> tuple[Record, list[str]]:
         if len(group) > 1:
             where = "nearest the input" if phase <= 1 else "nearest the loss" if phase <= 3 else "first"
             evidence.append(f"earliest of {len(group)} in the order they were computed ({where})")
-        common = number(root.get("common"))
-        if len(group) > 1 and common > 0 and abs(math.log(common)) >= math.log(ALONE_FACTOR):
+        if nonfinite and len(group) >= 3 and phase in (PHASES["actv_grad"], PHASES["acc_grad"]):
             evidence.append(
-                f"its data type moved x{common:.3g} as a whole: the cause is shared by all its tensors "
-                "(the loss or its scale, the batch, the learning rate)"
+                f"{len(group)} tensors turned NaN/Inf at once: the one nearest the loss is named, though "
+                "it may have begun in the loss or the forward pass (recording activations, "
+                "xy_distribution, narrows it down)"
             )
+    common = _shared_move(root) if alone is None else math.nan
+    if common == common and not (phase == PHASES["post_grad"] and _no_local_gradient(records)):
+        evidence.append(
+            f"its data type moved x{common:.3g} as a whole: the cause is shared by all its tensors "
+            "(the loss or its scale, the batch, the learning rate)"
+        )
     peer = _peer_outlier(group, root)
     if peer is not None and peer[0] is not root:
         root = peer[0]
     if peer is not None:
         evidence.append(f"rank {root['rank']}'s value is x{peer[1]:.3g} off its peers' median")
-    if phase == PHASES["post_grad"] and not any(phase_of(r) == PHASES["acc_grad"] for r in records):
-        # one rank's own records cannot tell its reduction's fault from a peer's gradient it received
-        peers = "another rank's gradient reached it, " if len({r.get("rank") for r in records}) == 1 else ""
-        evidence.append(
-            "its reduced gradient is abnormal while no local gradient was: it changed after backward "
-            f"({peers}in the reduction, or edited in place before the optimizer step)"
-        )
+    if phase == PHASES["post_grad"] and _no_local_gradient(records):
+        evidence.append(_changed_after_backward(records, common))
     return root, evidence
+
+
+def _shared_move(root: Record) -> float:
+    """The common move of the root's data type when it is SHARED_FACTOR or more and the root
+    moved the same way, else NaN."""
+    common, ratio = number(root.get("common")), number(root.get("ratio"))
+    if not (common > 0 and abs(math.log(common)) >= math.log(SHARED_FACTOR)):
+        return math.nan
+    if ratio > 0 and (ratio > 1) != (common > 1):
+        return math.nan
+    return common
+
+
+def _no_local_gradient(records: Sequence[Record]) -> bool:
+    return not any(phase_of(r) == PHASES["acc_grad"] for r in records)
+
+
+def _changed_after_backward(records: Sequence[Record], common: float) -> str:
+    """Why reduced gradients are abnormal while no local gradient was."""
+    if common == common:
+        return (
+            f"its reduced gradient is abnormal while no local gradient was, and the reduced gradients "
+            f"moved x{common:.3g} together: they were rescaled after backward (gradient clipping, a "
+            "loss scaler, the reduction's averaging), their local gradients' change left unflagged"
+        )
+    # one rank's own records cannot tell its reduction's fault from a peer's gradient it received
+    peers = "another rank's gradient reached it, " if len({r.get("rank") for r in records}) == 1 else ""
+    return (
+        "its reduced gradient is abnormal while no local gradient was: it changed after backward "
+        f"({peers}in the reduction, or edited in place before the optimizer step)"
+    )

@@ -345,6 +345,41 @@ def test_reduced_gradients_abnormal_with_no_local_one_say_where_they_may_have_ch
     assert ("another rank's gradient reached it" in said) == (len(ranks) == 1), said
 
 
+def _record(tag: str, call_id: int = 0, **fields) -> dict:
+    return {"rank": 0, "step": 4, "micro_step": 0, "call_id": call_id, "tag_name": tag, "rule": "X"} | fields
+
+
+def test_a_lone_record_whose_data_type_moved_as_a_whole_is_said_to_share_its_cause():
+    """A learning rate x100 moved every parameter (median x3.8); only one was flagged."""
+    lone = [_record("0:wte.weight/rank0/param_updated", ratio=4.2, common=3.8)]
+    _, evidence = choose_root(lone)
+    assert any("moved x3.8 as a whole" in line for line in evidence), evidence
+    against = [_record("0:wte.weight/rank0/param_updated", ratio=0.3, common=3.8)]
+    _, evidence = choose_root(against)
+    assert not any("as a whole" in line for line in evidence), evidence
+
+
+def test_reduced_gradients_rescaled_together_with_no_local_one_flagged_are_said_clipped():
+    """Local gradients rose x18 unflagged (a noisy history), clipping cut every reduced one x0.2."""
+    records = [_record(f"0:{n}/rank0/post_grad", i, ratio=0.21, common=0.2) for i, n in enumerate("abc")]
+    _, evidence = choose_root(records)
+    (said,) = [line for line in evidence if "no local gradient" in line]
+    assert "moved x0.2 together" in said and "clipping" in said and "edited in place" not in said, said
+    assert not any("the learning rate" in line for line in evidence), evidence
+
+
+def test_gradients_turned_non_finite_at_once_say_that_the_one_named_is_only_nearest_the_loss():
+    records = [
+        _record(f"0:{n}/rank0/acc_grad", i, rule="NonFinite", value="nan", ratio="nan", common="nan")
+        for i, n in enumerate("abcd")
+    ]
+    root, evidence = choose_root(records)
+    assert root["tag_name"] == "0:a/rank0/acc_grad"
+    assert any("4 tensors turned NaN/Inf at once" in line for line in evidence), evidence
+    _, evidence = choose_root(records[:1])
+    assert not any("at once" in line for line in evidence), evidence
+
+
 def test_an_incident_quiet_at_the_end_of_monitoring_is_closed_and_one_still_abnormal_stays_open():
     quiet, stuck = Run(), Run()
     for run, last in ((quiet, 1.0), (stuck, math.nan)):
