@@ -43,8 +43,9 @@ MEANINGS = {
     "param_distribution": "`param_origin` (before the update) and `param_updated` (after)",
     "mg_direction": (
         "share of elements whose gradient sign agrees with `exp_avg` (before this step's update; "
-        "1.0 at the first step), a zero on either side counting half, as msprobe's formula has it; "
-        "in the `other` files"
+        "1.0 at the first step), a zero on either side counting half, as msprobe's formula has it "
+        "(a NaN's sign is 0, as torch.sign gives it: a gradient all NaN reads 0.5, its NaN is said by "
+        "its own rows); in the `other` files"
     ),
     "ur_distribution": (
         "TensorBoard histograms of Adam's update and of m/sqrt(v) (bias-corrected where the optimizer "

@@ -210,13 +210,14 @@ def report_anomalies(paths: list[str], k: int, steps: frozenset[int] | None, out
 
 
 def _merged_incidents(paths: list[str], steps: frozenset[int] | None) -> tuple[list, bool]:
-    """The incidents next to the anomaly files, merged across ranks (onsets within ``steps``), and
-    whether there were incident files at all (msprobe's runs have none)."""
+    """The incidents next to the anomaly files, merged across ranks (those abnormal at one of
+    ``steps``: begun there or still going), and whether there were incident files at all
+    (msprobe's runs have none)."""
     found = [os.path.join(os.path.dirname(p), incident_files.INCIDENTS_NAME) for p in paths]
     found = [p for p in found if os.path.isfile(p)]
     merged = incident_files.merge(incident_files.load_incidents(found))
-    if steps is not None:  # by the merged onset, as the dashboard filters
-        merged = [item for item in merged if item.onset_step in steps]
+    if steps is not None:
+        merged = [item for item in merged if item.abnormal_at(steps)]
     return merged, bool(found)
 
 

@@ -54,6 +54,15 @@ class MergedIncident:
         return sum(int(m.get("tensors", 0)) for m in self.members)
 
     @property
+    def last_abnormal_step(self) -> int:
+        return max(int(m.get("last_abnormal_step", self.onset_step)) for m in self.members)
+
+    def abnormal_at(self, steps: frozenset[int]) -> bool:
+        """Whether it began at one of ``steps`` or was still abnormal there."""
+        last = self.last_abnormal_step
+        return any(self.onset_step <= step <= last for step in steps)
+
+    @property
     def onset_rank(self) -> int:
         """The rank where it began: the root's, else the lowest abnormal at the onset step."""
         rank = self.root.get("rank") if isinstance(self.root, dict) else None
@@ -92,9 +101,7 @@ class MergedIncident:
             "onset_rank": self.onset_rank,
             "ranks": self.ranks,
             "state": self.state,
-            "last_abnormal_step": max(
-                int(m.get("last_abnormal_step", self.onset_step)) for m in self.members
-            ),
+            "last_abnormal_step": self.last_abnormal_step,
             "tensors": self.tensors,
             "data_types": self.data_types,
             "records": self.records,

@@ -240,6 +240,15 @@ def test_merged_across_ranks_the_rank_whose_local_gradient_broke_is_named():
     assert any("only rank 2 shows it" in line for line in merged.evidence)
 
 
+def test_a_merged_incident_is_abnormal_from_its_onset_to_its_last_abnormal_step_on_any_rank():
+    incidents = _rank_incidents(15, faulty_rank=2)
+    incidents[-1]["last_abnormal_step"] = 19
+    (merged,) = merge(incidents)
+    assert merged.last_abnormal_step == 19
+    assert [s for s in range(13, 23) if merged.abnormal_at(frozenset({s}))] == list(range(15, 20))
+    assert merged.abnormal_at(frozenset({3, 17})) and not merged.abnormal_at(frozenset({14, 20}))
+
+
 def test_merged_the_tensor_that_moved_against_clipping_on_every_rank_is_the_root():
     """A reduced gradient edited after the all-reduce, then clipped: every rank sees the same
     tensor rise while clipping shrank the others; each rank's copy of it must not count as a
