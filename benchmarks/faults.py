@@ -294,7 +294,11 @@ def run_case(case: Case, config: dict, output_root: str, quiet: bool = False) ->
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        epilog=__doc__[__doc__.index("Faults (") :],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--family", choices=("gpt", "mlp"), default="gpt")
     parser.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
     parser.add_argument("--clip", action="store_true")

@@ -12,6 +12,7 @@ import torch
 
 from adapters.torch.optim import TorchBackend
 from monitor.datatypes.l2 import LINEAR_PREFIX
+from monitor.datatypes.update_ratio import update_ratio_written
 
 logger = logging.getLogger("trainmon")
 
@@ -42,6 +43,22 @@ def without_adam_moments(backend: TorchBackend, params: Sequence[torch.nn.Parame
 #: placeholders), also those read from the parameters.
 OPTIMIZER_SIDE = ("grad_reduced", "exp_avg", "exp_avg_sq", "param_updated", "ur", "other")
 PARAMETER_SIDE = ("param_origin", LINEAR_PREFIX)
+
+
+def _switched_on(part: str, config: Any) -> bool:
+    """Whether ``config`` asks for one of those data types."""
+    if part == "ur":
+        return update_ratio_written(config)
+    key = {
+        "grad_reduced": "wg_distribution",
+        "exp_avg": "mv_distribution",
+        "exp_avg_sq": "mv_distribution",
+        "param_origin": "param_distribution",
+        "param_updated": "param_distribution",
+        "other": "mg_direction",
+        LINEAR_PREFIX: "recording_l2_features",
+    }[part]
+    return bool(getattr(config, key))
 
 
 def taken_over(
@@ -97,12 +114,16 @@ class OptimizerChecks:
         if not found:
             return ()
         why, parts = found
-        logger.warning(
-            "trainmon: %s: %s would describe none of this training and are not written; attach "
-            "after a wrapper that takes the parameters over is made (deepspeed.initialize), passing it",
-            why,
-            ", ".join(parts),
-        )
+        wanted = [part for part in parts if _switched_on(part, self.config)]
+        if wanted:
+            logger.warning(
+                "trainmon: %s: %s would describe none of this training and %s not written; attach "
+                "after a wrapper that takes the parameters over is made (deepspeed.initialize), "
+                "passing it",
+                why,
+                ", ".join("ur (ur_distribution's histograms)" if part == "ur" else part for part in wanted),
+                "is" if len(wanted) == 1 else "are",
+            )
         return parts
 
     @property

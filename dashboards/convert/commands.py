@@ -193,7 +193,11 @@ def run_compact(args: argparse.Namespace) -> int:
 
         from dashboards.convert.compact import compact
     except ImportError:
-        print("trainmon compact: needs DuckDB: pip install -e '.[dataset]'", file=sys.stderr)
+        print(
+            "trainmon compact: needs DuckDB: install the dataset extra "
+            "(pip install -e '.[dataset]' in the source tree)",
+            file=sys.stderr,
+        )
         return 2
     monitor_path = _monitor_path(args, "compact")
     if monitor_path is None or _unusable_output("compact", args.output, directory=True):

@@ -228,13 +228,14 @@ class IncidentResponses:
             return
         alerts.action_requested.clear()
         reason = alerts.action_reason or "an incident on another rank (its log and incidents.json name it)"
+        reason = reason.removeprefix("trainmon: ")
         if "checkpoint" in alerts.actions:
             self._checkpoint(reason)
         if "stop" in alerts.actions:
             logger.error(
                 "trainmon: stopping the run at step %d as alert.actions asks (%s)",
                 self.step,
-                reason.removeprefix("trainmon: "),
+                reason,
             )
             self._stop_as_asked()
             self._close_alerts()

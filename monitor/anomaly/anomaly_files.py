@@ -45,8 +45,8 @@ class Summary:
 
     def line(self) -> str:
         return (
-            f"{self.records_read} records from {self.files_read} files; "
-            f"skipped {self.files_skipped} files, {self.records_skipped} records"
+            f"{_count(self.records_read, 'record')} from {_count(self.files_read, 'file')}; "
+            f"skipped {_count(self.files_skipped, 'file')}, {_count(self.records_skipped, 'record')}"
         )
 
 
@@ -177,3 +177,7 @@ def collect(
 
 def _warn(text: str) -> None:
     print(f"anomaly-analyse: warning: {text}", file=sys.stderr)
+
+
+def _count(number: int, noun: str) -> str:
+    return f"{number} {noun}{'' if number == 1 else 's'}"

@@ -234,7 +234,8 @@ def validate_config(raw: Mapping[str, Any]) -> MonitorConfig:
         if fmt.lower() == "parquet" and importlib.util.find_spec("pyarrow") is None:
             raise ConfigError(
                 "format: 'parquet' is written through pyarrow, which is not installed; "
-                "install it with pip install 'trainmon[dataset]', or choose 'csv' or 'tensorboard'"
+                "install its extra (pip install -e '.[dataset]' in the source tree), or choose 'csv' "
+                "or 'tensorboard'"
             )
         values["format"] = fmt.lower()
     if "ops" in raw:

@@ -104,7 +104,8 @@ class MonitorCore:
             )
             raise OSError(
                 f"trainmon: the output directory {self.root!r} ({where}) cannot be made: "
-                f"{exc.strerror or exc}; expected a directory this process may write in"
+                f"{exc.strerror or str(exc).removeprefix('trainmon: ')}; expected a directory this "
+                "process may write in"
             ) from exc
         path = None
         if self.config.append_output:

@@ -175,9 +175,10 @@ class SessionLifecycle(IncidentResponses, ABC):
         if per_parameter and not len(self.collection.registry):
             logger.log(  # a pipeline stage may well hold none of the targets
                 logging.INFO if self.collection.pipeline_stage else logging.WARNING,
-                "trainmon: no parameter is selected here (targets: %s), so %s record nothing",
+                "trainmon: no parameter is selected here (targets: %s), so %s %s nothing",
                 ", ".join(config.targets) or "none",
                 ", ".join(per_parameter),
+                "records" if len(per_parameter) == 1 else "record",
             )
         logger.info(
             "trainmon: recording %s on rank %d from step %d (%d %s selected), output %s",

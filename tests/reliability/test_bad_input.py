@@ -310,7 +310,8 @@ def test_malformed_anomaly_files_are_skipped_and_counted(data, records, broken_f
     assert "Traceback" not in err
     summary = out.rstrip().splitlines()[-1]
     assert summary == (
-        f"{len(records) - bad} records from 1 files; skipped {broken_files} files, {bad} records"
+        f"{_count(len(records) - bad, 'record')} from 1 file; skipped {_count(broken_files, 'file')}, "
+        f"{_count(bad, 'record')}"
     ), (summary, err)
     warnings = err.strip().splitlines()
     for path in paths[1:]:
@@ -333,7 +334,7 @@ def test_a_huge_anomaly_file_and_a_truncated_one(tmp_path):
         (data_dir / f"rank{rank}" / "anomaly.json").write_bytes(content)
     status, out, err = _analyse(str(data_dir), str(tmp_path / "out"))
     assert status == 0
-    assert out.rstrip().splitlines()[-1] == f"{len(records)} records from 1 files; skipped 1 files, 0 records"
+    assert out.rstrip().splitlines()[-1] == f"{len(records)} records from 1 file; skipped 1 file, 0 records"
     assert "not valid JSON" in err and "rank1" in err
     ranked = json.loads((tmp_path / "out" / "anomaly_analyse.json").read_text())
     assert [r["step"] for r in ranked.values()] == [0, 1, 2, 3, 4]
@@ -349,7 +350,7 @@ def test_the_module_entry_point_documents_its_exit_codes(tmp_path):
     (tmp_path / "run" / "rank0" / "anomaly.json").write_bytes(b'{"a": {"step": 1')
     skipped = subprocess.run([*command, str(tmp_path / "run")], capture_output=True, text=True)
     assert skipped.returncode == 0, skipped.stderr
-    assert skipped.stdout.rstrip().splitlines()[-1] == "0 records from 0 files; skipped 1 files, 0 records"
+    assert skipped.stdout.rstrip().splitlines()[-1] == "0 records from 0 files; skipped 1 file, 0 records"
     assert "Traceback" not in skipped.stderr and "not valid JSON" in skipped.stderr
 
 
@@ -364,4 +365,8 @@ def test_non_finite_and_huge_numbers_in_a_record_are_not_a_crash(tmp_path):
     (tmp_path / "d" / "rank0" / "anomaly.json").write_text(json.dumps(records))
     status, out, err = _analyse(str(tmp_path / "d"), str(tmp_path / "out"))
     assert status == 0 and "Traceback" not in err
-    assert out.rstrip().splitlines()[-1].startswith("3 records from 1 files")
+    assert out.rstrip().splitlines()[-1].startswith("3 records from 1 file;")
+
+
+def _count(number: int, noun: str) -> str:
+    return f"{number} {noun}{'' if number == 1 else 's'}"

@@ -249,7 +249,7 @@ class App {
     const lines = [cell.label, `step ${cell.step}`, cell.missing ? "not recorded" : `${this.data.op} = ${formatValue(cell.value)}`];
     for (const index of cell.anomalies) {
       const a = this.lists.anomalies.find((x) => x.index === index);
-      lines.push(a ? `anomaly #${index + 1}: ${a.rule || ""} (history ${formatAny(a.baseline)})` : `anomaly #${index + 1}`);
+      lines.push(a ? `anomaly #${index + 1}: ${a.rule || ""} (baseline ${formatAny(a.baseline)})` : `anomaly #${index + 1}`);
     }
     this.tooltip.textContent = lines.join("\n");
     this.tooltip.hidden = false;

@@ -9,9 +9,9 @@ const ANOMALY_LIMIT = 500;
 const INCIDENT_LIMIT = 200;
 const RECORD_LIMIT = 1000;
 
-// " (history b)", or nothing where the rule has no history (a NaN or Inf is abnormal by itself).
-function history(baseline) {
-  return baseline === null || baseline === undefined || baseline === "NaN" ? "" : ` (history ${formatAny(baseline)})`;
+// " (baseline b)", or nothing where the rule has no history (a NaN or Inf is abnormal by itself).
+function baselineText(baseline) {
+  return baseline === null || baseline === undefined || baseline === "NaN" ? "" : ` (baseline ${formatAny(baseline)})`;
 }
 
 // The tag as the files have it; a root module's activation row (".input": msprobe names it by
@@ -21,12 +21,12 @@ function tagText(a) {
   return rootRow ? `${a.tag} (${a.label})` : a.tag;
 }
 
-// "step 11 micro 1 · rank 0 · grad_reduced · norm", the tag, and "rule: value (history b), stage".
+// "step 11 micro 1 · rank 0 · grad_reduced · norm", the tag, and "rule: value (baseline b), stage".
 function recordLines(a, prefix) {
   const head = el("div", "tm-anomaly-head", `${prefix}step ${a.step}` + (a.micro_step ? ` micro ${a.micro_step}` : "") +
     ` · rank ${a.rank} · ${a.prefix} · ${a.op || "?"}`);
   const tag = el("div", "tm-anomaly-tag", tagText(a));
-  const what = el("div", "tm-anomaly-what", `${a.rule || "rule ?"}: ${formatAny(a.value)}${history(a.baseline)}, ` +
+  const what = el("div", "tm-anomaly-what", `${a.rule || "rule ?"}: ${formatAny(a.value)}${baselineText(a.baseline)}, ` +
     a.stage);
   return [head, tag, what];
 }
@@ -168,7 +168,7 @@ export class SideList {
       line.dataset.key = `i${incident.id}:root`;
       line.append(el("span", "tm-root-label", "root"), el("div", "tm-anomaly-tag", tagText(root)),
         el("div", "tm-anomaly-what", `${root.op || "?"} = ${formatAny(root.value)} · ${root.rule || "rule ?"}` +
-          `${history(root.baseline)} · rank ${root.rank} · ${root.prefix}`));
+          `${baselineText(root.baseline)} · rank ${root.rank} · ${root.prefix}`));
       line.title = root.message;
       line.onclick = () => this.jump(root, line.dataset.key);
       item.append(line);

@@ -509,8 +509,10 @@ def test_attaching_before_deepspeed_initialize_is_said_where_it_makes_the_rows_w
         assert said["0"] == {"said": [], "written": everything}
         (message,) = said["1"]["said"]
         assert "AdamW updates none of the monitored parameters" in message
+        assert ": grad_reduced, exp_avg, exp_avg_sq, param_updated would describe none" in message  # asked
         assert said["1"]["written"] == ["grad_unreduced", "param_origin"]
         (message,) = said["3"]["said"]
         assert "DeepSpeed ZeRO-3 partitioned" in message
+        assert ": grad_reduced, exp_avg, exp_avg_sq, param_updated, param_origin would describe" in message
         assert said["3"]["written"] == ["grad_unreduced"]
         assert len(said["caveat"]) == 1, said["caveat"]  # with cc_distribution, its padding is said

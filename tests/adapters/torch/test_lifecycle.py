@@ -200,7 +200,7 @@ def test_weight_data_types_with_no_parameter_selected_are_warned_about(caplog):
         mon.set_monitor(mlp, 1, torch.optim.AdamW(mlp.parameters()))
         mon.stop()
     (told,) = [m for m in _warnings(caplog) if "no parameter is selected" in m]
-    assert "targets: norm.weght" in told and "wg_distribution record nothing" in told, told
+    assert "targets: norm.weght" in told and "wg_distribution records nothing" in told, told
 
 
 def test_attaching_again_after_stop_monitors_the_new_run_and_only_it():
