@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from monitor.files import atomic_write_text, make_private_dir
+from monitor.files import DIR_MODE, atomic_write_text, create_exclusive, make_private_dir
 
 MANIFEST = "manifest.json"
 BUNDLE_VERSION = 1
@@ -102,13 +102,15 @@ def write_bundle(
     target = os.path.join(directory, f"bundle_incident{incident['id']}")
     work = tempfile.mkdtemp(prefix=".tmp-bundle-", dir=directory)
     try:
+        os.chmod(work, DIR_MODE)  # the outputs' modes: a bundle is an output like the others
         listed, left_out, used = [], [], 0
         for index, (name, (array, dtype, what, shape)) in enumerate(tensors.items()):
             if array is None or used + array.nbytes > max_bytes:
                 left_out.append({"name": name, "dtype": dtype, "shape": list(shape), "what": what})
                 continue
             file = f"{index:03d}.npy"
-            np.save(os.path.join(work, file), array, allow_pickle=False)
+            with os.fdopen(create_exclusive(os.path.join(work, file)), "wb") as handle:
+                np.save(handle, array, allow_pickle=False)
             used += array.nbytes
             listed.append(
                 {"name": name, "file": file, "dtype": dtype, "shape": list(array.shape), "what": what}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -88,8 +89,16 @@ class SinkSpec:
         return os.environ.get(self.url_env, "") if self.url_env else self.url
 
     def headers(self) -> dict[str, str]:
-        """The webhook's extra headers, read from their environment variables."""
-        return {name: os.environ.get(variable, "") for name, variable in self.headers_env.items()}
+        """The webhook's extra headers, read from their environment variables.
+
+        Raises:
+            OSError: a variable is unset or empty now (a message sent without its token would be
+                refused, or worse, taken by an endpoint that does not check it).
+        """
+        unset = [variable for variable in self.headers_env.values() if not os.environ.get(variable)]
+        if unset:
+            raise OSError(f"the header variable {unset[0]} is not set now; not sent without it")
+        return {name: os.environ[variable] for name, variable in self.headers_env.items()}
 
     def secret(self) -> str:
         """The signing secret (from ``secret_env``; empty: messages are not signed)."""
@@ -190,10 +199,20 @@ def _sink(spec: Any, path: str) -> SinkSpec:
         argv = as_str_list(spec.get("argv"), f"{path}.argv")
         if not argv or not argv[0]:
             raise ConfigError(f"{path}.argv: expected the program and its arguments, got {describe(argv)}")
+        if shutil.which(argv[0]) is None:  # said now, not at the first incident, hours into the run
+            raise ConfigError(
+                f"{path}.argv[0]: {argv[0]!r} is not a program found here; expected an executable "
+                "file's path, or a program's name on PATH"
+            )
         return SinkSpec(kind, argv=argv, **common)
     target = spec.get("path")
     if not isinstance(target, str) or not target or target.endswith("/") or os.path.normpath(target) == ".":
         raise ConfigError(f"{path}.path: expected the path of a file, got {describe(target)}")
+    if not os.path.isabs(target) and os.path.normpath(target).split(os.sep)[0] == os.pardir:
+        raise ConfigError(
+            f"{path}.path: {target!r} leaves the output root; expected a path under it, or an "
+            "absolute path for a place outside it"
+        )
     return SinkSpec(kind, path=target, **common)
 
 

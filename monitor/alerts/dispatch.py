@@ -127,6 +127,8 @@ class Channel:
         undelivered of the ``given`` seconds it had."""
         self._thread.join(wait)
         left = sum(item is not None for item in list(self.queue.queue)) + self._thread.is_alive()
+        if self._thread.is_alive() and hasattr(self.sink, "abandon"):
+            self.sink.abandon()  # a program still running must not outlive the run, nor page late
         if left:  # said even where a failure was said before: these were never tried to the end
             logger.warning(
                 "trainmon: %s: %d alert message(s) not delivered in the %.0f s left to it at the run's end",

@@ -214,11 +214,22 @@ class CommandSink:
     """Runs ``argv`` (no shell) with the message as JSON on stdin; a non-zero exit is a failure.
     The program runs in a process group of its own, which a timeout ends whole (a script's
     children too, so a late page cannot follow the retry), and without the environment variables
-    that hold the webhooks' secrets (``hidden``)."""
+    that hold the webhooks' secrets (``hidden``). One still running when the run ends is ended
+    the same way (``abandon``): it was started in a session of its own, which nothing else ends."""
 
     def __init__(self, spec: SinkSpec, hidden: Collection[str] = ()) -> None:
         self.spec = spec
         self.hidden = frozenset(hidden)
+        self._running: subprocess.Popen | None = None
+
+    def abandon(self) -> None:
+        """End the program under way, if any, with its process group (from another thread)."""
+        process = self._running
+        if process is not None and process.poll() is None:
+            try:
+                os.killpg(process.pid, signal.SIGKILL)
+            except OSError:  # gone already
+                pass
 
     def deliver(self, message: Message) -> None:
         text = json.dumps(message, allow_nan=False, default=str)
@@ -234,11 +245,14 @@ class CommandSink:
             )
         except OSError as exc:  # not its message: it quotes the whole command line
             raise OSError(f"cannot start the program ({exc.strerror or type(exc).__name__})") from None
+        self._running = process
         try:
             _, error_text = process.communicate(text.encode("utf-8"), timeout=self.spec.timeout_s)
         except subprocess.TimeoutExpired:
             _end_group(process)
             raise OSError(f"no exit within timeout_s ({self.spec.timeout_s:g} s)") from None
+        finally:
+            self._running = None
         if process.returncode != 0:
             error = error_text.decode("utf-8", "replace").strip().splitlines()[-1:] or [""]
             raise OSError(f"exit status {process.returncode} {error[0][:200]}".rstrip())

@@ -42,6 +42,21 @@ def test_a_redirect_is_a_failure_and_the_token_never_follows_it(tmp_path, monkey
     assert TOKEN not in caplog.text
 
 
+def test_a_header_variable_unset_since_the_start_is_a_failure_not_an_empty_header(
+    tmp_path, monkeypatch, caplog, quick
+):
+    server = Server()
+    monkeypatch.setenv("HOOK_TOKEN", TOKEN)
+    sink = {"type": "webhook", "url": server.url, "headers_env": {"Authorization": "HOOK_TOKEN"}}
+    alerts = alerts_of([{**sink, "ranks": "all", "retries": 0}], 0, tmp_path)
+    monkeypatch.delenv("HOOK_TOKEN")
+    alerts.incident(incident(), None)
+    alerts.close()
+    server.close()
+    assert server.requests == [] and alerts.channels == []
+    assert "the header variable HOOK_TOKEN is not set now" in caplog.text
+
+
 @pytest.mark.parametrize(
     "preset, answer, words",
     [
@@ -143,6 +158,25 @@ def test_a_command_that_times_out_is_ended_with_its_children_and_never_sees_the_
     environment = json.loads(seen.read_text())
     assert "HOOK_TOKEN" not in environment and "HOOK_URL" not in environment and "PATH" in environment
     assert "no exit within timeout_s (2 s)" in caplog.text
+
+
+def test_a_command_still_running_when_the_run_ends_is_ended_with_its_children(tmp_path, caplog, quick):
+    """Its session of its own outlives the job otherwise, and could still page after the run said
+    that the message was not delivered."""
+    pids = tmp_path / "pids"
+    program = (
+        "import os, subprocess, sys, time; "
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+        f"open({str(pids)!r}, 'w').write(f'{{os.getpid()}} {{child.pid}}'); time.sleep(60)"
+    )
+    sink = {"type": "command", "argv": [sys.executable, "-c", program], "ranks": "all", "timeout_s": 60}
+    alerts = alerts_of([sink], 0, tmp_path)
+    alerts.incident(incident(), None)
+    assert wait_for(lambda: pids.exists() and pids.read_text().count(" ") == 1, 15)
+    alerts.close()
+    for pid in map(int, pids.read_text().split()):
+        assert wait_for(lambda pid=pid: not _alive(pid), 5), "the program outlived the run"
+    assert "1 alert message(s) not delivered" in caplog.text
 
 
 def _alive(pid: int) -> bool:

@@ -15,6 +15,7 @@ import stat
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -81,6 +82,20 @@ def test_every_file_is_0640_whatever_the_umask(tmp_path, monkeypatch):
     files = {p: m for p, m in _modes(tmp_path / "out").items() if not os.path.isdir(p)}
     assert len(files) > 10
     assert {p: oct(m) for p, m in files.items() if m != 0o640} == {}
+
+
+def test_an_evidence_bundle_has_the_outputs_modes(tmp_path, umask_022):
+    """It holds weights, gradients and batches: readable by the group as the CSVs are, no more."""
+    from monitor.alerts.bundle import load_bundle, write_bundle
+
+    weights = np.arange(6, dtype=np.float32).reshape(2, 3)
+    path = write_bundle(
+        str(tmp_path / "anomaly"), {"id": 1}, {}, {"w": (weights, "float32", "param", (2, 3))}, 1 << 20
+    )
+    modes = {p: oct(m) for p, m in _modes(Path(path)).items()}
+    assert len(modes) == 3, modes  # the bundle, its manifest, its one tensor
+    assert {p: m for p, m in modes.items() if m != ("0o750" if os.path.isdir(p) else "0o640")} == {}
+    assert np.array_equal(load_bundle(path).tensors["w"], weights)
 
 
 def _modes(root: Path) -> dict[str, int]:
