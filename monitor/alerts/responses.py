@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import math
 import os
 import weakref
 from collections.abc import Callable
@@ -46,6 +47,8 @@ class IncidentResponses:
         #: ids of each micro-batch of the current step (``set_batch_ids``).
         self._step_batch_ids: list[Any] = []
         self._exit_hook_registered = False
+        #: (first step, number) of the updates skipped in a row so far
+        self._skipped = (0, 0)
 
     # -- public ---------------------------------------------------------------------------------
 
@@ -151,9 +154,35 @@ class IncidentResponses:
         abnormal = False
         if self.collection is not None and self.collection.collect:
             abnormal = self.collection.core.abnormal_now(SKIP_JUDGE_WAIT_S)
-        if self._agree_on_stop(abnormal):
-            logger.warning("trainmon: skipping the update of step %d as alert.actions asks", self.step)
+        skip = self._agree_on_stop(abnormal)
+        self._say_skipped(skip)
+        if skip:
             self._skip_update()
+
+    def _say_skipped(self, skip: bool) -> None:
+        """A run of skipped updates is said when it begins, as it goes on (at 10, 100, ... in a
+        row) and when updates run again, not at every step (a NaN that stays skips them all)."""
+        first, count = self._skipped
+        if skip:
+            first, count = (first, count + 1) if count else (self.step, 1)
+            if count == 1:
+                logger.warning("trainmon: skipping the update of step %d as alert.actions asks", self.step)
+            elif math.log10(count).is_integer():
+                logger.warning(
+                    "trainmon: skipping updates as alert.actions asks: %d in a row since step %d",
+                    count,
+                    first,
+                )
+        elif count:
+            if count > 1:
+                logger.warning(
+                    "trainmon: updates run again at step %d, after %d skipped in a row since step %d",
+                    self.step,
+                    count,
+                    first,
+                )
+            first, count = 0, 0
+        self._skipped = (first, count)
 
     def _skip_update(self) -> None:
         """Make the coming optimizer update a no-op; adapters know how for their optimizers."""

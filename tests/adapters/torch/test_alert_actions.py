@@ -214,13 +214,20 @@ def _skipping(rank: int, fault_ranks: tuple[int, ...]) -> dict:
     return {"changed": changed, "poisoned": poisoned, "incidents": [i.onset_step for i in mon.incidents]}
 
 
-def test_skip_step_keeps_a_nan_gradient_out_of_the_weights(tmp_path, monkeypatch):
+def test_skip_step_keeps_a_nan_gradient_out_of_the_weights(tmp_path, monkeypatch, trainmon_log):
     monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path))
     result = _skipping(0, (0,))
     assert result["incidents"] == [AT]
     # only the faulty steps are skipped, the second and third in a row too (one incident, open)
     assert result["changed"] == [step not in BAD_STEPS for step in range(STEPS)]
     assert not any(result["poisoned"])  # without the skip, AdamW spreads the NaN into the weights
+    said = [
+        m for r in trainmon_log.records if "alert.actions asks" in (m := r.getMessage()) or "run again" in m
+    ]
+    assert said == [
+        f"trainmon: skipping the update of step {AT} as alert.actions asks",
+        f"trainmon: updates run again at step {AT + 3}, after 3 skipped in a row since step {AT}",
+    ]  # a run of skipped updates is said once, not at every step
 
 
 def _skip_worker(rank: int, world_size: int, workdir: str) -> None:
