@@ -39,7 +39,7 @@ def parse_config_text(text: str, source: str, is_yaml: bool) -> dict[str, Any]:
         data = _load_yaml(text) if is_yaml else json.loads(text, object_pairs_hook=_said_duplicates)
     except Exception as exc:
         raise ConfigError(
-            f"config file {source!r}: not valid {'YAML' if is_yaml else 'JSON'}: {exc}"
+            f"config file {source!r}: not valid {'YAML' if is_yaml else 'JSON'}: {_without_text(exc)}"
         ) from None
     if data is None:  # a YAML file of comments only: no key set, as "{}" in JSON
         data = {}
@@ -48,6 +48,16 @@ def parse_config_text(text: str, source: str, is_yaml: bool) -> dict[str, Any]:
             f"config file {source!r}: expected an object at the top level, got {type(data).__name__}"
         )
     return data
+
+
+def _without_text(exc: Exception) -> str:
+    """A parser's error without the lines of the file it quotes (YAML's do: a secret pasted into
+    the file where a variable's name belongs would be printed into the logs)."""
+    problem, mark = getattr(exc, "problem", None), getattr(exc, "problem_mark", None)
+    if problem is None or mark is None:
+        return str(exc)
+    context = getattr(exc, "context", None)
+    return f"{f'{context}: ' if context else ''}{problem} at line {mark.line + 1}, column {mark.column + 1}"
 
 
 def _said_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:

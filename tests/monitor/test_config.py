@@ -446,6 +446,17 @@ def test_uppercase_yaml_extension_syntax_error_says_yaml(tmp_path):
         load_config(path)
 
 
+def test_a_yaml_error_names_its_place_without_quoting_the_file(tmp_path):
+    """A token pasted where a variable's name belongs, in a line YAML cannot parse: the error
+    must not carry it into the logs."""
+    path = tmp_path / "config.yaml"
+    path.write_text("alert:\n  sinks: [{type: webhook, headers_env: {Authorization: Bearer s3cr3t: x}}]\n")
+    with pytest.raises(monitor.ConfigError) as info:
+        load_config(path)
+    assert "not valid YAML" in str(info.value) and "line 2, column" in str(info.value)
+    assert "s3cr3t" not in str(info.value)
+
+
 def test_module_ranks_superscript_digit_raises_config_error():
     with pytest.raises(monitor.ConfigError, match=r"module_ranks\[0\]"):
         load_config({"module_ranks": ["²"]})
