@@ -22,18 +22,15 @@ import argparse
 import json
 import math
 import os
-import re
 import sys
-from dataclasses import dataclass
 
 import numpy as np
 
 from monitor import memory_limit
 from monitor.anomaly import analyse, peers, rank_csv, windows
 from monitor.anomaly.analyse import UsageError
-from monitor.config.values import did_you_mean
-from monitor.files import TIME_FORMAT, time_bounds
-from monitor.writers.parquet_files import dataset_hint, live_prefixes
+from monitor.anomaly.cross_rank_args import check_arguments
+from monitor.files import TIME_FORMAT
 
 OUTPUT_NAME = "cross_rank_outliers.json"
 DEFAULT_TYPES = "grad_unreduced"
@@ -46,7 +43,6 @@ DEFAULT_RANKS = "[]"
 STRONGEST = 100
 #: outliers written to the JSON file (earliest first); the rest are only counted.
 MAX_RECORDS = 100_000
-_TYPE = re.compile(r"^[A-Za-z0-9_]+$")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -214,99 +210,10 @@ def format_outliers(rows: list[dict[str, object]]) -> str:
     return "\n".join(text)
 
 
-def _parse_names(
-    text: str, flag: str, example: str, allowed: tuple[str, ...] | None = None
-) -> tuple[str, ...]:
-    names = tuple(dict.fromkeys(part.strip() for part in str(text).split(",")))
-    wrong = [n for n in names if not (_TYPE.match(n) and (allowed is None or n in allowed))]
-    if wrong:
-        choice = f" drawn from {', '.join(allowed)}" if allowed else ""
-        hint = did_you_mean(wrong[0], allowed or ())
-        raise UsageError(
-            f"{flag}: expected comma-separated names{choice} such as '{example}', got {text!r}{hint}"
-        )
-    return names
-
-
-@dataclass
-class Settings:
-    """Checked arguments of a cross-rank run."""
-
-    data_dir: str
-    out_dir: str
-    k: int
-    steps: frozenset[int] | None
-    types: tuple[str, ...]
-    ops: tuple[str, ...]
-    rank_dirs: dict[int, str]
-    memory: int
-
-
-def _check(args: argparse.Namespace) -> Settings:
-    from monitor.config.schema import KNOWN_OPS
-
-    data_dir, k, steps = analyse.check_common(args)
-    try:
-        memory = memory_limit.memory_limit(args.memory_limit, memory_limit.CROSS_RANK_DEFAULT)
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
-    if not (isinstance(args.k_mad, (int, float)) and math.isfinite(args.k_mad) and args.k_mad > 0):
-        raise UsageError(f"--k-mad must be a number > 0, got {args.k_mad!r}")
-    types = _parse_names(args.types, "--types", "grad_unreduced,actv")
-    ops = _parse_names(args.ops, "--ops", "norm,max", KNOWN_OPS)
-    try:
-        ranks = analyse.parse_step_list(args.ranks)
-    except UsageError:
-        raise UsageError(
-            f"--ranks: expected a Python list of integers such as '[0, 2]', got {args.ranks!r}"
-        ) from None
-    try:
-        within = time_bounds(args.start, args.end, ("--start", "--end"))
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
-    try:
-        rank_dirs = rank_csv.find_rank_dirs(data_dir, ranks, within)
-        if not rank_dirs and os.path.basename(os.path.normpath(data_dir)) == "anomaly_detected":
-            data_dir = os.path.dirname(os.path.normpath(data_dir))  # the run's root holds the values
-            rank_dirs = rank_csv.find_rank_dirs(data_dir, ranks, within)
-        present = {
-            prefix
-            for path in rank_dirs.values()
-            for prefix in (*rank_csv.list_type_files(path), *live_prefixes(path))
-        }
-    except rank_csv.DuplicateRankError as exc:
-        raise UsageError(
-            f"{exc}: choose one run with --start/--end (the time tags of its directory names), or point "
-            "-d at a directory that holds the rank directories of one run"
-        ) from None
-    except OSError as exc:
-        raise UsageError(f"cannot list {exc.filename}: {exc.strerror or exc}") from None
-    where = os.path.join(data_dir, "{time}-rank{R}-{id}", "{type}_{a}-{b}.csv")
-    if not rank_dirs:
-        raise UsageError(
-            f"no per-rank output directories found: expected {where} (point -d at MONITOR_OUTPUT_DIR)"
-            f"{dataset_hint(data_dir)}"
-        )
-    absent = sorted(set(ranks or ()) - set(rank_dirs))
-    if absent:
-        print(
-            f"anomaly-analyse: --ranks: no output directory of rank(s) {absent} under {data_dir}",
-            file=sys.stderr,
-        )
-    if not present.intersection(types):
-        raise UsageError(
-            f"no CSV or Parquet files of type {', '.join(types)} in {len(rank_dirs)} rank directories "
-            f"under {data_dir} "
-            f"(types found: {', '.join(sorted(present)) or 'none'}; expected {where})"
-            f"{did_you_mean(types[0], present)}"
-        )
-    return Settings(data_dir, analyse.make_out_dir(args, data_dir), k, steps, types, ops, rank_dirs, memory)
-
-
 def run(args: argparse.Namespace) -> int:
     """``anomaly-analyse --cross-rank``: the anomaly ranking (when anomaly files exist), then the outliers."""
     try:
-        run_ = _check(args)
+        run_ = check_arguments(args)
     except UsageError as exc:
         print(f"anomaly-analyse: error: {exc}", file=sys.stderr)
         return 2
@@ -357,8 +264,9 @@ def _print_section(doc: dict, k: int, out_file: str | None, rank_count: int) -> 
         )
         print(
             f"No cross-rank verdict on sizes: a value is compared with its peers' only where at least "
-            f"{doc['min_ranks']} ranks hold the same tensor, and this run has {directories} with "
-            f"{', '.join(doc['types'])} under {doc['data_path']}{non_finite}."
+            f"{doc['min_ranks']} ranks hold the same tensor, and {directories} with "
+            f"{', '.join(doc['types'])} under {doc['data_path']} {'was' if rank_count == 1 else 'were'} "
+            f"compared{non_finite}."
         )
         if not total:
             if out_file:

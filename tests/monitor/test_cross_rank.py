@@ -412,7 +412,7 @@ def test_three_ranks_get_no_verdict_on_sizes_since_an_outlier_lifts_the_mad_with
     document = _run_from(tmp_path, {0: [1.0, 1.0], 1: [1.1, 1.1], 2: [0.9, 1000.0]})
     assert (document["judged"], document["outliers_total"]) == (0, 0)
     printed = capsys.readouterr().out
-    assert "only where at least 4" in printed and "this run has 3 rank directories" in printed
+    assert "only where at least 4" in printed and "and 3 rank directories with grad_unreduced" in printed
 
 
 def test_ranks_asked_for_that_the_run_lacks_are_named(tmp_path, capsys):
@@ -422,6 +422,24 @@ def test_ranks_asked_for_that_the_run_lacks_are_named(tmp_path, capsys):
     assert f"--ranks: no output directory of rank(s) [7] under {tmp_path}" in capsys.readouterr().err
 
 
+def test_options_that_choose_no_rank_directory_are_named_with_what_there_is(tmp_path, capsys):
+    _run_from(tmp_path, {0: [1.0], 1: [1.0]})
+    capsys.readouterr()
+    assert run_cli("-d", str(tmp_path), "--ranks", "[7]") == 2
+    said = capsys.readouterr().err
+    assert f"--ranks [7] chose none of the 2 rank directories under {tmp_path} (ranks [0, 1]" in said
+    assert run_cli("-d", str(tmp_path), "--start", "Jan01_00-00-00", "--end", "Jan01_00-00-01") == 2
+    assert "--start Jan01_00-00-00 and --end Jan01_00-00-01 chose none of the 2" in capsys.readouterr().err
+
+
+def test_a_type_asked_for_that_the_run_lacks_is_named_beside_those_it_has(tmp_path, capsys):
+    _run_from(tmp_path, {0: [1.0], 1: [1.0]})
+    capsys.readouterr()
+    assert run_cli("-d", str(tmp_path), "--types", "grad_unreduced,grad_unreducd") == 0
+    said = capsys.readouterr().err
+    assert "--types: no files of type grad_unreducd" in said and "did you mean 'grad_unreduced'" in said
+
+
 def test_two_ranks_get_no_verdict_on_sizes_and_are_told_why(tmp_path, capsys):
     document = _run_from(tmp_path, {0: [1.0, 1.0], 1: [1.0, 100.0]})
     assert (document["judged"], document["outliers_total"]) == (0, 0)
@@ -429,7 +447,7 @@ def test_two_ranks_get_no_verdict_on_sizes_and_are_told_why(tmp_path, capsys):
     assert "No cross-rank verdict on sizes: a value is compared with its peers' only where at least 4" in (
         printed
     )
-    assert "this run has 2 rank directories with grad_unreduced" in printed
+    assert "and 2 rank directories with grad_unreduced under" in printed
     assert "0 found" in printed and "outliers (" not in printed
 
 
@@ -447,7 +465,7 @@ def test_one_rank_is_told_it_has_no_peers_and_the_anomaly_directory_leads_to_its
     writer.close()
     assert run_cli("-d", str(tmp_path / "anomaly_detected")) == 0
     printed = capsys.readouterr().out
-    assert "this run has 1 rank directory with grad_unreduced" in printed
+    assert "and 1 rank directory with grad_unreduced under" in printed
     assert "(nor on NaN/Inf values, which need a peer)." in printed and "found" not in printed
 
 
