@@ -48,3 +48,18 @@ class TrainingStopped(Exception):
         super().__init__(f"trainmon stopped the run at step {step}: {reason}")
         self.step = step
         self.reason = reason
+
+
+def of_the_training(exc: BaseException) -> BaseException:
+    """Mark ``exc``, raised by the framework when the monitor read a tensor the training computed,
+    as the training's own error: a framework that runs operations asynchronously (MindSpore)
+    reports a failing kernel of the training at the first read of its result, which may be the
+    monitor's. It is raised on to the training as it would have been without the monitor,
+    never taken for a fault of the monitor's and swallowed (the training then went on with a
+    wrong result)."""
+    exc.trainmon_of_the_training = True  # type: ignore[attr-defined]
+    return exc
+
+
+def is_of_the_training(exc: BaseException) -> bool:
+    return bool(getattr(exc, "trainmon_of_the_training", False))

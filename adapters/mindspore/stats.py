@@ -36,6 +36,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import mint, ops
 
+from monitor.errors import of_the_training
 from monitor.stats.host_stats import array_matrix
 
 #: tensors up to this many elements are packed with others.
@@ -208,7 +209,11 @@ class StatEngine:
         if not tensors:
             return ms.Tensor(np.empty((0, len(self.ops)), dtype=np.float64))
         if self.host:
-            return ms.Tensor(array_matrix([t.asnumpy() for t in tensors], self.ops, self.eps))
+            try:
+                arrays = [t.asnumpy() for t in tensors]
+            except RuntimeError as exc:  # a kernel of the training failed, said at this first read
+                raise of_the_training(exc) from None
+            return ms.Tensor(array_matrix(arrays, self.ops, self.eps))
         units, empty = _units([tensors])
         block, rows = None, []
         if units:

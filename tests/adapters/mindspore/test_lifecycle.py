@@ -375,3 +375,53 @@ def test_a_step_whose_update_was_skipped_keeps_its_number_and_its_overflow_is_no
     assert not np.isfinite(rows["grad_unreduced", "layers.0.weight", 1]["norm"])
     updated = {step for kind, _, step in rows if kind in ("grad_reduced", "exp_avg")}
     assert updated == {0, 3, 4, 5}
+
+
+_FAILING_BACKWARD = """
+import os, sys
+import numpy as np, mindspore as ms
+from mindspore import nn, Parameter, Tensor
+ms.set_context(mode=ms.PYNATIVE_MODE)
+ms.set_device("CPU")
+class Scale(nn.Cell):
+    def __init__(self):
+        super().__init__()
+        self.w = Parameter(Tensor(np.ones(8, np.float32)).astype(ms.bfloat16), name="w")
+    def construct(self, x):
+        return x * self.w  # its backward sums a broadcast bfloat16 gradient
+net = Scale()
+optimizer = nn.SGD(net.trainable_params(), 0.1)
+if sys.argv[1] == "monitored":
+    from monitor import TrainerMon
+    TrainerMon({"wg_distribution": True}).set_monitor(net, 1, optimizer)
+step = ms.value_and_grad(lambda x: (net(x).astype(ms.float32) ** 2).mean(), None, optimizer.parameters)
+try:
+    _, grads = step(Tensor(np.ones((4, 8), np.float32)).astype(ms.bfloat16))
+    print("gradient", float(grads[0].astype(ms.float32).asnumpy()[0]))
+except RuntimeError as exc:
+    print("raised", str(exc).splitlines()[0])
+"""
+
+
+def test_an_error_of_the_training_that_a_read_of_ours_surfaces_reaches_the_training(tmp_path):
+    """MindSpore runs kernels asynchronously: one of the training's that fails (here a bfloat16
+    reduction with no CPU kernel) is said at the first read of its result, which may be the
+    monitor's gradient hook. The training must see the error as it does without the monitor,
+    not go on with a wrong gradient while the monitor logs the error as its own."""
+    import subprocess
+    import sys
+
+    said = {}
+    for how in ("plain", "monitored"):
+        done = subprocess.run(
+            [sys.executable, "-c", _FAILING_BACKWARD, how],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env={**os.environ, "MONITOR_OUTPUT_DIR": str(tmp_path)},
+        )
+        said[how] = done.stdout.strip().splitlines()[-1:] or [done.stderr[-500:]]
+    if said["plain"][0].startswith("gradient"):
+        pytest.skip("this MindSpore has the kernel, so its backward does not fail")
+    assert said["plain"][0].startswith("raised"), said
+    assert said["monitored"] == said["plain"], said
