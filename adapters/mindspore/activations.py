@@ -55,9 +55,18 @@ def grad_active() -> bool:
 
 
 def takes_part_in_grad(tensor: ms.Tensor) -> bool:
-    """True when a gradient will flow to ``tensor`` (a tensor hook can be registered on it)."""
+    """True when a gradient may flow to ``tensor`` (a tensor hook can be registered on it): one
+    computed under the gradient's recording, or a floating-point input of the recorded call,
+    which ``value_and_grad(fn, 0, ...)`` differentiates (MindSpore does not say before the
+    backward whether it will; a hook that no gradient reaches never fires)."""
     has_auto_grad = getattr(tensor, "_has_auto_grad", None)
-    return bool(has_auto_grad()) if has_auto_grad is not None else True
+    if has_auto_grad is None or has_auto_grad():
+        return True
+    leaf_input = getattr(tensor, "_is_leaf", False) and getattr(tensor, "_requires_grad", False)
+    return bool(leaf_input) and tensor.dtype in _FLOATING
+
+
+_FLOATING = (ms.float16, ms.bfloat16, ms.float32, ms.float64)
 
 
 def is_training_call(cell: ms.nn.Cell) -> bool:

@@ -201,3 +201,25 @@ def test_stop_removes_every_cell_hook_and_training_is_unchanged():
     mon.stop()
     for _, cell in net.cells_and_names():
         assert not cell._forward_pre_hook and not cell._forward_hook
+
+
+@pytest.mark.parametrize("position", [0, None], ids=["input differentiated", "parameters only"])
+def test_the_networks_input_gradient_is_recorded_when_the_input_is_differentiated(position):
+    """``value_and_grad(fn, 0, weights)`` gives dL/dx too: its row is that gradient, as torch's
+    with ``x.requires_grad``; without it the input takes no gradient and has no row."""
+    net = Net()
+    optimizer = OPTIMIZERS["Adam"](net.trainable_params())
+    mon = TrainerMon({"xy_distribution": True, "all_xy": True, "ops": ["norm"], "format": "api"})
+    mon.set_monitor(net, grad_acc_steps=1, optimizer=optimizer)
+    step = ms.value_and_grad(lambda x: net(x).square().mean(), position, optimizer.parameters)
+    x = ms.Tensor(make_batches(1, 1)[0][0])
+    _, grads = step(x)
+    optimizer(grads[1] if position == 0 else grads)
+    recorded = {tag.split("/")[0]: row["norm"] for tag, row in mon._core.latest.latest("actv_grad").items()}
+    mon.stop()
+    inputs = {name: norm for name, norm in recorded.items() if name.startswith("0:.input_grad")}
+    if position is None:
+        assert inputs == {}
+    else:
+        (norm,) = inputs.values()
+        assert norm == pytest.approx(float(np.linalg.norm(grads[0].asnumpy().astype(np.float64))), rel=1e-5)
