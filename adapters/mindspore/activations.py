@@ -26,6 +26,7 @@ the end of that forward.
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -224,6 +225,9 @@ class Activations:
         )
         self._calls: dict[tuple[int, int], int] = {}
         self._held = {prefix: _Held() for prefix in PREFIXES}
+        #: id -> (the tensor, weakly; the gradient rows its one hook fills): a Cell's output is
+        #: usually the next one's input, and each ``register_hook`` costs most of a millisecond
+        self._watched: dict[int, tuple[weakref.ref, list[tuple[int, str, int]]]] = {}
 
     def register(self) -> list:
         """Register the hooks; returns removable handles.
@@ -246,6 +250,7 @@ class Activations:
 
     def _forget_rows(self) -> None:
         self._calls.clear()
+        self._watched.clear()
         for held in self._held.values():
             held.blocks.clear()
 
@@ -281,14 +286,25 @@ class Activations:
         if tensors and self.backward and grad_active():
             for tensor, row in zip(tensors, row_names(f"{name}_grad", len(tensors))):
                 if takes_part_in_grad(tensor):
-                    tensor.register_hook(self._grad_hook(entry.vpp_stage, row, micro))
+                    self._watch(tensor, (entry.vpp_stage, row, micro))
         if call_done:
             self._calls[(index, micro)] = self._calls.get((index, micro), 0) + 1
 
-    def _grad_hook(self, vpp: int, name: str, micro: int) -> Callable[[ms.Tensor], ms.Tensor]:
+    def _watch(self, tensor: ms.Tensor, row: tuple[int, str, int]) -> None:
+        """The tensor's gradient fills ``row``: one hook per tensor, naming every row that watches it."""
+        watched = self._watched.get(id(tensor))
+        if watched is not None and watched[0]() is tensor:
+            watched[1].append(row)
+            return
+        rows = [row]
+        self._watched[id(tensor)] = (weakref.ref(tensor), rows)
+        tensor.register_hook(self._grad_hook(rows))
+
+    def _grad_hook(self, rows: list[tuple[int, str, int]]) -> Callable[[ms.Tensor], ms.Tensor]:
         def hook(grad: ms.Tensor) -> ms.Tensor:
             if self.collect:
-                self._guard("actv_grad", self._hold, "actv_grad", vpp, [name], micro, [grad])
+                for vpp, name, micro in rows:  # held once per row, measured once
+                    self._guard("actv_grad", self._hold, "actv_grad", vpp, [name], micro, [grad])
             return grad  # MindSpore wants the gradient back; the same tensor changes nothing
 
         return hook
@@ -327,4 +343,5 @@ class Activations:
         """Forget the step (a Cell that does not run in a step has no row for it)."""
         self.roots.reset()
         self._calls.clear()
+        self._watched.clear()
         self._held = {prefix: _Held() for prefix in PREFIXES}

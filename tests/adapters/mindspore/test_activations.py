@@ -223,3 +223,21 @@ def test_the_networks_input_gradient_is_recorded_when_the_input_is_differentiate
     else:
         (norm,) = inputs.values()
         assert norm == pytest.approx(float(np.linalg.norm(grads[0].asnumpy().astype(np.float64))), rel=1e-5)
+
+
+def test_one_gradient_hook_per_tensor_names_every_row_that_watches_it(monkeypatch):
+    """Net is a chain: each Cell's output is the next one's input. Its six intermediate tensors
+    (three Dense outputs, two ReLU outputs, the LayerNorm's, which is the root's) fill twelve
+    gradient rows through six hooks (each registration costs most of a millisecond); a seventh
+    waits on the input, which this training does not differentiate (no row)."""
+    registered = []
+    original = ms.Tensor.register_hook
+
+    def counting(tensor, hook):
+        registered.append(id(tensor))
+        return original(tensor, hook)
+
+    monkeypatch.setattr(ms.Tensor, "register_hook", counting)
+    _, _, steps = _run({"all_xy": True, "forward_only": False, "ops": ["norm"]}, steps=1, micro=1)
+    (record,) = steps
+    assert len(record["actv_grad"]) == 12 and len(registered) == len(set(registered)) == 7
