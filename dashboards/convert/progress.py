@@ -6,6 +6,7 @@ printed once per job when stderr is not a terminal.
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -15,38 +16,61 @@ T = TypeVar("T")
 
 
 class _Line:
-    """A minimal progress line on stderr."""
+    """A minimal progress line on stderr. On a terminal, a message logged while the line is
+    drawn goes on a line of its own (the line is ended first, and drawn again at the next job)."""
 
     def __init__(self, total: int, desc: str) -> None:
         self.total, self.desc, self.done = total, desc, 0
         self.tty = sys.stderr.isatty()
+        self.drawn = False
+        if self.tty:
+            logging.getLogger("trainmon").addFilter(self._before_message)
+
+    def _before_message(self, record: logging.LogRecord) -> bool:
+        self._end_line()
+        return True
+
+    def _end_line(self) -> None:
+        if self.drawn:
+            sys.stderr.write("\n")
+            self.drawn = False
 
     def update(self, label: str) -> None:
         self.done += 1
         text = f"{self.desc}: {self.done}/{self.total} {label}"
         if self.tty:
             sys.stderr.write("\r" + text.ljust(79)[:200])
-            if self.done == self.total:
+            self.drawn = self.done < self.total
+            if not self.drawn:
                 sys.stderr.write("\n")
         else:
             sys.stderr.write(text + "\n")
         sys.stderr.flush()
 
     def close(self) -> None:
-        pass
+        self._end_line()
+        logging.getLogger("trainmon").removeFilter(self._before_message)
 
 
 class _Tqdm:
+    """tqdm's bar, cleared before a message is logged (it is drawn again at the next job)."""
+
     def __init__(self, total: int, desc: str) -> None:
         from tqdm import tqdm
 
         self.bar = tqdm(total=total, desc=desc, unit="job")
+        logging.getLogger("trainmon").addFilter(self._before_message)
+
+    def _before_message(self, record: logging.LogRecord) -> bool:
+        self.bar.clear()
+        return True
 
     def update(self, label: str) -> None:
         self.bar.set_postfix_str(label, refresh=False)
         self.bar.update(1)
 
     def close(self) -> None:
+        logging.getLogger("trainmon").removeFilter(self._before_message)
         self.bar.close()
 
 

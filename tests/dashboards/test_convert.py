@@ -348,3 +348,34 @@ def test_csv2db_converts_a_parquet_run(tmp_path):
     assert set(got) == set(written)
     for key, want in written.items():
         _assert_db_row(got[key], want, ops, key)
+
+
+@pytest.mark.parametrize("with_tqdm", [False, True], ids=["own line", "tqdm"])
+def test_a_message_logged_under_a_progress_bar_starts_a_line_of_its_own(monkeypatch, with_tqdm):
+    """On a terminal the bar is redrawn in place; a warning logged between two jobs must not be
+    glued to the end of the bar's line."""
+    import io
+    import logging
+
+    from dashboards.convert import progress
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    screen = Terminal()
+    monkeypatch.setattr("sys.stderr", screen)
+    if not with_tqdm:
+        monkeypatch.setattr(progress, "_Tqdm", lambda total, desc: (_ for _ in ()).throw(ImportError))
+    handler = logging.StreamHandler(screen)
+    logger = logging.getLogger("trainmon")
+    logger.addHandler(handler)
+    try:
+        for job, _ in progress.run_jobs(str, ["a", "b", "c"], 1, "csv2tb"):
+            if job == "a":
+                logger.warning("rows written twice")
+    finally:
+        logger.removeHandler(handler)
+    said = [line for line in screen.getvalue().replace("\r", "\n").splitlines() if "rows written" in line]
+    assert said and all(line.startswith(("[trainmon]", "rows")) for line in said), said
+    assert not logger.filters  # the bar took its filter away
