@@ -54,12 +54,13 @@ def of_the_training(exc: BaseException) -> BaseException:
     """Mark ``exc``, raised by the framework when the monitor read a tensor the training computed,
     as the training's own error: a framework that runs operations asynchronously (MindSpore)
     reports a failing kernel of the training at the first read of its result, which may be the
-    monitor's. It is raised on to the training as it would have been without the monitor,
-    never taken for a fault of the monitor's and swallowed (the training then went on with a
-    wrong result)."""
+    monitor's. It is raised on to the training as it would have been without the monitor, never
+    taken for a fault of the monitor's and swallowed: MindSpore reports it once, and later reads
+    give wrong values."""
     exc.trainmon_of_the_training = True  # type: ignore[attr-defined]
     return exc
 
 
 def is_of_the_training(exc: BaseException) -> bool:
+    """Whether ``of_the_training`` marked ``exc``."""
     return bool(getattr(exc, "trainmon_of_the_training", False))

@@ -27,7 +27,8 @@ class _Line:
             logging.getLogger("trainmon").addFilter(self._before_message)
 
     def _before_message(self, record: logging.LogRecord) -> bool:
-        self._end_line()
+        if record.levelno >= logging.WARNING:  # what the console shows
+            self._end_line()
         return True
 
     def _end_line(self) -> None:
@@ -62,7 +63,8 @@ class _Tqdm:
         logging.getLogger("trainmon").addFilter(self._before_message)
 
     def _before_message(self, record: logging.LogRecord) -> bool:
-        self.bar.clear()
+        if record.levelno >= logging.WARNING:  # what the console shows
+            self.bar.clear()
         return True
 
     def update(self, label: str) -> None:

@@ -114,7 +114,8 @@ class Channel:
 
     def close(self, wait: float) -> None:
         """Deliver what is queued for at most ``wait`` seconds from now, then abandon the rest; a
-        delivery under way (a hanging endpoint) ends at its own timeout, on this daemon thread."""
+        delivery under way (a hanging endpoint) ends at its own timeout, on this daemon thread,
+        unless ``finish`` ends it first (a command still running at the run's end)."""
         self._deadline = time.monotonic() + wait
         self._closing.set()
         try:

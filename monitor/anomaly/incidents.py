@@ -174,9 +174,9 @@ class IncidentTracker:
 
         A tag abnormal at the last step that had it (by a rule or non-finite: a spike that turns
         into NaN is one event) adds no record: a micro-step's row that a shorter step lacks (the
-        last step of an epoch) keeps its state. Python work is per abnormal tag, not per cell,
-        and an Anomaly is built only for a new record: a NaN that makes every statistic of every
-        tag NaN costs a few set lookups per tag and step.
+        last step of an epoch) keeps its state while the incident is open. Python work is per
+        abnormal tag, not per cell, and an Anomaly is built only for a new record: a NaN that
+        makes every statistic of every tag NaN costs a few set lookups per row and step.
         """
         if self._before:
             self._present.update(self._before.intersection(verdicts.record.rows.tags))
@@ -240,6 +240,7 @@ class IncidentTracker:
             if self._quiet >= self.close_after:
                 incident.state, incident.closed_step = "closed", step
                 closed, self.open, self.changed = incident, None, True
+                self._before = set()  # a tag without rows since is judged afresh when it returns
         return None, closed
 
     def finish(self) -> Incident | None:

@@ -26,8 +26,9 @@ while training or from every rank in ``anomaly-analyse``. The heuristics, in ord
    comparison, not tensor by tensor) are said to have changed after backward: rescaled together
    (clipping, a loss scaler) when they moved as a whole, else in the reduction or in place; in
    one rank's own records, also that another rank's gradient may have reached them.
-8. **Non-finite at once.** When three or more gradients of the first phase turned NaN/Inf at
-   once, the tensor named is merely the one nearest the loss: the evidence says so.
+8. **Non-finite at once.** When three or more local weight gradients turned NaN/Inf at once
+   (and no activation was abnormal before them), the tensor named is merely the one nearest the
+   loss: the evidence says so.
 
 Where they fail: a fault that first shows in a phase the monitor does not collect is named at
 the first phase it does collect; when two faults start at one step the earlier phase wins; a
@@ -198,14 +199,15 @@ def choose_root(records: Sequence[Record]) -> tuple[Record, list[str]]:
         if len(group) > 1:
             where = "nearest the input" if phase <= 1 else "nearest the loss" if phase <= 3 else "first"
             evidence.append(f"earliest of {len(group)} in the order they were computed ({where})")
-        if nonfinite and len(group) >= 3 and phase in (PHASES["actv_grad"], PHASES["acc_grad"]):
+        tensors = len({module_of(r) for r in group})
+        if nonfinite and tensors >= 3 and phase == PHASES["acc_grad"]:
             evidence.append(
-                f"{len(group)} tensors turned NaN/Inf at once: the one nearest the loss is named, though "
+                f"{tensors} tensors turned NaN/Inf at once: the one nearest the loss is named, though "
                 "it may have begun in the loss or the forward pass (recording activations, "
                 "xy_distribution, narrows it down)"
             )
     common = _shared_move(root) if alone is None else math.nan
-    if common == common and not (phase == PHASES["post_grad"] and _no_local_gradient(records)):
+    if not math.isnan(common) and not (phase == PHASES["post_grad"] and _no_local_gradient(records)):
         evidence.append(
             f"its data type moved x{common:.3g} as a whole: the cause is shared by all its tensors "
             "(the loss or its scale, the batch, the learning rate)"
@@ -237,7 +239,7 @@ def _no_local_gradient(records: Sequence[Record]) -> bool:
 
 def _changed_after_backward(records: Sequence[Record], common: float) -> str:
     """Why reduced gradients are abnormal while no local gradient was."""
-    if common == common:
+    if not math.isnan(common):
         return (
             f"its reduced gradient is abnormal while no local gradient was, and the reduced gradients "
             f"moved x{common:.3g} together: they were rescaled after backward (gradient clipping, a "

@@ -271,13 +271,14 @@ class ParquetWriter:
         self._remove_merged(paths)
 
     def idle(self) -> bool:
-        """One row group of the oldest merge (the writer thread calls this while nothing is
-        queued, so a record waits for one row group at most); whether merges remain."""
+        """One piece of the oldest merge, a step file's reading or a row group's writing (the
+        writer thread calls this while nothing is queued, so a record waits for one piece at
+        most); whether merges remain."""
         self._advance_merge()
         return bool(self._merges)
 
     def _advance_merge(self, everything: bool = False) -> None:
-        """One row group of the oldest merge (every merge with ``everything``). A merge that
+        """One piece of the oldest merge (every merge with ``everything``). A merge that
         fails leaves the files it has not deleted as they are, said once."""
         while self._merges:
             try:

@@ -137,6 +137,28 @@ def test_a_nan_that_stays_is_not_recorded_again_after_a_step_without_its_row():
     assert incident.abnormal_steps == 10
 
 
+def test_a_tag_absent_after_its_incident_closed_is_judged_afresh_when_it_returns():
+    """An expert routed no tokens for a while: its NaN coming back long after the incident closed
+    is a new fault, with a record and an incident of its own."""
+    rng = np.random.default_rng(0)
+    run = Run()
+    _clean(run, rng, range(20), tasks=("actv",))
+    short = RowSet.build([0] * 3, list(NAMES[:3]), 0, "actv")
+    for step in range(20, 46):
+        if 22 <= step < 45:  # layer 3 has no row
+            run.sink.write(StepRecord("actv", step, ("norm",), short, _noise(rng)[:3, None], np.arange(3)))
+            run.sink.end_step(step)
+        else:
+            actv = _noise(rng)
+            actv[3] = math.nan
+            run.step(step, {"actv": actv})
+    assert [(r.step, r.tag_name) for r in run.records] == [
+        (20, "0:layers.3.fc/rank0/actv"),
+        (45, "0:layers.3.fc/rank0/actv"),
+    ]
+    assert [(i.onset_step, i.state) for i in run.incidents] == [(20, "closed"), (45, "open")]
+
+
 def test_a_spike_that_turns_into_nan_is_one_record():
     """A rule's hit followed by NaN on the same tag is one event: the NaN steps are counted by the
     incident, not recorded again."""
@@ -386,6 +408,9 @@ def test_gradients_turned_non_finite_at_once_say_that_the_one_named_is_only_near
     assert root["tag_name"] == "0:a/rank0/acc_grad"
     assert any("4 tensors turned NaN/Inf at once" in line for line in evidence), evidence
     _, evidence = choose_root(records[:1])
+    assert not any("at once" in line for line in evidence), evidence
+    one_tensor = [{**r, "tag_name": f"0:a/rank{i}/acc_grad", "rank": i} for i, r in enumerate(records)]
+    _, evidence = choose_root(one_tensor)  # one tensor NaN on four ranks: not four tensors
     assert not any("at once" in line for line in evidence), evidence
 
 

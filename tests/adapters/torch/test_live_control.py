@@ -78,6 +78,19 @@ def test_dynamic_mode_keeps_a_later_start_step_and_says_it(tmp_path, monkeypatch
     assert len(said) == 1 and said[0].endswith("collecting from step 3"), said
 
 
+def test_dynamic_mode_counts_step_interval_from_the_step_its_edit_starts(tmp_path, monkeypatch):
+    """As msprobe's later releases (start_step becomes the next step): an edit seen at step 7 with
+    step_interval 10 collects from its first step and then every 10th after it, not at 10, 20."""
+    mon, path = _dynamic_run(tmp_path, monkeypatch, {"dynamic_on": False}, steps=7)
+    edit = json.loads(path.read_text()) | {"dynamic_on": True, "step_interval": 10, "collect_times": 2}
+    replace_file(path, json.dumps(edit))
+    for step in range(7, 30):
+        _step(mon._session.chunks[0], mon._session.optimizer, step)
+    mon.stop()
+    first, second = collected_steps(mon.output_dir)
+    assert first in (7, 8) and second == first + 10
+
+
 def test_dynamic_mode_with_dynamic_on_at_start_collects_from_the_first_step(tmp_path, monkeypatch):
     mon, path = _dynamic_run(tmp_path, monkeypatch, {"collect_times": 3}, steps=5)
     assert collected_steps(mon.output_dir) == [0, 1, 2]
