@@ -207,7 +207,10 @@ def choose_root(records: Sequence[Record]) -> tuple[Record, list[str]]:
                 "xy_distribution, narrows it down)"
             )
     common = _shared_move(root) if alone is None else math.nan
-    if not math.isnan(common) and not (phase == PHASES["post_grad"] and _no_local_gradient(records)):
+    after_backward = phase == PHASES["post_grad"] and not any(
+        phase_of(r) == PHASES["acc_grad"] for r in records
+    )
+    if not math.isnan(common) and not after_backward:
         evidence.append(
             f"its data type moved x{common:.3g} as a whole: the cause is shared by all its tensors "
             "(the loss or its scale, the batch, the learning rate)"
@@ -217,7 +220,7 @@ def choose_root(records: Sequence[Record]) -> tuple[Record, list[str]]:
         root = peer[0]
     if peer is not None:
         evidence.append(f"rank {root['rank']}'s value is x{peer[1]:.3g} off its peers' median")
-    if phase == PHASES["post_grad"] and _no_local_gradient(records):
+    if after_backward:
         evidence.append(_changed_after_backward(records, common))
     return root, evidence
 
@@ -231,10 +234,6 @@ def _shared_move(root: Record) -> float:
     if ratio > 0 and (ratio > 1) != (common > 1):
         return math.nan
     return common
-
-
-def _no_local_gradient(records: Sequence[Record]) -> bool:
-    return not any(phase_of(r) == PHASES["acc_grad"] for r in records)
 
 
 def _changed_after_backward(records: Sequence[Record], common: float) -> str:
