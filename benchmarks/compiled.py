@@ -8,12 +8,12 @@ ratio watched / plain of neighbouring blocks cancels the machine's drift.
 Scenarios (everything: weight gradients, moments, parameters, mg_direction, activations with
 all_xy, min/max/norm/mean):
 
-- ``collected``: every step is collected: the compiled code's hooks run their eager bodies
-  (one graph break per hooked call);
+- ``collected``: every step is collected: module hooks measure on every step, which therefore
+  runs the compiled blocks eagerly;
 - ``uncollected``: the monitor is attached, with every hook in place, but collects only at step 0
   (a step interval longer than the run; ``collect_times`` would take the hooks off after its last
-  collection, which measures an unmonitored model), so the measured steps run the compiled
-  variant for steps that are not collected (no break of the monitor's);
+  collection, which measures an unmonitored model), so the measured steps run the compiled code,
+  in which the hooks left nothing;
 - ``eager-collected``: the same as ``collected`` without torch.compile, for comparison.
 
     python benchmarks/compiled.py            # the 0.68M model, 4 pairs (a few minutes: compiles)
@@ -80,7 +80,7 @@ def _work(scenario: str, model_size: str, pairs: int, steps: int) -> dict:
         optimizers[id(model)].step()
         optimizers[id(model)].zero_grad(set_to_none=True)
 
-    for i in range(3):  # compile both (and, watched, both variants: collected at step 0 only)
+    for i in range(3):  # compile both (watched: collected, so eager, at step 0 only)
         step(plain, i)
         step(watched, i)
     blocks = []

@@ -119,18 +119,25 @@ class StackRecorder:
     source read when the file is written. Any framework whose modules take
     ``register_forward_pre_hook(hook(module, args))`` works."""
 
-    def __init__(self, modules: Sequence[tuple[str, Any]], on_error: OnError) -> None:
-        """``modules``: (display name, module) pairs, in the order they are written."""
+    def __init__(
+        self,
+        modules: Sequence[tuple[str, Any]],
+        on_error: OnError,
+        traced: Callable[[], bool] = lambda: False,
+    ) -> None:
+        """``modules``: (display name, module) pairs, in the order they are written; ``traced``:
+        whether a compiler is tracing the hook rather than running it (then it records nothing)."""
         self.modules = list(modules)
         self.stacks: dict[str, list[Frame]] = {}
         self._guard = HookGuard("stack_info", on_error)
+        self._traced = traced
 
     def register(self) -> list:
         return [module.register_forward_pre_hook(self._hook(name)) for name, module in self.modules]
 
     def _hook(self, name: str) -> Callable[[Any, Any], None]:
         def hook(module: Any, args: Any) -> None:
-            if name not in self.stacks:
+            if not self._traced() and name not in self.stacks:
                 self.stacks[name] = stack_frames(sys._getframe(3))  # above the guard's frame
 
         return self._guard.wrap(hook)

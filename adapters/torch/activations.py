@@ -14,8 +14,8 @@ forward inside a backward pass (activation-checkpoint recompute) is recognised a
 torch.utils.checkpoint does, by ``torch._C._current_graph_task_id() != -1``, not from the Python
 stack: it is not measured again, only given the gradient hooks that reentrant checkpointing needs.
 
-Under torch.compile the measuring part of each hook runs eagerly (adapters.torch.compiled): one
-graph break per hooked call on collected steps, none on others. With ``shard_reduce``,
+Under torch.compile the hooks leave nothing in compiled code, and the steps they measure run
+it eagerly (adapters.torch.compiled). With ``shard_reduce``,
 tensor-parallel modules' tensors merge into whole ones (sharded.tp_activations).
 """
 
@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from adapters.torch.compiled import eager
+from adapters.torch.compiled import traced
 from adapters.torch.dist import dtensor_type, local_tensor
 from adapters.torch.micro_steps import MicroSteps
 from adapters.torch.sharded.tp_activations import Piece, TensorParallelMerge
@@ -158,11 +158,10 @@ class Activations:
     def _raw_output(self, index: int) -> Callable:
         """A hook run before the module's other forward hooks: how its outputs are spread over a
         mesh while they are still DTensors (tensor parallelism's hook then makes them local)."""
-        spreads = eager(functools.partial(self._spread, index))
 
         def hook(module: torch.nn.Module, args: tuple, output: Any) -> None:
-            if self.collect and module.training:
-                spreads(output)
+            if not traced() and self.collect and module.training:
+                self._spread(index, output)
 
         return hook
 
@@ -182,11 +181,9 @@ class Activations:
         return call_name(self.modules[index].name, call)
 
     def _before(self, index: int) -> Callable:
-        inputs = eager(functools.partial(self._inputs, index))
-
         def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-            if self.collect and module.training:
-                inputs(args, kwargs)
+            if not traced() and self.collect and module.training:
+                self._inputs(index, args, kwargs)
 
         return hook
 
@@ -233,11 +230,9 @@ class Activations:
         self.kept_inputs[(vpp, name, micro)] = [(t.detach(), t._version) for t in local]
 
     def _after(self, index: int) -> Callable:
-        outputs = eager(functools.partial(self._outputs, index))
-
         def hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-            if self.collect and module.training:
-                outputs(output)
+            if not traced() and self.collect and module.training:
+                self._outputs(index, output)
 
         return hook
 

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from adapters.torch.activations import Activations, select_modules
+from adapters.torch.compiled import CompiledModel
 from adapters.torch.device_stats import device_scalars, on_device, with_host_columns
 from adapters.torch.dist import ddp_reduces_after_pass_end, rank_in_group, world_size
 from adapters.torch.grad_sources import unreduced_source
@@ -67,6 +68,7 @@ class Collection(BaseCollection):
         collectives: Any = None,
         last_micro_batch: Callable[[], bool] | None = None,
         ddp_wrappers: Sequence[torch.nn.Module] | None = None,
+        given_compiled: bool = False,
     ) -> None:
         super().__init__(config, rank, first_step)
         self.backend = backend
@@ -130,19 +132,28 @@ class Collection(BaseCollection):
         if collectives is not None:
             collectives.on_error = self.fail
             collectives.install()
+        self.compiled_model = CompiledModel(chunks, given_compiled)
+        self._handles += self.compiled_model.register()
         self.set_step(first_step)
 
-    @property
-    def module_hooks(self) -> list[str]:
-        """The config keys whose data this collection reads through module hooks."""
-        users = {
-            "xy_distribution": self.activations is not None,
-            "recording_l2_features": self.l2 is not None and bool(self.l2.attention),
-            "print_struct": self.structure is not None,
-            "stack_info": self.stacks is not None,
-            "wg_distribution": getattr(self.grads, "uses_module_hooks", False),
-        }
-        return [key for key, used in users.items() if used]
+    def set_step(self, step: int) -> None:
+        super().set_step(step)
+        self.compiled_model.step_begins(self._hooks_measure_in_compiled_code())
+
+    def remove(self) -> None:
+        try:
+            super().remove()
+        finally:
+            self.compiled_model.release()
+
+    def _hooks_measure_in_compiled_code(self) -> bool:
+        """Whether hooks that compiled code runs measure in this step (it then runs eagerly, for them
+        to see its tensors): print_struct and stack_info until recorded, the others on collected steps."""
+        attention = self.l2 is not None and bool(self.l2.attention) and self.l2.collect
+        unsharded = getattr(self.grads, "uses_module_hooks", False) and self.grads.collect
+        collected = (self.activations is not None and self.activations.collect) or attention or unsharded
+        pending = self.structure is not None or (self.stacks is not None and not self.stacks.stacks)
+        return pending or collected or (self.collectives is not None and self.collect)
 
     # -- attach-time tables ------------------------------------------------------------------
 

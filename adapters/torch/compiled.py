@@ -3,27 +3,23 @@
 - Names: ``torch.compile(module)`` wraps a module in an ``OptimizedModule`` holding it as
   ``_orig_mod``; the monitor hooks and names the module inside (``uncompiled``; the naming drops
   ``_orig_mod`` segments of blocks compiled inside the model).
-- Hook bodies: a module hook is traced into the compiled code. Its check of the monitor's
-  ``collect`` flag stays traceable, so torch.compile guards on it and steps that are not
-  collected run code without any break of the monitor's; the measuring body runs eagerly
-  (``eager``), one graph break per hooked call on collected steps.
-- Code compiled with ``fullgraph=True`` (or under ``torch._dynamo.error_on_graph_break(True)``)
-  makes every graph break an error, which would end the user's run at the first collected step:
-  there the hooks measure nothing (``graph_breaks_allowed``, asked while torch.compile traces) and
-  the monitor says so once.
-- Hooks added after the first compiled call: torch.compile does not guard on module hooks (its
-  ``skip_nnmodule_hook_guards``), so compiled code never runs hooks added later, and never says
-  so. When the monitor adds module hooks to a model holding compiled modules, it resets
-  torch.compile's caches once (``recompile_with_hooks``, the public ``torch.compiler.reset``):
-  the next call compiles again, now with the hooks. Attaching before the first compiled call
-  avoids that recompilation.
+- Module hooks do nothing while torch.compile traces them (``traced``): compiled code is the
+  unmonitored model's, whenever the hooks were added, with no graph break, no guard on the
+  monitor's state and so no recompilation from one step to the next.
+- Steps whose hooks measure inside the model's compiled code run that code eagerly
+  (``CompiledModel``): torch.compile's public ``"force_eager"`` stance is set for them, and the
+  stance found is put back afterwards (``Stance``), so the hooks see eager's tensors, code
+  compiled with ``fullgraph=True`` included. Only a model that runs compiled code gets it; the
+  stance is the process's, so on those steps any other compiled code runs eagerly too.
 """
 
 from __future__ import annotations
 
 import logging
 import sys
+import weakref
 from collections.abc import Callable, Sequence
+from typing import Any, ClassVar
 
 import torch
 
@@ -39,54 +35,17 @@ def uncompiled(chunk: torch.nn.Module) -> torch.nn.Module:
     return chunk
 
 
-def eager(measure: Callable[..., None]) -> Callable[..., None]:
-    """``measure``, run eagerly where a hook calling it is traced by torch.compile; skipped where
-    the compiled code may not break its graph."""
-    disabled = torch.compiler.disable(measure, recursive=True)  # imports torch._dynamo (0.6 s) once
-    from torch._dynamo.decorators import assume_constant_result
-
-    assume_constant_result(graph_breaks_allowed)
-
-    def run(*args: object) -> None:
-        if graph_breaks_allowed():
-            disabled(*args)
-
-    return run
-
-
-def graph_breaks_allowed() -> bool:
-    """Whether the code torch.compile is tracing now may break its graph (True outside tracing).
-    Marked (by ``eager``) as a constant for torch.compile, which calls it once while tracing and
-    keeps the answer in the compiled code, so hooks traced under ``fullgraph=True`` compile to
-    nothing instead of failing."""
-    if not torch.compiler.is_compiling():  # the hook runs eagerly
-        return True
-    try:  # torch.compile's own tracer; were its private names to change, hooks break graphs as before
-        from torch._dynamo.symbolic_convert import InstructionTranslator
-
-        tracing = InstructionTranslator.current_tx()
-        if not (tracing.one_graph or tracing.error_on_graph_break):
-            return True
-    except Exception:
-        return True
-    global _said_fullgraph
-    if not _said_fullgraph:
-        _said_fullgraph = True
-        logger.warning(
-            "trainmon: module hooks run inside code compiled with fullgraph=True (or with "
-            "error_on_graph_break), where measuring would break the graph and so fail your run: "
-            "activations and the other module-hook data (attention features, structure, call counts) "
-            "of those modules are not recorded; compile them without fullgraph to get them"
-        )
-    return False
-
-
-_said_fullgraph = False
+def traced() -> bool:
+    """Whether torch.compile (or export) is tracing the calling hook rather than running it; a
+    constant to the tracer, so a hook that returns on it leaves nothing in the compiled code."""
+    return torch.compiler.is_compiling()
 
 
 def has_compiled_modules(modules: Sequence[torch.nn.Module]) -> bool:
     """Whether any of the modules, or a submodule, was compiled (wrapped by torch.compile, or
-    compiled in place with ``module.compile()``)."""
+    compiled in place with ``module.compile()``); False while torch.compile was never imported."""
+    if "torch._dynamo" not in sys.modules:
+        return False
     return any(
         type(m).__name__ == "OptimizedModule" or getattr(m, "_compiled_call_impl", None) is not None
         for module in modules
@@ -94,20 +53,116 @@ def has_compiled_modules(modules: Sequence[torch.nn.Module]) -> bool:
     )
 
 
-def recompile_with_hooks(what: str) -> None:
-    """Reset torch.compile's caches once, so that compiled code runs the module hooks just added;
-    nothing to do while torch.compile has compiled nothing in this process (attached before the
-    first compiled call: the code compiled then holds the hooks)."""
-    if "torch._dynamo" not in sys.modules:
-        return
-    from torch._dynamo.utils import counters
+class CompiledModel:
+    """One collection's view of whether its model runs compiled code, and its hold on the eager
+    stance for the steps its hooks measure.
 
-    if not counters["frames"].get("total"):
-        return
-    torch.compiler.reset()
-    logger.info(
-        "trainmon: %s: the model holds compiled modules; torch.compile's caches are reset once so that "
-        "the next call compiles again with the monitor's module hooks (compiled code never runs hooks "
-        "added after it was compiled). Attach before the first compiled call to avoid recompiling.",
-        what,
-    )
+    The model is known to run compiled code when it was given compiled, when a module of it is
+    compiled (checked at each measuring step until found: blocks may be compiled after
+    ``set_monitor``), or once compiled code ran a chunk's root (a whole model compiled after
+    ``set_monitor``: the root's hook, traced, records it; that first step's hooks measured
+    nothing, which is said)."""
+
+    def __init__(self, chunks: Sequence[torch.nn.Module], given_compiled: bool) -> None:
+        self.chunks = list(chunks)
+        self.known = given_compiled
+        self.wanted = False
+        self._held = False
+        self._looked = False
+        self._said_late = False
+        weakref.finalize(self, Stance.hold, id(self), False)  # a collection dropped without remove()
+
+    def register(self) -> list:
+        """Pre-hooks on the chunks' roots (run first): they see compiled code run the root, and
+        compiled blocks met at the first forward of a measuring step."""
+        return [chunk.register_forward_pre_hook(self._root_called, prepend=True) for chunk in self.chunks]
+
+    def _root_called(self, module: torch.nn.Module, args: Any) -> None:
+        if traced():
+            self.known = True  # torch.compile replays this on each run of the compiled code
+            return
+        if self.wanted and not self._held and not self._looked:  # outside compiled code: may switch
+            self._looked = True  # once a step: the first forward finds blocks compiled since
+            if self._compiled():
+                self._hold(True)
+
+    def step_begins(self, wanted: bool) -> None:
+        """Before a step: whether its hooks measure; the stance follows."""
+        if self.known and self.wanted and not self._held and not self._said_late:
+            self._said_late = True
+            logger.warning(
+                "trainmon: the model ran compiled code the monitor did not know of (compiled as a "
+                "whole after set_monitor): module hooks inside it recorded nothing at that step; "
+                "from the next step on, steps they measure run it eagerly. Pass the compiled model "
+                "to set_monitor to record its first step too."
+            )
+        self.wanted = wanted
+        self._looked = False
+        self._hold(wanted and self._compiled())
+
+    def release(self) -> None:
+        self.wanted = False
+        self._hold(False)
+
+    def _compiled(self) -> bool:
+        self.known = self.known or has_compiled_modules(self.chunks)
+        return self.known
+
+    def _hold(self, eager: bool) -> None:
+        self._held = eager
+        Stance.hold(id(self), eager)
+
+
+class Stance:
+    """torch.compile's ``"force_eager"`` stance while any collection holds it (several monitors may
+    share the process). The stance found before is put back after the last holder; a stance the
+    user set meanwhile is theirs: it is left, and the one put back after later holds."""
+
+    _holders: ClassVar[set[int]] = set()
+    #: torch's stance setter (its exit puts back the stance found) and the stance it set
+    _setter: ClassVar[Any] = None
+    _said: ClassVar[bool] = False
+    _said_replaced: ClassVar[bool] = False
+    #: ``_apply`` run eagerly even where a compiled optimizer step traces the monitor's hook
+    _eager_apply: ClassVar[Callable[[], None] | None] = None
+
+    @classmethod
+    def hold(cls, holder: int, eager: bool) -> None:
+        """Whether ``holder`` wants compiled code run eagerly from now on. Never raises: where the
+        stance cannot change it is tried again at the next call, and said once."""
+        if eager:
+            cls._holders.add(holder)
+        else:
+            cls._holders.discard(holder)
+        if not cls._holders and cls._setter is None:
+            return
+        if cls._eager_apply is None:
+            cls._eager_apply = torch.compiler.disable(cls._apply)
+        try:
+            cls._eager_apply()
+        except Exception as exc:
+            if not cls._said:
+                cls._said = True
+                logger.warning(
+                    "trainmon: could not switch torch.compile's stance (%r): on steps where it stays, "
+                    "module hooks inside compiled code (activations, attention features) record nothing",
+                    exc,
+                )
+
+    @classmethod
+    def _apply(cls) -> None:
+        current = getattr(sys.modules.get("torch._dynamo.eval_frame"), "_stance", None)
+        if cls._setter is not None and current is not None and current is not cls._setter.stance:
+            cls._setter = None  # the user set a stance while held: theirs from now on
+            if not cls._said_replaced:
+                cls._said_replaced = True
+                logger.warning(
+                    'trainmon: torch.compile\'s stance was changed while the monitor held "force_eager" '
+                    "for a step it measures: module hooks inside compiled code may have recorded "
+                    "nothing then; yours is kept on the steps the monitor does not measure"
+                )
+        if cls._holders and cls._setter is None:
+            cls._setter = torch.compiler.set_stance("force_eager")
+        elif not cls._holders and cls._setter is not None:
+            setter, cls._setter = cls._setter, None
+            setter.__exit__(None, None, None)

@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 import torch
 
-from adapters.torch.compiled import eager
+from adapters.torch.compiled import traced
 from adapters.torch.micro_steps import MicroSteps
 from adapters.torch.sharded.fsdp_internals import FlatSlot
 from adapters.torch.sharded.spectral import ShardedWeight, linear_weight, split_dimension
@@ -195,17 +195,14 @@ class L2Features(L2Steps):
         return handles
 
     def _hook(self, index: int) -> Callable:
-        measure = eager(functools.partial(self._measure, index))
-
         def hook(module: torch.nn.Module, args: tuple, output: Any) -> None:
-            if self.collect and module.training:
-                measure(args)
+            if not traced() and self.collect and module.training:
+                self._measure(index, args)
 
         return hook
 
     def _measure(self, index: int, args: tuple) -> None:
-        """One call's rows, unless the call is a checkpoint's recompute in the backward pass
-        (checked here, in eager code: traced into a compiled hook, the check breaks the graph)."""
+        """One call's rows, unless the call is a checkpoint's recompute in the backward pass."""
         if torch._C._current_graph_task_id() != -1:
             return
         try:

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from adapters.torch.compiled import eager
+from adapters.torch.compiled import traced
 from monitor.session.collection import UnendedStep
 
 
@@ -41,11 +40,9 @@ class MicroSteps:
         ]
 
     def _hook(self, vpp: int) -> Callable:
-        count = eager(functools.partial(self._count, vpp))
-
         def hook(module: torch.nn.Module, args: Any) -> None:
-            if self.active() and module.training:
-                count()
+            if not traced() and self.active() and module.training:
+                self._count(vpp)
 
         return hook
 

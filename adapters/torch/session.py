@@ -21,7 +21,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from adapters.torch.bundle import facts as bundle_facts
 from adapters.torch.bundle import record_tensors
 from adapters.torch.collection import Collection
-from adapters.torch.compiled import has_compiled_modules, recompile_with_hooks, uncompiled
+from adapters.torch.compiled import uncompiled
 from adapters.torch.dist import (
     StoreChannel,
     any_rank,
@@ -50,7 +50,8 @@ class TorchSession(SessionLifecycle):
         if a.optimizer is None:
             raise ValueError("set_monitor: optimizer: required (its step marks the end of a training step)")
         self.chunks = [uncompiled(chunk) for chunk in chunks]
-        self.compiled = any(given is not plain for given, plain in zip(chunks, self.chunks))
+        #: the model was given compiled as a whole (its compiled code runs the chunks' roots)
+        self.given_compiled = any(given is not plain for given, plain in zip(chunks, self.chunks))
         #: the gradients skip_step dropped this step, by parameter id, until its bundles are written
         self.skipped_grads: dict[int, torch.Tensor] = {}
         self.backend = optimizer_backend(a.optimizer, self.chunks)
@@ -211,9 +212,8 @@ class TorchSession(SessionLifecycle):
             collectives=self.collectives if self.config.cc_distribution.enable else None,
             last_micro_batch=self._last_micro_batch,
             ddp_wrappers=self._ddp_wrappers(),
+            given_compiled=self.given_compiled,
         )
-        if collection.module_hooks and (self.compiled or has_compiled_modules(self.chunks)):
-            recompile_with_hooks(", ".join(collection.module_hooks))
         return collection
 
     def _collectives_config_changed(self) -> bool:

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from adapters.torch.compiled import eager
+from adapters.torch.compiled import traced
 from monitor.naming import chunk_name, display_name
 from monitor.structure import HookGuard, OnError, StackRecorder, describe, record_grad, write_structure
 
@@ -49,7 +49,7 @@ class StructureRecorder:
 
     def _hook(self, name: str) -> Callable:
         def hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-            if name in self.structure or not module.training:
+            if traced() or name in self.structure or not module.training:
                 return
             inputs = (*args, *kwargs.values())
             entry = self.structure[name] = {
@@ -62,7 +62,7 @@ class StructureRecorder:
                     if tensor.requires_grad:
                         tensor.register_hook(self._grad_hook(entry, direction, i, len(tensors)))
 
-        return eager(self._guard.wrap(hook))
+        return self._guard.wrap(hook)
 
     def _grad_hook(self, entry: dict, direction: str, index: int, count: int) -> Callable:
         def hook(grad: torch.Tensor) -> None:
@@ -77,4 +77,4 @@ class StructureRecorder:
 
 def stack_recorder(chunks: Sequence[torch.nn.Module], squash: bool, on_error: OnError) -> StackRecorder:
     """stack_info: the call stack of each module's first forward (monitor.structure.StackRecorder)."""
-    return StackRecorder(_module_names(chunks, squash), on_error)
+    return StackRecorder(_module_names(chunks, squash), on_error, traced)

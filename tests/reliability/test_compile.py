@@ -31,11 +31,12 @@ KINDS = {
 
 @pytest.fixture(autouse=True)
 def _fresh_dynamo():
-    """Compiled code and counters of one test never leak into the next."""
+    """Compiled code, counters and stance of one test never leak into the next."""
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     yield
     torch._dynamo.reset()
+    torch.compiler.set_stance("default")
 
 
 def _monitored(config: dict, compiled: str | None, backend: str = BACKEND, fullgraph: bool = False) -> dict:
@@ -93,28 +94,107 @@ def test_activations_of_a_compiled_model_match_eager():
 
 
 def test_attaching_to_an_already_compiled_model_records_its_activations(trainmon_log):
-    """Compiled code never runs module hooks added after it was compiled: the monitor makes it
-    compile again once, and says so."""
+    """Compiled code never runs module hooks added after it was compiled; the collected steps run
+    eagerly, so the hooks see every call, with nothing compiled again."""
     config, prefixes = KINDS["xy"]
-    seen = len(trainmon_log.records)
     compiled = _monitored(config, "after")
-    said = [r.getMessage() for r in trainmon_log.records[seen:] if "compiles again" in r.getMessage()]
-    assert len(said) == 1, said
     _assert_same(_monitored(config, None), compiled, prefixes, rel=1e-6)
 
 
-def test_code_compiled_with_fullgraph_trains_on_with_what_is_read_outside_it(trainmon_log, monkeypatch):
-    """fullgraph=True makes any graph break an error, and measuring inside compiled code needs
-    one: the module hooks traced there measure nothing (said once) instead of failing the run;
-    gradients and parameters, read outside compiled code, are eager's, so training is too."""
-    monkeypatch.setattr("adapters.torch.compiled._said_fullgraph", False)
-    config = {"xy_distribution": True, "all_xy": True, "wg_distribution": True, "param_distribution": True}
+def test_code_compiled_with_fullgraph_gives_the_eager_activations(trainmon_log):
+    """fullgraph=True makes any graph break an error: the monitor's hooks leave nothing in the
+    compiled code, which the steps not collected run, and collected steps run it eagerly, so
+    activations are recorded there too."""
+    config = {
+        "xy_distribution": True,
+        "all_xy": True,
+        "wg_distribution": True,
+        "param_distribution": True,
+        "step_interval": 2,
+    }
     compiled = _monitored(config, "before", fullgraph=True)
-    assert not torch._dynamo.utils.counters["graph_break"]
-    _assert_same(_monitored(config, None), compiled, [*KINDS["wg"][1], *KINDS["param"][1]], rel=1e-6)
-    assert not any(step["actv"] or step["actv_grad"] for step in compiled["steps"])
-    said = [r.getMessage() for r in trainmon_log.records if "fullgraph=True" in r.getMessage()]
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0
+    prefixes = [*KINDS["wg"][1], *KINDS["param"][1], *KINDS["xy"][1]]
+    _assert_same(_monitored(config, None), compiled, prefixes, rel=1e-6)
+    assert not [r for r in trainmon_log.records if r.levelname == "WARNING"]
+
+
+def _train_compiled(step_is: str, user_stance: str | None = None) -> tuple[list[int], list[str]]:
+    """A compiled model trained with an optimizer step that is ``step_is`` "eager", "compiled", or
+    "compiled with the model" (forward, backward and step compiled as one function); activations
+    every other step. Per step: the activation rows written for it and torch.compile's stance seen
+    at the step's start; and the stance after stop(). The user sets ``user_stance`` as step 2
+    begins."""
+    from torch._dynamo import eval_frame
+
+    torch.manual_seed(0)
+    model = torch.compile(MLP(), backend=BACKEND)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    mon = TrainerMon({"xy_distribution": True, "format": "api", "ops": OPS, "step_interval": 2})
+    mon.set_monitor(model, grad_acc_steps=1, optimizer=optimizer)
+
+    @torch.compile(backend=BACKEND)
+    def update() -> None:
+        optimizer.step()
+
+    @torch.compile(backend=BACKEND)
+    def train_step(x: torch.Tensor) -> None:
+        model(x).pow(2).mean().backward()
+        optimizer.step()
+
+    rows, stances = [], []
+    for step, (x,) in enumerate(make_batches(6, 1, seed=3)):
+        if step == 2 and user_stance is not None:
+            torch.compiler.set_stance(user_stance)
+        stances.append(eval_frame._stance.stance)
+        if step_is == "compiled with the model":
+            train_step(x)
+        else:
+            model(x).pow(2).mean().backward()
+            update() if step_is == "compiled" else optimizer.step()
+        optimizer.zero_grad()
+        record = mon._core.latest._latest.get("actv")  # the latest collected step's record
+        rows.append(len(record.as_dict()) if record is not None and record.step == step else 0)
+    mon.stop()
+    stances.append(eval_frame._stance.stance)
+    torch.compiler.set_stance("default")
+    return rows, stances
+
+
+@pytest.mark.parametrize("step_is", ["compiled", "compiled with the model"])
+def test_a_compiled_optimizer_step_trains_and_collected_steps_record_activations(step_is):
+    """The monitor's step end runs inside the compiled optimizer step: its switch of torch.compile's
+    stance runs eagerly there (traced, it would stop the training)."""
+    rows, stances = _train_compiled(step_is)
+    assert all(rows[0::2]) and not any(rows[1::2]), rows
+    assert stances == ["force_eager", "default"] * 3 + ["default"], stances
+
+
+def test_a_stance_the_user_sets_holds_on_the_steps_the_monitor_does_not_measure(trainmon_log, monkeypatch):
+    """The user's stance, set within a collected step, replaces the monitor's there (that step's
+    activations inside compiled code are missing, said once); it stays on the steps not collected,
+    and after stop(); the monitor sets its own again for the steps it measures."""
+    monkeypatch.setattr("adapters.torch.compiled.Stance._said_replaced", False)
+    rows, stances = _train_compiled("eager", user_stance="fail_on_recompile")
+    assert rows[0] and rows[4] and not any(rows[1:4]) and not rows[5], rows
+    user = "fail_on_recompile"
+    assert stances == ["force_eager", "default", user, user, "force_eager", user, user], stances
+    said = [r.getMessage() for r in trainmon_log.records if "stance was changed" in r.getMessage()]
     assert len(said) == 1, said
+
+
+def test_a_monitor_dropped_without_stop_gives_the_stance_back():
+    import gc
+
+    from torch._dynamo import eval_frame
+
+    model = torch.compile(MLP(), backend=BACKEND)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    TrainerMon({"xy_distribution": True, "format": "api"}).set_monitor(model, 1, optimizer)
+    assert eval_frame._stance.stance == "force_eager"
+    del model, optimizer
+    gc.collect()
+    assert eval_frame._stance.stance == "default"
 
 
 def _compiled_graphs_per_step(config: dict) -> tuple[list[int], list[int]]:
@@ -152,11 +232,20 @@ def _compiled_graphs_per_step(config: dict) -> tuple[list[int], list[int]]:
     return graphs, ran
 
 
-@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("kind", [kind for kind in KINDS if kind != "xy"])
 def test_the_monitor_does_not_make_the_compiled_model_recompile_or_fall_back(kind):
     graphs, ran = _compiled_graphs_per_step(KINDS[kind][0])
     assert graphs[1] == graphs[-1], f"compiled graphs after each step: {graphs}"  # no recompiles
     assert all(n >= GRAD_ACC for n in ran), f"compiled graphs run per step: {ran}"  # still compiled
+
+
+def test_activations_make_collected_steps_alone_run_eagerly():
+    """Module hooks measure on collected steps only, which run the compiled code eagerly; the
+    others run it compiled, and nothing compiles again from step to step."""
+    graphs, ran = _compiled_graphs_per_step({**KINDS["xy"][0], "step_interval": 2})
+    assert graphs[1] == graphs[-1], f"compiled graphs after each step: {graphs}"
+    assert ran[0::2] == [0, 0, 0], f"compiled graphs run on collected steps: {ran}"
+    assert all(n >= GRAD_ACC for n in ran[1::2]), f"compiled graphs run per step: {ran}"
 
 
 @pytest.mark.slow

@@ -20,14 +20,13 @@ micro-batch's gradient.
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from adapters.torch.compiled import eager
+from adapters.torch.compiled import traced
 from adapters.torch.grads import UnreducedGrads
 from adapters.torch.params import ParamRegistry
 from adapters.torch.sharded.fsdp_internals import (
@@ -121,11 +120,9 @@ class UnshardedGrads(ReducedEarly, UnreducedGrads):
         return [*handles, self._param_handles]
 
     def _finder(self, vpp: int, prefix: str, module: torch.nn.Module) -> Callable[..., None]:
-        find = eager(functools.partial(self._find_unsharded, vpp, prefix, module))
-
         def hook(mod: torch.nn.Module, args: Any) -> None:
-            if self.collect:
-                find()
+            if not traced() and self.collect:
+                self._find_unsharded(vpp, prefix, module)
 
         return hook
 

@@ -164,26 +164,9 @@ def test_compiled_models_give_eagers_rows(eager_rows, style, when):
     _assert_same_rows(eager_rows, _run(style, when), rel=1e-5)
 
 
-@pytest.mark.parametrize("style", ["in-place", "assigned"])
-def test_attaching_before_the_first_compiled_call_resets_nothing(style, trainmon_log):
-    """Blocks compiled but not yet run hold no compiled code without the hooks: nothing to reset."""
-    torch._dynamo.reset()
-    counters.clear()  # as in a fresh process: nothing compiled yet
-    torch.manual_seed(0)
-    model = Net()
-    optimizer = torch.optim.AdamW(model.parameters())
-    call = _compile(model, style, "aot_eager")
-    mon = TrainerMon(CONFIG).set_monitor(call, 1, optimizer)
-    call(torch.randn(2, 5, 6)).pow(2).mean().backward()
-    optimizer.step()
-    assert mon._latest("actv")
-    mon.stop()
-    assert not [r for r in trainmon_log.records if "caches are reset" in r.getMessage()]
-
-
 def test_attention_features_alone_attached_after_compile_give_eagers_rows():
     """The attention features' forward hooks are module hooks too: attached after the first
-    compiled call, with no other module hook to recompile for, they still run."""
+    compiled call, alone, they still see every call."""
     config = {key: CONFIG[key] for key in ("recording_l2_features", "l2_targets", "sa_order", "format")}
     eager_rows, compiled_rows = _run(None, config=config), _run("in-place", "after", config=config)
     assert all(len(rows["attention_hook"]) == 2 for rows in eager_rows), eager_rows
@@ -202,32 +185,160 @@ def test_inductor_gives_eagers_rows_within_float_tolerance(eager_rows, device):
     _assert_same_rows(eager_rows, compiled, rel=1e-3, abs_tol=1e-4, prefixes=prefixes)
 
 
-def test_graph_breaks_only_on_collected_steps_and_only_the_monitors_own():
-    """Steps 0 and 2 are collected (step_interval 2): compiling the collected variant breaks the
-    graph at each hooked call, by the monitor's eager body only; compiling the variant of the
-    steps in between breaks nothing; after both exist nothing compiles again."""
+def _graphs_run_per_step(monitored: bool, style: str) -> tuple[list[int], list[dict], list[int]]:
+    """Per step of six (step_interval 2: steps 0, 2 and 4 collected): how many compiled graphs ran
+    (a backend that counts its calls), dynamo's graph breaks, and the frames it compiled."""
+    from torch._dynamo.backends.registry import lookup_backend
+
+    runs = {"n": 0}
+
+    def counting_backend(graph, example_inputs):
+        compiled = lookup_backend("aot_eager")(graph, example_inputs)
+
+        def run(*args):
+            runs["n"] += 1
+            return compiled(*args)
+
+        return run
+
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = Net()
     optimizer = torch.optim.AdamW(model.parameters())
-    mon = TrainerMon(CONFIG).set_monitor(model, 1, optimizer)
-    call = _compile(model, "assigned", "aot_eager")
-    breaks, compiled = [], []
+    mon = TrainerMon(CONFIG).set_monitor(model, 1, optimizer) if monitored else None
+    call = _compile(model, style, counting_backend)
+    ran, breaks, compiled = [], [], []
     for _ in range(6):
         counters.clear()
+        before = runs["n"]
         call(torch.randn(2, 5, 6)).pow(2).mean().backward()
         optimizer.step()
         optimizer.zero_grad()
+        ran.append(runs["n"] - before)
         breaks.append(dict(counters["graph_break"]))
         compiled.append(counters["frames"].get("total", 0))
+    if mon is not None:
+        mon.stop()
+    return ran, breaks, compiled
+
+
+@pytest.mark.parametrize("style", ["whole", "in-place"])
+def test_steps_not_collected_run_the_unmonitored_compiled_code_and_collected_ones_run_eagerly(style):
+    """The monitor's hooks leave nothing in compiled code: no graph break on any step, nothing
+    compiled after the first uncollected step, and the steps that are not collected run exactly
+    the compiled graphs of an unmonitored model; collected steps run eagerly (no compiled graph).
+    The monitor is attached before the model is compiled."""
+    plain, plain_breaks, _ = _graphs_run_per_step(False, style)
+    ran, breaks, compiled = _graphs_run_per_step(True, style)
+    assert not any(plain_breaks) and plain[1] > 0, (plain, plain_breaks)
+    assert not any(breaks), f"graph breaks: {breaks}"
+    assert ran[1::2] == plain[1::2], f"compiled graphs run per step: {ran}, unmonitored {plain}"
+    # a whole model compiled after set_monitor runs its first step compiled, unmeasured (said);
+    # compiled blocks are found at the first forward
+    first = plain[0] if style == "whole" else 0
+    assert ran[0::2] == [first, 0, 0], f"compiled graphs run on collected steps: {ran}"
+    assert not any(compiled[2:]), f"frames compiled per step: {compiled}"
+
+
+def _tensor_parallel_worker(rank: int, world_size: int, workdir: str) -> None:
+    """A tensor-parallel block (column- then row-parallel) compiled as a whole, beside an eager
+    twin from the same seed; activations collected every other step."""
+    from tests.adapters.torch.distributed import save_result
+    from tests.adapters.torch.test_tensor_parallel import LAYOUTS, _parallel
+
+    layout = LAYOUTS["tp-accumulation"]  # dp 1, tp 2
+    config = {"xy_distribution": True, "all_xy": True, "ops": ALL_OPS, "format": "api", "step_interval": 2}
+    rows = {}
+    for style in ("eager", "compiled"):
+        torch._dynamo.reset()
+        model, _ = _parallel(layout)
+        optimizer = torch.optim.AdamW(model.parameters())
+        if style == "compiled":  # before set_monitor: a whole model compiled after is learnt of late
+            model.compile(backend="aot_eager")
+        mon = TrainerMon(config).set_monitor(model, 1, optimizer)
+        rows[style] = []
+        for step in range(4):
+            x = torch.randn(3, 6, generator=torch.Generator().manual_seed(step))
+            model(x).pow(2).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            rows[style].append({prefix: mon._latest(prefix) for prefix in ("actv", "actv_grad")})
+        mon.stop()
+    graphs = counters["stats"]["unique_graphs"]
+    save_result(workdir, rank, {**rows, "breaks": sum(counters["graph_break"].values()), "graphs": graphs})
+
+
+@pytest.mark.distributed
+def test_a_compiled_tensor_parallel_block_gives_eagers_activations(tmp_path):
+    """Hooks on tensor-parallel modules inside compiled code: the collected steps give the eager
+    twin's rows, the others compile and run without a graph break."""
+    from tests.adapters.torch.distributed import run_ranks
+
+    for result in run_ranks(_tensor_parallel_worker, 2, str(tmp_path)):
+        assert result["breaks"] == 0 and result["graphs"] > 0, result
+        _assert_same_rows(
+            result["eager"][0::2], result["compiled"][0::2], rel=1e-5, prefixes=("actv", "actv_grad")
+        )
+
+
+def test_steps_that_measure_run_eagerly_and_the_stance_found_is_put_back():
+    """Two monitors of one process (activations every 2nd and every 3rd step): torch.compile's
+    stance is "force_eager" on the steps either collects, the user's own on the others and after
+    both stopped."""
+    from torch._dynamo import eval_frame
+
+    xy = {"xy_distribution": True, "format": "api"}
+    models = [_compile(Net(), "in-place", "aot_eager"), _compile(Net(), "in-place", "aot_eager")]
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
+    seen = []
+    with torch.compiler.set_stance("eager_on_recompile"):
+        monitors = [
+            TrainerMon({**xy, "step_interval": interval}).set_monitor(model, 1, optimizer)
+            for interval, model, optimizer in zip((2, 3), models, optimizers)
+        ]
+        for _ in range(7):
+            seen.append(eval_frame._stance.stance)
+            for model, optimizer in zip(models, optimizers):
+                model(torch.randn(2, 5, 6)).pow(2).mean().backward()
+                optimizer.step()
+        for mon in monitors:
+            mon.stop()
+        after = eval_frame._stance.stance
+    eager, found = "force_eager", "eager_on_recompile"
+    assert seen == [eager, found, eager, eager, eager, found, eager], seen
+    assert after == found
+
+
+def test_an_eager_model_leaves_the_stance_alone():
+    """A model without compiled modules measures without touching torch.compile's stance (other
+    compiled code of the process stays compiled)."""
+    from torch._dynamo import eval_frame
+
+    torch._dynamo.reset()
+    model = Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = TrainerMon({"xy_distribution": True, "format": "api"}).set_monitor(model, 1, optimizer)
+    model(torch.randn(2, 5, 6)).pow(2).mean().backward()
+    optimizer.step()
+    assert eval_frame._stance.stance == "default" and mon._latest("actv")
     mon.stop()
-    assert breaks[0], "no graph break on a collected step: the hooks did not run"
-    assert all("torch.compiler.disable" in reason for reason in breaks[0]), list(breaks[0])
-    # each compiled block runs the hooks of seven modules (itself and six inside), a pre-hook
-    # and a hook each, and its attention module's l2 hook: at most one break for each (19 of
-    # the 30 with torch 2.13)
-    hooked_calls = len(model.blocks) * (7 * 2 + 1)
-    assert sum(breaks[0].values()) <= hooked_calls, (sum(breaks[0].values()), hooked_calls)
-    assert breaks[1] == {}, f"graph breaks on a step that is not collected: {list(breaks[1])}"
-    assert compiled[1] > 0, "the step that is not collected did not compile its own variant"
-    assert all(not b for b in breaks[2:]) and not any(compiled[2:]), (breaks, compiled)
+
+
+def test_a_whole_model_compiled_after_attaching_misses_its_first_step_and_says_so(trainmon_log):
+    """The monitor learns that the model runs compiled code when that code first runs its root:
+    that step's activations are missing (said); collected steps after it run eagerly."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = TrainerMon({"xy_distribution": True, "format": "api"}).set_monitor(model, 1, optimizer)
+    call = torch.compile(model, backend="aot_eager")
+    got = []
+    for _ in range(3):
+        call(torch.randn(2, 5, 6)).pow(2).mean().backward()
+        optimizer.step()
+        got.append(len(mon._latest("actv")))
+    mon.stop()
+    said = [r.getMessage() for r in trainmon_log.records if "did not know of" in r.getMessage()]
+    assert got[0] == 0 and got[1] == got[2] > 0, got
+    assert len(said) == 1, said
