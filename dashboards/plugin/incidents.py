@@ -45,13 +45,9 @@ class Incident:
     root_index: int | None
 
     def matches(self, rank: int, step_min: int | None, step_max: int | None) -> bool:
-        """Onset within [step_min, step_max] (None: open end) and, for rank >= 0, that rank involved."""
-        onset = self.merged.onset_step
-        return (
-            (rank < 0 or rank in self.merged.ranks)
-            and (step_min is None or onset >= step_min)
-            and (step_max is None or onset <= step_max)
-        )
+        """Abnormal at a step of [step_min, step_max] (None: open end; begun there or still
+        abnormal there, as ``anomaly-analyse -s`` selects) and, for rank >= 0, that rank involved."""
+        return (rank < 0 or rank in self.merged.ranks) and self.merged.abnormal_within(step_min, step_max)
 
     def to_json(self, items: list[AnomalyItem], roots: RootClasses | None = None) -> dict[str, Any]:
         """The incident as ``merge`` describes it, its root's cell, and ``items`` (chosen records);
@@ -174,7 +170,7 @@ def select(
 ) -> list[tuple[Incident, list[AnomalyItem]]]:
     """The incidents the list's filters keep, each with its records that match them.
 
-    An incident is kept when its onset is in the step range, it involves ``rank`` (-1: any) and,
+    An incident is kept when it was abnormal in the step range, it involves ``rank`` (-1: any) and,
     with a data type or rule chosen, one of its records on that rank has them; its records are
     those of that rank, data type and rule.
     """

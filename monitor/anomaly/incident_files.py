@@ -59,8 +59,14 @@ class MergedIncident:
 
     def abnormal_at(self, steps: frozenset[int]) -> bool:
         """Whether it began at one of ``steps`` or was still abnormal there."""
-        last = self.last_abnormal_step
-        return any(self.onset_step <= step <= last for step in steps)
+        return any(self.abnormal_within(step, step) for step in steps)
+
+    def abnormal_within(self, first: int | None, last: int | None) -> bool:
+        """Whether it was abnormal at some step of ``[first, last]`` (None: an open end): begun
+        there, or begun before and still abnormal there."""
+        return (last is None or self.onset_step <= last) and (
+            first is None or self.last_abnormal_step >= first
+        )
 
     @property
     def onset_rank(self) -> int:

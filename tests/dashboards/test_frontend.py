@@ -190,7 +190,9 @@ def test_tab_opens_on_the_first_incident_with_heatmap_and_list(page):
     assert state["cells"] > 0 and state["active"] == "i1:root"
     assert state["side"] == "Incidents (earliest first): 1 of 1"
     (entry,) = state["incidents"]
-    assert f"#1 step {DEMO_SPIKE}" in entry and root["tag_name"] in entry and incident["state"] in entry
+    last = incident["last_abnormal_step"]  # the file's, read with json
+    steps = f"steps {DEMO_SPIKE}-{last}" if last > DEMO_SPIKE else f"step {DEMO_SPIKE}"
+    assert f"#1 {steps}" in entry and root["tag_name"] in entry and incident["state"] in entry
     assert all(line in entry for line in incident["evidence"])
     assert state["anomalies_shown"] == 0 and state["records"] == []  # behind the toggle; collapsed
     assert len(state["items"]) == min(500, len(records)) and f"step {DEMO_SPIKE}" in state["items"][0]
@@ -316,9 +318,9 @@ def test_incidents_expand_into_records_that_jump_to_their_cell(page):
     assert state["side"] == "Incidents (earliest first): 2 of 2" and state["active"] == "i1:root"
     assert state["controls"][1:3] == ["grad_unreduced", "norm"] and state["controls"][4] == "0"
     first, second = state["incidents"]
-    assert "#1 step 3" in first and "ranks 0, 1" in first and "closed" in first
+    assert "#1 steps 3-4" in first and "ranks 0, 1" in first and "closed" in first
     assert "0:layers.0.fc1.weight/rank0/acc_grad" in first and "only rank 0" in first
-    assert "#2 step 9" in second and "rank 1" in second and "open" in second
+    assert "#2 steps 9-11" in second and "rank 1" in second and "open" in second
     assert "0:head.weight/rank1/exp_avg" in second and "max = +Inf" in second
     assert state["records"] == []
     session.script("document.querySelector('.tm-incident-head').click();")  # expand the first
@@ -339,14 +341,15 @@ def test_incidents_expand_into_records_that_jump_to_their_cell(page):
     session.leave_frames()
     session.screenshot(str(artifacts() / "trainmon-tab-incidents.png"))
     session.enter_frame("iframe")
-    # the step filter keeps incidents by onset; the second's root jumps to exp_avg max on rank 1
+    # the step filter keeps incidents abnormal in the range (the first is abnormal at steps 3-4);
+    # the second's root jumps to exp_avg max on rank 1
     session.script(
-        "const i = document.querySelector('.tm-step-min'); i.value = '4';"
+        "const i = document.querySelector('.tm-step-min'); i.value = '5';"
         "i.dispatchEvent(new Event('change'));"
     )
     session.wait_for("return document.querySelectorAll('.tm-incident').length === 1;", 20, "step filter")
     (only,) = _state(session)["incidents"]
-    assert "#2 step 9" in only
+    assert "#2 steps 9-11" in only
     session.script("document.querySelector('.tm-incident-root').click();")
     session.wait_for(
         f"return document.querySelector('.tm-canvas').dataset.selected === '{head},9';", 20, "root jump"

@@ -125,10 +125,15 @@ def test_the_tab_and_the_analysis_cli_name_the_same_incidents(incident_run, tmp_
         ({"prefix": "grad_reduced", "rank": 1}, [(3, {"0:layers.0.fc1.weight/rank1/post_grad"})]),
         ({"rule": "NonFinite"}, [(3, FIRST[5]), (9, SECOND[5])]),
         ({"rule": "AnomalyZScore"}, []),
-        ({"step_min": 4}, [(9, SECOND[5])]),
+        # a step range keeps the incidents abnormal in it: the first is still abnormal at step 4,
+        # the second from step 9 to the end
+        ({"step_min": 4}, [(3, FIRST[5]), (9, SECOND[5])]),
+        ({"step_min": 5}, [(9, SECOND[5])]),
+        ({"step_min": 10, "step_max": 10}, [(9, SECOND[5])]),
         ({"step_max": 8}, [(3, FIRST[5])]),
         ({"step_min": 3, "step_max": 3}, [(3, FIRST[5])]),
-        ({"step_min": 4, "step_max": 8}, []),
+        ({"step_min": 4, "step_max": 8}, [(3, FIRST[5])]),
+        ({"step_min": 5, "step_max": 8}, []),
     ],
 )
 def test_incident_filters(incident_run, query, expected):

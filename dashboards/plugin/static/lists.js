@@ -158,7 +158,9 @@ export class SideList {
     item.dataset.number = String(incident.id);
     const head = el("div", "tm-incident-head");
     const state = el("span", incident.state === "open" ? "tm-state tm-open" : "tm-state tm-closed", incident.state);
-    head.append(el("span", "tm-incident-name", `#${incident.id} step ${incident.onset_step}`),
+    const last = incident.last_abnormal_step;
+    const steps = last > incident.onset_step ? `steps ${incident.onset_step}-${last}` : `step ${incident.onset_step}`;
+    head.append(el("span", "tm-incident-name", `#${incident.id} ${steps}`),
       document.createTextNode(` · ${incident.ranks.length === 1 ? "rank" : "ranks"} ${incident.ranks.join(", ")}` +
         ` · ${incident.tensors} series `), state);
     item.append(head);
