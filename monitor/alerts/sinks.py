@@ -255,7 +255,18 @@ class CommandSink:
             self._running = None
         if process.returncode != 0:
             error = error_text.decode("utf-8", "replace").strip().splitlines()[-1:] or [""]
-            raise OSError(f"exit status {process.returncode} {error[0][:200]}".rstrip())
+            raise OSError(f"{_ending(process.returncode)} {error[0][:200]}".rstrip())
+
+
+def _ending(returncode: int) -> str:
+    """How a program that failed ended: its exit status, or the signal that ended it (a negative
+    return code, as subprocess reports it)."""
+    if returncode >= 0:
+        return f"exit status {returncode}"
+    try:
+        return f"ended by signal {signal.Signals(-returncode).name}"
+    except ValueError:
+        return f"ended by signal {-returncode}"
 
 
 def _end_group(process: subprocess.Popen) -> None:

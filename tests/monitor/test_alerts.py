@@ -226,6 +226,12 @@ def test_command_gets_the_message_on_stdin_and_a_failing_one_is_reported(tmp_pat
             "ranks": "all",
             "retries": 0,
         },
+        {
+            "type": "command",
+            "argv": [sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGTERM)"],
+            "ranks": "all",
+            "retries": 0,
+        },
     ]
     alerts = alerts_of(sinks, 2, tmp_path)
     alerts.incident(incident(step=11, rank=2), None)
@@ -233,6 +239,7 @@ def test_command_gets_the_message_on_stdin_and_a_failing_one_is_reported(tmp_pat
     message = json.loads(got.read_text())
     assert (message["step"], message["rank"], message["tag"]) == (11, 2, "0:layers.1.weight/rank2/post_grad")
     assert "alert.sinks[1] (command python" in caplog.text and "exit status 3" in caplog.text
+    assert "alert.sinks[2] (command python" in caplog.text and "ended by signal SIGTERM" in caplog.text
 
 
 def test_lowest_rank_that_saw_the_step_delivers_and_rank0_means_rank_0(tmp_path, quick):
