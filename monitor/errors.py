@@ -64,3 +64,10 @@ def of_the_training(exc: BaseException) -> BaseException:
 def is_of_the_training(exc: BaseException) -> bool:
     """Whether ``of_the_training`` marked ``exc``."""
     return bool(getattr(exc, "trainmon_of_the_training", False))
+
+
+def raise_if_of_the_training(exc: BaseException) -> None:
+    """Raise ``exc`` on where ``of_the_training`` marked it: a catch site of the monitor's that
+    would otherwise take it for its own fault calls this first."""
+    if is_of_the_training(exc):
+        raise exc

@@ -41,11 +41,12 @@ from adapters.mindspore.grads import UnreducedGrads
 from adapters.mindspore.l2 import L2Features
 from adapters.mindspore.optim import OptimizerView
 from adapters.mindspore.params import ParamRegistry
-from adapters.mindspore.stats import StatEngine, host_memory
+from adapters.mindspore.stats import StatEngine, host_memory, training_values
 from adapters.mindspore.structure import StructureRecorder, stack_recorder
 from monitor.config.schema import MonitorConfig
 from monitor.datatypes.params import param_row_tables, reduced_index
 from monitor.datatypes.update_ratio import adam_histograms, submit_histograms
+from monitor.errors import raise_if_of_the_training
 from monitor.record import RowSet
 from monitor.session.collection import BaseCollection, UnendedStep
 from monitor.session.core import MonitorCore
@@ -225,7 +226,8 @@ class Collection(BaseCollection):
             return None
         try:
             return self._reused_rows(grads, taken)
-        except Exception:
+        except Exception as exc:
+            raise_if_of_the_training(exc)
             return None
 
     def _reused_rows(
@@ -323,6 +325,7 @@ class Collection(BaseCollection):
             matrix = self.engine.matrix([tensor for _, tensors in gathered.values() for tensor in tensors])
             values = matrix.asnumpy()
         except Exception as exc:
+            raise_if_of_the_training(exc)
             if "shared measurement" not in self._told:
                 self._told.add("shared measurement")
                 logger.warning(
@@ -354,7 +357,7 @@ class Collection(BaseCollection):
             exp_avg_sq = self.view.moment(entry.param, "exp_avg_sq")
             if exp_avg is not None and exp_avg_sq is not None:
                 labels.append((entry.vpp_stage, entry.name))
-                counts.append(adam_histograms(exp_avg.asnumpy(), exp_avg_sq.asnumpy(), *hyper))
+                counts.append(adam_histograms(training_values(exp_avg), training_values(exp_avg_sq), *hyper))
         if counts:
             submit_histograms(self.core, self._step, self.rank, labels, np.stack(counts))
 

@@ -22,6 +22,7 @@ import mindspore as ms
 import numpy as np
 
 from adapters.mindspore.activations import RootCalls
+from adapters.mindspore.stats import training_values
 from monitor.config.schema import MonitorConfig
 from monitor.datatypes.l2 import FIRST_ITERATIONS, WARM_ITERATIONS, L2Steps, attention_rows, lanczos_top
 from monitor.record import RowSet
@@ -88,7 +89,7 @@ class L2Features(L2Steps):
             q, k = (t[:, 0] if self.order == "s,b,h,d" else t[0] for t in tensors)  # batch 0: (s, h, d)
             if self.heads == "first":
                 q, k = q[:, :1], k[:, :1]
-            rows = attention_rows(q.asnumpy(), k.asnumpy(), self.heads)
+            rows = attention_rows(training_values(q), training_values(k), self.heads)
             self.add_attention(index, self.roots.micro_of(self.attention[index][0]), rows, rows.shape[0])
         except Exception as exc:
             self.attention_failed(index, exc)
@@ -110,7 +111,7 @@ class L2Features(L2Steps):
             weight = linear_weight(cell)
             if weight.dtype == ms.bfloat16:  # NumPy has no bfloat16
                 weight = weight.astype(ms.float32)
-            weight = weight.asnumpy().astype(np.float64)
+            weight = training_values(weight).astype(np.float64)
             sigma = self._spectral_norm(index, weight)
             values.append((sigma, np.linalg.norm(weight) / sigma if sigma > 0 else 0.0))  # a zero weight: 0
         return self.linear_rows(rank), np.array(values)

@@ -209,10 +209,7 @@ class StatEngine:
         if not tensors:
             return ms.Tensor(np.empty((0, len(self.ops)), dtype=np.float64))
         if self.host:
-            try:
-                arrays = [t.asnumpy() for t in tensors]
-            except RuntimeError as exc:  # a kernel of the training failed, said at this first read
-                raise of_the_training(exc) from None
+            arrays = [training_values(t) for t in tensors]
             return ms.Tensor(array_matrix(arrays, self.ops, self.eps))
         units, empty = _units([tensors])
         block, rows = None, []
@@ -298,3 +295,13 @@ class StatEngine:
             "nans": mint.isnan(values).astype(ms.float64),
         }
         return ops.stack([columns.get(op, values) for op in self.ops], axis=1)
+
+
+def training_values(tensor: ms.Tensor) -> np.ndarray:
+    """``asnumpy()`` of a tensor the training computed: MindSpore reports a failing kernel of the
+    training at the first read of its result, which may be this one; that error is the
+    training's (``errors.of_the_training``), raised on to it."""
+    try:
+        return tensor.asnumpy()
+    except RuntimeError as exc:
+        raise of_the_training(exc) from None

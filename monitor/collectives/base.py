@@ -22,7 +22,7 @@ from monitor.collectives.callsites import CallSites, Frame
 from monitor.collectives.registry import WrapperRegistry
 from monitor.collectives.totals import row_name, stat_ops_for, summarise
 from monitor.config.schema import MonitorConfig
-from monitor.errors import CollectivesLogged
+from monitor.errors import CollectivesLogged, raise_if_of_the_training
 from monitor.record import RowSet
 
 logger = logging.getLogger("trainmon")
@@ -198,7 +198,9 @@ class CollectiveMonitorBase:
         self.listening = self._installed and not self._failed and (self._collect or self._log_only)
 
     def _fail(self, exc: BaseException) -> None:
-        """Stop measuring after a failure of our own code; report it once."""
+        """Stop measuring after a failure of our own code; report it once. The training's own
+        error that a read of ours surfaced is raised on."""
+        raise_if_of_the_training(exc)
         with self._lock:
             if self._failed:
                 return

@@ -41,6 +41,7 @@ import numpy as np
 
 from monitor.config.schema import MonitorConfig
 from monitor.datatypes.modules import call_name
+from monitor.errors import raise_if_of_the_training
 from monitor.naming import distinct_names, is_selected_exactly, name_candidates, squash_name, without_wrapper
 from monitor.record import RowSet
 
@@ -217,7 +218,9 @@ class L2Steps:
         return False
 
     def attention_failed(self, index: int, exc: BaseException) -> None:
-        """A module whose measurement raised: said once, then left out; the others go on."""
+        """A module whose measurement raised: said once, then left out; the others go on. The
+        training's own error that the measurement's read surfaced is raised on."""
+        raise_if_of_the_training(exc)
         self._broken.add(index)
         if index not in self._said:
             self._said.add(index)

@@ -21,7 +21,7 @@ from monitor.datatypes.l2 import ATTENTION_PREFIX, LINEAR_OPS, LINEAR_PREFIX
 from monitor.datatypes.params import unreduced_rows
 from monitor.datatypes.tasks import SCALED_PREFIXES
 from monitor.datatypes.update_ratio import update_ratio_written
-from monitor.errors import StructurePrinted, is_of_the_training
+from monitor.errors import StructurePrinted, raise_if_of_the_training
 from monitor.naming import unmatched_targets
 from monitor.record import RowSet, SameRows, StepRecord
 from monitor.session.core import MonitorCore
@@ -369,8 +369,7 @@ class BaseCollection(ABC):
     def fail(self, part: str, exc: BaseException) -> None:
         """Log a failure once with its cause and switch that part off; the training goes on. The
         training's own error that a read of ours surfaced (``errors.of_the_training``) is raised on."""
-        if is_of_the_training(exc):
-            raise exc
+        raise_if_of_the_training(exc)
         if part in self._failed:
             return
         self._failed.add(part)
