@@ -138,7 +138,7 @@ class Collection(BaseCollection):
 
     def set_step(self, step: int) -> None:
         super().set_step(step)
-        self.compiled_model.step_begins(self._hooks_measure_in_compiled_code())
+        self.compiled_model.step_begins(step, self._hooks_measure_in_compiled_code())
 
     def remove(self) -> None:
         try:

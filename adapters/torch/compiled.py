@@ -35,10 +35,24 @@ def uncompiled(chunk: torch.nn.Module) -> torch.nn.Module:
     return chunk
 
 
+class _CompiledCode:
+    """Whether compiled code has run hooks of the monitor in this process (``traced``)."""
+
+    ran_hooks = False
+
+
+#: one instance: torch.compile replays a store to its attribute each time the compiled code runs
+COMPILED_CODE = _CompiledCode()
+
+
 def traced() -> bool:
     """Whether torch.compile (or export) is tracing the calling hook rather than running it; a
-    constant to the tracer, so a hook that returns on it leaves nothing in the compiled code."""
-    return torch.compiler.is_compiling()
+    constant to the tracer, so a hook that returns on it leaves nothing in the compiled code but
+    the note that compiled code ran it (``COMPILED_CODE``)."""
+    if torch.compiler.is_compiling():
+        COMPILED_CODE.ran_hooks = True
+        return True
+    return False
 
 
 def has_compiled_modules(modules: Sequence[torch.nn.Module]) -> bool:
@@ -58,10 +72,11 @@ class CompiledModel:
     stance for the steps its hooks measure.
 
     The model is known to run compiled code when it was given compiled, when a module of it is
-    compiled (checked at each measuring step until found: blocks may be compiled after
-    ``set_monitor``), or once compiled code ran a chunk's root (a whole model compiled after
-    ``set_monitor``: the root's hook, traced, records it; that first step's hooks measured
-    nothing, which is said)."""
+    compiled (checked at each measuring step until found, at its first forward too: blocks may
+    be compiled after ``set_monitor``), or once compiled code ran a hook of the monitor (a whole
+    model given uncompiled, as the Hugging Face Trainer and Lightning give it, or a compiled
+    ``forward`` or function calling the model's modules: that step's hooks measured nothing,
+    which is said)."""
 
     def __init__(self, chunks: Sequence[torch.nn.Module], given_compiled: bool) -> None:
         self.chunks = list(chunks)
@@ -70,6 +85,7 @@ class CompiledModel:
         self._held = False
         self._looked = False
         self._said_late = False
+        self._step = -1
         weakref.finalize(self, Stance.hold, id(self), False)  # a collection dropped without remove()
 
     def register(self) -> list:
@@ -79,23 +95,25 @@ class CompiledModel:
 
     def _root_called(self, module: torch.nn.Module, args: Any) -> None:
         if traced():
-            self.known = True  # torch.compile replays this on each run of the compiled code
             return
         if self.wanted and not self._held and not self._looked:  # outside compiled code: may switch
             self._looked = True  # once a step: the first forward finds blocks compiled since
             if self._compiled():
                 self._hold(True)
 
-    def step_begins(self, wanted: bool) -> None:
-        """Before a step: whether its hooks measure; the stance follows."""
-        if self.known and self.wanted and not self._held and not self._said_late:
+    def step_begins(self, step: int, wanted: bool) -> None:
+        """Before ``step``: whether its hooks measure; the stance follows."""
+        if self.wanted and not self._held and COMPILED_CODE.ran_hooks and not self._said_late:
             self._said_late = True
             logger.warning(
-                "trainmon: the model ran compiled code the monitor did not know of (compiled as a "
-                "whole after set_monitor): module hooks inside it recorded nothing at that step; "
-                "from the next step on, steps they measure run it eagerly. Pass the compiled model "
-                "to set_monitor to record its first step too."
+                "trainmon: compiled code ran the monitor's hooks, a model compiled as a whole that "
+                "set_monitor got uncompiled (as the Hugging Face Trainer and Lightning pass it), or a "
+                "compiled forward or function: the hooks inside it recorded nothing at step %d; from "
+                "the next step on, steps they measure run it eagerly. Pass the compiled model to "
+                "set_monitor to record that step too.",
+                self._step,
             )
+        self._step = step
         self.wanted = wanted
         self._looked = False
         self._hold(wanted and self._compiled())
@@ -105,7 +123,7 @@ class CompiledModel:
         self._hold(False)
 
     def _compiled(self) -> bool:
-        self.known = self.known or has_compiled_modules(self.chunks)
+        self.known = self.known or COMPILED_CODE.ran_hooks or has_compiled_modules(self.chunks)
         return self.known
 
     def _hold(self, eager: bool) -> None:

@@ -30,8 +30,9 @@ KINDS = {
 
 
 @pytest.fixture(autouse=True)
-def _fresh_dynamo():
+def _fresh_dynamo(monkeypatch):
     """Compiled code, counters and stance of one test never leak into the next."""
+    monkeypatch.setattr("adapters.torch.compiled.COMPILED_CODE.ran_hooks", False)
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     yield

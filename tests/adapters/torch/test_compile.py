@@ -80,6 +80,12 @@ class Net(torch.nn.Module):
         return self.out(x)
 
 
+@pytest.fixture(autouse=True)
+def _no_compiled_code_seen_yet(monkeypatch):
+    """As in a fresh process: no compiled code has run the monitor's hooks (a process-wide note)."""
+    monkeypatch.setattr("adapters.torch.compiled.COMPILED_CODE.ran_hooks", False)
+
+
 def _compile(model: Net, style: str, backend: str) -> torch.nn.Module:
     """The module to call: the model compiled as a whole, or the model with compiled blocks."""
     if style == "whole":
@@ -324,21 +330,39 @@ def test_an_eager_model_leaves_the_stance_alone():
     mon.stop()
 
 
-def test_a_whole_model_compiled_after_attaching_misses_its_first_step_and_says_so(trainmon_log):
-    """The monitor learns that the model runs compiled code when that code first runs its root:
-    that step's activations are missing (said); collected steps after it run eagerly."""
+@pytest.mark.parametrize("compiled", ["whole model", "forward method"])
+def test_compiled_code_met_only_when_it_runs_costs_its_first_step_and_says_so(trainmon_log, compiled):
+    """A model compiled as a whole after set_monitor, or whose forward method is compiled: the
+    monitor learns of the compiled code when it first runs the hooks. That step's activations are
+    missing (said once); collected steps after it run eagerly with every row, also in a later
+    collection (stop and start): the knowledge is the process's."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = Net()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    mon = TrainerMon({"xy_distribution": True, "format": "api"}).set_monitor(model, 1, optimizer)
-    call = torch.compile(model, backend="aot_eager")
+    mon = TrainerMon({"xy_distribution": True, "all_xy": True, "format": "api"}).set_monitor(
+        model, 1, optimizer
+    )
+    call = model
+    if compiled == "whole model":
+        call = torch.compile(model, backend="aot_eager")
+    else:
+        model.forward = torch.compile(model.forward, backend="aot_eager")
     got = []
-    for _ in range(3):
+    for step in range(4):
+        if step == 2:
+            mon.stop()
+            mon.start()
         call(torch.randn(2, 5, 6)).pow(2).mean().backward()
         optimizer.step()
         got.append(len(mon._latest("actv")))
     mon.stop()
-    said = [r.getMessage() for r in trainmon_log.records if "did not know of" in r.getMessage()]
-    assert got[0] == 0 and got[1] == got[2] > 0, got
+    said = [
+        r.getMessage()
+        for r in trainmon_log.records
+        if "compiled code ran the monitor's hooks" in r.getMessage()
+    ]
+    rows = len(_run(None, config={"xy_distribution": True, "all_xy": True, "format": "api"})[0]["actv"])
+    first = 0 if compiled == "whole model" else 2  # the root's input and output: its hooks run eagerly
+    assert got == [first, rows, rows, rows], got
     assert len(said) == 1, said
