@@ -21,7 +21,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from adapters.torch.bundle import facts as bundle_facts
 from adapters.torch.bundle import record_tensors
 from adapters.torch.collection import Collection
-from adapters.torch.compiled import uncompiled
+from adapters.torch.compiled import traced, uncompiled
 from adapters.torch.dist import (
     StoreChannel,
     any_rank,
@@ -336,12 +336,15 @@ class TorchSession(SessionLifecycle):
         """Monitoring ended inside the optimizer's post-hook loop.
 
         Torch iterates its hook dicts while we run, so our hooks cannot be removed here; they are
-        inert now and removed at the next forward of the model (or by stop()).
+        inert now and removed at the next forward of the model (or by stop()). A model compiled
+        as a whole runs this cleanup inside its compiled code, where removing hooks cannot be
+        traced: there they stay, inert, until stop().
         """
         if not self._hooks or self._cleanup:
             return
 
         def cleanup(module: Any, args: Any) -> None:
-            self._detach_optimizer_hooks()
+            if not traced():
+                self._detach_optimizer_hooks()
 
         self._cleanup = [chunk.register_forward_pre_hook(cleanup) for chunk in self.chunks]

@@ -210,7 +210,10 @@ class BaseCollection(ABC):
 
     def _write_stacks(self) -> None:
         """stack_info: write stack_info.csv once, at the first collected step, then unhook; a
-        failed write keeps the hooks and is tried again at the next collected step."""
+        failed write keeps the hooks and is tried again at the next collected step, as does a step
+        whose forward recorded no stack (compiled code traced the hooks, so they recorded nothing)."""
+        if not self.stacks.stacks:
+            return
         if self.core.output_dir is not None:
             path = self.stacks.write(self.core.output_dir)
             if path:

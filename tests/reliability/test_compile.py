@@ -262,3 +262,50 @@ def test_the_default_cpu_backend_gives_the_eager_values():
     eager = _monitored(config, None)
     compiled = _monitored(config, "before", backend="inductor")
     _assert_same(eager, compiled, prefixes, rel=1e-3)
+
+
+def test_a_fullgraph_model_trains_on_when_monitoring_ends_inside_a_step():
+    """collect_times ends monitoring inside the optimizer's post-hook, whose hooks then go at the
+    next forward; a model compiled as a whole with fullgraph=True runs that forward's cleanup in
+    compiled code, where removing hooks cannot be traced: they stay, inert, and the run goes on."""
+    model = torch.compile(MLP(), backend=BACKEND, fullgraph=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    mon = TrainerMon({"wg_distribution": True, "collect_times": 1, "format": "api"})
+    mon.set_monitor(model, grad_acc_steps=1, optimizer=optimizer)
+    for (x,) in make_batches(4, 1, seed=3):
+        model(x).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    mon.stop()
+    assert mon._latest("grad_reduced")
+
+
+def _call_stacks(tmp_path, compiled: bool) -> list[str]:
+    """stack_info.csv's module names after three steps of the MLP, compiled as a whole but given
+    to set_monitor uncompiled (as the Hugging Face Trainer gives it), or eager."""
+    import csv
+    import glob
+
+    torch.manual_seed(0)
+    model = MLP()
+    call = torch.compile(model, backend=BACKEND) if compiled else model
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    out = tmp_path / ("compiled" if compiled else "eager")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MONITOR_OUTPUT_DIR", str(out))
+        mon = TrainerMon({"stack_info": True, "wg_distribution": True, "format": "csv"})
+        mon.set_monitor(model, grad_acc_steps=1, optimizer=optimizer)
+        for (x,) in make_batches(3, 1, seed=3):
+            call(x).pow(2).mean().backward()
+            optimizer.step()
+        mon.stop()
+    (path,) = glob.glob(str(out / "**" / "stack_info.csv"), recursive=True)
+    with open(path, newline="") as f:
+        return [row["module_name"] for row in csv.DictReader(f)]
+
+
+def test_call_stacks_are_written_when_compiled_code_ran_the_first_step(tmp_path):
+    """Traced at the first step, the stack hooks record nothing; the file waits for a step that
+    records them (run eagerly), instead of being written empty for good."""
+    eager = _call_stacks(tmp_path, compiled=False)
+    assert eager and _call_stacks(tmp_path, compiled=True) == eager
