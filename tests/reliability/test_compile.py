@@ -191,11 +191,13 @@ def test_a_monitor_dropped_without_stop_gives_the_stance_back():
 
     model = torch.compile(MLP(), backend=BACKEND)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    TrainerMon({"xy_distribution": True, "format": "api"}).set_monitor(model, 1, optimizer)
+    mon = TrainerMon({"xy_distribution": True, "format": "api"}).set_monitor(model, 1, optimizer)
     assert eval_frame._stance.stance == "force_eager"
-    del model, optimizer
+    core = mon._session.collection.core  # its writer thread, ended below for the tests after this
+    del mon, model, optimizer
     gc.collect()
     assert eval_frame._stance.stance == "default"
+    core.close()
 
 
 def _compiled_graphs_per_step(config: dict) -> tuple[list[int], list[int]]:

@@ -98,3 +98,4 @@ def test_a_failure_surfaced_by_the_moments_measured_together_reaches_the_trainin
         optimizer(grads)
     assert mon._latest("exp_avg") == {}
     assert not [r for r in trainmon_log.records if "failed" in r.getMessage()]
+    mon.stop()
