@@ -154,9 +154,9 @@ class Stance:
             cls._holders.discard(holder)
         if not cls._holders and cls._setter is None:
             return
-        if cls._eager_apply is None:
-            cls._eager_apply = torch.compiler.disable(cls._apply)
         try:
+            if cls._eager_apply is None:
+                cls._eager_apply = torch.compiler.disable(cls._apply)
             cls._eager_apply()
         except Exception as exc:
             if not cls._said:

@@ -152,7 +152,10 @@ def _train_compiled(step_is: str, user_stance: str | None = None) -> tuple[list[
             train_step(x)
         else:
             model(x).pow(2).mean().backward()
-            update() if step_is == "compiled" else optimizer.step()
+            if step_is == "compiled":
+                update()
+            else:
+                optimizer.step()
         optimizer.zero_grad()
         record = mon._core.latest._latest.get("actv")  # the latest collected step's record
         rows.append(len(record.as_dict()) if record is not None and record.step == step else 0)
