@@ -71,10 +71,10 @@ class CompiledModel:
     """One collection's view of whether its model runs compiled code, and its hold on the eager
     stance for the steps its hooks measure.
 
-    The model is known to run compiled code when it was given compiled, when a module of it is
-    compiled (checked at each measuring step until found, at its first forward too: blocks may
-    be compiled after ``set_monitor``), or once compiled code ran a hook of the monitor (a whole
-    model given uncompiled, as the Hugging Face Trainer and Lightning give it, or a compiled
+    The model is known to run compiled code when it was given compiled (or ``compiled=True``),
+    when a module of it is compiled (checked at each measuring step until found, at its first
+    forward too: blocks may be compiled after ``set_monitor``), or once compiled code ran a hook
+    of the monitor (a whole model given uncompiled without saying so, or a compiled
     ``forward`` or function calling the model's modules: that step's hooks measured nothing,
     which is said)."""
 
@@ -109,8 +109,8 @@ class CompiledModel:
                 "trainmon: compiled code ran the monitor's hooks, a model compiled as a whole that "
                 "set_monitor got uncompiled (as the Hugging Face Trainer and Lightning pass it), or a "
                 "compiled forward or function: the hooks inside it recorded nothing at step %d; from "
-                "the next step on, steps they measure run it eagerly. Pass the compiled model to "
-                "set_monitor to record that step too.",
+                "the next step on, steps they measure run it eagerly. Pass the compiled model, or "
+                "compiled=True, to set_monitor to record that step too.",
                 self._step,
             )
         self._step = step

@@ -50,8 +50,11 @@ class TorchSession(SessionLifecycle):
         if a.optimizer is None:
             raise ValueError("set_monitor: optimizer: required (its step marks the end of a training step)")
         self.chunks = [uncompiled(chunk) for chunk in chunks]
-        #: the model was given compiled as a whole (its compiled code runs the chunks' roots)
-        self.given_compiled = any(given is not plain for given, plain in zip(chunks, self.chunks))
+        #: the model was given compiled as a whole, or said to run so (its compiled code runs the
+        #: chunks' roots)
+        self.given_compiled = a.compiled or any(
+            given is not plain for given, plain in zip(chunks, self.chunks)
+        )
         #: the gradients skip_step dropped this step, by parameter id, until its bundles are written
         self.skipped_grads: dict[int, torch.Tensor] = {}
         self.backend = optimizer_backend(a.optimizer, self.chunks)

@@ -14,6 +14,10 @@ Step numbers: the Trainer logs the loss of an update under ``global_step`` after
 (the first update is logged as step 1), so the monitor's steps are numbered the same way: the
 statistics of the update the Trainer logs as step ``s`` are written as step ``s``. A step whose
 update the loss scaler skipped (fp16 overflow) is counted by the Trainer, and so by the monitor.
+
+With ``torch_compile`` the Trainer runs the model compiled but hands the callbacks the model it
+compiled: the callback says so to ``set_monitor``, so that the steps whose activations are
+measured run eagerly from the first one.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ class TrainmonCallback(MonitorCallback, TrainerCallback):
             grad_acc_steps=args.gradient_accumulation_steps,
             optimizer=kwargs.get("optimizer"),
             start_iteration=state.global_step + 1,
+            compiled=bool(getattr(args, "torch_compile", False)),  # accelerate compiles the model it is given
         )
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:

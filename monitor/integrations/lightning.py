@@ -50,6 +50,8 @@ class TrainmonCallback(MonitorCallback, Callback):
             grad_acc_steps=trainer.accumulate_grad_batches,
             optimizer=optimizers[0] if optimizers else None,
             start_iteration=trainer.global_step,
+            # fit(torch.compile(module)): Lightning unwraps the module and compiles its methods
+            compiled=getattr(pl_module, "_compiler_ctx", None) is not None,
         )
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:

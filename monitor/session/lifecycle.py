@@ -69,6 +69,8 @@ class Attachment:
     early_collectives: Any = None
     #: MindSpore: whether the step is compiled (no hooks; None: the context's mode says)
     graph_mode: bool | None = None
+    #: torch: the model runs as compiled code though it was passed uncompiled
+    compiled: bool = False
 
 
 def model_chunks(model: Any, chunk_type: type, type_name: str) -> list:

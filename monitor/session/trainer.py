@@ -101,6 +101,7 @@ class TrainerMon(MsprobeOldNames):
         start_iteration: int = 0,
         *,
         graph_mode: bool | None = None,
+        compiled: bool = False,
     ) -> TrainerMon:
         """Attach to a model (or a list of virtual-pipeline chunks) and its optimizer.
 
@@ -109,6 +110,9 @@ class TrainerMon(MsprobeOldNames):
         ``graph_mode=True`` for a training step compiled with ``mindspore.jit`` in PyNative mode,
         whose compilation fails on any hook of a Cell it calls: nothing is hooked, and the loop
         calls ``step_end()`` after each step, as in ``GRAPH_MODE`` (the default: the context's mode).
+        PyTorch only: ``compiled=True`` for a model passed uncompiled that runs as compiled code
+        (``torch.compile`` of it, or of its ``forward``, made elsewhere, as the Hugging Face Trainer
+        and Lightning do), so that the first step measured inside it runs eagerly too.
 
         Raises:
             ValueError / TypeError: a bad argument (named in the message).
@@ -125,7 +129,14 @@ class TrainerMon(MsprobeOldNames):
             raise RuntimeError("set_monitor: this TrainerMon is already attached; call stop() first")
         if graph_mode is not None and not isinstance(graph_mode, bool):
             raise ValueError(f"set_monitor: graph_mode: expected true, false or None, got {graph_mode!r}")
+        if not isinstance(compiled, bool):
+            raise ValueError(f"set_monitor: compiled: expected true or false, got {compiled!r}")
         framework = _framework_of(model)
+        if framework != "torch" and compiled:
+            raise ValueError(
+                "set_monitor: compiled: PyTorch only (a MindSpore step compiled with jit: "
+                f"graph_mode=True), got {compiled!r}"
+            )
         if framework == "torch" and graph_mode is not None:
             raise ValueError(
                 "set_monitor: graph_mode: MindSpore only (torch.compile runs the monitor's hooks: "
@@ -155,6 +166,7 @@ class TrainerMon(MsprobeOldNames):
                 on_step_end=self._poll_dynamic if dynamic else None,
                 early_collectives=self._early_collectives,
                 graph_mode=graph_mode,
+                compiled=compiled,
             )
         )
         self._stopped = False

@@ -84,9 +84,11 @@ def train(
     monitor_config: dict | None = None,
     optim: str | None = None,
     init_scale: float | None = None,
+    compile_backend: str | None = None,
 ) -> tuple[StepReads, TrainmonCallback, Trainer]:
-    """Train 2 epochs (with ``init_scale``: fp16 with a loss scaler starting there); returns the
-    test's reads, the callback and the trainer."""
+    """Train 2 epochs (with ``init_scale``: fp16 with a loss scaler starting there; with
+    ``compile_backend``: the Trainer's torch_compile with that backend); returns the test's reads,
+    the callback and the trainer."""
     model = tiny_gpt2()
     reads = StepReads(model)
     callback = TrainmonCallback(monitor_config or CONFIG)
@@ -94,6 +96,8 @@ def train(
     options = {"optim": optim} if optim else {}
     if init_scale is not None:
         options["fp16"] = True
+    if compile_backend is not None:
+        options["torch_compile_backend"] = compile_backend  # which sets torch_compile
     trainer = build_trainer(workdir, model, [*scaler, callback, ReadEachStep(reads)], **options)
     for added in scaler:
         added.trainer = trainer

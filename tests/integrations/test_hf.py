@@ -34,6 +34,31 @@ def test_a_step_shorter_than_grad_acc_steps_is_said_once(tmp_path, trainmon_log)
     assert len(said) == 1 and "had 1 micro-batch(es)" in said[0], said
 
 
+def test_a_model_the_trainer_compiles_has_eagers_activations_from_the_first_step(
+    tmp_path, trainmon_log, monkeypatch
+):
+    """torch_compile: the Trainer hands the callback the model it runs compiled; the callback says
+    so, so the first collected step runs eagerly with every activation row, as the later ones do
+    (uncollected steps between run the compiled code)."""
+    from adapters.torch.compiled import COMPILED_CODE
+    from tests.integrations.hf_run import train
+    from tests.integrations.reads import written_micro_rows
+
+    monkeypatch.setattr(COMPILED_CODE, "ran_hooks", False)  # no compiled code of earlier tests
+    config = {**CONFIG, "xy_distribution": True, "all_xy": True, "start_step": 1, "step_interval": 2}
+    rows = {}
+    for backend in (None, "aot_eager"):
+        _, callback, _ = train(str(tmp_path / str(backend)), config, compile_backend=backend)
+        rows[backend] = written_micro_rows(callback.monitor.output_dir, "actv")
+    eager, compiled = rows[None], rows["aot_eager"]
+    assert min(step for _, step, _ in eager) == 1  # the Trainer's first step is collected
+    assert compiled.keys() == eager.keys()
+    for key, ops in eager.items():
+        np.testing.assert_allclose(list(compiled[key].values()), list(ops.values()), rtol=1e-4, atol=1e-6)
+    assert COMPILED_CODE.ran_hooks  # the steps between ran the compiled code
+    assert not [r for r in trainmon_log.records if "compiled code ran the monitor's hooks" in r.getMessage()]
+
+
 def test_a_failure_to_attach_is_reported_and_training_goes_on(tmp_path, trainmon_log, monkeypatch):
     from monitor.session.trainer import TrainerMon
     from tests.integrations.hf_run import train

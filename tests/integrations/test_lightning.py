@@ -269,3 +269,28 @@ def test_activations_take_their_micro_step_from_lightnings_micro_batches(tmp_pat
     assert written.keys() == own.norms.keys()
     for key, norm in own.norms.items():
         assert written[key] == pytest.approx(norm, rel=1e-5), key
+
+
+def test_a_module_fit_compiled_has_eagers_activations_from_the_first_step(
+    tmp_path, trainmon_log, monkeypatch
+):
+    """fit(torch.compile(module)): Lightning unwraps the module and compiles its methods; the
+    callback says so, so the first collected step runs eagerly with every activation row, as the
+    later ones do (uncollected steps between run the compiled code)."""
+    from adapters.torch.compiled import COMPILED_CODE
+    from tests.integrations.lightning_run import train
+    from tests.integrations.reads import CONFIG, written_micro_rows
+
+    monkeypatch.setattr(COMPILED_CODE, "ran_hooks", False)  # no compiled code of earlier tests
+    config = {**CONFIG, "xy_distribution": True, "all_xy": True, "step_interval": 2}
+    rows = {}
+    for backend in (None, "aot_eager"):
+        _, callback, _ = train(str(tmp_path / str(backend)), 2, config, compile_backend=backend)
+        rows[backend] = written_micro_rows(callback.monitor.output_dir, "actv")
+    eager, compiled = rows[None], rows["aot_eager"]
+    assert min(step for _, step, _ in eager) == 0  # the first step is collected
+    assert compiled.keys() == eager.keys()
+    for key, ops in eager.items():
+        np.testing.assert_allclose(list(compiled[key].values()), list(ops.values()), rtol=1e-4, atol=1e-6)
+    assert COMPILED_CODE.ran_hooks  # the steps between ran the compiled code
+    assert not [r for r in trainmon_log.records if "compiled code ran the monitor's hooks" in r.getMessage()]

@@ -258,6 +258,15 @@ def test_a_bad_graph_mode_argument_is_refused_at_the_door():
         )
 
 
+def test_torchs_compiled_argument_is_refused_at_the_door():
+    net = Net()
+    optimizer = nn.Adam(net.trainable_params(), learning_rate=0.05)
+    with pytest.raises(ValueError, match=r"compiled: PyTorch only .*graph_mode=True"):
+        TrainerMon({"param_distribution": True, "format": "api"}).set_monitor(
+            net, 1, optimizer, compiled=True
+        )
+
+
 def test_attention_features_are_off_in_graph_mode_and_linear_ones_read_the_updated_weights(
     graph_mode, caplog
 ):

@@ -247,6 +247,14 @@ def test_graph_mode_is_refused_for_torch_at_the_door():
         )
 
 
+def test_a_bad_compiled_argument_is_refused_at_the_door():
+    mlp = MLP()
+    with pytest.raises(ValueError, match="compiled: expected true or false, got 'yes'"):
+        TrainerMon({"param_distribution": True, "format": "api"}).set_monitor(
+            mlp, 1, torch.optim.AdamW(mlp.parameters()), compiled="yes"
+        )
+
+
 def test_an_l2_targets_key_that_names_no_module_is_warned_about(caplog):
     torch.manual_seed(0)
     mlp = MLP()
