@@ -24,12 +24,17 @@ class RowSet:
         names: names without chunk prefix (e.g. "layers.0.mlp.weight").
         micro_steps: micro-step index of each row, or None when the data type has none.
         tags: full tags "N:name[:m]/rankR/task", the keys of the api dictionaries.
+        unjudged: per row, whether the anomaly rules leave it alone (None: judge every row):
+            tensors of integers or booleans a module is fed (token ids, labels, masks) are the
+            data, not values the model computed; they vary at will (a batch whose labels are all
+            0 has norm 0) and can hold no NaN.
     """
 
     vpp_stages: tuple[int, ...]
     names: tuple[str, ...]
     micro_steps: tuple[int, ...] | None
     tags: tuple[str, ...]
+    unjudged: tuple[bool, ...] | None = None
 
     @classmethod
     def build(
@@ -39,6 +44,7 @@ class RowSet:
         rank: int | None,
         task: str,
         micro_steps: Sequence[int] | None = None,
+        unjudged: Sequence[bool] | None = None,
     ) -> RowSet:
         """Build the row labels and their tags once (at attach time or once per step)."""
         micro = tuple(micro_steps) if micro_steps is not None else None
@@ -46,7 +52,8 @@ class RowSet:
             build_tag(v, n, rank, task, None if micro is None else micro[i])
             for i, (v, n) in enumerate(zip(vpp_stages, names, strict=True))
         )
-        return cls(tuple(vpp_stages), tuple(names), micro, tags)
+        skip = tuple(unjudged) if unjudged is not None and any(unjudged) else None
+        return cls(tuple(vpp_stages), tuple(names), micro, tags, skip)
 
     def __len__(self) -> int:
         return len(self.names)
@@ -58,6 +65,7 @@ class RowSet:
             tuple(self.names[i] for i in index),
             None if self.micro_steps is None else tuple(self.micro_steps[i] for i in index),
             tuple(self.tags[i] for i in index),
+            None if self.unjudged is None else tuple(self.unjudged[i] for i in index),
         )
 
 

@@ -100,13 +100,16 @@ class _Held:
 
     def __init__(self) -> None:
         self.rows: list[tuple[int, str, int]] = []
+        #: per row, whether its tensor holds integers or booleans (data the rules leave alone)
+        self.data: list[bool] = []
         self.tensors: list[ms.Tensor] = []
         self.numel = 0
-        #: statistics already taken this step: (rows, float64 matrix on the device).
-        self.blocks: list[tuple[list[tuple[int, str, int]], ms.Tensor]] = []
+        #: statistics already taken this step: (rows, their data flags, float64 matrix on the device).
+        self.blocks: list[tuple[list[tuple[int, str, int]], list[bool], ms.Tensor]] = []
 
     def add(self, vpp: int, names: list[str], micro: int, tensors: list[ms.Tensor]) -> None:
         self.rows.extend((vpp, name, micro) for name in names)
+        self.data.extend(t.dtype not in ms.dtype.float_type for t in tensors)
         self.tensors.extend(tensors)
         self.numel += sum(int(np.prod(t.shape, dtype=np.int64)) for t in tensors)
 
@@ -122,8 +125,8 @@ class _Held:
         else:
             distinct = list({id(t): t for t in self.tensors}.values())
             matrix = ops.gather(engine.matrix(distinct), ms.Tensor(np.array(slots, dtype=np.int32)), 0)
-        self.blocks.append((self.rows, matrix))
-        self.rows, self.tensors, self.numel = [], [], 0
+        self.blocks.append((self.rows, self.data, matrix))
+        self.rows, self.data, self.tensors, self.numel = [], [], [], 0
 
 
 class RootCalls:
@@ -331,11 +334,12 @@ class Activations:
             held = self._held[prefix]
             held.describe(self.engine)
             if held.blocks:
-                rows = [row for block_rows, _ in held.blocks for row in block_rows]
-                matrices = [matrix for _, matrix in held.blocks]
+                rows = [row for block_rows, _, _ in held.blocks for row in block_rows]
+                data = [flag for _, block_data, _ in held.blocks for flag in block_data]
+                matrices = [matrix for _, _, matrix in held.blocks]
                 vpp, names, micro = zip(*rows)
                 matrix = matrices[0] if len(matrices) == 1 else ops.concat(matrices)
-                out.append((prefix, RowSet.build(vpp, names, rank, prefix, micro), matrix))
+                out.append((prefix, RowSet.build(vpp, names, rank, prefix, micro, data), matrix))
         self.reset()
         return out
 

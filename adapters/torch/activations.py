@@ -44,10 +44,11 @@ from monitor.session.collection import UnendedStep
 logger = logging.getLogger("trainmon")
 
 
-def _row_set(rows: list[tuple[int, str, int]], rank: int, task: str) -> RowSet:
-    """The RowSet of a step's ``(vpp_stage, name, micro_step)`` rows."""
+def _row_set(rows: list[tuple[int, str, int]], rank: int, task: str, data: list[bool]) -> RowSet:
+    """The RowSet of a step's ``(vpp_stage, name, micro_step)`` rows; ``data``: which rows are
+    tensors of integers or booleans, left unjudged."""
     vpp, names, micro = zip(*rows)
-    return RowSet.build(vpp, names, rank, task, micro)
+    return RowSet.build(vpp, names, rank, task, micro, data)
 
 
 def _is_tensor(obj: Any) -> bool:
@@ -120,6 +121,8 @@ class Activations:
         self._recomputed: dict[tuple[int, int], int] = {}
         self._rows: dict[str, list[tuple[int, str, int]]] = {"actv": [], "actv_grad": []}
         self._stats: dict[str, list[list[float] | torch.Tensor]] = {"actv": [], "actv_grad": []}
+        #: per row, whether its tensor holds integers or booleans (data the rules leave alone)
+        self._data: dict[str, list[bool]] = {"actv": [], "actv_grad": []}
         #: with ``merge``: each row's mesh tag (None: left per rank), and the spread of the raw
         #: outputs of each module's last call, seen before tensor parallelism makes them local
         self.merge = merge
@@ -297,6 +300,7 @@ class Activations:
                 row_tags.append(tag)
         self._rows[prefix].extend((vpp, n, micro) for n in row_names(name, len(tensors)))
         self._stats[prefix].extend(rows)
+        self._data[prefix].extend(not (t.is_floating_point() or t.is_complex()) for t, _ in resolved)
         if self.merge is not None:
             self._tags[prefix].extend(row_tags)
 
@@ -368,9 +372,10 @@ class Activations:
             )
         out = []
         for prefix, task in (("actv", "actv"), ("actv_grad", "actv_grad")):
-            rows = self._rows[prefix]
+            rows, data = self._rows[prefix], self._data[prefix]
             if rows:
-                row_set = self._same_rows[prefix].get(rows, functools.partial(_row_set, rows, rank, task))
+                build = functools.partial(_row_set, rows, rank, task, data)
+                row_set = self._same_rows[prefix].get((rows, data), build)
                 out.append((prefix, row_set, matrices[prefix]))
         self.reset()
         return out
@@ -391,4 +396,5 @@ class Activations:
         for prefix in self._rows:
             self._rows[prefix] = []
             self._stats[prefix] = []
+            self._data[prefix] = []
             self._tags[prefix] = []

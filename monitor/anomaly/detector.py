@@ -102,6 +102,7 @@ class Detector:
         reported = np.zeros(values.shape, dtype=bool)
         share = record.prefix in SHARE_PREFIXES and "norm" in record.ops  # rows of a share of 0: unjudged
         shares_of_zero = values[:, record.ops.index("norm")] == 0 if share else None
+        unjudged = None if record.rows.unjudged is None else np.asarray(record.rows.unjudged)[:, None]
         if self.non_finite:
             reported = non_finite_cells(values, record.ops)
             if reported.any():
@@ -126,6 +127,8 @@ class Detector:
             mask &= ~(reported if judged is None else reported[:, judged])
             if shares_of_zero is not None:
                 mask &= ~shares_of_zero[:, None]
+            if unjudged is not None:
+                mask &= ~unjudged
             if mask.any():
                 row, col = np.nonzero(mask)
                 column = col if judged is None else judged[col]
@@ -202,6 +205,8 @@ class Detector:
             level, count = level[index], count[index]
         with np.errstate(invalid="ignore"):
             moves = np.where((count > 0) & np.isfinite(logs), logs - level, np.nan)
+        if record.rows.unjudged is not None:  # the data's rows move neither with nor against the rest
+            moves[np.asarray(record.rows.unjudged)] = np.nan
         return logs, moves
 
     def _norm_levels(

@@ -173,7 +173,7 @@ def test_passes_with_no_step_of_the_monitored_optimizer_are_said_once_and_held_b
             stepping(grads)
         held = len(mon._session.collection.grads._blocks)
         activations = mon._session.collection.activations._held.values()
-        held_activations = sum(len(rows) for held in activations for rows, _ in held.blocks)
+        held_activations = sum(len(rows) for held in activations for rows, _, _ in held.blocks)
         mon.stop()
     told = [r.getMessage() for r in caplog.records if "no step of the monitored optimizer" in r.getMessage()]
     assert len(told) == 1 and f"{UNENDED_PASSES} backward passes" in told[0], told
@@ -425,3 +425,42 @@ def test_an_error_of_the_training_that_a_read_of_ours_surfaces_reaches_the_train
         pytest.skip("this MindSpore has the kernel, so its backward does not fail")
     assert said["plain"][0].startswith("raised"), said
     assert said["monitored"] == said["plain"], said
+
+
+def test_integer_inputs_such_as_labels_are_recorded_but_never_judged():
+    """A classifier fed its labels: a batch whose labels are all class 0 (every 10th and the last)
+    has a labels row of norm 0 and zeros share 1, the ordinary data of a classification run, not
+    a Cell that died; the clean run opens no incident."""
+    import mindspore as ms
+    from mindspore import ops
+
+    class Classifier(nn.Cell):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = Net()
+
+        def construct(self, x, labels):
+            return ops.cross_entropy(self.body(x), labels)
+
+    model = Classifier()
+    optimizer = nn.AdamWeightDecay(model.trainable_params(), learning_rate=0.01)
+    config = {
+        "xy_distribution": True,
+        "wg_distribution": True,
+        "ops": [*ALL_OPS],
+        "format": "api",
+        "alert": {"rules": [{"rule_name": "AnomalyNan"}, {"rule_name": "AnomalyZScore"}]},
+    }
+    mon = TrainerMon(config).set_monitor(model, grad_acc_steps=1, optimizer=optimizer)
+    grad_fn = ms.value_and_grad(model, None, optimizer.parameters)
+    rng = np.random.default_rng(3)
+    for step in range(40):
+        x = rng.normal(size=(4, 6)).astype(np.float32)
+        labels = np.zeros(4, np.int32) if step % 10 == 9 else rng.integers(0, 4, 4).astype(np.int32)
+        _, grads = grad_fn(ms.Tensor(x), ms.Tensor(labels))
+        optimizer(grads)
+    rows = mon._latest("actv")
+    mon.stop()
+    (labels_row,) = [row for tag, row in rows.items() if tag.startswith("0:.input_1")]
+    assert (labels_row["norm"], labels_row["zeros"]) == (0.0, 1.0)  # recorded as it was fed
+    assert mon.incidents == [], [incident.root for incident in mon.incidents]

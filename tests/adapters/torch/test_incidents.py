@@ -162,6 +162,38 @@ def test_a_clean_run_opens_no_incident():
     assert _train(None).incidents == []
 
 
+def test_integer_inputs_such_as_labels_are_recorded_but_never_judged():
+    """A classifier fed its labels: a batch whose labels are all class 0 (here every 10th and the
+    last) has a labels row of norm 0 and zeros share 1, the ordinary data of a classification run,
+    not a layer that died; the clean run opens no incident."""
+
+    class Classifier(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = Net()
+
+        def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+            return nn.functional.cross_entropy(self.body(x), labels)
+
+    torch.manual_seed(0)
+    model = Classifier()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    mon = TrainerMon(CONFIG).set_monitor(model, grad_acc_steps=1, optimizer=optimizer)
+    generator = torch.Generator().manual_seed(3)
+    for step in range(STEPS):
+        x = torch.randn(4, 8, generator=generator)
+        labels = torch.randint(0, 4, (4,), generator=generator)
+        labels = torch.zeros_like(labels) if step % 10 == 9 else labels
+        model(x, labels).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    rows = mon._latest("actv")
+    mon.stop()
+    (labels_row,) = [row for tag, row in rows.items() if tag.startswith("0:.input_1")]
+    assert (labels_row["norm"], labels_row["zeros"]) == (0.0, 1.0)  # recorded as it was fed
+    assert mon.incidents == [], [incident.root for incident in mon.incidents]
+
+
 @pytest.mark.parametrize("rules", [[], [{"rule_name": "AnomalyZScore"}]], ids=["no rules", "zscore"])
 def test_alert_non_finite_decides_whether_a_nan_is_an_anomaly_whatever_the_rules(rules):
     """From the config through TrainerMon: by default a NaN is an incident at its step even with
