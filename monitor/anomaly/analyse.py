@@ -1,7 +1,8 @@
 """Rank the anomalies of a run: which incident came first, its root, and the first records.
 
 Reads every ``DIR/<sub-directory>/anomaly.json`` (normally ``DIR/rank{R}/anomaly.json``; point DIR at
-the run's ``anomaly_detected`` directory) and the ``incidents.json`` beside it. The incidents of all
+the run's ``anomaly_detected`` directory, the output root above it, or one rank's directory for
+that rank alone) and the ``incidents.json`` beside it. The incidents of all
 ranks are merged (:mod:`monitor.anomaly.incident_files`) and written to
 ``OUT/incidents_analyse.json``; of the records, the requested steps are kept, the k earliest selected
 by the ordering of :mod:`monitor.anomaly.ordering` and written to ``OUT/anomaly_analyse.json``
@@ -130,7 +131,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--data_path",
         default=None,
         metavar="DIR",
-        help="directory holding <sub-dir>/anomaly.json (or the output root above it)",
+        help="directory holding <sub-dir>/anomaly.json (or the output root above it, or one rank's "
+        "directory holding anomaly.json: that rank alone)",
     )
     parser.add_argument(
         "-o",
@@ -273,12 +275,15 @@ def _check(args: argparse.Namespace) -> tuple[str, int, frozenset[int] | None, l
         if not paths and os.path.isdir(os.path.join(data_dir, "anomaly_detected")):
             data_dir = os.path.join(data_dir, "anomaly_detected")  # the run's root: its anomaly files
             paths = find_anomaly_files(data_dir)
+        if not paths and os.path.isfile(os.path.join(data_dir, INPUT_NAME)):
+            paths = [os.path.join(data_dir, INPUT_NAME)]  # one rank's directory: that rank alone
     except OSError as exc:
         raise UsageError(f"cannot list {data_dir}: {exc.strerror or exc}") from None
     if not paths:
         raise UsageError(
             f"no anomaly files found: expected {os.path.join(data_dir, '<sub-dir>', INPUT_NAME)} "
-            f"(point -d at the anomaly_detected directory){dataset_hint(data_dir)}"
+            f"(point -d at the run's output directory or its anomaly_detected directory; a run "
+            f"writes them only when its config sets alert.dump: true){dataset_hint(data_dir)}"
         )
     return make_out_dir(args, data_dir), k, steps, paths
 

@@ -537,6 +537,19 @@ def test_bad_paths_exit_2_with_one_line(tmp_path: Path, tree: Path, capsys) -> N
     assert_usage_error(capsys, main(["-d", str(tree), "-o", str(a_file)]), "output path is not a directory")
 
 
+def test_one_ranks_directory_analyses_that_rank_alone(tree: Path, capsys) -> None:
+    """-d at the directory holding anomaly.json (a rank's): its records, not 'no files found'."""
+    assert main(["-d", str(tree / "rank1")]) == 0
+    written = json.loads((tree / "rank1" / "anomaly_analyse.json").read_text())
+    assert written and {record["rank"] for record in written.values()} == {1}, written
+
+
+def test_a_run_without_anomaly_files_says_which_config_key_writes_them(tmp_path: Path, capsys) -> None:
+    run = tmp_path / "monitor_output"
+    (run / "Dec05_03-00-00_rank0").mkdir(parents=True)
+    assert_usage_error(capsys, main(["-d", str(run)]), "alert.dump: true")
+
+
 def test_argparse_errors_return_2(capsys) -> None:
     assert_usage_error(capsys, main([]), "DIR or -d DIR: expected the directory to analyse, got no directory")
     assert_usage_error(capsys, main(["a", "-d", "b"]), "got two different directories")
