@@ -178,10 +178,21 @@ def cli_page(parser: argparse.ArgumentParser) -> str:
         _help(parser),
         "```",
     ]
+    parts += _subcommand_sections(parser, "trainmon", "##")
+    return "\n".join(parts) + "\n"
+
+
+def _subcommand_sections(parser: argparse.ArgumentParser, prog: str, level: str) -> list[str]:
+    """A section with the help of each subcommand of ``parser``, and of theirs one level down
+    (``trainmon bundle show``)."""
+    if parser._subparsers is None:
+        return []
+    parts = []
     for action in parser._subparsers._group_actions:  # argparse keeps subcommands only here
         for name, command in action.choices.items():
-            parts += ["", f"## trainmon {name}", "", "```text", _help(command), "```"]
-    return "\n".join(parts) + "\n"
+            parts += ["", f"{level} {prog} {name}", "", "```text", _help(command), "```"]
+            parts += _subcommand_sections(command, f"{prog} {name}", level + "#")
+    return parts
 
 
 def with_config_table(text: str) -> str:
