@@ -102,7 +102,16 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``trainmon`` console script. Output piped into a reader that stops
     early (``| head``) ends the command quietly, as other command-line tools do."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    given = sys.argv[1:] if argv is None else argv
+    commands = next(a.choices for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    if given and not given[0].startswith("-") and given[0] not in commands:
+        from monitor.config.values import did_you_mean
+
+        hint = did_you_mean(given[0], commands)
+        if hint:  # argparse's own message lists the commands but suggests none
+            parser.error(f"argument COMMAND: invalid choice: {given[0]!r}{hint}")
+    args = parser.parse_args(argv)
     try:
         return args.run(args)
     except BrokenPipeError:
