@@ -35,7 +35,7 @@ def test_demo_reports_the_injected_spike_at_its_step(tmp_path):
     assert done.returncode == 0, done.stderr
     assert "incident 1 at step 25:" in done.stdout
     assert "Detected:    1 incident(s)" in done.stdout
-    assert "trainmon anomaly-analyse -d" in done.stdout
+    assert f"trainmon anomaly-analyse -d {out}" in done.stdout  # the run's root, as the README has it
     assert f"tensorboard --logdir {out}" in done.stdout
     assert f"trainmon csv2tb {out}" in done.stdout  # CSV reaches the Scalars tab only converted
     assert "Warning" not in done.stderr, done.stderr  # neither torch's nor Python's warnings
@@ -46,6 +46,17 @@ def test_demo_reports_the_injected_spike_at_its_step(tmp_path):
     spike = frame[frame["step"] == 25]["norm"].median()
     normal = frame[frame["step"] == 24]["norm"].median()
     assert spike > 100 * normal
+
+
+def test_analysing_steps_without_an_incident_says_so(tmp_path, capsys):
+    from monitor.anomaly.analyse import main
+
+    out = tmp_path / "run"
+    assert _demo("--steps", "30", "--spike-step", "25", "--output", str(out), cwd=tmp_path).returncode == 0
+    assert main(["-d", str(out), "-s", "[25]"]) == 0
+    assert "1 incident(s) (steps [25]), earliest first:" in capsys.readouterr().out
+    assert main(["-d", str(out), "-s", "[3, 4]"]) == 0
+    assert "0 incidents (steps [3, 4])" in capsys.readouterr().out
 
 
 def test_demo_without_spike_reports_no_anomaly(tmp_path):
@@ -171,3 +182,13 @@ def test_without_the_installed_package_the_help_says_where_the_missing_commands_
     shown = " ".join(capsys.readouterr().out.split())
     assert "demo, csv2tb, csv2db and compact are registered by the installed package" in shown
     assert "pip install -e ." in shown
+
+
+def test_a_misspelt_command_gets_a_did_you_mean(capsys):
+    """msprobe's module is anomaly_analyse; trainmon's command is anomaly-analyse."""
+    from monitor import cli
+
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["anomaly_analyse", "-d", "monitor_output"])
+    assert exited.value.code == 2
+    assert "did you mean 'anomaly-analyse'?" in capsys.readouterr().err

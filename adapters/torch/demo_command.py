@@ -149,7 +149,7 @@ def _run_demo(args: argparse.Namespace) -> int:
     else:
         print("Detected:    no anomalies")
     if incidents and os.path.isdir(anomaly_dir):
-        print(f"Next:        trainmon anomaly-analyse -d {anomaly_dir}")
+        print(f"Next:        trainmon anomaly-analyse -d {summary['root']}")
     if os.path.isdir(os.path.join(summary["output_dir"], "values")):  # format: parquet
         pattern = os.path.join(summary["root"], "*", "values", "*", "*.parquet")
         print(f"Query it:    SELECT * FROM read_parquet('{pattern}', hive_partitioning = true)  -- DuckDB")

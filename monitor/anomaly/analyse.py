@@ -195,6 +195,8 @@ def report_anomalies(paths: list[str], k: int, steps: frozenset[int] | None, out
             print(f"{len(incidents)} incident(s) ({scope}), earliest first:")
             print(incident_files.format_incidents(incidents))
             print()
+        elif with_incidents:
+            print(f"0 incidents ({scope})\n")
         print(f"Top {len(records)} of {summary.records_selected} anomalies ({scope}):")
         if records:
             print(format_table(records))

@@ -453,8 +453,9 @@ def test_two_ranks_get_no_verdict_on_sizes_and_are_told_why(tmp_path, capsys):
 
 @pytest.mark.filterwarnings("error")  # numpy deprecates indexing past an empty array's end
 def test_one_rank_is_told_it_has_no_peers_and_the_anomaly_directory_leads_to_its_run(tmp_path, capsys):
-    """What the demo suggests, ``-d`` at the run's anomaly_detected directory, finds the rank
-    directories beside it; one rank gets no verdict, on sizes or on NaN/Inf values."""
+    """``-d`` at the run's anomaly_detected directory (where anomaly-analyse without --cross-rank
+    is pointed too) finds the rank directories beside it; one rank gets no verdict, on sizes or
+    on NaN/Inf values."""
     (tmp_path / "anomaly_detected").mkdir()
     directory = tmp_path / rank_dir_name(0)
     directory.mkdir()
