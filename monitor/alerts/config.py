@@ -199,7 +199,7 @@ def _sink(spec: Any, path: str) -> SinkSpec:
         argv = as_str_list(spec.get("argv"), f"{path}.argv")
         if not argv or not argv[0]:
             raise ConfigError(f"{path}.argv: expected the program and its arguments, got {describe(argv)}")
-        if shutil.which(argv[0]) is None:  # said now, not at the first incident, hours into the run
+        if _may_deliver_here(ranks) and shutil.which(argv[0]) is None:  # said now, not hours into the run
             raise ConfigError(
                 f"{path}.argv[0]: {argv[0]!r} is not a program found here; expected an executable "
                 "file's path, or a program's name on PATH"
@@ -214,6 +214,14 @@ def _sink(spec: Any, path: str) -> SinkSpec:
             "absolute path for a place outside it"
         )
     return SinkSpec(kind, path=target, **common)
+
+
+def _may_deliver_here(ranks: str) -> bool:
+    """Whether this process may deliver a sink's messages: any rank may, but a ``rank0`` sink is
+    delivered by rank 0 alone, so another rank (as its launcher numbers it: torchrun's RANK,
+    MindSpore's RANK_ID) need not have its program installed (the head node's pager, say)."""
+    launched = os.environ.get("RANK", os.environ.get("RANK_ID", "0")).strip()
+    return ranks != "rank0" or launched in ("", "0")
 
 
 def _webhook(spec: dict, path: str) -> dict[str, Any]:

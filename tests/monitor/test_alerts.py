@@ -16,6 +16,7 @@ import pytest
 
 import monitor.alerts.dispatch as dispatch
 from monitor import ConfigError, load_config
+from monitor.alerts.config import parse_sinks
 from monitor.alerts.dispatch import Alerts
 from tests.monitor.alert_endpoints import TOKEN, Server, alerts_of, incident, lines, wait_for
 
@@ -332,6 +333,23 @@ def test_bad_alert_config_is_refused_at_the_door(alert, words):
     with pytest.raises(ConfigError) as info:
         load_config({"alert": alert})
     assert words in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("ranks", "launched", "refused"),
+    [("rank0", "1", False), ("rank0", "0", True), ("lowest", "1", True), ("all", "3", True)],
+)
+def test_a_missing_program_is_refused_where_this_rank_may_deliver(monkeypatch, ranks, launched, refused):
+    """A rank0 sink's program is needed on rank 0 alone (a pager on the head node): another
+    rank, as torchrun numbers it, starts; a sink that any rank may deliver is checked on each."""
+    monkeypatch.setenv("RANK", launched)
+    sink = {"type": "command", "argv": ["/no/such/pager"], "ranks": ranks}
+    if refused:
+        with pytest.raises(ConfigError, match="'/no/such/pager' is not a program found here"):
+            parse_sinks([sink])
+    else:
+        (spec,) = parse_sinks([sink])
+        assert spec.argv == ("/no/such/pager",)
 
 
 def test_stop_needs_every_rank():
