@@ -104,6 +104,9 @@ def main(argv: list[str] | None = None) -> int:
     early (``| head``) ends the command quietly, as other command-line tools do."""
     parser = build_parser()
     given = sys.argv[1:] if argv is None else argv
+    if not given:  # the commands and what each does, rather than argparse's one-line complaint
+        parser.print_help(sys.stderr)
+        return 2
     commands = next(a.choices for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     if given and not given[0].startswith("-") and given[0] not in commands:
         from monitor.config.values import did_you_mean

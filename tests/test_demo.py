@@ -192,3 +192,11 @@ def test_a_misspelt_command_gets_a_did_you_mean(capsys):
         cli.main(["anomaly_analyse", "-d", "monitor_output"])
     assert exited.value.code == 2
     assert "did you mean 'anomaly-analyse'?" in capsys.readouterr().err
+
+
+def test_trainmon_alone_lists_the_commands(capsys):
+    from monitor import cli
+
+    assert cli.main([]) == 2
+    shown = capsys.readouterr().err
+    assert "anomaly-analyse" in shown and "rank the anomalies of all ranks" in shown
