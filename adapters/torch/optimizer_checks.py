@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from adapters.torch.dist import dtensor_type
 from adapters.torch.optim import TorchBackend
 from monitor.datatypes.l2 import LINEAR_PREFIX
 from monitor.datatypes.update_ratio import update_ratio_written
@@ -61,28 +62,53 @@ def _switched_on(part: str, config: Any) -> bool:
     return bool(getattr(config, key))
 
 
+#: what to do where a wrapper made after set_monitor took the parameters over
+_ATTACH_AFTER_WRAPPER = (
+    "attach after a wrapper that takes the parameters over is made (deepspeed.initialize), passing it"
+)
+#: what to do where sharding made the model's parameters anew after set_monitor or the optimizer
+_AFTER_SHARDING = (
+    "shard or parallelize the model first (fully_shard, FSDP, parallelize_module), then build the "
+    "optimizer from its parameters, then attach"
+)
+
+
 def taken_over(
-    backend: TorchBackend, params: Sequence[torch.nn.Parameter]
-) -> tuple[str, tuple[str, ...]] | None:
+    backend: TorchBackend, params: Sequence[torch.nn.Parameter], model_params: Sequence[torch.Tensor]
+) -> tuple[str, str, tuple[str, ...]] | None:
     """Why the torch optimizer the monitor hooked updates none of the model's parameters, if it
-    does not, and the data types that then describe nothing of the training: a wrapper made after
-    ``set_monitor`` (``deepspeed.initialize``) partitioned them (ZeRO-3 leaves each an empty
-    placeholder with a ``ds_id``) or gave the optimizer flat partitions in their place (ZeRO-1/2).
-    None where it does, or where a back-end maps them."""
+    does not, what to do, and the data types that then describe nothing of the training: a
+    wrapper made after ``set_monitor`` (``deepspeed.initialize``) partitioned them (ZeRO-3 leaves
+    each an empty placeholder with a ``ds_id``) or gave the optimizer flat partitions in their
+    place (ZeRO-1/2); sharding made the model's parameters anew after ``set_monitor``
+    (``model_params``, the model's now, are none of the monitored ones) or after the optimizer
+    was built (DTensors the optimizer does not hold). None where it does, or where a back-end
+    maps them."""
     trained = [param for param in params if param.requires_grad]  # frozen ones are nobody's to update
     if type(backend) is not TorchBackend or not trained:
         return None
     if any(hasattr(param, "ds_id") for param in trained):
         why = "DeepSpeed ZeRO-3 partitioned the model's parameters after set_monitor"
-        return why, OPTIMIZER_SIDE + PARAMETER_SIDE
+        return why, _ATTACH_AFTER_WRAPPER, OPTIMIZER_SIDE + PARAMETER_SIDE
+    now = {id(param) for param in model_params}
+    if not any(id(param) in now for param in trained):
+        why = "the model's parameters were made anew after set_monitor: the monitored ones take no part"
+        return why, _AFTER_SHARDING, OPTIMIZER_SIDE + PARAMETER_SIDE
     held = {id(tensor) for group in backend.optimizer.param_groups for tensor in group["params"]}
-    if not any(id(param) in held for param in trained):
+    if any(id(param) in held for param in trained):
+        return None
+    name = type(backend.optimizer).__name__
+    if any(isinstance(param, dtensor_type()) for param in trained):
         why = (
-            f"{type(backend.optimizer).__name__} updates none of the monitored parameters (other "
-            "tensors in their place: a wrapper's flat partitions, or master copies)"
+            f"{name} updates none of the model's parameters, which are DTensors made after it was "
+            "built: they are not trained"
         )
-        return why, OPTIMIZER_SIDE
-    return None
+        return why, _AFTER_SHARDING, OPTIMIZER_SIDE + PARAMETER_SIDE
+    why = (
+        f"{name} updates none of the monitored parameters (other tensors in their place: a "
+        "wrapper's flat partitions, or master copies)"
+    )
+    return why, _ATTACH_AFTER_WRAPPER, OPTIMIZER_SIDE
 
 
 class OptimizerChecks:
@@ -91,12 +117,17 @@ class OptimizerChecks:
     (``taken_over``: those rows are then not written), and after updates that it keeps no Adam
     moments (with mv_distribution or mg_direction, asked until an update has made state)."""
 
-    def __init__(self, config: Any, sharded: bool, holds_parameters: bool) -> None:
+    def __init__(
+        self, config: Any, sharded: bool, holds_parameters: bool, chunks: Sequence[torch.nn.Module]
+    ) -> None:
         """``sharded``: a back-end whose ranks hold pieces (a rank may hold no piece of some
         parameters, so partial moments are not said); ``holds_parameters``: its optimizer holds
         the model's parameters themselves (FSDP2 and tensor parallelism do), so its state tells
-        whether it keeps moments, where flat partitions (ZeRO, FSDP1, Megatron) are mapped."""
+        whether it keeps moments, where flat partitions (ZeRO, FSDP1, Megatron) are mapped;
+        ``chunks``: the model, whose parameters at the first update are compared with those
+        monitored."""
         self.config = config
+        self.chunks = list(chunks)
         self.first = True
         self.sharded = sharded
         wanted = config.mv_distribution or config.mg_direction
@@ -110,19 +141,18 @@ class OptimizerChecks:
         if not self.first:
             return ()
         self.first = False
-        found = taken_over(backend, params)
+        found = taken_over(backend, params, [p for chunk in self.chunks for p in chunk.parameters()])
         if not found:
             return ()
-        why, parts = found
+        why, advice, parts = found
         wanted = [part for part in parts if _switched_on(part, self.config)]
         if wanted:
             logger.warning(
-                "trainmon: %s: %s would describe none of this training and %s not written; attach "
-                "after a wrapper that takes the parameters over is made (deepspeed.initialize), "
-                "passing it",
+                "trainmon: %s: %s would describe none of this training and %s not written; %s",
                 why,
                 ", ".join("ur (ur_distribution's histograms)" if part == "ur" else part for part in wanted),
                 "is" if len(wanted) == 1 else "are",
+                advice,
             )
         return parts
 
