@@ -21,23 +21,21 @@ tensor-parallel modules' tensors merge into whole ones (sharded.tp_activations).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from adapters.torch.compiled import traced
 from adapters.torch.dist import dtensor_type, local_tensor
+from adapters.torch.hooked_modules import HookedModule, select
 from adapters.torch.micro_steps import MicroSteps
-from adapters.torch.sharded.tp_activations import Piece, TensorParallelMerge
+from adapters.torch.sharded.tp_activations import Piece, TensorParallelMerge, as_passed
 from adapters.torch.stats import stack_rows, tensor_stats
-from monitor.config.schema import MonitorConfig
-from monitor.datatypes.modules import call_name, direction_tensors, row_names
-from monitor.datatypes.modules import select_modules as select_module_names
+from monitor.datatypes.modules import call_name, row_names
 from monitor.record import RowSet, SameRows
 from monitor.session.collection import UnendedStep
 
@@ -49,46 +47,6 @@ def _row_set(rows: list[tuple[int, str, int]], rank: int, task: str, data: list[
     tensors of integers or booleans, left unjudged."""
     vpp, names, micro = zip(*rows)
     return RowSet.build(vpp, names, rank, task, micro, data)
-
-
-def _is_tensor(obj: Any) -> bool:
-    return isinstance(obj, torch.Tensor)
-
-
-@dataclasses.dataclass
-class HookedModule:
-    """A monitored module: its chunk, display name, and 1.2.2 per-direction formats (if any)."""
-
-    vpp_stage: int
-    name: str
-    module: torch.nn.Module
-    formats: Mapping[str, str]
-    warned: set[str] = dataclasses.field(default_factory=set)
-
-
-def _select(entry: HookedModule, direction: str, obj: Any) -> list[torch.Tensor]:
-    """The tensors of one direction: per the 1.2.2 format string if given and it fits, else all of them."""
-    return direction_tensors(entry.name, entry.formats, entry.warned, direction, obj, _is_tensor)
-
-
-def select_modules(
-    chunks: Sequence[torch.nn.Module], config: MonitorConfig, every: bool
-) -> list[HookedModule]:
-    """Modules to hook: every submodule with all_xy (or ``every``), else those named exactly in targets."""
-    named = [(vpp, raw, module) for vpp, chunk in enumerate(chunks) for raw, module in chunk.named_modules()]
-    selected = [
-        HookedModule(m.vpp_stage, m.name, named[m.position][2], m.formats)
-        for m in select_module_names([(vpp, raw) for vpp, raw, _ in named], config, every)
-    ]
-    containers = [m.name for m in selected if type(m.module).forward is torch.nn.Module.forward]
-    if containers and config.targets and not (every or config.all_xy):  # named ones only: the
-        # whole model (all_xy, empty targets) takes every module, containers too
-        logger.warning(
-            "trainmon: targets %s: never called (a container such as ModuleList, whose modules are "
-            "called one by one), so no inputs or outputs to record; name the modules inside",
-            ", ".join(containers),
-        )
-    return selected
 
 
 class Activations:
@@ -136,6 +94,8 @@ class Activations:
         #: seen by both modules' hooks) is measured once.
         self._seen: dict[int, tuple[weakref.ref, int, list[float] | torch.Tensor, Piece | None]] = {}
         self._dtensor = dtensor_type()
+        #: the inputs the caller passed to a tensor-parallel module, before it made DTensors of them
+        self._passed: dict[int, tuple] = {}
         #: this step's tensors with a gradient hook: id -> (weak reference, version, the rows it names)
         self._watched: dict[int, tuple[weakref.ref, int, list[tuple[int, str, int]]]] = {}
         #: the rows some tensor's hook names this step: a checkpoint's recompute watches only those
@@ -152,6 +112,9 @@ class Activations:
         """Register the hooks; returns removable handles."""
         handles = self.micro.register()
         for index, entry in enumerate(self.modules):
+            if self.backward and any(isinstance(p, self._dtensor) for p in entry.module.parameters(False)):
+                passed = self._passed_hook(index)  # before tensor parallelism's own input hook
+                handles.append(entry.module.register_forward_pre_hook(passed, prepend=True, with_kwargs=True))
             handles.append(entry.module.register_forward_pre_hook(self._before(index), with_kwargs=True))
             handles.append(entry.module.register_forward_hook(self._after(index), with_kwargs=True))
             if self.merge is not None:
@@ -170,7 +133,7 @@ class Activations:
 
     def _spread(self, index: int, output: Any) -> None:
         try:
-            tensors = _select(self.modules[index], "output", output)
+            tensors = select(self.modules[index], "output", output)
             self._spreads[index] = [self.merge.spread(t) for t in tensors]
         except Exception as exc:
             self.failed("actv", exc)
@@ -182,6 +145,13 @@ class Activations:
         """
         call = (self._recomputed if recompute else self._calls).get((index, micro), 0)
         return call_name(self.modules[index].name, call)
+
+    def _passed_hook(self, index: int) -> Callable:
+        def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+            if not traced() and self.collect and module.training:
+                self._passed[index] = (*args, *kwargs.values()) if kwargs else args
+
+        return hook
 
     def _before(self, index: int) -> Callable:
         def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
@@ -195,13 +165,19 @@ class Activations:
             entry = self.modules[index]
             micro = self.micro.of(entry.vpp_stage)
             recompute = torch._C._current_graph_task_id() != -1
-            tensors = _select(entry, "input", (*args, *kwargs.values()) if kwargs else args)
+            tensors = select(entry, "input", (*args, *kwargs.values()) if kwargs else args)
             name = self._call_name(index, micro, recompute)
             tags = self._known_tags(tensors) if self.merge is not None else None
             if self.forward and not recompute:
                 self._measure("actv", entry.vpp_stage, f"{name}.input", micro, tensors, tags)
+            passed = self._passed.pop(index, None)
             if self.backward:
-                self._watch(entry.vpp_stage, f"{name}.input_grad", micro, tensors, tags)
+                watched, watched_tags = tensors, tags
+                if passed is not None:
+                    watched, watched_tags = as_passed(
+                        tensors, tags, select(entry, "input", passed), self._dtensor
+                    )
+                self._watch(entry.vpp_stage, f"{name}.input_grad", micro, watched, watched_tags)
             if self._keep_left and not recompute:
                 self._keep(entry.vpp_stage, name, micro, tensors)
         except Exception as exc:
@@ -244,7 +220,7 @@ class Activations:
             entry = self.modules[index]
             micro = self.micro.of(entry.vpp_stage)
             recompute = torch._C._current_graph_task_id() != -1
-            tensors = _select(entry, "output", output)
+            tensors = select(entry, "output", output)
             name = self._call_name(index, micro, recompute)
             tags = self._output_tags(index, tensors) if self.merge is not None else None
             if self.forward and not recompute:
@@ -390,6 +366,7 @@ class Activations:
         """Drop the rows held so far (and what names them) for the micro-steps to come."""
         self._calls.clear()
         self._recomputed.clear()
+        self._passed.clear()
         self._seen.clear()
         self._watched.clear()
         self._watched_rows.clear()

@@ -15,12 +15,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from adapters.torch.activations import Activations, select_modules
+from adapters.torch.activations import Activations
 from adapters.torch.compiled import CompiledModel
 from adapters.torch.device_stats import device_scalars, on_device, with_host_columns
 from adapters.torch.dist import ddp_reduces_after_pass_end, rank_in_group, world_size
 from adapters.torch.grad_sources import unreduced_source
 from adapters.torch.grads import GradCounting
+from adapters.torch.hooked_modules import select_modules
 from adapters.torch.l2 import L2Features
 from adapters.torch.mg_direction import sign_agreement
 from adapters.torch.optim import TorchBackend

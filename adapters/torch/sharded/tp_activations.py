@@ -37,6 +37,33 @@ from adapters.torch.sharded.shards import shard_reduce
 
 logger = logging.getLogger("trainmon")
 
+
+def as_passed(
+    tensors: list[torch.Tensor], tags: list | None, passed: list[torch.Tensor], dtensor: type | tuple
+) -> tuple[list[torch.Tensor], list | None]:
+    """The tensors whose gradients are a module's input gradients: a replicated DTensor that
+    tensor parallelism made from the plain tensor of the same shape the caller passed
+    (``ColwiseParallel``'s input) is replaced by that tensor. Its gradient is the whole
+    dL/d(input): the module's share, which the DTensor's backward all-reduces, plus those of the
+    tensor's other users (a residual branch), as without tensor parallelism; the DTensor's own
+    is the module's share alone. A replica, the same on every rank, it carries no mesh tag."""
+    if len(passed) != len(tensors):
+        return tensors, tags
+    out, out_tags = list(tensors), None if tags is None else list(tags)
+    for k, (made, given) in enumerate(zip(tensors, passed)):
+        if (
+            isinstance(made, dtensor)
+            and not isinstance(given, dtensor)
+            and given.requires_grad
+            and given.shape == made.shape
+            and all(placement.is_replicate() for placement in made.placements)
+        ):
+            out[k] = given
+            if out_tags is not None:
+                out_tags[k] = None
+    return out, out_tags
+
+
 #: a measured tensor's tag: (the ranks of its 1-D mesh, this rank's element count to merge)
 Piece = tuple[tuple[int, ...], int]
 #: a raw module output's shape on the mesh: (mesh ranks, whole element count, at coordinate 0)

@@ -1,0 +1,56 @@
+"""The modules whose activations are recorded, and the tensors of one direction of a call."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from monitor.config.schema import MonitorConfig
+from monitor.datatypes.modules import direction_tensors
+from monitor.datatypes.modules import select_modules as select_module_names
+
+logger = logging.getLogger("trainmon")
+
+
+def _is_tensor(obj: Any) -> bool:
+    return isinstance(obj, torch.Tensor)
+
+
+@dataclasses.dataclass
+class HookedModule:
+    """A monitored module: its chunk, display name, and 1.2.2 per-direction formats (if any)."""
+
+    vpp_stage: int
+    name: str
+    module: torch.nn.Module
+    formats: Mapping[str, str]
+    warned: set[str] = dataclasses.field(default_factory=set)
+
+
+def select(entry: HookedModule, direction: str, obj: Any) -> list[torch.Tensor]:
+    """The tensors of one direction: per the 1.2.2 format string if given and it fits, else all of them."""
+    return direction_tensors(entry.name, entry.formats, entry.warned, direction, obj, _is_tensor)
+
+
+def select_modules(
+    chunks: Sequence[torch.nn.Module], config: MonitorConfig, every: bool
+) -> list[HookedModule]:
+    """Modules to hook: every submodule with all_xy (or ``every``), else those named exactly in targets."""
+    named = [(vpp, raw, module) for vpp, chunk in enumerate(chunks) for raw, module in chunk.named_modules()]
+    selected = [
+        HookedModule(m.vpp_stage, m.name, named[m.position][2], m.formats)
+        for m in select_module_names([(vpp, raw) for vpp, raw, _ in named], config, every)
+    ]
+    containers = [m.name for m in selected if type(m.module).forward is torch.nn.Module.forward]
+    if containers and config.targets and not (every or config.all_xy):  # named ones only: the
+        # whole model (all_xy, empty targets) takes every module, containers too
+        logger.warning(
+            "trainmon: targets %s: never called (a container such as ModuleList, whose modules are "
+            "called one by one), so no inputs or outputs to record; name the modules inside",
+            ", ".join(containers),
+        )
+    return selected
