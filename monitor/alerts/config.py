@@ -26,6 +26,7 @@ from monitor.config.values import (
     not_one_of,
     unknown_key,
 )
+from monitor.files import output_root
 
 SINK_TYPES = ("webhook", "command", "file")
 #: message shapes a webhook can post: the incident itself, or a chat tool's text message.
@@ -93,11 +94,17 @@ class SinkSpec:
 
         Raises:
             OSError: a variable is unset or empty now (a message sent without its token would be
-                refused, or worse, taken by an endpoint that does not check it).
+                refused, or worse, taken by an endpoint that does not check it), or holds a line
+                break or a control character (said as at load, not as an unreachable endpoint).
         """
         unset = [variable for variable in self.headers_env.values() if not os.environ.get(variable)]
         if unset:
             raise OSError(f"the header variable {unset[0]} is not set now; not sent without it")
+        for variable in self.headers_env.values():
+            if not _one_printable_line(os.environ[variable]):
+                raise OSError(
+                    f"the value of {variable} holds a line break or a control character now; not sent"
+                )
         return {name: os.environ[variable] for name, variable in self.headers_env.items()}
 
     def secret(self) -> str:
@@ -213,6 +220,8 @@ def _sink(spec: Any, path: str) -> SinkSpec:
             f"{path}.path: {target!r} leaves the output root; expected a path under it, or an "
             "absolute path for a place outside it"
         )
+    if os.path.isdir(os.path.join(output_root(), target)):  # an absolute path stays as it is
+        raise ConfigError(f"{path}.path: {target!r} is a directory; expected the path of a file (in it, say)")
     return SinkSpec(kind, path=target, **common)
 
 
@@ -232,7 +241,7 @@ def _webhook(spec: dict, path: str) -> dict[str, Any]:
         url = _environment(url_env, f"{path}.url_env")
     elif not isinstance(url, str):
         raise ConfigError(f"{path}.url: expected an http(s) URL, got {describe(url)}")
-    shown = describe(url) if not url_env else f"the value of {url_env}"
+    shown = _url_shown(url) if not url_env else f"the value of {url_env}"
     if not _usable_url(url):
         raise ConfigError(
             f"{path}.url: expected an http:// or https:// URL without spaces, credentials or a bad "
@@ -253,7 +262,7 @@ def _webhook(spec: dict, path: str) -> dict[str, Any]:
                 f"{path}.headers_env: expected header names of letters, digits and -, got {describe(name)}"
             )
         value = _environment(variable, f"{path}.headers_env.{name}")
-        if not all(32 <= ord(c) < 127 or c == "\t" for c in value):
+        if not _one_printable_line(value):
             raise ConfigError(
                 f"{path}.headers_env.{name}: the value of {variable} holds a line break or a control "
                 "character; expected one line of printable text"
@@ -285,6 +294,22 @@ _VARIABLE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 #: its place (DingTalk's SEC and hex digits, Feishu's mixed case) is a valid name, yet no such
 #: name, and is not shown
 _SHOWN_NAME = re.compile(r"[A-Z_][A-Z0-9_]{0,63}")
+
+
+def _one_printable_line(value: str) -> bool:
+    """Whether a header value is one line of printable ASCII (tabs allowed), as HTTP takes it."""
+    return all(32 <= ord(c) < 127 or c == "\t" for c in value)
+
+
+def _url_shown(url: str) -> str:
+    """A refused URL as its error shows it: the scheme and host only, since its path, query and
+    any user:password may hold a token, and errors go to the job's logs."""
+    try:
+        parts = urlsplit(url)
+        host = parts.hostname or ""
+    except ValueError:  # an unclosed IPv6 bracket
+        return "a URL not shown (it may hold a token)"
+    return f"{parts.scheme}://{host}/... (the rest not shown: it may hold a token)"
 
 
 def _usable_url(url: str) -> bool:

@@ -57,6 +57,22 @@ def test_a_header_variable_unset_since_the_start_is_a_failure_not_an_empty_heade
     assert "the header variable HOOK_TOKEN is not set now" in caplog.text
 
 
+def test_a_header_value_turned_multiline_is_said_as_such_not_as_an_unreachable_endpoint(
+    tmp_path, monkeypatch, caplog, quick
+):
+    server = Server()
+    monkeypatch.setenv("HOOK_TOKEN", TOKEN)
+    sink = {"type": "webhook", "url": server.url, "headers_env": {"Authorization": "HOOK_TOKEN"}}
+    alerts = alerts_of([{**sink, "ranks": "all", "retries": 0}], 0, tmp_path)
+    monkeypatch.setenv("HOOK_TOKEN", f"{TOKEN}\r\nX-Injected: 1")
+    alerts.incident(incident(), None)
+    alerts.close()
+    server.close()
+    assert server.requests == []
+    assert "the value of HOOK_TOKEN holds a line break or a control character now" in caplog.text
+    assert "cannot reach" not in caplog.text and TOKEN not in caplog.text
+
+
 @pytest.mark.parametrize(
     "preset, answer, words",
     [

@@ -287,7 +287,11 @@ def test_a_callback_that_raises_is_reported_once_and_others_still_run(tmp_path, 
         ({"sinks": [{"type": "webhok", "url": "http://x"}]}, "did you mean 'webhook'?"),
         ({"sinks": [{"type": "webhook"}]}, "alert.sinks[0]: expected exactly one of 'url' and 'url_env'"),
         ({"sinks": [{"type": "webhook", "url": "ftp://x/y"}]}, "alert.sinks[0].url: expected an http:// or"),
-        ({"sinks": [{"type": "webhook", "url": "http://x/a b"}]}, "a bad port, got 'http://x/a b'"),
+        ({"sinks": [{"type": "webhook", "url": "http://x/a b"}]}, "a bad port, got http://x/... (the rest"),
+        (
+            {"sinks": [{"type": "webhook", "url": "http://user:s3cr3t@x/hook/t0ken"}]},
+            "credentials or a bad port, got http://x/... (the rest not shown: it may hold a token)",
+        ),
         (
             {"sinks": [{"type": "webhook", "url_env": "TRAINMON_UNSET_VARIABLE"}]},
             "TRAINMON_UNSET_VARIABLE is not set",
@@ -315,7 +319,11 @@ def test_a_callback_that_raises_is_reported_once_and_others_still_run(tmp_path, 
             "alert.sinks[0].path: 'logs/../../escaped.jsonl' leaves the output root",
         ),
         ({"sinks": [{"type": "file", "path": "logs/"}]}, "expected the path of a file, got 'logs/'"),
-        ({"sinks": [{"type": "webhook", "url": "http://127.0.0.1:99999/hook"}]}, "or a bad port, got 'http"),
+        (
+            {"sinks": [{"type": "webhook", "url": "http://127.0.0.1:99999/hook"}]},
+            "or a bad port, got http://127",
+        ),
+        ({"sinks": [{"type": "file", "path": "/tmp"}]}, "alert.sinks[0].path: '/tmp' is a directory"),
         ({"sinks": [{"type": "webhook", "url": "http://[::1/x"}]}, "alert.sinks[0].url: expected an http"),
         ({"sinks": [{"type": "webhook", "url": "http://u:pw@host/x"}]}, "without spaces, credentials"),
         ({"sinks": {"type": "file"}}, "alert.sinks: expected a list of sinks"),
@@ -333,6 +341,15 @@ def test_bad_alert_config_is_refused_at_the_door(alert, words):
     with pytest.raises(ConfigError) as info:
         load_config({"alert": alert})
     assert words in str(info.value)
+    assert "s3cr3t" not in str(info.value) and "t0ken" not in str(info.value)
+
+
+def test_a_file_sink_at_a_directory_under_the_output_root_is_refused_at_the_door(tmp_path, monkeypatch):
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path))
+    (tmp_path / "logs").mkdir()
+    with pytest.raises(ConfigError, match=r"alert\.sinks\[0\]\.path: 'logs' is a directory"):
+        load_config({"alert": {"sinks": [{"type": "file", "path": "logs"}]}})
+    load_config({"alert": {"sinks": [{"type": "file", "path": "logs/incidents.jsonl"}]}})
 
 
 @pytest.mark.parametrize(
