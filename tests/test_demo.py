@@ -149,6 +149,7 @@ def test_demo_reports_a_stop_its_config_asked_for(tmp_path):
     assert len(stopped) == 1 and "incident 1 at step 10" in stopped[0]
     trained = int(done.stdout.split("GPT-like model for ")[1].split(" steps")[0])
     assert 11 <= trained < 20  # the faulty step ran (its update with it), the rest did not
+    assert "at the step the run stopped)." in done.stdout  # its loss is the spiked one, said so
 
 
 def test_console_script_is_installed():

@@ -109,9 +109,11 @@ def _run_demo(args: argparse.Namespace) -> int:
         return 2
     anomalies = summary["anomalies"]
     print()
+    stopped = " at the step the run stopped" if summary["stopped"] else ""
     print(
         f"Trained {summary['parameters']:,}-parameter GPT-like model for {summary['steps']} steps "
-        f"in {summary['seconds']:.1f} s (loss {summary['first_loss']:.3f} -> {summary['last_loss']:.3f})."
+        f"in {summary['seconds']:.1f} s (loss {summary['first_loss']:.3f} -> {summary['last_loss']:.3f}"
+        f"{stopped})."
     )
     if summary["stopped"]:
         print(f"Stopped:     {summary['stopped']}")
@@ -156,5 +158,6 @@ def _run_demo(args: argparse.Namespace) -> int:
     else:
         print(f"Look at it:  tensorboard --logdir {summary['root']}")
         if glob.glob(os.path.join(summary["output_dir"], "*.csv")):  # the trainmon tab reads CSV as is
-            print(f"             after trainmon csv2tb {summary['root']}, TensorBoard's Scalars tab too")
+            print("             (the trainmon tab reads the CSV as it is; for the Scalars tab,")
+            print(f"             run trainmon csv2tb {summary['root']} first)")
     return 0
