@@ -464,32 +464,14 @@ def test_a_rank_whose_activations_fail_leaves_its_mates_per_rank_not_waiting(tmp
     assert not whole["partial"] and pieces["partial"] and pieces["numel"] * 2 == whole["numel"]
 
 
-class FedBlock(torch.nn.Module):
-    """A Block whose input requires a gradient: under column parallelism that gradient reaches
-    the hooks as a partial sum, which the hooks of both ranks complete together."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.pre = torch.nn.Linear(6, 6)
-        self.block = Block()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.block(self.pre(x))
-
-
 def _failing_once_worker(rank: int, world_size: int, workdir: str) -> None:
     import logging
-
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     import adapters.torch.activations as activations_module
     from monitor import TrainerMon
 
-    torch.manual_seed(0)
-    model = FedBlock()
-    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
-    parallelize_module(model, mesh, {"block.up": ColwiseParallel(), "block.down": RowwiseParallel()})
+    layout = LAYOUTS["tp-sequence-parallel"]
+    model, _ = _parallel(layout)
     optimizer = _optimizer(model.parameters())
     mon = TrainerMon({**ACTIVATIONS, "shard_reduce": True}).set_monitor(model, 1, optimizer)
     messages: list[str] = []
@@ -508,19 +490,21 @@ def _failing_once_worker(rank: int, world_size: int, workdir: str) -> None:
     mon_step, grads = [0], []
     for step in range(3):
         mon_step[0] = step
-        _train_step(model, optimizer, Layout(dp=1, tp=2), rank, step)
-        grads.append(mon._latest("actv_grad").get(f"0:block.up.input_grad:0/rank{rank}/actv_grad"))
+        _train_step(model, optimizer, layout, rank, step)
+        grads.append(mon._latest("actv_grad").get(f"0:up.input_grad:0/rank{rank}/actv_grad"))
     mon.stop()
     save_result(workdir, rank, {"messages": messages, "grads": grads})
 
 
 def test_a_rank_whose_activation_hook_fails_still_takes_the_partial_sums_its_mate_waits_in(tmp_path):
-    """The input gradient of a column-parallel layer is a partial sum that the hooks complete
-    with an all-reduce of the mesh: rank 1, whose activation statistics failed once, keeps its
+    """The input gradient of a column-parallel layer that gathers the sequence (the DTensor it
+    makes of its caller's sequence shard) is a partial sum that the hooks complete with an
+    all-reduce of the mesh: rank 1, whose activation statistics failed once, keeps its
     hooks on (said), so rank 0 is not left in that all-reduce alone and both train to the end,
     their rows of the steps after merged as before."""
     first, second = run_ranks(_failing_once_worker, 2, str(tmp_path))
     assert any("actv failed" in m and "stays on" in m for m in second["messages"]), second
     assert not any("switched off" in m for m in first["messages"] + second["messages"])
     for step in (0, 2):
+        assert first["grads"][step] is not None, step
         assert first["grads"][step] == second["grads"][step], step  # merged: the same whole tensor
