@@ -241,11 +241,12 @@ def _webhook(spec: dict, path: str) -> dict[str, Any]:
         url = _environment(url_env, f"{path}.url_env")
     elif not isinstance(url, str):
         raise ConfigError(f"{path}.url: expected an http(s) URL, got {describe(url)}")
-    shown = _url_shown(url) if not url_env else f"the value of {url_env}"
-    if not _usable_url(url):
+    problem = _url_problem(url)
+    if problem:
+        shown = _url_shown(url) if not url_env else f"the value of {url_env}"
         raise ConfigError(
             f"{path}.url: expected an http:// or https:// URL without spaces, credentials or a bad "
-            f"port, got {shown}"
+            f"port, got {shown}: {problem}"
         )
     preset = spec.get("preset", "json")
     if preset not in PRESETS:
@@ -306,23 +307,32 @@ def _url_shown(url: str) -> str:
     any user:password may hold a token, and errors go to the job's logs."""
     try:
         parts = urlsplit(url)
-        host = parts.hostname or ""
+        scheme, host = parts.scheme, parts.hostname or ""
     except ValueError:  # an unclosed IPv6 bracket
+        scheme = host = ""
+    if not (scheme and host):
         return "a URL not shown (it may hold a token)"
-    return f"{parts.scheme}://{host}/... (the rest not shown: it may hold a token)"
+    return f"{scheme}://{host}/... (the rest not shown: it may hold a token)"
 
 
-def _usable_url(url: str) -> bool:
-    """Whether a webhook URL can be posted to: http(s), a host, a port in range (urllib raises
-    on a bad one only when it is read), no user:password (urllib would take it for the host)."""
+def _url_problem(url: str) -> str:
+    """Why a webhook URL cannot be posted to, in words that quote none of it ("" when it can):
+    http(s), a host, a port in range (urllib raises on a bad one only when it is read), no
+    user:password (urllib would take it for the host), no space or control character."""
     if not all(33 <= ord(c) < 127 for c in url):
-        return False
+        return "it holds a space, a control character or a non-ASCII one"
     try:
         parts = urlsplit(url)
         parts.port  # noqa: B018 (read for the ValueError of a port out of range or not a number)
     except ValueError:  # an unclosed IPv6 bracket, a bad port
-        return False
-    return parts.scheme in ("http", "https") and bool(parts.hostname) and parts.username is None
+        return "its host or port cannot be read (a port out of range, an unclosed [ of an IPv6 host)"
+    if parts.scheme not in ("http", "https"):
+        return "it does not begin with http:// or https://"
+    if not parts.hostname:
+        return "it names no host"
+    if parts.username is not None:
+        return "it holds a user name or password (give a token in a header, headers_env)"
+    return ""
 
 
 def _environment(variable: Any, path: str) -> str:

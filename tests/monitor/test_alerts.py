@@ -290,7 +290,11 @@ def test_a_callback_that_raises_is_reported_once_and_others_still_run(tmp_path, 
         ({"sinks": [{"type": "webhook", "url": "http://x/a b"}]}, "a bad port, got http://x/... (the rest"),
         (
             {"sinks": [{"type": "webhook", "url": "http://user:s3cr3t@x/hook/t0ken"}]},
-            "credentials or a bad port, got http://x/... (the rest not shown: it may hold a token)",
+            "got http://x/... (the rest not shown: it may hold a token): it holds a user name or password",
+        ),
+        (
+            {"sinks": [{"type": "webhook", "url": "hooks.example/services/s3cr3t"}]},
+            "got a URL not shown (it may hold a token): it does not begin with http:// or https://",
         ),
         (
             {"sinks": [{"type": "webhook", "url_env": "TRAINMON_UNSET_VARIABLE"}]},
