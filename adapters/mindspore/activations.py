@@ -95,21 +95,25 @@ def select_cells(chunks: Sequence[ms.nn.Cell], config: MonitorConfig) -> list[Ho
     ]
 
 
+#: the dtypes of tensors that are data, not computed values (token ids, labels, masks)
+_INTEGER_TYPES = frozenset((*ms.dtype.int_type, *ms.dtype.uint_type, ms.bool_))
+
+
 class _Held:
     """Tensors of one direction waiting for their statistics, with their row labels."""
 
     def __init__(self) -> None:
         self.rows: list[tuple[int, str, int]] = []
         #: per row, whether its tensor holds integers or booleans (data the rules leave alone)
-        self.data: list[bool] = []
+        self.unjudged: list[bool] = []
         self.tensors: list[ms.Tensor] = []
         self.numel = 0
-        #: statistics already taken this step: (rows, their data flags, float64 matrix on the device).
+        #: statistics already taken this step: (rows, their unjudged flags, float64 matrix on the device).
         self.blocks: list[tuple[list[tuple[int, str, int]], list[bool], ms.Tensor]] = []
 
     def add(self, vpp: int, names: list[str], micro: int, tensors: list[ms.Tensor]) -> None:
         self.rows.extend((vpp, name, micro) for name in names)
-        self.data.extend(t.dtype not in ms.dtype.float_type for t in tensors)
+        self.unjudged.extend(t.dtype in _INTEGER_TYPES for t in tensors)
         self.tensors.extend(tensors)
         self.numel += sum(int(np.prod(t.shape, dtype=np.int64)) for t in tensors)
 
@@ -125,8 +129,8 @@ class _Held:
         else:
             distinct = list({id(t): t for t in self.tensors}.values())
             matrix = ops.gather(engine.matrix(distinct), ms.Tensor(np.array(slots, dtype=np.int32)), 0)
-        self.blocks.append((self.rows, self.data, matrix))
-        self.rows, self.data, self.tensors, self.numel = [], [], [], 0
+        self.blocks.append((self.rows, self.unjudged, matrix))
+        self.rows, self.unjudged, self.tensors, self.numel = [], [], [], 0
 
 
 class RootCalls:
@@ -335,11 +339,11 @@ class Activations:
             held.describe(self.engine)
             if held.blocks:
                 rows = [row for block_rows, _, _ in held.blocks for row in block_rows]
-                data = [flag for _, block_data, _ in held.blocks for flag in block_data]
+                unjudged = [flag for _, block_flags, _ in held.blocks for flag in block_flags]
                 matrices = [matrix for _, _, matrix in held.blocks]
                 vpp, names, micro = zip(*rows)
                 matrix = matrices[0] if len(matrices) == 1 else ops.concat(matrices)
-                out.append((prefix, RowSet.build(vpp, names, rank, prefix, micro, data), matrix))
+                out.append((prefix, RowSet.build(vpp, names, rank, prefix, micro, unjudged), matrix))
         self.reset()
         return out
 
