@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return 2
     commands = next(a.choices for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    if given and not given[0].startswith("-") and given[0] not in commands:
+    if not given[0].startswith("-") and given[0] not in commands:
         from monitor.config.values import did_you_mean
 
         hint = did_you_mean(given[0], commands)

@@ -7,7 +7,9 @@ wrap nothing, so, unlike full backward hooks (which torch implements by routing 
 an identity Function), an in-place op after the module or a view returned by it keeps working,
 and nothing global is patched (msprobe registers global hooks). ``input_grad`` is therefore the
 gradient of the loss with respect to the tensor the module received; when that tensor also
-feeds other modules it includes their contributions.
+feeds other modules it includes their contributions. Under tensor parallelism, where the module
+receives a DTensor made from its caller's replicated tensor, the caller's tensor is the one
+watched (sharded.tp_activations.as_passed), so that those contributions are in it too.
 
 Micro-steps are counted by a pre-hook on each model chunk's root (one call per micro-batch); a
 forward inside a backward pass (activation-checkpoint recompute) is recognised as
@@ -31,7 +33,7 @@ import torch
 
 from adapters.torch.compiled import traced
 from adapters.torch.dist import dtensor_type, local_tensor
-from adapters.torch.hooked_modules import HookedModule, select
+from adapters.torch.hooked_modules import HookedModule, direction_tensors_of
 from adapters.torch.micro_steps import MicroSteps
 from adapters.torch.sharded.tp_activations import Piece, TensorParallelMerge, as_passed
 from adapters.torch.stats import stack_rows, tensor_stats
@@ -42,11 +44,11 @@ from monitor.session.collection import UnendedStep
 logger = logging.getLogger("trainmon")
 
 
-def _row_set(rows: list[tuple[int, str, int]], rank: int, task: str, data: list[bool]) -> RowSet:
-    """The RowSet of a step's ``(vpp_stage, name, micro_step)`` rows; ``data``: which rows are
-    tensors of integers or booleans, left unjudged."""
+def _row_set(rows: list[tuple[int, str, int]], rank: int, task: str, unjudged: list[bool]) -> RowSet:
+    """The RowSet of a step's ``(vpp_stage, name, micro_step)`` rows; ``unjudged``: which rows are
+    tensors of integers or booleans."""
     vpp, names, micro = zip(*rows)
-    return RowSet.build(vpp, names, rank, task, micro, data)
+    return RowSet.build(vpp, names, rank, task, micro, unjudged)
 
 
 class Activations:
@@ -80,7 +82,7 @@ class Activations:
         self._rows: dict[str, list[tuple[int, str, int]]] = {"actv": [], "actv_grad": []}
         self._stats: dict[str, list[list[float] | torch.Tensor]] = {"actv": [], "actv_grad": []}
         #: per row, whether its tensor holds integers or booleans (data the rules leave alone)
-        self._data: dict[str, list[bool]] = {"actv": [], "actv_grad": []}
+        self._unjudged: dict[str, list[bool]] = {"actv": [], "actv_grad": []}
         #: with ``merge``: each row's mesh tag (None: left per rank), and the spread of the raw
         #: outputs of each module's last call, seen before tensor parallelism makes them local
         self.merge = merge
@@ -133,7 +135,7 @@ class Activations:
 
     def _spread(self, index: int, output: Any) -> None:
         try:
-            tensors = select(self.modules[index], "output", output)
+            tensors = direction_tensors_of(self.modules[index], "output", output)
             self._spreads[index] = [self.merge.spread(t) for t in tensors]
         except Exception as exc:
             self.failed("actv", exc)
@@ -165,7 +167,7 @@ class Activations:
             entry = self.modules[index]
             micro = self.micro.of(entry.vpp_stage)
             recompute = torch._C._current_graph_task_id() != -1
-            tensors = select(entry, "input", (*args, *kwargs.values()) if kwargs else args)
+            tensors = direction_tensors_of(entry, "input", (*args, *kwargs.values()) if kwargs else args)
             name = self._call_name(index, micro, recompute)
             tags = self._known_tags(tensors) if self.merge is not None else None
             if self.forward and not recompute:
@@ -175,7 +177,7 @@ class Activations:
                 watched, watched_tags = tensors, tags
                 if passed is not None:
                     watched, watched_tags = as_passed(
-                        tensors, tags, select(entry, "input", passed), self._dtensor
+                        tensors, tags, direction_tensors_of(entry, "input", passed), self._dtensor
                     )
                 self._watch(entry.vpp_stage, f"{name}.input_grad", micro, watched, watched_tags)
             if self._keep_left and not recompute:
@@ -220,7 +222,7 @@ class Activations:
             entry = self.modules[index]
             micro = self.micro.of(entry.vpp_stage)
             recompute = torch._C._current_graph_task_id() != -1
-            tensors = select(entry, "output", output)
+            tensors = direction_tensors_of(entry, "output", output)
             name = self._call_name(index, micro, recompute)
             tags = self._output_tags(index, tensors) if self.merge is not None else None
             if self.forward and not recompute:
@@ -276,7 +278,7 @@ class Activations:
                 row_tags.append(tag)
         self._rows[prefix].extend((vpp, n, micro) for n in row_names(name, len(tensors)))
         self._stats[prefix].extend(rows)
-        self._data[prefix].extend(not (t.is_floating_point() or t.is_complex()) for t, _ in resolved)
+        self._unjudged[prefix].extend(not (t.is_floating_point() or t.is_complex()) for t, _ in resolved)
         if self.merge is not None:
             self._tags[prefix].extend(row_tags)
 
@@ -348,10 +350,10 @@ class Activations:
             )
         out = []
         for prefix, task in (("actv", "actv"), ("actv_grad", "actv_grad")):
-            rows, data = self._rows[prefix], self._data[prefix]
+            rows, unjudged = self._rows[prefix], self._unjudged[prefix]
             if rows:
-                build = functools.partial(_row_set, rows, rank, task, data)
-                row_set = self._same_rows[prefix].get((rows, data), build)
+                build = functools.partial(_row_set, rows, rank, task, unjudged)
+                row_set = self._same_rows[prefix].get((rows, unjudged), build)
                 out.append((prefix, row_set, matrices[prefix]))
         self.reset()
         return out
@@ -373,5 +375,5 @@ class Activations:
         for prefix in self._rows:
             self._rows[prefix] = []
             self._stats[prefix] = []
-            self._data[prefix] = []
+            self._unjudged[prefix] = []
             self._tags[prefix] = []

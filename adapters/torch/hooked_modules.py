@@ -31,7 +31,7 @@ class HookedModule:
     warned: set[str] = dataclasses.field(default_factory=set)
 
 
-def select(entry: HookedModule, direction: str, obj: Any) -> list[torch.Tensor]:
+def direction_tensors_of(entry: HookedModule, direction: str, obj: Any) -> list[torch.Tensor]:
     """The tensors of one direction: per the 1.2.2 format string if given and it fits, else all of them."""
     return direction_tensors(entry.name, entry.formats, entry.warned, direction, obj, _is_tensor)
 

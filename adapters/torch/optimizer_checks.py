@@ -66,10 +66,10 @@ def _switched_on(part: str, config: Any) -> bool:
 _ATTACH_AFTER_WRAPPER = (
     "attach after a wrapper that takes the parameters over is made (deepspeed.initialize), passing it"
 )
-#: what to do where sharding made the model's parameters anew after set_monitor or the optimizer
+#: what to do where the model's parameters were made anew after set_monitor or the optimizer
 _AFTER_SHARDING = (
-    "shard or parallelize the model first (fully_shard, FSDP, parallelize_module), then build the "
-    "optimizer from its parameters, then attach"
+    "build the model fully first (sharded, parallelized or wrapped: fully_shard, FSDP, "
+    "parallelize_module), then the optimizer from its parameters, then attach"
 )
 
 
@@ -92,7 +92,10 @@ def taken_over(
         return why, _ATTACH_AFTER_WRAPPER, OPTIMIZER_SIDE + PARAMETER_SIDE
     now = {id(param) for param in model_params}
     if not any(id(param) in now for param in trained):
-        why = "the model's parameters were made anew after set_monitor: the monitored ones take no part"
+        why = (
+            "the model's parameters were made anew after set_monitor (sharded, parallelized or "
+            "wrapped): the monitored ones take no part"
+        )
         return why, _AFTER_SHARDING, OPTIMIZER_SIDE + PARAMETER_SIDE
     held = {id(tensor) for group in backend.optimizer.param_groups for tensor in group["params"]}
     if any(id(param) in held for param in trained):

@@ -1,4 +1,5 @@
-"""A monitoring session, framework-free: ``TrainerMon`` (``trainer``), what every adapter's
+"""A monitoring session, framework-free: ``TrainerMon`` (``trainer``; the checks of
+``set_monitor``'s arguments in ``attach_arguments``), what every adapter's
 session shares (``lifecycle``: start, stop, ending a step), its collections (``collection``), which
 steps are collected (``schedule``), live reconfiguration (``dynamic``), and the core that turns a
 step's records into files, detection and the latest values (``core``, ``run_info``); msprobe's

@@ -15,25 +15,18 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from monitor.config.schema import MonitorConfig, load_config
+from monitor.session.attach_arguments import (
+    check_compilation,
+    check_counts,
+    framework_of,
+    msprobe_argument_order,
+)
 from monitor.session.dynamic import DynamicControl, dynamic_mode
 from monitor.session.old_names import MsprobeOldNames
 
 logger = logging.getLogger("trainmon")
 #: ``{tag: {op: value}}`` of one data type, as the accessors return it
 Metrics = dict[str, dict[str, float]]
-
-
-def _framework_of(model: Any) -> str:
-    """'torch' or 'mindspore', from the model's class hierarchy (no framework import)."""
-    first = model[0] if isinstance(model, (list, tuple)) and model else model
-    for cls in type(first).__mro__:
-        root = cls.__module__.split(".", 1)[0]
-        if root in ("torch", "mindspore"):
-            return root
-    raise TypeError(
-        f"set_monitor: model: expected a torch.nn.Module, a mindspore.nn.Cell or a list of them, "
-        f"got {type(first).__name__}"
-    )
 
 
 class TrainerMon(MsprobeOldNames):
@@ -117,31 +110,12 @@ class TrainerMon(MsprobeOldNames):
         Raises:
             ValueError / TypeError: a bad argument (named in the message).
         """
-        if not isinstance(grad_acc_steps, int) and (optimizer is None or isinstance(optimizer, int)):
-            grad_acc_steps, optimizer = (1 if optimizer is None else optimizer), grad_acc_steps
-        if isinstance(grad_acc_steps, bool) or not isinstance(grad_acc_steps, int) or grad_acc_steps < 1:
-            raise ValueError(f"set_monitor: grad_acc_steps: expected an integer >= 1, got {grad_acc_steps!r}")
-        if isinstance(start_iteration, bool) or not isinstance(start_iteration, int) or start_iteration < 0:
-            raise ValueError(
-                f"set_monitor: start_iteration: expected an integer >= 0, got {start_iteration!r}"
-            )
+        grad_acc_steps, optimizer = msprobe_argument_order(grad_acc_steps, optimizer)
+        check_counts(grad_acc_steps, start_iteration)
         if self._session is not None and not self._stopped:
             raise RuntimeError("set_monitor: this TrainerMon is already attached; call stop() first")
-        if graph_mode is not None and not isinstance(graph_mode, bool):
-            raise ValueError(f"set_monitor: graph_mode: expected true, false or None, got {graph_mode!r}")
-        if not isinstance(compiled, bool):
-            raise ValueError(f"set_monitor: compiled: expected true or false, got {compiled!r}")
-        framework = _framework_of(model)
-        if framework != "torch" and compiled:
-            raise ValueError(
-                "set_monitor: compiled: PyTorch only (a MindSpore step compiled with jit: "
-                f"graph_mode=True), got {compiled!r}"
-            )
-        if framework == "torch" and graph_mode is not None:
-            raise ValueError(
-                "set_monitor: graph_mode: MindSpore only (torch.compile runs the monitor's hooks: "
-                f"leave it out), got {graph_mode!r}"
-            )
+        framework = framework_of(model)
+        check_compilation(framework, graph_mode, compiled)
         if framework == "torch":
             from adapters.torch.session import TorchSession as Session
         else:

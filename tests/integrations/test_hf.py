@@ -34,7 +34,7 @@ def test_a_step_shorter_than_grad_acc_steps_is_said_once(tmp_path, trainmon_log)
     assert len(said) == 1 and "had 1 micro-batch(es)" in said[0], said
 
 
-def test_a_model_the_trainer_compiles_has_eagers_activations_from_the_first_step(
+def test_a_model_the_trainer_compiles_has_eager_activations_from_the_first_step(
     tmp_path, trainmon_log, monkeypatch
 ):
     """torch_compile: the Trainer hands the callback the model it runs compiled; the callback says

@@ -271,9 +271,7 @@ def test_activations_take_their_micro_step_from_lightnings_micro_batches(tmp_pat
         assert written[key] == pytest.approx(norm, rel=1e-5), key
 
 
-def test_a_module_fit_compiled_has_eagers_activations_from_the_first_step(
-    tmp_path, trainmon_log, monkeypatch
-):
+def test_a_module_fit_compiled_has_eager_activations_from_the_first_step(tmp_path, trainmon_log, monkeypatch):
     """fit(torch.compile(module)): Lightning unwraps the module and compiles its methods; the
     callback says so, so the first collected step runs eagerly with every activation row, as the
     later ones do (uncollected steps between run the compiled code)."""

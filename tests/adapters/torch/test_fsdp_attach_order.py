@@ -68,6 +68,6 @@ def test_sharding_after_the_optimizer_or_the_monitor_is_said_once_without_errors
     for rank, result in enumerate(run_ranks(functools.partial(_worker, order=order), 2, str(tmp_path))):
         said = [m for m in result["said"] if "would describe none of this training" in m]
         assert len(said) == 1, result["said"]
-        assert "shard or parallelize the model first" in said[0] and "then attach" in said[0]
+        assert "build the model fully first" in said[0] and "then attach" in said[0]
         assert not [m for m in result["said"] if m.startswith(("ERROR", "CRITICAL"))], result["said"]
         assert result["written"] == {"param_origin": 0, "param_updated": 0, "exp_avg": 0}, (rank, result)
