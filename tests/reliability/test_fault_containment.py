@@ -187,7 +187,9 @@ def _raising(function: Callable, when: Callable[..., bool] = lambda *a, **k: Tru
 
 
 def _break_module_forward_hooks(monkeypatch, mon):
-    monkeypatch.setattr(activations_module, "_select", _raising(activations_module._select))
+    monkeypatch.setattr(
+        activations_module, "direction_tensors_of", _raising(activations_module.direction_tensors_of)
+    )
 
 
 def _break_activation_gradient_hooks(monkeypatch, mon):
