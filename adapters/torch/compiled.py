@@ -107,8 +107,8 @@ class CompiledModel:
             self._said_late = True
             logger.warning(
                 "trainmon: compiled code ran the monitor's hooks, a model compiled as a whole that "
-                "set_monitor got uncompiled (as the Hugging Face Trainer and Lightning pass it), or a "
-                "compiled forward or function: the hooks inside it recorded nothing at step %d; from "
+                "set_monitor got uncompiled without compiled=True, or a compiled forward or "
+                "function: the hooks inside it recorded nothing at step %d; from "
                 "the next step on, steps they measure run it eagerly. Pass the compiled model, or "
                 "compiled=True, to set_monitor to record that step too.",
                 self._step,

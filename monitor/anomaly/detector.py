@@ -96,13 +96,14 @@ class Detector:
         if index is None and len(self._rows[record.prefix]) != len(record.rows):
             index = np.arange(len(record.rows))  # the table grew since: no longer the whole state
         states = self._grown_states(record.prefix, record.ops)
-        norms = self._norm_moves(record, values, index)
+        #: rows no rule judges (integer inputs), as a column to mask cells with
+        unjudged = None if record.rows.unjudged is None else np.asarray(record.rows.unjudged)[:, None]
+        norms = self._norm_moves(record, values, index, unjudged)
         scale = _element_scale(values, record.ops)
         rows, cols, ids, baselines = [], [], [], []
         reported = np.zeros(values.shape, dtype=bool)
         share = record.prefix in SHARE_PREFIXES and "norm" in record.ops  # rows of a share of 0: unjudged
         shares_of_zero = values[:, record.ops.index("norm")] == 0 if share else None
-        unjudged = None if record.rows.unjudged is None else np.asarray(record.rows.unjudged)[:, None]
         if self.non_finite:
             reported = non_finite_cells(values, record.ops)
             if reported.any():
@@ -192,10 +193,11 @@ class Detector:
     # -- levels: how far each norm is from where it was, and from its data type's common move
 
     def _norm_moves(
-        self, record: StepRecord, values: np.ndarray, index: np.ndarray | None
+        self, record: StepRecord, values: np.ndarray, index: np.ndarray | None, unjudged: np.ndarray | None
     ) -> tuple[np.ndarray, np.ndarray] | None:
-        """log|norm| of the record's rows and each row's move from its level (NaN where unknown);
-        None without a ``norm`` op. Only norms have levels: a ratio of means or minima says little."""
+        """log|norm| of the record's rows and each row's move from its level (NaN where unknown, and
+        on ``unjudged`` rows); None without a ``norm`` op. Only norms have levels: a ratio of means
+        or minima says little."""
         if "norm" not in record.ops:
             return None
         level, count = self._level_arrays(record.prefix)
@@ -205,8 +207,8 @@ class Detector:
             level, count = level[index], count[index]
         with np.errstate(invalid="ignore"):
             moves = np.where((count > 0) & np.isfinite(logs), logs - level, np.nan)
-        if record.rows.unjudged is not None:  # the data's rows move neither with nor against the rest
-            moves[np.asarray(record.rows.unjudged)] = np.nan
+        if unjudged is not None:  # the data's rows move neither with nor against the rest
+            moves[unjudged[:, 0]] = np.nan
         return logs, moves
 
     def _norm_levels(
