@@ -180,6 +180,10 @@ def _inputs_line(inputs: Mapping[str, Any] | None) -> list[str]:
     return [line]
 
 
+def _batch_ids(ids: Any) -> str:
+    return json.dumps(ids) if ids else "not named (mon.set_batch_ids)"
+
+
 def describe_bundle(bundle: Bundle) -> str:
     """The text ``trainmon bundle show`` prints: the incident, where it ran, and each tensor."""
     m = bundle.manifest
@@ -193,7 +197,7 @@ def describe_bundle(bundle: Bundle) -> str:
         f"written at the end of step {m.get('written_at_step')}",
         f"root: {root.get('tag_name')} {root.get('op', '')} = {root.get('value')} ({root.get('rule')})",
         *(f"  - {line}" for line in incident.get("evidence", [])),
-        f"batch ids: {json.dumps(incident.get('batch_ids') or None)}",
+        f"batch ids: {_batch_ids(incident.get('batch_ids'))}",
         f"rank {topology.get('rank')} of {topology.get('world_size')}, pipeline stage "
         f"{topology.get('pp_stage')}, model chunks {topology.get('chunks')}",
         *_groups_line(topology.get("groups") or {}),

@@ -99,7 +99,7 @@ first micro-step and whole-step rows (reduced gradients, optimizer) after its la
 (parameters < forward < backward < optimizer < unknown task); pipeline stage (earlier first in
 forward, later first in backward/optimizer); call_id, rank, tag, op.
 call_id is the collection order within one step on ONE rank; it is only comparable within a rank.
-exit status: 0 done, 1 output not written, 2 bad input."""
+exit status: 0 done, 1 output not written, 2 bad input (also when no anomaly file can be read)."""
 
 
 class UsageError(Exception):
@@ -178,6 +178,13 @@ def report_anomalies(paths: list[str], k: int, steps: frozenset[int] | None, out
     OUT/incidents_analyse.json and OUT/anomaly_analyse.json, print both tables; exit status."""
     incidents, with_incidents = _merged_incidents(paths, steps)
     records, summary = collect(paths, k, steps)
+    if summary.files_read == 0 and not with_incidents:  # "0 anomalies" would read as an all-clear
+        print(
+            f"anomaly-analyse: error: no anomaly file could be read ({summary.files_skipped} skipped, "
+            "each named above); nothing written",
+            file=sys.stderr,
+        )
+        return 2
     out_file = os.path.join(out_dir, OUTPUT_NAME)
     incidents_file = os.path.join(out_dir, incident_files.OUTPUT_NAME)
     status = 0

@@ -217,7 +217,7 @@ def run(args: argparse.Namespace) -> int:
     except UsageError as exc:
         print(f"anomaly-analyse: error: {exc}", file=sys.stderr)
         return 2
-    status = 0
+    status, ranking_status = 0, 0
     anomaly_dir = os.path.join(run_.data_dir, "anomaly_detected")
     paths = analyse.find_anomaly_files(anomaly_dir) if os.path.isdir(anomaly_dir) else []
     later = rank_csv.newer_run_than(run_.data_dir, run_.rank_dirs) if paths else None
@@ -230,7 +230,7 @@ def run(args: argparse.Namespace) -> int:
             )
     if paths:  # the ranking goes where the plain command writes it: beside the anomaly files
         ranking_dir = run_.out_dir if args.out_path else anomaly_dir
-        status = analyse.report_anomalies(paths, run_.k, run_.steps, ranking_dir)
+        ranking_status = analyse.report_anomalies(paths, run_.k, run_.steps, ranking_dir)
     else:
         with analyse.stdout_guard():
             print(
@@ -248,7 +248,7 @@ def run(args: argparse.Namespace) -> int:
         status = 1
     with analyse.stdout_guard():
         _print_section(doc, run_.k, out_file if status == 0 else None, len(run_.rank_dirs))
-    return status
+    return max(status, ranking_status)
 
 
 def _print_section(doc: dict, k: int, out_file: str | None, rank_count: int) -> None:

@@ -341,7 +341,8 @@ def test_a_huge_anomaly_file_and_a_truncated_one(tmp_path):
 
 
 def test_the_module_entry_point_documents_its_exit_codes(tmp_path):
-    """``python -m monitor.anomaly_analyse``: 2 with one line for a bad path, 0 when files are skipped."""
+    """``python -m monitor.anomaly_analyse``: 2 with one line for a bad path, and when no file can be
+    read (an empty result would read as a run without anomalies); 0 when some are skipped."""
     command = [sys.executable, "-m", "monitor.anomaly_analyse", "-d"]
     missing = subprocess.run([*command, str(tmp_path / "nowhere")], capture_output=True, text=True)
     assert missing.returncode == 2
@@ -349,9 +350,15 @@ def test_the_module_entry_point_documents_its_exit_codes(tmp_path):
     (tmp_path / "run" / "rank0").mkdir(parents=True)
     (tmp_path / "run" / "rank0" / "anomaly.json").write_bytes(b'{"a": {"step": 1')
     skipped = subprocess.run([*command, str(tmp_path / "run")], capture_output=True, text=True)
-    assert skipped.returncode == 0, skipped.stderr
-    assert skipped.stdout.rstrip().splitlines()[-1] == "0 records from 0 files; skipped 1 file, 0 records"
+    assert skipped.returncode == 2 and skipped.stdout == ""
     assert "Traceback" not in skipped.stderr and "not valid JSON" in skipped.stderr
+    assert "no anomaly file could be read (1 skipped" in skipped.stderr
+    assert not (tmp_path / "run" / "anomaly_analyse.json").exists()
+    (tmp_path / "run" / "rank1").mkdir()
+    (tmp_path / "run" / "rank1" / "anomaly.json").write_text(json.dumps({}))
+    some = subprocess.run([*command, str(tmp_path / "run")], capture_output=True, text=True)
+    assert some.returncode == 0, some.stderr
+    assert some.stdout.rstrip().splitlines()[-1] == "0 records from 1 file; skipped 1 file, 0 records"
 
 
 def test_non_finite_and_huge_numbers_in_a_record_are_not_a_crash(tmp_path):

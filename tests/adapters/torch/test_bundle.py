@@ -95,6 +95,7 @@ def test_the_bundle_holds_the_faulty_tensors_and_the_generators_of_its_step(tmp_
         in shown
     )
     assert "random generator states: numpy, python, torch\n" in shown
+    assert f'batch ids: [{{"micro_step": 0, "ids": [{AT}]}}]\n' in shown
     grad_line = next(line for line in shown.splitlines() if f"0:{FAULTY} grad" in line)
     assert "float32 (12, 16)" in grad_line and f"nan {int(np.isnan(copy['grad']).sum())}" in grad_line
 
@@ -121,7 +122,9 @@ def test_a_skipped_update_keeps_the_gradient_it_dropped_in_the_bundle(tmp_path, 
     bundle = load_bundle(tmp_path / "anomaly_detected" / "rank0" / "bundle_incident1")
     assert _same(bundle.tensors[f"0:{FAULTY} grad"], dropped)
     assert _same(bundle.tensors[f"0:{FAULTY} value"], before)  # the update was skipped
-    assert "which the skipped update did not use" in _shown(bundle.path)
+    shown = _shown(bundle.path)
+    assert "which the skipped update did not use" in shown
+    assert "batch ids: not named (mon.set_batch_ids)\n" in shown  # the loop named none
 
 
 def test_tensors_over_the_size_limit_are_listed_not_written(tmp_path, monkeypatch):
