@@ -215,16 +215,24 @@ class CommandSink:
     The program runs in a process group of its own, which a timeout ends whole (a script's
     children too, so a late page cannot follow the retry), and without the environment variables
     that hold the webhooks' secrets (``hidden``). One still running when the run ends is ended
-    the same way (``abandon``): it was started in a session of its own, which nothing else ends."""
+    the same way (``abandon``): it was started in a session of its own, which nothing else ends;
+    after that no program starts (a retry under way would otherwise start one that outlives the
+    run)."""
 
     def __init__(self, spec: SinkSpec, hidden: Collection[str] = ()) -> None:
         self.spec = spec
         self.hidden = frozenset(hidden)
         self._running: subprocess.Popen | None = None
+        #: held while a program starts, so that ``abandon`` sees it or prevents it
+        self._starting = threading.Lock()
+        self._abandoned = False
 
     def abandon(self) -> None:
-        """End the program under way, if any, with its process group (from another thread)."""
-        process = self._running
+        """End the program under way, if any, with its process group, and start none after it
+        (called from another thread)."""
+        with self._starting:
+            self._abandoned = True
+            process = self._running
         if process is not None and process.poll() is None:
             try:
                 os.killpg(process.pid, signal.SIGKILL)
@@ -234,18 +242,21 @@ class CommandSink:
     def deliver(self, message: Message) -> None:
         text = json.dumps(message, allow_nan=False, default=str)
         environment = {k: v for k, v in os.environ.items() if k not in self.hidden}
-        try:
-            process = subprocess.Popen(
-                list(self.spec.argv),
-                stdin=subprocess.PIPE,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.PIPE,
-                env=environment,
-                start_new_session=True,
-            )
-        except OSError as exc:  # not its message: it quotes the whole command line
-            raise OSError(f"cannot start the program ({exc.strerror or type(exc).__name__})") from None
-        self._running = process
+        with self._starting:
+            if self._abandoned:
+                raise OSError("not started: the run has ended")
+            try:
+                process = subprocess.Popen(
+                    list(self.spec.argv),
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.PIPE,
+                    env=environment,
+                    start_new_session=True,
+                )
+            except OSError as exc:  # not its message: it quotes the whole command line
+                raise OSError(f"cannot start the program ({exc.strerror or type(exc).__name__})") from None
+            self._running = process
         try:
             _, error_text = process.communicate(text.encode("utf-8"), timeout=self.spec.timeout_s)
         except subprocess.TimeoutExpired:

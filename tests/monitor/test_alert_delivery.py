@@ -195,6 +195,24 @@ def test_a_command_still_running_when_the_run_ends_is_ended_with_its_children(tm
     assert "1 alert message(s) not delivered" in caplog.text
 
 
+def test_a_retry_after_the_run_ended_its_command_starts_no_program(tmp_path, quick):
+    """Once the run's end abandoned the command, a retry still under way on the delivery thread
+    would start a program in a session of its own that outlives the run and pages late."""
+    started = tmp_path / "started"
+    program = f"open({str(started)!r}, 'a').write('x')"
+    sink = {"type": "command", "argv": [sys.executable, "-c", program], "ranks": "all"}
+    alerts = alerts_of([sink], 0, tmp_path)
+    command = alerts.channels[0].sink
+    command.deliver({"step": 1})
+    assert started.read_text() == "x"  # the program runs while the run goes on
+    command.abandon()
+    with pytest.raises(OSError, match="not started: the run has ended"):
+        command.deliver({"step": 2})
+    alerts.close()
+    time.sleep(0.5)  # a program started anyway would have written by now
+    assert started.read_text() == "x"
+
+
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as handle:
