@@ -81,6 +81,10 @@ class UnreducedGrads:
         #: micro-batch a step, rows per step, host memory), which are then kept to be recognised
         self._reusable = not per_micro_batch and grad_acc_steps == 1 and host_memory() and world_size() == 1
 
+    def passes(self) -> int:
+        """Backward passes counted in the current step so far."""
+        return max(self._micro, default=0)
+
     def register(self) -> list:
         """Register one hook per monitored parameter; returns the removable handles."""
         return [entry.param.register_hook(self._hook(i)) for i, entry in enumerate(self.registry.params)]

@@ -125,6 +125,10 @@ class UnreducedGrads:
         self.merge: TensorParallelMerge | None = None
         self.tags: dict[int, Piece | None] = {}
 
+    def passes(self) -> int:
+        """Backward passes counted in the current step so far."""
+        return max(self._micro, default=0)
+
     @property
     def task(self) -> str:
         """The task of the rows' tags."""

@@ -74,8 +74,8 @@ class BaseCollection(ABC):
     Adapters set the parts they build (``grads``, ``activations``, ``structure``, ``stacks``,
     ``collectives``, ``core``, ``_rows``) and implement ``_submit`` and ``_submit_collectives``.
     Every part keeps the same small interface across frameworks: ``reset()``
-    and a ``collect`` flag for gradients and activations, ``begin_step``/``remove`` for
-    collectives.
+    and a ``collect`` flag for gradients and activations (``passes()`` for gradients too),
+    ``begin_step``/``remove`` for collectives.
     """
 
     #: this rank holds one pipeline stage's part of the model (set by the adapters at attach)
@@ -385,6 +385,10 @@ class BaseCollection(ABC):
         logger.error(
             "trainmon: %s failed and is switched off (%r); training continues", part, exc, exc_info=exc
         )
+
+    def passes_in_step(self) -> int:
+        """Backward passes the current step's gradients have seen so far (0 where no part counts them)."""
+        return self.grads.passes() if self.grads is not None else 0
 
     def remove(self) -> None:
         """Remove every hook of this collection and close its outputs (idempotent)."""

@@ -111,8 +111,8 @@ class SessionLifecycle(IncidentResponses, ABC):
         self._steps_at_stop: int | None = None
         #: stop() removed the optimizer's hooks: nothing counts the steps until start()
         self._stopped_hooks = False
-        #: the step and the optimizer's own update count at attach
-        self._seen_from: tuple[int, int | None] = (step, None)
+        #: the step and the optimizer's own update count at attach (None: not attached, or said)
+        self._seen_from: tuple[int, int | None] | None = None
         self._init_responses()
 
     def _attach(self, dormant: bool) -> None:
@@ -249,20 +249,24 @@ class SessionLifecycle(IncidentResponses, ABC):
 
     def stop(self) -> None:
         """Remove every hook and close the outputs (idempotent); queued alerts are delivered."""
+        passes = self.collection.passes_in_step() if self.collection is not None else 0
         self._end_collection()
         if self._hooks:
             self._steps_at_stop = self._optimizer_step_count()
             self._stopped_hooks = True
-        self._say_unseen_updates()
+        self._say_unseen_updates(passes)
         self._detach_optimizer_hooks()
         self._close_alerts()
 
-    def _say_unseen_updates(self) -> None:
-        """At stop(): the optimizer updated while attached, yet no step was counted (a compiled
-        step runs no hook): nothing was recorded, which is said instead of left to be found."""
-        step, updates = self._seen_from
-        self._seen_from = (step, None)  # said at the first stop() only
-        now = self._optimizer_step_count() if updates is not None and self.step == step else None
+    def _say_unseen_updates(self, passes: int) -> None:
+        """At stop(): the optimizer updated while attached, or the gradients saw ``passes``
+        backward passes, yet no step was counted (a compiled step runs no hook; an optimizer made
+        anew steps unwatched): nothing was recorded, which is said instead of left to be found."""
+        if self._seen_from is None or self.step != self._seen_from[0]:
+            return
+        updates = self._seen_from[1] or 0  # an optimizer keeps no count before its first update
+        self._seen_from = None  # said at the first stop() only
+        now = self._optimizer_step_count()
         if now is not None and now > updates:
             logger.warning(
                 "trainmon: the optimizer made %d update(s) while attached and the monitor saw none, so "
@@ -270,6 +274,13 @@ class SessionLifecycle(IncidentResponses, ABC):
                 "step_end() after each step, as the Model.train callback does; a jit step: "
                 "set_monitor(..., graph_mode=True))",
                 now - updates,
+            )
+        elif passes:
+            logger.warning(
+                "trainmon: %d backward pass(es) while attached, yet the optimizer given to set_monitor "
+                "never stepped, so nothing was recorded: is it the one that steps (not one made anew "
+                "after set_monitor, say after loading a checkpoint)?",
+                passes,
             )
 
     # -- what each framework provides --------------------------------------------------------

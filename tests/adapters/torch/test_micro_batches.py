@@ -301,3 +301,27 @@ def test_backward_passes_with_no_step_of_the_monitored_optimizer_are_said_once(t
     if per_micro_batch:  # per step, the rows are one per parameter by construction
         assert 0 < held <= len(list(model.parameters()))
     assert held_activations <= 4 * len(list(model.modules()))  # one pass's inputs and outputs at most
+
+
+def test_a_short_run_whose_monitored_optimizer_never_stepped_is_said_at_stop(trainmon_log):
+    """Too short for the warning above: stop() says that nothing was recorded and why; a run whose
+    monitored optimizer steps, and one that never trained, say nothing of it."""
+
+    def said(make_anew: bool, steps: int) -> list[str]:
+        torch.manual_seed(0)
+        model = MLP()
+        monitored = torch.optim.SGD(model.parameters(), lr=0.1)
+        stepping = torch.optim.SGD(model.parameters(), lr=0.1) if make_anew else monitored
+        mon = TrainerMon(CONFIG)
+        mon.set_monitor(model, grad_acc_steps=1, optimizer=monitored)
+        for (x,) in make_batches(steps, 1):
+            _loss(model, x).backward()
+            stepping.step()
+            stepping.zero_grad()
+        mon.stop()
+        mon.stop()  # said once
+        return [r.getMessage() for r in trainmon_log.records if "never stepped" in r.getMessage()]
+
+    assert said(make_anew=False, steps=5) == [] and said(make_anew=True, steps=0) == []
+    warned = said(make_anew=True, steps=5)
+    assert len(warned) == 1 and warned[0].startswith("trainmon: 5 backward pass(es) while attached"), warned
