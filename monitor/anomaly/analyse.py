@@ -95,7 +95,8 @@ OUTPUT_NAME = "anomaly_analyse.json"
 DESCRIPTION = "Rank the anomalies recorded in DIR/rank*/anomaly.json by when they happened in the step."
 EPILOG = """\
 ordering: step; micro_step, with the parameters a step starts from (param_origin) before its
-first micro-step and whole-step rows (reduced gradients, optimizer) after its last; stage
+first micro-step and whole-step rows (local gradients summed over the step, reduced
+gradients, optimizer) after its last; stage
 (parameters < forward < backward < optimizer < unknown task); pipeline stage (earlier first in
 forward, later first in backward/optimizer); call_id, rank, tag, op.
 call_id is the collection order within one step on ONE rank; it is only comparable within a rank.

@@ -16,7 +16,8 @@ records are ranked by when they were produced. The sort key is::
   Unknown tasks rank after the step's micro-steps too.
 * ``micro_step``: records of the whole step carry 0, yet those before its micro-steps
   (``param_origin``) rank before micro-step 0 and those after them (reduced gradients, the
-  optimizer's) after the last one.
+  optimizer's, and local gradients summed over the step, whose tags name no micro-step) after
+  the last one.
 * ``(V, P)`` is ``(vpp_stage, pp_stage)`` for forward records and ``(-vpp_stage, -pp_stage)``
   otherwise: earlier pipeline stages run first in forward, later ones first in backward.
 * ``call_id`` is the order in which the monitor computed the rows within the step **on one rank**
@@ -35,6 +36,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from itertools import count
 
+from monitor.naming import split_tag
+
 PARAMETERS, FORWARD, BACKWARD, OPTIMIZER, UNKNOWN = -1, 0, 1, 2, 3
 STAGE_NAMES = {
     PARAMETERS: "parameters",
@@ -45,6 +48,9 @@ STAGE_NAMES = {
 }
 #: tasks of the whole step, measured after all its micro-steps: ranked after the last of them
 _AFTER_MICRO_STEPS = frozenset({"post_grad", "exp_avg", "exp_avg_sq", "mg_direction", "param_updated"})
+#: local gradients: per micro-batch with monitor_mbs_grad (the tag then names it), else the step's
+#: sum, measured at its last micro-batch and so ranked after every micro-step's activations
+_SUMMED_UNLESS_NAMED = frozenset({"acc_grad", "pre_grad"})
 _LAST_MICRO = 1 << 62
 
 #: task key (last component of a tag) -> stage.
@@ -231,6 +237,8 @@ def place_in_step(tag: str, micro_step: int) -> tuple[int, int]:
     if stage == PARAMETERS:
         return -1, stage
     if stage == UNKNOWN or task in _AFTER_MICRO_STEPS:  # unknown: after every known stage
+        return _LAST_MICRO, stage
+    if task in _SUMMED_UNLESS_NAMED and split_tag(tag)[2] is None:
         return _LAST_MICRO, stage
     return micro_step, stage
 

@@ -186,9 +186,22 @@ def test_step_then_micro_step_come_first() -> None:
     late_forward = rec("0:fc.output:0/rank0/actv", step=3)
     early_optimizer = rec("0:fc.weight/rank0/exp_avg", step=2)
     micro1_forward = rec("0:fc.output:1/rank0/actv", step=2, micro_step=1)
-    micro0_backward = rec("0:fc.weight/rank0/acc_grad", step=2, micro_step=0)
+    micro0_backward = rec("0:fc.weight:0/rank0/acc_grad", step=2, micro_step=0)  # monitor_mbs_grad
     ranked = sorted([late_forward, micro1_forward, early_optimizer, micro0_backward], key=sort_key)
     assert ranked == [micro0_backward, micro1_forward, early_optimizer, late_forward]
+
+
+def test_local_gradients_summed_over_the_step_rank_after_its_last_micro_step() -> None:
+    """Without monitor_mbs_grad the local gradient is the step's sum, measured at its last
+    micro-batch: its record carries micro-step 0 (its tag names none), yet a NaN that micro-batch
+    1's forward made reaches it, so it must not rank before that forward."""
+    summed = rec("0:fc.weight/rank0/acc_grad", step=2, micro_step=0, call_id=7)
+    megatron_summed = rec("0:fc.weight/rank0/pre_grad", step=2, micro_step=0, call_id=7)
+    micro1_forward = rec("0:fc.output:1/rank0/actv", step=2, micro_step=1, call_id=3)
+    micro1_backward = rec("0:fc.output:1/rank0/actv_grad", step=2, micro_step=1, call_id=5)
+    reduced = rec("0:fc.weight/rank0/post_grad", step=2, call_id=9)
+    ranked = sorted([reduced, megatron_summed, summed, micro1_backward, micro1_forward], key=sort_key)
+    assert ranked[:2] == [micro1_forward, micro1_backward] and ranked[-1] == reduced
 
 
 def test_a_steps_parameters_rank_before_its_micro_steps_and_its_update_after_them() -> None:
