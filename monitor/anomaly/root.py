@@ -13,7 +13,7 @@ while training or from every rank in ``anomaly-analyse``. The heuristics, in ord
    so a single corrupted tensor drags all the others with it and they are flagged too. Each
    record carries its ratio to its own recent level and the common ratio of its data type (the
    median over every tensor, flagged or not); the record whose ratio differs from the common
-   one by far the most is the root.
+   one by far the most is the root (of its micro-steps, the earliest that moved so).
 4. **Call order.** Otherwise the earliest in the order the monitor saw them: in forward the one
    nearest the input, in backward the one nearest the loss.
 5. **Ranks.** With several ranks, the ranks that show the first phase while their peers do not
@@ -22,6 +22,8 @@ while training or from every rank in ``anomaly-analyse``. The heuristics, in ord
 6. **Shared causes.** When the root's whole data type moved by SHARED_FACTOR or more with it
    (the median over every tensor, flagged or not), the evidence says that the cause is shared
    (the loss or its scale, the batch, the learning rate), even when the root is the only record.
+   A root in the parameters or the forward pass whose gradients then moved as a whole (a loss
+   computed inside the model) gets that said of the first gradient phase that did.
 7. **Changed after backward.** Reduced gradients abnormal while no local gradient was (a step-wide
    comparison, not tensor by tensor) are said to have changed after backward: rescaled together
    (clipping, a loss scaler) when they moved as a whole, else in the reduction or in place; in
@@ -140,7 +142,16 @@ def _moved_alone(group: Sequence[Record]) -> tuple[Record, float, float] | None:
     runner_up = others[0] if others else 0.0
     if best[0] < math.log(ALONE_FACTOR) or best[0] - runner_up < math.log(ALONE_FACTOR):
         return None
-    return best[1], best[2], best[3]
+    # the same tensor on the same rank at an earlier micro-step, moved alone as well, came first
+    same = [
+        item
+        for item in scored
+        if _tensor_of(item[1]) == _tensor_of(best[1])
+        and item[1]["rank"] == best[1]["rank"]
+        and item[0] - runner_up >= math.log(ALONE_FACTOR)
+    ]
+    earliest = min(same, key=lambda item: _order(item[1]))
+    return earliest[1], earliest[2], earliest[3]
 
 
 def _peer_outlier(group: Sequence[Record], root: Record) -> tuple[Record, float] | None:
@@ -190,10 +201,13 @@ def choose_root(records: Sequence[Record]) -> tuple[Record, list[str]]:
     alone = _moved_alone(group) if len(group) > 1 else None
     if alone is not None:
         root, ratio, common = alone
-        evidence.append(
-            f"it moved x{ratio:.3g} while its data type moved x{common:.3g} together "
-            "(clipping or loss scaling rescales every tensor alike)"
-        )
+        if abs(math.log(common)) >= math.log(SHARED_FACTOR):
+            evidence.append(
+                f"it moved x{ratio:.3g} while its data type moved x{common:.3g} together "
+                "(clipping or loss scaling rescales every tensor alike)"
+            )
+        else:
+            evidence.append(f"it moved x{ratio:.3g} while the rest of its data type stayed (x{common:.3g})")
     else:
         root = min(group, key=_order)
         if len(group) > 1:
@@ -215,6 +229,8 @@ def choose_root(records: Sequence[Record]) -> tuple[Record, list[str]]:
             f"its data type moved x{common:.3g} as a whole: the cause is shared by all its tensors "
             "(the loss or its scale, the batch, the learning rate)"
         )
+    elif phase <= PHASES["actv"]:
+        evidence.extend(_followed_as_a_whole(records, phase))
     peer = _peer_outlier(group, root)
     if peer is not None and peer[0] is not root:
         root = peer[0]
@@ -223,6 +239,20 @@ def choose_root(records: Sequence[Record]) -> tuple[Record, list[str]]:
     if after_backward:
         evidence.append(_changed_after_backward(records, common))
     return root, evidence
+
+
+def _followed_as_a_whole(records: Sequence[Record], phase: int) -> list[str]:
+    """The first gradient phase after a root in the parameters or the forward pass whose data
+    type moved as a whole (the loss the model computes, a spike of its own output), in words."""
+    for later in sorted({phase_of(r) for r in records if phase < phase_of(r) <= PHASES["post_grad"]}):
+        moves = [number(r.get("common")) for r in records if phase_of(r) == later]
+        moves = [m for m in moves if m > 0 and math.isfinite(m)]
+        if moves and abs(math.log(statistics.median(moves))) >= math.log(SHARED_FACTOR):
+            return [
+                f"the {PHASE_NAMES[later]} that followed moved x{statistics.median(moves):.3g} as a "
+                "whole: this value reached every gradient (as a loss computed inside the model does)"
+            ]
+    return []
 
 
 def _shared_move(root: Record) -> float:

@@ -390,6 +390,38 @@ def test_a_lone_record_whose_data_type_moved_as_a_whole_is_said_to_share_its_cau
     assert not any("as a whole" in line for line in evidence), evidence
 
 
+def test_a_loss_computed_in_the_model_is_the_activation_that_moved_alone_and_its_gradients_followed():
+    """A x1000 loss the model computes in its forward: the model's own output jumps while every
+    other activation stays; the activation gradients then move x1000 as a whole. No clipping or
+    loss scaling is at work, and the evidence must not say so."""
+    loss = [_record("0:.output_1:0/rank0/actv", 9, ratio=962.0, common=1.01)]
+    others = [_record(f"0:{n}.output:0/rank0/actv", i, ratio=1.1, common=1.01) for i, n in enumerate("abc")]
+    grads = [
+        _record(f"0:{n}.output_grad:0/rank0/actv_grad", 10 + i, ratio=990.0, common=1000.0)
+        for i, n in enumerate("abc")
+    ]
+    root, evidence = choose_root([*others, *loss, *grads])
+    assert root["tag_name"] == "0:.output_1:0/rank0/actv"
+    assert any("moved x962 while the rest of its data type stayed (x1.01)" in line for line in evidence)
+    assert not any("clipping" in line for line in evidence), evidence
+    assert any("activation gradients that followed moved x1e+03 as a whole" in line for line in evidence)
+
+
+def test_of_a_tensor_that_moved_alone_at_two_micro_steps_the_earlier_is_the_root():
+    """A bad loss for a whole step on one rank: micro-step 1 moved a little more than micro-step
+    0, which came first."""
+    records = [
+        _record("0:.output:0/rank1/actv", 5, rank=1, ratio=946.0, common=1.0),
+        _record("0:.output:1/rank1/actv", 30, rank=1, micro_step=1, ratio=969.0, common=1.0),
+        *(
+            _record(f"0:{n}.output:0/rank1/actv", i, rank=1, ratio=1.05, common=1.0)
+            for i, n in enumerate("abc")
+        ),
+    ]
+    root, _ = choose_root(records)
+    assert root["tag_name"] == "0:.output:0/rank1/actv"
+
+
 def test_reduced_gradients_rescaled_together_with_no_local_one_flagged_are_said_clipped():
     """Local gradients rose x18 unflagged (a noisy history), clipping cut every reduced one x0.2."""
     records = [_record(f"0:{n}/rank0/post_grad", i, ratio=0.21, common=0.2) for i, n in enumerate("abc")]
