@@ -172,7 +172,7 @@ class UnreducedGrads:
             if grad is None:
                 return
             last = count >= self.grad_acc_steps or self._every_micro_batch or self._last_micro_batch()
-            if self._lost_to_reduction(index, param, last):
+            if self._lost_to_reduction(index, param, grad, last):
                 return
             if self.sum_micro_batches:
                 grad = self._add_to_sum(index, grad, count, last)
@@ -245,9 +245,10 @@ class UnreducedGrads:
             self.collect = False
             self.on_error("grad_unreduced", exc)
 
-    def _lost_to_reduction(self, index: int, param: torch.Tensor, last: bool) -> bool:
-        """Whether the step's accumulated gradient of parameter ``index`` can no longer exist
-        (a sharded back-end reduced and freed a micro-batch's gradient before the last): never here."""
+    def _lost_to_reduction(self, index: int, param: torch.Tensor, grad: torch.Tensor, last: bool) -> bool:
+        """Whether ``on_accumulated`` is done with the gradient ``grad`` of parameter ``index``:
+        where a sharded back-end reduces and frees it before the step's last micro-batch (its
+        accumulated gradient can then no longer exist), or measured it already; never here."""
         return False
 
     def _await_later_micro_batch(self, index: int, grad: torch.Tensor) -> None:

@@ -7,6 +7,10 @@ would hold every parameter's unsharded gradient at once, what FSDP is there to a
 such steps are therefore left out, said once with the remedy, rather than written as the last
 micro-batch's gradient under the name of the step's sum. (``grad_reduced`` is unaffected, and
 ``monitor_mbs_grad`` gives each micro-batch's own gradient.)
+
+A reduction before ``grad_acc_steps`` micro-batches is also how a loop that turns sync on for
+each step's last micro-batch ends a short step (an epoch's last): the gradient is measured
+there, before FSDP frees it, and kept unless another micro-batch of the same step follows.
 """
 
 from __future__ import annotations
@@ -27,6 +31,9 @@ class ReducedEarly:
 
     def __init__(self, *args: Any) -> None:
         self._reduced_early: set[int] = set()
+        #: measured at a reduction before grad_acc_steps micro-batches: the step's last, unless
+        #: another micro-batch of the step follows
+        self._reduced_maybe_last: set[int] = set()
         self._told_reduced_early = False
         self._cannot_tell = False
         super().__init__(*args)
@@ -35,9 +42,16 @@ class ReducedEarly:
         """Whether FSDP reduces the gradient of parameter ``index`` after the backward now running."""
         raise NotImplementedError
 
-    def _lost_to_reduction(self, index: int, param: torch.Tensor, last: bool) -> bool:
-        if index not in self._reduced_early and (last or not self._reduces_now_or_not_known(index, param)):
-            return False
+    def _lost_to_reduction(self, index: int, param: torch.Tensor, grad: torch.Tensor, last: bool) -> bool:
+        if index in self._reduced_maybe_last:  # a micro-batch after the reduction: it came early
+            self._reduced_maybe_last.discard(index)
+        elif index in self._reduced_early or last or not self._reduces_now_or_not_known(index, param):
+            return index in self._reduced_early
+        else:  # reduced now, before grad_acc_steps micro-batches: a short step's last, or too early
+            self._reduced_maybe_last.add(index)
+            self._waiting.pop(index, None)
+            self._measure(index, grad)
+            return True
         self._reduced_early.add(index)
         self._rows.drop(index)
         self._waiting.pop(index, None)
@@ -69,3 +83,4 @@ class ReducedEarly:
     def reset(self) -> None:
         super().reset()
         self._reduced_early.clear()
+        self._reduced_maybe_last.clear()

@@ -132,9 +132,11 @@ def _batch(rank: int, step: int, micro: int) -> torch.Tensor:
     return torch.randn(4, SIZES[0], generator=generator)
 
 
-def _train_step(model, optimizer, rank: int, step: int, sync_each: bool = False) -> None:
-    for micro in range(MICRO):
-        last = micro == MICRO - 1 or sync_each
+def _train_step(
+    model, optimizer, rank: int, step: int, sync_each: bool = False, micro_batches: int = MICRO
+) -> None:
+    for micro in range(micro_batches):
+        last = micro == micro_batches - 1 or sync_each
         if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
             model.set_requires_gradient_sync(last)
             sync = contextlib.nullcontext()
@@ -364,6 +366,54 @@ def _sync_each_worker(rank: int, world_size: int, workdir: str, case: str) -> No
     micro.stop()
     told = [w for w in warnings if "reduce-scattered a micro-batch before the step's last" in w]
     save_result(workdir, rank, {"steps": steps, "told": told})
+
+
+def _short_step_worker(rank: int, world_size: int, workdir: str, case: str) -> None:
+    import logging
+
+    from monitor import TrainerMon
+
+    warnings: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    logging.getLogger("trainmon").addHandler(handler)
+    model, replica = _sharded(case)
+    optimizer = _optimizer(model.parameters())
+    config = {"wg_distribution": True, "ops": ALL_OPS, "format": "api", "shard_reduce": True}
+    mon = TrainerMon(config).set_monitor(model, MICRO, optimizer)
+    names = [name for name, _ in replica.named_parameters()]
+    steps = []
+    for step, micro_batches in enumerate((MICRO, 1, MICRO)):  # an epoch's short last step in between
+        local, per_micro = _local_grads(replica, case, rank, step)
+        expected = local if micro_batches == MICRO else per_micro[0]
+        _train_step(model, optimizer, rank, step, micro_batches=micro_batches)
+        with torch.no_grad():
+            for param, value in zip(replica.parameters(), _gathered(model)):
+                param.copy_(value)
+        steps.append(
+            {
+                "expected": {n: flat_values(g) for n, g in zip(names, expected)},
+                "got": mon._latest("grad_unreduced"),
+            }
+        )
+    mon.stop()
+    told = [w for w in warnings if "reduce-scattered a micro-batch before the step's last" in w]
+    save_result(workdir, rank, {"steps": steps, "told": told})
+
+
+@pytest.mark.parametrize("case", ["fsdp2-fp32", "fsdp1-orig-params", "fsdp1-flat-params"])
+def test_a_short_step_whose_only_micro_batch_syncs_gets_its_unreduced_rows(tmp_path, case):
+    """A loop that turns sync on for each step's last micro-batch ends an epoch's short step
+    with a reduction before grad_acc_steps micro-batches: that gradient is the step's sum, and
+    its rows are the replica's (no warning that sync came too early)."""
+    per_rank = run_ranks(functools.partial(_short_step_worker, case=case), WORLD, str(tmp_path))
+    for rank, result in enumerate(per_rank):
+        assert result["told"] == [], result["told"]
+        for step, got in enumerate(result["steps"]):
+            rows = latest_rows(got, "got")
+            assert set(rows) == set(got["expected"]), f"{case} r{rank} step {step}: {sorted(rows)}"
+            for name, values in got["expected"].items():
+                assert_stats_close(rows[name], np.array(values), what=f"{case} r{rank} step {step} {name}")
 
 
 def _unused_worker(rank: int, world_size: int, workdir: str) -> None:
