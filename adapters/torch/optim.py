@@ -276,12 +276,12 @@ def optimizer_backend(optimizer: Any, chunks: Sequence[torch.nn.Module] = ()) ->
     backend = TorchBackend(optimizer)
     if not torch.distributed.is_available():
         return backend
-    from adapters.torch.sharded.dtensor import DTensorBackend, optimizer_has_dtensors
+    from adapters.torch.sharded.dtensor import DTensorBackend, holds_dtensors
     from adapters.torch.sharded.fsdp_flat import FlatParamBackend, flat_units
 
     units = flat_units(chunks)
     if units:
         return FlatParamBackend(optimizer, units)
-    if optimizer_has_dtensors(backend.optimizer):
+    if holds_dtensors(backend.optimizer, chunks):
         return DTensorBackend(optimizer)
     return backend

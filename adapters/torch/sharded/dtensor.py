@@ -32,9 +32,12 @@ from adapters.torch.dist import local_tensor, partials_summed
 from adapters.torch.optim import TorchBackend
 
 
-def optimizer_has_dtensors(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether any parameter the optimizer updates is a DTensor."""
-    return any(isinstance(p, DTensor) for group in optimizer.param_groups for p in group["params"])
+def holds_dtensors(optimizer: torch.optim.Optimizer, chunks: Sequence[torch.nn.Module]) -> bool:
+    """Whether any parameter the optimizer updates, or the model holds, is a DTensor (tensor-
+    parallel layers may be updated by another optimizer than the one given)."""
+    return any(isinstance(p, DTensor) for group in optimizer.param_groups for p in group["params"]) or any(
+        isinstance(p, DTensor) for chunk in chunks for p in chunk.parameters()
+    )
 
 
 def optimizer_has_replicated_dtensors(optimizer: torch.optim.Optimizer) -> bool:

@@ -508,3 +508,50 @@ def test_a_rank_whose_activation_hook_fails_still_takes_the_partial_sums_its_mat
     for step in (0, 2):
         assert first["grads"][step] is not None, step
         assert first["grads"][step] == second["grads"][step], step  # merged: the same whole tensor
+
+
+def _second_optimizer_worker(rank: int, world_size: int, workdir: str) -> None:
+    """The tensor-parallel layers are updated by an optimizer of their own; the one given to
+    set_monitor holds only the plain LayerNorm parameters."""
+    from monitor import TrainerMon
+
+    layout = Layout(dp=1, tp=2)
+    model, _ = _parallel(layout)
+    parallel = [p for name, p in model.named_parameters() if not name.startswith("norm.")]
+    plain = [p for name, p in model.named_parameters() if name.startswith("norm.")]
+    optimizer, parallel_optimizer = _optimizer(plain), torch.optim.SGD(parallel, lr=0.1)
+    config = {"wg_distribution": True, "param_distribution": True, "ops": ALL_OPS, "format": "api"}
+    mon = TrainerMon({**config, "shard_reduce": True}).set_monitor(model, 1, optimizer)
+    steps = []
+    for step in range(2):
+        _loss(model(_model_input(layout, rank, step)), layout, step).backward()
+        expected = {  # DTensor's own gather of the whole tensors, before the update
+            "grad_reduced": {
+                n: flat_values(m.weight.grad.full_tensor())
+                for n, m in (("up", model.up), ("down", model.down))
+            },
+            "param_origin": {
+                n: flat_values(m.weight.full_tensor()) for n, m in (("up", model.up), ("down", model.down))
+            },
+        }
+        optimizer.step()  # the monitored step first: its hooks read the layers before either update
+        parallel_optimizer.step()
+        optimizer.zero_grad()
+        parallel_optimizer.zero_grad()
+        steps.append({"expected": expected, "got": {p: mon._latest(p) for p in expected}})
+    mon.stop()
+    save_result(workdir, rank, {"steps": steps, "backend": type(mon._session.backend).__name__})
+
+
+def test_layers_updated_by_another_optimizer_than_the_one_given_are_read_as_dtensors(tmp_path):
+    """The monitor took DTensors for tensor parallelism only where the given optimizer held
+    some: here it read them as plain tensors, which failed and switched gradients and parameters
+    off for the run. Their merged rows are the whole tensors'."""
+    for rank, result in enumerate(run_ranks(_second_optimizer_worker, 2, str(tmp_path))):
+        assert result["backend"] == "DTensorBackend"
+        for step, got in enumerate(result["steps"]):
+            for prefix, expected in got["expected"].items():
+                rows = latest_rows(got["got"], prefix)
+                for name, values in expected.items():
+                    what = f"rank {rank} step {step} {prefix} {name}"
+                    assert_stats_close(rows[f"{name}.weight"], np.array(values), what=what)
