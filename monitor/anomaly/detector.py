@@ -152,11 +152,12 @@ class Detector:
         if norms is not None and self.moved_alone and math.isfinite(common):
             alone = _moved_alone(norms[1], common, flagged, self._levels[record.prefix][0], index)
             if alone is not None:
+                reported[alone[0], norm] = True
                 rows.append(np.array([alone[0]])), cols.append(np.array([norm]))
                 baselines.append(np.array([alone[1]]))
                 ids.append(np.array([MOVED_ALONE_ID]))
         if norms is not None:
-            self._update_levels(record.prefix, norms[0], index)
+            self._update_levels(record.prefix, norms[0], index, reported[:, record.ops.index("norm")])
         return self._verdicts(record, rows, cols, ids, baselines, norms, common)
 
     def _verdicts(
@@ -236,11 +237,15 @@ class Detector:
             self._levels[prefix] = (level, count)
         return level, count
 
-    def _update_levels(self, prefix: str, logs: np.ndarray, index: np.ndarray | None) -> None:
+    def _update_levels(
+        self, prefix: str, logs: np.ndarray, index: np.ndarray | None, flagged: np.ndarray
+    ) -> None:
+        """Blend this step's log-norms into each tag's level, except those flagged now: a spike
+        taken into the level would understate the ratios (and common moves) of the steps after it."""
         level, count = self._levels[prefix]
         where = slice(None) if index is None else index
         old_level, old_count = level[where], count[where]
-        finite = np.isfinite(logs)
+        finite = np.isfinite(logs) & ~flagged
         blended = np.where(old_count > 0, LEVEL_BETA * old_level + (1.0 - LEVEL_BETA) * logs, logs)
         level[where] = np.where(finite, blended, old_level)
         count[where] = old_count + finite

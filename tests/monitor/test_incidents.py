@@ -198,6 +198,21 @@ def test_under_clipping_the_tensor_that_moved_alone_is_the_root():
     assert any("no local gradient was" in line for line in incident.evidence)
 
 
+def test_a_second_spike_is_measured_against_the_level_before_the_first():
+    """Two x1000 spikes of every gradient, ten steps apart: the first is not taken into the
+    tensors' levels, so the second's ratio (and its data type's common move) is still ~1000
+    where blending it in had made it about 770."""
+    rng = np.random.default_rng(5)
+    run = Run()
+    _clean(run, rng, range(30), tasks=("acc_grad",))
+    for step in range(30, 45):
+        run.step(step, {"acc_grad": _noise(rng, 1000.0 if step in (32, 42) else 1.0)})
+    onsets = [incident.onset_step for incident in run.incidents]
+    assert onsets == [32, 42], onsets
+    second = [r for r in run.incidents[1].records]
+    assert all(800 < r["ratio"] < 1250 and 800 < r["common"] < 1250 for r in second), second
+
+
 def test_parameters_the_step_started_from_come_before_its_forward():
     rng = np.random.default_rng(3)
     run = Run()
