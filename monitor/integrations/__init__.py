@@ -105,6 +105,8 @@ class MonitorCallback:
         self.attached = False
         #: what the last run was attached to (weak references, and the other arguments)
         self._last_run: tuple | None = None
+        #: the monitor's state read from a trainer's checkpoint, and where: loaded once attached
+        self._restored: tuple[Mapping[str, Any], str] | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         """What a copy of the callback carries (Lightning's ``ddp_spawn`` pickles the callbacks
@@ -118,7 +120,11 @@ class MonitorCallback:
                 "trainmon: the callback's process_group does not cross into the trainer's other "
                 "processes; each copy attaches with the default group"
             )
-        state = {k: v for k, v in self.__dict__.items() if k not in ("monitor", "attached", "_last_run")}
+        state = {
+            k: v
+            for k, v in self.__dict__.items()
+            if k not in ("monitor", "attached", "_last_run", "_restored")
+        }
         state["monitor"] = {
             "config": monitor.config,  # as it is now (``mon.ops = ...`` included)
             "path": monitor.config_file_path if dynamic_mode() else None,  # dynamic mode watches it
@@ -149,6 +155,7 @@ class MonitorCallback:
             self.monitor.on_checkpoint(function)
         self.attached = False
         self._last_run = None
+        self._restored = None
 
     def attach(self, trainer: str, **set_monitor_kwargs: Any) -> None:
         """``set_monitor(**set_monitor_kwargs)`` at the start of a training run; a failure is
@@ -183,6 +190,43 @@ class MonitorCallback:
             )
             return
         self.attached = True
+        self._load_restored()
+
+    def checkpoint_state(self) -> dict[str, Any] | None:
+        """The monitor's state to keep with the trainer's checkpoint (the anomaly rules' history,
+        so that a resumed run judges its first steps as the run would have; also after the run
+        ended, for a checkpoint saved then), None where there is none; a failure is logged,
+        never raised."""
+        try:
+            saved = self.monitor.state_dict()
+        except Exception as exc:
+            logger.error("trainmon: reading the monitor's state for the checkpoint failed (%r)", exc)
+            return None
+        return saved if saved.get("detector") is not None else None
+
+    def restore_state(self, state: Mapping[str, Any], where: str) -> None:
+        """The monitor's state read from the trainer's checkpoint at ``where``: loaded now if
+        attached, else when the run attaches."""
+        self._restored = (state, where)
+        if self.attached:
+            self._load_restored()
+
+    def _load_restored(self) -> None:
+        restored, self._restored = self._restored, None
+        if restored is None:
+            return
+        state, where = restored
+        try:
+            self.monitor.load_state_dict(dict(state))
+        except Exception as exc:  # other rules, or a state of another version: start afresh
+            logger.error(
+                "trainmon: the monitor's state in %s cannot be restored (%r); the anomaly rules start "
+                "their history anew",
+                where,
+                exc,
+            )
+            return
+        logger.info("trainmon: the anomaly rules' history is restored from %s", where)
 
     def keep_pace(self, next_step: int) -> None:
         """After the trainer's optimizer step: ``next_step`` is the number the monitor's next step

@@ -18,15 +18,30 @@ update the loss scaler skipped (fp16 overflow) is counted by the Trainer, and so
 With ``torch_compile`` the Trainer runs the model compiled but hands the callbacks the model it
 compiled: the callback says so to ``set_monitor``, so that the steps whose activations are
 measured run eagerly from the first one.
+
+Checkpoints: each rank keeps the anomaly rules' history in every checkpoint directory the Trainer
+saves (``trainmon_state_rank{R}.json``), and a run resumed from one reads it back, so that its
+first steps are judged against the history instead of starting a new warm-up. The resumed
+checkpoint is found as the Trainer finds it in ``output_dir`` (``checkpoint-<step>``) or at
+``args.resume_from_checkpoint``.
 """
 
 from __future__ import annotations
 
+import json
+import logging
+import os
 from typing import Any
 
 from transformers import TrainerCallback
 
+from monitor.files import atomic_write_text
 from monitor.integrations import MonitorCallback
+
+logger = logging.getLogger("trainmon")
+
+#: the monitor's state in a checkpoint directory, one file per rank (each has its own history)
+STATE_FILE = "trainmon_state_rank{rank}.json"
 
 
 class TrainmonCallback(MonitorCallback, TrainerCallback):
@@ -36,6 +51,8 @@ class TrainmonCallback(MonitorCallback, TrainerCallback):
     for_trainer = "the Hugging Face Trainer"
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if state.global_step > 0:  # resumed from a checkpoint
+            self._read_state(args, state.global_step)
         self.attach(
             "Hugging Face Trainer",
             model=kwargs.get("model"),
@@ -50,3 +67,33 @@ class TrainmonCallback(MonitorCallback, TrainerCallback):
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.detach()
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        saved = self.checkpoint_state()
+        if saved is None:
+            return
+        directory = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+        path = os.path.join(directory, STATE_FILE.format(rank=args.process_index))
+        try:
+            os.makedirs(directory, exist_ok=True)
+            atomic_write_text(path, json.dumps(saved))
+        except (OSError, TypeError, ValueError) as exc:
+            logger.error("trainmon: the monitor's state was not saved with the checkpoint (%r)", exc)
+
+    def _read_state(self, args: Any, step: int) -> None:
+        """The state kept in the checkpoint the run resumes from, if trainmon kept one there."""
+        named = getattr(args, "resume_from_checkpoint", None)
+        candidates = [named] if isinstance(named, str) else []
+        candidates.append(os.path.join(args.output_dir, f"checkpoint-{step}"))
+        for directory in candidates:
+            path = os.path.join(directory, STATE_FILE.format(rank=args.process_index))
+            if not os.path.isfile(path):
+                continue
+            try:
+                with open(path, encoding="utf-8") as handle:
+                    self.restore_state(json.load(handle), path)
+            except (OSError, ValueError) as exc:
+                logger.error(
+                    "trainmon: cannot read %s (%r); the anomaly rules start their history anew", path, exc
+                )
+            return

@@ -12,12 +12,20 @@ uses (and the unreduced ones those before clipping). One optimizer is monitored:
 Step numbers: the monitor's step ``s`` is the update made when ``trainer.global_step`` was ``s``,
 the number Lightning logs with the metrics that ``training_step`` logs for that update. A step
 whose update the loss scaler skipped (fp16 overflow) is counted by Lightning, and so by the monitor.
+
+Checkpoints: the anomaly rules' history is kept in Lightning's checkpoints as this callback's
+state and read back by a run resumed from one (``fit(ckpt_path=...)``), so that its first steps
+are judged against the history instead of starting a new warm-up. Lightning writes the callback
+state of one process: with several ranks only that rank's history is kept, and the others start
+theirs anew (said at the resume).
 """
 
 from __future__ import annotations
 
 import logging
 from typing import Any
+
+import torch
 
 try:
     from lightning.pytorch.callbacks import Callback
@@ -75,6 +83,27 @@ class TrainmonCallback(MonitorCallback, Callback):
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         self.detach()
+
+    def state_dict(self) -> dict[str, Any]:
+        saved = self.checkpoint_state()
+        return {} if saved is None else {"ranks": {str(_rank()): saved}}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        kept = state_dict.get("ranks") or {}
+        if str(_rank()) in kept:
+            self.restore_state(kept[str(_rank())], "the Lightning checkpoint")
+        elif kept:
+            logger.info(
+                "trainmon: the checkpoint keeps the anomaly rules' history of rank %s only (Lightning "
+                "saves the callback state of one process); rank %d starts its history anew",
+                ", ".join(sorted(kept)),
+                _rank(),
+            )
+
+
+def _rank() -> int:
+    dist = torch.distributed
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def _ends_step(trainer: Any, batch_idx: int) -> bool:

@@ -109,6 +109,7 @@ def train(
 def build_trainer(workdir: str, model: torch.nn.Module, callbacks: list, **options) -> Trainer:
     """The Trainer of ``train``: 2 epochs of 13 samples, accumulation 2, clipping, on this rank's
     data; ``options``: more TrainingArguments."""
+    options = {"save_strategy": "no", **options}
     args = TrainingArguments(
         output_dir=os.path.join(workdir, "hf"),
         per_device_train_batch_size=1,
@@ -119,7 +120,6 @@ def build_trainer(workdir: str, model: torch.nn.Module, callbacks: list, **optio
         logging_steps=1,
         report_to=[],
         use_cpu=True,
-        save_strategy="no",
         disable_tqdm=True,
         ddp_backend="gloo" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None,
         dataloader_num_workers=0,

@@ -206,3 +206,49 @@ def test_two_ddp_ranks_each_record_their_own_gradients(tmp_path):
     # are measured together at the backward pass's end, not in a hook each
     assert all(r["measured_at_pass_end"] == [True] for r in results)
     assert all(r["found_the_trainers_wrapper"] == [True] for r in results)
+
+
+def test_a_resumed_run_judges_its_first_steps_against_the_history_kept_in_the_checkpoint(
+    tmp_path, monkeypatch
+):
+    """Reduced gradients x1000 two steps after resuming from checkpoint-12: with the rules'
+    history kept in the checkpoint (one file per rank) the step is an incident; with that file
+    gone the resumed run starts a new warm-up of 10 values and cannot see it."""
+    import torch
+    from transformers import TrainerCallback
+
+    from monitor.integrations.hf import STATE_FILE, TrainmonCallback
+    from tests.integrations.hf_run import build_trainer, tiny_gpt2
+
+    class Spike(TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+            if state.global_step + 1 == 14:  # after clipping: the update the Trainer logs as 14
+                with torch.no_grad():
+                    for param in model.parameters():
+                        param.grad.mul_(1000.0)
+
+    rules = [{"rule_name": "AnomalyZScore", "args": {"threshold": 6.0, "warmup": 10, "min_ratio": 4.0}}]
+    config = {**CONFIG, "alert": {"rules": rules}}
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "out"))
+    first = build_trainer(
+        str(tmp_path),
+        tiny_gpt2(),
+        [TrainmonCallback(config)],
+        max_steps=12,
+        save_strategy="steps",
+        save_steps=12,
+    )
+    first.train()
+    checkpoint = os.path.join(first.args.output_dir, "checkpoint-12")
+    saved = os.path.join(checkpoint, STATE_FILE.format(rank=0))
+    assert os.path.isfile(saved)
+
+    def resumed_onsets() -> list[int]:
+        callback = TrainmonCallback(config)
+        trainer = build_trainer(str(tmp_path), tiny_gpt2(), [callback, Spike()], max_steps=16)
+        trainer.train(resume_from_checkpoint=checkpoint)
+        return [incident.onset_step for incident in callback.monitor.incidents]
+
+    assert resumed_onsets() == [14]
+    os.remove(saved)
+    assert resumed_onsets() == []

@@ -292,3 +292,55 @@ def test_a_module_fit_compiled_has_eager_activations_from_the_first_step(tmp_pat
         np.testing.assert_allclose(list(compiled[key].values()), list(ops.values()), rtol=1e-4, atol=1e-6)
     assert COMPILED_CODE.ran_hooks  # the steps between ran the compiled code
     assert not [r for r in trainmon_log.records if "compiled code ran the monitor's hooks" in r.getMessage()]
+
+
+def test_a_fit_resumed_from_a_checkpoint_judges_its_first_steps_against_the_kept_history(
+    tmp_path, monkeypatch
+):
+    """A loss x1000 two steps after resuming from a checkpoint saved at step 12: with the rules'
+    history kept as the callback's state the step is an incident; from a checkpoint without it
+    the resumed fit starts a new warm-up of 10 values and cannot see it."""
+    import lightning as L
+    import torch
+
+    from monitor.integrations.lightning import TrainmonCallback
+    from tests.integrations.lightning_run import TinyGPT
+    from tests.integrations.reads import StepReads
+
+    class Spiky(TinyGPT):
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            return loss * 1000.0 if self.trainer.global_step == 14 else loss
+
+    rules = [{"rule_name": "AnomalyZScore", "args": {"threshold": 6.0, "warmup": 10, "min_ratio": 4.0}}]
+    config = {**CONFIG, "alert": {"rules": rules}}
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "out"))
+    tokens = torch.randint(0, 64, (64, 9), generator=torch.Generator().manual_seed(0))
+
+    def fit(steps: int, callback: TrainmonCallback, ckpt_path: str | None = None) -> L.Trainer:
+        torch.manual_seed(0)
+        module = Spiky()
+        module.reads = StepReads(module)
+        trainer = L.Trainer(
+            max_steps=steps,
+            callbacks=[callback],
+            accelerator="cpu",
+            devices=1,
+            logger=False,
+            enable_progress_bar=False,
+            enable_checkpointing=False,
+            enable_model_summary=False,
+        )
+        trainer.fit(module, torch.utils.data.DataLoader(tokens, batch_size=2), ckpt_path=ckpt_path)
+        module.reads.remove()
+        return trainer
+
+    fit(12, TrainmonCallback(config)).save_checkpoint(tmp_path / "kept.ckpt")
+    fit(12, TrainmonCallback(config)).save_checkpoint(tmp_path / "bare.ckpt")
+    bare = torch.load(tmp_path / "bare.ckpt", weights_only=False)
+    bare["callbacks"] = {key: {} for key in bare["callbacks"]}  # as one saved without the monitor's state
+    torch.save(bare, tmp_path / "bare.ckpt")
+    for checkpoint, onsets in (("kept.ckpt", [14]), ("bare.ckpt", [])):
+        callback = TrainmonCallback(config)
+        fit(16, callback, str(tmp_path / checkpoint))
+        assert [incident.onset_step for incident in callback.monitor.incidents] == onsets, checkpoint
