@@ -202,8 +202,8 @@ class Collection(BaseCollection):
             self._guard("param_origin", self._submit_tensors, "param_origin", self.backend.value)
 
     def _leave_out_what_describes_nothing(self) -> None:
-        params = [p.param for p in self.registry.params]
-        self._failed.update(self._optimizer_checks.describing_nothing(self.backend, params))
+        params, names = [p.param for p in self.registry.params], [p.name for p in self.registry.params]
+        self._failed.update(self._optimizer_checks.describing_nothing(self.backend, params, names))
 
     def after_update(self) -> None:
         """Optimizer post-step: moments and parameters after the update, then the step is written."""

@@ -85,7 +85,7 @@ def taken_over(
     was built (DTensors the optimizer does not hold). None where it does, or where a back-end
     maps them."""
     trained = [param for param in params if param.requires_grad]  # frozen ones are nobody's to update
-    if type(backend) is not TorchBackend or not trained:
+    if not (type(backend) is TorchBackend or backend.dtensors) or not trained:
         return None
     if any(hasattr(param, "ds_id") for param in trained):
         why = "DeepSpeed ZeRO-3 partitioned the model's parameters after set_monitor"
@@ -114,6 +114,25 @@ def taken_over(
     return why, _ATTACH_AFTER_WRAPPER, OPTIMIZER_SIDE
 
 
+def _say_stale(
+    params: Sequence[torch.nn.Parameter], names: Sequence[str], model_params: Sequence[torch.Tensor]
+) -> None:
+    """Some monitored parameters are no longer the model's (``parallelize_module`` or
+    ``fully_shard`` on part of the model after set_monitor): their rows describe stale tensors."""
+    now = {id(param) for param in model_params}
+    stale = [name for name, param in zip(names, params) if id(param) not in now]
+    if stale:
+        logger.warning(
+            "trainmon: %d monitored parameter(s) (%s%s) are no longer the model's: made anew after "
+            "set_monitor (parallelized, sharded or wrapped), so their rows describe tensors the "
+            "training does not use; build the optimizer and call set_monitor after "
+            "parallelize_module / fully_shard",
+            len(stale),
+            ", ".join(stale[:3]),
+            ", ..." if len(stale) > 3 else "",
+        )
+
+
 class OptimizerChecks:
     """What is said once about the optimizer, instead of rows that are missing, flat or of other
     tensors in silence: before the first update, that it updates none of the model's parameters
@@ -137,15 +156,19 @@ class OptimizerChecks:
         self.moment_checks_left = 20 if wanted and holds_parameters else 0
 
     def describing_nothing(
-        self, backend: TorchBackend, params: Sequence[torch.nn.Parameter]
+        self, backend: TorchBackend, params: Sequence[torch.nn.Parameter], names: Sequence[str]
     ) -> tuple[str, ...]:
         """Before the first update: the data types that would describe none of this training
-        (said once, with what to do), else none."""
+        (said once, with what to do), else none; monitored parameters (``names``) that are no
+        longer the model's are said too."""
         if not self.first:
             return ()
         self.first = False
-        found = taken_over(backend, params, [p for chunk in self.chunks for p in chunk.parameters()])
+        model_params = [p for chunk in self.chunks for p in chunk.parameters()]
+        found = taken_over(backend, params, model_params)
         if not found:
+            if type(backend) is TorchBackend or backend.dtensors:  # the model's own tensors monitored
+                _say_stale(params, names, model_params)
             return ()
         why, advice, parts = found
         wanted = [part for part in parts if _switched_on(part, self.config)]

@@ -44,11 +44,14 @@ def _worker(rank: int, world_size: int, workdir: str, order: str) -> None:
     model = MLP(SIZES)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
     mon = TrainerMon({**DATA_TYPES["all"], "ops": ALL_OPS, "format": "api"})
-    if order == "attached before sharding":
+    if order in ("attached before sharding", "one layer sharded after attaching"):
         mon.set_monitor(model, 1, optimizer)
-    for layer in model.layers:
-        fully_shard(layer)
-    fully_shard(model)
+    if order == "one layer sharded after attaching":
+        fully_shard(model.layers[0])
+    else:
+        for layer in model.layers:
+            fully_shard(layer)
+        fully_shard(model)
     if order == "optimizer built before sharding":
         mon.set_monitor(model, 1, optimizer)
     for step in range(2):
@@ -71,3 +74,17 @@ def test_sharding_after_the_optimizer_or_the_monitor_is_said_once_without_errors
         assert "build the model fully first" in said[0] and "then attach" in said[0]
         assert not [m for m in result["said"] if m.startswith(("ERROR", "CRITICAL"))], result["said"]
         assert result["written"] == {"param_origin": 0, "param_updated": 0, "exp_avg": 0}, (rank, result)
+
+
+def test_a_layer_sharded_after_attaching_is_named_as_no_longer_the_models(tmp_path):
+    """Only part of the model was made anew after set_monitor: the monitor still watches that
+    part's old tensors, which the training no longer uses; the message names them."""
+    import functools
+
+    order = "one layer sharded after attaching"
+    for result in run_ranks(functools.partial(_worker, order=order), 2, str(tmp_path)):
+        said = [m for m in result["said"] if "are no longer the model's" in m]
+        assert len(said) == 1, result["said"]
+        named = "WARNING trainmon: 2 monitored parameter(s) (layers.0.weight, layers.0.bias)"
+        assert said[0].startswith(named), said
+        assert not [m for m in result["said"] if m.startswith(("ERROR", "CRITICAL"))], result["said"]
