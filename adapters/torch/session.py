@@ -236,6 +236,12 @@ class TorchSession(SessionLifecycle):
     def _optimizer_step_count(self) -> int | None:
         return self.backend.step_count()
 
+    def _monitored_not_the_models(self) -> int:
+        if not (type(self.backend) is TorchBackend or self.backend.dtensors):  # others map stand-ins
+            return 0
+        now = {id(param) for chunk in self.chunks for param in chunk.parameters()}
+        return sum(id(entry.param) not in now for entry in self.collection.registry.params)
+
     def _detach_optimizer_hooks(self) -> None:
         for handle in self._hooks + self._cleanup:
             handle.remove()

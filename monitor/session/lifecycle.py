@@ -250,18 +250,20 @@ class SessionLifecycle(IncidentResponses, ABC):
     def stop(self) -> None:
         """Remove every hook and close the outputs (idempotent); queued alerts are delivered."""
         passes = self.collection.passes_in_step() if self.collection is not None else 0
+        stale = self._monitored_not_the_models() if self.collection is not None and not passes else 0
         self._end_collection()
         if self._hooks:
             self._steps_at_stop = self._optimizer_step_count()
             self._stopped_hooks = True
-        self._say_unseen_updates(passes)
+        self._say_unseen_updates(passes, stale)
         self._detach_optimizer_hooks()
         self._close_alerts()
 
-    def _say_unseen_updates(self, passes: int) -> None:
+    def _say_unseen_updates(self, passes: int, stale: int) -> None:
         """At stop(): the optimizer updated while attached, or the gradients saw ``passes``
         backward passes, yet no step was counted (a compiled step runs no hook; an optimizer made
-        anew steps unwatched): nothing was recorded, which is said instead of left to be found."""
+        anew steps unwatched), or ``stale`` monitored parameters are no longer the model's:
+        nothing was recorded, which is said instead of left to be found."""
         if self._seen_from is None or self.step != self._seen_from[0]:
             return
         updates = self._seen_from[1] or 0  # an optimizer keeps no count before its first update
@@ -282,6 +284,18 @@ class SessionLifecycle(IncidentResponses, ABC):
                 "after set_monitor, say after loading a checkpoint)?",
                 passes,
             )
+        elif stale:
+            logger.warning(
+                "trainmon: the optimizer given to set_monitor never stepped and %d monitored "
+                "parameter(s) are no longer the model's (made anew after set_monitor: sharded, "
+                "parallelized or wrapped), so nothing was recorded: build the optimizer and call "
+                "set_monitor after fully_shard / parallelize_module",
+                stale,
+            )
+
+    def _monitored_not_the_models(self) -> int:
+        """How many monitored parameters the model no longer holds (frameworks that can tell)."""
+        return 0
 
     # -- what each framework provides --------------------------------------------------------
 

@@ -44,7 +44,11 @@ def _worker(rank: int, world_size: int, workdir: str, order: str) -> None:
     model = MLP(SIZES)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
     mon = TrainerMon({**DATA_TYPES["all"], "ops": ALL_OPS, "format": "api"})
-    if order in ("attached before sharding", "one layer sharded after attaching"):
+    if order in (
+        "attached before sharding",
+        "one layer sharded after attaching",
+        "attached before sharding, a new optimizer trains",
+    ):
         mon.set_monitor(model, 1, optimizer)
     if order == "one layer sharded after attaching":
         fully_shard(model.layers[0])
@@ -54,6 +58,8 @@ def _worker(rank: int, world_size: int, workdir: str, order: str) -> None:
         fully_shard(model)
     if order == "optimizer built before sharding":
         mon.set_monitor(model, 1, optimizer)
+    if order == "attached before sharding, a new optimizer trains":
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
     for step in range(2):
         x = torch.randn(4, SIZES[0], generator=torch.Generator().manual_seed(10 * step + rank))
         model(x).pow(2).mean().backward()
@@ -88,3 +94,17 @@ def test_a_layer_sharded_after_attaching_is_named_as_no_longer_the_models(tmp_pa
         named = "WARNING trainmon: 2 monitored parameter(s) (layers.0.weight, layers.0.bias)"
         assert said[0].startswith(named), said
         assert not [m for m in result["said"] if m.startswith(("ERROR", "CRITICAL"))], result["said"]
+
+
+def test_a_monitor_attached_before_sharding_whose_optimizer_never_steps_says_so_at_stop(tmp_path):
+    """The optimizer given to set_monitor was replaced by one built after sharding: no backward
+    pass reaches the monitored tensors and no update is seen, so stop() says why nothing was
+    recorded."""
+    import functools
+
+    order = "attached before sharding, a new optimizer trains"
+    stale = f"{len(list(MLP(SIZES).parameters()))} monitored parameter(s) are no longer the model's"
+    for result in run_ranks(functools.partial(_worker, order=order), 2, str(tmp_path)):
+        said = [m for m in result["said"] if "never stepped" in m]
+        assert len(said) == 1 and stale in said[0], result
+        assert result["written"] == {"param_origin": 0, "param_updated": 0, "exp_avg": 0}
