@@ -34,6 +34,7 @@ from adapters.torch.dist import (
 )
 from adapters.torch.optim import TorchBackend, accumulation_boundary, optimizer_backend, scaler_verdict
 from adapters.torch.sharded.dtensor import DTensorBackend, optimizer_has_replicated_dtensors
+from adapters.torch.sharded.fsdp_flat import fsdp1_wrapper_of
 from monitor.session.lifecycle import Attachment, SessionLifecycle, model_chunks
 
 logger = logging.getLogger("trainmon")
@@ -49,7 +50,7 @@ class TorchSession(SessionLifecycle):
         chunks = model_chunks(a.model, torch.nn.Module, "torch.nn.Module")
         if a.optimizer is None:
             raise ValueError("set_monitor: optimizer: required (its step marks the end of a training step)")
-        self.chunks = [uncompiled(chunk) for chunk in chunks]
+        self.chunks = [_outer_fsdp1(uncompiled(chunk)) for chunk in chunks]
         #: the model was given compiled as a whole, or said to run so (its compiled code runs the
         #: chunks' roots)
         self.given_compiled = a.compiled or any(
@@ -357,3 +358,15 @@ class TorchSession(SessionLifecycle):
                 self._detach_optimizer_hooks()
 
         self._cleanup = [chunk.register_forward_pre_hook(cleanup) for chunk in self.chunks]
+
+
+def _outer_fsdp1(chunk: torch.nn.Module) -> torch.nn.Module:
+    """The FSDP1 wrapper of a chunk given as the wrapper's inner module (said), else the chunk."""
+    wrapper = fsdp1_wrapper_of(chunk)
+    if wrapper is None:
+        return chunk
+    logger.info(
+        "trainmon: the model given is the inner module of a FullyShardedDataParallel wrapper; the "
+        "wrapper is monitored, which maps the parameters of its root unit"
+    )
+    return wrapper

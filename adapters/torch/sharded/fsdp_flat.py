@@ -19,7 +19,9 @@ Where each parameter lies in the flat tensors comes from adapters.torch.sharded.
 
 from __future__ import annotations
 
+import gc
 import logging
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -207,3 +209,24 @@ def flat_units(chunks: Sequence[torch.nn.Module]) -> list[Any]:
     if not torch.distributed.is_available():
         return []
     return [unit for chunk in chunks for unit in fsdp1_units(chunk)]
+
+
+def fsdp1_wrapper_of(chunk: torch.nn.Module) -> torch.nn.Module | None:
+    """The FullyShardedDataParallel module whose ``.module`` is ``chunk`` (a trainer, or the user,
+    handed over the inner module), found among the process's live objects once at attach where
+    FSDP1 is in use; None otherwise. Through the inner module the root unit's parameters are
+    views of this rank's shard (empty on some ranks), which only the wrapper maps."""
+    fsdp = sys.modules.get("torch.distributed.fsdp.fully_sharded_data_parallel")
+    cls = getattr(fsdp, "FullyShardedDataParallel", None)
+    if cls is None or isinstance(chunk, cls) or not torch.distributed.is_initialized():
+        return None
+    try:  # the type, not isinstance: a proxy's __class__ could run code of its own
+        for obj in gc.get_objects():
+            if (
+                issubclass(type(obj), cls)
+                and obj.__dict__.get("_modules", {}).get("_fsdp_wrapped_module") is chunk
+            ):
+                return obj
+    except Exception:
+        return None
+    return None

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import pytest
 import torch
 
@@ -108,3 +109,61 @@ def test_a_monitor_attached_before_sharding_whose_optimizer_never_steps_says_so_
         said = [m for m in result["said"] if "never stepped" in m]
         assert len(said) == 1 and stale in said[0], result
         assert result["written"] == {"param_origin": 0, "param_updated": 0, "exp_avg": 0}
+
+
+def _inner_module_worker(rank: int, world_size: int, workdir: str) -> None:
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    from monitor import TrainerMon
+    from tests.adapters.torch.helpers import flat_values
+
+    class Scaled(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.mlp = MLP(SIZES)
+            self.scale = torch.nn.Parameter(torch.linspace(0.5, 1.5, SIZES[-1]))  # the root unit's own
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.mlp(x) * self.scale
+
+    torch.manual_seed(0)
+    model = Scaled()
+    wrapper = FullyShardedDataParallel(
+        model, auto_wrap_policy=ModuleWrapPolicy({torch.nn.Linear}), use_orig_params=True, device_id="cpu"
+    )
+    optimizer = torch.optim.AdamW(wrapper.parameters(), lr=0.01)
+    config = {"param_distribution": True, "ops": ALL_OPS, "format": "api", "squash_name": False}
+    pieces = TrainerMon({**config, "alert": {"rules": [{"rule_name": "AnomalyNan"}]}})
+    merged = TrainerMon({**config, "shard_reduce": True})
+    for mon in (pieces, merged):  # the inner module, as a trainer may hand it over
+        mon.set_monitor(wrapper.module, 1, optimizer)
+    x = torch.randn(4, SIZES[0], generator=torch.Generator().manual_seed(rank))
+    wrapper(x).pow(2).mean().backward()
+    with FullyShardedDataParallel.summon_full_params(wrapper):  # FSDP's own gather of the whole tensors
+        expected = {
+            name.replace("_fsdp_wrapped_module.", ""): flat_values(param)
+            for name, param in wrapper.module.named_parameters()
+        }
+    optimizer.step()
+    got = merged._latest("param_origin")
+    for mon in (pieces, merged):
+        mon.stop()
+    save_result(workdir, rank, {"expected": expected, "got": got, "incidents": len(pieces.incidents)})
+
+
+def test_the_inner_module_of_an_fsdp1_wrapper_is_monitored_through_its_wrapper(tmp_path):
+    """Through the inner module the root unit's parameters are views of this rank's shard, empty
+    on a rank that holds none of them: their rows were NaN and raised an incident at step 0."""
+    from tests.adapters.torch.helpers import assert_stats_close, latest_rows
+
+    for rank, result in enumerate(run_ranks(_inner_module_worker, 2, str(tmp_path))):
+        assert result["incidents"] == 0
+        # named as the wrapper names them (squash_name off keeps FSDP1's segments, as msprobe does)
+        rows = {
+            k.replace("_fsdp_wrapped_module.", ""): v
+            for k, v in latest_rows({"p": result["got"]}, "p").items()
+        }
+        assert set(rows) == set(result["expected"]), sorted(rows)
+        for name, values in result["expected"].items():
+            assert_stats_close(rows[name], np.array(values), what=f"rank {rank} {name}")
