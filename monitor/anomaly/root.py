@@ -230,7 +230,7 @@ def choose_root(records: Sequence[Record]) -> tuple[Record, list[str]]:
             "(the loss or its scale, the batch, the learning rate)"
         )
     elif phase <= PHASES["actv"]:
-        evidence.extend(_followed_as_a_whole(records, phase))
+        evidence.extend(_followed_as_a_whole(records, root))
     peer = _peer_outlier(group, root)
     if peer is not None and peer[0] is not root:
         root = peer[0]
@@ -241,15 +241,23 @@ def choose_root(records: Sequence[Record]) -> tuple[Record, list[str]]:
     return root, evidence
 
 
-def _followed_as_a_whole(records: Sequence[Record], phase: int) -> list[str]:
+#: the gradient phases a root in the parameters or the forward pass may move as a whole
+_GRADIENT_PHASES = (PHASES["actv_grad"], PHASES["acc_grad"], PHASES["post_grad"])
+
+
+def _followed_as_a_whole(records: Sequence[Record], root: Record) -> list[str]:
     """The first gradient phase after a root in the parameters or the forward pass whose data
-    type moved as a whole (the loss the model computes, a spike of its own output), in words."""
-    for later in sorted({phase_of(r) for r in records if phase < phase_of(r) <= PHASES["post_grad"]}):
+    type moved as a whole the way the root moved (the loss the model computes, a spike of its
+    own output), in words."""
+    ratio = number(root.get("ratio"))
+    for later in _GRADIENT_PHASES:
         moves = [number(r.get("common")) for r in records if phase_of(r) == later]
         moves = [m for m in moves if m > 0 and math.isfinite(m)]
-        if moves and abs(math.log(statistics.median(moves))) >= math.log(SHARED_FACTOR):
+        common = statistics.median(moves) if moves else math.nan
+        same_way = ratio > 0 and (ratio > 1) == (common > 1)
+        if moves and same_way and abs(math.log(common)) >= math.log(SHARED_FACTOR):
             return [
-                f"the {PHASE_NAMES[later]} that followed moved x{statistics.median(moves):.3g} as a "
+                f"the {PHASE_NAMES[later]} that followed moved x{common:.3g} as a "
                 "whole: this value reached every gradient (as a loss computed inside the model does)"
             ]
     return []

@@ -572,3 +572,19 @@ def test_held_gradients_of_a_step_that_never_returned_are_judged():
     closing.write(_gradients(5, math.nan, _ScalerVerdict()))
     closing.close()
     assert {record.step for record in closing.found} == {5}
+
+
+def test_a_forward_root_is_said_to_have_reached_the_gradients_only_where_they_moved_its_way():
+    """Activations up x962 and reduced gradients cut x0.1 (clipping): no shared cause is claimed;
+    a weight's forward effect moving the other activations is not a gradient phase."""
+    loss = _record("0:.output_1:0/rank0/actv", 9, ratio=962.0, common=1.01)
+    others = [_record(f"0:{n}.output:0/rank0/actv", i, ratio=1.1, common=1.01) for i, n in enumerate("abc")]
+    clipped = [_record(f"0:{n}/rank0/post_grad", 20 + i, ratio=0.1, common=0.1) for i, n in enumerate("abc")]
+    _, evidence = choose_root([*others, loss, *clipped])
+    assert not any("followed" in line for line in evidence), evidence
+    weight = _record("0:a.weight/rank0/param_origin", 1, ratio=100.0, common=1.0)
+    moved = [
+        _record(f"0:{n}.output:0/rank0/actv", 2 + i, ratio=100.0, common=100.0) for i, n in enumerate("abc")
+    ]
+    _, evidence = choose_root([weight, *moved])
+    assert not any("followed" in line for line in evidence), evidence
