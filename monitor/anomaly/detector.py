@@ -9,7 +9,8 @@ moved against that common move is reported as ``MovedAlone``. Every abnormal cel
 is returned: which become records, and how they group into incidents, is decided by
 :mod:`monitor.anomaly.incidents`.
 
-Besides the rules' baselines the detector keeps one level per cell (an EMA of log|value|), from
+Besides the rules' baselines the detector keeps one level per norm (an EMA of log|norm|, a value
+flagged after an unflagged one left out), from
 which each anomaly gets its ``ratio`` to that level and the ``common`` ratio of its column (the
 median over every row of the data type): when clipping or loss scaling moves every gradient by
 the same factor, the one tensor that moved differently stands out (:mod:`monitor.anomaly.root`).
@@ -68,6 +69,8 @@ class Detector:
         self._index_cache: dict[str, tuple[RowSet, np.ndarray]] = {}
         #: per data type: EMA of log|norm| and how many finite norms it holds, per tag.
         self._levels: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        #: per data type, the tags whose latest norm was flagged
+        self._flagged_last: dict[str, np.ndarray] = {}
 
     def _index(self, prefix: str, rows: RowSet) -> np.ndarray:
         cached = self._index_cache.get(prefix)
@@ -240,12 +243,21 @@ class Detector:
     def _update_levels(
         self, prefix: str, logs: np.ndarray, index: np.ndarray | None, flagged: np.ndarray
     ) -> None:
-        """Blend this step's log-norms into each tag's level, except those flagged now: a spike
-        taken into the level would understate the ratios (and common moves) of the steps after it."""
+        """Blend this step's log-norms into each tag's level, except one flagged after a value
+        that was not: a spike taken into the level would understate the ratios (and common moves)
+        of the steps after it, while a value flagged twice in a row enters (a level that moved
+        for good, or a rule that flags for long stretches, must not freeze it)."""
         level, count = self._levels[prefix]
+        held = self._flagged_last.get(prefix, np.zeros(0, dtype=bool))
+        if len(held) < len(level):
+            held = self._flagged_last[prefix] = np.concatenate(
+                [held, np.zeros(len(level) - len(held), dtype=bool)]
+            )
         where = slice(None) if index is None else index
         old_level, old_count = level[where], count[where]
-        finite = np.isfinite(logs) & ~flagged
+        left_out = flagged & ~held[where]
+        held[where] = flagged
+        finite = np.isfinite(logs) & ~left_out
         blended = np.where(old_count > 0, LEVEL_BETA * old_level + (1.0 - LEVEL_BETA) * logs, logs)
         level[where] = np.where(finite, blended, old_level)
         count[where] = old_count + finite
@@ -328,6 +340,7 @@ class Detector:
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ValueError(f"detector state: malformed ({type(exc).__name__}: {exc})") from None
         self._rows, self._states, self._index_cache, self._levels = rows, states, {}, levels
+        self._flagged_last = {}
 
 
 def _common_move(moves: np.ndarray) -> float:

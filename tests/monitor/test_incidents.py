@@ -588,3 +588,17 @@ def test_a_forward_root_is_said_to_have_reached_the_gradients_only_where_they_mo
     ]
     _, evidence = choose_root([weight, *moved])
     assert not any("followed" in line for line in evidence), evidence
+
+
+def test_a_norm_flagged_step_after_step_enters_its_level():
+    """A rule that flags a steadily growing norm at every step must not freeze its level: the
+    ratio of a tensor growing 3% a step to its level stays near its few steps' growth."""
+    from monitor.anomaly.detector import Detector
+
+    run = Run()
+    growing = Detector([AnomalyZScore(threshold=0.0, warmup=1, min_ratio=1.0)], rank=0)
+    run.sink = AnomalySink(growing)  # every value after the first is flagged
+    for step in range(60):
+        run.step(step, {"acc_grad": np.full(len(NAMES), 1.03**step)})
+    level, _ = growing._level_arrays("acc_grad")
+    assert np.allclose(np.exp(level), 1.03**59, rtol=0.5), np.exp(level)
