@@ -80,7 +80,7 @@ class Collection(BaseCollection):
         self.pipeline_stage = len(group_mates) > 1
         self._warn_unmatched_targets(modules, self.registry.names)
         #: collected steps left to tell whether the optimizer keeps Adam's moments (a shard may hold none)
-        holds_parameters = not backend.sharded or backend.dtensors  # DTensors: the optimizer holds them
+        holds_parameters = not backend.sharded or backend.dtensors  # DTensors themselves, not flat copies
         self._optimizer_checks = OptimizerChecks(config, backend.sharded, holds_parameters, chunks)
         backend.prepare([entry.param for entry in self.registry.params], self.registry.grad)
         info = run_info("torch", torch.__version__, rank, world_size(), [type(c).__name__ for c in chunks])

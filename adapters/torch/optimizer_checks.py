@@ -85,13 +85,15 @@ def taken_over(
     was built (DTensors the optimizer does not hold). None where it does, or where a back-end
     maps them."""
     trained = [param for param in params if param.requires_grad]  # frozen ones are nobody's to update
-    if not (type(backend) is TorchBackend or backend.dtensors) or not trained:
+    plain = type(backend) is TorchBackend
+    if not (plain or backend.dtensors) or not trained:
         return None
     if any(hasattr(param, "ds_id") for param in trained):
         why = "DeepSpeed ZeRO-3 partitioned the model's parameters after set_monitor"
         return why, _ATTACH_AFTER_WRAPPER, OPTIMIZER_SIDE + PARAMETER_SIDE
     now = {id(param) for param in model_params}
-    if not any(id(param) in now for param in trained):
+    # (not asked of DTensors: FSDP2 may hold the unsharded ones on the model at the update)
+    if plain and not any(id(param) in now for param in trained):
         why = (
             "the model's parameters were made anew after set_monitor (sharded, parallelized or "
             "wrapped): the monitored ones take no part"
@@ -167,7 +169,7 @@ class OptimizerChecks:
         model_params = [p for chunk in self.chunks for p in chunk.parameters()]
         found = taken_over(backend, params, model_params)
         if not found:
-            if type(backend) is TorchBackend or backend.dtensors:  # the model's own tensors monitored
+            if type(backend) is TorchBackend:  # the model's own tensors, none of them unsharded by FSDP2
                 _say_stale(params, names, model_params)
             return ()
         why, advice, parts = found

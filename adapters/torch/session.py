@@ -33,7 +33,7 @@ from adapters.torch.dist import (
     world_size,
 )
 from adapters.torch.optim import TorchBackend, accumulation_boundary, optimizer_backend, scaler_verdict
-from adapters.torch.sharded.dtensor import DTensorBackend, optimizer_has_replicated_dtensors
+from adapters.torch.sharded.dtensor import DTensorBackend, holds_replicated_dtensors
 from adapters.torch.sharded.fsdp_flat import fsdp1_wrapper_of
 from monitor.session.lifecycle import Attachment, SessionLifecycle, model_chunks
 
@@ -69,7 +69,7 @@ class TorchSession(SessionLifecycle):
                 "placeholder where configure_optimizers returns None): its step, which marks a "
                 "training step's end, never comes"
             )
-        if a.config.module_ranks and optimizer_has_replicated_dtensors(self.optimizer):
+        if a.config.module_ranks and holds_replicated_dtensors(self.optimizer, self.chunks):
             raise ValueError(
                 "module_ranks: expected empty with tensor parallelism (the gradients of parameters "
                 "replicated over a device mesh dimension can be partial sums, completed by a collective "

@@ -20,6 +20,7 @@ rank 0 of the mesh writes it.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -40,13 +41,15 @@ def holds_dtensors(optimizer: torch.optim.Optimizer, chunks: Sequence[torch.nn.M
     )
 
 
-def optimizer_has_replicated_dtensors(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether a parameter the optimizer updates is a DTensor replicated along a mesh dimension
-    (tensor parallelism; FSDP2 alone shards every parameter): its gradient can be a partial sum."""
+def holds_replicated_dtensors(optimizer: torch.optim.Optimizer, chunks: Sequence[torch.nn.Module]) -> bool:
+    """Whether a parameter the optimizer updates, or the model holds, is a DTensor replicated
+    along a mesh dimension (tensor parallelism; FSDP2 alone shards every parameter): its gradient
+    can be a partial sum."""
+    given = (p for group in optimizer.param_groups for p in group["params"])
+    held = (p for chunk in chunks for p in chunk.parameters())
     return any(
         isinstance(p, DTensor) and any(placement.is_replicate() for placement in p.placements)
-        for group in optimizer.param_groups
-        for p in group["params"]
+        for p in itertools.chain(given, held)
     )
 
 

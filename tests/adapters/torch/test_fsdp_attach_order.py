@@ -57,6 +57,10 @@ def _worker(rank: int, world_size: int, workdir: str, order: str) -> None:
         for layer in model.layers:
             fully_shard(layer)
         fully_shard(model)
+    if order == "in order, left unsharded after backward":
+        model.set_reshard_after_backward(False)  # the model holds unsharded tensors at the update
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+        mon.set_monitor(model, 1, optimizer)
     if order == "optimizer built before sharding":
         mon.set_monitor(model, 1, optimizer)
     if order == "attached before sharding, a new optimizer trains":
@@ -167,3 +171,14 @@ def test_the_inner_module_of_an_fsdp1_wrapper_is_monitored_through_its_wrapper(t
         assert set(rows) == set(result["expected"]), sorted(rows)
         for name, values in result["expected"].items():
             assert_stats_close(rows[name], np.array(values), what=f"rank {rank} {name}")
+
+
+def test_a_model_left_unsharded_after_backward_is_not_taken_for_one_made_anew(tmp_path):
+    """FSDP2 without resharding after backward holds its unsharded tensors on the model when the
+    optimizer steps: the monitored (sharded) ones are the optimizer's, and nothing is said."""
+    import functools
+
+    order = "in order, left unsharded after backward"
+    for result in run_ranks(functools.partial(_worker, order=order), 2, str(tmp_path)):
+        assert result["said"] == [], result["said"]
+        assert all(count > 0 for count in result["written"].values()), result["written"]
