@@ -20,7 +20,7 @@ from monitor.alerts.responses import IncidentResponses
 from monitor.config.schema import MonitorConfig
 from monitor.datatypes.update_ratio import update_ratio_written
 from monitor.errors import CollectivesLogged, StructurePrinted
-from monitor.session.collection import BaseCollection
+from monitor.session.collection import UNENDED_PASSES, BaseCollection
 from monitor.session.dynamic import ScheduleChannel
 from monitor.session.schedule import rank_enabled
 
@@ -266,10 +266,10 @@ class SessionLifecycle(IncidentResponses, ABC):
         nothing was recorded, which is said instead of left to be found."""
         if self._seen_from is None or self.step != self._seen_from[0]:
             return
-        updates = self._seen_from[1] or 0  # an optimizer keeps no count before its first update
+        updates = self._seen_from[1]  # None: unknown (no count before an optimizer's first update)
         self._seen_from = None  # said at the first stop() only
         now = self._optimizer_step_count()
-        if now is not None and now > updates:
+        if now is not None and updates is not None and now > updates:
             logger.warning(
                 "trainmon: the optimizer made %d update(s) while attached and the monitor saw none, so "
                 "nothing was recorded: a compiled step runs no hook (MindSpore graph mode: call "
@@ -277,7 +277,7 @@ class SessionLifecycle(IncidentResponses, ABC):
                 "set_monitor(..., graph_mode=True))",
                 now - updates,
             )
-        elif passes:
+        elif 0 < passes < UNENDED_PASSES:  # from UNENDED_PASSES on, it was said during the run
             logger.warning(
                 "trainmon: %d backward pass(es) while attached, yet the optimizer given to set_monitor "
                 "never stepped, so nothing was recorded: is it the one that steps (not one made anew "

@@ -95,8 +95,8 @@ class BucketGrads:
         return capture
 
     def passes(self) -> int:
-        """1 once this step's reduction began (the buckets count no micro-batches), else 0."""
-        return 1 if self._stats else 0
+        """0: the buckets count no backward passes."""
+        return 0
 
     def take(self) -> tuple[list[int], None, torch.Tensor]:
         """This step's rows in firing order: parameter indices, no micro-steps, statistics."""
