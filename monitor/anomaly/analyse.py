@@ -182,7 +182,7 @@ def report_anomalies(paths: list[str], k: int, steps: frozenset[int] | None, out
     if summary.files_read == 0 and not with_incidents:  # "0 anomalies" would read as an all-clear
         print(
             f"anomaly-analyse: error: no anomaly file could be read ({summary.files_skipped} skipped, "
-            "each named above); nothing written",
+            "each named above); no ranking written",
             file=sys.stderr,
         )
         return 2

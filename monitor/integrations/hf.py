@@ -76,24 +76,37 @@ class TrainmonCallback(MonitorCallback, TrainerCallback):
         path = os.path.join(directory, STATE_FILE.format(rank=args.process_index))
         try:
             os.makedirs(directory, exist_ok=True)
-            atomic_write_text(path, json.dumps(saved))
+            atomic_write_text(path, json.dumps({"global_step": state.global_step, **saved}))
         except (OSError, TypeError, ValueError) as exc:
             logger.error("trainmon: the monitor's state was not saved with the checkpoint (%r)", exc)
 
     def _read_state(self, args: Any, step: int) -> None:
-        """The state kept in the checkpoint the run resumes from, if trainmon kept one there."""
+        """The state kept in the checkpoint the run resumes from (saved at ``step``), if trainmon
+        kept one there; where none is found, the places looked at are said."""
         named = getattr(args, "resume_from_checkpoint", None)
         candidates = [named] if isinstance(named, str) else []
         candidates.append(os.path.join(args.output_dir, f"checkpoint-{step}"))
-        for directory in candidates:
-            path = os.path.join(directory, STATE_FILE.format(rank=args.process_index))
+        paths = [
+            os.path.join(directory, STATE_FILE.format(rank=args.process_index)) for directory in candidates
+        ]
+        for path in paths:
             if not os.path.isfile(path):
                 continue
             try:
                 with open(path, encoding="utf-8") as handle:
-                    self.restore_state(json.load(handle), path)
+                    saved = json.load(handle)
             except (OSError, ValueError) as exc:
                 logger.error(
                     "trainmon: cannot read %s (%r); the anomaly rules start their history anew", path, exc
                 )
-            return
+                return
+            if isinstance(saved, dict) and saved.get("global_step") == step:
+                self.restore_state(saved, path)
+                return
+        logger.info(
+            "trainmon: the run resumes at step %d and no state of the monitor saved at that step is at "
+            "%s: the anomaly rules start their history anew (a checkpoint outside output_dir: set "
+            "args.resume_from_checkpoint to it)",
+            step,
+            " or ".join(paths),
+        )

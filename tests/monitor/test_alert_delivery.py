@@ -195,22 +195,53 @@ def test_a_command_still_running_when_the_run_ends_is_ended_with_its_children(tm
     assert "1 alert message(s) not delivered" in caplog.text
 
 
-def test_a_retry_after_the_run_ended_its_command_starts_no_program(tmp_path, quick):
-    """Once the run's end abandoned the command, a retry still under way on the delivery thread
-    would start a program in a session of its own that outlives the run and pages late."""
+def test_a_program_starting_when_the_run_ends_is_ended_too_and_none_starts_after(
+    tmp_path, monkeypatch, quick
+):
+    """The run's end abandons the command while the delivery thread is starting its program (a
+    retry under way): the program started then is ended, and none starts after it; otherwise it
+    would run in a session of its own past the run and page late."""
+    import threading
+
+    import monitor.alerts.sinks as sinks
+
     started = tmp_path / "started"
-    program = f"open({str(started)!r}, 'a').write('x')"
-    sink = {"type": "command", "argv": [sys.executable, "-c", program], "ranks": "all"}
+    program = f"import time; time.sleep(1); open({str(started)!r}, 'a').write('x')"
+    sink = {"type": "command", "argv": [sys.executable, "-c", program], "ranks": "all", "timeout_s": 10}
     alerts = alerts_of([sink], 0, tmp_path)
     command = alerts.channels[0].sink
-    command.deliver({"step": 1})
-    assert started.read_text() == "x"  # the program runs while the run goes on
-    command.abandon()
+    inside, go_on, real_popen = threading.Event(), threading.Event(), sinks.subprocess.Popen
+
+    def slow_popen(*args, **kwargs):  # the program is being started when the run ends
+        inside.set()
+        go_on.wait(10)
+        return real_popen(*args, **kwargs)
+
+    monkeypatch.setattr(sinks.subprocess, "Popen", slow_popen)
+    outcome: list[BaseException | None] = []
+
+    def deliver() -> None:
+        try:
+            command.deliver({"step": 1})
+            outcome.append(None)
+        except OSError as exc:
+            outcome.append(exc)
+
+    delivering = threading.Thread(target=deliver)
+    delivering.start()
+    assert inside.wait(10)
+    abandoning = threading.Thread(target=command.abandon)
+    abandoning.start()
+    time.sleep(0.2)  # abandon() is under way while the program starts
+    go_on.set()
+    abandoning.join(10)
+    delivering.join(10)
+    assert outcome and isinstance(outcome[0], OSError) and "SIGKILL" in str(outcome[0]), outcome
     with pytest.raises(OSError, match="not started: the run has ended"):
         command.deliver({"step": 2})
     alerts.close()
-    time.sleep(0.5)  # a program started anyway would have written by now
-    assert started.read_text() == "x"
+    time.sleep(1.5)  # the program, had it run on, would have written by now
+    assert not started.exists()
 
 
 def _alive(pid: int) -> bool:
