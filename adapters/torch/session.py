@@ -238,7 +238,7 @@ class TorchSession(SessionLifecycle):
         return self.backend.step_count()
 
     def _monitored_not_the_models(self) -> int:
-        if not (type(self.backend) is TorchBackend or self.backend.dtensors):  # others map stand-ins
+        if type(self.backend) is not TorchBackend:  # others map stand-ins, or (FSDP2) unshard them
             return 0
         now = {id(param) for chunk in self.chunks for param in chunk.parameters()}
         return sum(id(entry.param) not in now for entry in self.collection.registry.params)
