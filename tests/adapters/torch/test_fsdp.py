@@ -328,15 +328,21 @@ def test_fsdp_statistics_equal_an_unsharded_replica(tmp_path, case):
         _check_step(case, step, results)
 
 
-def _sync_each_worker(rank: int, world_size: int, workdir: str, case: str) -> None:
+def _said() -> list[str]:
+    """Every message of the "trainmon" logger in this process from now on."""
     import logging
 
+    messages: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())
+    logging.getLogger("trainmon").addHandler(handler)
+    return messages
+
+
+def _sync_each_worker(rank: int, world_size: int, workdir: str, case: str) -> None:
     from monitor import TrainerMon
 
-    warnings: list[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda record: warnings.append(record.getMessage())
-    logging.getLogger("trainmon").addHandler(handler)
+    warnings = _said()
     model, replica = _sharded(case)
     optimizer = _optimizer(model.parameters())
     config = {"wg_distribution": True, "ops": ALL_OPS, "format": "api", "shard_reduce": True}
@@ -369,14 +375,9 @@ def _sync_each_worker(rank: int, world_size: int, workdir: str, case: str) -> No
 
 
 def _short_step_worker(rank: int, world_size: int, workdir: str, case: str) -> None:
-    import logging
-
     from monitor import TrainerMon
 
-    warnings: list[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda record: warnings.append(record.getMessage())
-    logging.getLogger("trainmon").addHandler(handler)
+    warnings = _said()
     model, replica = _sharded(case)
     optimizer = _optimizer(model.parameters())
     config = {"wg_distribution": True, "ops": ALL_OPS, "format": "api", "shard_reduce": True}
