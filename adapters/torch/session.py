@@ -34,7 +34,6 @@ from adapters.torch.dist import (
 )
 from adapters.torch.optim import TorchBackend, accumulation_boundary, optimizer_backend, scaler_verdict
 from adapters.torch.sharded.dtensor import DTensorBackend, holds_replicated_dtensors
-from adapters.torch.sharded.fsdp_flat import fsdp1_wrapper_of
 from monitor.session.lifecycle import Attachment, SessionLifecycle, model_chunks
 
 logger = logging.getLogger("trainmon")
@@ -362,6 +361,10 @@ class TorchSession(SessionLifecycle):
 
 def _outer_fsdp1(chunk: torch.nn.Module) -> torch.nn.Module:
     """The FSDP1 wrapper of a chunk given as the wrapper's inner module (said), else the chunk."""
+    if not torch.distributed.is_available():
+        return chunk
+    from adapters.torch.sharded.fsdp_flat import fsdp1_wrapper_of
+
     wrapper = fsdp1_wrapper_of(chunk)
     if wrapper is None:
         return chunk

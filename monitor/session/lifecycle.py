@@ -249,8 +249,11 @@ class SessionLifecycle(IncidentResponses, ABC):
 
     def stop(self) -> None:
         """Remove every hook and close the outputs (idempotent); queued alerts are delivered."""
-        passes = self.collection.passes_in_step() if self.collection is not None else 0
-        stale = self._monitored_not_the_models() if self.collection is not None and not passes else 0
+        try:  # what tells why nothing was recorded, read before the collection goes
+            passes = self.collection.passes_in_step() if self.collection is not None else 0
+            stale = self._monitored_not_the_models() if self.collection is not None and not passes else 0
+        except Exception:  # only a message depends on it
+            passes = stale = 0
         self._end_collection()
         if self._hooks:
             self._steps_at_stop = self._optimizer_step_count()
