@@ -248,15 +248,15 @@ class Detector:
         of the steps after it, while a value flagged twice in a row enters (a level that moved
         for good, or a rule that flags for long stretches, must not freeze it)."""
         level, count = self._levels[prefix]
-        held = self._flagged_last.get(prefix, np.zeros(0, dtype=bool))
-        if len(held) < len(level):
-            held = self._flagged_last[prefix] = np.concatenate(
-                [held, np.zeros(len(level) - len(held), dtype=bool)]
+        before = self._flagged_last.get(prefix, np.zeros(0, dtype=bool))
+        if len(before) < len(level):
+            before = self._flagged_last[prefix] = np.concatenate(
+                [before, np.zeros(len(level) - len(before), dtype=bool)]
             )
         where = slice(None) if index is None else index
         old_level, old_count = level[where], count[where]
-        left_out = flagged & ~held[where]
-        held[where] = flagged
+        left_out = flagged & ~before[where]
+        before[where] = flagged
         finite = np.isfinite(logs) & ~left_out
         blended = np.where(old_count > 0, LEVEL_BETA * old_level + (1.0 - LEVEL_BETA) * logs, logs)
         level[where] = np.where(finite, blended, old_level)
