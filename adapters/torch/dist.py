@@ -101,7 +101,7 @@ def ddp_wrappers(chunks: Sequence[torch.nn.Module], look_around: bool = True) ->
     A chunk is its own when it is a DDP module. A trainer (Hugging Face's, Lightning's) hands its
     callbacks the model inside its DDP wrapper, which the model does not point back to: with a
     process group and ``look_around``, those wrappers are looked for among the process's live
-    objects, once, at attach (about 0.1 s per 350,000 objects). A wrapper of an earlier run not
+    objects (``live_wrappers``). A wrapper of an earlier run not
     yet collected may be found too; every one found is returned, so that a verdict on them holds
     for all. A search that fails gives None, as a chunk without a wrapper does.
     """
@@ -113,13 +113,7 @@ def ddp_wrappers(chunks: Sequence[torch.nn.Module], look_around: bool = True) ->
     if not (look_around and initialized()):
         return None
     try:
-        # the type, not isinstance: a proxy's __class__ could run code of its own; a DDP whose
-        # __init__ raised (kept alive by a traceback) has no module
-        around = [
-            (obj, obj.__dict__.get("_modules", {}).get("module"))
-            for obj in gc.get_objects()
-            if issubclass(type(obj), ddp)
-        ]
+        around = live_wrappers(ddp, "module")
         for chunk in inner:
             holding = [w for w, module in around if module is not None and _holds(module, chunk)]
             if not holding:
@@ -128,6 +122,19 @@ def ddp_wrappers(chunks: Sequence[torch.nn.Module], look_around: bool = True) ->
     except Exception:
         return None
     return wrappers
+
+
+def live_wrappers(cls: type, child: str) -> list[tuple[Any, Any]]:
+    """Every live instance of the wrapper class ``cls`` in this process, with the module it
+    holds as ``child`` (None where it holds none: one whose ``__init__`` raised, kept alive by a
+    traceback). A wrapper is not pointed back to by the module it wraps, so a module handed over
+    without its wrapper is matched to it here, once, at attach (about 0.1 s per 350,000 objects)."""
+    # the type, not isinstance: a proxy's __class__ could run code of its own
+    return [
+        (obj, obj.__dict__.get("_modules", {}).get(child))
+        for obj in gc.get_objects()
+        if issubclass(type(obj), cls)
+    ]
 
 
 def _holds(module: torch.nn.Module, part: torch.nn.Module) -> bool:

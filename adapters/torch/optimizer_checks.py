@@ -116,23 +116,17 @@ def taken_over(
     return why, _ATTACH_AFTER_WRAPPER, OPTIMIZER_SIDE
 
 
-def _say_stale(
-    params: Sequence[torch.nn.Parameter], names: Sequence[str], model_params: Sequence[torch.Tensor]
-) -> None:
-    """Some monitored parameters are no longer the model's (``parallelize_module`` or
-    ``fully_shard`` on part of the model after set_monitor): their rows describe stale tensors."""
+def stale_parameters(
+    backend: TorchBackend, params: Sequence[torch.nn.Parameter], model_params: Sequence[torch.Tensor]
+) -> list[int]:
+    """The monitored ``params`` (their indices) that the model no longer holds: ``parallelize_module``
+    or ``fully_shard`` made them anew after set_monitor, so their rows describe stale tensors.
+    Asked of plain back-ends only: the others map stand-ins, or (FSDP2) put unsharded tensors on
+    the model for a while."""
+    if type(backend) is not TorchBackend:
+        return []
     now = {id(param) for param in model_params}
-    stale = [name for name, param in zip(names, params) if id(param) not in now]
-    if stale:
-        logger.warning(
-            "trainmon: %d monitored parameter(s) (%s%s) are no longer the model's: made anew after "
-            "set_monitor (parallelized, sharded or wrapped), so their rows describe tensors the "
-            "training does not use; build the optimizer and call set_monitor after "
-            "parallelize_module / fully_shard",
-            len(stale),
-            ", ".join(stale[:3]),
-            ", ..." if len(stale) > 3 else "",
-        )
+    return [i for i, param in enumerate(params) if id(param) not in now]
 
 
 class OptimizerChecks:
@@ -169,8 +163,17 @@ class OptimizerChecks:
         model_params = [p for chunk in self.chunks for p in chunk.parameters()]
         found = taken_over(backend, params, model_params)
         if not found:
-            if type(backend) is TorchBackend:  # the model's own tensors, none of them unsharded by FSDP2
-                _say_stale(params, names, model_params)
+            stale = [names[i] for i in stale_parameters(backend, params, model_params)]
+            if stale:
+                logger.warning(
+                    "trainmon: %d monitored parameter(s) (%s%s) are no longer the model's: made anew "
+                    "after set_monitor (parallelized, sharded or wrapped), so their rows describe tensors "
+                    "the training does not use; build the optimizer and call set_monitor after "
+                    "parallelize_module / fully_shard",
+                    len(stale),
+                    ", ".join(stale[:3]),
+                    ", ..." if len(stale) > 3 else "",
+                )
             return ()
         why, advice, parts = found
         wanted = [part for part in parts if _switched_on(part, self.config)]

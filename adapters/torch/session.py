@@ -33,6 +33,7 @@ from adapters.torch.dist import (
     world_size,
 )
 from adapters.torch.optim import TorchBackend, accumulation_boundary, optimizer_backend, scaler_verdict
+from adapters.torch.optimizer_checks import stale_parameters
 from adapters.torch.sharded.dtensor import DTensorBackend, holds_replicated_dtensors
 from monitor.session.lifecycle import Attachment, SessionLifecycle, model_chunks
 
@@ -237,10 +238,8 @@ class TorchSession(SessionLifecycle):
         return self.backend.step_count()
 
     def _monitored_not_the_models(self) -> int:
-        if type(self.backend) is not TorchBackend:  # others map stand-ins, or (FSDP2) unshard them
-            return 0
-        now = {id(param) for chunk in self.chunks for param in chunk.parameters()}
-        return sum(id(entry.param) not in now for entry in self.collection.registry.params)
+        params = [entry.param for entry in self.collection.registry.params]
+        return len(stale_parameters(self.backend, params, [p for c in self.chunks for p in c.parameters()]))
 
     def _detach_optimizer_hooks(self) -> None:
         for handle in self._hooks + self._cleanup:

@@ -201,7 +201,7 @@ def choose_root(records: Sequence[Record]) -> tuple[Record, list[str]]:
     alone = _moved_alone(group) if len(group) > 1 else None
     if alone is not None:
         root, ratio, common = alone
-        if abs(math.log(common)) >= math.log(SHARED_FACTOR):
+        if _as_a_whole(common):
             evidence.append(
                 f"it moved x{ratio:.3g} while its data type moved x{common:.3g} together "
                 "(clipping or loss scaling rescales every tensor alike)"
@@ -254,8 +254,7 @@ def _followed_as_a_whole(records: Sequence[Record], root: Record) -> list[str]:
         moves = [number(r.get("common")) for r in records if phase_of(r) == later]
         moves = [m for m in moves if m > 0 and math.isfinite(m)]
         common = statistics.median(moves) if moves else math.nan
-        same_way = ratio > 0 and (ratio > 1) == (common > 1)
-        if moves and same_way and abs(math.log(common)) >= math.log(SHARED_FACTOR):
+        if _moved_with(ratio, common):
             return [
                 f"the {PHASE_NAMES[later]} that followed moved x{common:.3g} as a "
                 "whole: this value reached every gradient (as a loss computed inside the model does)"
@@ -266,12 +265,19 @@ def _followed_as_a_whole(records: Sequence[Record], root: Record) -> list[str]:
 def _shared_move(root: Record) -> float:
     """The common move of the root's data type when it is SHARED_FACTOR or more and the root
     moved the same way, else NaN."""
-    common, ratio = number(root.get("common")), number(root.get("ratio"))
-    if not (common > 0 and abs(math.log(common)) >= math.log(SHARED_FACTOR)):
-        return math.nan
-    if ratio > 0 and (ratio > 1) != (common > 1):
-        return math.nan
-    return common
+    common = number(root.get("common"))
+    return common if _moved_with(number(root.get("ratio")), common) else math.nan
+
+
+def _as_a_whole(common: float) -> bool:
+    """Whether a data type's common move is SHARED_FACTOR or more, either way."""
+    return common > 0 and abs(math.log(common)) >= math.log(SHARED_FACTOR)
+
+
+def _moved_with(ratio: float, common: float) -> bool:
+    """Whether a data type moved as a whole the way a tensor's ``ratio`` did (any way where the
+    ratio is unknown)."""
+    return _as_a_whole(common) and not (ratio > 0 and (ratio > 1) != (common > 1))
 
 
 def _changed_after_backward(records: Sequence[Record], common: float) -> str:

@@ -72,10 +72,9 @@ class TrainmonCallback(MonitorCallback, TrainerCallback):
         saved = self.checkpoint_state()
         if saved is None:
             return
-        directory = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
-        path = os.path.join(directory, STATE_FILE.format(rank=args.process_index))
+        path = _state_path(os.path.join(args.output_dir, f"checkpoint-{state.global_step}"), args)
         try:
-            os.makedirs(directory, exist_ok=True)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
             atomic_write_text(path, json.dumps({"global_step": state.global_step, **saved}))
         except (OSError, TypeError, ValueError) as exc:
             logger.error("trainmon: the monitor's state was not saved with the checkpoint (%r)", exc)
@@ -86,9 +85,7 @@ class TrainmonCallback(MonitorCallback, TrainerCallback):
         named = getattr(args, "resume_from_checkpoint", None)
         candidates = [named] if isinstance(named, str) else []
         candidates.append(os.path.join(args.output_dir, f"checkpoint-{step}"))
-        paths = [
-            os.path.join(directory, STATE_FILE.format(rank=args.process_index)) for directory in candidates
-        ]
+        paths = [_state_path(directory, args) for directory in candidates]
         for path in paths:
             if not os.path.isfile(path):
                 continue
@@ -110,3 +107,8 @@ class TrainmonCallback(MonitorCallback, TrainerCallback):
             step,
             " or ".join(paths),
         )
+
+
+def _state_path(checkpoint: str, args: Any) -> str:
+    """This rank's state file in a checkpoint directory."""
+    return os.path.join(checkpoint, STATE_FILE.format(rank=args.process_index))

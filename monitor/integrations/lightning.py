@@ -25,8 +25,6 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-import torch
-
 try:
     from lightning.pytorch.callbacks import Callback
 except ImportError:  # the older package name
@@ -84,26 +82,28 @@ class TrainmonCallback(MonitorCallback, Callback):
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         self.detach()
 
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        """This process's rank, known before a checkpoint's states are restored."""
+        self._global_rank = trainer.global_rank
+
     def state_dict(self) -> dict[str, Any]:
         saved = self.checkpoint_state()
-        return {} if saved is None else {"ranks": {str(_rank()): saved}}
+        return {} if saved is None else {"ranks": {str(self._rank()): saved}}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        kept = state_dict.get("ranks") or {}
-        if str(_rank()) in kept:
-            self.restore_state(kept[str(_rank())], "the Lightning checkpoint")
+        kept, rank = state_dict.get("ranks") or {}, self._rank()
+        if str(rank) in kept:
+            self.restore_state(kept[str(rank)], "the Lightning checkpoint")
         elif kept:
             logger.info(
                 "trainmon: the checkpoint keeps the anomaly rules' history of rank %s only (Lightning "
                 "saves the callback state of one process); rank %d starts its history anew",
                 ", ".join(sorted(kept)),
-                _rank(),
+                rank,
             )
 
-
-def _rank() -> int:
-    dist = torch.distributed
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    def _rank(self) -> int:
+        return getattr(self, "_global_rank", 0)
 
 
 def _ends_step(trainer: Any, batch_idx: int) -> bool:

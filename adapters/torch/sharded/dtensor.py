@@ -21,7 +21,7 @@ rank 0 of the mesh writes it.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -36,21 +36,22 @@ from adapters.torch.optim import TorchBackend
 def holds_dtensors(optimizer: torch.optim.Optimizer, chunks: Sequence[torch.nn.Module]) -> bool:
     """Whether any parameter the optimizer updates, or the model holds, is a DTensor (tensor-
     parallel layers may be updated by another optimizer than the one given)."""
-    return any(isinstance(p, DTensor) for group in optimizer.param_groups for p in group["params"]) or any(
-        isinstance(p, DTensor) for chunk in chunks for p in chunk.parameters()
-    )
+    return any(isinstance(p, DTensor) for p in _given_and_held(optimizer, chunks))
 
 
 def holds_replicated_dtensors(optimizer: torch.optim.Optimizer, chunks: Sequence[torch.nn.Module]) -> bool:
     """Whether a parameter the optimizer updates, or the model holds, is a DTensor replicated
     along a mesh dimension (tensor parallelism; FSDP2 alone shards every parameter): its gradient
     can be a partial sum."""
-    given = (p for group in optimizer.param_groups for p in group["params"])
-    held = (p for chunk in chunks for p in chunk.parameters())
     return any(
         isinstance(p, DTensor) and any(placement.is_replicate() for placement in p.placements)
-        for p in itertools.chain(given, held)
+        for p in _given_and_held(optimizer, chunks)
     )
+
+
+def _given_and_held(optimizer: torch.optim.Optimizer, chunks: Sequence[torch.nn.Module]) -> Iterator[Any]:
+    given = (p for group in optimizer.param_groups for p in group["params"])
+    return itertools.chain(given, (p for chunk in chunks for p in chunk.parameters()))
 
 
 class DTensorBackend(TorchBackend):

@@ -19,7 +19,6 @@ Where each parameter lies in the flat tensors comes from adapters.torch.sharded.
 
 from __future__ import annotations
 
-import gc
 import logging
 import sys
 from collections.abc import Callable, Sequence
@@ -27,6 +26,7 @@ from typing import Any
 
 import torch
 
+from adapters.torch.dist import live_wrappers
 from adapters.torch.grads import UnreducedGrads
 from adapters.torch.optim import TorchBackend
 from adapters.torch.sharded.fsdp_internals import (
@@ -220,13 +220,7 @@ def fsdp1_wrapper_of(chunk: torch.nn.Module) -> torch.nn.Module | None:
     cls = getattr(fsdp, "FullyShardedDataParallel", None)
     if cls is None or isinstance(chunk, cls) or not torch.distributed.is_initialized():
         return None
-    try:  # the type, not isinstance: a proxy's __class__ could run code of its own
-        for obj in gc.get_objects():
-            if (
-                issubclass(type(obj), cls)
-                and obj.__dict__.get("_modules", {}).get("_fsdp_wrapped_module") is chunk
-            ):
-                return obj
+    try:
+        return next((w for w, inner in live_wrappers(cls, "_fsdp_wrapped_module") if inner is chunk), None)
     except Exception:
         return None
-    return None
