@@ -57,6 +57,12 @@ class MergedIncident:
     def last_abnormal_step(self) -> int:
         return max(int(m.get("last_abnormal_step", self.onset_step)) for m in self.members)
 
+    @property
+    def world_size(self) -> int | None:
+        """The run's number of ranks as its members recorded it; None where none did (older files)."""
+        sizes = [m["world_size"] for m in self.members if type(m.get("world_size")) is int]
+        return max(sizes, default=None)
+
     def abnormal_at(self, steps: frozenset[int]) -> bool:
         """Whether it began at one of ``steps`` or was still abnormal there."""
         return any(self.abnormal_within(step, step) for step in steps)
@@ -201,7 +207,7 @@ def merge(incidents: list[dict[str, Any]], window: int = MERGE_WINDOW) -> list[M
             if r.get("step") == item.onset_step
         ]
         if first:
-            item.root, item.evidence = choose_root(first)
+            item.root, item.evidence = choose_root(first, item.world_size)
         else:  # records trimmed away: keep the first member's own verdict
             item.root, item.evidence = (
                 item.members[0].get("root", {}),

@@ -69,6 +69,8 @@ class Incident:
     #: records kept in full joined (the onset's included): a record's micro-batch, by its step
     #: and micro_step.
     step_batch_ids: dict[int, list[Any]] = field(default_factory=dict)
+    #: the run's number of ranks, where known (anomaly-analyse words the merged root's evidence by it)
+    world_size: int | None = None
 
     @property
     def tensors(self) -> int:
@@ -90,6 +92,7 @@ class Incident:
             "id": self.id,
             "rank": self.rank,
             "ranks": [self.rank],
+            "world_size": self.world_size,
             "onset_step": self.onset_step,
             "onset_micro_step": self.onset_micro_step,
             "state": self.state,
@@ -151,8 +154,11 @@ def describe_root(root: dict[str, Any]) -> str:
 class IncidentTracker:
     """Turns each step's abnormal cells into records and incidents (one rank)."""
 
-    def __init__(self, rank: int, close_after: int = CLOSE_AFTER, first_id: int = 1) -> None:
+    def __init__(
+        self, rank: int, close_after: int = CLOSE_AFTER, first_id: int = 1, world_size: int | None = None
+    ) -> None:
         self.rank = rank
+        self.world_size = world_size
         self.close_after = close_after
         self.incidents: list[Incident] = []
         self.open: Incident | None = None
@@ -255,7 +261,7 @@ class IncidentTracker:
 
     def _start(self, step: int, new: list[Anomaly]) -> Incident:
         records = [cell.details() for cell in new]
-        root, evidence = choose_root(records)
+        root, evidence = choose_root(records, self.world_size)
         micro = min((r["micro_step"] for r in records if phase_of(r) == phase_of(root)), default=0)
         incident = Incident(
             id=self.next_id,
@@ -266,6 +272,7 @@ class IncidentTracker:
             evidence=evidence,
             records=records,
             last_abnormal_step=step,
+            world_size=self.world_size,
         )
         self.next_id += 1
         self._quiet = 0
@@ -279,13 +286,19 @@ class AnomalySink:
         detector: evaluates each record's cells.
         dump: the rank's anomaly files (anomaly.json, incidents.json), or None without ``alert.dump``.
         keep: list that receives every record (``TrainerMon.anomalies``).
+        world_size: the run's number of ranks, None where unknown (for the incidents' evidence).
     """
 
     def __init__(
-        self, detector: Detector, dump: Any | None = None, keep: list[Anomaly] | None = None
+        self,
+        detector: Detector,
+        dump: Any | None = None,
+        keep: list[Anomaly] | None = None,
+        world_size: int | None = None,
     ) -> None:
         self.detector = detector
-        self.tracker = IncidentTracker(detector.rank, first_id=dump.next_incident_id if dump else 1)
+        first_id = dump.next_incident_id if dump else 1
+        self.tracker = IncidentTracker(detector.rank, first_id=first_id, world_size=world_size)
         self.dump = dump
         self.found: list[Anomaly] = keep if keep is not None else []
         #: called with each new incident (the alerts); its failures are logged, never raised.

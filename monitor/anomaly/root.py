@@ -174,8 +174,9 @@ def _peer_outlier(group: Sequence[Record], root: Record) -> tuple[Record, float]
     return best
 
 
-def choose_root(records: Sequence[Record]) -> tuple[Record, list[str]]:
-    """The root of an incident's first-step records and the evidence for it, in words.
+def choose_root(records: Sequence[Record], world_size: int | None = None) -> tuple[Record, list[str]]:
+    """The root of an incident's first-step records and the evidence for it, in words;
+    ``world_size`` (None where unknown) says whether peers' gradients may have reached them.
 
     Raises:
         ValueError: no records.
@@ -237,7 +238,7 @@ def choose_root(records: Sequence[Record]) -> tuple[Record, list[str]]:
     if peer is not None:
         evidence.append(f"rank {root['rank']}'s value is x{peer[1]:.3g} off its peers' median")
     if after_backward:
-        evidence.append(_changed_after_backward(records, common))
+        evidence.append(_changed_after_backward(records, common, world_size))
     return root, evidence
 
 
@@ -280,13 +281,18 @@ def _moved_with(ratio: float, common: float) -> bool:
     return _as_a_whole(common) and not (ratio > 0 and (ratio > 1) != (common > 1))
 
 
-def _changed_after_backward(records: Sequence[Record], common: float) -> str:
+def _changed_after_backward(records: Sequence[Record], common: float, world_size: int | None) -> str:
     """Why reduced gradients are abnormal while no local gradient was."""
     if not math.isnan(common):
         return (
             f"its reduced gradient is abnormal while no local gradient was, and the reduced gradients "
             f"moved x{common:.3g} together: they were rescaled after backward (gradient clipping, a "
             "loss scaler, the reduction's averaging), their local gradients' change left unflagged"
+        )
+    if world_size == 1:  # nothing was reduced: only an edit between backward and the step is left
+        return (
+            "its reduced gradient is abnormal while no local gradient was: it changed after backward "
+            "(edited in place, by a hook or a gradient transform, before the optimizer step)"
         )
     # one rank's own records cannot tell its reduction's fault from a peer's gradient it received
     peers = "another rank's gradient reached it, " if len({r.get("rank") for r in records}) == 1 else ""

@@ -82,7 +82,8 @@ class MonitorCore:
             self.detector = Detector(
                 build_rules(config.alert.rules), rank, pp_stage, group_mates, config.alert.non_finite
             )
-            self._anomaly_sink = AnomalySink(self.detector, dump, keep=self.anomalies)
+            world_size = info.get("world_size") if info is not None else None
+            self._anomaly_sink = AnomalySink(self.detector, dump, keep=self.anomalies, world_size=world_size)
             sinks.append(self._anomaly_sink)
         self._writer = WriterThread(sinks)
 

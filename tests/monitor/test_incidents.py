@@ -377,18 +377,24 @@ def test_choose_root_prefers_non_finite_within_the_first_phase():
     assert any("non-finite" in line for line in evidence)
 
 
-@pytest.mark.parametrize("ranks", [(1,), (0, 1)], ids=["one rank's own records", "merged"])
-def test_reduced_gradients_abnormal_with_no_local_one_say_where_they_may_have_changed(ranks):
+@pytest.mark.parametrize(
+    "ranks, world_size",
+    [((1,), None), ((1,), 2), ((0, 1), 2), ((0,), 1)],
+    ids=["one rank's own records", "one of two ranks", "merged", "one process"],
+)
+def test_reduced_gradients_abnormal_with_no_local_one_say_where_they_may_have_changed(ranks, world_size):
     """A rank's own records cannot tell a peer's gradient received in the reduction from a fault
-    of its own; merged over the ranks, no local gradient anywhere was abnormal."""
+    of its own; merged over the ranks, no local gradient anywhere was abnormal; in one process
+    nothing was reduced."""
     records = [
         {"rank": r, "step": 4, "micro_step": 0, "call_id": 0, "tag_name": f"0:a/rank{r}/post_grad",
          "rule": "X", "ratio": 50.0, "common": 1.0}
         for r in ranks
     ]  # fmt: skip
-    _, evidence = choose_root(records)
+    _, evidence = choose_root(records, world_size)
     (said,) = [line for line in evidence if "changed after backward" in line]
-    assert ("another rank's gradient reached it" in said) == (len(ranks) == 1), said
+    assert ("another rank's gradient reached it" in said) == (len(ranks) == 1 and world_size != 1), said
+    assert ("reduction" in said) == (world_size != 1), said
 
 
 def _record(tag: str, call_id: int = 0, **fields) -> dict:

@@ -97,6 +97,7 @@ def test_incident_names_the_micro_batches_where_it_began(tmp_path, monkeypatch, 
     rank_dir = tmp_path / "anomaly_detected" / "rank0"
     document = json.loads((rank_dir / "incidents.json").read_text())
     assert document["incidents"][0]["batch_ids"] == expected
+    assert document["incidents"][0]["world_size"] == 1
     fed = {step: [_indices(step, 0), {"samples": _indices(step, 1)}] for step in (AT, AT + 1)}
     joined = [AT, AT + 1] if where == "activation" else [AT]
     assert len(mon.incidents) == 1 and sorted({r["step"] for r in incident.records}) == joined
