@@ -112,8 +112,12 @@ class L2Features(L2Steps):
             if weight.dtype == ms.bfloat16:  # NumPy has no bfloat16
                 weight = weight.astype(ms.float32)
             weight = training_values(weight).astype(np.float64)
+            frobenius = float(np.linalg.norm(weight))
+            if not np.isfinite(frobenius):  # NaN gives NaN, Inf inf, as on torch; no Lanczos on them
+                values.append((frobenius, float("nan")))
+                continue
             sigma = self._spectral_norm(index, weight)
-            values.append((sigma, np.linalg.norm(weight) / sigma if sigma > 0 else 0.0))  # a zero weight: 0
+            values.append((sigma, frobenius / sigma if sigma > 0 else 0.0))  # a zero weight: 0
         return self.linear_rows(rank), np.array(values)
 
     def _spectral_norm(self, index: int, weight: np.ndarray) -> float:

@@ -125,6 +125,34 @@ def test_a_cell_with_a_wg_weight_is_a_linear_one():
         assert rows[f"0:{name}.linear/rank0/sr"]["kernel_norm"] == pytest.approx(sigma, rel=0.01), name
 
 
+def test_a_nan_or_inf_weight_gets_nan_or_inf_rows_and_the_other_weights_go_on(trainmon_log):
+    """As on torch: a weight holding NaN gives NaN, one holding Inf an infinite norm and an
+    undefined ratio; the feature stays on and the healthy weights are measured at every step."""
+    net = nn.SequentialCell([nn.Dense(4, 8), nn.Dense(8, 6), nn.Dense(6, 3)])
+    optimizer = nn.SGD(net.trainable_params(), learning_rate=0.1)
+    config = {"recording_l2_features": True, "l2_targets": {"linear_hook": []}, "format": "api"}
+    mon = TrainerMon(config).set_monitor(net, 1, optimizer)
+    grad_fn = ms.value_and_grad(lambda x: (net(x) ** 2).mean(), None, optimizer.parameters)
+    measured = []
+    for step in range(3):
+        if step == 1:
+            for cell, value in ((net[1], np.nan), (net[2], np.inf)):
+                weight = cell.weight.asnumpy()
+                weight[0, 0] = value
+                cell.weight.set_data(ms.Tensor(weight))
+        _, grads = grad_fn(ms.Tensor(np.ones((2, 4), np.float32)))
+        healthy = np.linalg.svd(net[0].weight.asnumpy().astype(np.float64), compute_uv=False)[0]
+        optimizer(tuple(ops.zeros_like(grad) for grad in grads))  # NaN gradients would spread the NaN
+        measured.append((healthy, mon._latest("linear_hook")))
+    mon.stop()
+    assert not trainmon_log.errors()
+    for step, (healthy, rows) in enumerate(measured):
+        assert rows["0:0.linear/rank0/sr"]["kernel_norm"] == pytest.approx(healthy, rel=0.01), step
+    nan_weight, inf_weight = (measured[-1][1][f"0:{name}.linear/rank0/sr"] for name in ("1", "2"))
+    assert np.isnan(nan_weight["kernel_norm"]) and np.isnan(nan_weight["sr"])
+    assert inf_weight["kernel_norm"] == np.inf and np.isnan(inf_weight["sr"])
+
+
 def test_a_listed_cell_without_a_2d_weight_and_an_attention_cell_without_qk_are_said(trainmon_log):
     """``linear_hook`` naming a ReLU next to a Dense: the ReLU is said and skipped, the Dense is
     measured; ``attention_hook`` on a Cell called with 2-D tensors is said once, no rows."""
