@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
             return apply(v)
 
         result = lanczos(counting, start, min_steps)
-        applications.append(calls[0])
+        applications.extend([calls[0]] * start.shape[0])  # one batch: each of its weights ran them
         return result
 
     torch_l2.lanczos = counted

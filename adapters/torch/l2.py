@@ -31,6 +31,11 @@ from monitor.session.collection import UnendedStep
 
 logger = logging.getLogger("trainmon")
 
+#: whole weights whose Lanczos runs as one batch, at most (see GramBatch)
+BATCH_WEIGHTS = 64
+#: float32 copies of weights held in another type that one batch keeps, at most, in bytes
+BATCH_COPY_BYTES = 256 << 20
+
 
 def is_linear(module: torch.nn.Module, flattened: Container[int] = ()) -> bool:
     """A module with a 2-D ``weight`` (or ``wg``) tensor that is not an embedding table; or one
@@ -79,7 +84,8 @@ def head_scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     scores = (q @ k.T) / math.sqrt(q.shape[-1])
     causal = torch.ones(scores.shape, dtype=torch.bool, device=scores.device).tril()
     p = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
-    entropy = -(p * torch.log(p.clamp_min(torch.finfo(p.dtype).tiny))).sum(dim=-1).mean()
+    # 0 - x, not -x: one key alone has entropy 0, not -0
+    entropy = 0.0 - (p * torch.log(p.clamp_min(torch.finfo(p.dtype).tiny))).sum(dim=-1).mean()
     return torch.stack([p.amax(dim=-1).mean(), entropy])
 
 
@@ -94,34 +100,41 @@ def summarise(per_head: torch.Tensor, heads: str) -> torch.Tensor:
 def lanczos(
     apply: Callable[[torch.Tensor], torch.Tensor], start: torch.Tensor, steps: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``steps`` Lanczos steps with full reorthogonalisation on a symmetric positive
-    semi-definite operator, on its device without a host sync: the basis (steps, n) and the
-    tridiagonal (steps, steps) whose top eigenpair gives the operator's (``top_eigenpairs``).
+    """``steps`` Lanczos steps with full reorthogonalisation on a batch of symmetric positive
+    semi-definite operators of one size, on their device without a host sync: ``apply`` maps
+    (b, n) to (b, n), one vector per operator, from ``start`` (b, n); returns the bases
+    (b, steps, n) and the tridiagonals (b, steps, steps) whose top eigenpairs give the
+    operators' (``top_eigenpairs``). The recurrence runs once for the whole batch: on a CPU, a
+    model's linear weights are small enough that each operation's dispatch, not its arithmetic,
+    is most of the cost.
 
     Lanczos converges on the top eigenvalue far faster than power iteration when the largest
     eigenvalues lie close together (as the singular values of trained weights often do).
     """
-    basis = torch.zeros(steps, start.shape[0], device=start.device, dtype=start.dtype)
-    alpha = torch.zeros(steps, device=start.device, dtype=start.dtype)
-    beta = torch.zeros(steps, device=start.device, dtype=start.dtype)
-    q = start / torch.linalg.vector_norm(start).clamp_min(1e-30)
+    batch, size = start.shape
+    basis = start.new_zeros(batch, steps, size)
+    alpha, beta = start.new_zeros(batch, steps), start.new_zeros(batch, steps)
+    q = start / torch.linalg.vector_norm(start, dim=1, keepdim=True).clamp_min(1e-30)
     scale = None
     for j in range(steps):
-        basis[j] = q
+        basis[:, j] = q
         w = apply(q)
         if scale is None:
-            scale = torch.linalg.vector_norm(w)
-        alpha[j] = torch.dot(q, w)
-        w = w - basis[: j + 1].T @ (basis[: j + 1] @ w)  # against every earlier vector, twice
-        w = w - basis[: j + 1].T @ (basis[: j + 1] @ w)
-        beta[j] = torch.linalg.vector_norm(w)
+            scale = torch.linalg.vector_norm(w, dim=1)
+        alpha[:, j] = (q * w).sum(dim=1)
+        earlier = basis[:, : j + 1]
+        for _ in range(2):  # against every earlier vector, twice
+            w = w - torch.bmm(torch.bmm(w[:, None], earlier.transpose(1, 2)), earlier)[:, 0]
+        norm = torch.linalg.vector_norm(w, dim=1)
         # a breakdown (the space found is invariant: a Gram matrix of lower rank than its size)
-        # ends the iteration, without a host sync: rounding noise scaled up to a unit vector
-        # would break the tridiagonal form and overestimate the top eigenvalue
-        alive = beta[j] > BREAKDOWN * scale
-        beta[j] = torch.where(alive, beta[j], 0.0)
-        q = torch.where(alive, w / beta[j].clamp_min(1e-30), 0.0)
-    return basis, torch.diag(alpha) + torch.diag(beta[:-1], 1) + torch.diag(beta[:-1], -1)
+        # ends that operator's iteration, without a host sync: rounding noise scaled up to a
+        # unit vector would break the tridiagonal form and overestimate the top eigenvalue
+        alive = norm > BREAKDOWN * scale
+        beta[:, j] = torch.where(alive, norm, 0.0)
+        q = torch.where(alive[:, None], w / norm[:, None].clamp_min(1e-30), 0.0)
+    off = beta[:, :-1]
+    tridiagonal = torch.diag_embed(alpha) + torch.diag_embed(off, 1) + torch.diag_embed(off, -1)
+    return basis, tridiagonal
 
 
 def top_eigenpairs(matrices: torch.Tensor, squarings: int = 30) -> tuple[torch.Tensor, torch.Tensor]:
@@ -232,29 +245,44 @@ class L2Features(L2Steps):
         return self.take_rows(rank, lambda values: torch.cat(values).float())
 
     def linear_values(self, rank: int) -> tuple[RowSet, torch.Tensor] | None:
-        """``[kernel_norm, sr]`` of every linear module's weight now; None without any. The
-        tridiagonal eigenproblems of all weights are solved together, on their device."""
+        """``[kernel_norm, sr]`` of every linear module's weight now; None without any. Whole
+        weights whose Gram matrices have one size run Lanczos as one batch (``GramBatch``), a
+        weight held in pieces alone (its products are collectives); the tridiagonal
+        eigenproblems of all weights are solved together, on their device."""
         if not self.linear:
             return None
-        runs, frobenius, scales = [], [], []
+        count = len(self.linear)
+        frobenius: list[torch.Tensor] = [torch.zeros(())] * count
+        scales: list[torch.Tensor] = [torch.ones(())] * count
+        runs: list[tuple[list[int], torch.Tensor, torch.Tensor]] = []
+        batches: dict[tuple, GramBatch] = {}
         with torch.no_grad():
             for index, (_, _, module) in enumerate(self.linear):
                 layout = self._pieces.get(index)
                 if layout is not None:
                     piece = layout.piece(module)
+                    frobenius[index] = layout.frobenius(piece)
                     gram = functools.partial(layout.gram, piece)
-                    runs.append(self._lanczos(index, gram, layout.size, piece.device))
-                    frobenius.append(layout.frobenius(piece))
-                    scales.append(torch.ones((), device=piece.device))
-                else:
-                    weight = linear_weight(module).detach().float()
-                    frobenius.append(torch.linalg.vector_norm(weight))
-                    # Lanczos on the weight over its Frobenius norm: unscaled, the norms of
-                    # Gram products overflow float32 once the spectral norm passes about 4e9
-                    scale = torch.nan_to_num(frobenius[-1], nan=1.0, posinf=1.0).clamp_min(1e-30)
-                    scales.append(scale)
-                    runs.append(self._lanczos(index, *_gram(weight, scale), weight.device))
-            sigma = self._spectral_norms(runs)
+                    one = functools.partial(_alone, gram)
+                    runs.append(self._lanczos([index], one, layout.size, piece.device))
+                    continue
+                weight = linear_weight(module)
+                copied = weight.dtype != torch.float32
+                weight = weight.detach().float()
+                frobenius[index] = torch.linalg.vector_norm(weight)
+                # Lanczos on the weight over its Frobenius norm: unscaled, the norms of Gram
+                # products overflow float32 once the spectral norm passes about 4e9
+                scales[index] = torch.nan_to_num(frobenius[index], nan=1.0, posinf=1.0).clamp_min(1e-30)
+                size = min(weight.shape)
+                key = (weight.device, size, self._warm(index, size, weight.device))
+                batch = batches.setdefault(key, GramBatch())
+                batch.add(index, weight, scales[index], copied)
+                if batch.full():
+                    runs.append(self._lanczos(batch.indices, batch, size, weight.device))
+                    del batches[key]
+            for (device, size, _), batch in batches.items():
+                runs.append(self._lanczos(batch.indices, batch, size, device))
+            sigma = self._spectral_norms(runs, count)
             sigma = sigma * torch.stack([scale.to(sigma.device) for scale in scales])
             frobenius = torch.stack([f.to(sigma.device) for f in frobenius])
             # a weight holding NaN gives NaN; one holding Inf, or whose squares overflow float32
@@ -264,51 +292,105 @@ class L2Features(L2Steps):
             ratio = torch.where(sigma == 0, 0.0, frobenius / sigma)  # a zero weight: 0
         return self.linear_rows(rank), torch.stack([sigma, ratio], dim=1)
 
-    def _lanczos(
-        self, index: int, gram: Callable[[torch.Tensor], torch.Tensor], size: int, device: torch.device
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Lanczos on a Gram matrix of the weight (``gram``, of ``size``), started from the last
-        step's top Ritz vector plus a random one (random alone the first time)."""
-        fresh = torch.randn(size, generator=self._generator(device), device=device)
-        start = self.vectors.get(index)
-        steps = WARM_ITERATIONS
-        if start is None or start.shape[0] != size or start.device != device:
-            start, steps = fresh, FIRST_ITERATIONS
-        else:  # half the last top vector, half a random one (see monitor.datatypes.l2)
-            start = start / torch.linalg.vector_norm(start).clamp_min(1e-30) + fresh / math.sqrt(size)
-        return lanczos(gram, start, min(steps, size))
+    def _warm(self, index: int, size: int, device: torch.device) -> bool:
+        """Whether the weight has a top vector of the last collected step to start from."""
+        last = self.vectors.get(index)
+        return last is not None and last.shape[0] == size and last.device == device
 
-    def _spectral_norms(self, runs: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """The largest singular value of each weight from its Lanczos run, all tridiagonals in
-        one batch per device (padded with zeros, which add only zero eigenvalues); keeps each top
-        Ritz vector for the next step."""
+    def _lanczos(
+        self,
+        indices: list[int],
+        gram: Callable[[torch.Tensor], torch.Tensor],
+        size: int,
+        device: torch.device,
+    ) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+        """Lanczos on the Gram matrices (``gram``, of ``size``, on ``device``) of the weights
+        ``indices``, each started from its last step's top Ritz vector plus a random one (random
+        alone the first time, for the whole batch)."""
+        start = torch.randn(len(indices), size, generator=self._generator(device), device=device)
+        steps = FIRST_ITERATIONS
+        if all(self._warm(index, size, device) for index in indices):
+            # half the last top vector, half a random one (see monitor.datatypes.l2)
+            last = torch.stack([self.vectors[index] for index in indices])
+            start = last / torch.linalg.vector_norm(last, dim=1, keepdim=True).clamp_min(
+                1e-30
+            ) + start / math.sqrt(size)
+            steps = WARM_ITERATIONS
+        basis, tridiagonal = lanczos(gram, start, min(steps, size))
+        return indices, basis, tridiagonal
+
+    def _spectral_norms(
+        self, runs: list[tuple[list[int], torch.Tensor, torch.Tensor]], count: int
+    ) -> torch.Tensor:
+        """The largest singular value of each of ``count`` weights from the Lanczos runs, all
+        tridiagonals in one batch per device (padded with zeros, which add only zero
+        eigenvalues); keeps each top Ritz vector for the next step."""
         by_device: dict[torch.device, list[int]] = {}
-        for k, (basis, _) in enumerate(runs):
+        for k, (_, basis, _) in enumerate(runs):
             by_device.setdefault(basis.device, []).append(k)
-        sigma: list[torch.Tensor | None] = [None] * len(runs)
-        for device, chosen in by_device.items():
-            width = max(runs[k][1].shape[0] for k in chosen)
-            padded = torch.zeros(len(chosen), width, width, device=device)
-            for row, k in enumerate(chosen):
-                steps = runs[k][1].shape[0]
-                padded[row, :steps, :steps] = runs[k][1]
+        sigma: list[torch.Tensor] = [torch.zeros(())] * count
+        for chosen in by_device.values():
+            width = max(runs[k][2].shape[1] for k in chosen)
+            padded = torch.cat([_padded(runs[k][2], width) for k in chosen])
             values, vectors = top_eigenpairs(padded)
-            for row, k in enumerate(chosen):
-                basis = runs[k][0]
-                vector = basis.T @ vectors[row, : basis.shape[0]]
+            values = values.clamp_min(0).sqrt()
+            row = 0
+            for k in chosen:
+                indices, basis, _ = runs[k]
+                steps = basis.shape[1]
+                tops = torch.bmm(vectors[row : row + len(indices), None, :steps], basis)[:, 0]
                 # a NaN weight gives NaN now, not a NaN start for every later step
-                self.vectors[k] = torch.nan_to_num(vector, nan=1.0, posinf=1.0, neginf=-1.0)
-                sigma[k] = values[row].clamp_min(0).sqrt()
-        first = runs[0][0].device
+                tops = torch.nan_to_num(tops, nan=1.0, posinf=1.0, neginf=-1.0)
+                for offset, index in enumerate(indices):
+                    self.vectors[index] = tops[offset]
+                    sigma[index] = values[row + offset]
+                row += len(indices)
+        first = runs[0][1].device
         return torch.stack([s.to(first) for s in sigma])
 
 
-def _gram(weight: torch.Tensor, scale: torch.Tensor) -> tuple[Callable[[torch.Tensor], torch.Tensor], int]:
-    """The Gram operator of ``weight / scale`` on its smaller side, and that side's length; the
-    vector is scaled before each product, so no intermediate exceeds the weight's own size."""
-    if weight.shape[0] >= weight.shape[1]:
-        return (lambda v: weight.T @ (weight @ (v / scale)) / scale), weight.shape[1]
-    return (lambda v: weight @ (weight.T @ (v / scale)) / scale), weight.shape[0]
+class GramBatch:
+    """The Gram operators of whole weights whose smaller side has one length, each over its
+    Frobenius norm, applied together: each weight is read twice a product, as alone, while the
+    Lanczos recurrence around the products runs once for the batch. A batch holds at most
+    BATCH_WEIGHTS weights and BATCH_COPY_BYTES of float32 copies (weights held in another type),
+    so that a large model's copies never all live at once."""
+
+    def __init__(self) -> None:
+        self.indices: list[int] = []
+        self._tall: list[torch.Tensor] = []
+        self._scales: list[torch.Tensor] = []
+        self._copied = 0
+
+    def add(self, index: int, weight: torch.Tensor, scale: torch.Tensor, copied: bool) -> None:
+        self.indices.append(index)
+        self._tall.append(weight if weight.shape[0] >= weight.shape[1] else weight.T)
+        self._scales.append(scale)
+        self._copied += weight.numel() * weight.element_size() if copied else 0
+
+    def full(self) -> bool:
+        return len(self.indices) >= BATCH_WEIGHTS or self._copied >= BATCH_COPY_BYTES
+
+    def __call__(self, v: torch.Tensor) -> torch.Tensor:
+        """(W / s)^T (W / s) v for each weight's row of ``v``; the vector is scaled before each
+        product, so no intermediate exceeds the weight's own size."""
+        inverse = 1.0 / torch.stack(self._scales)[:, None]
+        rows = (v * inverse).unbind(0)
+        return (
+            torch.stack([torch.mv(tall.T, torch.mv(tall, row)) for tall, row in zip(self._tall, rows)])
+            * inverse
+        )
+
+
+def _alone(gram: Callable[[torch.Tensor], torch.Tensor], v: torch.Tensor) -> torch.Tensor:
+    """A one-weight Gram operator applied to a batch of one (``lanczos``'s shape)."""
+    return gram(v[0])[None]
+
+
+def _padded(tridiagonals: torch.Tensor, width: int) -> torch.Tensor:
+    """A batch of (k, k) matrices padded with zeros to (width, width)."""
+    extra = width - tridiagonals.shape[1]
+    return torch.nn.functional.pad(tridiagonals, (0, extra, 0, extra)) if extra else tridiagonals
 
 
 def _piece_layout(

@@ -145,7 +145,8 @@ def _head_scores(q: np.ndarray, k: np.ndarray) -> tuple[float, float]:
     scores = np.where(np.tril(np.ones(scores.shape, dtype=bool)), scores, -np.inf)
     p = np.exp(scores - scores.max(axis=-1, keepdims=True))
     p /= p.sum(axis=-1, keepdims=True)
-    entropy = -(p * np.log(np.maximum(p, np.finfo(np.float32).tiny))).sum(axis=-1).mean()
+    # 0 - x, not -x: one key alone has entropy 0, not -0
+    entropy = 0.0 - (p * np.log(np.maximum(p, np.finfo(np.float32).tiny))).sum(axis=-1).mean()
     return float(p.max(axis=-1).mean()), float(entropy)
 
 

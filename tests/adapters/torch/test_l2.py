@@ -393,7 +393,19 @@ def test_a_low_rank_weight_gets_its_spectral_norm_not_an_overestimate():
     generator = torch.Generator().manual_seed(1)
     weight = torch.randn(12, 2, generator=generator) @ torch.randn(2, 10, generator=generator)
     start = torch.randn(10, generator=generator)
-    _, tridiagonal = lanczos(lambda v: weight.T @ (weight @ v), start, 10)
-    (theta,), _ = top_eigenpairs(tridiagonal[None])
+    _, tridiagonal = lanczos(lambda v: (weight.T @ (weight @ v.T)).T, start[None], 10)
+    (theta,), _ = top_eigenpairs(tridiagonal)
     exact = np.linalg.svd(weight.double().numpy(), compute_uv=False)[0]
     assert theta.sqrt().item() == pytest.approx(exact, rel=1e-4)
+
+
+def test_a_one_token_sequence_has_entropy_plus_zero_on_both_paths():
+    """One key: probability 1, entropy 0, written as 0 (not -0) by the device and host paths."""
+    from adapters.torch.l2 import head_scores
+    from monitor.datatypes.l2 import attention_rows
+
+    q = np.random.default_rng(0).standard_normal((1, 2, 4)).astype(np.float32)  # (seq, heads, dim)
+    device = head_scores(torch.from_numpy(q[:, 0]), torch.from_numpy(q[:, 0]))
+    host = attention_rows(q, q, "first")
+    for softmax_max, entropy in (device.tolist(), np.ravel(host).tolist()):
+        assert softmax_max == 1.0 and entropy == 0.0 and np.copysign(1.0, entropy) == 1.0
