@@ -69,7 +69,7 @@ class UnreducedGrads:
         self._sums: dict[int, ms.Tensor] = {}
         self._described: set[int] = set()
         #: after take(): (micro-batches of the step, rows missing from it).
-        self.counted: tuple[int, int] = (0, 0)
+        self.counted: tuple[int, int, int] = (0, 0, 0)
         self._fired = 0
         self._pending: list[tuple[tuple[int, int], ms.Tensor]] = []
         self._blocks: list[tuple[list[tuple[int, int]], ms.Tensor, list[ms.Tensor]]] = []
@@ -137,7 +137,7 @@ class UnreducedGrads:
         Also sets ``counted``: the step's number of micro-batches and the rows missing (none here).
         """
         self._pending += [((i, 0), total) for i, total in self._sums.items() if i not in self._described]
-        self.counted = (max(self._micro, default=0), 0)
+        self.counted = (max(self._micro, default=0), 0, 0)
         self._flush()
         blocks = self._blocks
         self.reset()

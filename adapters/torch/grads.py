@@ -102,8 +102,9 @@ class UnreducedGrads:
         self._waiting: dict[int, tuple[weakref.ref, int]] = {}
         #: after a short step whose gradients changed before the optimizer step: measure every pass.
         self._every_micro_batch = False
-        #: after take(): (micro-batches of the step, parameters whose row is missing).
-        self.counted: tuple[int, int] = (0, 0)
+        #: after take(): (micro-batches of the step, parameters whose row is missing, of those
+        #: the ones whose sum was lost: see ``_add_to_sum``).
+        self.counted: tuple[int, int, int] = (0, 0, 0)
         self._unended = counting.unended or UnendedStep(self.grad_acc_steps)
         #: after take(): the statistics it returned (``measured_rows`` indexes them).
         self.taken_matrix: torch.Tensor | None = None
@@ -112,6 +113,11 @@ class UnreducedGrads:
         #: collected steps with several micro-batches, until the step is measured
         self.sum_micro_batches = False
         self._sums: dict[int, torch.Tensor] = {}
+        #: parameters whose earlier micro-batches of this step were taken for its last and freed
+        #: unsummed (more micro-batches than grad_acc_steps): no row at this step
+        self._unsummed: set[int] = set()
+        #: after such a step: every first micro-batch is copied into the sum, last or not
+        self._sum_from_first = False
         #: parameters whose gradient is a DTensor (tensor parallelism): (elements of this
         #: rank's piece, elements of the tensor); their rows describe the piece.
         self.pieces: dict[int, tuple[int, int]] = {}
@@ -176,6 +182,8 @@ class UnreducedGrads:
                 return
             if self.sum_micro_batches:
                 grad = self._add_to_sum(index, grad, count, last)
+                if grad is None:
+                    return
             if not last:
                 self._await_later_micro_batch(index, grad)
                 return
@@ -261,13 +269,21 @@ class UnreducedGrads:
         """The gradient of parameter ``index`` accumulated so far in this step, held by ``param``."""
         return self.registry.grad(param)
 
-    def _add_to_sum(self, index: int, grad: torch.Tensor, count: int, last: bool) -> torch.Tensor:
+    def _add_to_sum(self, index: int, grad: torch.Tensor, count: int, last: bool) -> torch.Tensor | None:
         """The step's fp32 sum of the micro-batches' gradients, where the optimizer consumes and
         frees each micro-batch's gradient (``sum_micro_batches``). A step of one micro-batch is
-        not copied."""
+        not copied. None where the sum is lost: an earlier micro-batch was taken for the step's
+        last (grad_acc_steps too small) and freed uncopied; its row is dropped, and from then on
+        every first micro-batch is copied."""
         total = self._sums.get(index) if count > 1 else None
+        if total is None and count > 1:
+            self._unsummed.add(index)
+            self._sum_from_first = True
+            self._rows.drop(index)
+            self._waiting.pop(index, None)
+            return None
         if total is None:
-            if last:
+            if last and not self._sum_from_first:
                 return grad
             total = self._sums[index] = grad.detach().to(torch.float32, copy=True)
             return total
@@ -337,7 +353,7 @@ class UnreducedGrads:
         self.measure_noted()  # a pass that raised never reached its end
         self._end_queued = False
         missing = self._measure_waiting()
-        self.counted = (max(self._micro, default=0), missing)
+        self.counted = (max(self._micro, default=0), missing, len(self._unsummed))
         if self.per_micro_batch:
             items = list(self._micro_rows.items())
             self.reset()
@@ -386,6 +402,7 @@ class UnreducedGrads:
         self._held = [None] * len(self.registry)
         self._waiting = {}
         self._sums = {}
+        self._unsummed = set()
         self._noted.clear()
         self._end_queued = False
         self.release()

@@ -5,6 +5,7 @@ tensors: one that updates none of the model's parameters (a wrapper took them ov
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -51,6 +52,7 @@ def _switched_on(part: str, config: Any) -> bool:
     if part == "ur":
         return update_ratio_written(config)
     key = {
+        "grad_unreduced": "wg_distribution",
         "grad_reduced": "wg_distribution",
         "exp_avg": "mv_distribution",
         "exp_avg_sq": "mv_distribution",
@@ -89,8 +91,12 @@ def taken_over(
     if not (plain or backend.dtensors) or not trained:
         return None
     if any(hasattr(param, "ds_id") for param in trained):
-        why = "DeepSpeed ZeRO-3 partitioned the model's parameters after set_monitor"
-        return why, _ATTACH_AFTER_WRAPPER, OPTIMIZER_SIDE + PARAMETER_SIDE
+        why = (
+            "DeepSpeed ZeRO-3 partitioned the model's parameters after set_monitor (and frees each "
+            "micro-batch's gradient once reduced, so that grad_unreduced would hold a step's last "
+            "micro-batch only)"
+        )
+        return why, _ATTACH_AFTER_WRAPPER, ("grad_unreduced", *OPTIMIZER_SIDE, *PARAMETER_SIDE)
     now = {id(param) for param in model_params}
     # (not asked of DTensors: FSDP2 may hold the unsharded ones on the model at the update)
     if plain and not any(id(param) in now for param in trained):
@@ -113,6 +119,11 @@ def taken_over(
         f"{name} updates none of the monitored parameters (other tensors in their place: a "
         "wrapper's flat partitions, or master copies)"
     )
+    if "deepspeed" in sys.modules:  # its stage cannot be told from here
+        why += (
+            "; under DeepSpeed ZeRO-2, which frees each micro-batch's gradient once reduced, "
+            "grad_unreduced holds a step's last micro-batch only"
+        )
     return why, _ATTACH_AFTER_WRAPPER, OPTIMIZER_SIDE
 
 

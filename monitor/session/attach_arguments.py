@@ -29,9 +29,20 @@ def msprobe_argument_order(grad_acc_steps: Any, optimizer: Any) -> tuple[Any, An
 def check_counts(grad_acc_steps: Any, start_iteration: Any) -> None:
     """Raises ValueError unless grad_acc_steps >= 1 and start_iteration >= 0 are integers."""
     if isinstance(grad_acc_steps, bool) or not isinstance(grad_acc_steps, int) or grad_acc_steps < 1:
-        raise ValueError(f"set_monitor: grad_acc_steps: expected an integer >= 1, got {grad_acc_steps!r}")
+        raise ValueError(
+            f"set_monitor: grad_acc_steps: expected an integer >= 1, got {_brief(grad_acc_steps)}"
+        )
     if isinstance(start_iteration, bool) or not isinstance(start_iteration, int) or start_iteration < 0:
-        raise ValueError(f"set_monitor: start_iteration: expected an integer >= 0, got {start_iteration!r}")
+        raise ValueError(
+            f"set_monitor: start_iteration: expected an integer >= 0, got {_brief(start_iteration)}"
+        )
+
+
+def _brief(value: Any, limit: int = 120) -> str:
+    """``repr(value)``, or where that is long (a bound method of an engine prints the whole
+    model) its type and the start of it."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{type(value).__name__} {text[:limit].splitlines()[0]}..."
 
 
 def check_compilation(framework: str, graph_mode: Any, compiled: Any) -> None:

@@ -25,6 +25,7 @@ from monitor.errors import StructurePrinted, raise_if_of_the_training
 from monitor.naming import unmatched_targets
 from monitor.record import RowSet, SameRows, StepRecord
 from monitor.session.core import MonitorCore
+from monitor.session.micro_batches import micro_batch_message
 from monitor.session.schedule import Schedule
 from monitor.structure import StackRecorder
 
@@ -245,7 +246,7 @@ class BaseCollection(ABC):
 
     def _submit_unreduced(self) -> None:
         index, micro, matrix = self.grads.take()
-        self._report_micro_batches(*getattr(self.grads, "counted", (0, 0)))
+        self._report_micro_batches(*getattr(self.grads, "counted", (0, 0, 0)))
         _, base = self._rows["grad_unreduced"]
         rows = self._same_rows["grad_unreduced"].get(
             (index, micro), lambda: unreduced_rows(base, index, micro, self.rank)
@@ -261,40 +262,14 @@ class BaseCollection(ABC):
         """The unreduced rows' statistics and ops: as measured, unless an adapter measured pieces."""
         return matrix, None
 
-    def _report_micro_batches(self, micro_batches: int, missing: int) -> None:
-        """Say once when a step had another number of micro-batches than ``grad_acc_steps`` (a
-        shorter last step of an epoch), and once when some of its gradient rows are missing."""
+    def _report_micro_batches(self, micro_batches: int, missing: int, unsummed: int = 0) -> None:
+        """Say once each what the step's micro-batches against ``grad_acc_steps`` mean for its
+        rows (``monitor.session.micro_batches``)."""
         expected = getattr(self.grads, "grad_acc_steps", None)
-        unexpected = micro_batches and expected and micro_batches != expected
-        if missing and "missing micro-batch rows" not in self._told:
-            self._told.add("missing micro-batch rows")
-            logger.warning(
-                "trainmon: grad_unreduced: step %d ended after %d micro-batch(es), grad_acc_steps is %s, and "
-                "the gradients of %d parameters changed before the optimizer step (clipping or a reduction), "
-                "so their rows are missing at this step; from now on every micro-batch's accumulated "
-                "gradient is measured. In a loop of your own, call mon.set_last_micro_batch(True) "
-                "before the backward of each step's last micro-batch (False before the others), or use "
-                "DDP's no_sync for the micro-batches before the last; the trainer callbacks do this.",
-                self._step,
-                micro_batches,
-                expected,
-                missing,
-            )
-        elif unexpected and "micro-batch count" not in self._told:
-            self._told.add("micro-batch count")
-            described = (
-                "has a row per micro-batch it had"
-                if self.config.monitor_mbs_grad
-                else f"describes the gradient accumulated over the {micro_batches} it had"
-            )
-            logger.info(
-                "trainmon: step %d had %d micro-batch(es), grad_acc_steps is %d; grad_unreduced %s "
-                "(said once)",
-                self._step,
-                micro_batches,
-                expected,
-                described,
-            )
+        mbs = self.config.monitor_mbs_grad
+        said = micro_batch_message(self._told, self._step, micro_batches, expected, missing, unsummed, mbs)
+        if said is not None:
+            logger.log(*said)
 
     def _warn_unmatched_targets(self, modules: list[tuple[int, str]], params: list[tuple[int, str]]) -> None:
         """One warning per ``targets`` key that names none of the model's modules and parameters

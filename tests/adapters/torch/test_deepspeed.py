@@ -184,6 +184,10 @@ def _monitors(engine):
         "micro": TrainerMon(
             {"wg_distribution": True, "monitor_mbs_grad": True, "ops": ALL_OPS, "format": "api"}
         ).set_monitor(engine.module, GAS, engine),
+        # grad_acc_steps too small: the first micro-batch is taken for the step's last
+        "too_few": TrainerMon({"wg_distribution": True, "ops": ALL_OPS, "format": "api"}).set_monitor(
+            engine.module, 1, engine
+        ),
     }
 
 
@@ -299,6 +303,15 @@ def _check_case(key: str, per_rank: list[dict], sharded: bool) -> None:
                         want = np.array(own["total"][name])
                         assert_stats_close(merged[name], want, what=f"{what} {name}")
                         assert_stats_close(pieces[rank][name], want, what=f"{what} {name}")
+                    # too small a grad_acc_steps: where DeepSpeed freed the first micro-batch's
+                    # gradient, no rows at the first step (not the last micro-batch's as the sum),
+                    # then the sum: every later step sums from its first micro-batch on
+                    too_few = latest_rows(got["too_few"], prefix)
+                    stage, precision = key.split("-")
+                    lost = step == 0 and _frees_each_micro_batch(int(stage), precision)
+                    assert set(too_few) == (set() if lost else set(names)), f"{what}: {sorted(too_few)}"
+                    for name in too_few:
+                        assert_stats_close(too_few[name], np.array(own["total"][name]), what=f"{what} {name}")
                     micro_rows = latest_rows(got["micro"], prefix)
                     assert len(micro_rows) == GAS * len(names), f"{what}: {sorted(micro_rows)}"
                     for micro, grads in enumerate(own["micro"]):
@@ -509,10 +522,14 @@ def test_attaching_before_deepspeed_initialize_is_said_where_it_makes_the_rows_w
         assert said["0"] == {"said": [], "written": everything}
         (message,) = said["1"]["said"]
         assert "AdamW updates none of the monitored parameters" in message
+        assert "under DeepSpeed ZeRO-2" in message  # the stage cannot be told: ZeRO-1 keeps .grad
         assert ": grad_reduced, exp_avg, exp_avg_sq, param_updated would describe none" in message  # asked
         assert said["1"]["written"] == ["grad_unreduced", "param_origin"]
         (message,) = said["3"]["said"]
-        assert "DeepSpeed ZeRO-3 partitioned" in message
-        assert ": grad_reduced, exp_avg, exp_avg_sq, param_updated, param_origin would describe" in message
-        assert said["3"]["written"] == ["grad_unreduced"]
+        assert "DeepSpeed ZeRO-3 partitioned" in message and "last micro-batch only" in message
+        assert (
+            ": grad_unreduced, grad_reduced, exp_avg, exp_avg_sq, param_updated, param_origin would describe"
+            in message
+        )
+        assert said["3"]["written"] == [], said["3"]  # GAS micro-batches, each gradient freed: not written
         assert len(said["caveat"]) == 1, said["caveat"]  # with cc_distribution, its padding is said

@@ -416,6 +416,18 @@ def test_bad_set_monitor_arguments_are_rejected_at_the_door(kwargs, message):
         TrainerMon({"wg_distribution": True}).set_monitor(model, **arguments)
 
 
+def test_a_method_given_for_grad_acc_steps_is_named_briefly():
+    """``engine.gradient_accumulation_steps`` without its call: the error names the method, not
+    the whole model its repr would print."""
+    model, optimizer = _fresh()
+    big = torch.nn.Sequential(*[torch.nn.Linear(2, 2) for _ in range(50)])
+    with pytest.raises(ValueError, match="grad_acc_steps: expected an integer >= 1, got method") as raised:
+        TrainerMon({"wg_distribution": True}).set_monitor(
+            model, grad_acc_steps=big.parameters, optimizer=optimizer
+        )
+    assert len(str(raised.value)) < 250 and "\n" not in str(raised.value)
+
+
 def test_csv_files_layout_rows_and_windows():
     model, optimizer = _fresh()
     mon = TrainerMon({**DATA_TYPES["all"], "ops": ["norm", "nans"], "step_count_per_record": 2})

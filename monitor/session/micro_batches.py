@@ -1,0 +1,53 @@
+"""What a collection says, once each, when a step's micro-batches do not match ``grad_acc_steps``:
+the step's gradient sum was lost because the optimizer freed micro-batches taken for the last
+(DeepSpeed ZeRO-2/3), rows are missing because the gradients changed before the optimizer step,
+or merely another count (a shorter last step of an epoch)."""
+
+from __future__ import annotations
+
+import logging
+
+
+def micro_batch_message(
+    told: set[str],
+    step: int,
+    micro_batches: int,
+    expected: int | None,
+    missing: int,
+    unsummed: int,
+    per_micro_batch: bool,
+) -> tuple[int, str] | None:
+    """The log level and text of the first of those not yet ``told`` that applies to the step
+    (its key is then added to ``told``), or None."""
+    if unsummed and "unsummed micro-batches" not in told:
+        told.add("unsummed micro-batches")
+        return logging.WARNING, (
+            f"trainmon: grad_unreduced: step {step} had {micro_batches} micro-batches, grad_acc_steps "
+            f"is {expected}, and the optimizer frees each micro-batch's gradient once reduced "
+            "(DeepSpeed ZeRO-2/3): the micro-batches taken for the step's last were not kept, so the "
+            f"rows of {unsummed} parameters are missing at this step; from now on every micro-batch "
+            "is summed. Pass the engine's gradient_accumulation_steps() as grad_acc_steps."
+        )
+    if missing and "missing micro-batch rows" not in told:
+        told.add("missing micro-batch rows")
+        return logging.WARNING, (
+            f"trainmon: grad_unreduced: step {step} ended after {micro_batches} micro-batch(es), "
+            f"grad_acc_steps is {expected}, and the gradients of {missing} parameters changed before "
+            "the optimizer step (clipping or a reduction), so their rows are missing at this step; from "
+            "now on every micro-batch's accumulated gradient is measured. In a loop of your own, call "
+            "mon.set_last_micro_batch(True) before the backward of each step's last micro-batch (False "
+            "before the others), or use DDP's no_sync for the micro-batches before the last; the "
+            "trainer callbacks do this."
+        )
+    if micro_batches and expected and micro_batches != expected and "micro-batch count" not in told:
+        told.add("micro-batch count")
+        described = (
+            "has a row per micro-batch it had"
+            if per_micro_batch
+            else f"describes the gradient accumulated over the {micro_batches} it had"
+        )
+        return logging.INFO, (
+            f"trainmon: step {step} had {micro_batches} micro-batch(es), grad_acc_steps is {expected}; "
+            f"grad_unreduced {described} (said once)"
+        )
+    return None
