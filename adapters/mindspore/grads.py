@@ -134,7 +134,8 @@ class UnreducedGrads:
         """This step's rows in firing order: parameter indices, micro-steps (or None), statistics.
 
         A parameter seen twice for one micro-step (a repeated backward pass) keeps the latest.
-        Also sets ``counted``: the step's number of micro-batches and the rows missing (none here).
+        Also sets ``counted``: the step's number of micro-batches and the rows missing (none here,
+        of either kind the torch adapter counts).
         """
         self._pending += [((i, 0), total) for i, total in self._sums.items() if i not in self._described]
         self.counted = (max(self._micro, default=0), 0, 0)

@@ -102,8 +102,8 @@ class UnreducedGrads:
         self._waiting: dict[int, tuple[weakref.ref, int]] = {}
         #: after a short step whose gradients changed before the optimizer step: measure every pass.
         self._every_micro_batch = False
-        #: after take(): (micro-batches of the step, parameters whose row is missing, of those
-        #: the ones whose sum was lost: see ``_add_to_sum``).
+        #: after take(): (micro-batches of the step, parameters whose row is missing because their
+        #: gradient changed before the optimizer step, those whose sum was lost: ``_add_to_sum``).
         self.counted: tuple[int, int, int] = (0, 0, 0)
         self._unended = counting.unended or UnendedStep(self.grad_acc_steps)
         #: after take(): the statistics it returned (``measured_rows`` indexes them).
@@ -113,8 +113,9 @@ class UnreducedGrads:
         #: collected steps with several micro-batches, until the step is measured
         self.sum_micro_batches = False
         self._sums: dict[int, torch.Tensor] = {}
-        #: parameters whose earlier micro-batches of this step were taken for its last and freed
-        #: unsummed (more micro-batches than grad_acc_steps): no row at this step
+        #: parameters whose first micro-batch of this step was taken for its last and left
+        #: uncopied, and of those the ones that had another: their sum is lost, no row this step
+        self._uncopied: set[int] = set()
         self._unsummed: set[int] = set()
         #: after such a step: every first micro-batch is copied into the sum, last or not
         self._sum_from_first = False
@@ -272,18 +273,19 @@ class UnreducedGrads:
     def _add_to_sum(self, index: int, grad: torch.Tensor, count: int, last: bool) -> torch.Tensor | None:
         """The step's fp32 sum of the micro-batches' gradients, where the optimizer consumes and
         frees each micro-batch's gradient (``sum_micro_batches``). A step of one micro-batch is
-        not copied. None where the sum is lost: an earlier micro-batch was taken for the step's
-        last (grad_acc_steps too small) and freed uncopied; its row is dropped, and from then on
-        every first micro-batch is copied."""
+        not copied. None where the sum is lost: the first micro-batch was taken for the step's
+        last (grad_acc_steps 1) and freed uncopied before another came; the row is dropped, and
+        from then on every first micro-batch is copied."""
         total = self._sums.get(index) if count > 1 else None
-        if total is None and count > 1:
+        if total is None and index in self._uncopied:
             self._unsummed.add(index)
             self._sum_from_first = True
             self._rows.drop(index)
             self._waiting.pop(index, None)
             return None
         if total is None:
-            if last and not self._sum_from_first:
+            if last and not (self._sum_from_first or self._every_micro_batch):
+                self._uncopied.add(index)
                 return grad
             total = self._sums[index] = grad.detach().to(torch.float32, copy=True)
             return total
@@ -348,7 +350,8 @@ class UnreducedGrads:
     def take(self) -> tuple[list[int], list[int] | None, torch.Tensor]:
         """This step's rows in firing order: parameter indices, micro-steps (or None), statistics.
 
-        Also sets ``counted``: the step's number of micro-batches and the rows missing from it.
+        Also sets ``counted``: the step's number of micro-batches, the rows missing because the
+        gradients changed before the optimizer step, and those whose sum was lost.
         """
         self.measure_noted()  # a pass that raised never reached its end
         self._end_queued = False
@@ -402,7 +405,7 @@ class UnreducedGrads:
         self._held = [None] * len(self.registry)
         self._waiting = {}
         self._sums = {}
-        self._unsummed = set()
+        self._uncopied, self._unsummed = set(), set()
         self._noted.clear()
         self._end_queued = False
         self.release()

@@ -20,21 +20,17 @@ from typing import Any, Literal
 import torch
 
 from adapters.torch.compiled import traced
+from adapters.torch.lanczos import GramBatches, alone, lanczos, padded, top_eigenpairs
 from adapters.torch.micro_steps import MicroSteps
 from adapters.torch.sharded.fsdp_internals import FlatSlot
 from adapters.torch.sharded.spectral import ShardedWeight, linear_weight, split_dimension
 from adapters.torch.sharded.spectral_flat import FlatPieceWeight, flat_weights
 from monitor.config.schema import MonitorConfig
-from monitor.datatypes.l2 import BREAKDOWN, FIRST_ITERATIONS, WARM_ITERATIONS, L2Steps
+from monitor.datatypes.l2 import FIRST_ITERATIONS, WARM_ITERATIONS, L2Steps
 from monitor.record import RowSet
 from monitor.session.collection import UnendedStep
 
 logger = logging.getLogger("trainmon")
-
-#: whole weights whose Lanczos runs as one batch, at most (see GramBatch)
-BATCH_WEIGHTS = 64
-#: float32 copies of weights held in another type that one batch keeps, at most, in bytes
-BATCH_COPY_BYTES = 256 << 20
 
 
 def is_linear(module: torch.nn.Module, flattened: Container[int] = ()) -> bool:
@@ -95,68 +91,6 @@ def summarise(per_head: torch.Tensor, heads: str) -> torch.Tensor:
         mean = per_head.mean(dim=0)
         return torch.stack([mean[0], mean[1], per_head[:, 0].max(), per_head[:, 1].min()]).unsqueeze(0)
     return per_head
-
-
-def lanczos(
-    apply: Callable[[torch.Tensor], torch.Tensor], start: torch.Tensor, steps: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``steps`` Lanczos steps with full reorthogonalisation on a batch of symmetric positive
-    semi-definite operators of one size, on their device without a host sync: ``apply`` maps
-    (b, n) to (b, n), one vector per operator, from ``start`` (b, n); returns the bases
-    (b, steps, n) and the tridiagonals (b, steps, steps) whose top eigenpairs give the
-    operators' (``top_eigenpairs``). The recurrence runs once for the whole batch: on a CPU, a
-    model's linear weights are small enough that each operation's dispatch, not its arithmetic,
-    is most of the cost.
-
-    Lanczos converges on the top eigenvalue far faster than power iteration when the largest
-    eigenvalues lie close together (as the singular values of trained weights often do).
-    """
-    batch, size = start.shape
-    basis = start.new_zeros(batch, steps, size)
-    alpha, beta = start.new_zeros(batch, steps), start.new_zeros(batch, steps)
-    q = start / torch.linalg.vector_norm(start, dim=1, keepdim=True).clamp_min(1e-30)
-    scale = None
-    for j in range(steps):
-        basis[:, j] = q
-        w = apply(q)
-        if scale is None:
-            scale = torch.linalg.vector_norm(w, dim=1)
-        alpha[:, j] = (q * w).sum(dim=1)
-        earlier = basis[:, : j + 1]
-        for _ in range(2):  # against every earlier vector, twice
-            w = w - torch.bmm(torch.bmm(w[:, None], earlier.transpose(1, 2)), earlier)[:, 0]
-        norm = torch.linalg.vector_norm(w, dim=1)
-        # a breakdown (the space found is invariant: a Gram matrix of lower rank than its size)
-        # ends that operator's iteration, without a host sync: rounding noise scaled up to a
-        # unit vector would break the tridiagonal form and overestimate the top eigenvalue
-        alive = norm > BREAKDOWN * scale
-        beta[:, j] = torch.where(alive, norm, 0.0)
-        q = torch.where(alive[:, None], w / norm[:, None].clamp_min(1e-30), 0.0)
-    off = beta[:, :-1]
-    tridiagonal = torch.diag_embed(alpha) + torch.diag_embed(off, 1) + torch.diag_embed(off, -1)
-    return basis, tridiagonal
-
-
-def top_eigenpairs(matrices: torch.Tensor, squarings: int = 30) -> tuple[torch.Tensor, torch.Tensor]:
-    """The largest eigenvalue and a unit eigenvector of each of a batch (b, k, k) of small
-    symmetric positive semi-definite matrices, on their device in float64 without a host sync
-    (torch's eigh checks its solver's result on the host: on CUDA a wait per weight).
-
-    Squared ``squarings`` times and normalised each time, a matrix tends to a multiple of the
-    projector on its top eigenvector (its eigenvalues' ratios raised to the 2**squarings-th
-    power); the projector's largest column points along that vector, and the Rayleigh quotient
-    of it is the eigenvalue, accurate to float64 rounding of the matrix's norm. Eigenvalues that
-    tie make a projector on their space, any vector of which has the same quotient."""
-    wide = matrices.to(torch.float64)
-    power = wide
-    for _ in range(squarings):
-        power = power / torch.linalg.matrix_norm(power, keepdim=True).clamp_min(1e-300)
-        power = power @ power
-    largest = torch.linalg.vector_norm(power, dim=1).argmax(dim=1)  # (b,) the largest column
-    vectors = torch.gather(power, 2, largest[:, None, None].expand(-1, power.shape[1], 1))[..., 0]
-    vectors = vectors / torch.linalg.vector_norm(vectors, dim=1, keepdim=True).clamp_min(1e-300)
-    values = torch.einsum("bi,bij,bj->b", vectors, wide, vectors)
-    return values.to(matrices.dtype), vectors.to(matrices.dtype)
 
 
 class L2Features(L2Steps):
@@ -246,7 +180,7 @@ class L2Features(L2Steps):
 
     def linear_values(self, rank: int) -> tuple[RowSet, torch.Tensor] | None:
         """``[kernel_norm, sr]`` of every linear module's weight now; None without any. Whole
-        weights whose Gram matrices have one size run Lanczos as one batch (``GramBatch``), a
+        weights whose Gram matrices have one size run Lanczos as one batch (``GramBatches``), a
         weight held in pieces alone (its products are collectives); the tridiagonal
         eigenproblems of all weights are solved together, on their device."""
         if not self.linear:
@@ -255,7 +189,7 @@ class L2Features(L2Steps):
         frobenius: list[torch.Tensor] = [torch.zeros(())] * count
         scales: list[torch.Tensor] = [torch.ones(())] * count
         runs: list[tuple[list[int], torch.Tensor, torch.Tensor]] = []
-        batches: dict[tuple, GramBatch] = {}
+        batches = GramBatches()
         with torch.no_grad():
             for index, (_, _, module) in enumerate(self.linear):
                 layout = self._pieces.get(index)
@@ -263,7 +197,7 @@ class L2Features(L2Steps):
                     piece = layout.piece(module)
                     frobenius[index] = layout.frobenius(piece)
                     gram = functools.partial(layout.gram, piece)
-                    one = functools.partial(_alone, gram)
+                    one = functools.partial(alone, gram)
                     runs.append(self._lanczos([index], one, layout.size, piece.device))
                     continue
                 weight = linear_weight(module)
@@ -275,12 +209,9 @@ class L2Features(L2Steps):
                 scales[index] = torch.nan_to_num(frobenius[index], nan=1.0, posinf=1.0).clamp_min(1e-30)
                 size = min(weight.shape)
                 key = (weight.device, size, self._warm(index, size, weight.device))
-                batch = batches.setdefault(key, GramBatch())
-                batch.add(index, weight, scales[index], copied)
-                if batch.full():
-                    runs.append(self._lanczos(batch.indices, batch, size, weight.device))
-                    del batches[key]
-            for (device, size, _), batch in batches.items():
+                for (device, size, _), batch in batches.add(key, index, weight, scales[index], copied):
+                    runs.append(self._lanczos(batch.indices, batch, size, device))
+            for (device, size, _), batch in batches.close():
                 runs.append(self._lanczos(batch.indices, batch, size, device))
             sigma = self._spectral_norms(runs, count)
             sigma = sigma * torch.stack([scale.to(sigma.device) for scale in scales])
@@ -331,8 +262,7 @@ class L2Features(L2Steps):
         sigma: list[torch.Tensor] = [torch.zeros(())] * count
         for chosen in by_device.values():
             width = max(runs[k][2].shape[1] for k in chosen)
-            padded = torch.cat([_padded(runs[k][2], width) for k in chosen])
-            values, vectors = top_eigenpairs(padded)
+            values, vectors = top_eigenpairs(torch.cat([padded(runs[k][2], width) for k in chosen]))
             values = values.clamp_min(0).sqrt()
             row = 0
             for k in chosen:
@@ -345,52 +275,8 @@ class L2Features(L2Steps):
                     self.vectors[index] = tops[offset]
                     sigma[index] = values[row + offset]
                 row += len(indices)
-        first = runs[0][1].device
+        first = runs[0][1].device  # the values go where the first run's are
         return torch.stack([s.to(first) for s in sigma])
-
-
-class GramBatch:
-    """The Gram operators of whole weights whose smaller side has one length, each over its
-    Frobenius norm, applied together: each weight is read twice a product, as alone, while the
-    Lanczos recurrence around the products runs once for the batch. A batch holds at most
-    BATCH_WEIGHTS weights and BATCH_COPY_BYTES of float32 copies (weights held in another type),
-    so that a large model's copies never all live at once."""
-
-    def __init__(self) -> None:
-        self.indices: list[int] = []
-        self._tall: list[torch.Tensor] = []
-        self._scales: list[torch.Tensor] = []
-        self._copied = 0
-
-    def add(self, index: int, weight: torch.Tensor, scale: torch.Tensor, copied: bool) -> None:
-        self.indices.append(index)
-        self._tall.append(weight if weight.shape[0] >= weight.shape[1] else weight.T)
-        self._scales.append(scale)
-        self._copied += weight.numel() * weight.element_size() if copied else 0
-
-    def full(self) -> bool:
-        return len(self.indices) >= BATCH_WEIGHTS or self._copied >= BATCH_COPY_BYTES
-
-    def __call__(self, v: torch.Tensor) -> torch.Tensor:
-        """(W / s)^T (W / s) v for each weight's row of ``v``; the vector is scaled before each
-        product, so no intermediate exceeds the weight's own size."""
-        inverse = 1.0 / torch.stack(self._scales)[:, None]
-        rows = (v * inverse).unbind(0)
-        return (
-            torch.stack([torch.mv(tall.T, torch.mv(tall, row)) for tall, row in zip(self._tall, rows)])
-            * inverse
-        )
-
-
-def _alone(gram: Callable[[torch.Tensor], torch.Tensor], v: torch.Tensor) -> torch.Tensor:
-    """A one-weight Gram operator applied to a batch of one (``lanczos``'s shape)."""
-    return gram(v[0])[None]
-
-
-def _padded(tridiagonals: torch.Tensor, width: int) -> torch.Tensor:
-    """A batch of (k, k) matrices padded with zeros to (width, width)."""
-    extra = width - tridiagonals.shape[1]
-    return torch.nn.functional.pad(tridiagonals, (0, extra, 0, extra)) if extra else tridiagonals
 
 
 def _piece_layout(

@@ -93,8 +93,8 @@ def taken_over(
     if any(hasattr(param, "ds_id") for param in trained):
         why = (
             "DeepSpeed ZeRO-3 partitioned the model's parameters after set_monitor (and frees each "
-            "micro-batch's gradient once reduced, so that grad_unreduced would hold a step's last "
-            "micro-batch only)"
+            "micro-batch's gradient once reduced, so that with several micro-batches a step "
+            "grad_unreduced would hold the last one's only)"
         )
         return why, _ATTACH_AFTER_WRAPPER, ("grad_unreduced", *OPTIMIZER_SIDE, *PARAMETER_SIDE)
     now = {id(param) for param in model_params}
@@ -119,11 +119,6 @@ def taken_over(
         f"{name} updates none of the monitored parameters (other tensors in their place: a "
         "wrapper's flat partitions, or master copies)"
     )
-    if "deepspeed" in sys.modules:  # its stage cannot be told from here
-        why += (
-            "; under DeepSpeed ZeRO-2, which frees each micro-batch's gradient once reduced, "
-            "grad_unreduced holds a step's last micro-batch only"
-        )
     return why, _ATTACH_AFTER_WRAPPER, OPTIMIZER_SIDE
 
 
@@ -187,6 +182,11 @@ class OptimizerChecks:
                 )
             return ()
         why, advice, parts = found
+        if "grad_unreduced" not in parts and self.config.wg_distribution and "deepspeed" in sys.modules:
+            why += (  # ZeRO-1 and 2 cannot be told apart from the flat partitions
+                "; under DeepSpeed ZeRO-2, which frees each micro-batch's gradient once reduced, "
+                "grad_unreduced (still written) holds a step's last micro-batch only"
+            )
         wanted = [part for part in parts if _switched_on(part, self.config)]
         if wanted:
             logger.warning(

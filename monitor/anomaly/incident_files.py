@@ -112,6 +112,7 @@ class MergedIncident:
             "onset_micro_step": self.onset_micro_step,
             "onset_rank": self.onset_rank,
             "ranks": self.ranks,
+            "world_size": self.world_size,
             "state": self.state,
             "last_abnormal_step": self.last_abnormal_step,
             "tensors": self.tensors,

@@ -284,10 +284,11 @@ def _moved_with(ratio: float, common: float) -> bool:
 def _changed_after_backward(records: Sequence[Record], common: float, world_size: int | None) -> str:
     """Why reduced gradients are abnormal while no local gradient was."""
     if not math.isnan(common):
+        averaging = "" if world_size == 1 else ", the reduction's averaging"
         return (
             f"its reduced gradient is abnormal while no local gradient was, and the reduced gradients "
             f"moved x{common:.3g} together: they were rescaled after backward (gradient clipping, a "
-            "loss scaler, the reduction's averaging), their local gradients' change left unflagged"
+            f"loss scaler{averaging}), their local gradients' change left unflagged"
         )
     if world_size == 1:  # nothing was reduced: only an edit between backward and the step is left
         return (

@@ -262,7 +262,7 @@ class BaseCollection(ABC):
         """The unreduced rows' statistics and ops: as measured, unless an adapter measured pieces."""
         return matrix, None
 
-    def _report_micro_batches(self, micro_batches: int, missing: int, unsummed: int = 0) -> None:
+    def _report_micro_batches(self, micro_batches: int, missing: int, unsummed: int) -> None:
         """Say once each what the step's micro-batches against ``grad_acc_steps`` mean for its
         rows (``monitor.session.micro_batches``)."""
         expected = getattr(self.grads, "grad_acc_steps", None)

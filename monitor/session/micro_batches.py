@@ -1,7 +1,7 @@
 """What a collection says, once each, when a step's micro-batches do not match ``grad_acc_steps``:
-the step's gradient sum was lost because the optimizer freed micro-batches taken for the last
-(DeepSpeed ZeRO-2/3), rows are missing because the gradients changed before the optimizer step,
-or merely another count (a shorter last step of an epoch)."""
+the step's gradient sum was lost because the optimizer freed its first micro-batch's gradient,
+taken for the last, before another came (DeepSpeed), rows are missing because the gradients
+changed before the optimizer step, or merely another count (a shorter last step of an epoch)."""
 
 from __future__ import annotations
 
@@ -24,9 +24,10 @@ def micro_batch_message(
         return logging.WARNING, (
             f"trainmon: grad_unreduced: step {step} had {micro_batches} micro-batches, grad_acc_steps "
             f"is {expected}, and the optimizer frees each micro-batch's gradient once reduced "
-            "(DeepSpeed ZeRO-2/3): the micro-batches taken for the step's last were not kept, so the "
-            f"rows of {unsummed} parameters are missing at this step; from now on every micro-batch "
-            "is summed. Pass the engine's gradient_accumulation_steps() as grad_acc_steps."
+            "(DeepSpeed ZeRO-2/3, or with fp32 gradient accumulation): the first micro-batch was "
+            f"taken for the step's last and not kept, so the rows of {unsummed} parameters are "
+            "missing at this step; from now on every micro-batch is summed. Pass the engine's "
+            "gradient_accumulation_steps() as grad_acc_steps."
         )
     if missing and "missing micro-batch rows" not in told:
         told.add("missing micro-batch rows")

@@ -277,6 +277,25 @@ def test_merged_across_ranks_the_rank_whose_local_gradient_broke_is_named():
     assert any("only rank 2 shows it" in line for line in merged.evidence)
 
 
+@pytest.mark.parametrize("world_size", [1, 4, None], ids=["one process", "four ranks", "older files"])
+def test_merged_the_run_size_its_ranks_recorded_words_a_gradient_changed_after_backward(world_size):
+    """A reduced gradient abnormal with no local one: merged, a one-process run's evidence names
+    neither the reduction nor a peer (nothing was reduced); the merged record keeps the size."""
+    run = Run(rank=0)
+    rng = np.random.default_rng(40)
+    _clean(run, rng, range(15), tasks=("post_grad",))
+    edited = _noise(rng)
+    edited[1] *= 1e4
+    run.step(15, {"post_grad": edited})
+    incidents = [incident.to_json() for incident in run.incidents]
+    for incident in incidents:
+        incident["world_size"] = world_size  # as a rank writes it (MonitorCore knows the run's size)
+    (merged,) = merge(incidents)
+    (said,) = [line for line in merged.evidence if "changed after backward" in line]
+    assert ("reduction" in said) == (world_size != 1), said
+    assert merged.to_json(1)["world_size"] == world_size
+
+
 def test_a_merged_incident_is_abnormal_from_its_onset_to_its_last_abnormal_step_on_any_rank():
     incidents = _rank_incidents(15, faulty_rank=2)
     incidents[-1]["last_abnormal_step"] = 19
@@ -394,6 +413,10 @@ def test_reduced_gradients_abnormal_with_no_local_one_say_where_they_may_have_ch
     _, evidence = choose_root(records, world_size)
     (said,) = [line for line in evidence if "changed after backward" in line]
     assert ("another rank's gradient reached it" in said) == (len(ranks) == 1 and world_size != 1), said
+    assert ("reduction" in said) == (world_size != 1), said
+    together = [{**r, "common": 8.0, "ratio": 9.0} for r in records]  # every reduced gradient moved
+    _, evidence = choose_root(together, world_size)
+    (said,) = [line for line in evidence if "rescaled after backward" in line]
     assert ("reduction" in said) == (world_size != 1), said
 
 

@@ -223,6 +223,12 @@ def _unreduced_reference(replica, rank: int, step: int, dtype, stage: int, preci
 
 
 def _case(rank: int, stage: int, precision: str) -> dict:
+    import logging
+
+    said: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("trainmon").addHandler(handler)
     engine, replica, dtype = _engine(stage, precision)
     monitors = _monitors(engine)
     backends = {key: type(mon._session.backend).__name__ for key, mon in monitors.items()}
@@ -262,13 +268,21 @@ def _case(rank: int, stage: int, precision: str) -> dict:
     trained = _final_params(engine)
     for mon in monitors.values():
         mon.stop()
+    logging.getLogger("trainmon").removeHandler(handler)
+    unsummed = sum("the first micro-batch was taken for the step's last and not kept" in m for m in said)
     inner = getattr(engine.optimizer, "optimizer", engine.optimizer)
     restored = "step" not in vars(engine.optimizer) and "step" not in vars(inner)
     plain, _, dtype = _engine(stage, precision)
     for step in range(STEPS):
         _train_step(plain, rank, step, dtype)
     identical = all(np.array_equal(a, b) for a, b in zip(trained, _final_params(plain)))
-    return {"steps": steps, "backends": backends, "identical": identical, "restored": restored}
+    return {
+        "steps": steps,
+        "backends": backends,
+        "identical": identical,
+        "restored": restored,
+        "unsummed_said": unsummed,
+    }
 
 
 def _worker(rank: int, world_size: int, workdir: str, cases: list) -> None:
@@ -281,7 +295,9 @@ def _worker(rank: int, world_size: int, workdir: str, cases: list) -> None:
 
 
 def _check_case(key: str, per_rank: list[dict], sharded: bool) -> None:
-    for result in per_rank:
+    stage, precision = key.split("-")
+    for result in per_rank:  # the lost sum of too small a grad_acc_steps, said once
+        assert result["unsummed_said"] == _frees_each_micro_batch(int(stage), precision), key
         assert result["identical"], f"{key}: training changed by the monitors"
         assert result["restored"], f"{key}: the optimizer's step was not restored"
     for step in range(STEPS):
@@ -307,7 +323,6 @@ def _check_case(key: str, per_rank: list[dict], sharded: bool) -> None:
                     # gradient, no rows at the first step (not the last micro-batch's as the sum),
                     # then the sum: every later step sums from its first micro-batch on
                     too_few = latest_rows(got["too_few"], prefix)
-                    stage, precision = key.split("-")
                     lost = step == 0 and _frees_each_micro_batch(int(stage), precision)
                     assert set(too_few) == (set() if lost else set(names)), f"{what}: {sorted(too_few)}"
                     for name in too_few:
@@ -526,7 +541,7 @@ def test_attaching_before_deepspeed_initialize_is_said_where_it_makes_the_rows_w
         assert ": grad_reduced, exp_avg, exp_avg_sq, param_updated would describe none" in message  # asked
         assert said["1"]["written"] == ["grad_unreduced", "param_origin"]
         (message,) = said["3"]["said"]
-        assert "DeepSpeed ZeRO-3 partitioned" in message and "last micro-batch only" in message
+        assert "DeepSpeed ZeRO-3 partitioned" in message and "would hold the last one's only" in message
         assert (
             ": grad_unreduced, grad_reduced, exp_avg, exp_avg_sq, param_updated, param_origin would describe"
             in message

@@ -361,7 +361,7 @@ def test_spectral_norm_finds_a_new_top_direction_the_last_vector_lacks(shape):
 def test_the_top_eigenpairs_of_a_batch_equal_numpys_without_a_host_solver():
     """Repeated squaring on the device against numpy's eigh: random positive semi-definite
     matrices, top eigenvalues 0.1% apart, a rank-1 one, a zero one, one padded with zeros."""
-    from adapters.torch.l2 import top_eigenpairs
+    from adapters.torch.lanczos import top_eigenpairs
 
     rng = np.random.default_rng(4)
     matrices = []
@@ -388,7 +388,7 @@ def test_the_top_eigenpairs_of_a_batch_equal_numpys_without_a_host_solver():
 def test_a_low_rank_weight_gets_its_spectral_norm_not_an_overestimate():
     """A weight of rank 2 whose smaller side is 10: Lanczos reaches an invariant space after two
     steps; going on from rounding noise overestimated the top singular value by 30% in float32."""
-    from adapters.torch.l2 import lanczos, top_eigenpairs
+    from adapters.torch.lanczos import lanczos, top_eigenpairs
 
     generator = torch.Generator().manual_seed(1)
     weight = torch.randn(12, 2, generator=generator) @ torch.randn(2, 10, generator=generator)

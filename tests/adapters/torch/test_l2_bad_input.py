@@ -108,3 +108,56 @@ def test_one_unusable_module_is_said_and_skipped_while_the_others_are_measured(t
     got = attention["0:good.attention:0/rank0/qkt"], attention["0:good[1].attention:0/rank0/qkt"]
     np.testing.assert_allclose([got[0]["softmax_max"], got[0]["entropy"]], first, rtol=1e-5)
     np.testing.assert_allclose([got[1]["softmax_max"], got[1]["entropy"]], second, rtol=1e-5)
+
+
+@pytest.mark.parametrize("batch_weights, copy_bytes", [(64, 256 << 20), (2, 256 << 20), (64, 1)])
+def test_weights_measured_in_one_batch_each_get_their_own_spectral_norm(
+    monkeypatch, batch_weights, copy_bytes
+):
+    """Whole weights whose Gram matrices share a size run Lanczos together: a rank-2 weight whose
+    Krylov space breaks down early, an all-zero one, one holding NaN, a bf16 one, a square and a
+    wide one, side by side, each within 1% of numpy's SVD (NaN for NaN, 0 for zero), also when
+    batches are cut short (two weights, or every float32 copy over the budget) and when a weight's
+    smaller side changes between steps."""
+    from adapters.torch import lanczos
+    from adapters.torch.l2 import L2Features
+    from monitor.config.schema import load_config
+
+    monkeypatch.setattr(lanczos, "BATCH_WEIGHTS", batch_weights)
+    monkeypatch.setattr(lanczos, "COPY_BYTES", copy_bytes)
+    generator = torch.Generator().manual_seed(3)
+
+    def drawn(rows: int, columns: int) -> torch.Tensor:
+        return torch.randn(rows, columns, generator=generator)
+
+    low_rank = drawn(30, 2) @ drawn(2, 12)
+    nan = drawn(20, 12)
+    nan[1, 1] = float("nan")
+    steps = [
+        [low_rank, torch.zeros(16, 12), nan, drawn(24, 12).bfloat16(), drawn(12, 12), drawn(12, 40)],
+        [drawn(30, 12), drawn(16, 12), drawn(20, 12), drawn(24, 12).bfloat16(), drawn(20, 20), drawn(12, 40)],
+    ]  # the square one's smaller side changes from 12 to 20 at the second step
+    layers = [nn.Linear(w.shape[1], w.shape[0], bias=False).to(w.dtype) for w in steps[0]]
+    config = load_config({"recording_l2_features": True, "l2_targets": {"linear_hook": []}})
+    features = L2Features([nn.Sequential(*layers)], config, lambda what, exc: None)
+    for step, weights in enumerate(steps):
+        for position, weight in enumerate(weights):
+            if layers[position].weight.shape != weight.shape:
+                layers[position] = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+                features.linear[position] = (0, features.linear[position][1], layers[position])
+            with torch.no_grad():
+                layers[position].weight.copy_(weight)
+        _, values = features.linear_values(0)
+        for position, weight in enumerate(weights):
+            what = f"step {step} weight {position}"
+            kernel_norm, sr = values[position].tolist()
+            exact = weight.double().numpy()
+            if np.isnan(exact).any():
+                assert np.isnan(kernel_norm) and np.isnan(sr), what
+                continue
+            singular = np.linalg.svd(exact, compute_uv=False)
+            if singular[0] == 0:
+                assert kernel_norm == 0 and sr == 0, what
+                continue
+            assert kernel_norm == pytest.approx(singular[0], rel=0.01), what
+            assert sr == pytest.approx(np.sqrt((singular**2).sum()) / singular[0], rel=0.01), what
