@@ -182,7 +182,8 @@ class OptimizerChecks:
                 )
             return ()
         why, advice, parts = found
-        if "grad_unreduced" not in parts and self.config.wg_distribution and "deepspeed" in sys.modules:
+        flat_partitions = advice == _ATTACH_AFTER_WRAPPER and "grad_unreduced" not in parts
+        if flat_partitions and self.config.wg_distribution and "deepspeed" in sys.modules:
             why += (  # ZeRO-1 and 2 cannot be told apart from the flat partitions
                 "; under DeepSpeed ZeRO-2, which frees each micro-batch's gradient once reduced, "
                 "grad_unreduced (still written) holds a step's last micro-batch only"
