@@ -281,7 +281,6 @@ class UnreducedGrads:
             self._unsummed.add(index)
             self._sum_from_first = True
             self._rows.drop(index)
-            self._waiting.pop(index, None)
             return None
         if total is None:
             if last and not (self._sum_from_first or self._every_micro_batch):

@@ -243,9 +243,8 @@ class L2Features(L2Steps):
         if all(self._warm(index, size, device) for index in indices):
             # half the last top vector, half a random one (see monitor.datatypes.l2)
             last = torch.stack([self.vectors[index] for index in indices])
-            start = last / torch.linalg.vector_norm(last, dim=1, keepdim=True).clamp_min(
-                1e-30
-            ) + start / math.sqrt(size)
+            norms = torch.linalg.vector_norm(last, dim=1, keepdim=True).clamp_min(1e-30)
+            start = last / norms + start / math.sqrt(size)
             steps = WARM_ITERATIONS
         basis, tridiagonal = lanczos(gram, start, min(steps, size))
         return indices, basis, tridiagonal

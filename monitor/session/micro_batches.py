@@ -19,8 +19,7 @@ def micro_batch_message(
 ) -> tuple[int, str] | None:
     """The log level and text of the first of those not yet ``told`` that applies to the step
     (its key is then added to ``told``), or None."""
-    if unsummed and "unsummed micro-batches" not in told:
-        told.add("unsummed micro-batches")
+    if _first_time(told, "unsummed micro-batches", bool(unsummed)):
         return logging.WARNING, (
             f"trainmon: grad_unreduced: step {step} had {micro_batches} micro-batches, grad_acc_steps "
             f"is {expected}, and the optimizer frees each micro-batch's gradient once reduced "
@@ -29,8 +28,7 @@ def micro_batch_message(
             "missing at this step; from now on every micro-batch is summed. Pass the engine's "
             "gradient_accumulation_steps() as grad_acc_steps."
         )
-    if missing and "missing micro-batch rows" not in told:
-        told.add("missing micro-batch rows")
+    if _first_time(told, "missing micro-batch rows", bool(missing)):
         return logging.WARNING, (
             f"trainmon: grad_unreduced: step {step} ended after {micro_batches} micro-batch(es), "
             f"grad_acc_steps is {expected}, and the gradients of {missing} parameters changed before "
@@ -40,8 +38,7 @@ def micro_batch_message(
             "before the others), or use DDP's no_sync for the micro-batches before the last; the "
             "trainer callbacks do this."
         )
-    if micro_batches and expected and micro_batches != expected and "micro-batch count" not in told:
-        told.add("micro-batch count")
+    if _first_time(told, "micro-batch count", bool(micro_batches and expected and micro_batches != expected)):
         described = (
             "has a row per micro-batch it had"
             if per_micro_batch
@@ -52,3 +49,11 @@ def micro_batch_message(
             f"grad_unreduced {described} (said once)"
         )
     return None
+
+
+def _first_time(told: set[str], key: str, applies: bool) -> bool:
+    """Whether a message that ``applies`` is said now: not ``told`` before (it is from now on)."""
+    if not applies or key in told:
+        return False
+    told.add(key)
+    return True
