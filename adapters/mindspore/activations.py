@@ -35,6 +35,7 @@ import numpy as np
 from mindspore import ops
 from mindspore.graph.api import _pynative_executor
 
+from adapters.mindspore.jit_guard import LeftOutOfJit
 from adapters.mindspore.stats import StatEngine
 from monitor.config.schema import MonitorConfig
 from monitor.datatypes.modules import call_name, direction_tensors, row_names, select_modules
@@ -137,29 +138,32 @@ class RootCalls:
     """Whether each model chunk's root Cell is running, and the chunk's micro-step: a training
     call of a root that is not inside another call of it starts a micro-step while ``active()``.
     ``on_start(vpp)`` runs when a micro-step starts, ``on_end(vpp)`` when a root call ends while
-    ``active()``. The start hooks go before every other hook, the end hooks after them."""
+    ``active()``. The start hooks go before every other hook, the end hooks after them; ``jit``
+    leaves them out of compilations."""
 
     def __init__(
         self,
         chunks: Sequence[ms.nn.Cell],
         active: Callable[[], bool],
+        jit: LeftOutOfJit,
         on_start: Callable[[int], None] | None = None,
         on_end: Callable[[int], None] | None = None,
     ) -> None:
         self.chunks = list(chunks)
         self.active = active
+        self.jit = jit
         self.on_start, self.on_end = on_start, on_end
         self.reset()
 
     def register_starts(self) -> list:
         return [
-            chunk.register_forward_pre_hook(self._starts(vpp), prepend=True)
+            chunk.register_forward_pre_hook(self.jit.cell_hook(self._starts(vpp)), prepend=True)
             for vpp, chunk in enumerate(self.chunks)
         ]
 
     def register_ends(self) -> list:
         return [
-            chunk.register_forward_hook(self._ends(vpp), always_call=True)
+            chunk.register_forward_hook(self.jit.cell_hook(self._ends(vpp)), always_call=True)
             for vpp, chunk in enumerate(self.chunks)
         ]
 
@@ -213,6 +217,7 @@ class Activations:
         forward: bool,
         backward: bool,
         on_error: Callable[[str, BaseException], None],
+        jit: LeftOutOfJit,
         unended: UnendedStep | None = None,
     ) -> None:
         self.chunks = list(chunks)
@@ -227,6 +232,7 @@ class Activations:
         self.roots = RootCalls(
             self.chunks,
             lambda: self.collect,
+            jit,
             on_start=self._micro_step_started,
             on_end=lambda vpp: self._guard("actv", self._held["actv"].describe, self.engine),
         )
@@ -242,11 +248,13 @@ class Activations:
         Per chunk root: the micro-step counter first (prepended) and the end of its call last
         (after the Cells' own hooks, also when the forward raises).
         """
+        jit = self.roots.jit
         handles = self.roots.register_starts()
         for index, entry in enumerate(self.cells):
-            handles.append(entry.cell.register_forward_pre_hook(self._before(index), with_kwargs=True))
-            handles.append(entry.cell.register_forward_hook(self._after(index), with_kwargs=True))
-        return handles + self.roots.register_ends()
+            before, after = jit.cell_hook(self._before(index)), jit.cell_hook(self._after(index))
+            handles.append(entry.cell.register_forward_pre_hook(before, with_kwargs=True))
+            handles.append(entry.cell.register_forward_hook(after, with_kwargs=True))
+        return jit.keep(handles + self.roots.register_ends())
 
     def _micro_step_started(self, vpp: int) -> None:
         """The gradients of the last micro-step are complete: measured; in a step the gradients

@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable, Sequence
+from functools import partial
 from types import MappingProxyType
 from typing import Any
 
@@ -38,11 +39,12 @@ from adapters.mindspore.activations import Activations, select_cells
 from adapters.mindspore.collectives import CollectiveMonitor
 from adapters.mindspore.dist import rank_in_group, world_size
 from adapters.mindspore.grads import UnreducedGrads
+from adapters.mindspore.jit_guard import MODEL_CALLS, LeftOutOfJit
 from adapters.mindspore.l2 import L2Features
 from adapters.mindspore.optim import OptimizerView
 from adapters.mindspore.params import ParamRegistry
 from adapters.mindspore.stats import StatEngine, host_memory, training_values
-from adapters.mindspore.structure import StructureRecorder, stack_recorder
+from adapters.mindspore.structure import CellStacks, StructureRecorder
 from monitor.config.schema import MonitorConfig
 from monitor.datatypes.params import param_row_tables, reduced_index
 from monitor.datatypes.update_ratio import adam_histograms, submit_histograms
@@ -127,22 +129,29 @@ class Collection(BaseCollection):
             reduced_index([False] * len(params), rank_in_group(dp_group), None),
         )
         unended = UnendedStep(grad_acc_steps)  # one for the gradients and activations: said once
+        jit = self._jit = LeftOutOfJit(MODEL_CALLS, removes=True)
         if config.wg_distribution:
             mbs = config.monitor_mbs_grad
-            self.grads = UnreducedGrads(self.registry, grad_acc_steps, self.engine, mbs, self.fail, unended)
+            self.grads = UnreducedGrads(
+                self.registry, grad_acc_steps, self.engine, mbs, self.fail, jit, unended
+            )
             self._handles += self.grads.register()
         if config.xy_distribution:
             forward, backward = not config.backward_only, not config.forward_only
             cells = select_cells(chunks, config)
-            self.activations = Activations(chunks, cells, self.engine, forward, backward, self.fail, unended)
+            self.activations = Activations(
+                chunks, cells, self.engine, forward, backward, self.fail, jit, unended
+            )
             self._handles += self.activations.register()
         if config.recording_l2_features:
-            self.l2 = L2Features(chunks, config, self.fail)
+            self.l2 = L2Features(chunks, config, self.fail, jit)
             self._handles += self.l2.register()
-        self._register_recorders(chunks, StructureRecorder, stack_recorder)
+        self._register_recorders(chunks, partial(StructureRecorder, jit=jit), partial(CellStacks, jit=jit))
         if config.cc_distribution.enable:
             self.collectives = CollectiveMonitor(config, self.fail)
             self.collectives.install()
+        if self._handles or self._stack_handles:
+            self._handles += jit.sentinels(chunks)
         self.set_step(first_step)
 
     # -- the step ----------------------------------------------------------------------------

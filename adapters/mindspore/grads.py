@@ -40,6 +40,7 @@ import numpy as np
 from mindspore import ops
 
 from adapters.mindspore.dist import world_size
+from adapters.mindspore.jit_guard import LeftOutOfJit
 from adapters.mindspore.params import ParamRegistry
 from adapters.mindspore.stats import StatEngine, host_memory
 from monitor.session.collection import UnendedStep
@@ -55,9 +56,11 @@ class UnreducedGrads:
         engine: StatEngine,
         per_micro_batch: bool,
         on_error: Callable[[str, BaseException], None],
+        jit: LeftOutOfJit,
         unended: UnendedStep | None = None,
     ) -> None:
         self.registry = registry
+        self.jit = jit
         self.grad_acc_steps = grad_acc_steps
         self.engine = engine
         self.per_micro_batch = per_micro_batch
@@ -86,8 +89,11 @@ class UnreducedGrads:
         return max(self._micro, default=0)
 
     def register(self) -> list:
-        """Register one hook per monitored parameter; returns the removable handles."""
-        return [entry.param.register_hook(self._hook(i)) for i, entry in enumerate(self.registry.params)]
+        """Register one hook per monitored parameter (removed when a ``jit`` compilation calls the
+        model: MindSpore would compile them); returns the removable handles."""
+        return self.jit.keep(
+            [entry.param.register_hook(self._hook(i)) for i, entry in enumerate(self.registry.params)]
+        )
 
     def _hook(self, index: int) -> Callable[[ms.Tensor], ms.Tensor]:
         def hook(grad: ms.Tensor) -> ms.Tensor:

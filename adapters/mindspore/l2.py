@@ -22,6 +22,7 @@ import mindspore as ms
 import numpy as np
 
 from adapters.mindspore.activations import RootCalls
+from adapters.mindspore.jit_guard import LeftOutOfJit
 from adapters.mindspore.stats import training_values
 from monitor.config.schema import MonitorConfig
 from monitor.datatypes.l2 import FIRST_ITERATIONS, WARM_ITERATIONS, L2Steps, attention_rows, lanczos_top
@@ -57,12 +58,13 @@ class L2Features(L2Steps):
         chunks: Sequence[ms.nn.Cell],
         config: MonitorConfig,
         on_error: Callable[[str, BaseException], None],
+        jit: LeftOutOfJit,
     ) -> None:
         named = [
             (vpp, raw, cell) for vpp, chunk in enumerate(chunks) for raw, cell in chunk.cells_and_names()
         ]
         super().__init__(named, config, is_linear, on_error)
-        self.roots = RootCalls(chunks, lambda: self.collect)
+        self.roots = RootCalls(chunks, lambda: self.collect, jit)
         #: this monitor's own random numbers (the training's generators are never drawn from)
         self._random = np.random.default_rng(0)
 
@@ -71,8 +73,8 @@ class L2Features(L2Steps):
             return []
         handles = self.roots.register_starts()
         for index, (_, _, cell) in enumerate(self.attention):
-            handles.append(cell.register_forward_hook(self._hook(index)))
-        return handles + self.roots.register_ends()
+            handles.append(cell.register_forward_hook(self.roots.jit.cell_hook(self._hook(index))))
+        return self.roots.jit.keep(handles + self.roots.register_ends())
 
     def _hook(self, index: int) -> Callable:
         def hook(cell: ms.nn.Cell, args: tuple, output: Any) -> None:

@@ -34,6 +34,7 @@ from adapters.mindspore.bundle import facts as bundle_facts
 from adapters.mindspore.bundle import record_tensors
 from adapters.mindspore.collection import Collection, without_hooks
 from adapters.mindspore.dist import any_rank, global_rank, pipeline_info, world_size
+from adapters.mindspore.jit_guard import TRAINING_STEP, LeftOutOfJit
 from adapters.mindspore.optim import OptimizerView, hookable_optimizer
 from monitor.session.lifecycle import Attachment, SessionLifecycle, model_chunks
 
@@ -146,9 +147,10 @@ class MindSporeSession(SessionLifecycle):
     def _attach_optimizer_hooks(self) -> None:
         if self.graph_mode:
             return
+        jit = self._jit = LeftOutOfJit(TRAINING_STEP)
         self._hooks = [
-            self.optimizer.register_forward_pre_hook(self._before_update, with_kwargs=True),
-            self.optimizer.register_forward_hook(self._after_update),
+            self.optimizer.register_forward_pre_hook(jit.cell_hook(self._before_update), with_kwargs=True),
+            self.optimizer.register_forward_hook(jit.cell_hook(self._after_update)),
         ]
 
     def _optimizer_step_count(self) -> int | None:

@@ -14,6 +14,7 @@ from typing import Any
 import mindspore as ms
 
 from adapters.mindspore.activations import grad_active, is_tensor, is_training_call, takes_part_in_grad
+from adapters.mindspore.jit_guard import LeftOutOfJit
 from monitor.naming import chunk_name, display_name
 from monitor.structure import HookGuard, OnError, StackRecorder, describe, record_grad, write_structure
 
@@ -33,13 +34,21 @@ def _cell_names(chunks: Sequence[ms.nn.Cell], squash: bool) -> list[tuple[str, m
 class StructureRecorder:
     """Records every Cell's input/output (and their gradients') structure on its first training call."""
 
-    def __init__(self, chunks: Sequence[ms.nn.Cell], squash: bool, on_error: OnError) -> None:
+    def __init__(
+        self, chunks: Sequence[ms.nn.Cell], squash: bool, on_error: OnError, jit: LeftOutOfJit
+    ) -> None:
         self.cells = _cell_names(chunks, squash)
+        self.jit = jit
         self.structure: dict[str, dict[str, Any]] = {}
         self._guard = HookGuard("print_struct", on_error)
 
     def register(self) -> list:
-        return [cell.register_forward_hook(self._hook(name), with_kwargs=True) for name, cell in self.cells]
+        return self.jit.keep(
+            [
+                cell.register_forward_hook(self.jit.cell_hook(self._hook(name)), with_kwargs=True)
+                for name, cell in self.cells
+            ]
+        )
 
     def _hook(self, name: str) -> Callable:
         def hook(cell: ms.nn.Cell, args: tuple, kwargs: dict, output: Any) -> None:
@@ -72,6 +81,18 @@ class StructureRecorder:
         return write_structure(root, rank, self.structure)
 
 
-def stack_recorder(chunks: Sequence[ms.nn.Cell], squash: bool, on_error: OnError) -> StackRecorder:
-    """stack_info: the call stack of each Cell's first forward (monitor.structure.StackRecorder)."""
-    return StackRecorder(_cell_names(chunks, squash), on_error)
+class CellStacks(StackRecorder):
+    """stack_info: the call stack of each Cell's first forward (monitor.structure.StackRecorder),
+    its hooks left out of ``jit`` compilations."""
+
+    def __init__(
+        self, chunks: Sequence[ms.nn.Cell], squash: bool, on_error: OnError, jit: LeftOutOfJit
+    ) -> None:
+        super().__init__(_cell_names(chunks, squash), on_error)
+        self.jit = jit
+
+    def register(self) -> list:
+        return self.jit.keep(super().register())
+
+    def _hook(self, name: str) -> Callable[[Any, Any], None]:
+        return self.jit.cell_hook(super()._hook(name))

@@ -1,0 +1,125 @@
+"""A function compiled with ``mindspore.jit`` that reaches the monitor's hooks, attached without
+``graph_mode=True``: MindSpore compiles the hooks of every Cell and Parameter it reaches and fails
+on the monitor's (and on any forward hook of a Cell called in a loop, as ``Net``'s ReLU is). The
+run must go on exactly as without the monitor, and the user be told what to do."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+
+pytest.importorskip("mindspore", reason="MindSpore is not installed here (pip install -e '.[mindspore]')")
+
+import mindspore as ms
+import numpy as np
+from mindspore import nn
+
+from monitor import TrainerMon
+from tests.adapters.mindspore.helpers import Net, copies, make_batches
+from tests.reference_stats import assert_stats_close
+from tests.shared_outputs import collected_steps
+
+EVERY_HOOK = {
+    "wg_distribution": True,
+    "xy_distribution": True,
+    "all_xy": True,
+    "mg_direction": True,
+    "stack_info": True,
+    "recording_l2_features": True,
+    "l2_targets": {"linear_hook": []},
+}
+PARAMETERS = {"param_distribution": True, "mv_distribution": True}
+
+
+def _jit_training(net: nn.Cell) -> tuple[nn.Optimizer, object]:
+    optimizer = nn.Adam(net.trainable_params(), learning_rate=0.05)
+
+    def loss_of(x, y):
+        return ((net(x) - y) ** 2).mean()
+
+    grad_fn = ms.value_and_grad(loss_of, None, optimizer.parameters)
+
+    @ms.jit
+    def train_step(x, y):
+        loss, grads = grad_fn(x, y)
+        optimizer(grads)
+        return loss
+
+    return optimizer, train_step
+
+
+def _run(train_step, steps: int = 3) -> list[float]:
+    losses = []
+    for (x,) in make_batches(steps, 1):
+        losses.append(float(train_step(ms.Tensor(x), ms.Tensor(np.tanh(x[:, :4]))).asnumpy()))
+    return losses
+
+
+@pytest.mark.parametrize(
+    "config", [PARAMETERS, {**PARAMETERS, **EVERY_HOOK}], ids=["parameters", "every hook"]
+)
+def test_a_jit_step_runs_as_without_the_monitor_and_the_user_is_told(config, caplog, tmp_path, monkeypatch):
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path))
+    twin = Net()
+    _, twin_step = _jit_training(twin)
+    expected_losses = _run(twin_step)
+
+    net = Net()
+    optimizer, train_step = _jit_training(net)
+    mon = TrainerMon({**config, "ops": ["min", "max", "norm"]})
+    with caplog.at_level(logging.WARNING, logger="trainmon"):
+        mon.set_monitor(net, 1, optimizer)
+        losses = _run(train_step)
+        mon.stop()
+
+    assert losses == expected_losses
+    for ours, theirs in zip(copies(optimizer.parameters), copies(twin.trainable_params())):
+        assert np.array_equal(ours, theirs)
+    messages = [r.getMessage() for r in caplog.records]
+    compiled = [m for m in messages if "training step is compiled with mindspore.jit" in m]
+    assert len(compiled) == 1 and "graph_mode=True" in compiled[0] and "step_end()" in compiled[0], messages
+    removed = [m for m in messages if "calls the monitored model" in m]
+    assert len(removed) == (1 if "wg_distribution" in config else 0), messages
+    assert any("3 update(s) while attached and the monitor saw none" in m for m in messages), messages
+
+
+def test_a_jit_compiled_evaluation_leaves_the_training_recorded_without_the_hooks(
+    caplog, tmp_path, monkeypatch
+):
+    """PyNative training, a jit-compiled evaluation of the model after step 1: the hooks' data
+    (gradients, activations) stop there, said once; parameters go on, equal to numpy's."""
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path))
+    net = Net()
+    optimizer = nn.Adam(net.trainable_params(), learning_rate=0.05)
+    grad_fn = ms.value_and_grad(lambda x: net(x).square().mean(), None, optimizer.parameters)
+
+    @ms.jit
+    def evaluate(x):
+        return net(x).square().mean()
+
+    mon = TrainerMon(
+        {"wg_distribution": True, "xy_distribution": True, **PARAMETERS, "ops": ["min", "max", "norm"]}
+    )
+    mon.set_monitor(net, 1, optimizer)
+    names = [p.name for p in optimizer.parameters]
+    with caplog.at_level(logging.WARNING, logger="trainmon"):
+        for step, (x,) in enumerate(make_batches(4, 1)):
+            _, grads = grad_fn(ms.Tensor(x))
+            optimizer(grads)
+            updated = copies(optimizer.parameters)
+            params = mon.generate_param_metrics()
+            for k, name in enumerate(names):
+                assert_stats_close(
+                    params[f"0:{name}/rank0/param_updated"], updated[k], ops=["min", "max", "norm"]
+                )
+            if step == 1:
+                evaluate(ms.Tensor(x))
+    mon.stop()
+    (removed,) = [r.getMessage() for r in caplog.records if "calls the monitored model" in r.getMessage()]
+    assert "activations" in removed and "gradients" in removed
+    (out,) = [os.path.join(tmp_path, d) for d in os.listdir(tmp_path)]
+    assert collected_steps(out, "param_updated") == [0, 1, 2, 3]
+    assert collected_steps(out, "grad_unreduced") == [0, 1]
+    assert collected_steps(out, "actv") == [0, 1]
