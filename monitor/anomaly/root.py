@@ -199,14 +199,16 @@ def choose_root(records: Sequence[Record], world_size: int | None = None) -> tup
     if nonfinite:
         group = nonfinite
         evidence.append("a non-finite value (NaN/Inf) is the earliest")
-    alone = _moved_alone(group) if len(group) > 1 else None
+    alone = _moved_alone(group)
     if alone is not None:
         root, ratio, common = alone
-        if _as_a_whole(common):
+        if _as_a_whole(common) and phase in (PHASES["acc_grad"], PHASES["post_grad"]):
             evidence.append(
                 f"it moved x{ratio:.3g} while its data type moved x{common:.3g} together "
                 "(clipping or loss scaling rescales every tensor alike)"
             )
+        elif _as_a_whole(common):
+            evidence.append(f"it moved x{ratio:.3g}, far beyond its data type's common move (x{common:.3g})")
         else:
             evidence.append(f"it moved x{ratio:.3g} while the rest of its data type stayed (x{common:.3g})")
     else:

@@ -434,6 +434,18 @@ def test_a_lone_record_whose_data_type_moved_as_a_whole_is_said_to_share_its_cau
     assert not any("as a whole" in line for line in evidence), evidence
 
 
+def test_a_lone_record_that_moved_far_beyond_its_data_types_common_move_is_not_said_to_share_it():
+    """One weight x1e4 while the biases, growing from zero, lifted the median to x2.1: the cause
+    is that weight's, not one shared by its data type."""
+    lone = [_record("0:layers.1.fc1.weight/rank1/param_origin", ratio=1.0035e4, common=2.11)]
+    _, evidence = choose_root(lone)
+    assert not any("cause is shared" in line for line in evidence), evidence
+    assert any("moved x1e+04, far beyond its data type's common move (x2.11)" in line for line in evidence)
+    quiet = [_record("0:layers.1.fc1.weight/rank1/param_origin", ratio=1.0035e4, common=1.01)]
+    _, evidence = choose_root(quiet)
+    assert any("while the rest of its data type stayed (x1.01)" in line for line in evidence), evidence
+
+
 def test_a_loss_computed_in_the_model_is_the_activation_that_moved_alone_and_its_gradients_followed():
     """A x1000 loss the model computes in its forward: the model's own output jumps while every
     other activation stays; the activation gradients then move x1000 as a whole. No clipping or
