@@ -26,6 +26,7 @@ the end of that forward.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -38,6 +39,7 @@ from mindspore.graph.api import _pynative_executor
 from adapters.mindspore.jit_guard import LeftOutOfJit
 from adapters.mindspore.stats import StatEngine
 from monitor.config.schema import MonitorConfig
+from monitor.datatypes.leaf_grads import LeafGradients
 from monitor.datatypes.modules import call_name, direction_tensors, row_names, select_modules
 from monitor.record import RowSet
 from monitor.session.collection import UnendedStep
@@ -241,6 +243,7 @@ class Activations:
         #: id -> (the tensor, weakly; the gradient rows its one hook fills): a Cell's output is
         #: usually the next one's input, and each ``register_hook`` costs most of a millisecond
         self._watched: dict[int, tuple[weakref.ref, list[tuple[int, str, int]]]] = {}
+        self._leaves = LeafGradients(self._measure_grad)
 
     def register(self) -> list:
         """Register the hooks; returns removable handles.
@@ -254,7 +257,7 @@ class Activations:
             before, after = jit.cell_hook(self._before(index)), jit.cell_hook(self._after(index))
             handles.append(entry.cell.register_forward_pre_hook(before, with_kwargs=True))
             handles.append(entry.cell.register_forward_hook(after, with_kwargs=True))
-        return jit.keep(handles + self.roots.register_ends())
+        return jit.keep([*handles, *self.roots.register_ends(), self._leaves])
 
     def _micro_step_started(self, vpp: int) -> None:
         """The gradients of the last micro-step are complete: measured; in a step the gradients
@@ -266,6 +269,7 @@ class Activations:
     def _forget_rows(self) -> None:
         self._calls.clear()
         self._watched.clear()
+        self._leaves.remove()
         for held in self._held.values():
             held.blocks.clear()
 
@@ -306,23 +310,25 @@ class Activations:
             self._calls[(index, micro)] = self._calls.get((index, micro), 0) + 1
 
     def _watch(self, tensor: ms.Tensor, row: tuple[int, str, int]) -> None:
-        """The tensor's gradient fills ``row``: one hook per tensor, naming every row that watches it."""
+        """The tensor's gradient fills ``row``: one hook per tensor, naming every row that watches
+        it; a Parameter returned or received outlives the backward pass, and so would its hook."""
+        if isinstance(tensor, ms.Parameter):
+            self._leaves.watch(tensor, row, None)
+            return
         watched = self._watched.get(id(tensor))
         if watched is not None and watched[0]() is tensor:
             watched[1].append(row)
             return
         rows = [row]
         self._watched[id(tensor)] = (weakref.ref(tensor), rows)
-        tensor.register_hook(self._grad_hook(rows))
+        tensor.register_hook(functools.partial(self._measure_grad, rows, None))
 
-    def _grad_hook(self, rows: list[tuple[int, str, int]]) -> Callable[[ms.Tensor], ms.Tensor]:
-        def hook(grad: ms.Tensor) -> ms.Tensor:
-            if self.collect:
-                for vpp, name, micro in rows:  # held once per row, measured once
-                    self._guard("actv_grad", self._hold, "actv_grad", vpp, [name], micro, [grad])
-            return grad  # MindSpore wants the gradient back; the same tensor changes nothing
-
-        return hook
+    def _measure_grad(self, rows: list[tuple[int, str, int]], tag: None, grad: ms.Tensor) -> ms.Tensor:
+        """A watched tensor's gradient hook: the gradient fills each row naming it."""
+        if self.collect:
+            for vpp, name, micro in rows:  # held once per row, measured once
+                self._guard("actv_grad", self._hold, "actv_grad", vpp, [name], micro, [grad])
+        return grad  # MindSpore wants the gradient back; the same tensor changes nothing
 
     def _hold(self, prefix: str, vpp: int, names: list[str], micro: int, tensors: list[ms.Tensor]) -> None:
         held = self._held[prefix]
@@ -360,4 +366,5 @@ class Activations:
         self.roots.reset()
         self._calls.clear()
         self._watched.clear()
+        self._leaves.remove()
         self._held = {prefix: _Held() for prefix in PREFIXES}

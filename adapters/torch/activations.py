@@ -37,6 +37,7 @@ from adapters.torch.hooked_modules import HookedModule, direction_tensors_of
 from adapters.torch.micro_steps import MicroSteps
 from adapters.torch.sharded.tp_activations import Piece, TensorParallelMerge, as_passed
 from adapters.torch.stats import stack_rows, tensor_stats
+from monitor.datatypes.leaf_grads import LeafGradients
 from monitor.datatypes.modules import call_name, row_names
 from monitor.record import RowSet, SameRows
 from monitor.session.collection import UnendedStep
@@ -104,6 +105,7 @@ class Activations:
         #: its forward could not (run without gradients, as the reentrant checkpoint runs it); a
         #: recomputed input is a detached copy whose gradient is only the checkpointed part's share
         self._watched_rows: set[tuple[int, str, int]] = set()
+        self._leaves = LeafGradients(self._measure_grad)
         #: while evidence bundles are wanted, the bytes of module inputs the step may still hold on to
         self._keep_left = 0
         #: this step's kept inputs: (vpp_stage, module call, micro-step) -> [(tensor, version)]
@@ -112,7 +114,7 @@ class Activations:
 
     def register(self) -> list:
         """Register the hooks; returns removable handles."""
-        handles = self.micro.register()
+        handles = [*self.micro.register(), self._leaves]
         for index, entry in enumerate(self.modules):
             if self.backward and any(isinstance(p, self._dtensor) for p in entry.module.parameters(False)):
                 passed = self._passed_hook(index)  # before tensor parallelism's own input hook
@@ -311,6 +313,12 @@ class Activations:
         for position, (tensor, row) in enumerate(zip(tensors, row_names(name, len(tensors)))):
             if not tensor.requires_grad or (vpp, row, micro) in self._watched_rows:
                 continue  # a checkpoint's recompute sees again what the forward watched
+            tag = tags[position] if tags is not None else None
+            if tensor.is_leaf:  # a Parameter returned or received: its hook outlives the pass
+                if torch.is_grad_enabled():  # else no backward pass follows this forward
+                    self._watched_rows.add((vpp, row, micro))
+                    self._leaves.watch(tensor, (vpp, row, micro), tag)
+                continue
             self._watched_rows.add((vpp, row, micro))
             hit = watched.get(id(tensor))
             if hit is not None and hit[0]() is tensor and hit[1] == tensor._version:
@@ -318,20 +326,17 @@ class Activations:
                 continue
             rows = [(vpp, row, micro)]
             watched[id(tensor)] = (weakref.ref(tensor), tensor._version, rows)
-            tensor.register_hook(self._grad_hook(rows, tags[position] if tags is not None else None))
+            tensor.register_hook(functools.partial(self._measure_grad, rows, tag))
 
-    def _grad_hook(self, rows: list[tuple[int, str, int]], tag: Piece | None) -> Callable:
-        def hook(grad: torch.Tensor) -> None:
-            if not self.collect:
-                return None
-            try:
-                for vpp, name, micro in rows:  # the gradient is measured once (``_seen``)
-                    self._measure("actv_grad", vpp, name, micro, [grad], [tag])
-            except Exception as exc:
-                self.failed("actv_grad", exc)
-            return None
-
-        return hook
+    def _measure_grad(self, rows: list[tuple[int, str, int]], tag: Piece | None, grad: torch.Tensor) -> None:
+        """A watched tensor's gradient hook: the gradient fills each row naming it."""
+        if not self.collect:
+            return
+        try:
+            for vpp, name, micro in rows:  # the gradient is measured once (``_seen``)
+                self._measure("actv_grad", vpp, name, micro, [grad], [tag])
+        except Exception as exc:
+            self.failed("actv_grad", exc)
 
     def take(self, rank: int) -> list[tuple[str, RowSet, torch.Tensor]]:
         """This step's records: ``(prefix, rows, statistics)`` for actv and actv_grad; resets."""
@@ -372,6 +377,7 @@ class Activations:
         self._seen.clear()
         self._watched.clear()
         self._watched_rows.clear()
+        self._leaves.remove()
         for prefix in self._rows:
             self._rows[prefix] = []
             self._stats[prefix] = []

@@ -241,3 +241,49 @@ def test_one_gradient_hook_per_tensor_names_every_row_that_watches_it(monkeypatc
     _, _, steps = _run({"all_xy": True, "forward_only": False, "ops": ["norm"]}, steps=1, micro=1)
     (record,) = steps
     assert len(record["actv_grad"]) == 12 and len(registered) == len(set(registered)) == 7
+
+
+class _SkipBias(nn.Cell):
+    """Returns its bias Parameter for the caller to add (a Parameter as a Cell's output)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Dense(4, 4, has_bias=False)
+        self.bias = ms.Parameter(ms.Tensor(np.linspace(-0.2, 0.3, 4).astype(np.float32)))
+
+    def construct(self, x):
+        return self.lin(x), self.bias
+
+
+class _LeafNet(nn.Cell):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = _SkipBias()
+
+    def construct(self, x):
+        out, bias = self.a(x)
+        return ((out + bias) ** 2).mean()
+
+
+def test_a_parameter_a_cell_returns_gets_each_micro_batchs_gradient_once():
+    """A hook on a Parameter outlives the backward pass: registered per micro-step, it measured
+    later micro-batches' gradients under earlier rows again, step after step."""
+    net = _LeafNet()
+    optimizer = nn.SGD(net.trainable_params(), 0.1)
+    mon = TrainerMon({"xy_distribution": True, "ops": ALL_OPS, "format": "api"})
+    mon.set_monitor(net, 2, optimizer)
+    grad_fn = ms.value_and_grad(net, None, optimizer.parameters)
+    position = [p.name for p in optimizer.parameters].index("a.bias")
+    rng = np.random.default_rng(0)
+    for _ in range(3):
+        total, expected = None, []
+        for _ in range(2):
+            _, grads = grad_fn(ms.Tensor(rng.normal(size=(3, 4)).astype(np.float32)))
+            expected.append(grads[position].asnumpy().copy())  # MindSpore's own gradient
+            total = grads if total is None else tuple(a + g for a, g in zip(total, grads))
+        optimizer(total)
+        rows = mon._core.latest.latest("actv_grad")
+        for micro, bias_grad in enumerate(expected):
+            assert_stats_close(rows[f"0:a.output_grad_1:{micro}/rank0/actv_grad"], bias_grad)
+        assert len([t for t in rows if "a.output_grad_1" in t]) == 2, sorted(rows)
+    mon.stop()

@@ -422,3 +422,70 @@ def test_training_is_bit_identical_with_activations_monitored(reentrant):
 
     for plain, monitored in zip(train(False), train(True)):
         assert torch.equal(plain, monitored)
+
+
+class SkipBias(nn.Module):
+    """Returns its bias Parameter for the caller to add, as Megatron's linear layers do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4, bias=False)
+        self.bias = nn.Parameter(torch.linspace(-0.2, 0.3, 4))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.lin(x), self.bias
+
+
+class Scale(nn.Module):
+    def forward(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return x * weight
+
+
+class LeafNet(nn.Module):
+    """A Parameter leaves one module as an output and enters another as an input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = SkipBias()
+        self.scale = Scale()
+        self.weight = nn.Parameter(torch.linspace(0.5, 1.5, 4))
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, bias = self.a(x)
+        return self.head(self.scale(out + bias, self.weight)).pow(2).mean()
+
+
+@pytest.mark.parametrize("pipelined", [False, True], ids=["forward-backward", "two forwards, then backwards"])
+def test_a_parameter_a_module_returns_or_receives_gets_each_micro_batchs_gradient_once(pipelined):
+    """A hook on a Parameter outlives the backward pass: registered per micro-step, it measured
+    later micro-batches' gradients under earlier rows again (and piled up, step after step)."""
+    torch.manual_seed(0)
+    model, twin = LeafNet(), LeafNet()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = TrainerMon({"xy_distribution": True, "ops": ALL_OPS, "format": "api", "squash_name": False})
+    mon.set_monitor(model, grad_acc_steps=2, optimizer=optimizer)
+    g = torch.Generator().manual_seed(5)
+    for _ in range(3):
+        inputs = [torch.randn(3, 4, generator=g) for _ in range(2)]
+        twin.load_state_dict(model.state_dict())
+        expected = [torch.autograd.grad(twin(x), [twin.a.bias, twin.weight]) for x in inputs]
+        if pipelined:
+            losses = [model(x) for x in inputs]
+            for loss in losses:
+                loss.backward()
+        else:
+            for x in inputs:
+                model(x).backward()
+        assert len(model.a.bias._backward_hooks) <= 1 and len(model.weight._backward_hooks) <= 1
+        optimizer.step()
+        optimizer.zero_grad()
+        rows = mon._session.core.latest.latest("actv_grad")
+        for micro, (bias_grad, weight_grad) in enumerate(expected):
+            assert_stats_close(rows[f"0:a.output_grad_1:{micro}/rank0/actv_grad"], bias_grad.numpy())
+            assert_stats_close(rows[f"0:scale.input_grad_1:{micro}/rank0/actv_grad"], weight_grad.numpy())
+        names = [tag.split("/")[0] for tag in rows]
+        per_micro = [sorted(n.rsplit(":", 1)[0] for n in names if n.endswith(f":{m}")) for m in (0, 1)]
+        assert len(names) == len(set(names)) and per_micro[0] == per_micro[1], sorted(names)
+    mon.stop()
+    assert not model.a.bias._backward_hooks and not model.weight._backward_hooks
