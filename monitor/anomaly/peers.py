@@ -4,7 +4,7 @@ For every data type, step, micro-step, tensor (vpp stage and name) and op, the r
 tensor are compared. Rank i's value x_i is measured against the median of the OTHER ranks' values
 (its peers), m_i = median(x_j, j != i), so an outlier never pulls its own baseline. The unit is
 
-    scale = max(MAD, pooled * size, REL_FLOOR * size),   size = median over the ranks of |x_j|
+    scale = max(MAD, pooled * size, REL_FLOOR * size, usual),   size = median over the ranks of |x_j|
 
 * MAD: the median over the ranks of |x_j - m_j| at this step (a median absolute deviation);
 * pooled: the typical MAD / size over all steps of the run, the larger of the tensor's own
@@ -15,8 +15,12 @@ tensor are compared. Rank i's value x_i is measured against the median of the OT
   such as a gradient's mean, still has no steady unit: the CLI leaves mean out by default);
 * REL_FLOOR * size: tensors identical on most ranks (MAD 0) do not alarm on rounding;
 * ABS_FLOOR for shares (``zeros``): one percentage point, so that a share of 0.03 against peers
-  at exactly 0 is 3 units away, not infinitely many. Otherwise, when size and MAD are both 0,
-  any non-zero value is an outlier.
+  at exactly 0 is 3 units away, not infinitely many.
+* usual, where most ranks hold exactly 0 (size 0: the min of a sparse gradient): the tensor's
+  usual non-zero magnitude, the median over the run of each step's mean |x_j| of its non-zero
+  values, so that -0.02 against peers at 0, where -0.005 is usual, is 4 units away, not 1e305.
+  Not for NaN counts, of which any is an outlier among zeros, nor for shares (ABS_FLOOR). Only
+  a tensor never non-zero leaves no unit: then any non-zero value is an outlier.
 
 A rank is flagged when |x_i - m_i| > k_mad * scale with at least MIN_RANKS (4) finite values in
 its row (of two ranks neither can be told to be the odd one; of three, an outlier is its peers'
@@ -43,6 +47,8 @@ REL_FLOOR = 1e-3
 #: smallest scale of ops whose values are shares in [0, 1]: peers all at exactly 0 (a share of
 #: zeros) would otherwise leave no unit at all, and a 3% share would be 1e306 "MADs" away.
 ABS_FLOOR = {"zeros": 0.01}
+#: ops whose rows of peers at 0 keep their own unit: NaN counts (any is an outlier) and shares.
+OWN_UNITS = frozenset(("nans", *ABS_FLOOR))
 #: elements of one (rows x ranks) block.
 BLOCK = 1 << 20
 _TINY = np.finfo(np.float64).tiny
@@ -301,7 +307,14 @@ def _block(
     label, step, micro = labels
     with np.errstate(divide="ignore", invalid="ignore"):  # kept per judged row for the pooled MAD
         ratio = stats.mad[judged] / stats.size[judged]
-    rows.add(label=label[judged].astype(np.int32), op=np.full(len(ratio), op, np.int16), ratio=ratio)
+        nonzero = present[judged] & np.isfinite(values[judged]) & (values[judged] != 0)
+        magnitude = np.where(nonzero, np.abs(values[judged]), 0.0).sum(axis=1) / nonzero.sum(axis=1)
+    rows.add(
+        label=label[judged].astype(np.int32),
+        op=np.full(len(ratio), op, np.int16),
+        ratio=ratio,
+        magnitude=magnitude,
+    )
     row, column = np.nonzero(maybe)
     candidates.add(
         step=step[row],
@@ -351,8 +364,11 @@ def _judge(rows: _Columns, candidates: _Columns, ranks: np.ndarray, out: Outlier
     typical = np.nan_to_num(typical, nan=0.0)
     size = candidates["size"]
     absolute = np.array([ABS_FLOOR.get(name, 0.0) for name in out.ops])[op]
+    magnitude = _GroupMedians(rows["label"].astype(np.int64) * len(out.ops) + row_op, rows["magnitude"])
+    sparse = (size == 0) & np.array([name not in OWN_UNITS for name in out.ops])[op]
+    usual = np.where(sparse, np.nan_to_num(magnitude.of(label * len(out.ops) + op), nan=0.0), 0.0)
     # fmax: a lone finite peer has no deviation of its own to take a MAD of
-    scale = np.fmax.reduce([candidates["mad"], typical * size, REL_FLOOR * size, absolute])
+    scale = np.fmax.reduce([candidates["mad"], typical * size, REL_FLOOR * size, absolute, usual])
     scale = np.where(scale > 0, scale, _TINY)
     deviation = candidates["deviation"]
     finite = np.isfinite(candidates["value"])

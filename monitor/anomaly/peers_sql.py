@@ -14,7 +14,7 @@ a median that engines interpolate differently), over every step of the run.
 from __future__ import annotations
 
 from monitor.anomaly.cross_rank import DEFAULT_K_MAD, DEFAULT_OPS, DEFAULT_TYPES
-from monitor.anomaly.peers import ABS_FLOOR, MIN_RANKS, REL_FLOOR
+from monitor.anomaly.peers import ABS_FLOOR, MIN_RANKS, OWN_UNITS, REL_FLOOR
 
 _GROUP = "data_type, vpp_stage, name, micro, step, op"
 _JOIN = " AND ".join(f"a.{c} = b.{c}" for c in _GROUP.split(", "))
@@ -36,6 +36,7 @@ def cross_rank_sql(
             raise ValueError(f"expected plain names of data types and ops, got {name!r}")
     listed = ", ".join(f"'{name}'" for name in types), ", ".join(f"'{op}'" for op in ops)
     floors = " ".join(f"WHEN b.op = '{op}' THEN {floor!r}" for op, floor in ABS_FLOOR.items())
+    own = ", ".join(f"'{op}'" for op in sorted(OWN_UNITS))
     return f"""
 WITH x AS (  -- the values compared; finite ones make a group's medians
     SELECT data_type, vpp_stage, name, coalesce(micro_step, -1) AS micro, step, op, rank, value,
@@ -52,11 +53,11 @@ m AS (  -- per tensor, step and op: the order statistics around the middle, the 
            max(CASE WHEN r = floor(n / 2) THEN value END) AS lo,
            max(CASE WHEN r = floor(n / 2) + 1 THEN value END) AS mid,
            max(CASE WHEN r = floor(n / 2) + 2 THEN value END) AS hi,
-           median(abs(value)) AS size
+           median(abs(value)) AS size, avg(CASE WHEN value <> 0 THEN abs(value) END) AS magnitude
     FROM f GROUP BY {_GROUP}, n
 ),
 p AS (  -- each value with the median of the other ranks' finite values
-    SELECT a.*, b.n, b.size,
+    SELECT a.*, b.n, b.size, b.magnitude,
            CASE WHEN NOT a.finite THEN (CASE WHEN b.n % 2 = 0 THEN (b.lo + b.mid) / 2 ELSE b.mid END)
                 WHEN b.n % 2 = 0 THEN (CASE WHEN a.value <= b.lo THEN b.mid ELSE b.lo END)
                 WHEN a.value = b.mid THEN (b.lo + b.hi) / 2
@@ -65,12 +66,15 @@ p AS (  -- each value with the median of the other ranks' finite values
     FROM x a JOIN m b ON {_JOIN}
 ),
 g AS (  -- the median absolute deviation of each tensor, step and op
-    SELECT {_GROUP}, median(abs(value - peers)) AS mad, max(size) AS size, max(n) AS n
+    SELECT {_GROUP}, median(abs(value - peers)) AS mad, max(size) AS size, max(n) AS n,
+           max(magnitude) AS magnitude
     FROM p WHERE finite GROUP BY {_GROUP}
 ),
-t AS (  -- its typical size relative to the magnitude, over the run: per tensor, and per op
+t AS (  -- its typical size relative to the magnitude, over the run: per tensor, and per op;
+        -- and its usual magnitude of non-zero values, the unit where most ranks hold 0
     SELECT data_type, vpp_stage, name, op,
-           median(CASE WHEN size > 0 AND n >= {MIN_RANKS} THEN mad / size END) AS ratio
+           median(CASE WHEN size > 0 AND n >= {MIN_RANKS} THEN mad / size END) AS ratio,
+           median(CASE WHEN n >= {MIN_RANKS} THEN magnitude END) AS magnitude
     FROM g GROUP BY data_type, vpp_stage, name, op
 ),
 o AS (
@@ -79,7 +83,9 @@ o AS (
 ),
 s AS (
     SELECT a.*, greatest(b.mad, coalesce(greatest(t.ratio, o.ratio), 0) * b.size, {REL_FLOOR!r} * b.size,
-                         CASE {floors} ELSE 0 END) AS unit
+                         CASE {floors} ELSE 0 END,
+                         CASE WHEN b.size = 0 AND b.op NOT IN ({own}) THEN coalesce(t.magnitude, 0) ELSE 0 END
+                ) AS unit
     FROM p a JOIN g b ON {_JOIN}
     JOIN t ON t.data_type = b.data_type AND t.vpp_stage = b.vpp_stage AND t.name = b.name AND t.op = b.op
     JOIN o ON o.data_type = b.data_type AND o.op = b.op

@@ -151,15 +151,27 @@ def reference_outliers(data: dict[tuple, dict[int, float]], k_mad: float, ops=CO
         ratios = [mad / size for *_, size, _, mad in entries if size != 0]
         return statistics.median(ratios) if ratios else 0.0
 
+    def magnitude(entries):  # a step's size of 0 (most ranks at 0): the non-zero values' usual size
+        means = []
+        for _, _, by_rank, *_ in entries:
+            nonzero = [abs(v) for v in by_rank.values() if math.isfinite(v) and v != 0]
+            if nonzero:
+                means.append(sum(nonzero) / len(nonzero))
+        return statistics.median(means) if means else 0.0
+
     per_op: dict[str, list[tuple]] = {}
     for (_, _, op), entries in per_series.items():
         per_op.setdefault(op, []).extend(entries)
     flagged = {}
     for (_, name, op), entries in per_series.items():
         pooled = max(typical(entries), typical(per_op[op]))
+        usual = magnitude(entries) if op not in ("nans", "zeros") else 0.0
         for micro, step, by_rank, size, deviation, mad in entries:
             share_floor = 0.01 if op == "zeros" else 0.0  # a share differs by a percentage point at least
-            scale = max(mad, pooled * size, 1e-3 * size, share_floor) or np.finfo(float).tiny
+            scale = (
+                max(mad, pooled * size, 1e-3 * size, share_floor, 0.0 if size else usual)
+                or np.finfo(float).tiny
+            )
             for rank, value in by_rank.items():
                 if not math.isfinite(value):
                     flagged[(rank, step, micro, name, op)] = math.inf
@@ -360,7 +372,7 @@ def test_the_compiled_rows_give_the_bits_of_the_numpy_path(ranks, monkeypatch):
         np.testing.assert_array_equal(getattr(compiled, name), getattr(reference, name), err_msg=name)
 
 
-def _run_from(tmp_path: Path, by_rank: dict[int, list[float]], op: str = "norm") -> dict:
+def _run_from(tmp_path: Path, by_rank: dict[int, list[float]], op: str = "norm", *argv: str) -> dict:
     """A one-tensor run from explicit per-rank series; returns the document."""
     for rank, series in by_rank.items():
         directory = tmp_path / rank_dir_name(rank)
@@ -370,7 +382,7 @@ def _run_from(tmp_path: Path, by_rank: dict[int, list[float]], op: str = "norm")
         for step, value in enumerate(series):
             writer.write(StepRecord("grad_unreduced", step, (op,), rows, np.array([[value]])))
         writer.close()
-    assert run_cli("-d", str(tmp_path)) == 0
+    assert run_cli("-d", str(tmp_path), *argv) == 0
     return load(tmp_path / cross_rank.OUTPUT_NAME)
 
 
@@ -388,6 +400,19 @@ def test_a_small_share_of_zeros_against_peers_at_zero_is_not_an_outlier(tmp_path
     (outlier,) = document["outliers"]
     assert (outlier["rank"], outlier["step"], outlier["scale"]) == (1, 2, 0.01)
     assert outlier["deviation_mads"] == pytest.approx(50.0)
+
+
+def test_a_sparse_tensor_against_peers_at_zero_is_measured_in_its_usual_magnitude(tmp_path):
+    """The min of a sparse gradient: 0 on most ranks, now and then a small value on one. Against
+    peers at exactly 0 it was 1e305 scales away and crowded out real faults; its unit is now its
+    non-zero values' usual size."""
+    series = {rank: [0.0] * 12 for rank in range(4)}
+    for step, rank, value in [(1, 0, -0.004), (3, 1, -0.006), (5, 2, -0.005), (8, 3, -0.02), (10, 1, -0.005)]:
+        series[rank][step] = value
+    document = _run_from(tmp_path, series, "min", "--k-mad", "3")
+    (outlier,) = document["outliers"]  # four times the usual -0.005
+    assert (outlier["rank"], outlier["step"], outlier["scale"]) == (3, 8, 0.005)
+    assert outlier["deviation_mads"] == pytest.approx(4.0)
 
 
 def test_a_nonzero_nan_count_among_zeros_is_an_outlier(tmp_path):
