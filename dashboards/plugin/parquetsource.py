@@ -67,11 +67,14 @@ class ParquetSource(Source):
             listed = dict(self._chunks)
         found = {}
         for prefix, chunks in listed.items():
-            # the newest steps' file says the ops (a late file, of an older step, may sort last)
-            newest = max(chunks, key=lambda c: (c.last, "late-" not in os.path.basename(c.key[0])))
-            ops = self._chunk_ops(newest)
-            if ops:
-                found[prefix] = PrefixInfo(ops, chunks[0].first, newest.last, len(chunks))
+            # the newest steps' readable file says the ops (a late file, of an older step, may
+            # sort last; a file cut short by a disk fault says nothing)
+            by_age = sorted(chunks, key=lambda c: (c.last, "late-" not in os.path.basename(c.key[0])))
+            for newest in reversed(by_age):
+                ops = self._chunk_ops(newest)
+                if ops:
+                    found[prefix] = PrefixInfo(ops, chunks[0].first, by_age[-1].last, len(chunks))
+                    break
         return found
 
     def _chunk_ops(self, chunk: Chunk) -> tuple[str, ...]:

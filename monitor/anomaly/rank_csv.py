@@ -358,15 +358,18 @@ def _parquet_tables(
 ) -> list[Table]:
     """One data type's live Parquet files as Tables: one per set of ops the entries have (a
     config that changed its ops mid-run), as CSV files with other headers are. A file merged away
-    since it was listed makes the files be listed once more; a file cut short is skipped."""
+    since it was listed makes the files be listed once more; a file cut short or of other
+    columns is skipped, and said."""
     try:
         wide = parquet_files.read_wide(paths, window)
     except (FileNotFoundError, ValueError):  # merged away since listed, or cut short
         listed = parquet_files.live_prefixes(rank_dir, (prefix,)).get(prefix, [])
         relisted = [p for p in listed if parquet_files.overlaps(p, window)]
-        bad = [path for path in relisted if parquet_files.row_count(path) is None]
+        problems = {path: parquet_files.layout_problem(path) for path in relisted}
+        bad = {path: problem for path, problem in problems.items() if problem is not None}
         if bad:
-            warnings.append(f"skipping unreadable Parquet files: {', '.join(bad)}")
+            said = "; ".join(f"{path} ({problem})" for path, problem in bad.items())
+            warnings.append(f"skipping Parquet files the monitor cannot read: {said}")
         wide = parquet_files.read_wide([path for path in relisted if path not in bad], window)
     if not len(wide.steps):
         return []

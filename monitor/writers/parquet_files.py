@@ -174,6 +174,7 @@ def _constant_columns(paths: Sequence[str]) -> dict[str, Any]:
 
     Raises:
         pyarrow.ArrowException: a file is not a whole Parquet file.
+        ValueError: a file has not the layout's columns.
         OSError: a file cannot be read.
     """
     import pyarrow.parquet as pq
@@ -182,6 +183,8 @@ def _constant_columns(paths: Sequence[str]) -> dict[str, Any]:
     for path in paths:
         meta = pq.read_metadata(path)
         names = [meta.schema.column(i).name for i in range(meta.num_columns)]
+        if any(column not in names for column in COLUMNS):
+            raise ValueError(f"{path}: {layout_problem(path)}")
         for group in range(meta.num_row_groups):
             for column, values in list(seen.items()):
                 chunk = meta.row_group(group).column(names.index(column)) if column in names else None
@@ -206,6 +209,21 @@ def overlaps(path: str, window: tuple[int, int]) -> bool:
     """Whether a live file's name says it holds some of the steps ``window`` (first, last)."""
     steps = part_steps(path)
     return steps is not None and steps[0] <= window[1] and steps[1] >= window[0]
+
+
+def layout_problem(path: str) -> str | None:
+    """Why a file is not a whole Parquet file of the layout (cut short by a disk fault, not
+    Parquet, other columns), from its footer; None where it is one."""
+    import pyarrow.parquet as pq
+
+    try:
+        names = set(pq.read_schema(path).names)
+    except Exception:  # cut short, empty, not Parquet
+        return "not a whole Parquet file"
+    missing = [column for column in COLUMNS if column not in names]
+    if len(missing) == len(COLUMNS):
+        return f"none of the layout's columns ({', '.join(COLUMNS)})"
+    return f"no column {', '.join(missing)} of the layout" if missing else None
 
 
 def row_count(path: str) -> int | None:

@@ -387,6 +387,26 @@ def test_a_stray_newest_csv_file_does_not_hide_its_data_type(tmp_path):
     assert view["steps"] == [0, 1, 2, 3]
 
 
+@pytest.mark.parametrize("fault", ["cut short", "other columns"])
+def test_an_unreadable_newest_parquet_file_does_not_hide_its_data_type(tmp_path, fault):
+    """The ops come from the newest file that can be read: a newest file cut short by a disk
+    fault, or a stray one of other columns, hid the rank's whole data type."""
+    pa = pytest.importorskip("pyarrow", reason="format parquet needs the dataset extra")
+    import pyarrow.parquet as pq
+
+    directory = write_run(tmp_path, fmt="parquet", steps=range(4))[0]
+    newest = directory / "values" / "data_type=grad_reduced" / "step-0000000003.parquet"
+    if fault == "cut short":
+        newest.write_bytes(newest.read_bytes()[:-100])
+    else:
+        pq.write_table(pa.table({"a": [1.0]}), newest)
+    api = Api(tmp_path)
+    (run,) = api.runs().values()
+    assert "norm" in run["prefixes"]["grad_reduced"]["ops"]
+    view = api.heatmap(run=run["id"], prefix="grad_reduced", op="norm", rank=0)
+    assert view["steps"] == [0, 1, 2] and view["skipped"] == 1
+
+
 @pytest.mark.parametrize("fmt", OUTPUT_FORMATS)
 def test_unreadable_files_are_skipped_not_fatal(tmp_path, fmt):
     directory = write_run(tmp_path, fmt=fmt, steps=range(4))[0]
