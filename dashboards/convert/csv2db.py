@@ -185,6 +185,13 @@ def csv2db(
             if series is None:
                 continue
             database.add(rank, prefix, series)
+            if series.skipped:
+                logger.warning(
+                    "trainmon csv2db: rank%d/%s: skipped %d rows that did not parse",
+                    rank,
+                    prefix,
+                    series.skipped,
+                )
             if series.duplicates:
                 logger.warning(
                     "trainmon csv2db: rank%d/%s: %d rows written twice for a step; kept the later ones "

@@ -209,6 +209,22 @@ def test_a_file_that_is_not_a_monitor_csv_is_skipped_and_named(tmp_path, caplog)
     assert [step for (step,) in steps] == [0, 1, 2, 3]
 
 
+def test_a_row_that_does_not_parse_is_skipped_and_counted(tmp_path, caplog):
+    """As csv2tb, compact and anomaly-analyse say: a row the conversion could not read is not
+    left out of the database in silence."""
+    dirs = write_run(tmp_path / "run", ranks=(0,), steps=range(4), window=2)
+    part = dirs[0] / "grad_reduced_0-1.csv"
+    lines = part.read_text().splitlines()
+    fields = lines[1].split(",")
+    fields[-1] = "garbage"
+    part.write_text("\n".join([lines[0], ",".join(fields), *lines[2:]]) + "\n")
+    with caplog.at_level(logging.WARNING, logger="trainmon"):
+        path = csv2db(str(tmp_path / "run"), output_path=str(tmp_path / "m.db"), progress=False)
+    assert "rank0/grad_reduced: skipped 1 rows that did not parse" in caplog.text
+    (rows,) = sqlite3.connect(path).execute("SELECT count(*) FROM stats").fetchone()
+    assert rows == sum(len(p.read_text().splitlines()) - 1 for p in dirs[0].glob("*.csv")) - 1
+
+
 def test_csv2db_on_the_demo_output(demo_runs, tmp_path):
     path = csv2db(str(demo_runs["csv"]), output_path=str(tmp_path / "demo.db"), progress=False)
     db = sqlite3.connect(path)
