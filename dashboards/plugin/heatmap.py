@@ -168,15 +168,18 @@ def tag_matrix(
     columns: int,
     must: Sequence[int] = (),
 ) -> Matrix:
-    """One row (tag) on every rank: rows are ranks; the steps are chosen on the lowest rank."""
+    """One row (tag) on every rank: rows are ranks; the steps are chosen among those of the ranks
+    whose files cover the view's steps (usually the lowest rank alone, see ``_covering``)."""
     ranks = sorted(r for r, s in sources.items() if s.chunks(prefix))
     if not ranks:
         return Matrix(np.zeros(0, np.int64), np.zeros((0, 0)), np.zeros((0, 0), np.uint8))
-    reference = sources[ranks[0]]
-    chunks = reference.chunks(prefix)
-    picked = pick_chunks(chunks, lo, hi, columns, READ_BUDGET, must)
-    blocks = reference.load_many(prefix, picked)
-    available = _steps_of(blocks, lo, hi)
+    found, sampled = [], False
+    for rank in _covering(sources, ranks, prefix, lo, hi):
+        chunks = sources[rank].chunks(prefix)
+        picked = pick_chunks(chunks, lo, hi, columns, READ_BUDGET, must)
+        found.append(_steps_of(sources[rank].load_many(prefix, picked), lo, hi))
+        sampled |= len(picked) < sum(1 for c in chunks if c.last >= lo and c.first <= hi)
+    available = np.unique(np.concatenate(found))
     steps = pick_steps(available, columns, must)
     values = np.full((len(ranks), len(steps)), np.nan)
     status = np.full((len(ranks), len(steps)), MISSING, dtype=np.uint8)
@@ -187,9 +190,49 @@ def tag_matrix(
         if number is not None:
             v, s = _fill(rank_blocks, op, steps, 1, only=number)
             values[i], status[i] = v[0], s[0]
-    inside = sum(1 for c in chunks if c.last >= lo and c.first <= hi)
-    sampled = len(picked) < inside or len(steps) < len(available)
+    sampled = sampled or len(steps) < len(available)
     return Matrix(steps, values, status, sampled=sampled, rows=ranks)
+
+
+def _covering(sources: dict[int, Source], ranks: list[int], prefix: str, lo: int, hi: int) -> list[int]:
+    """The lowest rank, and each later rank whose files (by the steps their names give) hold
+    steps of [lo, hi] the ranks chosen before it have no file for: a rank missing a window (a
+    file lost, a rank that stopped early) does not hide the others' steps."""
+    chosen: list[int] = []
+    covered: set[tuple[int, int]] = set()
+    starts: list[int] = []  # covered spans merged, sorted: starts and their ends
+    ends: list[int] = []
+    for rank in ranks:
+        spans = {
+            (max(c.first, lo), min(c.last, hi))
+            for c in sources[rank].chunks(prefix)
+            if c.last >= lo and c.first <= hi
+        }
+        if spans <= covered:  # the usual case: the same files' steps as a rank before
+            continue
+        if chosen and all(_inside(span, starts, ends) for span in spans - covered):
+            continue
+        chosen.append(rank)
+        covered |= spans
+        starts, ends = _merged(covered)
+    return chosen
+
+
+def _merged(spans: set[tuple[int, int]]) -> tuple[list[int], list[int]]:
+    starts: list[int] = []
+    ends: list[int] = []
+    for first, last in sorted(spans):
+        if starts and first <= ends[-1] + 1:
+            ends[-1] = max(ends[-1], last)
+        else:
+            starts.append(first)
+            ends.append(last)
+    return starts, ends
+
+
+def _inside(span: tuple[int, int], starts: list[int], ends: list[int]) -> bool:
+    at = bisect.bisect_right(starts, span[0]) - 1
+    return at >= 0 and span[1] <= ends[at]
 
 
 def _holds_any(chunk: Chunk, steps: np.ndarray) -> bool:

@@ -277,6 +277,24 @@ def test_tag_view_puts_ranks_in_rows(tmp_path):
         assert [np.float32(e.value) for e in events] == [np.float32(v) for v in view["values"][rank]]
 
 
+@pytest.mark.parametrize("fmt", ["csv", "parquet"])
+def test_a_rank_missing_its_last_window_does_not_hide_the_other_ranks_steps(tmp_path, fmt):
+    """One tag on every rank: the steps were chosen on the lowest rank alone, so rank 1's steps
+    4-5 vanished from the view and the line chart when rank 0 lost its last file."""
+    dirs = write_run(tmp_path, ranks=(0, 1), steps=range(6), window=2, fmt=fmt)
+    if fmt == "csv":
+        (dirs[0] / "grad_reduced_4-5.csv").unlink()
+    else:
+        (dirs[0] / "values" / "data_type=grad_reduced" / "steps-0000000004-0000000005.parquet").unlink()
+    api = Api(tmp_path)
+    (run,) = api.runs().values()
+    query = dict(run=run["id"], prefix="grad_reduced", op="norm", vpp=0, name=NAMES[0], micro=-1)
+    view = api.heatmap(mode="tag", **query)
+    assert view["steps"] == list(range(6))
+    assert view["present"][0].tolist() == [True] * 4 + [False] * 2 and view["present"][1].all()
+    assert api.json("/series", **query)["steps"] == list(range(6))
+
+
 def test_anomaly_filters_by_rank_and_data_type(tmp_path):
     found = [(0, "grad_reduced", 3, 1, "norm"), (1, "exp_avg", 2, 0, "max"), (1, "grad_reduced", 1, 3, "min")]
     write_run(tmp_path, ranks=(0, 1), prefixes=("grad_reduced", "exp_avg"), anomalies=found)
