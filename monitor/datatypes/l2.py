@@ -201,6 +201,9 @@ class L2Steps:
         self._broken: set[int] = set()
         #: (attention module, micro-step) -> its calls so far this step (``name[1]`` for the second)
         self._calls: dict[tuple[int, int], int] = {}
+        #: attention modules called in a training forward so far; None once the first collected
+        #: step has said which were not (a name of a module that is never called has no rows)
+        self._called: set[int] | None = set()
         #: per linear module: the top singular vector of the last collected step
         self.vectors: dict[int, Any] = {}
 
@@ -208,6 +211,8 @@ class L2Steps:
         """Whether a call's first two positional tensors (their ``shapes``) can be Q and K in the
         layout ``sa_order``; a module whose calls cannot is said once and has no rows, while the
         other attention modules go on."""
+        if self._called is not None:
+            self._called.add(index)
         problem = qk_problem(shapes, self.order, self.heads)
         if problem is None and index not in self._broken:
             return True
@@ -246,9 +251,20 @@ class L2Steps:
         self._values.append(values)
 
     def take_rows(self, rank: int, concat: Callable[[list[Any]], Any]) -> tuple[RowSet, Any] | None:
-        """This step's attention rows and their values joined by ``concat``; None without any."""
+        """This step's attention rows and their values joined by ``concat``; None without any. The
+        first time, the attention modules that no training forward called so far are said."""
         rows, values = self._rows, self._values
         self.reset()
+        if self._called is not None:
+            silent = [name for index, (_, name, _) in enumerate(self.attention) if index not in self._called]
+            self._called = None
+            if silent:
+                logger.warning(
+                    "trainmon: attention_hook %s: not called in a training forward of the first collected "
+                    "step, so no rows (name the module whose forward takes Q and K as its first two "
+                    "positional tensors; a container's name, such as a ModuleList's, is never called)",
+                    ", ".join(silent),
+                )
         if not rows:
             return None
         vpp, names, micro = zip(*rows)

@@ -62,6 +62,7 @@ class Mixed(nn.Module):
         self.norm = nn.LayerNorm(8)
         self.good = CoreAttention()
         self.bad = CoreAttention()
+        self.idle = CoreAttention()  # never called
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.norm(self.act(self.p(x)))  # (b, s, 8)
@@ -78,7 +79,7 @@ def test_one_unusable_module_is_said_and_skipped_while_the_others_are_measured(t
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     config = {
         "recording_l2_features": True,
-        "l2_targets": {"attention_hook": ["good", "bad"], "linear_hook": ["act", "norm", "p"]},
+        "l2_targets": {"attention_hook": ["good", "bad", "idle"], "linear_hook": ["act", "norm", "p"]},
         "sa_order": "b,s,h,d",
         "format": "api",
     }
@@ -98,6 +99,8 @@ def test_one_unusable_module_is_said_and_skipped_while_the_others_are_measured(t
     said = [r.getMessage() for r in trainmon_log.records]
     assert [m for m in said if "linear_hook act, norm: no 2-D weight" in m]
     assert [m for m in said if "attention_hook bad: Q and K (b,s,h,d) differ" in m]
+    (idle,) = [m for m in said if "not called" in m]  # said once, of the module never called alone
+    assert idle.startswith("trainmon: attention_hook idle: not called in a training forward"), idle
     assert not [m for m in said if "failed" in m and "attention_hook" in m]
     assert set(linear) == {"0:p.linear/rank0/sr"}
     assert linear["0:p.linear/rank0/sr"]["kernel_norm"] == pytest.approx(
