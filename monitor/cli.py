@@ -114,12 +114,25 @@ def main(argv: list[str] | None = None) -> int:
         hint = did_you_mean(given[0], commands)
         if hint:  # argparse's own message lists the commands but suggests none
             parser.error(f"argument COMMAND: invalid choice: {given[0]!r}{hint}")
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # said by the command's own parser: its usage, and the option meant
+        _refuse_unknown(commands[args.command], unknown)
     try:
         return args.run(args)
     except BrokenPipeError:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit's flush
         return 141  # the shell's code for a command ended by SIGPIPE
+
+
+def _refuse_unknown(command: argparse.ArgumentParser, unknown: list[str]) -> None:
+    """Exit 2 with the command's usage, naming the arguments it does not take and, for a
+    misspelt option, the one meant (argparse says it under the top-level usage, without it)."""
+    from monitor.config.values import did_you_mean
+
+    options = [o for action in command._actions for o in action.option_strings if o.startswith("--")]
+    first = next((u.split("=", 1)[0] for u in unknown if u.startswith("--")), "")
+    hint = did_you_mean(first, options) if first else ""
+    command.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
 
 
 if __name__ == "__main__":

@@ -195,6 +195,17 @@ def test_a_misspelt_command_gets_a_did_you_mean(capsys):
     assert "did you mean 'anomaly-analyse'?" in capsys.readouterr().err
 
 
+def test_an_option_a_command_does_not_take_is_refused_under_that_commands_usage(capsys):
+    """argparse said it under trainmon's own usage, which lists no option of the command."""
+    from monitor import cli
+
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["anomaly-analyse", "-d", "monitor_output", "--cross-ranks"])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and err.startswith("usage: trainmon anomaly-analyse"), err
+    assert "unrecognized arguments: --cross-ranks; did you mean '--cross-rank'?" in err
+
+
 def test_trainmon_alone_lists_the_commands(capsys):
     from monitor import cli
 
