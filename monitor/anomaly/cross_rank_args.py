@@ -93,7 +93,11 @@ def check_arguments(args: argparse.Namespace) -> Settings:
         ) from None
     except OSError as exc:
         raise UsageError(f"cannot list {exc.filename}: {exc.strerror or exc}") from None
-    where = os.path.join(data_dir, "{time}-rank{R}-{id}", "{type}_{a}-{b}.csv")
+    rank_dir = os.path.join(data_dir, "{time}-rank{R}-{id}")
+    where = (
+        f"{os.path.join(rank_dir, '{type}_{a}-{b}.csv')} (format csv) "
+        f"or {os.path.join(rank_dir, 'values', 'data_type={type}')} (format parquet)"
+    )
     if not rank_dirs and (ranks or any(within)):
         _say_none_chosen(data_dir, args, ranks)
     if not rank_dirs:
