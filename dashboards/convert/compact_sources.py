@@ -13,7 +13,7 @@ from typing import Any
 from dashboards.convert.compact_tables import quoted
 from dashboards.csvfiles import header_columns, header_ops
 from monitor.anomaly.rank_csv import read_complete_lines
-from monitor.writers.parquet_files import row_count
+from monitor.writers.parquet_files import layout_problem
 
 logger = logging.getLogger("trainmon")
 
@@ -26,10 +26,11 @@ def table_values(con: Any, paths: Sequence[str]) -> str | None:
     directory's first Parquet file (None where they hold no statistic)."""
     csv_files, parquet_dirs = {}, {}
     for index, path in enumerate(paths):
-        if path.endswith(".parquet") and row_count(path) is None:
+        problem = layout_problem(path) if path.endswith(".parquet") else None
+        if problem is not None:
             if not os.path.exists(path):  # merged away by the live run since it was listed
                 raise FileNotFoundError(path)
-            logger.warning("trainmon compact: skipping %s: not a whole Parquet file", path)  # cut short
+            logger.warning("trainmon compact: skipping %s: %s", path, problem)  # cut short, other columns
         elif path.endswith(".parquet"):  # values/data_type=*/ in a rank directory
             rank_dir = os.path.dirname(os.path.dirname(os.path.dirname(path)))
             parquet_dirs.setdefault(rank_dir, (index, []))[1].append(path)
