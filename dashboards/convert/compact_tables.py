@@ -1,7 +1,8 @@
 """The tables of a compacted dataset beside its values: what ran on each rank, the anomaly
 records and the incidents (see ``dashboards.convert.compact``), and the Parquet writing they share.
 
-Each table is rewritten whole at every compaction (they are small), through a temporary name.
+Each table is rewritten whole at every compaction (they are small), through a temporary name;
+``runs`` keeps its rows of rank directories deleted since, whose values stay in the dataset.
 """
 
 from __future__ import annotations
@@ -119,7 +120,8 @@ def copy_to_parquet(con: Any, query: str, target: str, level: int = 3) -> None:
 def write_tables(con: Any, monitor_path: str, ranks: dict[int, list[str]], output: str) -> None:
     """``runs``, ``anomalies`` and ``incidents`` of the run under ``monitor_path`` into ``output``."""
     anomaly_dirs = _rank_anomaly_dirs(monitor_path)
-    _write(con, "runs", RUNS, _run_rows(ranks), "rank, directory", output)
+    runs = _run_rows(ranks)
+    _write(con, "runs", RUNS, runs + _runs_gone(con, output, runs), "rank, directory", output)
     _write(con, "anomalies", ANOMALIES, _anomaly_rows(anomaly_dirs), "step, rank", output)
     _write(con, "incidents", INCIDENTS, _incident_rows(anomaly_dirs), "onset_step, rank, id", output)
 
@@ -129,6 +131,25 @@ def _write(con: Any, name: str, columns: tuple, rows: list[tuple], order: str, o
     if rows:
         con.executemany(f"INSERT INTO {name} VALUES ({', '.join('?' * len(columns))})", rows)
     copy_to_parquet(con, f"SELECT * FROM {name} ORDER BY {order}", os.path.join(output, f"{name}.parquet"))
+
+
+def _runs_gone(con: Any, output: str, runs: list[tuple]) -> list[tuple]:
+    """The rows of the dataset's ``runs`` table for rank directories deleted since: their values
+    stay in the dataset, and so does what describes them."""
+    path = os.path.join(output, "runs.parquet")
+    if not os.path.exists(path):
+        return []
+    present = {(row[0], row[1]) for row in runs}
+    try:
+        kept = con.execute(
+            f"SELECT {', '.join(c for c, _ in RUNS)} FROM read_parquet({quoted(path)})"
+        ).fetchall()
+    except Exception as exc:  # duckdb.Error: the table is rewritten from the sources alone
+        logger.warning(
+            "trainmon compact: %s cannot be read (%s); it is written anew from the sources", path, exc
+        )
+        return []
+    return [row for row in kept if (row[0], row[1]) not in present]
 
 
 def _rank_anomaly_dirs(monitor_path: str) -> list[str]:

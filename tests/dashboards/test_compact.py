@@ -181,6 +181,10 @@ def test_the_dataset_keeps_the_values_of_sources_deleted_since(tmp_path):
     _same({key: got[key] for key in six_digits}, six_digits)
     _same({key: got[key] for key in got if key not in six_digits}, exact, digits=None)
     assert compact(str(tmp_path)) == {"written": 0, "kept": 3}
+    runs = duckdb.connect().execute(
+        f"SELECT rank, directory FROM read_parquet('{tmp_path / 'dataset' / 'runs.parquet'}') ORDER BY rank"
+    )
+    assert runs.fetchall() == [(0, dirs[0].name), (1, dirs[1].name), (2, "Jan02_03-04-05-rank2-00000002")]
 
 
 def _csv_values(directories) -> dict[tuple, float]:
