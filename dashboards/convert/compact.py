@@ -71,7 +71,7 @@ from dashboards.convert.runs import ConvertError, select_rank_dirs
 from dashboards.csvfiles import list_csv_files
 from dashboards.plugin.eventsource import EventSource
 from monitor.memory_limit import COMPACT_DEFAULT, parse_size
-from monitor.writers.parquet_files import live_prefixes, part_steps
+from monitor.writers.parquet_files import live_prefixes, not_a_run_hint, part_steps
 
 logger = logging.getLogger("trainmon")
 
@@ -129,7 +129,10 @@ def _compact_once(monitor_path: str, output: str | None, memory_limit: int) -> d
 
     ranks = select_rank_dirs(monitor_path)
     if not ranks:
-        raise ConvertError(f"monitor_path: no {{time}}-rank{{R}}-{{id}} directory under {monitor_path!r}")
+        raise ConvertError(
+            f"monitor_path: no {{time}}-rank{{R}}-{{id}} directory under {monitor_path!r}"
+            f"{not_a_run_hint(monitor_path)}"
+        )
     output = os.path.abspath(output or os.path.join(monitor_path, "dataset"))
     manifest = open_dataset(output, monitor_path, [d for dirs in ranks.values() for d in dirs])
     con = duckdb.connect()

@@ -26,7 +26,7 @@ from dashboards.csvfiles import CsvTable, as_csv_table, read_csv_file, read_csv_
 from monitor.anomaly import rank_csv
 from monitor.datatypes.tasks import RowKey
 from monitor.files import RANK_DIR_PATTERN, in_time_range, parse_time_tag, time_bounds
-from monitor.writers.parquet_files import dataset_hint
+from monitor.writers.parquet_files import not_a_run_hint
 
 logger = logging.getLogger("trainmon")
 
@@ -121,7 +121,7 @@ def select_jobs(
     if not ranks:
         raise ConvertError(
             f"monitor_path: no {{time}}-rank{{R}}-{{id}} directory in range under {monitor_path!r}"
-            f"{dataset_hint(monitor_path)}"
+            f"{not_a_run_hint(monitor_path)}"
         )
     found = {rank: found_types(dirs) for rank, dirs in ranks.items()}
     there = {prefix for prefixes in found.values() for prefix in prefixes}

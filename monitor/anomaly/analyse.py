@@ -53,7 +53,7 @@ from monitor.anomaly.report import (
     write_atomic,
 )
 from monitor.anomaly.workers import MAX_JOBS
-from monitor.writers.parquet_files import dataset_hint
+from monitor.writers.parquet_files import not_a_run_hint
 
 __all__ = [
     "DESCRIPTION",
@@ -293,7 +293,7 @@ def _check(args: argparse.Namespace) -> tuple[str, int, frozenset[int] | None, l
         raise UsageError(
             f"no anomaly files found: expected {os.path.join(data_dir, '<sub-dir>', INPUT_NAME)} "
             f"(point -d at the run's output directory or its anomaly_detected directory; a run "
-            f"writes them only when its config sets alert.dump: true){dataset_hint(data_dir)}"
+            f"writes them only when its config sets alert.dump: true){not_a_run_hint(data_dir)}"
         )
     return make_out_dir(args, data_dir), k, steps, paths
 

@@ -16,7 +16,7 @@ from monitor.anomaly import analyse, rank_csv
 from monitor.anomaly.analyse import UsageError
 from monitor.config.values import did_you_mean
 from monitor.files import RANK_DIR_PATTERN, time_bounds
-from monitor.writers.parquet_files import dataset_hint, live_prefixes
+from monitor.writers.parquet_files import live_prefixes, not_a_run_hint
 
 _TYPE = re.compile(r"^[A-Za-z0-9_]+$")
 
@@ -103,7 +103,7 @@ def check_arguments(args: argparse.Namespace) -> Settings:
     if not rank_dirs:
         raise UsageError(
             f"no per-rank output directories found: expected {where} (point -d at MONITOR_OUTPUT_DIR)"
-            f"{dataset_hint(data_dir)}"
+            f"{not_a_run_hint(data_dir)}"
         )
     absent = sorted(set(ranks or ()) - set(rank_dirs))
     if absent:

@@ -25,15 +25,23 @@ from typing import Any
 
 import numpy as np
 
+from monitor.files import RANK_DIR_PATTERN
+
 #: the subdirectory of a rank's directory that holds the values
 VALUES_DIR = "values"
 #: the file that marks a dataset ``trainmon compact`` wrote (its sources and value type)
 DATASET_MANIFEST = "compact.json"
 
 
-def dataset_hint(path: str) -> str:
+def not_a_run_hint(path: str) -> str:
     """For an error about a directory with no run in it: a word when it is a compacted dataset,
-    which the commands that read a run do not take (empty otherwise)."""
+    which the commands that read a run do not take, or one rank's directory, where the run's
+    output directory (its parent) was meant (empty otherwise)."""
+    if RANK_DIR_PATTERN.match(os.path.basename(os.path.normpath(path))):
+        parent = os.path.dirname(os.path.normpath(path))
+        return (
+            f"; {path!r} is one rank's directory: give the run's output directory that holds it, {parent!r}"
+        )
     if not os.path.isfile(os.path.join(path, DATASET_MANIFEST)):
         return ""
     return (

@@ -722,11 +722,29 @@ def test_commands_that_read_a_run_say_when_given_its_dataset(tmp_path):
         ["anomaly-analyse", "-d", dataset],
         ["anomaly-analyse", "--cross-rank", "-d", dataset],
         ["csv2tb", dataset],
+        ["compact", dataset],
     ):
         done = subprocess.run(
             [sys.executable, "-m", "monitor.cli", *argv], capture_output=True, text=True, check=False
         )
         assert done.returncode == 2 and hint in done.stderr, (argv, done.stderr)
+
+
+def test_commands_that_read_a_run_say_when_given_one_ranks_directory(tmp_path):
+    (rank_dir,) = write_run(tmp_path, ranks=(0,), steps=range(2)).values()
+    hint = f"{str(rank_dir)!r} is one rank's directory: give the run's output directory that holds it"
+    for argv in (
+        ["compact", str(rank_dir)],
+        ["csv2db", str(rank_dir)],
+        ["anomaly-analyse", "--cross-rank", "-d", str(rank_dir)],
+    ):
+        done = subprocess.run(
+            [sys.executable, "-m", "monitor.cli", *argv], capture_output=True, text=True, check=False
+        )
+        assert done.returncode == 2 and hint in done.stderr and str(tmp_path) in done.stderr, (
+            argv,
+            done.stderr,
+        )
 
 
 def test_a_resumed_job_adds_to_the_dataset_in_its_own_root(tmp_path, caplog):
