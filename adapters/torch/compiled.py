@@ -26,17 +26,27 @@ import torch
 logger = logging.getLogger("trainmon")
 
 
+def _wrapped_by_compile(module: torch.nn.Module) -> bool:
+    """Whether torch.compile wrapped the module: an ``OptimizedModule``, also as the class that
+    ``fully_shard`` makes of it (``FSDPOptimizedModule``, torchtitan's order: compile, then shard),
+    which the class's name alone missed."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # never imported: nothing compiled
+    optimized = getattr(eval_frame, "OptimizedModule", None)
+    return optimized is not None and isinstance(module, optimized)
+
+
 def uncompiled(chunk: torch.nn.Module) -> torch.nn.Module:
     """The module that torch.compile wrapped (OptimizedModule keeps it as ``_orig_mod``), so that
     names and hooks are those of the eager model."""
     inner = getattr(chunk, "_orig_mod", None)
-    if type(chunk).__name__ == "OptimizedModule" and isinstance(inner, torch.nn.Module):
+    if _wrapped_by_compile(chunk) and isinstance(inner, torch.nn.Module):
         return inner
     return chunk
 
 
 class _CompiledCode:
-    """Whether compiled code has run hooks of the monitor in this process (``traced``)."""
+    """Whether compiled code has run hooks of the monitor in this process (``traced``), or a
+    model with compiled modules was attached (``CompiledModel``)."""
 
     ran_hooks = False
 
@@ -48,9 +58,12 @@ COMPILED_CODE = _CompiledCode()
 def traced() -> bool:
     """Whether torch.compile (or export) is tracing the calling hook rather than running it; a
     constant to the tracer, so a hook that returns on it leaves nothing in the compiled code but
-    the note that compiled code ran it (``COMPILED_CODE``)."""
+    the note that compiled code ran it (``COMPILED_CODE``). The note is stored only while it is
+    unset: inside a higher-order op (activation checkpointing's) torch.compile refuses any
+    store, and each trace of a checkpointed block failed and left it to run eagerly for good."""
     if torch.compiler.is_compiling():
-        COMPILED_CODE.ran_hooks = True
+        if not COMPILED_CODE.ran_hooks:
+            COMPILED_CODE.ran_hooks = True
         return True
     return False
 
@@ -61,7 +74,7 @@ def has_compiled_modules(modules: Sequence[torch.nn.Module]) -> bool:
     if "torch._dynamo" not in sys.modules:
         return False
     return any(
-        type(m).__name__ == "OptimizedModule" or getattr(m, "_compiled_call_impl", None) is not None
+        _wrapped_by_compile(m) or getattr(m, "_compiled_call_impl", None) is not None
         for module in modules
         for m in module.modules()
     )
@@ -91,6 +104,7 @@ class CompiledModel:
     def register(self) -> list:
         """Pre-hooks on the chunks' roots (run first): they see compiled code run the root, and
         compiled blocks met at the first forward of a measuring step."""
+        self._compiled()  # compiled blocks known before their first trace
         return [chunk.register_forward_pre_hook(self._root_called, prepend=True) for chunk in self.chunks]
 
     def _root_called(self, module: torch.nn.Module, args: Any) -> None:
@@ -124,6 +138,8 @@ class CompiledModel:
 
     def _compiled(self) -> bool:
         self.known = self.known or COMPILED_CODE.ran_hooks or has_compiled_modules(self.chunks)
+        if self.known and not COMPILED_CODE.ran_hooks:  # set before any trace stores it (``traced``)
+            COMPILED_CODE.ran_hooks = True
         return self.known
 
     def _hold(self, eager: bool) -> None:

@@ -80,6 +80,18 @@ class Net(torch.nn.Module):
         return self.out(x)
 
 
+class Checkpointed(torch.nn.Module):
+    """A block run under activation checkpointing (torchtitan wraps, then compiles each block):
+    torch.compile traces its body as a higher-order op, which refuses any store of Python state."""
+
+    def __init__(self, block: torch.nn.Module) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False)
+
+
 @pytest.fixture(autouse=True)
 def _no_compiled_code_seen_yet(monkeypatch):
     """As in a fresh process: no compiled code has run the monitor's hooks (a process-wide note)."""
@@ -87,12 +99,15 @@ def _no_compiled_code_seen_yet(monkeypatch):
 
 
 def _compile(model: Net, style: str, backend: str) -> torch.nn.Module:
-    """The module to call: the model compiled as a whole, or the model with compiled blocks."""
+    """The module to call: the model compiled as a whole, or the model with compiled blocks
+    (``checkpointed``: each checkpointed, then compiled)."""
     if style == "whole":
         return torch.compile(model, backend=backend)
     for i, block in enumerate(model.blocks):
         if style == "in-place":
             block.compile(backend=backend)
+        elif style == "checkpointed":
+            model.blocks[i] = torch.compile(Checkpointed(block), backend=backend)
         else:
             model.blocks[i] = torch.compile(block, backend=backend)
     return model
@@ -228,12 +243,14 @@ def _graphs_run_per_step(monitored: bool, style: str) -> tuple[list[int], list[d
     return ran, breaks, compiled
 
 
-@pytest.mark.parametrize("style", ["whole", "in-place"])
+@pytest.mark.parametrize("style", ["whole", "in-place", "checkpointed"])
 def test_steps_not_collected_run_the_unmonitored_compiled_code_and_collected_ones_run_eagerly(style):
     """The monitor's hooks leave nothing in compiled code: no graph break on any step, nothing
     compiled after the first uncollected step, and the steps that are not collected run exactly
     the compiled graphs of an unmonitored model; collected steps run eagerly (no compiled graph).
-    The monitor is attached before the model is compiled."""
+    The monitor is attached before the model is compiled. Checkpointed blocks: a hook's note
+    that compiled code ran it, stored inside the checkpoint, failed each trace, and the blocks
+    ran eagerly on every step."""
     plain, plain_breaks, _ = _graphs_run_per_step(False, style)
     ran, breaks, compiled = _graphs_run_per_step(True, style)
     assert not any(plain_breaks) and plain[1] > 0, (plain, plain_breaks)
@@ -282,6 +299,61 @@ def test_a_compiled_tensor_parallel_block_gives_eagers_activations(tmp_path):
 
     for result in run_ranks(_tensor_parallel_worker, 2, str(tmp_path)):
         assert result["breaks"] == 0 and result["graphs"] > 0, result
+        _assert_same_rows(
+            result["eager"][0::2], result["compiled"][0::2], rel=1e-5, prefixes=("actv", "actv_grad")
+        )
+
+
+def _compiled_then_sharded_worker(rank: int, world_size: int, workdir: str) -> None:
+    """torchtitan's order: each block compiled (assigned), then ``fully_shard`` per block and on
+    the model, which makes each block's class ``FSDPOptimizedModule``; activations every other
+    step, beside an eager twin."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from tests.adapters.torch.distributed import save_result
+
+    config = {
+        "xy_distribution": True,
+        "all_xy": True,
+        "ops": ["norm", "max"],
+        "format": "api",
+        "step_interval": 2,
+    }
+    rows = {}
+    for style in ("eager", "compiled"):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = Net()
+        if style == "compiled":
+            _compile(model, "assigned", "aot_eager")
+        mesh = init_device_mesh("cpu", (world_size,))
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        optimizer = torch.optim.AdamW(model.parameters())
+        mon = TrainerMon(config).set_monitor(model, 1, optimizer)
+        rows[style] = []
+        for step in range(4):
+            x = torch.randn(2, 5, 6, generator=torch.Generator().manual_seed(10 * step + rank))
+            model(x).pow(2).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            rows[style].append({prefix: mon._latest(prefix) for prefix in ("actv", "actv_grad")})
+        mon.stop()
+    save_result(workdir, rank, {**rows, "classes": sorted({type(b).__name__ for b in model.blocks})})
+
+
+@pytest.mark.distributed
+def test_blocks_compiled_then_sharded_give_eagers_activations_from_the_first_step(tmp_path):
+    """fully_shard makes a compiled block's class FSDPOptimizedModule, which the class's name
+    alone did not tell to be compiled: the first collected step ran compiled, its blocks'
+    activation rows missing."""
+    from tests.adapters.torch.distributed import run_ranks
+
+    for result in run_ranks(_compiled_then_sharded_worker, 2, str(tmp_path)):
+        assert result["classes"] == ["FSDPOptimizedModule"], result["classes"]
+        assert any("blocks.1.fc2" in tag for tag in result["compiled"][0]["actv"])
         _assert_same_rows(
             result["eager"][0::2], result["compiled"][0::2], rel=1e-5, prefixes=("actv", "actv_grad")
         )
