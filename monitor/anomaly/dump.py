@@ -49,9 +49,11 @@ class AnomalyDump:
     until ``close``, which always writes the rest.
     """
 
-    def __init__(self, root: str | os.PathLike, rank: int, keep: bool = False) -> None:
+    def __init__(self, root: str | os.PathLike, rank: int, keep: bool = False, owner: str = "") -> None:
+        """``owner``: what this run is to the process (its rank directory); a collection of the
+        same run started again keeps the run's anomaly directory."""
         self.rank = rank
-        self.directory = os.path.join(os.fspath(root), "anomaly_detected", f"rank{rank}")
+        self.directory = _directory_of(owner or str(id(self)), os.fspath(root), rank)
         self.path = os.path.join(self.directory, "anomaly.json")
         self.incidents_path = os.path.join(self.directory, INCIDENTS_NAME)
         self.skip_path = os.path.join(self.directory, SKIP_BATCHES_NAME)
@@ -93,6 +95,9 @@ class AnomalyDump:
     def close(self) -> None:
         if self._dirty:
             self._rewrite()
+        for owner, directory in list(_LIVE.items()):
+            if directory == self.directory:
+                del _LIVE[owner]
 
     def _rewrite(self) -> None:
         started = time.monotonic()
@@ -118,6 +123,34 @@ class AnomalyDump:
         if batches or os.path.exists(self.skip_path):
             skip = {"version": INCIDENTS_VERSION, "rank": self.rank, "batches": batches}
             atomic_write_text(self.skip_path, json.dumps(skip, indent=1))
+
+
+#: owner -> the anomaly directory a live run of this process writes
+_LIVE: dict[str, str] = {}
+
+
+def _directory_of(owner: str, root: str, rank: int) -> str:
+    """``anomaly_detected/rank{R}``, or ``rank{R}-{n}`` where another monitor of this process
+    writes there now (two monitors attached at once, say two trainer callbacks with different
+    configs): each renamed the other's fresh files as an earlier run's and then overwrote them.
+    anomaly-analyse reads both directories and ranks their records together."""
+    if owner in _LIVE:
+        return _LIVE[owner]
+    base = os.path.join(root, "anomaly_detected", f"rank{rank}")
+    taken = set(_LIVE.values())
+    directory, number = base, 1
+    while directory in taken:
+        number += 1
+        directory = f"{base}-{number}"
+    if directory != base:
+        logger.warning(
+            "trainmon: another monitor of this process writes the anomaly files of %s; this one's go to %s "
+            "(anomaly-analyse reads both)",
+            base,
+            directory,
+        )
+    _LIVE[owner] = directory
+    return directory
 
 
 def _keep_earlier(path: str) -> None:

@@ -163,6 +163,15 @@ class MonitorCallback:
         earlier run whose trainer never reached its end (it raised, and the trainer has no
         exception hook) is closed first: left on, its hooks would go on counting steps under the
         new run's step numbers."""
+        run = _run_of(set_monitor_kwargs)
+        start = set_monitor_kwargs.get("start_iteration", 0)
+        if self.attached and run is not None and run == self._last_run and start == self.monitor.step:
+            logger.warning(
+                "trainmon: the %s began the same run twice with this callback (is it in the "
+                "callback list twice?); the second beginning is ignored",
+                trainer,
+            )
+            return
         if self.attached:
             logger.warning(
                 "trainmon: the previous %s run ended without reaching its end of training (an "
@@ -171,8 +180,6 @@ class MonitorCallback:
             )
             self.detach()
         try:
-            run = _run_of(set_monitor_kwargs)
-            start = set_monitor_kwargs.get("start_iteration", 0)
             if run is not None and run == self._last_run and start >= self.monitor.step:
                 # the same model trained on (a run per epoch): one run directory, anomaly files
                 # and incident numbers, from the trainer's step count; one that starts again

@@ -100,7 +100,7 @@ class TrainmonCallback(MonitorCallback, TrainerCallback):
             if isinstance(saved, dict) and saved.get("global_step") == step:
                 self.restore_state(saved, path)
                 return
-        logger.info(
+        logger.warning(  # a fault in the new warm-up's steps goes unjudged: worth a warning
             "trainmon: the run resumes at step %d and no state of the monitor saved at that step is at "
             "%s: the anomaly rules start their history anew (a checkpoint outside output_dir: set "
             "args.resume_from_checkpoint to it)",

@@ -78,7 +78,11 @@ class MonitorCore:
                 sinks.append(CustomScalarsSink(self.output_dir, roots))
         if config.alert.rules or config.alert.non_finite:
             keep = output_dir is not None or self._resumed  # the same run goes on: its files too
-            dump = AnomalyDump(self.root, rank, keep=keep) if config.alert.dump else None
+            dump = (
+                AnomalyDump(self.root, rank, keep=keep, owner=self.output_dir or "")
+                if config.alert.dump
+                else None
+            )
             self.detector = Detector(
                 build_rules(config.alert.rules), rank, pp_stage, group_mates, config.alert.non_finite
             )

@@ -3,6 +3,7 @@ last steps and clipping included, in one process and on 2 gloo ranks; never a cr
 
 from __future__ import annotations
 
+import json
 import os
 
 import numpy as np
@@ -57,6 +58,60 @@ def test_a_model_the_trainer_compiles_has_eager_activations_from_the_first_step(
         np.testing.assert_allclose(list(compiled[key].values()), list(ops.values()), rtol=1e-4, atol=1e-6)
     assert COMPILED_CODE.ran_hooks  # the steps between ran the compiled code
     assert not [r for r in trainmon_log.records if "compiled code ran the monitor's hooks" in r.getMessage()]
+
+
+def test_one_callback_listed_twice_is_said_and_its_rows_are_right(tmp_path, trainmon_log):
+    """Each event comes twice: the second beginning of the same run is said as such (it was taken
+    for an earlier run that had ended without its end of training)."""
+    from monitor.integrations.hf import TrainmonCallback
+    from tests.integrations.hf_run import ReadEachStep, StepReads, build_trainer, tiny_gpt2
+
+    model = tiny_gpt2()
+    reads = StepReads(model)
+    callback = TrainmonCallback(CONFIG)
+    build_trainer(str(tmp_path), model, [callback, callback, ReadEachStep(reads)]).train()
+    reads.remove()
+    said = [r.getMessage() for r in trainmon_log.records]
+    assert len([m for m in said if "began the same run twice with this callback" in m]) == 1, said
+    assert not [m for m in said if "ended without reaching its end of training" in m], said
+    compare(reads.steps, written_rows(callback.monitor.output_dir), "hf")
+
+
+def test_two_callbacks_on_one_model_keep_their_own_anomaly_files(tmp_path, trainmon_log, monkeypatch):
+    """Two configs at once: the second monitor renamed the first's fresh anomaly files as an
+    earlier run's, then both overwrote the same files. Each now writes its own directory, which
+    anomaly-analyse reads together, and each records its own rows."""
+    from monitor.anomaly.analyse import main as analyse
+    from monitor.integrations.hf import TrainmonCallback
+    from tests.integrations.hf_run import ReadEachStep, StepReads, build_trainer, tiny_gpt2
+
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "out"))
+    msprobe_like = {"threshold": 0.01, "warmup": 1, "noise": 0, "floor": 0}  # flags nearly every move
+    alert = {"rules": [{"rule_name": "AnomalyTurbulence", "args": msprobe_like}], "dump": True}
+    model = tiny_gpt2()
+    reads = StepReads(model)
+    first = TrainmonCallback({**CONFIG, "alert": alert})
+    second = TrainmonCallback({"xy_distribution": True, "ops": ["norm"], "format": "csv", "alert": alert})
+    build_trainer(str(tmp_path), model, [first, second, ReadEachStep(reads)]).train()
+    reads.remove()
+    said = [r.getMessage() for r in trainmon_log.records]
+    assert not [m for m in said if "earlier run" in m], said
+    (moved,) = [m for m in said if "another monitor of this process writes the anomaly files" in m]
+    anomaly_dir = tmp_path / "out" / "anomaly_detected"
+    assert sorted(p.name for p in anomaly_dir.iterdir()) == ["rank0", "rank0-2"], moved
+    tasks = {
+        directory: {
+            key.rsplit("/", 1)[1].split("_", 1)[0]
+            for key in json.loads((anomaly_dir / directory / "anomaly.json").read_text())
+        }
+        for directory in ("rank0", "rank0-2")
+    }
+    assert tasks["rank0"] and tasks["rank0"] <= {"acc", "post", "param", "exp"}, tasks
+    assert tasks["rank0-2"] == {"actv"}, tasks
+    assert analyse(["-d", str(tmp_path / "out"), "-k", "100000"]) == 0
+    ranked = json.loads((anomaly_dir / "anomaly_analyse.json").read_text())
+    assert {r["tag_name"].rsplit("/", 1)[1] for r in ranked.values()} > {"actv"}  # ranked together
+    compare(reads.steps, written_rows(first.monitor.output_dir), "hf")
 
 
 def test_a_failure_to_attach_is_reported_and_training_goes_on(tmp_path, trainmon_log, monkeypatch):
