@@ -252,12 +252,16 @@ class Activations:
         (after the Cells' own hooks, also when the forward raises).
         """
         jit = self.roots.jit
-        handles = self.roots.register_starts()
-        for index, entry in enumerate(self.cells):
-            before, after = jit.cell_hook(self._before(index)), jit.cell_hook(self._after(index))
-            handles.append(entry.cell.register_forward_pre_hook(before, with_kwargs=True))
-            handles.append(entry.cell.register_forward_hook(after, with_kwargs=True))
-        return jit.keep([*handles, *self.roots.register_ends(), self._leaves])
+
+        def hooks() -> list:
+            handles = self.roots.register_starts()
+            for index, entry in enumerate(self.cells):
+                before, after = jit.cell_hook(self._before(index)), jit.cell_hook(self._after(index))
+                handles.append(entry.cell.register_forward_pre_hook(before, with_kwargs=True))
+                handles.append(entry.cell.register_forward_hook(after, with_kwargs=True))
+            return [*handles, *self.roots.register_ends(), self._leaves]
+
+        return jit.keep(hooks)
 
     def _micro_step_started(self, vpp: int) -> None:
         """The gradients of the last micro-step are complete: measured; in a step the gradients
@@ -324,7 +328,8 @@ class Activations:
         tensor.register_hook(functools.partial(self._measure_grad, rows, None))
 
     def _measure_grad(self, rows: list[tuple[int, str, int]], tag: None, grad: ms.Tensor) -> ms.Tensor:
-        """A watched tensor's gradient hook: the gradient fills each row naming it."""
+        """A watched tensor's gradient hook: the gradient fills each row naming it (``tag``, a
+        mesh's on torch, is None here: the signature is LeafGradients' ``measure``)."""
         if self.collect:
             for vpp, name, micro in rows:  # held once per row, measured once
                 self._guard("actv_grad", self._hold, "actv_grad", vpp, [name], micro, [grad])

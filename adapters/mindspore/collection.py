@@ -151,7 +151,7 @@ class Collection(BaseCollection):
             self.collectives = CollectiveMonitor(config, self.fail)
             self.collectives.install()
         if self._handles or self._stack_handles:
-            self._handles += jit.sentinels(chunks)
+            self._handles += [*jit.sentinels(chunks), jit]  # the hooks put back after a compilation too
         self.set_step(first_step)
 
     # -- the step ----------------------------------------------------------------------------
@@ -161,6 +161,7 @@ class Collection(BaseCollection):
         (this runs at attach and at the end of the step before) when ``step`` is collected."""
         super().set_step(step)
         self._origin = None
+        self._jit.restore()  # hooks a compiled function's compilation removed (outside any Cell's call)
         if self.graph_mode and self.collect and self._wanted("param_origin", self.config.param_distribution):
             self._guard("param_origin", self._measure_origin, step)
 

@@ -92,7 +92,7 @@ class UnreducedGrads:
         """Register one hook per monitored parameter (removed when a ``jit`` compilation calls the
         model: MindSpore would compile them); returns the removable handles."""
         return self.jit.keep(
-            [entry.param.register_hook(self._hook(i)) for i, entry in enumerate(self.registry.params)]
+            lambda: [entry.param.register_hook(self._hook(i)) for i, entry in enumerate(self.registry.params)]
         )
 
     def _hook(self, index: int) -> Callable[[ms.Tensor], ms.Tensor]:

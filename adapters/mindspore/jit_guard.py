@@ -13,7 +13,9 @@ That evaluation is also how the monitor learns that a compiled function holds it
 what to do, once, and removes the hooks of the Cells and Parameters of the model: MindSpore parses
 a tensor hook whole (a guard does not keep the compiler out of it) and fails to compile even an
 empty forward hook of a Cell called in a loop of ``construct``. A do-nothing pre-hook, first on
-each chunk's root, is met before the compiler reads any of them.
+each chunk's root, is met before the compiler reads any of them. The collection registers them
+again at the optimizer's next update (``restore``): a function that reuses its compiled graph
+meets none of them, and one compiled again removes them again.
 
 The function-becomes-None behaviour is MindSpore's own test for running in ``jit``
 (``mindspore.graph.api._run_in_jit``, which cannot be called from a hook: it imports inside its
@@ -44,8 +46,10 @@ _MESSAGES = {
         "trainmon: a function compiled with mindspore.jit calls the monitored model. MindSpore "
         "compiles the hooks of every Cell and Parameter such a function reaches and refuses most "
         "Python in them (even an empty forward hook of a Cell called in a loop), so the monitor "
-        "removed its hooks: gradients before the optimizer, activations, attention features, "
-        "print_struct and stack_info record nothing from here on"
+        "removed its hooks while it compiles: gradients before the optimizer, activations, attention "
+        "features, print_struct and stack_info record nothing from then until the optimizer's next "
+        "update puts them back (a compiled evaluation, say); if it is the training step, attach with "
+        "set_monitor(..., graph_mode=True) and call mon.step_end() after each step"
     ),
 }
 #: key (a constant the compiler hands back) -> the hooks registered under it
@@ -98,7 +102,9 @@ class LeftOutOfJit:
         self.whose, self.removes = whose, removes
         self.said = False
         self.key = next(_keys)
-        self._handles: list[Any] = []
+        #: each registration kept, with the handles its last call returned (None: removed)
+        self._kept: list[tuple[Callable[[], list[Any]], list[Any] | None]] = []
+        self._closed = False
         _OWNERS[self.key] = self
 
     def cell_hook(self, hook: Callable[..., Any]) -> Callable[..., Any]:
@@ -119,12 +125,16 @@ class LeftOutOfJit:
         """Pre-hooks, first on each chunk's root, that do nothing in Python: a compilation that
         calls the model meets them before it reads a hook of the Cells or Parameters inside."""
         return self.keep(
-            [chunk.register_forward_pre_hook(self.cell_hook(_nothing), prepend=True) for chunk in chunks]
+            lambda: [
+                chunk.register_forward_pre_hook(self.cell_hook(_nothing), prepend=True) for chunk in chunks
+            ]
         )
 
-    def keep(self, handles: list[Any]) -> list[Any]:
-        """``handles``, removed when a compilation meets one of these hooks (with ``removes``)."""
-        self._handles.extend(handles)
+    def keep(self, register: Callable[[], list[Any]]) -> list[Any]:
+        """Register hooks now (``register()`` returns their handles) and again at ``restore()``
+        after a compilation removed them (with ``removes``); returns the handles."""
+        handles = register()
+        self._kept.append((register, handles))
         return handles
 
     def met(self) -> None:
@@ -133,6 +143,25 @@ class LeftOutOfJit:
             self.said = True
             logger.warning(_MESSAGES[self.whose])
         if self.removes:
-            handles, self._handles = self._handles, []
-            for handle in handles:
+            self._take_off()
+
+    def restore(self) -> None:
+        """Register again what a compilation removed (call outside any call of the model's
+        Cells: MindSpore iterates a Cell's hook dict while it calls them). A compilation that
+        reuses its graph meets none of them; one that compiles again removes them again."""
+        if self._closed:
+            return
+        self._kept = [
+            (register, handles if handles is not None else register()) for register, handles in self._kept
+        ]
+
+    def remove(self) -> None:
+        """Remove every hook kept, for good (a handle of the collection that owns them: at its end)."""
+        self._closed = True
+        self._take_off()
+
+    def _take_off(self) -> None:
+        for _, handles in self._kept:
+            for handle in handles or ():
                 handle.remove()
+        self._kept = [(register, None) for register, _ in self._kept]

@@ -71,10 +71,15 @@ class L2Features(L2Steps):
     def register(self) -> list:
         if not self.attention:
             return []
-        handles = self.roots.register_starts()
-        for index, (_, _, cell) in enumerate(self.attention):
-            handles.append(cell.register_forward_hook(self.roots.jit.cell_hook(self._hook(index))))
-        return self.roots.jit.keep(handles + self.roots.register_ends())
+        jit = self.roots.jit
+
+        def hooks() -> list:
+            handles = self.roots.register_starts()
+            for index, (_, _, cell) in enumerate(self.attention):
+                handles.append(cell.register_forward_hook(jit.cell_hook(self._hook(index))))
+            return handles + self.roots.register_ends()
+
+        return jit.keep(hooks)
 
     def _hook(self, index: int) -> Callable:
         def hook(cell: ms.nn.Cell, args: tuple, output: Any) -> None:

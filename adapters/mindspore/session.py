@@ -147,7 +147,7 @@ class MindSporeSession(SessionLifecycle):
     def _attach_optimizer_hooks(self) -> None:
         if self.graph_mode:
             return
-        jit = self._jit = LeftOutOfJit(TRAINING_STEP)
+        jit = self._jit = LeftOutOfJit(TRAINING_STEP)  # held here: its registry keeps it weakly
         self._hooks = [
             self.optimizer.register_forward_pre_hook(jit.cell_hook(self._before_update), with_kwargs=True),
             self.optimizer.register_forward_hook(jit.cell_hook(self._after_update)),

@@ -44,7 +44,7 @@ class StructureRecorder:
 
     def register(self) -> list:
         return self.jit.keep(
-            [
+            lambda: [
                 cell.register_forward_hook(self.jit.cell_hook(self._hook(name)), with_kwargs=True)
                 for name, cell in self.cells
             ]
@@ -92,7 +92,7 @@ class CellStacks(StackRecorder):
         self.jit = jit
 
     def register(self) -> list:
-        return self.jit.keep(super().register())
+        return self.jit.keep(super().register)
 
     def _hook(self, name: str) -> Callable[[Any, Any], None]:
         return self.jit.cell_hook(super()._hook(name))

@@ -85,11 +85,12 @@ def test_a_jit_step_runs_as_without_the_monitor_and_the_user_is_told(config, cap
     assert any("3 update(s) while attached and the monitor saw none" in m for m in messages), messages
 
 
-def test_a_jit_compiled_evaluation_leaves_the_training_recorded_without_the_hooks(
-    caplog, tmp_path, monkeypatch
-):
-    """PyNative training, a jit-compiled evaluation of the model after step 1: the hooks' data
-    (gradients, activations) stop there, said once; parameters go on, equal to numpy's."""
+def test_a_jit_compiled_evaluation_leaves_out_the_hooks_for_the_step_after_it(caplog, tmp_path, monkeypatch):
+    """PyNative training, a jit-compiled evaluation after step 1's update and after step 3's: the
+    hooks are removed while it compiles (said once) and put back at the optimizer's next update,
+    so step 2 has no gradient or activation rows and step 4, whose evaluation reused the compiled graph,
+    has them; parameters go on, equal to numpy's, and each evaluation gives an unmonitored
+    twin's loss."""
     monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path))
     net = Net()
     optimizer = nn.Adam(net.trainable_params(), learning_rate=0.05)
@@ -99,13 +100,13 @@ def test_a_jit_compiled_evaluation_leaves_the_training_recorded_without_the_hook
     def evaluate(x):
         return net(x).square().mean()
 
-    mon = TrainerMon(
-        {"wg_distribution": True, "xy_distribution": True, **PARAMETERS, "ops": ["min", "max", "norm"]}
-    )
+    config = {"wg_distribution": True, "xy_distribution": True, **PARAMETERS, "ops": ["min", "max", "norm"]}
+    mon = TrainerMon(config)
     mon.set_monitor(net, 1, optimizer)
     names = [p.name for p in optimizer.parameters]
+    evaluated = []
     with caplog.at_level(logging.WARNING, logger="trainmon"):
-        for step, (x,) in enumerate(make_batches(4, 1)):
+        for step, (x,) in enumerate(make_batches(5, 1)):
             _, grads = grad_fn(ms.Tensor(x))
             optimizer(grads)
             updated = copies(optimizer.parameters)
@@ -114,12 +115,19 @@ def test_a_jit_compiled_evaluation_leaves_the_training_recorded_without_the_hook
                 assert_stats_close(
                     params[f"0:{name}/rank0/param_updated"], updated[k], ops=["min", "max", "norm"]
                 )
-            if step == 1:
-                evaluate(ms.Tensor(x))
+            if step in (1, 3):
+                evaluated.append((x, float(evaluate(ms.Tensor(x)).asnumpy()), updated))
     mon.stop()
+    twin = Net()
+    for x, loss, weights in evaluated:
+        for param, weight in zip(twin.trainable_params(), weights):
+            param.set_data(ms.Tensor(weight))
+        assert loss == pytest.approx(float(twin(ms.Tensor(x)).square().mean().asnumpy()), rel=1e-5)
     (removed,) = [r.getMessage() for r in caplog.records if "calls the monitored model" in r.getMessage()]
-    assert "activations" in removed and "gradients" in removed
+    assert (
+        "activations" in removed and "gradients" in removed and "until the optimizer's next update" in removed
+    )
     (out,) = [os.path.join(tmp_path, d) for d in os.listdir(tmp_path)]
-    assert collected_steps(out, "param_updated") == [0, 1, 2, 3]
-    assert collected_steps(out, "grad_unreduced") == [0, 1]
-    assert collected_steps(out, "actv") == [0, 1]
+    assert collected_steps(out, "param_updated") == [0, 1, 2, 3, 4]
+    assert collected_steps(out, "grad_unreduced") == [0, 1, 3, 4]
+    assert collected_steps(out, "actv") == [0, 1, 3, 4]
