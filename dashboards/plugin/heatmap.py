@@ -179,7 +179,7 @@ def tag_matrix(
         picked = pick_chunks(chunks, lo, hi, columns, READ_BUDGET, must)
         found.append(_steps_of(sources[rank].load_many(prefix, picked), lo, hi))
         sampled |= len(picked) < sum(1 for c in chunks if c.last >= lo and c.first <= hi)
-    available = np.unique(np.concatenate(found))
+    available = np.unique(np.concatenate(found)) if found else np.zeros(0, np.int64)
     steps = pick_steps(available, columns, must)
     values = np.full((len(ranks), len(steps)), np.nan)
     status = np.full((len(ranks), len(steps)), MISSING, dtype=np.uint8)

@@ -19,8 +19,9 @@ tensor are compared. Rank i's value x_i is measured against the median of the OT
 * usual, where most ranks hold exactly 0 (size 0: the min of a sparse gradient): the tensor's
   usual non-zero magnitude, the median over the run of each step's mean |x_j| of its non-zero
   values, so that -0.02 against peers at 0, where -0.005 is usual, is 4 units away, not 1e305.
-  Not for NaN counts, of which any is an outlier among zeros, nor for shares (ABS_FLOOR). Only
-  a tensor never non-zero leaves no unit: then any non-zero value is an outlier.
+  Only from USUAL_STEPS such steps on, so that a lone value is not its own unit; not for NaN
+  counts, of which any is an outlier among zeros, nor for shares (ABS_FLOOR). Otherwise, when
+  size and MAD are both 0, any non-zero value is an outlier.
 
 A rank is flagged when |x_i - m_i| > k_mad * scale with at least MIN_RANKS (4) finite values in
 its row (of two ranks neither can be told to be the odd one; of three, an outlier is its peers'
@@ -47,6 +48,8 @@ REL_FLOOR = 1e-3
 #: smallest scale of ops whose values are shares in [0, 1]: peers all at exactly 0 (a share of
 #: zeros) would otherwise leave no unit at all, and a 3% share would be 1e306 "MADs" away.
 ABS_FLOOR = {"zeros": 0.01}
+#: steps with non-zero values a tensor's usual magnitude needs (of fewer, one could be the outlier's)
+USUAL_STEPS = 3
 #: ops whose rows of peers at 0 keep their own unit: NaN counts (any is an outlier) and shares.
 OWN_UNITS = frozenset(("nans", *ABS_FLOOR))
 #: elements of one (rows x ranks) block.
@@ -344,13 +347,15 @@ class _GroupMedians:
         counts = np.diff(np.r_[starts, len(keys)])
         self.keys = keys[starts]
         self.medians = (values[starts + (counts - 1) // 2] + values[starts + counts // 2]) / 2.0
+        self.counts = counts
 
-    def of(self, keys: np.ndarray) -> np.ndarray:
-        """The median of each key's values, NaN for keys without one."""
+    def of(self, keys: np.ndarray, at_least: int = 1) -> np.ndarray:
+        """The median of each key's values, NaN for keys with fewer than ``at_least``."""
         if not len(self.keys):
             return np.full(len(keys), np.nan)
         index = np.searchsorted(self.keys, keys).clip(max=len(self.keys) - 1)
-        return np.where(self.keys[index] == keys, self.medians[index], np.nan)
+        found = (self.keys[index] == keys) & (self.counts[index] >= at_least)
+        return np.where(found, self.medians[index], np.nan)
 
 
 def _judge(rows: _Columns, candidates: _Columns, ranks: np.ndarray, out: Outliers) -> None:
@@ -366,7 +371,9 @@ def _judge(rows: _Columns, candidates: _Columns, ranks: np.ndarray, out: Outlier
     absolute = np.array([ABS_FLOOR.get(name, 0.0) for name in out.ops])[op]
     magnitude = _GroupMedians(rows["label"].astype(np.int64) * len(out.ops) + row_op, rows["magnitude"])
     sparse = (size == 0) & np.array([name not in OWN_UNITS for name in out.ops])[op]
-    usual = np.where(sparse, np.nan_to_num(magnitude.of(label * len(out.ops) + op), nan=0.0), 0.0)
+    usual = np.where(
+        sparse, np.nan_to_num(magnitude.of(label * len(out.ops) + op, USUAL_STEPS), nan=0.0), 0.0
+    )
     # fmax: a lone finite peer has no deviation of its own to take a MAD of
     scale = np.fmax.reduce([candidates["mad"], typical * size, REL_FLOOR * size, absolute, usual])
     scale = np.where(scale > 0, scale, _TINY)

@@ -14,7 +14,7 @@ a median that engines interpolate differently), over every step of the run.
 from __future__ import annotations
 
 from monitor.anomaly.cross_rank import DEFAULT_K_MAD, DEFAULT_OPS, DEFAULT_TYPES
-from monitor.anomaly.peers import ABS_FLOOR, MIN_RANKS, OWN_UNITS, REL_FLOOR
+from monitor.anomaly.peers import ABS_FLOOR, MIN_RANKS, OWN_UNITS, REL_FLOOR, USUAL_STEPS
 
 _GROUP = "data_type, vpp_stage, name, micro, step, op"
 _JOIN = " AND ".join(f"a.{c} = b.{c}" for c in _GROUP.split(", "))
@@ -74,7 +74,8 @@ t AS (  -- its typical size relative to the magnitude, over the run: per tensor,
         -- and its usual magnitude of non-zero values, the unit where most ranks hold 0
     SELECT data_type, vpp_stage, name, op,
            median(CASE WHEN size > 0 AND n >= {MIN_RANKS} THEN mad / size END) AS ratio,
-           median(CASE WHEN n >= {MIN_RANKS} THEN magnitude END) AS magnitude
+           CASE WHEN count(CASE WHEN n >= {MIN_RANKS} THEN magnitude END) >= {USUAL_STEPS}
+                THEN median(CASE WHEN n >= {MIN_RANKS} THEN magnitude END) END AS magnitude
     FROM g GROUP BY data_type, vpp_stage, name, op
 ),
 o AS (

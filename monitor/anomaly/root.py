@@ -207,8 +207,10 @@ def choose_root(records: Sequence[Record], world_size: int | None = None) -> tup
                 f"it moved x{ratio:.3g} while its data type moved x{common:.3g} together "
                 "(clipping or loss scaling rescales every tensor alike)"
             )
-        elif _as_a_whole(common):
+        elif _as_a_whole(common) and (ratio > 1) == (common > 1):
             evidence.append(f"it moved x{ratio:.3g}, far beyond its data type's common move (x{common:.3g})")
+        elif _as_a_whole(common):
+            evidence.append(f"it moved x{ratio:.3g}, against its data type's common move (x{common:.3g})")
         else:
             evidence.append(f"it moved x{ratio:.3g} while the rest of its data type stayed (x{common:.3g})")
     else:

@@ -8,8 +8,11 @@ micro-step (and step) again, piling up rows and hooks for the run's whole life. 
 gets one hook per step, handing each backward pass that reaches it the rows of the oldest
 micro-step whose gradient has not come: backward passes run in the order of their forwards, also
 under pipeline schedules. The adapter watches only in forwards that record gradients (not the
-first pass of a reentrant activation checkpoint, nor an evaluation): a forward no backward pass
-follows would shift every later row. The hooks are removed when the step ends.
+first pass of a reentrant activation checkpoint, nor an evaluation). Limits: a forward that
+records gradients but that no backward pass follows (a micro-batch skipped on a NaN loss) shifts
+the step's later rows of these leaves by one micro-step; and a reentrant checkpoint recomputed
+under a pipeline schedule names its rows after the latest forward's micro-step, as every
+activation row of such a recompute is named. The hooks are removed when the step ends.
 
 Framework-free: a tensor is anything with ``register_hook(fn)`` whose handle has ``remove()``;
 the hook gives the gradient back unchanged (MindSpore requires it, torch accepts it).

@@ -157,7 +157,7 @@ def reference_outliers(data: dict[tuple, dict[int, float]], k_mad: float, ops=CO
             nonzero = [abs(v) for v in by_rank.values() if math.isfinite(v) and v != 0]
             if nonzero:
                 means.append(sum(nonzero) / len(nonzero))
-        return statistics.median(means) if means else 0.0
+        return statistics.median(means) if len(means) >= 3 else 0.0  # a lone value is not its own unit
 
     per_op: dict[str, list[tuple]] = {}
     for (_, _, op), entries in per_series.items():
@@ -413,6 +413,30 @@ def test_a_sparse_tensor_against_peers_at_zero_is_measured_in_its_usual_magnitud
     (outlier,) = document["outliers"]  # four times the usual -0.005
     assert (outlier["rank"], outlier["step"], outlier["scale"]) == (3, 8, 0.005)
     assert outlier["deviation_mads"] == pytest.approx(4.0)
+    duckdb = pytest.importorskip("duckdb", reason="DuckDB comes with the dataset extra")
+    con = duckdb.connect()  # the SQL form on the same values
+    con.execute(
+        "CREATE TABLE v(rank BIGINT, step BIGINT, micro_step BIGINT, vpp_stage BIGINT, data_type VARCHAR, "
+        "name VARCHAR, op VARCHAR, value DOUBLE)"
+    )
+    con.executemany(
+        "INSERT INTO v VALUES (?, ?, NULL, 0, 'grad_unreduced', 'w', 'min', ?)",
+        [(rank, step, value) for rank, values in series.items() for step, value in enumerate(values)],
+    )
+    (row,) = con.execute(
+        peers_sql.cross_rank_sql(k_mad=3.0, types=("grad_unreduced",), ops=("min",))
+    ).fetchall()
+    assert (row[1], row[2], row[9]) == (3, 8, pytest.approx(0.005)) and row[10] == pytest.approx(4.0)
+
+
+@pytest.mark.parametrize("others", [[], [(2, 1, -1e-3)]], ids=["alone", "with one small value"])
+def test_a_lone_value_among_zeros_is_not_its_own_unit(tmp_path, others):
+    """A tensor almost never non-zero: its one fault must not set the unit it is judged in."""
+    series = {rank: [0.0] * 12 for rank in range(6)}
+    for step, rank, value in [(8, 3, -1000.0), *others]:
+        series[rank][step] = value
+    document = _run_from(tmp_path, series, "min")
+    assert (3, 8) in {(o["rank"], o["step"]) for o in document["outliers"]}, document["outliers"]
 
 
 def test_a_nonzero_nan_count_among_zeros_is_an_outlier(tmp_path):

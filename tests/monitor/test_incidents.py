@@ -441,6 +441,9 @@ def test_a_lone_record_that_moved_far_beyond_its_data_types_common_move_is_not_s
     _, evidence = choose_root(lone)
     assert not any("cause is shared" in line for line in evidence), evidence
     assert any("moved x1e+04, far beyond its data type's common move (x2.11)" in line for line in evidence)
+    against = [_record("0:wte.weight/rank0/param_updated", ratio=0.001, common=3.8)]
+    _, evidence = choose_root(against)
+    assert any("moved x0.001, against its data type's common move (x3.8)" in line for line in evidence)
     quiet = [_record("0:layers.1.fc1.weight/rank1/param_origin", ratio=1.0035e4, common=1.01)]
     _, evidence = choose_root(quiet)
     assert any("while the rest of its data type stayed (x1.01)" in line for line in evidence), evidence
