@@ -24,11 +24,9 @@ before it ended (or at attach), while the parameters still hold those values.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 from functools import partial
-from types import MappingProxyType
 from typing import Any
 
 import mindspore as ms
@@ -56,24 +54,6 @@ from monitor.session.run_info import run_info
 from monitor.stats.host_stats import probe_index
 
 logger = logging.getLogger("trainmon")
-
-#: config switches whose data only hooks can see (PyNative mode).
-NEEDS_HOOKS = ("wg_distribution", "xy_distribution", "mg_direction", "print_struct", "stack_info")
-
-
-def without_hooks(config: MonitorConfig) -> tuple[MonitorConfig, list[str]]:
-    """The config with what needs hooks switched off, and the names of the switches that were on.
-    The attention features need hooks; the linear ones read weights between steps and stay."""
-    on = [key for key in NEEDS_HOOKS if getattr(config, key)]
-    changes: dict[str, Any] = dict.fromkeys(on, False)
-    if config.cc_distribution.enable:
-        on.append("cc_distribution")
-        changes["cc_distribution"] = dataclasses.replace(config.cc_distribution, enable=False)
-    if config.recording_l2_features and config.l2_targets.get("attention_hook"):
-        on.append("l2_targets.attention_hook")
-        rest = {kind: keys for kind, keys in config.l2_targets.items() if kind != "attention_hook"}
-        changes["l2_targets"] = MappingProxyType(rest)
-    return (dataclasses.replace(config, **changes) if changes else config), on
 
 
 def _same_memory(a: ms.Tensor, b: ms.Tensor) -> bool:

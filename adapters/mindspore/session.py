@@ -25,20 +25,41 @@ warning naming it.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+from types import MappingProxyType
 from typing import Any
 
 import mindspore as ms
 
 from adapters.mindspore.bundle import facts as bundle_facts
 from adapters.mindspore.bundle import record_tensors
-from adapters.mindspore.collection import Collection, without_hooks
+from adapters.mindspore.collection import Collection
 from adapters.mindspore.dist import any_rank, global_rank, pipeline_info, world_size
 from adapters.mindspore.jit_guard import TRAINING_STEP, LeftOutOfJit
 from adapters.mindspore.optim import OptimizerView, hookable_optimizer
+from monitor.config.schema import MonitorConfig
 from monitor.session.lifecycle import Attachment, SessionLifecycle, model_chunks
 
 logger = logging.getLogger("trainmon")
+
+#: config switches whose data only hooks can see (PyNative mode).
+NEEDS_HOOKS = ("wg_distribution", "xy_distribution", "mg_direction", "print_struct", "stack_info")
+
+
+def without_hooks(config: MonitorConfig) -> tuple[MonitorConfig, list[str]]:
+    """The config with what needs hooks switched off, and the names of the switches that were on.
+    The attention features need hooks; the linear ones read weights between steps and stay."""
+    on = [key for key in NEEDS_HOOKS if getattr(config, key)]
+    changes: dict[str, Any] = dict.fromkeys(on, False)
+    if config.cc_distribution.enable:
+        on.append("cc_distribution")
+        changes["cc_distribution"] = dataclasses.replace(config.cc_distribution, enable=False)
+    if config.recording_l2_features and config.l2_targets.get("attention_hook"):
+        on.append("l2_targets.attention_hook")
+        rest = {kind: keys for kind, keys in config.l2_targets.items() if kind != "attention_hook"}
+        changes["l2_targets"] = MappingProxyType(rest)
+    return (dataclasses.replace(config, **changes) if changes else config), on
 
 
 class MindSporeSession(SessionLifecycle):
