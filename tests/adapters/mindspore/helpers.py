@@ -115,3 +115,22 @@ def train(net, optimizer, batches, capture: list | None = None, moments: tuple[s
                 record["exp_avg_sq"] = copies(getattr(optimizer, moments[1]))
             capture.append(record)
     return losses
+
+
+def jit_training(net: nn.Cell) -> tuple[nn.Optimizer, object]:
+    """Adam, and a training step compiled with ``mindspore.jit`` in PyNative mode (forward,
+    backward and update in one compiled function)."""
+    optimizer = nn.Adam(net.trainable_params(), learning_rate=0.05)
+
+    def loss_of(x, y):
+        return ((net(x) - y) ** 2).mean()
+
+    grad_fn = ms.value_and_grad(loss_of, None, optimizer.parameters)
+
+    @ms.jit
+    def train_step(x, y):
+        loss, grads = grad_fn(x, y)
+        optimizer(grads)
+        return loss
+
+    return optimizer, train_step

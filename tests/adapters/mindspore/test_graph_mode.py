@@ -19,7 +19,16 @@ import pandas as pd
 from mindspore import nn
 
 from monitor import TrainerMon
-from tests.adapters.mindspore.helpers import DIM, HEADS, SEQ, AttentionNet, Net, copies, make_batches
+from tests.adapters.mindspore.helpers import (
+    DIM,
+    HEADS,
+    SEQ,
+    AttentionNet,
+    Net,
+    copies,
+    jit_training,
+    make_batches,
+)
 from tests.reference_stats import ALL_OPS, assert_stats_close
 from tests.shared_outputs import collected_steps
 
@@ -228,19 +237,7 @@ def test_update_histograms_in_graph_mode_equal_numpy(graph_mode):
 
 def test_a_jit_compiled_step_in_pynative_mode_is_read_between_steps(caplog):
     net = Net()
-    optimizer = nn.Adam(net.trainable_params(), learning_rate=0.05)
-
-    def loss_of(x, y):
-        return ((net(x) - y) ** 2).mean()
-
-    grad_fn = ms.value_and_grad(loss_of, None, optimizer.parameters)
-
-    @ms.jit
-    def train_step(x, y):
-        loss, grads = grad_fn(x, y)
-        optimizer(grads)
-        return loss
-
+    optimizer, train_step = jit_training(net)
     mon = TrainerMon({**CONFIG, "wg_distribution": True, "format": "api"})
     with caplog.at_level(logging.WARNING, logger="trainmon"):
         mon.set_monitor(net, 1, optimizer, graph_mode=True)

@@ -17,7 +17,7 @@ import numpy as np
 from mindspore import nn
 
 from monitor import TrainerMon
-from tests.adapters.mindspore.helpers import Net, copies, make_batches
+from tests.adapters.mindspore.helpers import Net, copies, jit_training, make_batches
 from tests.reference_stats import assert_stats_close
 from tests.shared_outputs import collected_steps
 
@@ -33,23 +33,6 @@ EVERY_HOOK = {
 PARAMETERS = {"param_distribution": True, "mv_distribution": True}
 
 
-def _jit_training(net: nn.Cell) -> tuple[nn.Optimizer, object]:
-    optimizer = nn.Adam(net.trainable_params(), learning_rate=0.05)
-
-    def loss_of(x, y):
-        return ((net(x) - y) ** 2).mean()
-
-    grad_fn = ms.value_and_grad(loss_of, None, optimizer.parameters)
-
-    @ms.jit
-    def train_step(x, y):
-        loss, grads = grad_fn(x, y)
-        optimizer(grads)
-        return loss
-
-    return optimizer, train_step
-
-
 def _run(train_step, steps: int = 3) -> list[float]:
     losses = []
     for (x,) in make_batches(steps, 1):
@@ -63,11 +46,11 @@ def _run(train_step, steps: int = 3) -> list[float]:
 def test_a_jit_step_runs_as_without_the_monitor_and_the_user_is_told(config, caplog, tmp_path, monkeypatch):
     monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path))
     twin = Net()
-    _, twin_step = _jit_training(twin)
+    _, twin_step = jit_training(twin)
     expected_losses = _run(twin_step)
 
     net = Net()
-    optimizer, train_step = _jit_training(net)
+    optimizer, train_step = jit_training(net)
     mon = TrainerMon({**config, "ops": ["min", "max", "norm"]})
     with caplog.at_level(logging.WARNING, logger="trainmon"):
         mon.set_monitor(net, 1, optimizer)
