@@ -151,9 +151,15 @@ class LeftOutOfJit:
         reuses its graph meets none of them; one that compiles again removes them again."""
         if self._closed:
             return
-        self._kept = [
-            (register, handles if handles is not None else register()) for register, handles in self._kept
-        ]
+        try:
+            for index, (register, handles) in enumerate(self._kept):
+                if handles is None:
+                    self._kept[index] = (register, register())
+        except Exception as exc:  # never the training's problem: the hooks stay off, said once
+            self.remove()
+            logger.error(
+                "trainmon: putting back the hooks a jit compilation removed failed (%r); they stay off", exc
+            )
 
     def remove(self) -> None:
         """Remove every hook kept, for good (a handle of the collection that owns them: at its end)."""

@@ -114,3 +114,38 @@ def test_a_jit_compiled_evaluation_leaves_out_the_hooks_for_the_step_after_it(ca
     assert collected_steps(out, "param_updated") == [0, 1, 2, 3, 4]
     assert collected_steps(out, "grad_unreduced") == [0, 1, 3, 4]
     assert collected_steps(out, "actv") == [0, 1, 3, 4]
+
+
+def test_hooks_that_cannot_be_put_back_stay_off_and_the_training_goes_on(caplog):
+    """A registration failing when a compilation's removal is undone is logged, and whatever
+    was put back before it is removed again, rather than raised into the optimizer's call."""
+    from adapters.mindspore.jit_guard import MODEL_CALLS, LeftOutOfJit
+
+    class Handle:
+        def __init__(self, live: set) -> None:
+            self.live = live
+            live.add(self)
+
+        def remove(self) -> None:
+            self.live.discard(self)
+
+    live: set = set()
+    calls = {"second": 0}
+
+    def failing_later() -> list:
+        calls["second"] += 1
+        if calls["second"] > 1:
+            raise RuntimeError("cannot register")
+        return [Handle(live)]
+
+    guard = LeftOutOfJit(MODEL_CALLS, removes=True)
+    guard.keep(lambda: [Handle(live), Handle(live)])
+    guard.keep(failing_later)
+    assert len(live) == 3
+    with caplog.at_level(logging.WARNING, logger="trainmon"):
+        guard.met()
+        assert not live
+        guard.restore()
+        guard.restore()  # closed: nothing more
+    assert not live and calls["second"] == 2
+    assert any("they stay off" in r.getMessage() for r in caplog.records)
