@@ -45,6 +45,16 @@ from monitor.session.collection import UnendedStep
 logger = logging.getLogger("trainmon")
 
 
+def _same_view(view: torch.Tensor, base: torch.Tensor) -> bool:
+    """Whether a view covers its base whole, element for element."""
+    return (
+        view.dtype == base.dtype
+        and view.shape == base.shape
+        and view.stride() == base.stride()
+        and view.storage_offset() == base.storage_offset()
+    )
+
+
 def _row_set(rows: list[tuple[int, str, int]], rank: int, task: str, unjudged: list[bool]) -> RowSet:
     """The RowSet of a step's ``(vpp_stage, name, micro_step)`` rows; ``unjudged``: which rows are
     tensors of integers or booleans."""
@@ -237,11 +247,16 @@ class Activations:
             self.failed("actv", exc)
 
     def _known_tags(self, tensors: list[torch.Tensor]) -> list[Piece | None]:
-        """Mesh tags of plain tensors measured earlier this step (None for the others)."""
+        """Mesh tags of plain tensors measured earlier this step, or of whole views of them (None
+        for the others): FSDP2's pre-forward hands a module views of its inputs (an autograd
+        function returning them), and the block's input lost the tag of the tensor it is."""
         tags = []
         for t in tensors:
-            hit = self._seen.get(id(t))
-            tags.append(hit[3] if hit is not None and hit[0]() is t and hit[1] == t._version else None)
+            known = t if t._base is None or not _same_view(t, t._base) else t._base
+            hit = self._seen.get(id(known))
+            tags.append(
+                hit[3] if hit is not None and hit[0]() is known and hit[1] == known._version else None
+            )
         return tags
 
     def _output_tags(self, index: int, tensors: list[torch.Tensor]) -> list[Piece | None]:
@@ -276,6 +291,11 @@ class Activations:
             else:
                 row = tensor_stats(t, self.ops, self.eps)
                 seen[id(t)] = (weakref.ref(t), t._version, row, tag)
+                base = t._base
+                if tag is not None and base is not None and _same_view(t, base):
+                    known = seen.get(id(base))  # an entry of a tensor freed since may hold its id
+                    if known is None or known[0]() is not base:
+                        seen[id(base)] = (weakref.ref(base), base._version, row, tag)  # the same values
                 rows.append(row)
                 row_tags.append(tag)
         self._rows[prefix].extend((vpp, n, micro) for n in row_names(name, len(tensors)))

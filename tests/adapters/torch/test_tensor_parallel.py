@@ -555,3 +555,52 @@ def test_layers_updated_by_another_optimizer_than_the_one_given_are_read_as_dten
                 for name, values in expected.items():
                     what = f"rank {rank} step {step} {prefix} {name}"
                     assert_stats_close(rows[f"{name}.weight"], np.array(values), what=what)
+
+
+class ShardedInput(torch.nn.Module):
+    """A row-parallel layer that scatters the sequence, feeding a plain module that FSDP2 shards
+    over the dp ranks: FSDP2's pre-forward hands that module views of its input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Linear(6, 8)
+        self.block = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.block(self.embed(x))
+
+
+def _sharded_input_worker(rank: int, world_size: int, workdir: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
+
+    from monitor import TrainerMon
+
+    torch.manual_seed(0)
+    model = ShardedInput()
+    replica = copy.deepcopy(model)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    plan = {"embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))}
+    parallelize_module(model, mesh["tp"], plan)
+    fully_shard(model.block, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    optimizer = _optimizer(model.parameters())
+    mon = TrainerMon({**ACTIVATIONS, "shard_reduce": True}).set_monitor(model, 1, optimizer)
+    x = torch.randn(2, 4, 6, generator=torch.Generator().manual_seed(7))  # the same on every rank
+    model(x).pow(2).mean().backward()
+    optimizer.step()
+    rows = mon._latest("actv")
+    mon.stop()
+    whole = flat_values(replica.embed(x))
+    save_result(workdir, rank, {"rows": {t.split("/")[0]: r for t, r in rows.items()}, "whole": whole})
+
+
+def test_a_sequence_shard_that_fsdp2_hands_a_module_as_a_view_keeps_its_mesh(tmp_path):
+    """With shard_reduce, the module's input row is the whole tensor, as the row of the output it
+    is: the view FSDP2's pre-forward makes of it was taken for a whole tensor of its own."""
+    for result in run_ranks(_sharded_input_worker, 4, str(tmp_path)):
+        rows = result["rows"]
+        for name in ("0:embed.output:0", "0:block.input:0"):
+            assert_stats_close(rows[name], np.array(result["whole"]), what=name, rel=TOLERANCE)
