@@ -47,12 +47,8 @@ logger = logging.getLogger("trainmon")
 
 def _same_view(view: torch.Tensor, base: torch.Tensor) -> bool:
     """Whether a view covers its base whole, element for element."""
-    return (
-        view.dtype == base.dtype
-        and view.shape == base.shape
-        and view.stride() == base.stride()
-        and view.storage_offset() == base.storage_offset()
-    )
+    layout = (view.dtype, view.shape, view.stride(), view.storage_offset())
+    return layout == (base.dtype, base.shape, base.stride(), base.storage_offset())
 
 
 def _row_set(rows: list[tuple[int, str, int]], rank: int, task: str, unjudged: list[bool]) -> RowSet:
