@@ -101,8 +101,9 @@ class TrainerMon(MsprobeOldNames):
         Both argument orders of msprobe are accepted: ``(model, grad_acc_steps, optimizer)`` (1.2.2)
         and ``(model, optimizer, grad_acc_steps)`` (later versions). MindSpore only:
         ``graph_mode=True`` for a training step compiled with ``mindspore.jit`` in PyNative mode,
-        whose compilation fails on any hook of a Cell it calls: nothing is hooked, and the loop
-        calls ``step_end()`` after each step, as in ``GRAPH_MODE`` (the default: the context's mode).
+        where no hook runs: nothing is hooked, and the loop calls ``step_end()`` after each step,
+        as in ``GRAPH_MODE`` (the default: the context's mode; without it, the hooks leave such a
+        step alone, record nothing in it, and say so).
         PyTorch only: ``compiled=True`` for a model passed uncompiled that runs as compiled code
         (``torch.compile`` of it, or of its ``forward``, made elsewhere, as the Hugging Face Trainer
         and Lightning do), so that the first step measured inside it runs eagerly too.

@@ -1,7 +1,7 @@
 """Graph mode: no hooks run, so parameters and Adam's moments are read from the host at each
 ``step_end()``; every statistic equals numpy's on copies made by the test. The same for a step
-compiled with ``mindspore.jit`` in PyNative mode (``set_monitor(..., graph_mode=True)``), whose
-compilation fails on any hook of the optimizer Cell."""
+compiled with ``mindspore.jit`` in PyNative mode (``set_monitor(..., graph_mode=True)``), where
+no hook runs."""
 
 from __future__ import annotations
 
