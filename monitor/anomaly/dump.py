@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import time
+import weakref
 from typing import Any
 
 from monitor.anomaly.detector import Anomaly
@@ -53,7 +54,7 @@ class AnomalyDump:
         """``owner``: what this run is to the process (its rank directory); a collection of the
         same run started again keeps the run's anomaly directory."""
         self.rank = rank
-        self.directory = _directory_of(owner or str(id(self)), os.fspath(root), rank)
+        self.directory = _directory_of(owner or str(id(self)), os.fspath(root), rank, self)
         self.path = os.path.join(self.directory, "anomaly.json")
         self.incidents_path = os.path.join(self.directory, INCIDENTS_NAME)
         self.skip_path = os.path.join(self.directory, SKIP_BATCHES_NAME)
@@ -95,8 +96,8 @@ class AnomalyDump:
     def close(self) -> None:
         if self._dirty:
             self._rewrite()
-        for owner, directory in list(_LIVE.items()):
-            if directory == self.directory:
+        for owner, (_, dump) in list(_LIVE.items()):
+            if dump() is self:
                 del _LIVE[owner]
 
     def _rewrite(self) -> None:
@@ -125,19 +126,24 @@ class AnomalyDump:
             atomic_write_text(self.skip_path, json.dumps(skip, indent=1))
 
 
-#: owner -> the anomaly directory a live run of this process writes
-_LIVE: dict[str, str] = {}
+#: owner -> (the anomaly directory a live run of this process writes, its AnomalyDump)
+_LIVE: dict[str, tuple[str, weakref.ref]] = {}
 
 
-def _directory_of(owner: str, root: str, rank: int) -> str:
+def _directory_of(owner: str, root: str, rank: int, dump: AnomalyDump) -> str:
     """``anomaly_detected/rank{R}``, or ``rank{R}-{n}`` where another monitor of this process
     writes there now (two monitors attached at once, say two trainer callbacks with different
     configs): each renamed the other's fresh files as an earlier run's and then overwrote them.
     anomaly-analyse reads both directories and ranks their records together."""
+    for key, (_, kept) in list(_LIVE.items()):
+        if kept() is None:  # dropped without close(): its directory is free
+            del _LIVE[key]
     if owner in _LIVE:
-        return _LIVE[owner]
+        directory = _LIVE[owner][0]
+        _LIVE[owner] = (directory, weakref.ref(dump))
+        return directory
     base = os.path.join(root, "anomaly_detected", f"rank{rank}")
-    taken = set(_LIVE.values())
+    taken = {directory for directory, _ in _LIVE.values()}
     directory, number = base, 1
     while directory in taken:
         number += 1
@@ -149,7 +155,7 @@ def _directory_of(owner: str, root: str, rank: int) -> str:
             base,
             directory,
         )
-    _LIVE[owner] = directory
+    _LIVE[owner] = (directory, weakref.ref(dump))
     return directory
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import math
@@ -678,11 +679,30 @@ def test_dump_keeps_the_files_of_an_earlier_run_beside_its_own(tmp_path, trainmo
     for _ in range(2):  # a second new run keeps the first one's files too
         dump = AnomalyDump(tmp_path, rank=0)
         assert _read_json(dump.path) == {}
+        dump.close()
     kept = sorted(p.name for p in directory.iterdir() if ".earlier-" in p.name)
     assert len(kept) == 4, kept  # both files of both earlier runs
     earliest = [p for p in directory.iterdir() if p.name.startswith("anomaly.json.earlier-")]
     assert sorted(p.read_text() for p in earliest) == ['{"old": {}}', "{}"]  # the old one, the first run's
     assert sum("is kept as" in m for m in trainmon_log.at(logging.WARNING)) == 4
+
+
+def test_two_live_dumps_of_one_rank_write_apart_and_one_dropped_frees_its_directory(tmp_path, trainmon_log):
+    """Two monitors attached at once each keep their files (the second renamed the first's fresh
+    ones as an earlier run's, then both overwrote them); one dropped without close() is not live."""
+    first = AnomalyDump(tmp_path, rank=0)
+    second = AnomalyDump(tmp_path, rank=0)
+    assert (first.directory, second.directory) == (
+        str(tmp_path / "anomaly_detected" / "rank0"),
+        str(tmp_path / "anomaly_detected" / "rank0-2"),
+    )
+    assert not list((tmp_path / "anomaly_detected" / "rank0").glob("*.earlier-*"))
+    second.close()
+    del first
+    gc.collect()
+    third = AnomalyDump(tmp_path, rank=0)
+    assert third.directory == str(tmp_path / "anomaly_detected" / "rank0")
+    third.close()
 
 
 def test_dump_refuses_a_symlink_at_the_file_path(tmp_path):
