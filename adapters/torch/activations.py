@@ -31,11 +31,11 @@ from typing import Any
 
 import torch
 
-from adapters.torch.compiled import traced
 from adapters.torch.dist import dtensor_type, local_tensor
 from adapters.torch.hooked_modules import HookedModule, direction_tensors_of
+from adapters.torch.kept_inputs import KeptInputs
 from adapters.torch.micro_steps import MicroSteps
-from adapters.torch.sharded.tp_activations import Piece, TensorParallelMerge, as_passed
+from adapters.torch.sharded.tp_activations import Piece, TensorParallelMerge, as_passed, passed_pieces
 from adapters.torch.stats import stack_rows, tensor_stats
 from monitor.datatypes.leaf_grads import LeafGradients
 from monitor.datatypes.modules import call_name, row_names
@@ -105,38 +105,37 @@ class Activations:
         self._dtensor = dtensor_type()
         #: the inputs the caller passed to a tensor-parallel module, before it made DTensors of them
         self._passed: dict[int, tuple] = {}
-        #: this step's tensors with a gradient hook: id -> (weak reference, version, the rows it names)
-        self._watched: dict[int, tuple[weakref.ref, int, list[tuple[int, str, int]]]] = {}
+        #: this step's tensors with a gradient hook: id -> (weak reference, version, the rows it
+        #: names, [its mesh tag], which a later module may set)
+        self._watched: dict[int, tuple[weakref.ref, int, list[tuple[int, str, int]], list]] = {}
         #: the rows some tensor's hook names this step: a checkpoint's recompute watches only those
         #: its forward could not (run without gradients, as the reentrant checkpoint runs it); a
         #: recomputed input is a detached copy whose gradient is only the checkpointed part's share
         self._watched_rows: set[tuple[int, str, int]] = set()
         self._leaves = LeafGradients(self._measure_grad)
-        #: while evidence bundles are wanted, the bytes of module inputs the step may still hold on to
-        self._keep_left = 0
-        #: this step's kept inputs: (vpp_stage, module call, micro-step) -> [(tensor, version)]
-        self.kept_inputs: dict[tuple[int, str, int], list[tuple[torch.Tensor, int]]] = {}
-        self._kept_storages: set[int] = set()
+        #: while evidence bundles are wanted, the module inputs the step holds on to for them
+        self.kept = KeptInputs(self._dtensor)
 
     def register(self) -> list:
         """Register the hooks; returns removable handles."""
         handles = [*self.micro.register(), self._leaves]
         for index, entry in enumerate(self.modules):
-            if self.backward and any(isinstance(p, self._dtensor) for p in entry.module.parameters(False)):
+            tensor_parallel = any(isinstance(p, self._dtensor) for p in entry.module.parameters(False))
+            if tensor_parallel and (self.backward or self.merge is not None):
                 passed = self._passed_hook(index)  # before tensor parallelism's own input hook
                 handles.append(entry.module.register_forward_pre_hook(passed, prepend=True, with_kwargs=True))
             handles.append(entry.module.register_forward_pre_hook(self._before(index), with_kwargs=True))
             handles.append(entry.module.register_forward_hook(self._after(index), with_kwargs=True))
             if self.merge is not None:
                 handles.append(entry.module.register_forward_hook(self._raw_output(index), prepend=True))
-        return handles
+        return handles + self.micro.register_ends()
 
     def _raw_output(self, index: int) -> Callable:
         """A hook run before the module's other forward hooks: how its outputs are spread over a
         mesh while they are still DTensors (tensor parallelism's hook then makes them local)."""
 
         def hook(module: torch.nn.Module, args: tuple, output: Any) -> None:
-            if not traced() and self.collect and module.training:
+            if self.micro.records(module, self.modules[index].vpp_stage, args):
                 self._spread(index, output)
 
         return hook
@@ -158,14 +157,14 @@ class Activations:
 
     def _passed_hook(self, index: int) -> Callable:
         def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-            if not traced() and self.collect and module.training:
+            if self.micro.records(module, self.modules[index].vpp_stage, args, kwargs):
                 self._passed[index] = (*args, *kwargs.values()) if kwargs else args
 
         return hook
 
     def _before(self, index: int) -> Callable:
         def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-            if not traced() and self.collect and module.training:
+            if self.micro.records(module, self.modules[index].vpp_stage, args, kwargs):
                 self._inputs(index, args, kwargs)
 
         return hook
@@ -181,46 +180,40 @@ class Activations:
             if self.forward and not recompute:
                 self._measure("actv", entry.vpp_stage, f"{name}.input", micro, tensors, tags)
             passed = self._passed.pop(index, None)
+            given = None if passed is None else direction_tensors_of(entry, "input", passed)
+            if given is not None and self.merge is not None and not recompute:
+                for piece, tag in passed_pieces(tensors, given, self._dtensor, self.merge):
+                    self._retag(piece, tag)
             if self.backward:
                 watched, watched_tags = tensors, tags
-                if passed is not None:
-                    watched, watched_tags = as_passed(
-                        tensors, tags, direction_tensors_of(entry, "input", passed), self._dtensor
-                    )
+                if given is not None:
+                    watched, watched_tags = as_passed(tensors, tags, given, self._dtensor, self.merge)
                 self._watch(entry.vpp_stage, f"{name}.input_grad", micro, watched, watched_tags)
-            if self._keep_left and not recompute:
-                self._keep(entry.vpp_stage, name, micro, tensors)
+            if self.kept.left and not recompute:
+                self.kept.keep(entry.vpp_stage, name, micro, tensors)
         except Exception as exc:
             self.failed("actv", exc)
 
-    def keep_inputs(self, budget: int) -> None:
-        """Drop the inputs kept so far and keep those of the coming steps' module calls, while
-        their storages total at most ``budget`` bytes (0: keep none). The session calls this at
-        every step end, once the step's evidence bundles are written."""
-        self._keep_left = budget
-        self.kept_inputs = {}
-        self._kept_storages = set()
-
-    def _keep(self, vpp: int, name: str, micro: int, tensors: list[torch.Tensor]) -> None:
-        """Hold on to a call's inputs (references, no copy) for an evidence bundle, all of them or
-        none, within the budget; a storage shared by several inputs (views, one module's output
-        feeding the next) is counted once."""
-        local = [local_tensor(t) if isinstance(t, self._dtensor) else t for t in tensors]
-        storages = {
-            storage.data_ptr(): storage.nbytes()
-            for storage in (t.untyped_storage() for t in local)
-            if storage.data_ptr() not in self._kept_storages
-        }
-        needed = sum(storages.values())
-        if not local or needed > self._keep_left:
-            return
-        self._keep_left -= needed
-        self._kept_storages.update(storages)
-        self.kept_inputs[(vpp, name, micro)] = [(t.detach(), t._version) for t in local]
+    def _retag(self, piece: torch.Tensor, tag: Piece) -> None:
+        """A plain tensor recorded this step (or the base it is a whole view of) turns out to be
+        a piece of a tensor spread over a mesh: its rows and its gradient's take the tag."""
+        for t in (
+            (piece, piece._base) if piece._base is not None and _same_view(piece, piece._base) else (piece,)
+        ):
+            hit = self._seen.get(id(t))
+            if hit is not None and hit[0]() is t and hit[3] is None:
+                self._seen[id(t)] = (*hit[:3], tag)
+                stats, tags = self._stats["actv"], self._tags["actv"]
+                for k in range(len(stats)):
+                    if stats[k] is hit[2]:
+                        tags[k] = tag
+            watched = self._watched.get(id(t))
+            if watched is not None and watched[0]() is t and watched[3][0] is None:
+                watched[3][0] = tag
 
     def _after(self, index: int) -> Callable:
         def hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-            if not traced() and self.collect and module.training:
+            if self.micro.records(module, self.modules[index].vpp_stage, args, kwargs):
                 self._outputs(index, output)
 
         return hook
@@ -333,24 +326,27 @@ class Activations:
             if tensor.is_leaf:  # a Parameter returned or received: its hook outlives the pass
                 if torch.is_grad_enabled():  # else no backward pass follows this forward
                     self._watched_rows.add((vpp, row, micro))
-                    self._leaves.watch(tensor, (vpp, row, micro), tag)
+                    self._leaves.watch(tensor, (vpp, row, micro), [tag])
                 continue
             self._watched_rows.add((vpp, row, micro))
             hit = watched.get(id(tensor))
             if hit is not None and hit[0]() is tensor and hit[1] == tensor._version:
                 hit[2].append((vpp, row, micro))
+                if hit[3][0] is None:
+                    hit[3][0] = tag
                 continue
-            rows = [(vpp, row, micro)]
-            watched[id(tensor)] = (weakref.ref(tensor), tensor._version, rows)
-            tensor.register_hook(functools.partial(self._measure_grad, rows, tag))
+            rows, tagged = [(vpp, row, micro)], [tag]
+            watched[id(tensor)] = (weakref.ref(tensor), tensor._version, rows, tagged)
+            tensor.register_hook(functools.partial(self._measure_grad, rows, tagged))
 
-    def _measure_grad(self, rows: list[tuple[int, str, int]], tag: Piece | None, grad: torch.Tensor) -> None:
-        """A watched tensor's gradient hook: the gradient fills each row naming it."""
+    def _measure_grad(self, rows: list[tuple[int, str, int]], tagged: list, grad: torch.Tensor) -> None:
+        """A watched tensor's gradient hook: the gradient fills each row naming it, with the
+        tensor's mesh tag (``tagged[0]``, set by the time the backward runs)."""
         if not self.collect:
             return
         try:
             for vpp, name, micro in rows:  # the gradient is measured once (``_seen``)
-                self._measure("actv_grad", vpp, name, micro, [grad], [tag])
+                self._measure("actv_grad", vpp, name, micro, [grad], tagged)
         except Exception as exc:
             self.failed("actv_grad", exc)
 

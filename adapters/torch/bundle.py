@@ -97,17 +97,17 @@ def _add_module_inputs(kept: TensorBudget, session: Any, incident: dict[str, Any
     """The inputs of the first module the incident's records point at whose inputs this step kept
     (at the onset micro-batch where there are several); returns what the manifest says of them."""
     activations = session.collection.activations
-    if activations is None or not activations.kept_inputs:
+    if activations is None or not activations.kept.inputs:
         return None
     micro = int(incident.get("onset_micro_step", 0))
     for vpp, call in module_calls_of_records([incident.get("root", {}), *incident.get("records", [])]):
-        steps = sorted(m for v, c, m in activations.kept_inputs if (v, c) == (vpp, call))
+        steps = sorted(m for v, c, m in activations.kept.inputs if (v, c) == (vpp, call))
         if not steps:
             continue
         chosen = micro if micro in steps else steps[-1]
         module = f"{vpp}:{call or '[the model]'}"  # the root module's call has no name of its own
         changed = []
-        for index, (tensor, version) in enumerate(activations.kept_inputs[(vpp, call, chosen)]):
+        for index, (tensor, version) in enumerate(activations.kept.inputs[(vpp, call, chosen)]):
             if tensor._version != version:  # written in place after the call: not what the module saw
                 changed.append(index)
                 continue

@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 import torch
 
-from adapters.torch.compiled import traced
+from adapters.torch.dist import local_tensor
 from adapters.torch.lanczos import GramBatches, alone, lanczos, padded, top_eigenpairs
 from adapters.torch.micro_steps import MicroSteps
 from adapters.torch.sharded.fsdp_internals import FlatSlot
@@ -49,11 +49,12 @@ def is_linear(module: torch.nn.Module, flattened: Container[int] = ()) -> bool:
 
 
 def sharded(weight: torch.Tensor) -> bool:
-    """A weight this rank holds only a piece of: a DTensor (FSDP2, tensor parallelism), an empty
-    ZeRO-3 partition, or a Megatron tensor-parallel shard. A piece's singular values are not the
-    weight's, so such weights are not measured."""
+    """A weight this rank holds only a piece of: a DTensor spread over its mesh (FSDP2, tensor
+    parallelism; not one replicated on every rank, as ``SequenceParallel`` leaves a module's), an
+    empty ZeRO-3 partition, or a Megatron tensor-parallel shard. A piece's singular values are
+    not the weight's, so such weights are not measured."""
     return (
-        hasattr(weight, "to_local")
+        (hasattr(weight, "to_local") and not all(p.is_replicate() for p in weight.placements))
         or weight.numel() == 0
         or bool(getattr(weight, "tensor_model_parallel", False))
     )
@@ -139,11 +140,11 @@ class L2Features(L2Steps):
         handles = self.micro.register()
         for index, (_, _, module) in enumerate(self.attention):
             handles.append(module.register_forward_hook(self._hook(index)))
-        return handles
+        return handles + self.micro.register_ends()
 
     def _hook(self, index: int) -> Callable:
         def hook(module: torch.nn.Module, args: tuple, output: Any) -> None:
-            if not traced() and self.collect and module.training:
+            if self.micro.records(module, self.attention[index][0], args):
                 self._measure(index, args)
 
         return hook
@@ -201,6 +202,7 @@ class L2Features(L2Steps):
                     runs.append(self._lanczos([index], one, layout.size, piece.device))
                     continue
                 weight = linear_weight(module)
+                weight = local_tensor(weight) if hasattr(weight, "to_local") else weight  # a replica
                 copied = weight.dtype != torch.float32
                 weight = weight.detach().float()
                 frobenius[index] = torch.linalg.vector_norm(weight)

@@ -318,7 +318,7 @@ class TorchSession(SessionLifecycle):
         self.skipped_grads = {}  # the step's bundles are written: the dropped gradients may go
         activations = self.collection.activations if self.collection is not None else None
         if activations is not None:
-            activations.keep_inputs(budget)
+            activations.kept.start(budget)
 
     def _skip_update(self) -> None:
         """torch.optim optimizers leave a parameter without a gradient alone: its value, moments

@@ -38,36 +38,65 @@ from adapters.torch.sharded.shards import shard_reduce
 logger = logging.getLogger("trainmon")
 
 
-def as_passed(
-    tensors: list[torch.Tensor], tags: list | None, passed: list[torch.Tensor], dtensor: type | tuple
-) -> tuple[list[torch.Tensor], list | None]:
-    """The tensors whose gradients are a module's input gradients: a replicated DTensor that
-    tensor parallelism made from the plain tensor of the same shape the caller passed
-    (``ColwiseParallel``'s input) is replaced by that tensor. Its gradient is the whole
-    dL/d(input): the module's share, which the DTensor's backward all-reduces, plus those of the
-    tensor's other users (a residual branch), as without tensor parallelism; the DTensor's own
-    is the module's share alone. A replica, the same on every rank, it carries no mesh tag."""
-    if len(passed) != len(tensors):
-        return tensors, tags
-    out, out_tags = list(tensors), None if tags is None else list(tags)
-    for k, (made, given) in enumerate(zip(tensors, passed)):
-        if (
-            isinstance(made, dtensor)
-            and not isinstance(given, dtensor)
-            and given.requires_grad
-            and given.shape == made.shape
-            and all(placement.is_replicate() for placement in made.placements)
-        ):
-            out[k] = given
-            if out_tags is not None:
-                out_tags[k] = None
-    return out, out_tags
-
-
 #: a measured tensor's tag: (the ranks of its 1-D mesh, this rank's element count to merge)
 Piece = tuple[tuple[int, ...], int]
 #: a raw module output's shape on the mesh: (mesh ranks, whole element count, at coordinate 0)
 Spread = tuple[tuple[int, ...], int, bool]
+
+
+def as_passed(
+    tensors: list[torch.Tensor],
+    tags: list | None,
+    passed: list[torch.Tensor],
+    dtensor: type | tuple,
+    merge: TensorParallelMerge | None,
+) -> tuple[list[torch.Tensor], list | None]:
+    """The tensors whose gradients are a module's input gradients: a DTensor that tensor
+    parallelism made from a plain tensor the caller passed is replaced by that tensor. Its
+    gradient is the whole dL/d(input): the module's share, plus those of the tensor's other
+    users (a residual branch), as without tensor parallelism; the DTensor's own is the module's
+    share alone. A replica (``ColwiseParallel``'s input: the same shape, the same on every rank)
+    carries no mesh tag; a piece (``SequenceParallel``'s input, this rank's part of the
+    sequence: the DTensor's local shape) is tagged as the DTensor is spread."""
+    if len(passed) != len(tensors):
+        return tensors, tags
+    out, out_tags = list(tensors), None if tags is None else list(tags)
+    for k, (made, given) in enumerate(zip(tensors, passed)):
+        if isinstance(made, dtensor) and not isinstance(given, dtensor) and given.requires_grad:
+            tag = _passed_tag(made, given, merge)
+            if tag is not False:
+                out[k] = given
+                if out_tags is not None:
+                    out_tags[k] = tag
+    return out, out_tags
+
+
+def passed_pieces(
+    tensors: list[torch.Tensor], passed: list[torch.Tensor], dtensor: type | tuple, merge: TensorParallelMerge
+) -> list[tuple[torch.Tensor, Piece]]:
+    """The plain tensors the caller passed that are pieces of a DTensor tensor parallelism made
+    of them (a sequence part), with their tags: what a plain module before recorded of them
+    (a block's output, a residual sum) is such a piece too."""
+    if len(passed) != len(tensors):
+        return []
+    found = []
+    for made, given in zip(tensors, passed):
+        if isinstance(made, dtensor) and not isinstance(given, dtensor):
+            tag = _passed_tag(made, given, merge)
+            if tag:
+                found.append((given, tag))
+    return found
+
+
+def _passed_tag(made: Any, given: torch.Tensor, merge: TensorParallelMerge | None) -> Piece | bool | None:
+    """The tag of a plain tensor a DTensor was made of: None for a replica, a piece's tag (None
+    without ``merge``), or False when the DTensor is not made of it."""
+    placements = made.placements
+    if given.shape == made.shape and all(p.is_replicate() for p in placements):
+        return None
+    if given.shape == local_tensor(made).shape and all(p.is_replicate() or p.is_shard() for p in placements):
+        return merge.piece(given, merge.spread(made)) if merge is not None else None
+    return False
 
 
 class TensorParallelMerge:

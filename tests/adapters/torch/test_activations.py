@@ -489,3 +489,52 @@ def test_a_parameter_a_module_returns_or_receives_gets_each_micro_batchs_gradien
         assert len(names) == len(set(names)) and per_micro[0] == per_micro[1], sorted(names)
     mon.stop()
     assert not model.a.bias._backward_hooks and not model.weight._backward_hooks
+
+
+@pytest.mark.parametrize("without_grad", [torch.no_grad, torch.inference_mode])
+def test_a_forward_without_backward_in_training_mode_is_no_micro_step(without_grad):
+    """An RL step's old log-probabilities, a sample generated in a callback (from the model or
+    from a submodule, as a wrapped language model's ``generate``): the model is in training mode
+    but gradients are off, so no backward follows; micro-steps 0 and 1 stay the two micro-batches
+    that train, under the modules' own names."""
+    model = nn.Sequential(nn.Linear(2, 3))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = TrainerMon({"xy_distribution": True, "all_xy": True, "ops": ["min", "max"], "format": "api"})
+    mon.set_monitor(model, grad_acc_steps=2, optimizer=optimizer)
+    weight, bias = model[0].weight.detach().numpy().copy(), model[0].bias.detach().numpy().copy()
+    inputs = [torch.randn(4, 2) for _ in range(2)]
+    with without_grad():
+        model(torch.full((4, 2), 100.0))
+    for x in inputs:
+        with without_grad():
+            model(torch.full((4, 2), -100.0))
+            model[0](torch.full((4, 2), 50.0))
+        model(x).sum().backward()
+    optimizer.step()
+    latest = mon._session.core.latest
+    actv, grads = latest.latest("actv"), latest.latest("actv_grad")
+    mon.stop()
+    assert {tag.split(":")[2].split("/")[0] for tag in actv} == {"0", "1"}
+    assert not [tag for tag in [*actv, *grads] if "[" in tag]  # no call counted before the training's
+    for micro, x in enumerate(inputs):
+        expected = x.numpy() @ weight.T + bias
+        row = actv[f"0:0.output:{micro}/rank0/actv"]
+        np.testing.assert_allclose([row["min"], row["max"]], [expected.min(), expected.max()], rtol=1e-6)
+        assert grads[f"0:0.output_grad:{micro}/rank0/actv_grad"]["min"] == 1.0
+
+
+def test_a_root_checkpointed_reentrantly_is_still_counted():
+    """The reentrant checkpoint runs its first forward with gradients off; an input that
+    requires them says a backward follows."""
+    model = nn.Sequential(nn.Linear(2, 3))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = TrainerMon({"xy_distribution": True, "all_xy": True, "ops": ["min", "max"], "format": "api"})
+    mon.set_monitor(model, grad_acc_steps=2, optimizer=optimizer)
+    for _ in range(2):
+        checkpoint(model, torch.randn(4, 2, requires_grad=True), use_reentrant=True).sum().backward()
+    optimizer.step()
+    latest = mon._session.core.latest
+    actv, grads = set(latest.latest("actv")), set(latest.latest("actv_grad"))
+    mon.stop()
+    assert {f"0:0.output:{micro}/rank0/actv" for micro in (0, 1)} <= actv
+    assert {f"0:0.output_grad:{micro}/rank0/actv_grad" for micro in (0, 1)} <= grads

@@ -19,6 +19,11 @@ as a partial sum over the tp ranks, which every gradient row must complete (one 
 sum is not its gradient); ``up`` is column-parallel on the gathered sequence, ``down``
 row-parallel back to sequence shards. The replica sees the whole sequence.
 
+Sequence parallelism on a residual block, ``h = mix(inp(x)); h + down(relu(up(norm(h))))``:
+``inp`` is ``SequenceParallel`` handing on plain sequence parts, ``mix`` a plain module on them:
+its rows are pieces too (``norm`` is made of its output), and ``norm``'s input gradient is the
+whole dL/dh, the residual's share included.
+
 Tensor parallelism alone on a residual block, ``h + down(relu(up(h)))`` after a plain ``inp``: the
 column-parallel ``up``'s input gradient is the whole dL/dh, the residual branch's share included,
 as the replica's (tensor parallelism hands ``up`` a DTensor made from h, whose own gradient is
@@ -88,6 +93,20 @@ class SequenceBlock(torch.nn.Module):
         return self.down(torch.relu(self.up(self.norm(x))))
 
 
+class SequenceResidualBlock(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(6, 6)
+        self.mix = torch.nn.Tanh()
+        self.norm = torch.nn.LayerNorm(6)
+        self.up = torch.nn.Linear(6, 16)
+        self.down = torch.nn.Linear(16, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.mix(self.inp(x))
+        return h + self.down(torch.relu(self.up(self.norm(h))))
+
+
 class ResidualBlock(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -120,6 +139,7 @@ LAYOUTS = {
     "tp-sequence-parallel": Layout(dp=1, tp=2, sequence_parallel=True),
     "tp-accumulation": Layout(dp=1, tp=2, micro_batches=2),
     "tp-residual": Layout(dp=1, tp=2, residual=True),
+    "tp-sequence-residual": Layout(dp=1, tp=2, sequence_parallel=True, residual=True),
 }
 
 
@@ -136,7 +156,7 @@ def _parallel(layout: Layout) -> tuple[torch.nn.Module, torch.nn.Module]:
 
     torch.manual_seed(0)
     if layout.sequence_parallel:
-        model = SequenceBlock()
+        model = SequenceResidualBlock() if layout.residual else SequenceBlock()
         with torch.no_grad():  # not LayerNorm's initial ones and zeros, which hide a wrong sum
             model.norm.weight.uniform_(0.5, 1.5)
             model.norm.bias.uniform_(-0.5, 0.5)
@@ -147,6 +167,8 @@ def _parallel(layout: Layout) -> tuple[torch.nn.Module, torch.nn.Module]:
             "up": ColwiseParallel(input_layouts=Shard(1)),
             "down": RowwiseParallel(output_layouts=Shard(1)),
         }
+        if layout.residual:
+            plan["inp"] = SequenceParallel(use_local_output=True)
         parallelize_module(model, mesh, plan)
         return model, replica
     model = ResidualBlock() if layout.residual else Block()
@@ -256,8 +278,10 @@ def _worker(rank: int, world_size: int, workdir: str, layout: Layout) -> None:
     for step in range(STEPS):
         replica.zero_grad()
         batch = _batch(layout, dp_rank, step)
-        up_input = replica.norm(batch) if layout.sequence_parallel else batch
-        up_input = replica.inp(batch) if layout.residual else up_input
+        if layout.sequence_parallel:
+            up_input = replica.norm(replica.mix(replica.inp(batch)) if layout.residual else batch)
+        else:
+            up_input = replica.inp(batch) if layout.residual else batch
         hidden = replica.up(up_input)  # column-parallel: this rank holds columns of it
         columns = hidden.shape[-1] // layout.tp
         up_output = flat_values(hidden[..., tp_rank * columns : (tp_rank + 1) * columns])
