@@ -17,6 +17,7 @@ import time
 from typing import Any
 
 from monitor.anomaly.ordering import place_in_step
+from monitor.anomaly.root import phase_of
 from monitor.files import FILE_MODE, make_private_dir
 
 Message = dict[str, Any]
@@ -67,13 +68,15 @@ def read_claims(directory: str, since: float) -> dict[int, Message | None]:
 
 def job_message(own: Message, rank: int, claims: dict[int, Message | None]) -> Message:
     """What the delivering rank sends: of its own message and the ranks' claimed ones, the one
-    whose root ranks earliest in the step (then the lowest rank), with ``ranks``, every rank
-    whose incident began at this step, and ``delivered_by``."""
+    whose root ranks earliest in the step (then in the causal phase, a local gradient before
+    the reduced one measured at the same place; then the lowest rank), with ``ranks``, every
+    rank whose incident began at this step, and ``delivered_by``."""
     messages = {**{r: m for r, m in claims.items() if m is not None}, rank: own}
 
     def place(item: tuple[int, Message]) -> tuple:
         r, message = item
-        return (*place_in_step(str(message.get("tag") or ""), int(message.get("micro_step") or 0)), r)
+        tag = str(message.get("tag") or "")
+        return (*place_in_step(tag, int(message.get("micro_step") or 0)), phase_of({"tag_name": tag}), r)
 
     root_rank, chosen = min(messages.items(), key=place)
     ranks = sorted({*claims, rank})

@@ -185,6 +185,8 @@ class WebhookSink:
                 with _opener(deadline).open(request, timeout=self.spec.timeout_s) as response:
                     status = response.status
                     answer = response.read(_ANSWER_BYTES)
+                if deadline.expired:  # the shut-down socket ended the read early: a cut-off answer
+                    raise TimeoutError
             except urllib.error.HTTPError as exc:
                 if 300 <= exc.code < 400:
                     raise OSError(

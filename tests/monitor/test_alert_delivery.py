@@ -279,18 +279,21 @@ def claim_of(root, step: int, rank: int, tag: str, micro_step: int = 0, age: flo
     os.utime(path, (time.time() - age, time.time() - age))
 
 
-def test_the_one_message_names_the_rank_whose_root_comes_first_in_the_step(tmp_path, quick):
+@pytest.mark.parametrize("root", ["0:layers.2.output:0/rank1/actv", "0:layers.2.bias/rank1/acc_grad"])
+def test_the_one_message_names_the_rank_whose_root_comes_first_in_the_step(tmp_path, quick, root):
     """Rank 1's NaN input reached rank 0 through the gradient all-reduce: rank 0, the lowest,
-    delivers, and names rank 1's forward root rather than its own reduced gradient."""
+    delivers, and names rank 1's root (its forward activation, or with weight gradients alone
+    its local gradient, measured at the same place in the step) rather than its own reduced
+    gradient."""
     out = tmp_path / "lowest.jsonl"
     alerts = alerts_of([{"type": "file", "path": str(out)}], 0, tmp_path)
-    claim_of(tmp_path, 20, 1, "0:layers.2.output:0/rank1/actv")
+    claim_of(tmp_path, 20, 1, root)
     alerts.incident(incident(step=20, rank=0), None)  # its root: a reduced gradient (post_grad)
     alerts.close()
     (message,) = lines(out)
     assert (message["rank"], message["tag"], message["delivered_by"], message["ranks"]) == (
         1,
-        "0:layers.2.output:0/rank1/actv",
+        root,
         0,
         [0, 1],
     )

@@ -447,3 +447,31 @@ def test_a_single_process_delivers_at_once_and_what_close_leaves_undelivered_is_
     with caplog.at_level(logging.WARNING, logger="trainmon"):
         alerts.close()  # one delivery under way past the 2 s, one still queued
     assert "2 alert message(s) not delivered in the 2 s left to it at the run's end" in caplog.text
+
+
+def test_a_200_whose_body_is_cut_off_at_the_timeout_is_no_delivery(quick):
+    """The status and headers come at once, the body a byte every 0.2 s: the answer is not
+    complete within ``timeout_s``, so the message is not taken as delivered (it is retried)."""
+    from monitor.alerts.sinks import WebhookSink
+
+    release = threading.Event()
+
+    def trickle(connection: socket.socket) -> None:
+        with connection:
+            connection.recv(65536)
+            connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n")
+            for _ in range(100):
+                if release.wait(0.2):
+                    return
+                connection.sendall(b"x")
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}/hook"
+    threading.Thread(target=lambda: trickle(listener.accept()[0]), daemon=True).start()
+    (spec,) = load_config({"alert": {"sinks": [{"type": "webhook", "url": url, "timeout_s": 1}]}}).alert.sinks
+    try:
+        with pytest.raises(OSError, match=r"no complete answer within timeout_s \(1 s\)"):
+            WebhookSink(spec).deliver({"step": 3})
+    finally:
+        release.set()
+        listener.close()
