@@ -9,6 +9,7 @@ hold keys of its other versions), an unknown key inside another section is an er
 
 from __future__ import annotations
 
+import difflib
 import importlib.util
 import json
 import os
@@ -48,6 +49,8 @@ CC_KEYS = ("enable", "cc_codeline", "cc_pre_hook", "cc_log_only")
 L2_HOOK_KEYS = ("linear_hook", "attention_hook")
 L2_HEAD_CHOICES = ("first", "all", "each")
 ALERT_KEYS = ("rules", "dump", "non_finite", "sinks", "actions", "bundle")
+#: the keys of ``alert`` that msprobe does not have: a key close to one of them is a typo of ours
+OWN_ALERT_KEYS = ("non_finite", "sinks", "actions", "bundle")
 DEFAULT_COLLECT_TIMES = 100_000_000
 
 
@@ -341,13 +344,21 @@ def _alert(value: Any) -> AlertConfig:
     for key in value:
         if not isinstance(key, str):
             raise ConfigError(f"alert: keys must be strings, got {describe(key)}")
-        if key not in ALERT_KEYS:
+        close = difflib.get_close_matches(key.lower(), ALERT_KEYS, n=1)
+        if key not in ALERT_KEYS and close and close[0] in OWN_ALERT_KEYS:
+            raise unknown_key(
+                f"alert.{key}",
+                key,
+                ALERT_KEYS,
+                "unknown key (a misspelt key of ours would leave alerts going nowhere)",
+            )
+        if key not in ALERT_KEYS:  # msprobe's later releases may add keys there
             warn_unknown(key, ALERT_KEYS, "alert.")
     rules_raw = value.get("rules", [])
     if not isinstance(rules_raw, list):
         raise ConfigError(f"alert.rules: expected a list of rules, got {describe(rules_raw)}")
     rules = tuple(_rule(spec, f"alert.rules[{i}]") for i, spec in enumerate(rules_raw))
-    return AlertConfig(
+    alert = AlertConfig(
         rules=rules,
         dump=as_bool(value.get("dump", False), "alert.dump"),
         non_finite=as_bool(value.get("non_finite", True), "alert.non_finite"),
@@ -355,6 +366,12 @@ def _alert(value: Any) -> AlertConfig:
         actions=parse_actions(value.get("actions", [])),
         bundle=parse_bundle(value.get("bundle")),
     )
+    if not rules and not alert.non_finite and (alert.sinks or alert.actions or alert.bundle):
+        warn(
+            "alert: no rules and non_finite false: no incident can happen, so alert.sinks, "
+            "alert.actions and alert.bundle never act; add a rule or leave non_finite on"
+        )
+    return alert
 
 
 def _rule(spec: Any, path: str) -> RuleSpec:

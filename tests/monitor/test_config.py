@@ -239,6 +239,24 @@ def test_unknown_key_far_from_every_known_key_warns_without_a_suggestion(trainmo
     assert "did you mean" not in warnings[0]
 
 
+def test_a_misspelt_alert_key_of_ours_is_refused_and_one_of_msprobes_warned(trainmon_log):
+    """``alert.sink`` would leave every incident undelivered: refused at the door; a key close
+    to msprobe's own (``rule``) may be one of its later releases': warned, as at the top level."""
+    with pytest.raises(ConfigError, match=r"alert\.sink: unknown key .*; did you mean 'sinks'\?"):
+        load_config({"alert": {"sink": [{"type": "file", "path": "x.jsonl"}]}})
+    config = load_config({"alert": {"rule": []}})
+    (warning,) = trainmon_log.at(logging.WARNING)
+    assert "'alert.rule' ignored; did you mean 'rules'?" in warning and config.alert.rules == ()
+
+
+def test_sinks_that_no_incident_can_reach_are_warned_about(trainmon_log):
+    load_config({"alert": {"non_finite": False, "sinks": [{"type": "file", "path": "x.jsonl"}]}})
+    (warning,) = trainmon_log.at(logging.WARNING)
+    assert "no incident can happen" in warning
+    load_config({"alert": {"sinks": [{"type": "file", "path": "x.jsonl"}]}})  # NaN/Inf still alert
+    assert len(trainmon_log.at(logging.WARNING)) == 1
+
+
 def test_reference_internal_keys_do_not_warn(trainmon_log):
     load_config({"is_select": True, "opt_ty": "Megatron_DistributedOptimizer"})
     assert trainmon_log.at(logging.WARNING) == []
