@@ -26,6 +26,12 @@ DEFAULT_QUEUE_SIZE = 256
 PUT_TIMEOUT_S = 60.0
 #: how long the end of a collected step waits for it to be written (crash safety).
 STEP_WAIT_S = 10.0
+#: the longest the writer thread sleeps on an empty queue before it looks again: a Ctrl-C that
+#: lands inside ``queue.put`` can lose the wake-up of the item just queued (the stop at exit too)
+WAKE_S = 1.0
+#: how long ``close()`` waits for a writer thread that makes no progress (a sink stuck in a write
+#: to a dead file system) before it leaves it: the process must still be able to exit
+CLOSE_STALL_S = 60.0
 
 
 class Writer(Protocol):
@@ -99,6 +105,8 @@ class WriterThread:
         self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
         self._closed = False
         self._dropped = 0
+        #: items the thread has taken from the queue: its progress, for ``close()``
+        self._handled = 0
         self._wait_for_steps = True
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -151,11 +159,25 @@ class WriterThread:
         atexit.unregister(self._atexit)
         if self._thread.is_alive():
             self._queue.put(_STOP)
-            self._thread.join()
+            self._join()
         if self._dropped:
             logger.warning(
                 "trainmon: %d records were dropped because the writer could not keep up", self._dropped
             )
+
+    def _join(self) -> None:
+        """Wait for the thread to drain the queue and end, as long as it makes progress."""
+        handled, still = self._handled, 0.0
+        while self._thread.is_alive():
+            self._thread.join(WAKE_S)
+            handled, still = self._handled, (still + WAKE_S if self._handled == handled else 0.0)
+            if still >= CLOSE_STALL_S and self._thread.is_alive():
+                logger.warning(
+                    "trainmon: the writer made no progress for %.0f s at the end of the run (a sink "
+                    "stuck in a write?); the outputs may miss their last steps",
+                    CLOSE_STALL_S,
+                )
+                return
 
     def _put(self, item: object) -> bool:
         """Queue an item; False when it was not queued (closed, or the queue stayed full)."""
@@ -172,11 +194,12 @@ class WriterThread:
         idle_work = True  # whether a sink may have background work for an empty queue
         while True:
             try:
-                item = self._queue.get(block=not idle_work)
+                item = self._queue.get(block=False) if idle_work else self._queue.get(timeout=WAKE_S)
             except queue.Empty:
-                idle_work = self._idle()
+                idle_work = self._idle() if idle_work else False
                 continue
             idle_work = True
+            self._handled += 1
             if item is _STOP:
                 break
             if isinstance(item, StepRecord):

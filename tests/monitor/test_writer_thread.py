@@ -289,3 +289,42 @@ def test_a_sink_whose_background_work_fails_is_switched_off_and_the_others_go_on
     ]
     assert ("write", "grad_reduced", 1) not in [e[:3] for e in failing.events]
     assert "BackgroundSink failed in idle" in caplog.text
+
+
+def test_a_lost_wake_up_does_not_keep_the_writer_asleep_at_close():
+    """A Ctrl-C that lands inside ``queue.put`` (at random, so simulated here: every wake-up is
+    lost) left the writer asleep on its empty queue and the process waiting for it at exit for
+    ever; the writer looks at its queue again within a second."""
+    sink = RecordingSink()
+    writer = WriterThread([sink])
+    time.sleep(0.2)  # the writer is asleep on the empty queue
+    writer._queue.not_empty.notify = lambda n=1: None
+    writer.submit(_record(3))
+    closing = threading.Thread(target=writer.close, daemon=True)
+    closing.start()
+    closing.join(10)
+    assert not closing.is_alive()
+    assert sink.events == [("write", "grad_reduced", 3, [[3.0], [-3.0]])] and sink.closed == 1
+
+
+def test_close_leaves_a_writer_stuck_in_a_sink_and_says_so(monkeypatch, trainmon_log):
+    """A sink stuck in a write (a dead file system) must not keep the process from exiting."""
+    import monitor.writers.base as base
+
+    monkeypatch.setattr(base, "WAKE_S", 0.05)
+    monkeypatch.setattr(base, "CLOSE_STALL_S", 1.0)
+    release = threading.Event()
+
+    class StuckSink(RecordingSink):
+        def write(self, record: StepRecord) -> None:
+            release.wait(30)
+
+    writer = WriterThread([StuckSink()])
+    writer.submit(_record(1))
+    started = time.monotonic()
+    writer.close()
+    waited = time.monotonic() - started
+    release.set()
+    assert waited < 10
+    (warning,) = trainmon_log.at(logging.WARNING)
+    assert "the writer made no progress for 1 s at the end of the run" in warning
