@@ -29,7 +29,8 @@ MEANINGS = {
         "not `layers.10.*`. Raw, squashed and `N:`-prefixed spellings match; a leading `module.` "
         "(DDP) is optional, in the key as in the name (a config written for a DDP run selects the "
         "same modules without the wrapper). A plain list of names is accepted too. A key that "
-        "names no module or parameter of the model is warned about at attach, with the closest name."
+        "names no module or parameter of the model is warned about at attach, with the closest name where "
+        "one is close (else how to list them: print_struct)."
     ),
     "wg_distribution": (
         "weight gradients: `grad_unreduced` (each rank's local gradient, accumulated over the "

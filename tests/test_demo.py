@@ -56,7 +56,9 @@ def test_analysing_steps_without_an_incident_says_so(tmp_path, capsys):
     assert main(["-d", str(out), "-s", "[25]"]) == 0
     assert "1 incident(s) (steps [25]), earliest first:" in capsys.readouterr().out
     assert main(["-d", str(out), "-s", "[3, 4]"]) == 0
-    assert "0 incidents (steps [3, 4])" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "0 incidents (steps [3, 4])" in printed and "No anomalies (steps [3, 4])." in printed
+    assert "Top 0" not in printed
 
 
 def test_demo_without_spike_reports_no_anomaly(tmp_path):
@@ -150,6 +152,26 @@ def test_demo_reports_a_stop_its_config_asked_for(tmp_path):
     trained = int(done.stdout.split("GPT-like model for ")[1].split(" steps")[0])
     assert 11 <= trained < 20  # the faulty step ran (its update with it), the rest did not
     assert "at the step the run stopped)." in done.stdout  # its loss is the spiked one, said so
+
+
+def test_demo_with_evidence_bundles_says_how_to_read_them(tmp_path):
+    from adapters.torch.demo_command import DEMO_TEMPLATE, template_path
+
+    with open(template_path(DEMO_TEMPLATE), encoding="utf-8") as handle:
+        template = handle.read()
+    (tmp_path / "bundle.yaml").write_text(
+        template.replace("  dump: true\n", "  dump: true\n  bundle: {incidents: 1}\n")
+    )
+    out = tmp_path / "run"
+    done = _demo(
+        "--steps", "20", "--spike-step", "10", "--config", "bundle.yaml", "--output", str(out), cwd=tmp_path
+    )
+    assert done.returncode == 0, done.stderr
+    (bundle,) = [line for line in done.stdout.splitlines() if "trainmon bundle show" in line]
+    path = bundle.split("trainmon bundle show ")[1].split()[0]
+    assert os.path.isdir(path) and path.startswith(
+        str(out / "anomaly_detected" / "rank0" / "bundle_incident")
+    )
 
 
 def test_console_script_is_installed():

@@ -152,6 +152,8 @@ def _run_demo(args: argparse.Namespace) -> int:
         print("Detected:    no anomalies")
     if incidents and os.path.isdir(anomaly_dir):
         print(f"Next:        trainmon anomaly-analyse -d {summary['root']}")
+        for bundle in sorted(glob.glob(os.path.join(anomaly_dir, "rank*", "bundle_incident*")))[:1]:
+            print(f"             trainmon bundle show {bundle}   (the evidence kept)")
     if os.path.isdir(os.path.join(summary["output_dir"], "values")):  # format: parquet
         pattern = os.path.join(summary["root"], "*", "values", "*", "*.parquet")
         print(f"Query it:    SELECT * FROM read_parquet('{pattern}', hive_partitioning = true)  -- DuckDB")

@@ -147,8 +147,30 @@ def _convert(command: str, convert: Callable[..., str], args: argparse.Namespace
         return 2
     print(f"Written:     {out}")
     for hint in hints:
-        print(hint.format(out=out))
+        print(hint.format(out=out, monitor=monitor_path))
+    _say_earlier_conversions(out, monitor_path)
     return 0
+
+
+def _say_earlier_conversions(out: str, monitor_path: str) -> None:
+    """Name the conversions an earlier command left beside this one: TensorBoard pointed at the
+    monitor directory shows each of them as runs of their own."""
+    suffix = out.rstrip(os.sep).rpartition("-")[2]
+    if os.path.dirname(os.path.abspath(out)) != os.path.abspath(monitor_path):
+        return
+    try:
+        earlier = sorted(
+            name
+            for name in os.listdir(monitor_path)
+            if name.endswith(f"-{suffix}") and os.path.join(monitor_path, name) != out.rstrip(os.sep)
+        )
+    except OSError:
+        return
+    if earlier:
+        print(
+            f"Note:        {len(earlier)} earlier conversion(s) in {monitor_path} ({', '.join(earlier)}): "
+            "TensorBoard shows them as runs too; remove what you no longer need"
+        )
 
 
 def add_csv2tb_arguments(parser: argparse.ArgumentParser) -> None:
@@ -160,7 +182,13 @@ def run_csv2tb(args: argparse.Namespace) -> int:
     """``trainmon csv2tb``."""
     from dashboards.convert.csv2tb import csv2tensorboard_by_step
 
-    return _convert("csv2tb", csv2tensorboard_by_step, args, "Look at it:  tensorboard --logdir {out}")
+    return _convert(
+        "csv2tb",
+        csv2tensorboard_by_step,
+        args,
+        "Look at it:  tensorboard --logdir {out}",
+        "         or  tensorboard --logdir {monitor}   (the trainmon tab as well)",
+    )
 
 
 def add_csv2db_arguments(parser: argparse.ArgumentParser) -> None:

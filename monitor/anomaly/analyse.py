@@ -205,9 +205,11 @@ def report_anomalies(paths: list[str], k: int, steps: frozenset[int] | None, out
             print()
         elif with_incidents:
             print(f"0 incidents ({scope})\n")
-        print(f"Top {len(records)} of {summary.records_selected} anomalies ({scope}):")
         if records:
+            print(f"Top {len(records)} of {summary.records_selected} anomalies ({scope}):")
             print(format_table(records))
+        else:
+            print(f"No anomalies ({scope}).")
         if status == 0:
             print(f"written to {out_file}" + (f" and {incidents_file}" if with_incidents else ""))
         print(summary.line())

@@ -395,3 +395,20 @@ def test_a_message_logged_under_a_progress_bar_starts_a_line_of_its_own(monkeypa
     said = [line for line in screen.getvalue().replace("\r", "\n").splitlines() if "rows written" in line]
     assert said and all(line.startswith(("[trainmon]", "rows")) for line in said), said
     assert not logger.filters  # the bar took its filter away
+
+
+def test_csv2tb_says_where_the_trainmon_tab_is_and_names_earlier_conversions(tmp_path, capsys):
+    """Each csv2tb writes a new conversion into the monitor directory: a second one says that
+    TensorBoard pointed there shows the first as runs too."""
+    write_run(tmp_path)
+    description, add_arguments, run = COMMANDS["csv2tb"]
+    parser = argparse.ArgumentParser(description=description)
+    add_arguments(parser)
+    args = ["-d", str(tmp_path), "--types", "grad_reduced", "-j", "1", "--no-progress"]
+    assert run(parser.parse_args(args)) == 0
+    first = capsys.readouterr().out
+    assert f"tensorboard --logdir {tmp_path}   (the trainmon tab as well)" in first and "Note:" not in first
+    (converted,) = [p.name for p in tmp_path.iterdir() if p.name.endswith("-csv2tensorboard_by_step")]
+    (tmp_path / converted).rename(tmp_path / f"Jan01_00-00-00-{converted.rpartition('-')[2]}")  # made earlier
+    assert run(parser.parse_args(args)) == 0
+    assert "Note:        1 earlier conversion(s)" in capsys.readouterr().out
