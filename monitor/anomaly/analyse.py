@@ -108,7 +108,8 @@ class UsageError(Exception):
 
 
 def parse_step_list(text: str | list[int] | None) -> frozenset[int] | None:
-    """Steps to keep from a Python list literal such as "[1, 2]"; None (all steps) for an empty list."""
+    """Steps to keep from a Python list literal such as "[1, 2]" (msprobe's form), or from "31" or
+    "31, 32"; None (all steps) for an empty list."""
     if text is None:
         return None
     value: object = text
@@ -117,8 +118,9 @@ def parse_step_list(text: str | list[int] | None) -> frozenset[int] | None:
             value = ast.literal_eval(text.strip() or "[]")
         except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
             value = text
+    value = [value] if type(value) is int else list(value) if type(value) is tuple else value
     if type(value) is not list or not all(type(v) is int for v in value):
-        raise UsageError(f"the step list must be a Python list of integers such as '[10, 20]', got {text!r}")
+        raise UsageError(f"the step list must be integers such as '[10, 20]', '10, 20' or '10', got {text!r}")
     return frozenset(value) or None
 
 
@@ -153,7 +155,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         dest="step_list",
         default="[]",
         metavar="LIST",
-        help="Python list of steps to keep, e.g. '[10, 20]' (default '[]': all steps)",
+        help="steps to keep, e.g. '[10, 20]', '10,20' or '10' (default '[]': all steps)",
     )
     from monitor.anomaly import cross_rank
 
