@@ -242,6 +242,17 @@ class SessionLifecycle(IncidentResponses, ABC):
             )
         self._steps_at_stop, self._stopped_hooks = None, False
 
+    def renumber(self, step: int) -> bool:
+        """Number the steps from ``step`` on (a resumed run's saved state says where it was); only
+        while no step has ended since the monitor attached. Whether it was done."""
+        if self._seen_from is None or self.step != self._seen_from[0]:
+            return False
+        self.step = step
+        self._seen_from = (step, self._seen_from[1])
+        if self.collection is not None:
+            self.collection.set_step(step)
+        return True
+
     def end_collection(self) -> None:
         """End the current collection and keep the hooks (dynamic mode: the file says
         ``dynamic_on: false`` now)."""

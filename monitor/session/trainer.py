@@ -360,7 +360,9 @@ class TrainerMon(MsprobeOldNames):
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what state_dict() saved (call after set_monitor, before training resumes).
+        """Restore what state_dict() saved (call after set_monitor, before training resumes): the
+        detector's baselines, and the step counter where set_monitor was given no
+        ``start_iteration`` (steps would otherwise be numbered from 0 again).
 
         Raises:
             ValueError: the state was saved with other anomaly rules, or is malformed.
@@ -369,6 +371,21 @@ class TrainerMon(MsprobeOldNames):
         if detector is not None and state.get("detector") is not None:
             self._core.flush()
             detector.load_state_dict(state["detector"])
+        self._restore_step(state.get("step"))
+
+    def _restore_step(self, step: Any) -> None:
+        session = self._session
+        if type(step) is not int or step <= 0 or session is None or step == session.step:
+            return
+        if session.step == 0 and session.renumber(step):
+            logger.info("trainmon: steps go on from %d, the step the loaded state was saved at", step)
+            return
+        logger.warning(
+            "trainmon: load_state_dict: the state was saved at step %d, but steps here go on from %d "
+            "(start_iteration, or steps already counted since set_monitor); they keep that numbering",
+            step,
+            session.step,
+        )
 
     def flush(self) -> None:
         """Wait until every collected step so far is written."""

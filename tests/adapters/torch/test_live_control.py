@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import os
 from pathlib import Path
 
@@ -308,6 +309,32 @@ def test_detector_baselines_survive_a_resume_through_state_dict():
     with pytest.raises(ValueError, match="rules"):
         other.load_state_dict(saved)
     other.stop()
+
+
+def test_a_loaded_state_numbers_the_steps_where_set_monitor_was_given_no_start(trainmon_log):
+    """A DeepSpeed or plain loop resumed at step 5 that restores the monitor's state but does not
+    pass start_iteration: its steps go on from 5, not from 0; an explicit start_iteration that
+    disagrees with the state keeps its numbering, said."""
+    config = {"wg_distribution": True, "format": "api"}
+    model, optimizer = _fresh()
+    first = TrainerMon(config)
+    first.set_monitor(model, 1, optimizer)
+    for step in range(5):
+        _step(model, optimizer, step)
+    saved = first.state_dict()
+    first.stop()
+    for start, expected in ((None, 5), (7, 7)):
+        twin = copy.deepcopy(model)
+        twin_optimizer = torch.optim.SGD(twin.parameters(), lr=0.01)
+        resumed = TrainerMon(config)
+        resumed.set_monitor(twin, 1, twin_optimizer, **({} if start is None else {"start_iteration": start}))
+        resumed.load_state_dict(saved)
+        _step(twin, twin_optimizer, 0)
+        rows = resumed._latest("grad_reduced")
+        resumed.stop()
+        assert resumed.step == expected + 1 and rows, (start, resumed.step)
+    (said,) = [m for m in trainmon_log.at(logging.WARNING) if "load_state_dict" in m]
+    assert "saved at step 5, but steps here go on from 7" in said
 
 
 def _dynamic_rank(rank: int, world_size: int, workdir: str) -> None:
