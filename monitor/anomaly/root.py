@@ -243,7 +243,31 @@ def choose_root(records: Sequence[Record], world_size: int | None = None) -> tup
         evidence.append(f"rank {root['rank']}'s value is x{peer[1]:.3g} off its peers' median")
     if after_backward:
         evidence.append(_changed_after_backward(records, common, world_size))
+    evidence.extend(_same_on_ranks(records, root))
     return root, evidence
+
+
+def _same_on_ranks(records: Sequence[Record], root: Record) -> list[str]:
+    """When other ranks show the root's tensor with the very same value (replicas, or pieces
+    merged with shard_reduce), the rank named is only the lowest: said, in words."""
+    value = number(root.get("value"))
+    ranks = sorted(
+        {
+            int(r["rank"])
+            for r in records
+            if _tensor_of(r) == _tensor_of(root)
+            and (
+                number(r.get("value")) == value or (math.isnan(value) and math.isnan(number(r.get("value"))))
+            )
+        }
+    )
+    if len(ranks) < 2:
+        return []
+    return [
+        f"ranks {', '.join(map(str, ranks))} show the same value (replicas, or pieces merged with "
+        "shard_reduce): it does not tell which rank's data it came from (the rows of each rank's "
+        "piece, without shard_reduce, do)"
+    ]
 
 
 #: the gradient phases a root in the parameters or the forward pass may move as a whole

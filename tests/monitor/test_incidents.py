@@ -449,6 +449,22 @@ def test_a_lone_record_that_moved_far_beyond_its_data_types_common_move_is_not_s
     assert any("while the rest of its data type stayed (x1.01)" in line for line in evidence), evidence
 
 
+def test_a_value_merged_across_ranks_says_the_rank_named_is_not_where_it_came_from():
+    """ZeRO with shard_reduce: rank 1's piece of exp_avg was corrupted, and the merged row is the
+    same on both ranks: rank 0 is named only as the lowest, which the evidence says; a value
+    only one rank shows names that rank without it."""
+    merged = [
+        _record(f"0:net.2.weight/rank{r}/exp_avg", rank=r, op="norm", value=2130.0, ratio=1e4, common=1.0)
+        for r in (0, 1)
+    ]
+    root, evidence = choose_root(merged)
+    assert root["rank"] == 0
+    assert any(line.startswith("ranks 0, 1 show the same value") for line in evidence), evidence
+    pieces = [{**merged[0], "value": 3.0}, merged[1]]
+    _, evidence = choose_root(pieces)
+    assert not any("show the same value" in line for line in evidence), evidence
+
+
 def test_a_loss_computed_in_the_model_is_the_activation_that_moved_alone_and_its_gradients_followed():
     """A x1000 loss the model computes in its forward: the model's own output jumps while every
     other activation stays; the activation gradients then move x1000 as a whole. No clipping or
