@@ -41,6 +41,21 @@ def _op_columns(ops: tuple[str, ...] | None, op_names: tuple[str, ...]) -> np.nd
     return np.array([ops is None or op in ops for op in op_names], dtype=bool)[None, :]
 
 
+#: a level this far below its record's median level is rounding noise: its vanishing is no sign
+VANISHED_FLOOR = 1e-6
+
+
+def above_rounding_noise(levels: np.ndarray, judged: np.ndarray, cells: np.ndarray) -> np.ndarray:
+    """Which of ``cells`` have a level above ``VANISHED_FLOOR`` times the median level of their
+    column's judged rows: a norm that vanishes from there is a dead layer, one that was 1e-9 of
+    the others' (a gradient the data leaves at zero but for rounding) merely rounded to zero."""
+    visible = np.zeros(levels.shape, dtype=bool)
+    for column in np.flatnonzero((cells & judged).any(axis=0)):
+        typical = np.median(levels[judged[:, column], column])
+        visible[:, column] = levels[:, column] > VANISHED_FLOOR * typical
+    return visible
+
+
 def non_finite_cells(values: np.ndarray, op_names: tuple[str, ...]) -> np.ndarray:
     """The cells that signal a NaN/Inf in their tensor: a non-finite statistic (but not an absent
     ``id``) or a NaN count above zero."""
@@ -75,7 +90,8 @@ class AnomalyTurbulence:
       so a mean that hovers near zero relative to the values around it is not judged.
 
     Whatever the arguments, a ``norm`` that drops to exactly zero after a non-zero history is
-    flagged (a layer whose gradients died); otherwise ``warmup: 1, noise: 0, floor: 0`` is
+    flagged (a layer whose gradients died; not where its level was rounding noise,
+    ``above_rounding_noise``); otherwise ``warmup: 1, noise: 0, floor: 0`` is
     msprobe's later rule exactly. ``two_sided`` also flags drops below ``ema * (1 - threshold)``.
 
     Other arguments: ``ops`` (default norm and mean, as msprobe); ``skip_nonfinite``
@@ -124,8 +140,11 @@ class AnomalyTurbulence:
             if self.floor and scale is not None:
                 signed = _op_columns(SIGNED_OPS, op_names)
                 mask &= ~signed | ~(magnitude < self.floor * scale[:, None])
-            mask |= _op_columns(("norm",), op_names) & (values == 0) & (ema > 0)
-        return mask & (state["count"] >= self.warmup) & _op_columns(self.ops, op_names), ema
+            vanished = _op_columns(("norm",), op_names) & (values == 0) & (ema > 0)
+        judged = (state["count"] >= self.warmup) & _op_columns(self.ops, op_names)
+        if (vanished & judged).any():
+            mask |= vanished & above_rounding_noise(ema, judged, vanished)
+        return mask & judged, ema
 
     def update(self, values: np.ndarray, state: State) -> State:
         magnitude = np.abs(values)
@@ -237,7 +256,10 @@ class AnomalyZScore:
     nearly cancel (a bias gradient of a small classifier head on one rank) falls 5x on its own
     now and then, which is noise, yet a log z-score of 6. Zero, NaN and Inf never enter the history; a
     ``norm`` that drops to exactly zero after such a history is flagged (a layer whose gradients
-    died; the detector leaves out mg_direction's share, whose norm column may be 0 by chance).
+    died; the detector leaves out mg_direction's share, whose norm column may be 0 by chance),
+    unless its level was rounding noise (``above_rounding_noise``)
+    (the gradient of a weight that the data leaves mathematically at zero, about 1e-9 where the
+    others are 1e-2, now and then rounds to exactly zero).
     A flagged value is held out of the history for a step: when the next value is flagged too,
     the change lasts and both enter (the level and spread learn it, so its echo in the
     optimizer's moments is reported at two steps, not at every step); when the next value is
@@ -311,6 +333,8 @@ class AnomalyZScore:
         sigma = np.maximum(np.sqrt(var), self.sigma_floor)
         vanished = _op_columns(("norm",), op_names) & (logs == -np.inf)  # a norm dropped to zero
         judged = (state["count"] >= self.warmup) & _op_columns(self.ops, op_names)
+        if (vanished & judged).any():
+            vanished &= above_rounding_noise(np.exp(state["mean"]), judged, vanished)
         with np.errstate(invalid="ignore", over="ignore"):
             far_out = np.abs(change) > self.threshold * sigma
             rise = far_out & (change > self.log_ratio)
