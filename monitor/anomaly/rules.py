@@ -49,10 +49,11 @@ def above_rounding_noise(levels: np.ndarray, judged: np.ndarray, cells: np.ndarr
     """Which of ``cells`` have a level above ``VANISHED_FLOOR`` times the median level of their
     column's judged rows: a norm that vanishes from there is a dead layer, one that was 1e-9 of
     the others' (a gradient the data leaves at zero but for rounding) merely rounded to zero."""
-    visible = np.zeros(levels.shape, dtype=bool)
-    for column in np.flatnonzero((cells & judged).any(axis=0)):
-        typical = np.median(levels[judged[:, column], column])
-        visible[:, column] = levels[:, column] > VANISHED_FLOOR * typical
+    visible = np.ones(levels.shape, dtype=bool)
+    usable = judged & np.isfinite(levels)  # a level a NaN/Inf entered tells nothing of the size
+    for column in np.flatnonzero((cells & usable).any(axis=0)):
+        typical = np.median(levels[usable[:, column], column])
+        visible[:, column] = ~(levels[:, column] <= VANISHED_FLOOR * typical)
     return visible
 
 
