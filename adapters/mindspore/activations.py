@@ -10,10 +10,11 @@ collected or not, and their firings would have to be matched to calls by order.
 
 Micro-steps are counted by a pre-hook on each model chunk's root Cell (one call per
 micro-batch). A Cell call is recorded when it runs inside a call of its chunk's root and is a
-training call: the Cell is in training mode (``set_train()``) or runs under ``value_and_grad``
-/ ``grad`` -- MindSpore Cells start in eval mode and many PyNative loops never call
-``set_train()``. Calls outside the root's call are not recorded, which leaves out MindSpore's
-recompute pass (``Cell.recompute()`` runs the forward again during the backward).
+training call: it runs under ``value_and_grad`` / ``grad``, whether the Cell is in training mode
+(``set_train()``) or not -- MindSpore Cells start in eval mode and many PyNative loops never call
+``set_train()``, and a call in training mode outside a gradient computation has no backward.
+Calls outside the root's call are not recorded, which leaves out MindSpore's recompute pass
+(``Cell.recompute()`` runs the forward again during the backward).
 
 PyNative runs every operation separately, so statistics are not taken call by call: the
 tensors of a chunk's forward are described together when the root's call ends, gradients when
@@ -74,8 +75,10 @@ _FLOATING = (ms.float16, ms.bfloat16, ms.float32, ms.float64)
 
 
 def is_training_call(cell: ms.nn.Cell) -> bool:
-    """A call that training makes: the Cell is in training mode or runs under a gradient computation."""
-    return bool(cell.training) or grad_active()
+    """A call that training makes: one under a gradient computation, the Cell in training mode
+    or not. A call in training mode outside one (samples generated, a forward evaluated without
+    ``set_train(False)``) has no backward: no micro-step, nothing recorded (msprobe records it)."""
+    return grad_active()
 
 
 @dataclasses.dataclass

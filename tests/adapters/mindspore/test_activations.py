@@ -186,6 +186,29 @@ def test_eval_forwards_outside_gradients_are_not_recorded_and_set_train_is_not_n
     assert tags == {"0:norm.input:0/rank0/actv", "0:norm.output:0/rank0/actv"}
 
 
+def test_a_training_mode_forward_outside_gradients_is_no_micro_step():
+    """Samples generated (or an evaluation forward) with the net still in training mode: no
+    backward follows, so micro-steps 0 and 1 stay the two that train, with their own values."""
+    net = Net()
+    net.set_train(True)
+    optimizer = OPTIMIZERS["Adam"](net.trainable_params())
+    mon = TrainerMon({"xy_distribution": True, "ops": ["norm"], "format": "api", "targets": {"norm": {}}})
+    mon.set_monitor(net, grad_acc_steps=2, optimizer=optimizer)
+    grad_fn = ms.value_and_grad(lambda x: net(x).square().mean(), None, optimizer.parameters)
+    batches = [ms.Tensor(b) for b in make_batches(1, 2)[0]]
+    outputs = []
+    for x in batches:
+        net(ms.Tensor(np.full(x.shape, 100.0, np.float32)))  # a sample: no gradient follows
+        outputs.append(np.linalg.norm(net(x).asnumpy().astype(np.float64)))
+        _, grads = grad_fn(x)
+    optimizer(grads)
+    actv = mon._core.latest.latest("actv")
+    mon.stop()
+    assert set(actv) == {f"0:norm.{d}:{m}/rank0/actv" for d in ("input", "output") for m in (0, 1)}
+    for micro, norm in enumerate(outputs):
+        assert actv[f"0:norm.output:{micro}/rank0/actv"]["norm"] == pytest.approx(norm, rel=1e-5)
+
+
 def test_stop_removes_every_cell_hook_and_training_is_unchanged():
     net = Net()
     optimizer = OPTIMIZERS["AdamWeightDecay"](net.trainable_params())
