@@ -23,8 +23,9 @@ class MicroSteps:
     language model's ``generate``): no gradient follows it, so it is no micro-step and nothing
     of it is recorded (``records``), nor any call in inference mode. msprobe counts and records
     such calls, which shifts the micro-steps and call names of the training's own forwards
-    against their gradients. A call whose inputs require gradients is one with gradients off,
-    as is every call within a root's training pass: the reentrant checkpoint's first forward.
+    against their gradients. A call with gradients off is still recorded where an input
+    requires them or where it runs within a root call that trains: the reentrant checkpoint's
+    first forward.
     """
 
     def __init__(
@@ -115,7 +116,7 @@ class MicroSteps:
 
 
 def _without_backward(args: tuple, kwargs: dict) -> bool:
-    """Whether a root call starts a forward that no backward follows: gradients off, outside a
+    """Whether a call is a forward that no backward follows: gradients off, outside a
     backward's recompute, and no input that requires them."""
     if torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:
         return False
