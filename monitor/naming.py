@@ -118,31 +118,49 @@ def display_name(raw_name: str, squash: bool) -> str:
 def name_candidates(vpp_stage: int, raw_name: str, squashed: str) -> tuple[str, ...]:
     """The spellings a targets key may use for one module/parameter.
 
-    Raw and squashed names, with and without the chunk prefix, and without the leading
-    ``module.`` segments that DDP/DeepSpeed/Megatron wrappers add.
+    Raw and squashed names, with and without the chunk prefix, and without the leading segments
+    that wrappers add (``WRAPPER_PREFIXES``).
     """
-    names = dict.fromkeys((raw_name, squashed, _without_ddp_prefix(raw_name)))
+    names = dict.fromkeys((raw_name, squashed, _without_wrapper_prefix(raw_name)))
     prefixed = [chunk_name(vpp_stage, n) for n in names]
     return tuple(dict.fromkeys([*names, *prefixed]))
 
 
+#: leading segments that wrappers add to every name of the model they wrap: DDP, DeepSpeed and
+#: Megatron (``module.``), PEFT's PeftModel around a LoRA model (``base_model.model.``)
+WRAPPER_PREFIXES = ("module.", "base_model.model.")
+
+
 def without_wrapper(keys: Iterable[str], raw_names: Iterable[str]) -> tuple[str, ...]:
-    """The targets keys as they select among a model's ``raw_names``: a leading ``module.`` is
-    dropped from the keys where no name of the model starts with it (a config written for a
-    DDP-wrapped model, reused on the bare one); where one does (DDP's wrapper, or a submodule
-    really called ``module``), every key is taken as written."""
+    """The targets keys as they select among a model's ``raw_names``: a wrapper's leading
+    segments are dropped from the keys where no name of the model starts with them (a config
+    written for a DDP- or PEFT-wrapped model, reused on the bare one); where one does (the
+    wrapper, or a submodule really called ``module``), every key is taken as written."""
     keys = tuple(keys)
-    if not any(key.startswith("module.") for key in keys):
+    prefixes = [p for p in WRAPPER_PREFIXES if any(key.startswith(p) for key in keys)]
+    if not prefixes:
         return keys
-    if any(raw == "module" or raw.startswith("module.") for raw in raw_names):
+    raw_names = tuple(raw_names)
+    if any(raw == p[:-1] or raw.startswith(p) for p in prefixes for raw in raw_names):
         return keys
-    return tuple(_without_ddp_prefix(key) for key in keys)
+    return tuple(_without_wrapper_prefix(key) for key in keys)
 
 
 def _without_ddp_prefix(name: str) -> str:
     """The name without the leading ``module.`` segments that DDP-like wrappers add."""
     while name.startswith("module."):
         name = name[len("module.") :]
+    return name
+
+
+def _without_wrapper_prefix(name: str) -> str:
+    """The name without the leading segments that wrappers add."""
+    stripped = True
+    while stripped:
+        stripped = False
+        for prefix in WRAPPER_PREFIXES:
+            if name.startswith(prefix):
+                name, stripped = name[len(prefix) :], True
     return name
 
 

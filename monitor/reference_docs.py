@@ -24,13 +24,13 @@ MEANINGS = {
     "targets": (
         "module or parameter names to monitor (empty: everything; parameters that do not require "
         "a gradient, frozen ones, are never selected: they have no gradient or moments and do not "
-        "change). A key selects a name exactly "
-        "or as a dotted prefix on a name boundary: `layers.1` selects `layers.1.mlp.weight` but "
-        "not `layers.10.*`. Raw, squashed and `N:`-prefixed spellings match; a leading `module.` "
-        "(DDP) is optional, in the key as in the name (a config written for a DDP run selects the "
-        "same modules without the wrapper). A plain list of names is accepted too. A key that "
-        "names no module or parameter of the model is warned about at attach, with the closest name where "
-        "one is close (else how to list them: print_struct)."
+        "change). A key selects a name exactly or as a dotted prefix on a name boundary: "
+        "`layers.1` selects `layers.1.mlp.weight` but not `layers.10.*`. Raw, squashed and "
+        "`N:`-prefixed spellings match; a leading `module.` (DDP), like PEFT's `base_model.model.` "
+        "around a LoRA model, is optional, in the key as in the name (a config written for a "
+        "wrapped run selects the same modules without the wrapper). A plain list of names is "
+        "accepted too. A key that names no module or parameter of the model is warned about at "
+        "attach, with the closest name where one is close (else how to list them: print_struct)."
     ),
     "wg_distribution": (
         "weight gradients: `grad_unreduced` (each rank's local gradient, accumulated over the "

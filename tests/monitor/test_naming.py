@@ -135,6 +135,22 @@ def test_a_key_written_for_ddp_selects_the_same_name_without_the_wrapper():
     assert without_wrapper(["module.fc2"], [raw for _, raw in own]) == ("module.fc2",)
 
 
+def test_a_key_written_for_the_model_selects_it_inside_peft_and_the_other_way_round():
+    """PEFT's PeftModel names every module ``base_model.model.<the model's name>``: a key written
+    with the model's own name selects it there, and one copied from the wrapped names selects
+    the bare model's (the LoRA adapters below the module included)."""
+    wrapped = [
+        (0, "base_model.model.transformer.h.0.attn.c_attn.lora_A.default.weight"),
+        (0, "base_model.model.transformer.h.0.attn.c_proj.lora_A.default.weight"),
+    ]
+    keys = ["transformer.h.0.attn.c_attn.lora_A"]
+    assert [name for _, name in select_names(wrapped, keys, squash=False)] == [wrapped[0][1]]
+    assert unmatched_targets(keys, wrapped) == []
+    bare = [(0, raw.removeprefix("base_model.model.")) for _, raw in wrapped]
+    keys = ["base_model.model.transformer.h.0.attn.c_proj"]
+    assert [name for _, name in select_names(bare, keys, squash=False)] == [bare[1][1]]
+
+
 def test_squashed_key_selects_the_long_raw_name():
     assert _selects(["layers.3"], "module.decoder.layers.3.mlp.weight")
     assert not _selects(["layers.3"], "module.decoder.layers.30.mlp.weight")
