@@ -51,6 +51,9 @@ class ParamRegistry:
         self.params = [
             MonitoredParam(*found) for found in select_objects(trainable, config.targets, config.squash_name)
         ]
+        #: frozen parameters the targets name: told where they are all that was named
+        frozen = [found for found in every if not found[2].requires_grad]
+        self.frozen_named = len(select_objects(frozen, config.targets, config.squash_name)) if frozen else 0
         self._warned_main_grad = False
 
     def __len__(self) -> int:

@@ -175,12 +175,16 @@ class SessionLifecycle(IncidentResponses, ABC):
             )
         per_parameter = [k for k in kinds if k in _PER_PARAMETER]
         if per_parameter and not len(self.collection.registry):
+            frozen = getattr(self.collection.registry, "frozen_named", 0)
             logger.log(  # a pipeline stage may well hold none of the targets
                 logging.INFO if self.collection.pipeline_stage else logging.WARNING,
-                "trainmon: no parameter is selected here (targets: %s), so %s %s nothing",
+                "trainmon: no parameter is selected here (targets: %s), so %s %s nothing%s",
                 ", ".join(config.targets) or "none",
                 ", ".join(per_parameter),
                 "records" if len(per_parameter) == 1 else "record",
+                f" (the {frozen} parameter(s) the targets name are frozen: requires_grad is False)"
+                if frozen
+                else "",
             )
         logger.info(
             "trainmon: recording %s on rank %d from step %d (%d %s selected), output %s",

@@ -201,6 +201,15 @@ def test_weight_data_types_with_no_parameter_selected_are_warned_about(caplog):
         mon.stop()
     (told,) = [m for m in _warnings(caplog) if "no parameter is selected" in m]
     assert "targets: norm.weght" in told and "wg_distribution records nothing" in told, told
+    assert "frozen" not in told
+    mlp.norm.weight.requires_grad_(False)  # a LoRA user naming the frozen base weight
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="trainmon"):
+        mon = TrainerMon({"wg_distribution": True, "format": "api", "targets": {"norm.weight": {}}})
+        mon.set_monitor(mlp, 1, torch.optim.AdamW(mlp.parameters()))
+        mon.stop()
+    (told,) = [m for m in _warnings(caplog) if "no parameter is selected" in m]
+    assert "(the 1 parameter(s) the targets name are frozen: requires_grad is False)" in told, told
 
 
 def test_attaching_again_after_stop_monitors_the_new_run_and_only_it():
