@@ -105,6 +105,9 @@ class StepRecord:
             writer thread (one with a ``settled`` attribute, once that is true: the writer holds
             the record until its step ends): not the gradients of a step whose update a loss
             scaler skipped (Inf/NaN there is the scaler's business, not a fault).
+        by_rules: whether the rules judge the values too, or only the check for NaN/Inf: not the
+            activations and gradients of a step with another number of micro-batches than
+            ``grad_acc_steps`` (their scale then depends on how the loop normalises its loss).
     """
 
     prefix: str
@@ -115,6 +118,7 @@ class StepRecord:
     call_ids: np.ndarray | None = None
     fetch: Callable[[], np.ndarray] | None = field(default=None, repr=False)
     judged: bool | Callable[[], bool] = True
+    by_rules: bool = True
 
     def resolve(self) -> np.ndarray:
         """Return the values, completing a pending device-to-host copy if there is one."""

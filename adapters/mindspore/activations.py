@@ -205,6 +205,10 @@ class RootCalls:
     def micro_of(self, vpp: int) -> int:
         return max(self._micro[vpp], 0)
 
+    def counted(self) -> int:
+        """Micro-steps counted so far in the step (the most of any chunk)."""
+        return max(self._micro, default=-1) + 1
+
     def reset(self) -> None:
         self._micro = [-1] * len(self.chunks)
         self._running = [0] * len(self.chunks)
@@ -352,6 +356,10 @@ class Activations:
             self.on_error(part, exc)
 
     # -- the step ----------------------------------------------------------------------------
+
+    def micro_batches(self) -> int:
+        """Micro-batches the step's forwards counted so far."""
+        return self.roots.counted()
 
     def take(self, rank: int) -> list[tuple[str, RowSet, ms.Tensor]]:
         """This step's records: ``(prefix, rows, statistics)`` for actv and actv_grad; resets."""

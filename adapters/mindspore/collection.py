@@ -109,6 +109,7 @@ class Collection(BaseCollection):
             reduced_index([False] * len(params), rank_in_group(dp_group), None),
         )
         unended = UnendedStep(grad_acc_steps)  # one for the gradients and activations: said once
+        self.grad_acc_steps = grad_acc_steps
         jit = self._jit = LeftOutOfJit(MODEL_CALLS, removes=True)
         if config.wg_distribution:
             mbs = config.monitor_mbs_grad

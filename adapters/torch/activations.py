@@ -350,6 +350,10 @@ class Activations:
         except Exception as exc:
             self.failed("actv_grad", exc)
 
+    def micro_batches(self) -> int:
+        """Micro-batches the step's forwards counted so far."""
+        return self.micro.counted()
+
     def take(self, rank: int) -> list[tuple[str, RowSet, torch.Tensor]]:
         """This step's records: ``(prefix, rows, statistics)`` for actv and actv_grad; resets."""
         try:

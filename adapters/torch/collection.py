@@ -86,6 +86,7 @@ class Collection(BaseCollection):
         info = run_info("torch", torch.__version__, rank, world_size(), [type(c).__name__ for c in chunks])
         self.core = MonitorCore(config, rank, pp_stage, group_mates, output_dir=output_dir, info=info)
         unended = UnendedStep(grad_acc_steps)  # one for the gradients and activations: said once
+        self.grad_acc_steps = grad_acc_steps
         if config.wg_distribution:  # UnreducedGrads, or BucketGrads for Megatron
             counting = GradCounting(
                 grad_acc_steps,

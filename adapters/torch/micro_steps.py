@@ -107,6 +107,10 @@ class MicroSteps:
             except Exception:  # never the training's problem: the rows are then kept
                 self.unended = None
 
+    def counted(self) -> int:
+        """Micro-steps counted so far in the step (the most of any chunk)."""
+        return max(self._current, default=-1) + 1
+
     def of(self, vpp: int) -> int:
         """The chunk's current micro-step (0 before its first counted call)."""
         return max(self._current[vpp], 0)

@@ -25,7 +25,7 @@ from monitor.errors import StructurePrinted, raise_if_of_the_training
 from monitor.naming import unmatched_targets
 from monitor.record import RowSet, SameRows, StepRecord
 from monitor.session.core import MonitorCore
-from monitor.session.micro_batches import micro_batch_message
+from monitor.session.micro_batches import micro_batch_message, uneven_step
 from monitor.session.schedule import Schedule
 from monitor.structure import StackRecorder
 
@@ -100,6 +100,12 @@ class BaseCollection(ABC):
         #: whether the rules judge this step's gradients (``StepRecord.judged``): False for a step
         #: whose update was skipped, or the loss scaler's own verdict where the optimizer skips it
         self.gradients_judged: bool | Callable[[], bool] = True
+        #: set by the adapters: micro-batches a step should have; a collected step shorter than
+        #: that and the step before (``_uneven``) has its activations and gradients judged for
+        #: NaN/Inf only
+        self.grad_acc_steps: int | None = None
+        self._uneven = False
+        self._last_micro_batches: int | None = None
         self._handles: list = []
         self._stack_handles: list = []
         self.grads: Any = None
@@ -133,6 +139,7 @@ class BaseCollection(ABC):
         self._step = step
         self._call_id = 0
         self.gradients_judged = True
+        self._uneven = False
         collect = self.collect = self.schedule.wants(step)
         if self.grads is not None:
             self.grads.reset()
@@ -156,6 +163,7 @@ class BaseCollection(ABC):
         self._print_structure()
         if not self.collect:
             return False
+        self._uneven = self._uneven_step()
         if self.activations is not None:
             self._guard("actv", self._submit_activations)
         if self._wanted("grad_unreduced", self.config.wg_distribution):
@@ -235,10 +243,20 @@ class BaseCollection(ABC):
         n = len(rows)
         call_ids = np.arange(self._call_id, self._call_id + n)
         self._call_id += n
-        judged = self.gradients_judged if prefix in SCALED_PREFIXES else True
+        scaled = prefix in SCALED_PREFIXES
+        judged = self.gradients_judged if scaled else True
+        by_rules = not (self._uneven and (scaled or prefix == "actv"))
         self.core.submit(
-            StepRecord(prefix, self._step, ops or self.ops, rows, values, call_ids, fetch, judged)
+            StepRecord(prefix, self._step, ops or self.ops, rows, values, call_ids, fetch, judged, by_rules)
         )
+
+    def _uneven_step(self) -> bool:
+        """Whether the step was shorter than ``grad_acc_steps`` and the step before."""
+        counted = self.grads.passes() if self.grads is not None else 0
+        if not counted and self.activations is not None:
+            counted = self.activations.micro_batches()
+        previous, self._last_micro_batches = self._last_micro_batches, counted
+        return uneven_step(self._told, self._step, counted, self.grad_acc_steps, previous)
 
     def _submit_activations(self) -> None:
         for prefix, rows, matrix in self.activations.take(self.rank):

@@ -1,11 +1,14 @@
 """What a collection says, once each, when a step's micro-batches do not match ``grad_acc_steps``:
 the step's gradient sum was lost because the optimizer freed its first micro-batch's gradient,
 taken for the last, before another came (DeepSpeed), rows are missing because the gradients
-changed before the optimizer step, or merely another count (a shorter last step of an epoch)."""
+changed before the optimizer step, or merely another count (a shorter last step of an epoch,
+whose activations and gradients the rules then leave to the NaN/Inf check)."""
 
 from __future__ import annotations
 
 import logging
+
+logger = logging.getLogger("trainmon")
 
 
 def micro_batch_message(
@@ -49,6 +52,25 @@ def micro_batch_message(
             f"grad_unreduced {described} (said once)"
         )
     return None
+
+
+def uneven_step(told: set[str], step: int, counted: int, expected: int | None, previous: int | None) -> bool:
+    """Whether a step of ``counted`` micro-batches is shorter than ``expected`` and than the
+    ``previous`` collected step (an epoch's shorter last step): what one micro-batch carries,
+    and the gradients' sum, then scale with how the loop normalises its loss (by the step's
+    tokens, as the Hugging Face Trainer does, or by grad_acc_steps), so the rules would take it
+    for a fault; said once. Every step as short as the one before (grad_acc_steps not what the
+    loop does) is judged as usual."""
+    uneven = bool(expected) and 0 < counted < expected and counted != previous
+    if _first_time(told, "uneven judged", uneven):
+        logger.info(
+            "trainmon: the rules judge step %d's activations and gradients for NaN/Inf only: a step "
+            "shorter than grad_acc_steps (%d) carries them at another scale, which depends on how "
+            "the loss is normalised (said once)",
+            step,
+            expected,
+        )
+    return uneven
 
 
 def _first_time(told: set[str], key: str, applies: bool) -> bool:

@@ -194,6 +194,59 @@ def test_integer_inputs_such_as_labels_are_recorded_but_never_judged():
     assert mon.incidents == [], [incident.root for incident in mon.incidents]
 
 
+class TokenNormalised(nn.Module):
+    """The Hugging Face Trainer's way: the model is handed the step's item count (a float
+    tensor) and divides each micro-batch's summed loss by it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = Net()
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor, num_items: torch.Tensor) -> torch.Tensor:
+        return (self.body(x) - target).pow(2).sum() / num_items
+
+
+def _epochs(batches_per_epoch: int, grad_acc: int, nan_at: int | None = None, spike_at: int | None = None):
+    """Epochs of ``batches_per_epoch`` micro-batches, ``grad_acc`` a step: an epoch's last step
+    of fewer micro-batches carries them at a larger scale each (its gradient sum at the usual
+    one) and hands the model a smaller item count. Returns the monitor and the short steps."""
+    torch.manual_seed(0)
+    model = TokenNormalised()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    mon = TrainerMon(CONFIG).set_monitor(model, grad_acc_steps=grad_acc, optimizer=optimizer)
+    generator = torch.Generator().manual_seed(5)
+    weights = torch.randn(8, 4, generator=torch.Generator().manual_seed(7))
+    short, step = [], 0
+    while step < STEPS:
+        for start in range(0, batches_per_epoch, grad_acc):
+            micro = min(grad_acc, batches_per_epoch - start)
+            short += [step] if micro < grad_acc else []
+            for _ in range(micro):
+                x = torch.randn(16, 8, generator=generator)
+                x = x * 1e3 if step == spike_at else x
+                loss = model(x, x @ weights, torch.tensor(16.0 * micro))
+                (loss * float("nan") if step == nan_at else loss).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            step += 1
+    mon.stop()
+    return mon, short
+
+
+def test_an_epochs_shorter_last_step_is_no_incident_and_a_nan_there_still_is():
+    """With 8 micro-batches a step and 97 batches an epoch, every 13th step has one: its
+    activation gradients are 8x those of a full step and its item count an eighth, which the
+    rules are not to take for a fault (a false incident there would skip or stop the run with
+    alert.actions); a NaN is still found at such a step, and a loop whose every step is
+    shorter than grad_acc_steps is judged as usual."""
+    mon, short = _epochs(97, 8)
+    assert short and mon.incidents == [], [(i.onset_step, i.root["tag_name"]) for i in mon.incidents]
+    mon, short = _epochs(97, 8, nan_at=short[-1])
+    assert mon.incidents and mon.incidents[0].onset_step == short[-1]
+    mon, _ = _epochs(2, 4, spike_at=AT)  # grad_acc_steps 4, yet 2 micro-batches every step
+    assert [i.onset_step for i in mon.incidents][:1] == [AT]
+
+
 @pytest.mark.parametrize("rules", [[], [{"rule_name": "AnomalyZScore"}]], ids=["no rules", "zscore"])
 def test_alert_non_finite_decides_whether_a_nan_is_an_anomaly_whatever_the_rules(rules):
     """From the config through TrainerMon: by default a NaN is an incident at its step even with
