@@ -258,9 +258,9 @@ class AnomalyZScore:
     now and then, which is noise, yet a log z-score of 6. Zero, NaN and Inf never enter the history; a
     ``norm`` that drops to exactly zero after such a history is flagged (a layer whose gradients
     died; the detector leaves out mg_direction's share, whose norm column may be 0 by chance),
-    unless its level was rounding noise (``above_rounding_noise``)
-    (the gradient of a weight that the data leaves mathematically at zero, about 1e-9 where the
-    others are 1e-2, now and then rounds to exactly zero).
+    unless its level was rounding noise (``above_rounding_noise``: the gradient of a weight that
+    the data leaves mathematically at zero, about 1e-9 where the others are 1e-2, now and then
+    rounds to exactly zero).
     A flagged value is held out of the history for a step: when the next value is flagged too,
     the change lasts and both enter (the level and spread learn it, so its echo in the
     optimizer's moments is reported at two steps, not at every step); when the next value is
