@@ -106,8 +106,8 @@ class StepRecord:
             the record until its step ends): not the gradients of a step whose update a loss
             scaler skipped (Inf/NaN there is the scaler's business, not a fault).
         by_rules: whether the rules judge the values too, or only the check for NaN/Inf: not the
-            activations and gradients of a step with another number of micro-batches than
-            ``grad_acc_steps`` (their scale then depends on how the loop normalises its loss).
+            activations and gradients of a step shorter than ``grad_acc_steps`` (an epoch's last:
+            their scale then depends on how the loop normalises its loss).
     """
 
     prefix: str
