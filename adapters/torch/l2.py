@@ -48,6 +48,12 @@ def is_linear(module: torch.nn.Module, flattened: Container[int] = ()) -> bool:
     return isinstance(weight, torch.Tensor) and weight.dim() == 2
 
 
+def _weight_of(module: torch.nn.Module) -> torch.Tensor | None:
+    """A linear module's 2-D weight as its attributes hand it on, or None (FSDP1 flattened it)."""
+    weight = getattr(module, "weight", None)
+    return weight if isinstance(weight, torch.Tensor) else None
+
+
 def sharded(weight: torch.Tensor) -> bool:
     """A weight this rank holds only a piece of: a DTensor spread over its mesh (FSDP2, tensor
     parallelism; not one replicated on every rank, as ``SequenceParallel`` leaves a module's), an
@@ -108,7 +114,9 @@ class L2Features(L2Steps):
             (vpp, raw, module) for vpp, chunk in enumerate(chunks) for raw, module in chunk.named_modules()
         ]
         flattened = flat_weights(chunks)  # FSDP1: where each flattened 2-D weight lies
-        super().__init__(named, config, functools.partial(is_linear, flattened=flattened), on_error)
+        super().__init__(
+            named, config, functools.partial(is_linear, flattened=flattened), on_error, _weight_of
+        )
         self.chunks = list(chunks)
         self.micro = MicroSteps(self.chunks, lambda: self.collect, unended, super().reset)
         #: per linear module held in pieces (shard_reduce): how its weight lies across the ranks

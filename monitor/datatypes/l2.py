@@ -71,9 +71,12 @@ def select_l2_modules(
     named: Sequence[tuple[int, str, Any]],
     config: MonitorConfig,
     is_linear: Callable[[Any], bool],
+    weight_of: Callable[[Any], Any] | None = None,
 ) -> tuple[list[tuple[int, str, Any]], list[tuple[int, str, Any]]]:
     """The (chunk, display name, module) of the attention and linear modules among ``named``
-    ``(chunk, raw name, module)`` triples; none unless ``recording_l2_features``."""
+    ``(chunk, raw name, module)`` triples; none unless ``recording_l2_features``. With an empty
+    ``linear_hook`` list and ``weight_of`` (a linear module's weight, or None), only modules whose
+    weight trains, each weight once (``_trained_once``)."""
     if not config.recording_l2_features:
         return [], []
     raw_names = [raw for _, raw, _ in named]
@@ -86,6 +89,7 @@ def select_l2_modules(
     attention = [item for item in named if attention_keys and listed(attention_keys, item[0], item[1])]
     if not linear_keys:
         linear = [item for item in named if is_linear(item[2])]
+        linear = linear if weight_of is None else _trained_once(linear, weight_of)
     else:
         linear = [item for item in named if listed(linear_keys, item[0], item[1])]
         not_linear = [item for item in linear if not is_linear(item[2])]
@@ -97,6 +101,24 @@ def select_l2_modules(
             )
             linear = [item for item in linear if is_linear(item[2])]
     return _named(attention, config.squash_name), _named(linear, config.squash_name)
+
+
+def _trained_once(
+    found: list[tuple[int, str, Any]], weight_of: Callable[[Any], Any]
+) -> list[tuple[int, str, Any]]:
+    """The modules whose weight trains, each weight once: a frozen weight (a LoRA model's base
+    layers) never changes, so its spectral norm says nothing new at any step, and a wrapper that
+    hands on its inner layer's weight (PEFT's LoRA layer) or a tied weight would repeat a row."""
+    seen: set[int] = set()
+    kept = []
+    for item in found:
+        weight = weight_of(item[2])
+        if weight is not None:
+            if getattr(weight, "requires_grad", True) is False or id(weight) in seen:
+                continue
+            seen.add(id(weight))
+        kept.append(item)
+    return kept
 
 
 def _named(found: list[tuple[int, str, Any]], squash: bool) -> list[tuple[int, str, Any]]:
@@ -187,8 +209,9 @@ class L2Steps:
         config: MonitorConfig,
         is_linear: Callable[[Any], bool],
         on_error: Callable[[str, BaseException], None],
+        weight_of: Callable[[Any], Any] | None = None,
     ) -> None:
-        self.attention, self.linear = select_l2_modules(named, config, is_linear)
+        self.attention, self.linear = select_l2_modules(named, config, is_linear, weight_of)
         self.order, self.heads = config.sa_order, config.l2_heads
         self.attention_ops = attention_ops(self.heads)
         self.on_error = on_error

@@ -409,3 +409,39 @@ def test_a_one_token_sequence_has_entropy_plus_zero_on_both_paths():
     host = attention_rows(q, q, "first")
     for softmax_max, entropy in (device.tolist(), np.ravel(host).tolist()):
         assert softmax_max == 1.0 and entropy == 0.0 and np.copysign(1.0, entropy) == 1.0
+
+
+class _LoraLinear(nn.Module):
+    """PEFT's LoRA layer in small: a frozen base layer, trained A and B, and the base layer's
+    weight handed on as its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.base_layer = nn.Linear(6, 6).requires_grad_(False)
+        self.lora_A = nn.Linear(6, 2, bias=False)
+        self.lora_B = nn.Linear(2, 6, bias=False)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.base_layer.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base_layer(x) + self.lora_B(self.lora_A(x))
+
+
+def test_every_linear_layer_means_those_that_train_each_weight_once():
+    """An empty linear_hook list on a LoRA model: the frozen base weights never change (no row
+    at every step for a constant), and the LoRA layer handing on its base layer's weight would
+    repeat its row; listed by name, a frozen layer is measured as asked."""
+    model = nn.Sequential(_LoraLinear(), nn.Linear(6, 3))
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    names = {}
+    for listed in ([], ["0.base_layer"]):
+        config = {"recording_l2_features": True, "l2_targets": {"linear_hook": listed}, "format": "api"}
+        mon = TrainerMon(config).set_monitor(model, 1, optimizer)
+        model(torch.randn(4, 6)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        names[len(listed)] = {key.split(":")[1].rsplit(".linear", 1)[0] for key in mon._latest("linear_hook")}
+        mon.stop()
+    assert names == {0: {"0.lora_A", "0.lora_B", "1"}, 1: {"0.base_layer"}}
