@@ -63,7 +63,7 @@ class L2Features(L2Steps):
         named = [
             (vpp, raw, cell) for vpp, chunk in enumerate(chunks) for raw, cell in chunk.cells_and_names()
         ]
-        super().__init__(named, config, is_linear, on_error)
+        super().__init__(named, config, is_linear, on_error, linear_weight)
         self.roots = RootCalls(chunks, lambda: self.collect, jit)
         #: this monitor's own random numbers (the training's generators are never drawn from)
         self._random = np.random.default_rng(0)

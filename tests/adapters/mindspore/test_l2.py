@@ -125,6 +125,22 @@ def test_a_cell_with_a_wg_weight_is_a_linear_one():
         assert rows[f"0:{name}.linear/rank0/sr"]["kernel_norm"] == pytest.approx(sigma, rel=0.01), name
 
 
+def test_every_linear_cell_means_those_whose_weight_trains():
+    """An empty linear_hook list: a frozen Dense (a LoRA model's base layer) never changes and
+    gets no row at every step."""
+    net = nn.SequentialCell([nn.Dense(4, 8), nn.Dense(8, 3)])
+    net[0].weight.requires_grad = False
+    optimizer = nn.Adam(net.trainable_params(), learning_rate=0.05)
+    config = {"recording_l2_features": True, "l2_targets": {"linear_hook": []}, "format": "api"}
+    mon = TrainerMon(config).set_monitor(net, 1, optimizer)
+    grad_fn = ms.value_and_grad(lambda x: (net(x) ** 2).mean(), None, optimizer.parameters)
+    _, grads = grad_fn(ms.Tensor(np.ones((2, 4), np.float32)))
+    optimizer(grads)
+    rows = mon._latest("linear_hook")
+    mon.stop()
+    assert set(rows) == {"0:1.linear/rank0/sr"}, rows
+
+
 def test_a_nan_or_inf_weight_gets_nan_or_inf_rows_and_the_other_weights_go_on(trainmon_log):
     """As on torch: a weight holding NaN gives NaN, one holding Inf an infinite norm and an
     undefined ratio; the feature stays on and the healthy weights are measured at every step."""
