@@ -137,7 +137,8 @@ def onset_batches(root: dict[str, Any], step_ids: list[Any]) -> list[dict[str, A
 
 def describe_root(root: dict[str, Any]) -> str:
     """``root <tag> <op> <value> (<rule>, baseline <b>)`` for console lines and tables; the root
-    module's rows, which the files name ``.input`` / ``.output`` as msprobe does, say so."""
+    module's rows, which the files name ``.input`` / ``.output`` as msprobe does, say so, and so
+    does a root in a later pipeline stage, whose layers Megatron numbers from 0 again."""
     value, baseline = number(root.get("value")), number(root.get("baseline"))
     base = f", baseline {baseline:.3g}" if baseline == baseline else ""
     tag = str(root["tag_name"])
@@ -148,6 +149,9 @@ def describe_root(root: dict[str, Any]) -> str:
         if "_grad" in name:
             what += "'s gradient"
         model = f" [the model's own {what}]"
+    stage = root.get("pp_stage")
+    if isinstance(stage, int) and stage > 0:
+        model += f" [pipeline stage {stage}, whose layers count from 0]"
     return f"root {tag}{model} {root.get('op', '')} = {value:.3g} ({root.get('rule')}{base})"
 
 

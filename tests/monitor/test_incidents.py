@@ -104,6 +104,14 @@ def test_the_root_modules_rows_are_named_for_what_they_are_in_console_lines(tag,
     assert (said in line) if said else ("model's own" not in line), line
 
 
+@pytest.mark.parametrize("stage", [0, 2])
+def test_a_root_in_a_later_pipeline_stage_says_its_layers_count_anew(stage):
+    """Megatron numbers each stage's layers from 0: layers.0 on stage 2 is not the model's first."""
+    root = {"tag_name": "0:layers.0.mlp.output:0/rank5/actv", "op": "norm", "value": 5.0, "pp_stage": stage}
+    line = describe_root({**root, "baseline": 1.0, "rule": "R"})
+    assert ("[pipeline stage 2, whose layers count from 0]" in line) == (stage == 2), line
+
+
 def test_a_tag_that_stays_abnormal_is_one_record_and_a_new_episode_is_another():
     run = Run(rules=[AnomalyTurbulence(0.5, warmup=1, noise=0, floor=0)])
     values = [1.0] * 5 + [10.0, 100.0, 1000.0] + [1.0] * 10 + [1e6] + [1.0] * 10
