@@ -137,10 +137,10 @@ class Collection(BaseCollection):
 
     # -- the step ----------------------------------------------------------------------------
 
-    def set_step(self, step: int) -> None:
+    def set_step(self, step: int, renumbered: bool = False) -> None:
         """As every adapter's; in graph mode also measure the parameters before ``step``'s update
         (this runs at attach and at the end of the step before) when ``step`` is collected."""
-        super().set_step(step)
+        super().set_step(step, renumbered)
         self._origin = None
         self._jit.restore()  # hooks a compiled function's compilation removed (outside any Cell's call)
         if self.graph_mode and self.collect and self._wanted("param_origin", self.config.param_distribution):

@@ -94,6 +94,10 @@ class CollectiveMonitor(CollectiveMonitorBase):
 
     # -- the contract with the collection ----------------------------------------------------
 
+    def renumber(self, step: int, collect: bool) -> None:
+        self._steps_begun -= 1  # the same step begun again: the rescan still waits for the second
+        super().renumber(step, collect)
+
     def begin_step(self, step: int, collect: bool) -> None:
         """Before a step's forward: measure its calls only when ``collect``.
 

@@ -138,8 +138,8 @@ class Collection(BaseCollection):
         self._handles += self.compiled_model.register()
         self.set_step(first_step)
 
-    def set_step(self, step: int) -> None:
-        super().set_step(step)
+    def set_step(self, step: int, renumbered: bool = False) -> None:
+        super().set_step(step, renumbered)
         self.compiled_model.step_begins(step, self._hooks_measure_in_compiled_code())
 
     def remove(self) -> None:

@@ -16,8 +16,7 @@ import os
 import time
 from typing import Any
 
-from monitor.anomaly.ordering import place_in_step
-from monitor.anomaly.root import phase_of
+from monitor.anomaly.ordering import phase_of, place_in_step
 from monitor.files import FILE_MODE, make_private_dir
 
 Message = dict[str, Any]

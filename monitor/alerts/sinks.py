@@ -185,8 +185,9 @@ class WebhookSink:
                 with _opener(deadline).open(request, timeout=self.spec.timeout_s) as response:
                     status = response.status
                     answer = response.read(_ANSWER_BYTES)
-                if deadline.expired:  # the shut-down socket ended the read early: a cut-off answer
-                    raise TimeoutError
+                    left = response.length  # bytes of a declared length not read (None: none declared)
+                if (left and len(answer) < _ANSWER_BYTES) or (left is None and deadline.expired):
+                    raise TimeoutError  # the deadline shut the socket down: a cut-off answer
             except urllib.error.HTTPError as exc:
                 if 300 <= exc.code < 400:
                     raise OSError(

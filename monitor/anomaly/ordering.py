@@ -32,9 +32,10 @@ from __future__ import annotations
 import heapq
 import math
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from itertools import count
+from typing import Any
 
 from monitor.naming import split_tag
 
@@ -227,6 +228,33 @@ def stage_of_task(task: str) -> int:
 def stage_of(record: AnomalyRecord) -> int:
     """The stage of a record, from its tag."""
     return stage_of_task(task_of(record.tag_name))
+
+
+#: task (last tag component) -> causal phase within a step.
+PHASES: dict[str, int] = {
+    "param_origin": 0,
+    "actv": 1,
+    "actv_grad": 2,
+    "acc_grad": 3,
+    "pre_grad": 3,
+    "comm": 4,
+    "post_grad": 5,
+    "mg_direction": 6,
+    "exp_avg": 6,
+    "exp_avg_sq": 6,
+    "param_updated": 7,
+}
+OTHER_PHASE = 8
+
+
+def phase_of(record: Mapping[str, Any]) -> int:
+    """The causal phase of a record, from its tag's task."""
+    task = str(record["tag_name"]).rpartition("/")[2]
+    if task in PHASES:
+        return PHASES[task]
+    if task.startswith(("pre_", "post_")) and task.split("_", 1)[1].isdigit():
+        return PHASES["comm"]
+    return OTHER_PHASE
 
 
 def place_in_step(tag: str, micro_step: int) -> tuple[int, int]:

@@ -46,25 +46,12 @@ import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from monitor.anomaly.ordering import PHASES, phase_of
 from monitor.anomaly.rules import NONFINITE
 from monitor.naming import split_tag
 
 Record = Mapping[str, Any]
 
-#: task (last tag component) -> causal phase within a step.
-PHASES: dict[str, int] = {
-    "param_origin": 0,
-    "actv": 1,
-    "actv_grad": 2,
-    "acc_grad": 3,
-    "pre_grad": 3,
-    "comm": 4,
-    "post_grad": 5,
-    "mg_direction": 6,
-    "exp_avg": 6,
-    "exp_avg_sq": 6,
-    "param_updated": 7,
-}
 PHASE_NAMES = {
     0: "parameters the step started from",
     1: "forward activations",
@@ -76,23 +63,12 @@ PHASE_NAMES = {
     7: "parameter update",
     8: "other values",
 }
-OTHER_PHASE = 8
 #: a tensor must have moved this many times more (or less) than its data type's common move.
 ALONE_FACTOR = 4.0
 #: with three or more ranks, a value this far from its peers' median marks its rank.
 PEER_FACTOR = 4.0
 #: a data type whose tensors moved this much as a whole (their median), with the root, shares a cause.
 SHARED_FACTOR = 2.0
-
-
-def phase_of(record: Record) -> int:
-    """The causal phase of a record, from its tag's task."""
-    task = str(record["tag_name"]).rpartition("/")[2]
-    if task in PHASES:
-        return PHASES[task]
-    if task.startswith(("pre_", "post_")) and task.split("_", 1)[1].isdigit():
-        return PHASES["comm"]
-    return OTHER_PHASE
 
 
 def module_of(record: Record) -> str:
@@ -251,14 +227,16 @@ def _same_on_ranks(records: Sequence[Record], root: Record) -> list[str]:
     """When other ranks show the root's tensor with the very same value (replicas, or pieces
     merged with shard_reduce), the rank named is only the lowest: said, in words."""
     value = number(root.get("value"))
+    if not math.isfinite(value):  # NaN/Inf spread from rank to rank: alike, yet not replicas
+        return []
+    place = (root.get("step"), root.get("micro_step", 0))
     ranks = sorted(
         {
             int(r["rank"])
             for r in records
             if _tensor_of(r) == _tensor_of(root)
-            and (
-                number(r.get("value")) == value or (math.isnan(value) and math.isnan(number(r.get("value"))))
-            )
+            and (r.get("step"), r.get("micro_step", 0)) == place
+            and number(r.get("value")) == value
         }
     )
     if len(ranks) < 2:

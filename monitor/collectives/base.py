@@ -94,6 +94,13 @@ class CollectiveMonitorBase:
             self._registry.unsubscribe(self)
             self._forget_steps()
 
+    def renumber(self, step: int, collect: bool) -> None:
+        """The step begun at attach gets another number before it ends (a resumed run's saved
+        state says where it is): begun again under it, cc_log_only's first step with it."""
+        if self._first_step is not None:
+            self._first_step = step
+        self.begin_step(step, collect)
+
     def _check_log_only(self, step: int) -> None:
         """With cc_log_only, note the first step and stop the run at the next one.
 

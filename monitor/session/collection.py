@@ -134,8 +134,9 @@ class BaseCollection(ABC):
     def finished(self) -> bool:
         return self.schedule.finished
 
-    def set_step(self, step: int) -> None:
-        """Decide, before the step's forward, whether it is collected; every hook reads this flag."""
+    def set_step(self, step: int, renumbered: bool = False) -> None:
+        """Decide, before the step's forward, whether it is collected; every hook reads this flag.
+        ``renumbered``: the step begun at attach, under the number a resumed run's state gives."""
         self._step = step
         self._call_id = 0
         self.gradients_judged = True
@@ -151,7 +152,8 @@ class BaseCollection(ABC):
             self.l2.reset()
             self.l2.collect = collect and ATTENTION_PREFIX not in self._failed
         if self.collectives is not None:
-            self.collectives.begin_step(step, collect and "comm" not in self._failed)
+            begin = self.collectives.renumber if renumbered else self.collectives.begin_step
+            begin(step, collect and "comm" not in self._failed)
 
     def _start_update(self) -> bool:
         """Optimizer pre-step, the part every adapter shares: print_struct, then (on a collected

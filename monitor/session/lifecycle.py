@@ -20,9 +20,10 @@ from monitor.alerts.responses import IncidentResponses
 from monitor.config.schema import MonitorConfig
 from monitor.datatypes.update_ratio import update_ratio_written
 from monitor.errors import CollectivesLogged, StructurePrinted
-from monitor.session.collection import UNENDED_PASSES, BaseCollection
+from monitor.session.collection import BaseCollection
 from monitor.session.dynamic import ScheduleChannel
 from monitor.session.schedule import rank_enabled
+from monitor.session.unseen import unseen_updates
 
 logger = logging.getLogger("trainmon")
 
@@ -254,7 +255,7 @@ class SessionLifecycle(IncidentResponses, ABC):
         self.step = step
         self._seen_from = (step, self._seen_from[1])
         if self.collection is not None:
-            self.collection.set_step(step)
+            self.collection.set_step(step, renumbered=True)
         return True
 
     def end_collection(self) -> None:
@@ -278,38 +279,15 @@ class SessionLifecycle(IncidentResponses, ABC):
         self._close_alerts()
 
     def _say_unseen_updates(self, passes: int, stale: int) -> None:
-        """At stop(): the optimizer updated while attached, or the gradients saw ``passes``
-        backward passes, yet no step was counted (a compiled step runs no hook; an optimizer made
-        anew steps unwatched), or ``stale`` monitored parameters are no longer the model's:
-        nothing was recorded, which is said instead of left to be found."""
+        """At stop(): why nothing was recorded, where the run updated or passed backward while
+        attached yet no step was counted (``unseen_updates``); said at the first stop() only."""
         if self._seen_from is None or self.step != self._seen_from[0]:
             return
         updates = self._seen_from[1]  # None: unknown (no count before an optimizer's first update)
-        self._seen_from = None  # said at the first stop() only
-        now = self._optimizer_step_count()
-        if now is not None and updates is not None and now > updates:
-            logger.warning(
-                "trainmon: the optimizer made %d update(s) while attached and the monitor saw none, so "
-                "nothing was recorded: a compiled step runs no hook (MindSpore graph mode: call "
-                "step_end() after each step, as the Model.train callback does; a jit step: "
-                "set_monitor(..., graph_mode=True))",
-                now - updates,
-            )
-        elif 0 < passes < UNENDED_PASSES:  # from UNENDED_PASSES on, it was said during the run
-            logger.warning(
-                "trainmon: %d backward pass(es) while attached, yet the optimizer given to set_monitor "
-                "never stepped, so nothing was recorded: is it the one that steps (not one made anew "
-                "after set_monitor, say after loading a checkpoint)?",
-                passes,
-            )
-        elif stale:
-            logger.warning(
-                "trainmon: the optimizer given to set_monitor never stepped and %d monitored "
-                "parameter(s) are no longer the model's (made anew after set_monitor: sharded, "
-                "parallelized or wrapped), so nothing was recorded: build the optimizer and call "
-                "set_monitor after fully_shard / parallelize_module",
-                stale,
-            )
+        self._seen_from = None
+        said = unseen_updates(updates, self._optimizer_step_count(), passes, stale)
+        if said:
+            logger.warning("%s", said)
 
     def _monitored_not_the_models(self) -> int:
         """How many monitored parameters the model no longer holds (frameworks that can tell)."""

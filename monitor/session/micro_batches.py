@@ -61,7 +61,7 @@ def uneven_step(told: set[str], step: int, counted: int, expected: int | None, p
     tokens, as the Hugging Face Trainer does, or by grad_acc_steps), so the rules would take it
     for a fault; said once. Every step as short as the one before (grad_acc_steps not what the
     loop does) is judged as usual."""
-    uneven = bool(expected) and 0 < counted < expected and counted != previous
+    uneven = bool(expected) and 0 < counted < expected and (previous is None or counted < previous)
     if _first_time(told, "uneven judged", uneven):
         logger.info(
             "trainmon: the rules judge step %d's activations and gradients for NaN/Inf only: a step "

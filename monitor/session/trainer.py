@@ -23,6 +23,7 @@ from monitor.session.attach_arguments import (
 )
 from monitor.session.dynamic import DynamicControl, dynamic_mode
 from monitor.session.old_names import MsprobeOldNames
+from monitor.session.resume import restore_step
 
 logger = logging.getLogger("trainmon")
 #: ``{tag: {op: value}}`` of one data type, as the accessors return it
@@ -56,6 +57,8 @@ class TrainerMon(MsprobeOldNames):
         self.params_have_main_grad = params_have_main_grad
         self._wrapped_optimizer: Any = None
         self._session: Any = None
+        #: whether set_monitor was given start_iteration (a loaded state's step then renumbers nothing)
+        self._numbered = False
         #: stop() was called since the last attach or start(): set_monitor may attach again
         self._stopped = False
         self._dynamic: DynamicControl | None = None
@@ -91,7 +94,7 @@ class TrainerMon(MsprobeOldNames):
         optimizer: Any = None,
         tp_group: Any = None,
         dp_group: Any = None,
-        start_iteration: int = 0,
+        start_iteration: int | None = None,
         *,
         graph_mode: bool | None = None,
         compiled: bool = False,
@@ -112,6 +115,8 @@ class TrainerMon(MsprobeOldNames):
             ValueError / TypeError: a bad argument (named in the message).
         """
         grad_acc_steps, optimizer = msprobe_argument_order(grad_acc_steps, optimizer)
+        self._numbered = start_iteration is not None
+        start_iteration = 0 if start_iteration is None else start_iteration
         check_counts(grad_acc_steps, start_iteration)
         if self._session is not None and not self._stopped:
             raise RuntimeError("set_monitor: this TrainerMon is already attached; call stop() first")
@@ -362,7 +367,7 @@ class TrainerMon(MsprobeOldNames):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what state_dict() saved (call after set_monitor, before training resumes): the
         detector's baselines, and the step counter where set_monitor was given no
-        ``start_iteration`` (steps would otherwise be numbered from 0 again).
+        ``start_iteration`` (``monitor.session.resume``).
 
         Raises:
             ValueError: the state was saved with other anomaly rules, or is malformed.
@@ -371,21 +376,8 @@ class TrainerMon(MsprobeOldNames):
         if detector is not None and state.get("detector") is not None:
             self._core.flush()
             detector.load_state_dict(state["detector"])
-        self._restore_step(state.get("step"))
-
-    def _restore_step(self, step: Any) -> None:
-        session = self._session
-        if type(step) is not int or step <= 0 or session is None or step == session.step:
-            return
-        if session.step == 0 and session.renumber(step):
-            logger.info("trainmon: steps go on from %d, the step the loaded state was saved at", step)
-            return
-        logger.warning(
-            "trainmon: load_state_dict: the state was saved at step %d, but steps here go on from %d "
-            "(start_iteration, or steps already counted since set_monitor); they keep that numbering",
-            step,
-            session.step,
-        )
+        if self._session is not None:
+            restore_step(self._session, state.get("step"), self._numbered)
 
     def flush(self) -> None:
         """Wait until every collected step so far is written."""

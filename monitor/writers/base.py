@@ -29,9 +29,10 @@ STEP_WAIT_S = 10.0
 #: the longest the writer thread sleeps on an empty queue before it looks again: a Ctrl-C that
 #: lands inside ``queue.put`` can lose the wake-up of the item just queued (the stop at exit too)
 WAKE_S = 1.0
-#: how long ``close()`` waits for a writer thread that makes no progress (a sink stuck in a write
-#: to a dead file system) before it leaves it: the process must still be able to exit
-CLOSE_STALL_S = 60.0
+#: how long ``close()`` waits for a writer thread that makes no progress, no item taken and no
+#: sink call ended (a sink stuck in a write to a dead file system), before it leaves it: the
+#: process must still be able to exit; a sink's last merge at close may take minutes
+CLOSE_STALL_S = 300.0
 
 
 class Writer(Protocol):
@@ -105,7 +106,8 @@ class WriterThread:
         self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
         self._closed = False
         self._dropped = 0
-        #: items the thread has taken from the queue: its progress, for ``close()``
+        #: items the thread has taken from the queue and sink calls it ended: its progress, for
+        #: ``close()``
         self._handled = 0
         self._wait_for_steps = True
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -260,6 +262,8 @@ class WriterThread:
                 except Exception:
                     pass
             return None
+        finally:
+            self._handled += 1  # progress, for close()
 
 
 def _weak_close(writer: WriterThread) -> Callable[[], None]:

@@ -486,6 +486,9 @@ def test_a_value_merged_across_ranks_says_the_rank_named_is_not_where_it_came_fr
     pieces = [{**merged[0], "value": 3.0}, merged[1]]
     _, evidence = choose_root(pieces)
     assert not any("show the same value" in line for line in evidence), evidence
+    spread = [{**merged[0], "value": float("nan")}, {**merged[1], "value": float("nan"), "step": 5}]
+    _, evidence = choose_root(spread)  # a NaN that reached rank 1 a step later: no replica
+    assert not any("show the same value" in line for line in evidence), evidence
 
 
 def test_a_loss_computed_in_the_model_is_the_activation_that_moved_alone_and_its_gradients_followed():

@@ -313,8 +313,8 @@ def test_detector_baselines_survive_a_resume_through_state_dict():
 
 def test_a_loaded_state_numbers_the_steps_where_set_monitor_was_given_no_start(trainmon_log):
     """A DeepSpeed or plain loop resumed at step 5 that restores the monitor's state but does not
-    pass start_iteration: its steps go on from 5, not from 0; an explicit start_iteration that
-    disagrees with the state keeps its numbering, said."""
+    pass start_iteration: its steps go on from 5, not from 0; an explicit start_iteration (0
+    included) that disagrees with the state keeps its numbering, said."""
     config = {"wg_distribution": True, "format": "api"}
     model, optimizer = _fresh()
     first = TrainerMon(config)
@@ -323,7 +323,7 @@ def test_a_loaded_state_numbers_the_steps_where_set_monitor_was_given_no_start(t
         _step(model, optimizer, step)
     saved = first.state_dict()
     first.stop()
-    for start, expected in ((None, 5), (7, 7)):
+    for start, expected in ((None, 5), (7, 7), (0, 0)):
         twin = copy.deepcopy(model)
         twin_optimizer = torch.optim.SGD(twin.parameters(), lr=0.01)
         resumed = TrainerMon(config)
@@ -333,8 +333,24 @@ def test_a_loaded_state_numbers_the_steps_where_set_monitor_was_given_no_start(t
         rows = resumed._latest("grad_reduced")
         resumed.stop()
         assert resumed.step == expected + 1 and rows, (start, resumed.step)
-    (said,) = [m for m in trainmon_log.at(logging.WARNING) if "load_state_dict" in m]
-    assert "saved at step 5, but steps here go on from 7" in said
+    said = [m for m in trainmon_log.at(logging.WARNING) if "load_state_dict" in m]
+    assert len(said) == 2 and "saved at step 5, but steps here go on from 7" in said[0], said
+    assert "steps here go on from 0" in said[1]
+
+
+def test_a_loaded_state_renumbers_the_first_step_without_ending_it_for_cc_log_only():
+    """cc_log_only stops the run after its first step: the step begun at attach, renumbered by
+    the loaded state, is still that first step (it raised as if a second had begun)."""
+    model, optimizer = _fresh()
+    config = {
+        "wg_distribution": True,
+        "format": "api",
+        "cc_distribution": {"enable": True, "cc_log_only": True},
+    }
+    mon = TrainerMon(config).set_monitor(model, 1, optimizer)
+    mon.load_state_dict({"step": 30, "detector": None})
+    assert mon.step == 30
+    mon.stop()
 
 
 def _dynamic_rank(rank: int, world_size: int, workdir: str) -> None:
