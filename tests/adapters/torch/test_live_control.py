@@ -276,12 +276,8 @@ def test_a_resumed_run_goes_on_in_its_anomaly_files(tmp_path):
     assert {2, 12} <= steps
 
 
-def test_detector_baselines_survive_a_resume_through_state_dict():
-    config = {
-        "wg_distribution": True,
-        "format": "api",
-        "alert": {"rules": [{"rule_name": "AnomalyZScore", "args": {"warmup": 3}}]},
-    }
+def _saved_after_five_steps(config: dict) -> tuple[torch.nn.Module, dict]:
+    """A model trained five steps under a monitor of ``config``, and the monitor's saved state."""
     model, optimizer = _fresh()
     first = TrainerMon(config)
     first.set_monitor(model, 1, optimizer)
@@ -289,6 +285,16 @@ def test_detector_baselines_survive_a_resume_through_state_dict():
         _step(model, optimizer, step)
     saved = first.state_dict()
     first.stop()
+    return model, saved
+
+
+def test_detector_baselines_survive_a_resume_through_state_dict():
+    config = {
+        "wg_distribution": True,
+        "format": "api",
+        "alert": {"rules": [{"rule_name": "AnomalyZScore", "args": {"warmup": 3}}]},
+    }
+    model, saved = _saved_after_five_steps(config)
     assert saved["step"] == 5 and saved["detector"]["tags"]
     found = {}
     for load in (True, False):
@@ -316,13 +322,7 @@ def test_a_loaded_state_numbers_the_steps_where_set_monitor_was_given_no_start(t
     pass start_iteration: its steps go on from 5, not from 0; an explicit start_iteration (0
     included) that disagrees with the state keeps its numbering, said."""
     config = {"wg_distribution": True, "format": "api"}
-    model, optimizer = _fresh()
-    first = TrainerMon(config)
-    first.set_monitor(model, 1, optimizer)
-    for step in range(5):
-        _step(model, optimizer, step)
-    saved = first.state_dict()
-    first.stop()
+    model, saved = _saved_after_five_steps(config)
     for start, expected in ((None, 5), (7, 7), (0, 0)):
         twin = copy.deepcopy(model)
         twin_optimizer = torch.optim.SGD(twin.parameters(), lr=0.01)
