@@ -99,9 +99,11 @@ class Activations:
         #: the last step's RowSet per prefix, handed out again while the rows stay the same
         self._same_rows = {"actv": SameRows(), "actv_grad": SameRows()}
         #: this step's measured tensors: id -> (weak reference, version, statistics row, mesh
-        #: tag). A tensor that is one module's output and the next one's input (or its gradient,
-        #: seen by both modules' hooks) is measured once.
-        self._seen: dict[int, tuple[weakref.ref, int, list[float] | torch.Tensor, Piece | None]] = {}
+        #: tag, the positions of the rows naming it). A tensor that is one module's output and the
+        #: next one's input (or its gradient, seen by both modules' hooks) is measured once.
+        self._seen: dict[
+            int, tuple[weakref.ref, int, list[float] | torch.Tensor, Piece | None, list[int]]
+        ] = {}
         self._dtensor = dtensor_type()
         #: the inputs the caller passed to a tensor-parallel module, before it made DTensors of them
         self._passed: dict[int, tuple] = {}
@@ -202,11 +204,9 @@ class Activations:
         ):
             hit = self._seen.get(id(t))
             if hit is not None and hit[0]() is t and hit[3] is None:
-                self._seen[id(t)] = (*hit[:3], tag)
-                stats, tags = self._stats["actv"], self._tags["actv"]
-                for k in range(len(stats)):
-                    if stats[k] is hit[2]:
-                        tags[k] = tag
+                self._seen[id(t)] = (*hit[:3], tag, hit[4])
+                for position in hit[4]:
+                    self._tags["actv"][position] = tag
             watched = self._watched.get(id(t))
             if watched is not None and watched[0]() is t and watched[3][0] is None:
                 watched[3][0] = tag
@@ -272,19 +272,21 @@ class Activations:
         resolved = [self._piece(t, tags[k] if tags is not None else None) for k, t in enumerate(tensors)]
         seen = self._seen
         rows, row_tags = [], []
-        for t, tag in resolved:
+        for position, (t, tag) in enumerate(resolved, len(self._stats[prefix])):
             hit = seen.get(id(t))
             if hit is not None and hit[0]() is t and hit[1] == t._version:
                 rows.append(hit[2])
                 row_tags.append(hit[3] if tag is None else tag)
+                hit[4].append(position)
             else:
                 row = tensor_stats(t, self.ops, self.eps)
-                seen[id(t)] = (weakref.ref(t), t._version, row, tag)
+                positions = [position]
+                seen[id(t)] = (weakref.ref(t), t._version, row, tag, positions)
                 base = t._base
                 if tag is not None and base is not None and _same_view(t, base):
                     known = seen.get(id(base))  # an entry of a tensor freed since may hold its id
-                    if known is None or known[0]() is not base:
-                        seen[id(base)] = (weakref.ref(base), base._version, row, tag)  # the same values
+                    if known is None or known[0]() is not base:  # the same values, rows
+                        seen[id(base)] = (weakref.ref(base), base._version, row, tag, positions)
                 rows.append(row)
                 row_tags.append(tag)
         self._rows[prefix].extend((vpp, n, micro) for n in row_names(name, len(tensors)))

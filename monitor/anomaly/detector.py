@@ -113,7 +113,7 @@ class Detector:
                 row, col = np.nonzero(reported)
                 rows.append(row), cols.append(col), ids.append(np.full(len(row), NONFINITE_ID))
                 baselines.append(self._norm_levels(record, index, row, col))
-        if not getattr(record, "by_rules", True):  # NaN/Inf only: no rule, no history moves
+        if not record.by_rules:  # NaN/Inf only: no rule, no history moves
             return self._verdicts(record, rows, cols, ids, baselines, None, math.nan)
         for number, (rule, state) in enumerate(zip(self.rules, states)):
             # a rule sees only the columns it judges (AnomalyZScore: norm alone, 1 of 6)
