@@ -220,9 +220,29 @@ def _sink(spec: Any, path: str) -> SinkSpec:
             f"{path}.path: {target!r} leaves the output root; expected a path under it, or an "
             "absolute path for a place outside it"
         )
-    if os.path.isdir(os.path.join(output_root(), target)):  # an absolute path stays as it is
+    where = os.path.join(output_root(), target)  # an absolute path stays as it is
+    if os.path.isdir(where):
         raise ConfigError(f"{path}.path: {target!r} is a directory; expected the path of a file (in it, say)")
+    if _may_deliver_here(ranks):
+        problem = _unwritable(where)
+        if problem:  # said now, not at the first incident hours into the run
+            raise ConfigError(
+                f"{path}.path: {target!r} cannot be written: {problem}; expected a writable place"
+            )
     return SinkSpec(kind, path=target, **common)
+
+
+def _unwritable(where: str) -> str:
+    """Why the file at ``where`` could not be appended to (its missing directories are created at
+    the first message), or "" when it could; nothing is created here."""
+    if os.path.exists(where):
+        return "" if os.access(where, os.W_OK) else "the file is not writable"
+    parent = os.path.dirname(os.path.abspath(where))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        return f"{parent!r} is a file, not a directory"
+    return "" if os.access(parent, os.W_OK | os.X_OK) else f"the directory {parent!r} is not writable"
 
 
 def _may_deliver_here(ranks: str) -> bool:

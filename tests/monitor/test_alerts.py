@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import socket
 import sys
 import threading
@@ -356,6 +357,24 @@ def test_a_file_sink_at_a_directory_under_the_output_root_is_refused_at_the_door
     with pytest.raises(ConfigError, match=r"alert\.sinks\[0\]\.path: 'logs' is a directory"):
         load_config({"alert": {"sinks": [{"type": "file", "path": "logs"}]}})
     load_config({"alert": {"sinks": [{"type": "file", "path": "logs/incidents.jsonl"}]}})
+
+
+def test_a_file_sink_that_cannot_be_written_is_refused_at_the_door(tmp_path, monkeypatch):
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path))
+    (tmp_path / "notes").write_text("a file where a directory was meant")
+    sink = {"type": "file", "path": "notes/alerts/incidents.jsonl"}
+    with pytest.raises(ConfigError, match=r"sinks\[0\]\.path: 'notes/alerts/incidents.jsonl' cannot be"):
+        load_config({"alert": {"sinks": [sink]}})
+    assert not (tmp_path / "notes" / "alerts").exists()
+    monkeypatch.setenv("RANK", "1")
+    load_config({"alert": {"sinks": [{**sink, "ranks": "rank0"}]}})  # rank 0 delivers it, not this one
+    monkeypatch.delenv("RANK")
+    read_only = tmp_path / "read-only"
+    read_only.mkdir(mode=0o555)
+    if os.access(read_only, os.W_OK):
+        return  # a superuser writes anywhere; the file-in-the-way case above still holds
+    with pytest.raises(ConfigError, match=r"the directory .*read-only' is not writable"):
+        load_config({"alert": {"sinks": [{"type": "file", "path": "read-only/incidents.jsonl"}]}})
 
 
 @pytest.mark.parametrize(
