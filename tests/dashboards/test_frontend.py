@@ -357,6 +357,36 @@ def test_incidents_expand_into_records_that_jump_to_their_cell(page):
     assert "exp_avg · max · rank 1" in _state(session)["title"]
 
 
+def test_a_line_that_turns_non_finite_is_drawn_up_to_its_marker(page):
+    """After the incidents test: rank 1's exp_avg max of head.weight is finite at steps 0-8 and
+    +Inf from step 9. The chart draws rank 1's line (its legend colour, orange) over steps 0-8
+    and marks the Inf steps; a marker once threw away the line drawn before it."""
+    session, _, _ = page
+    head, last = NAMES.index("head.weight"), INCIDENT_RUN["steps"][-1]
+    session.script(
+        """const c = document.querySelector('.tm-canvas'), r = c.getBoundingClientRect();
+        const at = {clientX: r.right - 5, clientY: r.top + 1 + 16 * arguments[0] + 8, bubbles: true};
+        c.dispatchEvent(new MouseEvent('click', at));""",
+        head,
+    )
+    session.wait_for("return !document.querySelector('.tm-chart').hidden;", 20, "line chart")
+    assert _state(session)["selected"] == f"{head},{last}"
+    assert _state(session)["chart"]["ranks"] == 2
+    orange, black = session.script(
+        """const c = document.querySelector('.tm-chart-canvas');
+        const px = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
+        let orange = 0, black = 0;
+        for (let i = 0; i < px.length; i += 4) {
+          const [r, g, b, a] = [px[i], px[i + 1], px[i + 2], px[i + 3]];
+          if (a > 200 && r > 200 && g > 100 && g < 160 && b < 60) orange++;
+          if (a > 200 && r < 30 && g < 30 && b < 30) black++;
+        }
+        return [orange, black];"""
+    )
+    assert orange > 200, orange  # rank 1's line over nine steps, not only a marker's edge
+    assert black > 0  # the +Inf triangles
+
+
 def test_no_script_errors_in_the_console(page):
     session, _, _ = page
     errors = [m for m in session.console_errors() if "/data/plugin/trainmon/" in m or "Uncaught" in m]

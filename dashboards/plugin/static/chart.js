@@ -113,17 +113,19 @@ export class LineChart {
       ctx.lineWidth = 1.5;
       ctx.beginPath();
       let open = false;
+      const nonFinite = [];  // marked once the line is drawn: a marker starts a path of its own
       row.forEach((v, j) => {
         const t = v === null || !Number.isFinite(v) ? null : tf(v);
         if (t === null) {
           open = false;
-          if (v !== null && !Number.isFinite(v)) marker(ctx, sx(steps[j]), v, y0, y1);
+          if (v !== null && !Number.isFinite(v)) nonFinite.push([sx(steps[j]), v]);
           return;
         }
         if (open) ctx.lineTo(sx(steps[j]), sy(t)); else ctx.moveTo(sx(steps[j]), sy(t));
         open = true;
       });
       ctx.stroke();
+      for (const [x, v] of nonFinite) marker(ctx, x, v, y0, y1);
     });
   }
 
