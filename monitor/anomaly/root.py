@@ -15,7 +15,8 @@ while training or from every rank in ``anomaly-analyse``. The heuristics, in ord
    median over every tensor, flagged or not); the record whose ratio differs from the common
    one by far the most is the root (of its micro-steps, the earliest that moved so).
 4. **Call order.** Otherwise the earliest in the order the monitor saw them: in forward the one
-   nearest the input, in backward the one nearest the loss.
+   nearest the input, in backward the one nearest the loss; across pipeline stages, earlier
+   stages first in forward and later ones first from the backward pass on.
 5. **Ranks.** With several ranks, the ranks that show the first phase while their peers do not
    are named (a bad batch or a corrupted local gradient on one rank); with three or more ranks
    showing the same tensor, one whose value is far from its peers' median is preferred.
@@ -87,8 +88,15 @@ def number(value: Any) -> float:
 
 
 def _order(record: Record) -> tuple:
+    """When a record's value was computed, as far as records tell: by micro-step, then by
+    pipeline stage (earlier stages first in forward, later ones first from the backward pass on,
+    as in anomaly-analyse's ranking), then in the order one rank computed them."""
+    stages = (int(record.get("vpp_stage") or 0), int(record.get("pp_stage") or 0))
+    if phase_of(record) != PHASES["actv"]:
+        stages = (-stages[0], -stages[1])
     return (
         int(record.get("micro_step", 0)),
+        *stages,
         int(record.get("call_id", -1)),
         int(record["rank"]),
         str(record["tag_name"]),

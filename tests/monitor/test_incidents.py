@@ -447,6 +447,19 @@ def _record(tag: str, call_id: int = 0, **fields) -> dict:
     return {"rank": 0, "step": 4, "micro_step": 0, "call_id": call_id, "tag_name": tag, "rule": "X"} | fields
 
 
+@pytest.mark.parametrize("task, first_stage", [("actv_grad", 1), ("actv", 0)])
+def test_merged_over_pipeline_stages_backward_starts_at_the_last_stage(task, first_stage):
+    """A loss spike: every stage's activation gradients moved at one step, each rank computing its
+    own in the same order (same call ids). Backward starts at the last stage, so its tensor
+    nearest the loss is the root; forward starts at the first."""
+    records = [
+        _record(f"0:layers.1.output_grad:0/rank{stage}/{task}", 7, rank=stage, pp_stage=stage, ratio=1e3)
+        for stage in (0, 1)
+    ]
+    root, _ = choose_root(records, 2)
+    assert root["rank"] == root["pp_stage"] == first_stage
+
+
 def test_a_lone_record_whose_data_type_moved_as_a_whole_is_said_to_share_its_cause():
     """A learning rate x100 moved every parameter (median x3.8); only one was flagged."""
     lone = [_record("0:wte.weight/rank0/param_updated", ratio=4.2, common=3.8)]
