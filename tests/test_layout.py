@@ -75,8 +75,8 @@ def test_the_rules_see_a_wrong_import(tmp_path):
 
 
 #: inside monitor: package -> the packages of monitor it may import besides itself and the shared
-#: modules at the top (naming, record, files, errors, logs, structure, memory_limit); what each package's
-#: docstring promises
+#: modules at the top (naming, record, files, errors, logs, structure, memory_limit, run_info); what
+#: each package's docstring promises
 LAYERS = {
     "stats": (),
     "config": ("alerts.config", "anomaly.rule_args"),
@@ -88,7 +88,7 @@ LAYERS = {
     "session": ("config", "stats", "datatypes", "collectives", "writers", "anomaly", "alerts"),
     "integrations": ("config", "session"),
 }
-SHARED = ("naming", "record", "files", "errors", "logs", "structure", "memory_limit")
+SHARED = ("naming", "record", "files", "errors", "logs", "structure", "memory_limit", "run_info")
 
 
 @pytest.mark.parametrize("package", sorted(LAYERS))

@@ -48,9 +48,9 @@ from monitor.datatypes.params import param_row_tables, reduced_index
 from monitor.datatypes.update_ratio import adam_histograms, submit_histograms
 from monitor.errors import raise_if_of_the_training
 from monitor.record import RowSet
+from monitor.run_info import run_info
 from monitor.session.collection import BaseCollection, UnendedStep
 from monitor.session.core import MonitorCore
-from monitor.session.run_info import run_info
 from monitor.stats.host_stats import probe_index
 
 logger = logging.getLogger("trainmon")

@@ -37,9 +37,9 @@ from monitor.config.schema import MonitorConfig
 from monitor.datatypes.params import PARAM_TASKS, param_row_tables, reduced_index
 from monitor.datatypes.update_ratio import submit_histograms
 from monitor.record import RowSet
+from monitor.run_info import run_info
 from monitor.session.collection import BaseCollection, UnendedStep
 from monitor.session.core import MonitorCore
-from monitor.session.run_info import run_info
 from monitor.stats.host_stats import scalar_matrix
 
 logger = logging.getLogger("trainmon")

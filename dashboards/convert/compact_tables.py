@@ -16,7 +16,7 @@ from typing import Any
 from monitor.anomaly.incident_files import INCIDENTS_NAME
 from monitor.anomaly.ordering import parse_record
 from monitor.files import FILE_MODE, make_private_dir
-from monitor.session.run_info import RUN_INFO_FILE
+from monitor.run_info import RUN_INFO_FILE
 
 logger = logging.getLogger("trainmon")
 

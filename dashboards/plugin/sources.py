@@ -23,7 +23,7 @@ import numpy as np
 from dashboards.csvfiles import CsvBounds, CsvTable, csv_bounds, list_csv_files, read_csv_file, read_csv_files
 from dashboards.plugin.cache import ByteLRU
 from monitor.datatypes.tasks import RowKey
-from monitor.session.run_info import RUN_INFO_FILE, read_root_modules
+from monitor.run_info import RUN_INFO_FILE, read_root_modules
 
 logger = logging.getLogger("trainmon")
 _tokens = itertools.count()

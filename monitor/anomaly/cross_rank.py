@@ -9,6 +9,8 @@ Only like is compared with like. By default only ``grad_unreduced``: every data-
 gradient of the same parameter, from different data but the same distribution. ``--types`` picks
 others (docs/anomalies.md says which are comparable); ``--ranks`` restricts the comparison to the ranks of
 one data-parallel group when tensor parallelism gives other ranks other shards of the same name.
+Pipeline stages name their own layers alike (each stage's ``layers.0``): ranks are peers only
+within their stage, read from each rank's run-info file.
 ``--ops`` defaults to the statistics with a steady magnitude (not mean: see peers). The JSON holds
 at most MAX_RECORDS outliers (earliest first), the STRONGEST farthest from their peers (a real
 fault is often far stronger, and later, than a run's first outliers) and counts per rank; each
@@ -163,7 +165,7 @@ def document(out: peers.Outliers, data_dir: str) -> dict[str, object]:
     total = len(out["rank"])
     return {
         "data_path": os.path.abspath(data_dir),
-        "types": out.types,
+        "types": list(dict.fromkeys(out.types)),  # once each, though judged per pipeline stage
         "steps": None if out.only_steps is None else sorted(out.only_steps),
         "ranks": out.ranks,
         "ops": out.ops,

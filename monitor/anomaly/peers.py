@@ -258,8 +258,11 @@ def _scattered_blocks(
         yield values, present, (keys % n_labels, window[keys // per_step], (keys % per_step) // n_labels - 1)
 
 
-def judge(prefix: str, ranks: list[int], partials: list[Partial], out: Outliers) -> None:
-    """Second pass over one data type's Partials (in any order): its outliers into ``out``."""
+def judge(
+    prefix: str, ranks: list[int], partials: list[Partial], out: Outliers, stage: int | None = None
+) -> None:
+    """Second pass over one data type's Partials (in any order): its outliers into ``out``;
+    ``stage``: the pipeline stage of ``ranks`` where the run has several (each is judged apart)."""
     label_ids: dict[tuple[int, str], int] = {}
     rows, candidates = _Columns(), _Columns()
     for part in partials:
@@ -271,7 +274,7 @@ def judge(prefix: str, ranks: list[int], partials: list[Partial], out: Outliers)
         out.judged += part.judged
     out.types.append(prefix)
     out.labels.append(list(label_ids))
-    out.ranks[prefix] = list(ranks)
+    out.ranks[prefix if stage is None else f"{prefix} (pipeline stage {stage})"] = list(ranks)
     _judge(rows, candidates, np.asarray(ranks, dtype=np.int64), out)
 
 

@@ -8,7 +8,9 @@ the files ``format: parquet`` writes, read with their ``data_type=`` partitions.
 unchanged in DuckDB and in Spark SQL (3.4 or later, for ``median``): only window functions,
 ``CASE`` and ``median``, no engine's own list functions. On the same values it flags the same
 values with the same peers' medians, scales and deviations as the command (up to the last bits of
-a median that engines interpolate differently), over every step of the run.
+a median that engines interpolate differently), over every step of the run. The value rows
+carry no pipeline stage: where a run has several, restrict ``v`` to one stage's ranks, as the
+command compares each stage apart.
 """
 
 from __future__ import annotations

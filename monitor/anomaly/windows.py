@@ -19,6 +19,7 @@ import numpy as np
 
 from monitor.anomaly import peers, rank_csv
 from monitor.anomaly.workers import map_in_workers, max_workers, total_size
+from monitor.run_info import read_pipeline_stage
 from monitor.writers.parquet_files import row_count
 
 #: bytes a window holds per value it reads (file contents, arrays, blocks), measured with
@@ -71,39 +72,59 @@ def find_outliers(
     once; ``steps`` (None: all) are reported, but every step feeds the pooled MAD."""
     listed = {rank: rank_csv.list_parts(path, types) for rank, path in rank_dirs.items()}
     out = peers.Outliers(k_mad, ops, steps)
+    stages = {rank: read_pipeline_stage(path) for rank, path in rank_dirs.items()}
     for prefix in types:
-        holders = {rank: parts[prefix] for rank, parts in listed.items() if parts.get(prefix)}
-        if not holders:
-            continue
-        plan = plan_windows(holders, memory, max_workers(), warn)
-        ranks = sorted(holders)
-        tasks = [
-            Task(
-                prefix,
-                window,
-                len(ranks),
-                [
-                    (column, rank_dirs[rank], inside)
-                    for column, rank in enumerate(ranks)
-                    if (inside := [p for p in holders[rank] if p.start <= window[1] and p.end >= window[0]])
-                ],
-                k_mad,
-                ops,
-                steps,
-            )
-            for window in plan.windows
-        ]
-        if plan.jobs > 1 and any(p.parquet for parts in holders.values() for p in parts):
-            import pyarrow.parquet  # noqa: F401  (once here, not in every worker)
-        partials, told = [], set()
-        for partial, warnings in map_in_workers(compare_window, tasks, plan.jobs):
-            for text in warnings:
-                if text not in told:  # a file read for several windows says it once
-                    told.add(text)
-                    warn(text)
-            partials.append(partial)
-        peers.judge(prefix, ranks, partials, out)
+        held = {rank: parts[prefix] for rank, parts in listed.items() if parts.get(prefix)}
+        staged = sorted({stages[rank] for rank in held})
+        for stage in staged:  # each pipeline stage holds other layers under the same names
+            holders = {rank: parts for rank, parts in held.items() if stages[rank] == stage}
+            where = stage if len(staged) > 1 else None
+            _compare(prefix, holders, rank_dirs, k_mad, steps, ops, memory, warn, out, where)
     return out
+
+
+def _compare(
+    prefix: str,
+    holders: dict[int, list[rank_csv.Part]],
+    rank_dirs: dict[int, str],
+    k_mad: float,
+    steps: frozenset[int] | None,
+    ops: tuple[str, ...] | None,
+    memory: int,
+    warn: Callable[[str], None],
+    out: peers.Outliers,
+    stage: int | None,
+) -> None:
+    """Compare one data type over ``holders``, the ranks of one pipeline stage (None: the run
+    has one), into ``out``."""
+    plan = plan_windows(holders, memory, max_workers(), warn)
+    ranks = sorted(holders)
+    tasks = [
+        Task(
+            prefix,
+            window,
+            len(ranks),
+            [
+                (column, rank_dirs[rank], inside)
+                for column, rank in enumerate(ranks)
+                if (inside := [p for p in holders[rank] if p.start <= window[1] and p.end >= window[0]])
+            ],
+            k_mad,
+            ops,
+            steps,
+        )
+        for window in plan.windows
+    ]
+    if plan.jobs > 1 and any(p.parquet for parts in holders.values() for p in parts):
+        import pyarrow.parquet  # noqa: F401  (once here, not in every worker)
+    partials, told = [], set()
+    for partial, warnings in map_in_workers(compare_window, tasks, plan.jobs):
+        for text in warnings:
+            if text not in told:  # a file read for several windows says it once
+                told.add(text)
+                warn(text)
+        partials.append(partial)
+    peers.judge(prefix, ranks, partials, out, stage)
 
 
 def compare_window(task: Task) -> tuple[peers.Partial, list[str]]:

@@ -4,7 +4,8 @@ session shares (``lifecycle``: start, stop, ending a step; what stop() says of a
 no step in ``unseen``, where a resumed run's steps go on from in ``resume``), its collections
 (``collection``; steps of another number of micro-batches in ``micro_batches``), which
 steps are collected (``schedule``), live reconfiguration (``dynamic``), and the core that turns a
-step's records into files, detection and the latest values (``core``, ``run_info``); msprobe's
+step's records into files, detection and the latest values (``core``; what ran, for the readers,
+in ``monitor.run_info``); msprobe's
 older method names live apart (``old_names``).
 
 The top of the core: may import every other part of ``monitor``; only ``trainer`` names an

@@ -19,7 +19,7 @@ from monitor.anomaly.rules import build_rules
 from monitor.config.schema import MonitorConfig
 from monitor.files import OUTPUT_ENV, find_rank_dir, make_private_dir, output_root, rank_dir_name
 from monitor.record import StepRecord
-from monitor.session.run_info import write_run_info
+from monitor.run_info import write_run_info
 from monitor.writers.api import ApiWriter
 from monitor.writers.base import WriterThread
 from monitor.writers.csv import CsvWriter
@@ -38,7 +38,7 @@ class MonitorCore:
         root: output root; MONITOR_OUTPUT_DIR or ./monitor_output when None.
         output_dir: an existing rank directory to continue (a restart within the same run): its
             files are appended to and its anomaly records kept.
-        info: the run-info document (``monitor.session.run_info.run_info``) written into the rank directory.
+        info: the run-info document (``monitor.run_info.run_info``) written into the rank directory.
     """
 
     def __init__(

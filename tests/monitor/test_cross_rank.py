@@ -10,6 +10,7 @@ import csv
 import json
 import math
 import os
+import shutil
 import statistics
 from pathlib import Path
 
@@ -218,6 +219,31 @@ def test_one_rank_scaled_at_step_7_is_exactly_what_is_reported(tmp_path, capsys)
     printed = capsys.readouterr().out
     assert "Cross-rank outliers (grad_unreduced over ranks 0-3)" in printed
     assert f"rank 2: {len(found)} outliers, first at step 7, most at step 7 ({len(found)})" in printed
+
+
+def test_ranks_of_other_pipeline_stages_are_not_each_others_peers(tmp_path, capsys):
+    """Pipeline stages hold other layers under the same names (each stage's ``layers.0``): ranks
+    0-3 are stage 0, rank 4 alone is stage 1 with values of its own. Only stage 0's fault is an
+    outlier; rank 4 has no peer."""
+    write_run(tmp_path, scaled=(1, 7, 3.0))
+    write_run(tmp_path / "other", ranks=5, seed=1)
+    (lone,) = (tmp_path / "other").glob("*-rank4-*")
+    first = next(tmp_path.glob("*-rank0-*")).name
+    os.rename(lone, tmp_path / first.replace("-rank0-", "-rank4-"))  # the same run's time tag
+    shutil.rmtree(tmp_path / "other")
+    for directory in tmp_path.glob("*-rank*-*"):
+        rank = int(directory.name.split("-rank")[1].split("-")[0])
+        info = {"rank": rank, "pp_stage": int(rank == 4)}
+        (directory / "trainmon_run.json").write_text(json.dumps(info))
+    assert run_cli("-d", str(tmp_path)) == 0
+    document = load(tmp_path / cross_rank.OUTPUT_NAME)
+    assert {(rank, step) for rank, step, *_ in found_keys(document)} == {(1, 7)}
+    assert document["types"] == ["grad_unreduced"]
+    assert document["ranks"] == {
+        "grad_unreduced (pipeline stage 0)": [0, 1, 2, 3],
+        "grad_unreduced (pipeline stage 1)": [4],
+    }
+    assert "grad_unreduced (pipeline stage 1) over ranks 4" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("engine", ["pyarrow", "pandas"])

@@ -5,7 +5,9 @@ model produced them. Ours adds one small JSON file per rank directory, written a
 session starts (msprobe's tools read only the CSV and event files, so they are not disturbed):
 trainmon's version, the framework and its version, rank and world size, and the class name of
 each model chunk's root module. The dashboard uses the last to show the root module's rows, which
-the files name ``.input`` / ``.output`` as msprobe does, by their class (``GPT.input``).
+the files name ``.input`` / ``.output`` as msprobe does, by their class (``GPT.input``), and
+``anomaly-analyse --cross-rank`` the pipeline stage, to compare ranks of one stage only. A shared
+module at the top of ``monitor``: the session writes the file, the readers of every layer read it.
 """
 
 from __future__ import annotations
@@ -50,16 +52,28 @@ def write_run_info(directory: str, info: Mapping[str, Any]) -> str:
     return path
 
 
-def read_root_modules(directory: str) -> dict[int, str]:
-    """Chunk -> root module class name from ``directory``'s run-info file; {} when absent or unreadable."""
+def _read_field(directory: str, key: str) -> Any:
+    """One field of ``directory``'s run-info file; None when absent or unreadable."""
     path = os.path.join(directory, RUN_INFO_FILE)
     try:
         if os.path.getsize(path) > _MAX_BYTES:
-            return {}
+            return None
         with open(path, encoding="utf-8") as handle:
-            roots = json.load(handle).get("root_modules", [])
+            return json.load(handle).get(key)
     except (OSError, ValueError, AttributeError):
-        return {}
+        return None
+
+
+def read_root_modules(directory: str) -> dict[int, str]:
+    """Chunk -> root module class name from ``directory``'s run-info file; {} when absent or unreadable."""
+    roots = _read_field(directory, "root_modules")
     if not isinstance(roots, list):
         return {}
     return {chunk: name for chunk, name in enumerate(roots) if isinstance(name, str) and name}
+
+
+def read_pipeline_stage(directory: str) -> int:
+    """The rank's pipeline stage from ``directory``'s run-info file; 0 when absent or unreadable
+    (one stage: every rank holds the whole model's names)."""
+    stage = _read_field(directory, "pp_stage")
+    return stage if type(stage) is int and stage >= 0 else 0
