@@ -297,20 +297,22 @@ def _moved_with(ratio: float, common: float) -> bool:
 
 def _changed_after_backward(records: Sequence[Record], common: float, world_size: int | None) -> str:
     """Why reduced gradients are abnormal while no local gradient was."""
+    # one rank's own records cannot tell its reduction's fault from a peer's gradient it received
+    alone = world_size != 1 and len({r.get("rank") for r in records}) == 1
     if not math.isnan(common):
         averaging = "" if world_size == 1 else ", the reduction's averaging"
+        peers = " or another rank's gradients reached them in the reduction" if alone else ""
         return (
             f"its reduced gradient is abnormal while no local gradient was, and the reduced gradients "
             f"moved x{common:.3g} together: they were rescaled after backward (gradient clipping, a "
-            f"loss scaler{averaging}), their local gradients' change left unflagged"
+            f"loss scaler{averaging}){peers}, their local gradients' change left unflagged"
         )
     if world_size == 1:  # nothing was reduced: only an edit between backward and the step is left
         return (
             "its reduced gradient is abnormal while no local gradient was: it changed after backward "
             "(edited in place, by a hook or a gradient transform, before the optimizer step)"
         )
-    # one rank's own records cannot tell its reduction's fault from a peer's gradient it received
-    peers = "another rank's gradient reached it, " if len({r.get("rank") for r in records}) == 1 else ""
+    peers = "another rank's gradient reached it, " if alone else ""
     return (
         "its reduced gradient is abnormal while no local gradient was: it changed after backward "
         f"({peers}in the reduction, or edited in place before the optimizer step)"

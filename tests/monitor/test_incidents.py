@@ -441,6 +441,7 @@ def test_reduced_gradients_abnormal_with_no_local_one_say_where_they_may_have_ch
     _, evidence = choose_root(together, world_size)
     (said,) = [line for line in evidence if "rescaled after backward" in line]
     assert ("reduction" in said) == (world_size != 1), said
+    assert ("another rank's gradients reached them" in said) == (len(ranks) == 1 and world_size != 1), said
 
 
 def _record(tag: str, call_id: int = 0, **fields) -> dict:
