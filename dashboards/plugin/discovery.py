@@ -37,6 +37,8 @@ class Run:
         root: absolute path of the root.
         rank_dirs: rank -> absolute path of its directory.
         anomaly_dir: ``root/anomaly_detected`` for the newest run of a root that has one, else None.
+        replaced: an older run of a root whose anomaly files a newer run replaced (the monitor
+            keeps them beside as ``anomaly.json.earlier-<time>``; the tab says so).
     """
 
     id: str
@@ -44,6 +46,7 @@ class Run:
     root: str
     rank_dirs: dict[int, str] = field(default_factory=dict)
     anomaly_dir: str | None = None
+    replaced: bool = False
 
 
 def _walk(logdir: str) -> dict[str, list[os.DirEntry]]:
@@ -110,6 +113,7 @@ def discover(logdir: str) -> list[Run]:
                     root=root,
                     rank_dirs={rank: entry.path for rank, entry in sorted(job.items())},
                     anomaly_dir=anomaly_dir if has_anomalies and number == len(jobs) - 1 else None,
+                    replaced=has_anomalies and number < len(jobs) - 1,
                 )
             )
     return sorted(runs, key=lambda run: (run.name, run.id))

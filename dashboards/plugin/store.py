@@ -125,6 +125,7 @@ class RunStore:
             "anomalies": len(anomalies.items),
             # None: no incidents file (msprobe's own monitor), the tab then lists anomalies only
             "incidents": len(incidents.incidents) if incidents.files else None,
+            "replaced": run.replaced,
             "version": version,
             "landing": landing(prefixes, anomalies.items, incidents.incidents),
         }

@@ -59,6 +59,8 @@ def server(demo_runs, tmp_path_factory):
         shutil.copytree(root, logdir / root.name)
     write_run(logdir / "live", fmt="tensorboard", steps=range(4))
     write_run(logdir / "incidents", **INCIDENT_RUN)
+    for stamp in ("Jan02_03-04-05", "Jan02_03-05-05"):  # the second run's anomaly files replace the first's
+        write_run(logdir / "replaced", anomalies=[(0, "grad_reduced", 3, 1, "norm")], stamp=stamp)
     with tensorboard(str(logdir), str(logdir.parent / "tensorboard.log")) as base:
         yield base, logdir
 
@@ -418,6 +420,20 @@ def test_zeros_on_a_log_scale_have_their_own_colour_and_an_all_zero_matrix_says_
         )
         assert says in session.script(legend), session.script(legend)
     session.script(choose + "s.dispatchEvent(new Event('change'));", "norm")
+
+
+def test_a_run_whose_anomaly_files_a_later_run_replaced_says_so_instead_of_none(page):
+    session, base, _ = page
+    runs = {r["name"]: r for r in _json(base, "/data/plugin/trainmon/runs")["runs"]}
+    older = runs["replaced @ Jan02_03-04-05"]["id"]
+    session.script(
+        "const s = document.querySelector('select'); s.value = arguments[0];"
+        "s.dispatchEvent(new Event('change'));",
+        older,
+    )
+    side = "document.querySelector('.tm-side-title').textContent"
+    session.wait_for(f"return {side}.includes('a later run in the same directory');", 30, "the older run")
+    assert "none recorded" not in session.script(f"return {side};")
 
 
 def test_a_tensorboard_run_links_its_chart_to_tensorboards_charts_without_smoothing(page):

@@ -329,6 +329,16 @@ def test_anomaly_filters_by_rank_and_data_type(tmp_path):
     }
 
 
+def test_an_older_run_whose_anomaly_files_a_newer_one_replaced_says_so(tmp_path):
+    """Two runs into one output directory: the newer run's anomaly files replace the older's
+    (kept aside as ``.earlier-<time>``), so the older run lists none and says why."""
+    write_run(tmp_path, anomalies=[(0, "grad_reduced", 3, 1, "norm")])
+    write_run(tmp_path, anomalies=[(0, "grad_reduced", 2, 0, "norm")], stamp="Jan02_03-05-05")
+    assert list((tmp_path / "anomaly_detected" / "rank0").glob("anomaly.json.earlier-*"))
+    runs = sorted(Api(tmp_path).runs().values(), key=lambda run: run["name"])
+    assert [(run["replaced"], run["anomalies"]) for run in runs] == [(True, 0), (False, 1)]
+
+
 def test_landing_without_anomalies_opens_the_newest_data(tmp_path):
     write_run(tmp_path, prefixes=("exp_avg",), steps=range(3))
     write_run(tmp_path, prefixes=("grad_reduced",), steps=range(5), stamp="Jan02_03-04-06", ranks=(1,))

@@ -138,7 +138,10 @@ export class SideList {
       body.skipped_incidents ? `${plural(body.skipped_incidents, "incident")} could not be read` : "",
       body.skipped_records ? `${plural(body.skipped_records, "record")} could not be read` : "",
     ].filter(Boolean).map((text) => ` (${text})`).join("");
-    this.title.textContent = (body.total === 0 ? `${name}: none recorded` :
+    const none = this.run.replaced ?
+      `${name}: not shown: a later run in the same directory replaced this run's anomaly files ` +
+      "(kept beside them as anomaly.json.earlier-<time>)" : `${name}: none recorded`;
+    this.title.textContent = (body.total === 0 ? none :
       `${name} (earliest first): ${body.matching} of ${body.total}` +
       (body.matching > shown ? ` (first ${shown} shown)` : "")) + unread;
   }
