@@ -21,7 +21,7 @@ from adapters.torch.device_stats import device_scalars, on_device, with_host_col
 from adapters.torch.dist import ddp_reduces_after_pass_end, rank_in_group, world_size
 from adapters.torch.grad_sources import unreduced_source
 from adapters.torch.grads import GradCounting
-from adapters.torch.hooked_modules import select_modules
+from adapters.torch.hooked_modules import select_modules, shown_class
 from adapters.torch.l2 import L2Features
 from adapters.torch.mg_direction import sign_agreement
 from adapters.torch.optim import TorchBackend
@@ -83,7 +83,7 @@ class Collection(BaseCollection):
         holds_parameters = not backend.sharded or backend.dtensors  # DTensors themselves, not flat copies
         self._optimizer_checks = OptimizerChecks(config, backend.sharded, holds_parameters, chunks)
         backend.prepare([entry.param for entry in self.registry.params], self.registry.grad)
-        info = run_info("torch", torch.__version__, rank, world_size(), [type(c).__name__ for c in chunks])
+        info = run_info("torch", torch.__version__, rank, world_size(), [shown_class(c) for c in chunks])
         self.core = MonitorCore(config, rank, pp_stage, group_mates, output_dir=output_dir, info=info)
         unended = UnendedStep(grad_acc_steps)  # one for the gradients and activations: said once
         self.grad_acc_steps = grad_acc_steps

@@ -16,6 +16,23 @@ from monitor.datatypes.modules import select_modules as select_module_names
 logger = logging.getLogger("trainmon")
 
 
+#: the child a wrapper holds the model in: DDP's, DeepSpeed's and Megatron's ``module``, FSDP1's
+#: and torch.compile's
+_WRAPPED_CHILDREN = ("module", "_fsdp_wrapped_module", "_orig_mod")
+
+
+def shown_class(chunk: torch.nn.Module) -> str:
+    """The class name a model chunk's own rows (``.input``, ``.output``) are shown by: the model's
+    inside its wrappers (a module whose one child has a wrapper's name), as the rows' names drop
+    what wrappers add; ``DistributedDataParallel.input`` would say nothing of the model."""
+    module = chunk
+    while True:
+        children = list(module.named_children())
+        if len(children) != 1 or children[0][0] not in _WRAPPED_CHILDREN:
+            return type(module).__name__
+        module = children[0][1]
+
+
 def _is_tensor(obj: Any) -> bool:
     return isinstance(obj, torch.Tensor)
 

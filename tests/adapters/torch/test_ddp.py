@@ -171,6 +171,8 @@ def test_unreduced_is_each_ranks_own_and_reduced_is_shared(tmp_path, options, at
             )
     assert os.path.basename(rank0["output_dir"]).split("-rank")[1].startswith("0-")
     assert os.path.basename(rank1["output_dir"]).split("-rank")[1].startswith("1-")
+    with open(os.path.join(rank0["output_dir"], "trainmon_run.json"), encoding="utf-8") as info:
+        assert json.load(info)["root_modules"] == ["MLP"]  # the model's class, not its wrapper's
     assert sorted(os.listdir(tmp_path / "out")) == sorted(
         [os.path.basename(rank0["output_dir"]), os.path.basename(rank1["output_dir"])]
     )
