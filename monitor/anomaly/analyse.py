@@ -210,6 +210,9 @@ def report_anomalies(paths: list[str], k: int, steps: frozenset[int] | None, out
         if records:
             print(f"Top {len(records)} of {summary.records_selected} anomalies ({scope}):")
             print(format_table(records))
+        elif steps is not None and summary.records_read:
+            read = summary.records_read
+            print(f"No anomalies at {scope} among the {read:,} read (without -s, every step).")
         else:
             print(f"No anomalies ({scope}).")
         if status == 0:
