@@ -258,8 +258,12 @@ class TrainmonPlugin(base_plugin.TBPlugin):
         op = _choice(args, "op", entry["ops"])
         lo = _int(args, "lo", entry["first_step"])
         hi = _int(args, "hi", entry["last_step"])
-        if hi < lo:
-            raise BadRequest(f"hi: {hi} is below lo {lo}")
+        if hi < lo:  # said in the words of the page's step range, whichever end was left empty
+            first, last = entry["first_step"], entry["last_step"]
+            raise BadRequest(
+                f"steps {args.get('lo') or first} to {args.get('hi') or last}: the range is empty "
+                f"({prefix} has steps {first}-{last})"
+            )
         columns = _int(args, "cols", DEFAULT_COLUMNS, 1, MAX_COLUMNS)
         return run, sources, prefix, entry, op, lo, hi, columns
 

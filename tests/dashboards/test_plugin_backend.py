@@ -491,7 +491,12 @@ def test_path_traversal_and_links_out_of_the_logdir_are_refused(tmp_path):
         ({"prefix": "nope", "op": "norm"}, 404, "prefix"),
         ({"prefix": "grad_reduced", "op": "entropy"}, 404, "op"),
         ({"prefix": "grad_reduced", "op": "norm", "cols": "0"}, 400, "cols"),
-        ({"prefix": "grad_reduced", "op": "norm", "lo": "5", "hi": "2"}, 400, "hi"),
+        ({"prefix": "grad_reduced", "op": "norm", "lo": "5", "hi": "2"}, 400, "steps 5 to 2: the range is"),
+        (  # the range's end left empty: the run's last step, named as such
+            {"prefix": "grad_reduced", "op": "norm", "lo": "100"},
+            400,
+            "steps 100 to 5: the range is empty (grad_reduced has steps 0-5)",
+        ),
         ({"prefix": "grad_reduced", "op": "norm", "rank": "x"}, 400, "rank: expected an integer"),
         ({"prefix": "grad_reduced", "op": "norm", "rank": "7"}, 404, "rank: 7"),
         ({"prefix": "grad_reduced", "op": "norm", "mode": "tag"}, 400, "name: required"),
