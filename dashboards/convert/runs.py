@@ -119,9 +119,13 @@ def select_jobs(
     types = check_types(data_type_list)
     ranks = select_rank_dirs(monitor_path, time_start, time_end)
     if not ranks:
+        every = select_rank_dirs(monitor_path) if time_start or time_end else {}
+        tags = sorted(
+            {RANK_DIR_PATTERN.match(os.path.basename(d)).group(1) for ds in every.values() for d in ds}
+        )
         raise ConvertError(
             f"monitor_path: no {{time}}-rank{{R}}-{{id}} directory in range under {monitor_path!r}"
-            f"{not_a_run_hint(monitor_path)}"
+            + (f" (the time tags there: {', '.join(tags)})" if tags else not_a_run_hint(monitor_path))
         )
     found = {rank: found_types(dirs) for rank, dirs in ranks.items()}
     there = {prefix for prefixes in found.values() for prefix in prefixes}
