@@ -26,7 +26,13 @@ from typing import Any
 
 import numpy as np
 
-from monitor.anomaly.detector_state import STATE_VERSION, rule_identities, saved_levels, state_arrays
+from monitor.anomaly.detector_state import (
+    STATE_VERSION,
+    rule_identities,
+    same_rules,
+    saved_levels,
+    state_arrays,
+)
 from monitor.anomaly.root import ALONE_FACTOR
 from monitor.anomaly.rules import MOVED_ALONE, NONFINITE, non_finite_cells
 from monitor.anomaly.verdicts import REFERENCE_FIELDS, Anomaly, Verdicts
@@ -319,7 +325,7 @@ class Detector:
                 f"detector state: expected a mapping with version {STATE_VERSION}, got {found!r}"
             )
         saved, configured = state.get("rules"), rule_identities(self.rules)
-        if saved != configured:
+        if not same_rules(saved, self.rules):
             raise ValueError(
                 f"detector state: saved with other anomaly rules; saved {saved!r}, configured {configured!r}"
             )

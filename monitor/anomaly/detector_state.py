@@ -25,9 +25,27 @@ def rule_identities(rules: list) -> list[dict[str, Any]]:
     ]
 
 
+def same_rules(saved: Any, rules: list) -> bool:
+    """Whether a state's rule identities are those of ``rules``, where an argument a rule gained
+    since (``added_args``) and absent from the saved identity reads as the earlier behaviour's."""
+    configured = rule_identities(rules)
+    if not isinstance(saved, list) or len(saved) != len(configured):
+        return False
+    for old, rule, new in zip(saved, rules, configured):
+        added = {
+            k
+            for k in getattr(rule, "added_args", ())
+            if isinstance(old, dict) and k not in old.get("args", {})
+        }
+        if old != {**new, "args": {k: v for k, v in new["args"].items() if k not in added}}:
+            return False
+    return True
+
+
 def state_arrays(rule: Any, saved: Mapping[str, Any], tags: int, ops: int) -> dict[str, np.ndarray]:
     """One rule's saved arrays, checked against its fields and the tag table; a field the rule
-    gained since states were first saved (``added_fields``) starts at its default."""
+    gained since states were first saved (``added_fields``) starts at its default, or as the
+    rule's ``completed`` says."""
     missing = set(rule.fields) - set(saved)
     if (
         not set(saved) <= set(rule.fields)
@@ -49,7 +67,8 @@ def state_arrays(rule: Any, saved: Mapping[str, Any], tags: int, ops: int) -> di
                 f"{type(rule).__name__}.{name} has shape {array.shape}, expected (<= {tags}, {ops})"
             )
         arrays[name] = array
-    return arrays
+    completed = getattr(rule, "completed", None)
+    return completed(arrays, missing) if completed is not None and missing else arrays
 
 
 def saved_levels(saved: Mapping[str, Any], rows: int) -> tuple[np.ndarray, np.ndarray]:

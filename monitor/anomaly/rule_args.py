@@ -37,6 +37,7 @@ _ARGS: dict[str, dict[str, tuple[str, float]]] = {
         "warmup": ("int", 1),
         "beta": ("number", 0.0),
         "min_ratio": ("number", 1.0),
+        "trend": ("bool", 0),
     },
 }
 

@@ -107,17 +107,19 @@ def _reference_later(
     return out
 
 
-def _reference_zscore(series, threshold=6.0, warmup=10, beta=0.9, min_ratio=5.0, floor=0.05):
-    """EWMA mean/variance of log|x| with the variance bias-corrected, a flagged value held out
-    until the next is flagged too (then both enter) or is not (then it never does); flags before
-    folding in: a
-    rise by its log z-score; a drop also needs a quiet signal (the share of the level lost above
-    threshold x sigma) or to be min_ratio squared (a record falling as a whole, which these
-    independent series do not, is left out)."""
-    out, mean, var, count, held = [], 0.0, 0.0, 0, None
+def _reference_zscore(series, threshold=6.0, warmup=10, beta=0.9, min_ratio=5.0, floor=0.05, trend=True):
+    """A forecast of log|x| (with trend: Brown's double smoothing at 0.8, level plus slope;
+    without, the EWMA mean at beta) and the EWMA variance of the forecasts' errors, bias-corrected;
+    a flagged value held out until the next is flagged too (then both enter) or is not (then it
+    never does); flags before folding in: a rise by its log z-score; a drop also needs a quiet
+    signal (the share of the forecast lost above threshold x sigma) or to be min_ratio squared (a
+    record falling as a whole, which these independent series do not, is left out)."""
+    out, single, double, var, count, held = [], 0.0, 0.0, 0.0, 0, None
+    rate = 0.2 if trend else 1 - beta
     for x in series:
         finite = math.isfinite(x) and x != 0
         log = math.log(abs(x)) if finite else math.nan
+        mean = single + (single - double) / 0.8 if trend else single  # the forecast
         flag = x == 0 and count >= warmup  # a norm that vanished after a history
         if finite and count >= warmup:
             corrected = var / (1 - beta ** (count - 1)) if count > 1 else 0.0
@@ -134,11 +136,12 @@ def _reference_zscore(series, threshold=6.0, warmup=10, beta=0.9, min_ratio=5.0,
             continue
         for entered in (held, log) if flag else (log,):  # flagged twice running: both enter
             if count == 0:
-                mean, var = entered, 0.0
+                single, double, var = entered, entered, 0.0
             else:
-                delta = entered - mean
-                mean += (1 - beta) * delta
-                var = beta * (var + (1 - beta) * delta * delta)
+                error = entered - (single + (single - double) / 0.8 if trend else single)
+                single += rate * (entered - single)
+                double += rate * (single - double)
+                var = beta * (var + (1 - beta) * error * error)
             count += 1
         held = None
     return out
@@ -319,18 +322,40 @@ def test_turbulence_args_survive_the_config_round_trip():
 # --------------------------------------------------------------------------- z-score
 
 
-def test_zscore_matches_the_reference_with_bias_corrected_variance(make_record):
+@pytest.mark.parametrize("trend", [True, False])
+def test_zscore_matches_the_reference_with_bias_corrected_variance(make_record, trend):
     rng = np.random.default_rng(5)
     names = ("a", "b", "c", "d")
     series = rng.lognormal(0.0, 0.5, size=(400, len(names), 1))
+    series *= np.exp(-0.02 * np.arange(400))[:, None, None] if trend else 1.0  # a falling norm
     series[rng.random(series.shape) < 0.01] *= 30.0
     series[rng.random(series.shape) < 0.005] = 0.0
     series[rng.random(series.shape) < 0.005] = math.nan
-    args = {"threshold": 3.0, "min_ratio": 1.5, "beta": 0.95, "warmup": 3}
+    args = {"threshold": 3.0, "min_ratio": 1.5, "beta": 0.95, "warmup": 3, "trend": trend}
     found = _drive(rules_only([AnomalyZScore(**args)], rank=0), make_record, series, names)
     expected = _expected(series, names, ("norm",), ("norm",), lambda s: _reference_zscore(s, **args))
     assert set(_hits(found)) == expected
     assert len(found) == len(expected) > 10
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_zscore_sees_a_spike_on_a_norm_falling_steeply_early_in_training(make_record, seed):
+    """A small model's gradient norm: falling 8x in the first 12 steps (log noise 0.3), then
+    slowly; a 30x spike at step 15 or 25 is flagged there. A running mean lags such a fall by
+    several times its step, and the lag entered the spread (only ~1,000x was flagged); without
+    a spike nothing is."""
+    rng = np.random.default_rng(seed)
+    steps = np.arange(40)
+    clean = 0.5 * np.exp(-0.17 * np.minimum(steps, 12) - 0.03 * np.maximum(steps - 12, 0))
+    clean *= rng.lognormal(0.0, 0.3, size=40)
+    assert _drive(rules_only([AnomalyZScore()], rank=0), make_record, clean) == []
+    for step in (15, 25):
+        spiked = clean.copy()
+        spiked[step] *= 30.0
+        found = _drive(rules_only([AnomalyZScore()], rank=0), make_record, spiked)
+        assert [a.step for a in found] == [step]
+        lagging = _drive(rules_only([AnomalyZScore(trend=False)], rank=0), make_record, spiked)
+        assert lagging == []  # what the trend's forecast fixes
 
 
 def test_zscore_sees_a_fault_that_comes_back_and_learns_a_lasting_change(make_record):
@@ -482,6 +507,24 @@ def test_state_holds_tag_tables_and_per_rule_arrays(make_record):
             },
         }
     ]
+
+
+def test_a_zscore_state_saved_before_the_trend_loads_with_its_running_mean_as_level(make_record):
+    """A state saved by the version without ``trend`` (no such argument, no ``mean2``) is that
+    rule's running mean: it starts both smoothings, so the first forecast is that mean."""
+    earlier = rules_only([AnomalyZScore(trend=False)], rank=0)
+    _feed(earlier, make_record, range(30))
+    state = json.loads(json.dumps(earlier.state_dict()))
+    del state["rules"][0]["args"]["trend"]
+    for entry in state["baselines"]:
+        for saved in entry["states"]:
+            del saved["mean2"]
+    resumed = rules_only([AnomalyZScore()], rank=0)
+    resumed.load_state_dict(state)
+    loaded = resumed.state_dict()["baselines"]
+    assert [e["states"][0]["mean2"] for e in loaded] == [e["states"][0]["mean"] for e in state["baselines"]]
+    with pytest.raises(ValueError, match="other anomaly rules"):  # an explicit trend: false is another rule
+        rules_only([AnomalyZScore()], rank=0).load_state_dict(earlier.state_dict())
 
 
 def test_state_of_a_fresh_detector_loads(make_record):

@@ -291,7 +291,7 @@ BAD_CONFIGS = [
         "rule_argument_misspelt",
         {"alert": {"rules": [{"rule_name": "AnomalyZScore", "args": {"treshold": 3}}]}},
         "alert.rules[0].args.treshold",
-        "unknown argument of AnomalyZScore; expected one of threshold, ops, warmup, beta, min_ratio; "
+        "unknown argument of AnomalyZScore; expected one of threshold, ops, warmup, beta, min_ratio, trend; "
         "did you mean 'threshold'?",
     ),
     (
