@@ -112,9 +112,7 @@ class UnreducedGrads:
         self._micro[index] = micro + 1
         if self.per_micro_batch:
             self._pending.append(((index, micro), grad))
-        elif self.grad_acc_steps == 1:
-            self._pending.append(((index, 0), grad))
-        else:
+        else:  # with grad_acc_steps 1 too: a step may have more micro-batches, whose sum it describes
             total = ops.add(self._sums[index], grad) if index in self._sums else grad
             self._sums[index] = total  # kept: a step may have more micro-batches than grad_acc_steps
             if micro + 1 >= self.grad_acc_steps:

@@ -121,12 +121,15 @@ def test_misaligned_moments_are_refused_not_guessed(caplog):
     mon.stop()
 
 
-def test_steps_with_fewer_or_more_micro_batches_are_counted_not_assumed(trainmon_log):
+@pytest.mark.parametrize(
+    "grad_acc, counts, said", [(2, [2, 1, 3, 2], "step 1 had 1"), (1, [1, 3, 1], "step 1 had 3")]
+)
+def test_steps_with_fewer_or_more_micro_batches_are_counted_not_assumed(trainmon_log, grad_acc, counts, said):
     """grad_acc_steps 2, steps of 2, 1, 3 and 2 micro-batches (a short last step of an epoch, or
-    one more): each step's row describes the sum of the micro-batches it really had."""
-    counts = [2, 1, 3, 2]
+    one more); or grad_acc_steps left at 1 while a step accumulates 3: each step's row describes
+    the sum of the micro-batches it really had, as the message says."""
     batches = [step[:n] for step, n in zip(make_batches(len(counts), max(counts)), counts)]
-    names, results = _run("Adam", 2, batches, mv_distribution=False, mg_direction=False)
+    names, results = _run("Adam", grad_acc, batches, mv_distribution=False, mg_direction=False)
     assert [len(record["micro"]) for record in results] == counts
     for step, record in enumerate(results):
         unreduced = record["reported"]["unreduced"]
@@ -134,8 +137,8 @@ def test_steps_with_fewer_or_more_micro_batches_are_counted_not_assumed(trainmon
         for j, name in enumerate(names):
             local = np.sum([micro[j].astype(np.float64) for micro in record["micro"]], axis=0)
             assert_stats_close(unreduced[f"0:{name}/rank0/acc_grad"], local, what=f"step {step} {name}")
-    said = [r.getMessage() for r in trainmon_log.records if "micro-batch" in r.getMessage()]
-    assert len(said) == 1 and "step 1 had 1 micro-batch(es)" in said[0], said
+    messages = [r.getMessage() for r in trainmon_log.records if "micro-batch" in r.getMessage()]
+    assert len(messages) == 1 and f"{said} micro-batch(es)" in messages[0], messages
 
 
 def test_per_micro_batch_gradients_match_each_micro_batch():
