@@ -25,8 +25,21 @@ class MonitoredParam:
     param: ms.Parameter
 
 
+def _optimizer_state(chunk: ms.nn.Cell) -> set[int]:
+    """Ids of the Parameters that optimizer Cells inside ``chunk`` keep as their own state (Adam's
+    moments, step counts, learning rates): a train network that calls its optimizer holds it, and
+    MindSpore makes that state trainable Parameters of the network."""
+    state: set[int] = set()
+    for _, cell in chunk.cells_and_names():
+        if isinstance(cell, ms.nn.Optimizer):
+            optimized = {id(p) for p in cell.parameters}
+            state |= {id(p) for p in cell.get_parameters()} - optimized
+    return state
+
+
 class ParamRegistry:
-    """Selected trainable parameters (``requires_grad``) of every model chunk, in model order.
+    """Selected trainable parameters (``requires_grad``) of every model chunk, in model order,
+    not the state of an optimizer a chunk holds.
 
     A parameter shared by several chunks is monitored once, in the first chunk that selects it.
     """
@@ -35,7 +48,9 @@ class ParamRegistry:
         every = [
             (vpp, raw, param)
             for vpp, chunk in enumerate(chunks)
+            for state in (_optimizer_state(chunk),)
             for raw, param in chunk.parameters_and_names()
+            if id(param) not in state
         ]
         #: ``(vpp_stage, raw_name)`` of every parameter, trainable or not (what targets may name)
         self.names = [(vpp, raw) for vpp, raw, _ in every]

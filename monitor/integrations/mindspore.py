@@ -33,6 +33,9 @@ class TrainmonCallback(MonitorCallback, Callback):
     Args:
         config: a config file path, a dict, a MonitorConfig, or a TrainerMon already built.
         grad_acc_steps: micro-batches per optimizer step, where the train network accumulates.
+        optimizer: the optimizer to monitor where ``Model`` holds none (a train network of your
+            own that calls its optimizer, as one that accumulates gradients does); by default
+            ``Model``'s, else the one optimizer Cell inside the network.
         **trainer_mon_kwargs: passed to TrainerMon.
 
     Raises:
@@ -41,21 +44,25 @@ class TrainmonCallback(MonitorCallback, Callback):
 
     for_trainer = "MindSpore's Model.train"
 
-    def __init__(self, config: MonitorSource, grad_acc_steps: int = 1, **trainer_mon_kwargs: Any) -> None:
+    def __init__(
+        self, config: MonitorSource, grad_acc_steps: int = 1, optimizer: Any = None, **trainer_mon_kwargs: Any
+    ) -> None:
         super().__init__(config, **trainer_mon_kwargs)
         self.grad_acc_steps = grad_acc_steps
+        self.optimizer = optimizer
         self._graph_mode = False
 
     def on_train_begin(self, run_context: Any) -> None:
         # as the session decides at attach: in PyNative mode the optimizer's hooks mark the steps
         self._graph_mode = ms.get_context("mode") != ms.PYNATIVE_MODE
         args = run_context.original_args()
+        optimizer = self.optimizer or args.optimizer or _held_optimizer(args.network)
         self.attach(
             "MindSpore Model.train",
             model=args.network,
             grad_acc_steps=self.grad_acc_steps,
-            optimizer=args.optimizer,
-            start_iteration=_updates_so_far(args.optimizer),
+            optimizer=optimizer,
+            start_iteration=_updates_so_far(optimizer),
         )
 
     def on_train_step_end(self, run_context: Any) -> None:
@@ -64,6 +71,13 @@ class TrainmonCallback(MonitorCallback, Callback):
 
     def on_train_end(self, run_context: Any) -> None:
         self.detach()
+
+
+def _held_optimizer(network: Any) -> Any:
+    """The one optimizer Cell inside a train network that ``Model`` was given without an
+    optimizer (it calls its own); None where there is none or several (which one is ambiguous)."""
+    found = {id(cell): cell for _, cell in network.cells_and_names() if isinstance(cell, ms.nn.Optimizer)}
+    return next(iter(found.values())) if len(found) == 1 else None
 
 
 def _updates_so_far(optimizer: Any) -> int:

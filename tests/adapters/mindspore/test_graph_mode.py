@@ -178,6 +178,46 @@ def test_model_train_callback_in_pynative_mode_says_nothing_of_step_end(tmp_path
         assert_stats_close(dict(row), final[name], ops=["min", "max", "norm"], what=name)
 
 
+class _Accumulating(nn.Cell):
+    """A train network of the user's own that adds the gradients of two micro-batches and then
+    calls its optimizer: ``Model`` is given it alone and holds no optimizer."""
+
+    def __init__(self, net: nn.Cell, optimizer: nn.Optimizer) -> None:
+        super().__init__(auto_prefix=False)
+        self.net, self.optimizer, self.total, self.count = net, optimizer, None, 0
+        self.grad = ms.value_and_grad(lambda x, y: nn.MSELoss()(net(x), y), None, optimizer.parameters)
+
+    def construct(self, x, y):
+        loss, grads = self.grad(x, y)
+        self.total = grads if self.total is None else tuple(a + b for a, b in zip(self.total, grads))
+        self.count += 1
+        if self.count == 2:
+            self.optimizer(tuple(g / 2 for g in self.total))
+            self.total, self.count = None, 0
+        return loss
+
+
+def test_model_train_callback_finds_the_optimizer_a_train_network_of_its_own_calls(tmp_path, monkeypatch):
+    from monitor.integrations.mindspore import TrainmonCallback
+
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path))
+    net = Net()
+    optimizer = nn.Adam(net.trainable_params(), learning_rate=0.05)
+    data = [(x[0], np.tanh(x[0][:4])) for (x,) in make_batches(8, 1, batch=1)]
+    dataset = ds.GeneratorDataset(data, ["x", "y"], shuffle=False).batch(2)
+    callback = TrainmonCallback({**CONFIG, "ops": ["min", "max", "norm"]}, grad_acc_steps=2)
+    ms.train.Model(_Accumulating(net, optimizer)).train(
+        1, dataset, callbacks=[callback], dataset_sink_mode=False
+    )
+    final = dict(zip([p.name for p in optimizer.parameters], copies(optimizer.parameters)))
+    (out,) = [os.path.join(tmp_path, d) for d in os.listdir(tmp_path) if "-rank0-" in d]
+    assert collected_steps(out, "param_updated") == [0, 1]  # 4 micro-batches, 2 updates
+    rows = _rows(out, "param_updated", 1)
+    assert sorted(rows) == sorted(final)  # the model's, not the optimizer's moments it holds
+    for name, row in rows.items():
+        assert_stats_close(dict(row), final[name], ops=["min", "max", "norm"], what=name)
+
+
 def test_a_second_model_train_with_the_same_callback_goes_on_numbering(tmp_path, monkeypatch):
     """A Model.train per epoch: the second goes on in the first's run directory (its anomaly
     files and incident numbers too) from the optimizer's update count: steps 0-1, then 2-3, as
