@@ -146,8 +146,15 @@ class MindSporeSession(SessionLifecycle):
         if not self.graph_mode:
             if not self._told_pynative:
                 self._told_pynative = True
-                logger.info(
-                    "trainmon: step_end() is for graph mode; in PyNative the optimizer's hooks count steps"
+                compiled = getattr(getattr(self, "_jit", None), "said", False)  # the step runs no hook
+                logger.log(
+                    logging.WARNING if compiled else logging.INFO,
+                    "trainmon: step_end() reads between steps only when attached with "
+                    "set_monitor(..., graph_mode=True); %s",
+                    "this run's training step is compiled with mindspore.jit, so nothing is recorded "
+                    "until it is attached so"
+                    if compiled
+                    else "in PyNative mode the optimizer's hooks count the steps",
                 )
             return
         try:

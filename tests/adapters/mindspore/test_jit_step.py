@@ -68,6 +68,29 @@ def test_a_jit_step_runs_as_without_the_monitor_and_the_user_is_told(config, cap
     assert any("3 update(s) while attached and the monitor saw none" in m for m in messages), messages
 
 
+def test_step_end_after_a_jit_step_attached_without_graph_mode_says_nothing_is_recorded(
+    caplog, tmp_path, monkeypatch
+):
+    """The user followed half the advice (step_end() after each step, not graph_mode=True): the
+    call says that nothing is recorded until attached so, not that PyNative hooks count steps."""
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path))
+    net = Net()
+    optimizer, train_step = jit_training(net)
+    mon = TrainerMon({**PARAMETERS, "ops": ["norm"]})
+    mon.set_monitor(net, 1, optimizer)
+    with caplog.at_level(logging.INFO, logger="trainmon"):
+        for (x,) in make_batches(2, 1):
+            train_step(ms.Tensor(x), ms.Tensor(np.tanh(x[:, :4])))
+            mon.step_end()
+    mon.stop()
+    said = [
+        r for r in caplog.records if "step_end()" in r.getMessage() and "graph_mode=True" in r.getMessage()
+    ]
+    (told,) = [r for r in said if "reads between steps" in r.getMessage()]
+    assert told.levelno == logging.WARNING and "nothing is recorded" in told.getMessage()
+    assert "optimizer's hooks count" not in told.getMessage()
+
+
 def test_a_jit_compiled_evaluation_leaves_out_the_hooks_for_the_step_after_it(caplog, tmp_path, monkeypatch):
     """PyNative training, a jit-compiled evaluation after step 1's update and after step 3's: the
     hooks are removed while it compiles (said once) and put back at the optimizer's next update,
