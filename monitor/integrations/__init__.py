@@ -179,6 +179,13 @@ class MonitorCallback:
                 trainer,
             )
             self.detach()
+        elif self.monitor.monitoring:  # the TrainerMon handed to the callback was attached by hand
+            logger.warning(
+                "trainmon: the TrainerMon given to the %s callback is already attached (set_monitor "
+                "was called on it); it goes on as attached there and the callback leaves it alone",
+                trainer,
+            )
+            return
         try:
             if run is not None and run == self._last_run and start >= self.monitor.step:
                 # the same model trained on (a run per epoch): one run directory, anomaly files

@@ -218,6 +218,28 @@ def test_model_train_callback_finds_the_optimizer_a_train_network_of_its_own_cal
         assert_stats_close(dict(row), final[name], ops=["min", "max", "norm"], what=name)
 
 
+def test_a_callback_given_a_trainermon_attached_by_hand_leaves_it_recording(tmp_path, monkeypatch, caplog):
+    from monitor.integrations.mindspore import TrainmonCallback
+
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path))
+    net = Net()
+    optimizer = nn.Adam(net.trainable_params(), learning_rate=0.05)
+    data = [(x[0], np.tanh(x[0][:4])) for (x,) in make_batches(4, 1, batch=1)]
+    dataset = ds.GeneratorDataset(data, ["x", "y"], shuffle=False).batch(2)
+    mon = TrainerMon({**CONFIG, "ops": ["norm"]})
+    mon.set_monitor(net, 1, optimizer)
+    with caplog.at_level(logging.INFO, logger="trainmon"):
+        ms.train.Model(net, nn.MSELoss(), optimizer).train(
+            2, dataset, callbacks=[TrainmonCallback(mon)], dataset_sink_mode=False
+        )
+    assert "already attached (set_monitor was called on it)" in caplog.text
+    assert "continues unmonitored" not in caplog.text
+    assert mon.monitoring and mon.step == 4
+    mon.stop()
+    (run,) = [os.path.join(tmp_path, d) for d in os.listdir(tmp_path) if "-rank0-" in d]
+    assert collected_steps(run, "param_updated") == [0, 1, 2, 3]
+
+
 def test_a_second_model_train_with_the_same_callback_goes_on_numbering(tmp_path, monkeypatch):
     """A Model.train per epoch: the second goes on in the first's run directory (its anomaly
     files and incident numbers too) from the optimizer's update count: steps 0-1, then 2-3, as
