@@ -169,10 +169,15 @@ class SessionLifecycle(IncidentResponses, ABC):
         config = self.collection.config
         kinds = recorded_kinds(config)
         if not kinds and not (config.print_struct or config.stack_info or config.dynamic_on):
+            histograms_off = config.ur_distribution and not update_ratio_written(config)
             logger.warning(
                 "trainmon: nothing to record: the config switches on none of %s, cc_distribution, "
-                "ur_distribution or recording_l2_features",
+                "ur_distribution or recording_l2_features%s",
                 ", ".join(_KINDS),
+                f" (ur_distribution is on, but its histograms go to TensorBoard files only, not to "
+                f"format {config.format})"
+                if histograms_off
+                else "",
             )
         per_parameter = [k for k in kinds if k in _PER_PARAMETER]
         if per_parameter and not len(self.collection.registry):

@@ -352,6 +352,16 @@ def test_a_config_that_switches_nothing_on_is_warned_about(caplog):
         mon.stop()
     (attached,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("trainmon: recording")]
     assert "recording wg_distribution on" in attached, attached
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="trainmon"):  # the one key on is off with CSV: said why
+        mon = TrainerMon({"ur_distribution": True, "format": "csv"})
+        mon.set_monitor(model, 2, optimizer)
+        mon.stop()
+    (nothing,) = [m for m in _warnings(caplog) if "nothing to record" in m]
+    assert (
+        "(ur_distribution is on, but its histograms go to TensorBoard files only, not to format csv)"
+        in nothing
+    )
 
 
 def test_module_ranks_without_this_rank_monitors_nothing(_output_dir):
