@@ -29,8 +29,17 @@ def shown_class(chunk: torch.nn.Module) -> str:
     while True:
         children = list(module.named_children())
         if len(children) != 1 or children[0][0] not in _WRAPPED_CHILDREN:
-            return type(module).__name__
+            return _unsharded_name(type(module))
         module = children[0][1]
+
+
+def _unsharded_name(cls: type) -> str:
+    """A class's name, without the ``FSDP`` that ``fully_shard`` puts before it (it makes the
+    module an instance of a subclass ``FSDP<Model>`` of its own class)."""
+    for base in cls.__mro__[1:]:
+        if cls.__name__ == f"FSDP{base.__name__}":
+            return base.__name__
+    return cls.__name__
 
 
 def _is_tensor(obj: Any) -> bool:

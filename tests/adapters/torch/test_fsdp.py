@@ -540,6 +540,8 @@ def test_fsdp_update_histograms_equal_the_replicas(tmp_path, case):
     expected = per_rank[0]["expected"]
     pieces: dict[str, list] = {}
     for rank, result in enumerate(per_rank):
+        with open(os.path.join(result["dirs"]["merged"], "trainmon_run.json"), encoding="utf-8") as info:
+            assert json.load(info)["root_modules"] == ["MLP"]  # not FSDP's wrapper or FSDP2's FSDPMLP
         merged = read_histograms(result["dirs"]["merged"])
         assert len(merged) == len(expected), sorted(merged)[:4]
         for (tag, step), (counts, nans) in merged.items():
