@@ -212,7 +212,7 @@ def report_anomalies(paths: list[str], k: int, steps: frozenset[int] | None, out
             print(format_table(records))
         elif steps is not None and summary.records_read:
             read = summary.records_read
-            print(f"No anomalies at {scope} among the {read:,} read (without -s, every step).")
+            print(f"No anomalies at {scope} among the {read:,} read; without -s every step is ranked.")
         else:
             print(f"No anomalies ({scope}).")
         if status == 0:
