@@ -32,11 +32,9 @@ def same_rules(saved: Any, rules: list) -> bool:
     if not isinstance(saved, list) or len(saved) != len(configured):
         return False
     for old, rule, new in zip(saved, rules, configured):
-        added = {
-            k
-            for k in getattr(rule, "added_args", ())
-            if isinstance(old, dict) and k not in old.get("args", {})
-        }
+        if not isinstance(old, dict) or not isinstance(old.get("args"), dict):
+            return False
+        added = {k for k in getattr(rule, "added_args", ()) if k not in old["args"]}
         if old != {**new, "args": {k: v for k, v in new["args"].items() if k not in added}}:
             return False
     return True

@@ -108,18 +108,30 @@ def _reference_later(
 
 
 def _reference_zscore(series, threshold=6.0, warmup=10, beta=0.9, min_ratio=5.0, floor=0.05, trend=True):
-    """A forecast of log|x| (with trend: Brown's double smoothing at 0.8, level plus slope;
-    without, the EWMA mean at beta) and the EWMA variance of the forecasts' errors, bias-corrected;
-    a flagged value held out until the next is flagged too (then both enter) or is not (then it
-    never does); flags before folding in: a rise by its log z-score; a drop also needs a quiet
-    signal (the share of the forecast lost above threshold x sigma) or to be min_ratio squared (a
-    record falling as a whole, which these independent series do not, is left out)."""
+    """A forecast of log|x| (with trend: Brown's double smoothing at 0.8, level 2 S1 - S2 plus k
+    slopes of 0.2 / 0.8 (S1 - S2) for the value k steps on; without, the EWMA mean at beta) and
+    the EWMA variance of the one-step forecasts' errors, bias-corrected; a flagged value held out
+    until the next is flagged too (then both enter) or is not (then it never does, its forecast
+    entering in its place); flags before folding in: a rise by its log z-score; a drop also needs
+    a quiet signal (the share of the forecast lost above threshold x sigma) or to be min_ratio
+    squared (a record falling as a whole, which these independent series do not, is left out)."""
     out, single, double, var, count, held = [], 0.0, 0.0, 0.0, 0, None
     rate = 0.2 if trend else 1 - beta
+
+    def forecast(steps):
+        if not trend:
+            return single
+        return 2 * single - double + steps * rate / (1 - rate) * (single - double)
+
+    def smooth(value):
+        nonlocal single, double
+        single += rate * (value - single)
+        double += rate * (single - double)
+
     for x in series:
         finite = math.isfinite(x) and x != 0
         log = math.log(abs(x)) if finite else math.nan
-        mean = single + (single - double) / 0.8 if trend else single  # the forecast
+        mean = forecast(1 if held is None else 2)  # past a held-out value's step too
         flag = x == 0 and count >= warmup  # a norm that vanished after a history
         if finite and count >= warmup:
             corrected = var / (1 - beta ** (count - 1)) if count > 1 else 0.0
@@ -134,13 +146,14 @@ def _reference_zscore(series, threshold=6.0, warmup=10, beta=0.9, min_ratio=5.0,
         if flag and held is None:  # held out for a step: a lone spike never enters
             held = log
             continue
+        if held is not None and not flag:  # the spike's step: its forecast enters instead
+            smooth(forecast(1))
         for entered in (held, log) if flag else (log,):  # flagged twice running: both enter
             if count == 0:
                 single, double, var = entered, entered, 0.0
             else:
-                error = entered - (single + (single - double) / 0.8 if trend else single)
-                single += rate * (entered - single)
-                double += rate * (single - double)
+                error = entered - forecast(1)
+                smooth(entered)
                 var = beta * (var + (1 - beta) * error * error)
             count += 1
         held = None
@@ -338,6 +351,21 @@ def test_zscore_matches_the_reference_with_bias_corrected_variance(make_record, 
     assert len(found) == len(expected) > 10
 
 
+def test_zscore_forecasts_a_steady_exponential_fall_exactly(make_record):
+    """Brown's smoothing follows a straight line in log exactly: a norm halving every step is,
+    after warm-up, forecast at the value it then has (the baseline of a spike put there is the
+    unspiked value), and the step after the spike, back on the line, is not flagged (the
+    forecast moved on over the held-out step). A running mean stays nine halvings behind and
+    takes that lag for spread: it flags nothing."""
+    series = 2.0 ** -np.arange(80.0)  # Brown's start (a slope of 0) fades as 0.8 ** step
+    spiked = series.copy()
+    spiked[70] *= 100.0
+    (found,) = _drive(rules_only([AnomalyZScore(min_ratio=1.5, threshold=3.0)], rank=0), make_record, spiked)
+    assert found.step == 70 and found.baseline == pytest.approx(series[70], rel=1e-3)
+    lagging = rules_only([AnomalyZScore(trend=False, min_ratio=1.5, threshold=3.0)], rank=0)
+    assert _drive(lagging, make_record, spiked) == []  # nine halvings behind, the lag taken for spread
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_zscore_sees_a_spike_on_a_norm_falling_steeply_early_in_training(make_record, seed):
     """A small model's gradient norm: falling 8x in the first 12 steps (log noise 0.3), then
@@ -525,6 +553,9 @@ def test_a_zscore_state_saved_before_the_trend_loads_with_its_running_mean_as_le
     assert [e["states"][0]["mean2"] for e in loaded] == [e["states"][0]["mean"] for e in state["baselines"]]
     with pytest.raises(ValueError, match="other anomaly rules"):  # an explicit trend: false is another rule
         rules_only([AnomalyZScore()], rank=0).load_state_dict(earlier.state_dict())
+    state["rules"][0]["args"] = None  # malformed: refused as such, not a TypeError
+    with pytest.raises(ValueError, match="other anomaly rules"):
+        rules_only([AnomalyZScore()], rank=0).load_state_dict(state)
 
 
 def test_state_of_a_fresh_detector_loads(make_record):
