@@ -72,8 +72,7 @@ def read_root_modules(directory: str) -> dict[int, str]:
     return {chunk: name for chunk, name in enumerate(roots) if isinstance(name, str) and name}
 
 
-def read_pipeline_stage(directory: str) -> int:
-    """The rank's pipeline stage from ``directory``'s run-info file; 0 when absent or unreadable
-    (one stage: every rank holds the whole model's names)."""
+def read_pipeline_stage(directory: str) -> int | None:
+    """The rank's pipeline stage from ``directory``'s run-info file; None when absent or unreadable."""
     stage = _read_field(directory, "pp_stage")
-    return stage if type(stage) is int and stage >= 0 else 0
+    return stage if type(stage) is int and stage >= 0 else None

@@ -135,6 +135,7 @@ def records(
                 "step": c["step"][i],
                 "micro_step": None if c["micro"][i] < 0 else c["micro"][i],
                 "type": out.types[c["type"][i]],
+                "pp_stage": out.stages[c["type"][i]],
                 "vpp_stage": vpp,
                 "name": name,
                 "op": out.ops[c["op"][i]],
@@ -167,7 +168,10 @@ def document(out: peers.Outliers, data_dir: str) -> dict[str, object]:
         "data_path": os.path.abspath(data_dir),
         "types": list(dict.fromkeys(out.types)),  # once each, though judged per pipeline stage
         "steps": None if out.only_steps is None else sorted(out.only_steps),
-        "ranks": out.ranks,
+        "ranks": {
+            t: sorted(r for ranks in by_stage.values() for r in ranks) for t, by_stage in out.ranks.items()
+        },
+        "pipeline_stages": {t: {str(s): r for s, r in by_stage.items()} for t, by_stage in out.ranks.items()},
         "ops": out.ops,
         "k_mad": out.k_mad,
         "min_ranks": peers.MIN_RANKS,
@@ -253,15 +257,32 @@ def run(args: argparse.Namespace) -> int:
     return max(status, ranking_status)
 
 
+def _compared(doc: dict) -> str:
+    """Which ranks were compared, per data type, and per pipeline stage where there are several."""
+    said = []
+    for prefix, by_stage in doc["pipeline_stages"].items():
+        text = f"{prefix} over ranks {_span(doc['ranks'][prefix])}"
+        if len(by_stage) > 1:
+            apart = "; ".join(f"stage {s}: {_span(r)}" for s, r in by_stage.items())
+            text += f", each pipeline stage apart ({apart})"
+        said.append(text)
+    return "; ".join(said) or "nothing"
+
+
 def _print_section(doc: dict, k: int, out_file: str | None, rank_count: int) -> None:
-    compared = "; ".join(f"{t} over ranks {_span(r)}" for t, r in doc["ranks"].items()) or "nothing"
+    compared = _compared(doc)
     print()
     total, judged = doc["outliers_total"], doc["judged"]
     if not judged:
+        groups = [ranks for by_stage in doc["pipeline_stages"].values() for ranks in by_stage.values()]
+        peers = max((len(ranks) for ranks in groups), default=rank_count)
         directories = f"{rank_count} rank director{'y' if rank_count == 1 else 'ies'}"
+        stages = max((len(by_stage) for by_stage in doc["pipeline_stages"].values()), default=1)
+        if stages > 1:  # each stage's layers are its own: its ranks are compared among themselves
+            directories += f" in {stages} pipeline stages of at most {peers} rank(s) each"
         non_finite = (
             f"; NaN/Inf values are flagged wherever a peer's value is finite: {total:,} found"
-            if rank_count > 1
+            if peers > 1
             else " (nor on NaN/Inf values, which need a peer)"
         )
         print(

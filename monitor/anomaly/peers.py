@@ -134,15 +134,18 @@ class Outliers:
     Columns: type, step, micro (-1: none), label, op, rank, value, peers (median of the other
     ranks), scale, score (|value - peers| / scale; inf for NaN/Inf values). ``only_ops`` restricts
     the ops compared; ``only_steps`` the steps reported and counted (the pooled MAD uses all steps).
+    ``type`` indexes the judged groups: ``types`` (a data type, once per pipeline stage),
+    ``stages`` and ``labels``; ``ranks`` is data type -> pipeline stage -> the ranks compared.
     """
 
     k_mad: float
     only_ops: tuple[str, ...] | None = None
     only_steps: frozenset[int] | None = None
     types: list[str] = field(default_factory=list)
+    stages: list[int] = field(default_factory=list)
     labels: list[list[tuple[int, str]]] = field(default_factory=list)
     ops: list[str] = field(default_factory=list)
-    ranks: dict[str, list[int]] = field(default_factory=dict)
+    ranks: dict[str, dict[int, list[int]]] = field(default_factory=dict)
     columns: _Columns = field(default_factory=_Columns)
     judged: int = 0
 
@@ -258,11 +261,9 @@ def _scattered_blocks(
         yield values, present, (keys % n_labels, window[keys // per_step], (keys % per_step) // n_labels - 1)
 
 
-def judge(
-    prefix: str, ranks: list[int], partials: list[Partial], out: Outliers, stage: int | None = None
-) -> None:
-    """Second pass over one data type's Partials (in any order): its outliers into ``out``;
-    ``stage``: the pipeline stage of ``ranks`` where the run has several (each is judged apart)."""
+def judge(prefix: str, ranks: list[int], partials: list[Partial], out: Outliers, stage: int = 0) -> None:
+    """Second pass over one data type's Partials (in any order) of one pipeline ``stage``'s ranks
+    (each stage's layers are its own, alike named): its outliers into ``out``."""
     label_ids: dict[tuple[int, str], int] = {}
     rows, candidates = _Columns(), _Columns()
     for part in partials:
@@ -273,8 +274,9 @@ def judge(
                 target.add(**{**columns, "label": label_map[columns["label"]], "op": op_map[columns["op"]]})
         out.judged += part.judged
     out.types.append(prefix)
+    out.stages.append(stage)
     out.labels.append(list(label_ids))
-    out.ranks[prefix if stage is None else f"{prefix} (pipeline stage {stage})"] = list(ranks)
+    out.ranks.setdefault(prefix, {})[stage] = list(ranks)
     _judge(rows, candidates, np.asarray(ranks, dtype=np.int64), out)
 
 

@@ -72,15 +72,26 @@ def find_outliers(
     once; ``steps`` (None: all) are reported, but every step feeds the pooled MAD."""
     listed = {rank: rank_csv.list_parts(path, types) for rank, path in rank_dirs.items()}
     out = peers.Outliers(k_mad, ops, steps)
-    stages = {rank: read_pipeline_stage(path) for rank, path in rank_dirs.items()}
+    stages = pipeline_stages(rank_dirs, warn)
     for prefix in types:
         held = {rank: parts[prefix] for rank, parts in listed.items() if parts.get(prefix)}
-        staged = sorted({stages[rank] for rank in held})
-        for stage in staged:  # each pipeline stage holds other layers under the same names
+        for stage in sorted({stages[rank] for rank in held}):  # each holds other layers, alike named
             holders = {rank: parts for rank, parts in held.items() if stages[rank] == stage}
-            where = stage if len(staged) > 1 else None
-            _compare(prefix, holders, rank_dirs, k_mad, steps, ops, memory, warn, out, where)
+            _compare(prefix, holders, rank_dirs, k_mad, steps, ops, memory, warn, out, stage)
     return out
+
+
+def pipeline_stages(rank_dirs: dict[int, str], warn: Callable[[str], None]) -> dict[int, int]:
+    """Each rank's pipeline stage from its run-info file; 0 where there is none (msprobe's runs,
+    and ours of one stage), said where only some ranks have one."""
+    found = {rank: read_pipeline_stage(path) for rank, path in rank_dirs.items()}
+    missing = sorted(rank for rank, stage in found.items() if stage is None)
+    if missing and len(missing) < len(found):
+        warn(
+            f"ranks {missing} have no readable trainmon_run.json: taken as pipeline stage 0, and "
+            "compared with that stage's ranks"
+        )
+    return {rank: stage or 0 for rank, stage in found.items()}
 
 
 def _compare(
@@ -93,10 +104,9 @@ def _compare(
     memory: int,
     warn: Callable[[str], None],
     out: peers.Outliers,
-    stage: int | None,
+    stage: int,
 ) -> None:
-    """Compare one data type over ``holders``, the ranks of one pipeline stage (None: the run
-    has one), into ``out``."""
+    """Compare one data type over ``holders``, the ranks of one pipeline stage, into ``out``."""
     plan = plan_windows(holders, memory, max_workers(), warn)
     ranks = sorted(holders)
     tasks = [

@@ -238,12 +238,31 @@ def test_ranks_of_other_pipeline_stages_are_not_each_others_peers(tmp_path, caps
     assert run_cli("-d", str(tmp_path)) == 0
     document = load(tmp_path / cross_rank.OUTPUT_NAME)
     assert {(rank, step) for rank, step, *_ in found_keys(document)} == {(1, 7)}
+    assert {o["pp_stage"] for o in document["outliers"]} == {0}
     assert document["types"] == ["grad_unreduced"]
-    assert document["ranks"] == {
-        "grad_unreduced (pipeline stage 0)": [0, 1, 2, 3],
-        "grad_unreduced (pipeline stage 1)": [4],
-    }
-    assert "grad_unreduced (pipeline stage 1) over ranks 4" in capsys.readouterr().out
+    assert document["ranks"] == {"grad_unreduced": [0, 1, 2, 3, 4]}
+    assert document["pipeline_stages"] == {"grad_unreduced": {"0": [0, 1, 2, 3], "1": [4]}}
+    printed = capsys.readouterr().out
+    assert "grad_unreduced over ranks 0-4, each pipeline stage apart (stage 0: 0-3; stage 1: 4)" in printed
+
+
+def test_pipeline_stages_of_too_few_ranks_each_say_so_and_ranks_without_a_stage_are_named(tmp_path, capsys):
+    """Eight ranks in four pipeline stages of two: no stage has the four ranks a verdict on sizes
+    needs, which the report says instead of 'eight ranks were compared'; a rank whose run-info
+    file is missing is named and taken as stage 0."""
+    write_run(tmp_path, ranks=8, scaled=(1, 7, 30.0))
+    for directory in tmp_path.glob("*-rank*-*"):
+        rank = int(directory.name.split("-rank")[1].split("-")[0])
+        if rank != 6:
+            (directory / "trainmon_run.json").write_text(json.dumps({"rank": rank, "pp_stage": rank % 4}))
+    assert run_cli("-d", str(tmp_path)) == 0
+    captured = capsys.readouterr()
+    assert (
+        "ranks [6] have no readable trainmon_run.json: taken as pipeline stage 0"
+        in captured.err + captured.out
+    )
+    assert "8 rank directories in 4 pipeline stages of at most 3 rank(s) each" in captured.out
+    assert load(tmp_path / cross_rank.OUTPUT_NAME)["pipeline_stages"]["grad_unreduced"]["0"] == [0, 4, 6]
 
 
 @pytest.mark.parametrize("engine", ["pyarrow", "pandas"])
