@@ -16,7 +16,7 @@ import datetime as _dt
 import os
 from dataclasses import dataclass, field
 
-from monitor.files import RANK_DIR_PATTERN, parse_time_tag
+from monitor.files import EARLIER_RUN, RANK_DIR_PATTERN, parse_time_tag
 
 ANOMALY_DIR = "anomaly_detected"
 #: directory levels below the logdir that are searched for roots (logdir/a/b/rankdir: 2).
@@ -38,7 +38,8 @@ class Run:
         rank_dirs: rank -> absolute path of its directory.
         anomaly_dir: ``root/anomaly_detected`` for the newest run of a root that has one, else None.
         replaced: an older run of a root whose anomaly files a newer run replaced (the monitor
-            keeps them beside as ``anomaly.json.earlier-<time>``; the tab says so).
+            kept them beside as ``anomaly.json.earlier-<time>``; the tab says so).
+        newest: the newest run of its root (the tab opens on one where no run has anomalies).
     """
 
     id: str
@@ -47,6 +48,19 @@ class Run:
     rank_dirs: dict[int, str] = field(default_factory=dict)
     anomaly_dir: str | None = None
     replaced: bool = False
+    newest: bool = True
+
+
+def _kept_earlier(anomaly_dir: str) -> bool:
+    """Whether a run began after another in this output directory had written anomaly files
+    (the monitor kept them as ``anomaly.json.earlier-<time>`` in a rank's folder)."""
+    try:
+        folders = [e.path for e in os.scandir(anomaly_dir) if e.is_dir(follow_symlinks=False)]
+        return any(
+            name.startswith(f"anomaly.json{EARLIER_RUN}") for folder in folders for name in os.listdir(folder)
+        )
+    except OSError:
+        return False
 
 
 def _walk(logdir: str) -> dict[str, list[os.DirEntry]]:
@@ -101,6 +115,7 @@ def discover(logdir: str) -> list[Run]:
         jobs = _split_jobs(entries)
         anomaly_dir = os.path.join(root, ANOMALY_DIR)
         has_anomalies = os.path.isdir(anomaly_dir) and not os.path.islink(anomaly_dir)
+        kept_earlier = has_anomalies and len(jobs) > 1 and _kept_earlier(anomaly_dir)
         for number, job in enumerate(jobs):
             # named by its lowest rank's directory: the order of ranks started within one second
             # falls back to modification times, which change as each rank writes
@@ -113,7 +128,8 @@ def discover(logdir: str) -> list[Run]:
                     root=root,
                     rank_dirs={rank: entry.path for rank, entry in sorted(job.items())},
                     anomaly_dir=anomaly_dir if has_anomalies and number == len(jobs) - 1 else None,
-                    replaced=has_anomalies and number < len(jobs) - 1,
+                    replaced=kept_earlier and number < len(jobs) - 1,
+                    newest=number == len(jobs) - 1,
                 )
             )
     return sorted(runs, key=lambda run: (run.name, run.id))

@@ -126,6 +126,7 @@ class RunStore:
             # None: no incidents file (msprobe's own monitor), the tab then lists anomalies only
             "incidents": len(incidents.incidents) if incidents.files else None,
             "replaced": run.replaced,
+            "newest": run.newest,
             "version": version,
             "landing": landing(prefixes, anomalies.items, incidents.incidents),
         }

@@ -436,6 +436,21 @@ def test_a_run_whose_anomaly_files_a_later_run_replaced_says_so_instead_of_none(
     assert "none recorded" not in session.script(f"return {side};")
 
 
+def test_without_anomalies_anywhere_the_tab_opens_on_the_newest_run_of_a_directory(tmp_path):
+    reason = missing_browser()
+    if reason:
+        pytest.skip(reason)
+    for stamp in ("Jan02_03-04-05", "Jan02_03-05-05"):
+        write_run(tmp_path / "logdir" / "out", stamp=stamp)
+    with tensorboard(str(tmp_path / "logdir"), str(tmp_path / "tensorboard.log")) as base:
+        runs = {r["name"]: r["id"] for r in _json(base, "/data/plugin/trainmon/runs")["runs"]}
+        with browser(str(tmp_path)) as session:
+            session.open(f"{base}/#trainmon")
+            session.enter_frame("iframe")
+            session.wait_for(READY, 60, "the trainmon tab")
+            assert _state(session)["run"] == runs["out @ Jan02_03-05-05"]
+
+
 def test_a_tensorboard_run_links_its_chart_to_tensorboards_charts_without_smoothing(page):
     """Last, as it leaves the tab: TensorBoard's own charts of the selected tag, smoothing 0
     (its default 0.6 turns a one-step spike into a decaying curve)."""

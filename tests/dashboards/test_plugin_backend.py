@@ -336,7 +336,15 @@ def test_an_older_run_whose_anomaly_files_a_newer_one_replaced_says_so(tmp_path)
     write_run(tmp_path, anomalies=[(0, "grad_reduced", 2, 0, "norm")], stamp="Jan02_03-05-05")
     assert list((tmp_path / "anomaly_detected" / "rank0").glob("anomaly.json.earlier-*"))
     runs = sorted(Api(tmp_path).runs().values(), key=lambda run: run["name"])
-    assert [(run["replaced"], run["anomalies"]) for run in runs] == [(True, 0), (False, 1)]
+    assert [(run["replaced"], run["anomalies"], run["newest"]) for run in runs] == [
+        (True, 0, False),
+        (False, 1, True),
+    ]
+    plain = tmp_path / "without_anomaly_files"  # nothing was replaced: neither says so
+    write_run(plain)
+    write_run(plain, stamp="Jan02_03-05-05")
+    runs = sorted(Api(plain).runs().values(), key=lambda run: run["name"])
+    assert [(run["replaced"], run["newest"]) for run in runs] == [(False, False), (False, True)]
 
 
 def test_landing_without_anomalies_opens_the_newest_data(tmp_path):

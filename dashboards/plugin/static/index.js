@@ -130,8 +130,8 @@ class App {
     setOptions(this.runSelect, this.runs.map((r) => [r.id, label(r)]), this.state.run);
     if (!this.run() && this.runs.length) {
       const pointed = (r) => r.landing && (r.landing.incident !== null || r.landing.anomaly !== null);
-      // without an anomaly anywhere, a run whose anomalies are all there: the newest of its directory
-      const first = this.runs.find(pointed) || this.runs.find((r) => r.landing && !r.replaced) ||
+      // without an anomaly anywhere, the newest run of a directory
+      const first = this.runs.find(pointed) || this.runs.find((r) => r.landing && r.newest) ||
         this.runs.find((r) => r.landing);
       await this.chooseRun((first || this.runs[0]).id);
     }
