@@ -7,8 +7,9 @@ records are ranked by when they were produced. The sort key is::
 
     (step, micro_step, stage, V, P, call_id, rank, tag_name, op, message)
 
-* ``stage`` comes from the tag's task (its last ``/`` component): ``param_origin`` -> -1 (the
-  parameters the step starts from); ``actv`` -> 0 (forward); ``actv_grad``, ``pre_grad``,
+* ``stage`` comes from the tag's task (its last ``/`` component): ``param_origin`` and the
+  linear layers' spectral norms ``sr`` -> -1 (the parameters the step starts from); ``actv`` and
+  the attention features ``qkt`` -> 0 (forward); ``actv_grad``, ``pre_grad``,
   ``acc_grad``, ``post_grad`` and communication tasks ``pre_N`` / ``post_N`` -> 1 (backward);
   ``exp_avg``, ``exp_avg_sq``, ``mg_direction``, ``param_updated`` -> 2 (optimizer); anything
   else -> 3, i.e. **after** every known stage (msprobe sorts unknown tasks first by
@@ -67,6 +68,10 @@ TASK_STAGE: dict[str, int] = {
     "param_origin": PARAMETERS,
     "param_updated": OPTIMIZER,
     "comm": BACKWARD,
+    # msprobe's later l2 features: attention's entropy and softmax max come from the forward's
+    # queries and keys; a linear layer's spectral norm from the weight the step started from
+    "qkt": FORWARD,
+    "sr": PARAMETERS,
 }
 _COMM_TASK = re.compile(r"(?:pre|post)_\d+")
 _OP_RE = re.compile(r", '([^']*)'\) at step ")
@@ -233,7 +238,9 @@ def stage_of(record: AnomalyRecord) -> int:
 #: task (last tag component) -> causal phase within a step.
 PHASES: dict[str, int] = {
     "param_origin": 0,
+    "sr": 0,
     "actv": 1,
+    "qkt": 1,
     "actv_grad": 2,
     "acc_grad": 3,
     "pre_grad": 3,

@@ -160,7 +160,9 @@ def assert_usage_error(capsys: pytest.CaptureFixture, rc: int, text: str) -> Non
         ("mg_direction", OPTIMIZER),
         ("param_origin", PARAMETERS),
         ("param_updated", OPTIMIZER),
-        ("qkt", UNKNOWN),
+        ("qkt", FORWARD),  # attention's entropy, from the forward's queries and keys
+        ("sr", PARAMETERS),  # a linear layer's spectral norm, of the weight the step started from
+        ("future_task", UNKNOWN),
         ("post_x", UNKNOWN),
         ("", UNKNOWN),
     ],
@@ -238,7 +240,7 @@ def test_call_id_then_rank_break_ties() -> None:
 
 
 def test_unknown_tasks_sort_after_known_stages_of_their_step() -> None:
-    unknown = rec("0:attn.attention:0/rank0/qkt", step=1, call_id=0)
+    unknown = rec("0:attn.attention:0/rank0/future_task", step=1, call_id=0)
     bare = rec("0:fc.weight", step=1, call_id=0)
     optimizer = rec("0:fc.weight/rank0/exp_avg_sq", step=1, call_id=99)
     next_step = rec("0:fc.output:0/rank0/actv", step=2)
