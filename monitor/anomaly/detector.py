@@ -122,6 +122,8 @@ class Detector:
         if not record.by_rules:  # NaN/Inf only: no rule, no history moves
             return self._verdicts(record, rows, cols, ids, baselines, None, math.nan)
         for number, (rule, state) in enumerate(zip(self.rules, states)):
+            if record.prefix in SHARE_PREFIXES and not getattr(rule, "judges_shares", True):
+                continue  # a rule of sizes on a share of signs (AnomalyZScore on mg_direction)
             # a rule sees only the columns it judges (AnomalyZScore: norm alone, 1 of 6)
             judged = _columns(rule, record.ops)
             ops = record.ops if judged is None else tuple(record.ops[c] for c in judged)

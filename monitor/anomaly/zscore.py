@@ -36,14 +36,15 @@ class AnomalyZScore:
     the running mean (``beta``) of earlier versions. Once ``warmup`` values (default 10) were
     seen, it flags a value at least ``min_ratio`` (default 4x) off its forecast whose z-score of
     log|value| exceeds ``threshold`` (default 6). A drop must also be one of: from a quiet signal (the
-    share of the level lost, 0 to 1, exceeds ``threshold`` times the relative spread), at least
+    share of the level lost, 0 to 1, exceeds ``threshold`` times the relative spread, once
+    2 x ``warmup`` values made that spread worth trusting), at least
     ``min_ratio`` squared (16x), or shared (the record's tensors fell by ``min_ratio`` in the
     median: clipping of an exploded gradient, a cut loss scale). Drops are held to more because
     the logarithm stretches them without bound: the norm of a tensor of a few elements that
     nearly cancel (a bias gradient of a small classifier head on one rank) falls 5x on its own
     now and then, which is noise, yet a log z-score of 6. Zero, NaN and Inf never enter the history; a
     ``norm`` that drops to exactly zero after such a history is flagged (a layer whose gradients
-    died; the detector leaves out mg_direction's share, whose norm column may be 0 by chance),
+    died; mg_direction's share of agreeing signs is no size and not judged: ``judges_shares``),
     unless its level was rounding noise (``above_rounding_noise``: the gradient of a weight that
     the data leaves mathematically at zero, about 1e-9 where the others are 1e-2, now and then
     rounds to exactly zero).
@@ -98,6 +99,10 @@ class AnomalyZScore:
     added_args = ("trend",)
     #: ``update`` takes this rule's verdicts of the values (``flagged``)
     learns_from_verdicts = True
+    #: a rule of sizes on a log scale: mg_direction's share of gradient signs that agree with
+    #: Adam's momentum is no size (a fast-learning model's overshoot takes it from 0.9 to 0.02
+    #: in a step, in clean runs), so the detector leaves those records to the non-finite check
+    judges_shares = False
     #: smallest standard deviation of log|value| (5%), so constant signals do not alarm on noise.
     sigma_floor = 0.05
     #: smoothing of the forecast's level and slope with ``trend``: faster than the spread's, so
@@ -178,7 +183,9 @@ class AnomalyZScore:
             far_out = np.abs(change) > self.threshold * sigma
             rise = far_out & (change > self.log_ratio)
             drop = far_out & (-change > self.log_ratio) & judged
-            quiet = -np.expm1(change) > self.threshold * sigma  # the share of the level lost
+            # the share of the level lost, against a spread of enough values to be trusted: in
+            # the steps just after warm-up a smooth history (a clipped gradient) reads as quiet
+            quiet = (-np.expm1(change) > self.threshold * sigma) & (state["count"] >= 2 * self.warmup)
             lone = drop & ~quiet & (-change <= 2 * self.log_ratio)  # neither quiet nor 16x
             if lone.any():  # kept only where the record fell as a whole
                 drop &= ~lone | (-_median_change(change, judged, lone.any(axis=0)) > self.log_ratio)

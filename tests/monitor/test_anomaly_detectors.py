@@ -113,8 +113,9 @@ def _reference_zscore(series, threshold=6.0, warmup=10, beta=0.9, min_ratio=5.0,
     the EWMA variance of the one-step forecasts' errors, bias-corrected; a flagged value held out
     until the next is flagged too (then both enter) or is not (then it never does, its forecast
     entering in its place); flags before folding in: a rise by its log z-score; a drop also needs
-    a quiet signal (the share of the forecast lost above threshold x sigma) or to be min_ratio
-    squared (a record falling as a whole, which these independent series do not, is left out)."""
+    a quiet signal (the share of the forecast lost above threshold x sigma, with 2 x warmup values
+    seen) or to be min_ratio squared (a record falling as a whole, which these independent series
+    do not, is left out)."""
     out, single, double, var, count, held = [], 0.0, 0.0, 0.0, 0, None
     rate = 0.2 if trend else 1 - beta
 
@@ -137,7 +138,7 @@ def _reference_zscore(series, threshold=6.0, warmup=10, beta=0.9, min_ratio=5.0,
             corrected = var / (1 - beta ** (count - 1)) if count > 1 else 0.0
             sigma = max(math.sqrt(corrected), floor)
             z_far = abs(log - mean) > threshold * sigma and abs(log - mean) > math.log(min_ratio)
-            quiet = 1 - math.exp(log - mean) > threshold * sigma
+            quiet = 1 - math.exp(log - mean) > threshold * sigma and count >= 2 * warmup
             flag = z_far and (log > mean or quiet or mean - log > 2 * math.log(min_ratio))
         out.append(flag)
         if not finite:

@@ -290,6 +290,28 @@ def test_a_share_of_zero_is_a_value_not_a_vanished_norm(make_record, rule):
     assert found == [(35, _tag("b"))]
 
 
+def test_zscore_leaves_mg_direction_shares_to_the_non_finite_check(make_record):
+    """A fast-learning model's overshoot takes a bias's share of signs agreeing with Adam's
+    momentum from about 0.9 to 2 of 128 in a step, in a clean run: AnomalyZScore, a rule of sizes,
+    does not judge that share (AnomalyTurbulence, msprobe's, two-sided here, still does); a NaN
+    in it is still found."""
+    rows = RowSet.build([0], ["fc1.bias"], 0, "mg_direction")
+    shares = [0.9 + 0.01 * (step % 3) for step in range(30)]
+    shares[20], shares[26] = 2 / 128, math.nan
+    found = {}
+    for rule in (AnomalyZScore(), AnomalyTurbulence(0.5, two_sided=True)):
+        detector = Detector([rule], rank=0, moved_alone=False)
+        found[rule.name] = [
+            (a.step, a.rule)
+            for step, share in enumerate(shares)
+            for a in detector.evaluate(
+                make_record("other", step, ["fc1.bias"], [[share]], ("norm",), rows=rows, task="mg_direction")
+            )
+        ]
+    assert found["AnomalyZScore"] == [(26, "NonFinite")]
+    assert (20, "AnomalyTurbulence") in found["AnomalyTurbulence"]
+
+
 def test_nan_first_value_does_not_start_the_turbulence_baseline(make_record):
     series = [math.nan, 4.0, 4.2, 20.0]
     detector = rules_only([msprobe_later(threshold=0.5)], rank=0)
