@@ -24,10 +24,11 @@ class RowSet:
         names: names without chunk prefix (e.g. "layers.0.mlp.weight").
         micro_steps: micro-step index of each row, or None when the data type has none.
         tags: full tags "N:name[:m]/rankR/task", the keys of the api dictionaries.
-        unjudged: per row, whether the anomaly rules leave it alone (None: judge every row):
-            tensors of integers or booleans a module is fed (token ids, labels, masks) are the
-            data, not values the model computed; they vary at will (a batch whose labels are all
-            0 has norm 0) and can hold no NaN.
+        unjudged: per row, whether the anomaly rules and the non-finite check leave it alone
+            (None: judge every row): tensors of integers or booleans a module is fed (token ids,
+            labels, masks) are the data, not values the model computed; they vary at will (a
+            batch whose labels are all 0 has norm 0); and a float attention mask passed to a
+            module holds -inf by design.
     """
 
     vpp_stages: tuple[int, ...]

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from adapters.torch.dist import dtensor_type, local_tensor
-from adapters.torch.hooked_modules import HookedModule, direction_tensors_of
+from adapters.torch.hooked_modules import HookedModule, direction_tensors_of, mask_arguments
 from adapters.torch.kept_inputs import KeptInputs
 from adapters.torch.micro_steps import MicroSteps
 from adapters.torch.sharded.tp_activations import Piece, TensorParallelMerge, as_passed, passed_pieces
@@ -180,7 +180,8 @@ class Activations:
             name = self._call_name(index, micro, recompute)
             tags = self._known_tags(tensors) if self.merge is not None else None
             if self.forward and not recompute:
-                self._measure("actv", entry.vpp_stage, f"{name}.input", micro, tensors, tags)
+                masks = mask_arguments(entry.module, args, kwargs)
+                self._measure("actv", entry.vpp_stage, f"{name}.input", micro, tensors, tags, masks)
             passed = self._passed.pop(index, None)
             given = None if passed is None else direction_tensors_of(entry, "input", passed)
             if given is not None and self.merge is not None and not recompute:
@@ -264,6 +265,7 @@ class Activations:
         micro: int,
         tensors: list[torch.Tensor],
         tags: list[Piece | None] | None = None,
+        masks: set[int] = frozenset(),
     ) -> None:
         if not tensors:
             return
@@ -291,7 +293,10 @@ class Activations:
                 row_tags.append(tag)
         self._rows[prefix].extend((vpp, n, micro) for n in row_names(name, len(tensors)))
         self._stats[prefix].extend(rows)
-        self._unjudged[prefix].extend(not (t.is_floating_point() or t.is_complex()) for t, _ in resolved)
+        self._unjudged[prefix].extend(  # integers, booleans and masks (-inf by design) are data
+            not (t.is_floating_point() or t.is_complex()) or id(given) in masks
+            for (t, _), given in zip(resolved, tensors)
+        )
         if self.merge is not None:
             self._tags[prefix].extend(row_tags)
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -40,6 +42,28 @@ def _unsharded_name(cls: type) -> str:
         if cls.__name__ == f"FSDP{base.__name__}":
             return base.__name__
     return cls.__name__
+
+
+def mask_arguments(module: torch.nn.Module, args: tuple, kwargs: dict) -> set[int]:
+    """Ids of the tensors a call passes as a mask (an argument whose name holds ``mask``, by
+    keyword or by position in ``forward``'s signature): an additive attention mask holds -inf by
+    design (``nn.Transformer.generate_square_subsequent_mask``), so its rows are not judged."""
+    masks = {id(v) for k, v in kwargs.items() if "mask" in k and isinstance(v, torch.Tensor)}
+    if args:
+        names = _positional_names(type(module))
+        masks |= {id(v) for k, v in zip(names, args) if "mask" in k and isinstance(v, torch.Tensor)}
+    return masks
+
+
+@functools.lru_cache(maxsize=512)
+def _positional_names(cls: type) -> tuple[str, ...]:
+    """The names of ``cls.forward``'s positional parameters (after ``self``); () where unreadable."""
+    try:
+        parameters = list(inspect.signature(cls.forward).parameters.values())[1:]
+    except (TypeError, ValueError):
+        return ()
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return tuple(p.name for p in parameters if p.kind in positional)
 
 
 def _is_tensor(obj: Any) -> bool:

@@ -115,6 +115,8 @@ class Detector:
         shares_of_zero = values[:, record.ops.index("norm")] == 0 if share else None
         if self.non_finite:
             reported = non_finite_cells(values, record.ops)
+            if unjudged is not None:  # an attention mask holds -inf by design
+                reported &= ~unjudged
             if reported.any():
                 row, col = np.nonzero(reported)
                 rows.append(row), cols.append(col), ids.append(np.full(len(row), NONFINITE_ID))

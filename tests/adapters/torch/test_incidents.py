@@ -9,6 +9,7 @@ module the fault was injected into; one-rank faults run on 4 gloo ranks and must
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
@@ -192,6 +193,44 @@ def test_integer_inputs_such_as_labels_are_recorded_but_never_judged():
     (labels_row,) = [row for tag, row in rows.items() if tag.startswith("0:.input_1")]
     assert (labels_row["norm"], labels_row["zeros"]) == (0.0, 1.0)  # recorded as it was fed
     assert mon.incidents == [], [incident.root for incident in mon.incidents]
+
+
+@pytest.mark.parametrize("by_keyword", [True, False])
+def test_an_attention_mask_of_minus_inf_is_recorded_but_not_an_incident(by_keyword):
+    """nn.Transformer's causal mask is additive: 0 and -inf by design. A model that passes it on
+    (by keyword, or by position) has a mask row with -inf in every collected step: recorded, not
+    a NaN/Inf fault, so the clean run opens no incident, and a NaN put into the encoder's output
+    at step AT is still one, there."""
+
+    class Encoder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+            self.head = nn.Linear(8, 1)
+
+        def forward(self, x: torch.Tensor, src_mask: torch.Tensor) -> torch.Tensor:
+            hidden = self.layer(x, src_mask=src_mask) if by_keyword else self.layer(x, src_mask)
+            return self.head(hidden).pow(2).mean()
+
+    torch.manual_seed(0)
+    model = Encoder()
+    model.layer.register_forward_hook(lambda m, a, out: out * math.nan if poison[0] else None)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    mon = TrainerMon({**CONFIG, "xy_distribution": True, "all_xy": True})
+    mon.set_monitor(model, grad_acc_steps=1, optimizer=optimizer)
+    mask = nn.Transformer.generate_square_subsequent_mask(5)
+    poison = [False]
+    for step in range(STEPS):
+        poison[0] = step == AT
+        model(torch.randn(2, 5, 8), mask).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    rows = mon._latest("actv")
+    mon.stop()
+    assert any(row["min"] == -math.inf for tag, row in rows.items() if tag.startswith("0:.input_1")), rows
+    roots = [incident.root["tag_name"] for incident in mon.incidents]
+    assert [incident.onset_step for incident in mon.incidents] == [AT], roots
+    assert "layer.output" in mon.incidents[0].root["tag_name"]
 
 
 class TokenNormalised(nn.Module):
