@@ -168,6 +168,15 @@ def _state(session) -> dict:
     )
 
 
+def _choose_run(session, run_id: str) -> None:
+    """Pick a run in the tab's run list, as a user does."""
+    session.script(
+        "const s = document.querySelector('select'); s.value = arguments[0];"
+        "s.dispatchEvent(new Event('change'));",
+        run_id,
+    )
+
+
 def _heatmap_rows(base: str, run_id: str, prefix: str, op: str) -> list[str]:
     from struct import unpack_from
 
@@ -263,11 +272,7 @@ def test_other_runs_render_and_new_steps_appear_live(page):
     session, base, logdir = page
     runs = {r["name"]: r for r in _json(base, "/data/plugin/trainmon/runs")["runs"]}
     for name in ("demo_tensorboard", "live"):
-        session.script(
-            "const s = document.querySelector('select'); s.value = arguments[0];"
-            "s.dispatchEvent(new Event('change'));",
-            runs[name]["id"],
-        )
+        _choose_run(session, runs[name]["id"])
         session.wait_for(  # the heatmap drawn last is this run's, not the previous run's
             f"return document.querySelector('.tm-canvas').dataset.run === {json.dumps(runs[name]['id'])} && "
             "document.querySelector('.tm-heat-title').textContent.includes(' row');",
@@ -303,11 +308,7 @@ def test_incidents_expand_into_records_that_jump_to_their_cell(page):
     session, base, _ = page
     runs = {r["name"]: r for r in _json(base, "/data/plugin/trainmon/runs")["runs"]}
     session.script("document.querySelector('.tm-view-incidents').click();")
-    session.script(
-        "const s = document.querySelector('select'); s.value = arguments[0];"
-        "s.dispatchEvent(new Event('change'));",
-        runs["incidents"]["id"],
-    )
+    _choose_run(session, runs["incidents"]["id"])
     fc1, head = NAMES.index("layers.0.fc1.weight"), NAMES.index("head.weight")
     # it opens on the first incident's root: rank 0's NaN local gradient of layers.0.fc1 at step 3
     session.wait_for(
@@ -401,11 +402,7 @@ def test_zeros_on_a_log_scale_have_their_own_colour_and_an_all_zero_matrix_says_
     instead of a made-up range."""
     session, base, _ = page
     runs = {r["name"]: r for r in _json(base, "/data/plugin/trainmon/runs")["runs"]}
-    session.script(  # the demo's run records every op
-        "const s = document.querySelector('select'); s.value = arguments[0];"
-        "s.dispatchEvent(new Event('change'));",
-        runs["demo_csv"]["id"],
-    )
+    _choose_run(session, runs["demo_csv"]["id"])  # the demo's run records every op
     session.wait_for(
         f"return document.querySelector('.tm-canvas').dataset.run === {json.dumps(runs['demo_csv']['id'])};",
         30,
@@ -426,11 +423,7 @@ def test_a_run_whose_anomaly_files_a_later_run_replaced_says_so_instead_of_none(
     session, base, _ = page
     runs = {r["name"]: r for r in _json(base, "/data/plugin/trainmon/runs")["runs"]}
     older = runs["replaced @ Jan02_03-04-05"]["id"]
-    session.script(
-        "const s = document.querySelector('select'); s.value = arguments[0];"
-        "s.dispatchEvent(new Event('change'));",
-        older,
-    )
+    _choose_run(session, older)
     side = "document.querySelector('.tm-side-title').textContent"
     session.wait_for(f"return {side}.includes('a later run in the same directory');", 30, "the older run")
     assert "none recorded" not in session.script(f"return {side};")
@@ -457,11 +450,7 @@ def test_a_tensorboard_run_links_its_chart_to_tensorboards_charts_without_smooth
     session, base, _ = page
     runs = {r["name"]: r for r in _json(base, "/data/plugin/trainmon/runs")["runs"]}
     run_id = runs["demo_tensorboard"]["id"]
-    session.script(
-        "const s = document.querySelector('select'); s.value = arguments[0];"
-        "s.dispatchEvent(new Event('change'));",
-        run_id,
-    )
+    _choose_run(session, run_id)
     session.wait_for(
         f"return document.querySelector('.tm-canvas').dataset.run === {json.dumps(run_id)} && "
         "document.querySelector('.tm-heat-title').textContent.includes(' row');",

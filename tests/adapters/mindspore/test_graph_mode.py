@@ -52,6 +52,12 @@ def _target(x: np.ndarray) -> ms.Tensor:
     return ms.Tensor(np.tanh(x[:, :4]))
 
 
+def _dataset(samples: int) -> ds.GeneratorDataset:
+    """``samples`` (x, tanh(x[:4])) pairs in batches of 2, for Model.train."""
+    data = [(x[0], np.tanh(x[0][:4])) for (x,) in make_batches(samples, 1, batch=1)]
+    return ds.GeneratorDataset(data, ["x", "y"], shuffle=False).batch(2)
+
+
 def _rows(output_dir: str, prefix: str, step: int) -> dict[str, dict[str, float]]:
     frame = pd.read_csv(os.path.join(output_dir, f"{prefix}_{step}-{step}.csv"))
     return {row["name"]: row for _, row in frame.iterrows()}
@@ -141,8 +147,7 @@ def test_model_train_callback_collects_every_step_in_graph_mode(graph_mode, tmp_
     monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path))
     net = Net()
     optimizer = nn.Adam(net.trainable_params(), learning_rate=0.05)
-    data = [(x[0], np.tanh(x[0][:4])) for (x,) in make_batches(6, 1, batch=1)]
-    dataset = ds.GeneratorDataset(data, ["x", "y"], shuffle=False).batch(2)
+    dataset = _dataset(6)
     callback = TrainmonCallback({**CONFIG, "ops": ["min", "max", "norm"]})
     model = ms.train.Model(net, nn.MSELoss(), optimizer)
     model.train(2, dataset, callbacks=[callback], dataset_sink_mode=False)
@@ -163,8 +168,7 @@ def test_model_train_callback_in_pynative_mode_says_nothing_of_step_end(tmp_path
     monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path))
     net = Net()
     optimizer = nn.Adam(net.trainable_params(), learning_rate=0.05)
-    data = [(x[0], np.tanh(x[0][:4])) for (x,) in make_batches(4, 1, batch=1)]
-    dataset = ds.GeneratorDataset(data, ["x", "y"], shuffle=False).batch(2)
+    dataset = _dataset(4)
     callback = TrainmonCallback({**CONFIG, "ops": ["min", "max", "norm"]})
     with caplog.at_level(logging.INFO, logger="trainmon"):
         ms.train.Model(net, nn.MSELoss(), optimizer).train(
@@ -203,8 +207,7 @@ def test_model_train_callback_finds_the_optimizer_a_train_network_of_its_own_cal
     monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path))
     net = Net()
     optimizer = nn.Adam(net.trainable_params(), learning_rate=0.05)
-    data = [(x[0], np.tanh(x[0][:4])) for (x,) in make_batches(8, 1, batch=1)]
-    dataset = ds.GeneratorDataset(data, ["x", "y"], shuffle=False).batch(2)
+    dataset = _dataset(8)
     callback = TrainmonCallback({**CONFIG, "ops": ["min", "max", "norm"]}, grad_acc_steps=2)
     ms.train.Model(_Accumulating(net, optimizer)).train(
         1, dataset, callbacks=[callback], dataset_sink_mode=False
@@ -224,8 +227,7 @@ def test_a_callback_given_a_trainermon_attached_by_hand_leaves_it_recording(tmp_
     monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path))
     net = Net()
     optimizer = nn.Adam(net.trainable_params(), learning_rate=0.05)
-    data = [(x[0], np.tanh(x[0][:4])) for (x,) in make_batches(4, 1, batch=1)]
-    dataset = ds.GeneratorDataset(data, ["x", "y"], shuffle=False).batch(2)
+    dataset = _dataset(4)
     mon = TrainerMon({**CONFIG, "ops": ["norm"]})
     mon.set_monitor(net, 1, optimizer)
     with caplog.at_level(logging.INFO, logger="trainmon"):
@@ -249,8 +251,7 @@ def test_a_second_model_train_with_the_same_callback_goes_on_numbering(tmp_path,
     monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path))
     net = Net()
     optimizer = nn.Adam(net.trainable_params(), learning_rate=0.05)
-    data = [(x[0], np.tanh(x[0][:4])) for (x,) in make_batches(4, 1, batch=1)]
-    dataset = ds.GeneratorDataset(data, ["x", "y"], shuffle=False).batch(2)
+    dataset = _dataset(4)
     callback = TrainmonCallback({**CONFIG, "ops": ["norm"]})
     model = ms.train.Model(net, nn.MSELoss(), optimizer)
     for _ in range(2):
