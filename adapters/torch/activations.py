@@ -52,8 +52,7 @@ def _same_view(view: torch.Tensor, base: torch.Tensor) -> bool:
 
 
 def _row_set(rows: list[tuple[int, str, int]], rank: int, task: str, unjudged: list[bool]) -> RowSet:
-    """The RowSet of a step's ``(vpp_stage, name, micro_step)`` rows; ``unjudged``: which rows are
-    tensors of integers or booleans."""
+    """The RowSet of a step's ``(vpp_stage, name, micro_step)`` rows; ``unjudged``: which are data."""
     vpp, names, micro = zip(*rows)
     return RowSet.build(vpp, names, rank, task, micro, unjudged)
 
