@@ -371,8 +371,12 @@ def test_a_file_sink_that_cannot_be_written_is_refused_at_the_door(tmp_path, mon
     monkeypatch.delenv("RANK")
     read_only = tmp_path / "read-only"
     read_only.mkdir(mode=0o555)
-    if os.access(read_only, os.W_OK):
-        pytest.skip("a superuser writes anywhere: the read-only half needs another user (the rest held)")
+    if os.access(read_only, os.W_OK):  # a superuser (these machines' tests) writes anywhere: the
+        # kernel's answer for another user stands in, for that directory alone
+        real_access = os.access
+        monkeypatch.setattr(
+            os, "access", lambda path, mode: False if str(path) == str(read_only) else real_access(path, mode)
+        )
     with pytest.raises(ConfigError, match=r"the directory .*read-only' is not writable"):
         load_config({"alert": {"sinks": [{"type": "file", "path": "read-only/incidents.jsonl"}]}})
 
