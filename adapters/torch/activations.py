@@ -179,7 +179,7 @@ class Activations:
             name = self._call_name(index, micro, recompute)
             tags = self._known_tags(tensors) if self.merge is not None else None
             if self.forward and not recompute:
-                masks = mask_arguments(entry.module, args, kwargs)
+                masks = mask_arguments(entry, args, kwargs)
                 self._measure("actv", entry.vpp_stage, f"{name}.input", micro, tensors, tags, masks)
             passed = self._passed.pop(index, None)
             given = None if passed is None else direction_tensors_of(entry, "input", passed)

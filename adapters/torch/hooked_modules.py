@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 import inspect
 import logging
 from collections.abc import Mapping, Sequence
@@ -44,26 +43,29 @@ def _unsharded_name(cls: type) -> str:
     return cls.__name__
 
 
-def mask_arguments(module: torch.nn.Module, args: tuple, kwargs: dict) -> set[int]:
+def mask_arguments(entry: HookedModule, args: tuple, kwargs: dict) -> set[int]:
     """Ids of the tensors a call passes as a mask (an argument whose name holds ``mask``, by
-    keyword or by position in ``forward``'s signature): an additive attention mask holds -inf by
-    design (``nn.Transformer.generate_square_subsequent_mask``), so its rows are not judged."""
-    masks = {id(v) for k, v in kwargs.items() if "mask" in k and isinstance(v, torch.Tensor)}
-    if args:
-        names = _positional_names(type(module))
-        masks |= {id(v) for k, v in zip(names, args) if "mask" in k and isinstance(v, torch.Tensor)}
+    keyword or at one of the module's ``mask_positions``): an additive attention mask holds -inf
+    by design (``nn.Transformer.generate_square_subsequent_mask``), so its rows are not judged."""
+    masks = (
+        {id(v) for k, v in kwargs.items() if "mask" in k and isinstance(v, torch.Tensor)} if kwargs else set()
+    )
+    for position in entry.mask_positions:
+        if position < len(args) and isinstance(args[position], torch.Tensor):
+            masks.add(id(args[position]))
     return masks
 
 
-@functools.lru_cache(maxsize=512)
-def _positional_names(cls: type) -> tuple[str, ...]:
-    """The names of ``cls.forward``'s positional parameters (after ``self``); () where unreadable."""
+def _mask_positions(module: torch.nn.Module) -> tuple[int, ...]:
+    """Where ``forward`` takes a mask positionally (a parameter whose name holds ``mask``), read
+    once at attach; () where its signature is unreadable."""
     try:
-        parameters = list(inspect.signature(cls.forward).parameters.values())[1:]
+        parameters = list(inspect.signature(type(module).forward).parameters.values())[1:]
     except (TypeError, ValueError):
         return ()
     positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    return tuple(p.name for p in parameters if p.kind in positional)
+    names = [p.name for p in parameters if p.kind in positional]
+    return tuple(position for position, name in enumerate(names) if "mask" in name)
 
 
 def _is_tensor(obj: Any) -> bool:
@@ -79,6 +81,8 @@ class HookedModule:
     module: torch.nn.Module
     formats: Mapping[str, str]
     warned: set[str] = dataclasses.field(default_factory=set)
+    #: where ``forward`` takes a mask positionally (``mask_arguments``)
+    mask_positions: tuple[int, ...] = ()
 
 
 def direction_tensors_of(entry: HookedModule, direction: str, obj: Any) -> list[torch.Tensor]:
@@ -92,7 +96,13 @@ def select_modules(
     """Modules to hook: every submodule with all_xy (or ``every``), else those named exactly in targets."""
     named = [(vpp, raw, module) for vpp, chunk in enumerate(chunks) for raw, module in chunk.named_modules()]
     selected = [
-        HookedModule(m.vpp_stage, m.name, named[m.position][2], m.formats)
+        HookedModule(
+            m.vpp_stage,
+            m.name,
+            named[m.position][2],
+            m.formats,
+            mask_positions=_mask_positions(named[m.position][2]),
+        )
         for m in select_module_names([(vpp, raw) for vpp, raw, _ in named], config, every)
     ]
     containers = [m.name for m in selected if type(m.module).forward is torch.nn.Module.forward]
