@@ -73,11 +73,42 @@ def find_outliers(
     listed = {rank: rank_csv.list_parts(path, types) for rank, path in rank_dirs.items()}
     out = peers.Outliers(k_mad, ops, steps)
     stages = pipeline_stages(rank_dirs, warn)
-    for prefix in types:
-        held = {rank: parts[prefix] for rank, parts in listed.items() if parts.get(prefix)}
-        for stage in sorted({stages[rank] for rank in held}):  # each holds other layers, alike named
-            holders = {rank: parts for rank, parts in held.items() if stages[rank] == stage}
-            _compare(prefix, holders, rank_dirs, k_mad, steps, ops, memory, warn, out, stage)
+    groups: list[tuple[str, int, dict[int, list[rank_csv.Part]]]] = []
+    for prefix in types:  # each pipeline stage holds other layers under the same names: apart
+        by_stage: dict[int, dict[int, list[rank_csv.Part]]] = {}
+        for rank, parts in listed.items():
+            if parts.get(prefix):
+                by_stage.setdefault(stages[rank], {})[rank] = parts[prefix]
+        groups += [(prefix, stage, by_stage[stage]) for stage in sorted(by_stage)]
+    for prefix, stage, holders in groups:
+        plan = plan_windows(holders, memory, max_workers(), warn)
+        ranks = sorted(holders)
+        tasks = [
+            Task(
+                prefix,
+                window,
+                len(ranks),
+                [
+                    (column, rank_dirs[rank], inside)
+                    for column, rank in enumerate(ranks)
+                    if (inside := [p for p in holders[rank] if p.start <= window[1] and p.end >= window[0]])
+                ],
+                k_mad,
+                ops,
+                steps,
+            )
+            for window in plan.windows
+        ]
+        if plan.jobs > 1 and any(p.parquet for parts in holders.values() for p in parts):
+            import pyarrow.parquet  # noqa: F401  (once here, not in every worker)
+        partials, told = [], set()
+        for partial, warnings in map_in_workers(compare_window, tasks, plan.jobs):
+            for text in warnings:
+                if text not in told:  # a file read for several windows says it once
+                    told.add(text)
+                    warn(text)
+            partials.append(partial)
+        peers.judge(prefix, ranks, partials, out, stage)
     return out
 
 
@@ -92,49 +123,6 @@ def pipeline_stages(rank_dirs: dict[int, str], warn: Callable[[str], None]) -> d
             "compared with that stage's ranks"
         )
     return {rank: stage or 0 for rank, stage in found.items()}
-
-
-def _compare(
-    prefix: str,
-    holders: dict[int, list[rank_csv.Part]],
-    rank_dirs: dict[int, str],
-    k_mad: float,
-    steps: frozenset[int] | None,
-    ops: tuple[str, ...] | None,
-    memory: int,
-    warn: Callable[[str], None],
-    out: peers.Outliers,
-    stage: int,
-) -> None:
-    """Compare one data type over ``holders``, the ranks of one pipeline stage, into ``out``."""
-    plan = plan_windows(holders, memory, max_workers(), warn)
-    ranks = sorted(holders)
-    tasks = [
-        Task(
-            prefix,
-            window,
-            len(ranks),
-            [
-                (column, rank_dirs[rank], inside)
-                for column, rank in enumerate(ranks)
-                if (inside := [p for p in holders[rank] if p.start <= window[1] and p.end >= window[0]])
-            ],
-            k_mad,
-            ops,
-            steps,
-        )
-        for window in plan.windows
-    ]
-    if plan.jobs > 1 and any(p.parquet for parts in holders.values() for p in parts):
-        import pyarrow.parquet  # noqa: F401  (once here, not in every worker)
-    partials, told = [], set()
-    for partial, warnings in map_in_workers(compare_window, tasks, plan.jobs):
-        for text in warnings:
-            if text not in told:  # a file read for several windows says it once
-                told.add(text)
-                warn(text)
-        partials.append(partial)
-    peers.judge(prefix, ranks, partials, out, stage)
 
 
 def compare_window(task: Task) -> tuple[peers.Partial, list[str]]:
