@@ -16,7 +16,8 @@ import datetime as _dt
 import os
 from dataclasses import dataclass, field
 
-from monitor.files import EARLIER_RUN, RANK_DIR_PATTERN, parse_time_tag
+from monitor.anomaly.anomaly_files import INPUT_NAME, earlier_runs_files
+from monitor.files import RANK_DIR_PATTERN, parse_time_tag
 
 ANOMALY_DIR = "anomaly_detected"
 #: directory levels below the logdir that are searched for roots (logdir/a/b/rankdir: 2).
@@ -53,12 +54,10 @@ class Run:
 
 def _kept_earlier(anomaly_dir: str) -> bool:
     """Whether a run began after another in this output directory had written anomaly files
-    (the monitor kept them as ``anomaly.json.earlier-<time>`` in a rank's folder)."""
+    (the monitor kept them beside its own, in a rank's folder)."""
     try:
         folders = [e.path for e in os.scandir(anomaly_dir) if e.is_dir(follow_symlinks=False)]
-        return any(
-            name.startswith(f"anomaly.json{EARLIER_RUN}") for folder in folders for name in os.listdir(folder)
-        )
+        return bool(earlier_runs_files([os.path.join(folder, INPUT_NAME) for folder in folders]))
     except OSError:
         return False
 
