@@ -3,9 +3,11 @@
 - the table of config keys in docs/configuration.md: every key of ``MonitorConfig`` (and of its
   ``alert`` and ``cc_distribution`` sections) with its real default, and its meaning from
   ``MEANINGS`` below (a test fails when a key has none or a meaning has no key);
+- the side-by-side table of config keys in docs/migrating-from-msprobe.md: each key's default
+  here and what msprobe does differently, from ``MSPROBE_DIFFERENCES`` below;
 - docs/cli.md: the help of ``trainmon`` and each of its commands, from the argparse parser.
 
-``python -m monitor.reference_docs`` rewrites both from the code; a test checks that the
+``python -m monitor.reference_docs`` rewrites them from the code; a test checks that the
 committed files say the same.
 """
 
@@ -129,9 +131,56 @@ MEANINGS = {
     "l2_heads": 'ours: attention heads of batch 0: `"first"` (msprobe\'s), `"all"` summarised, `"each"`',
 }
 
+#: config key -> what msprobe's monitor does with it where trainmon differs ("" where it is the
+#: same; None where the key is trainmon's own), for the side-by-side table of the migration page.
+MSPROBE_DIFFERENCES: dict[str, str | None] = {
+    "targets": "a plain string prefix (`layers.1` also selects `layers.10`); a dict only",
+    "dynamic_on": "`false` does not stop a collection that is running; later releases ignore `start_step`",
+    "start_step": "",
+    "collect_times": "1.2.2 collects one step for a value <= 0",
+    "step_interval": "1.2.2 raises ZeroDivisionError at the first step for 0",
+    "print_struct": "",
+    "module_ranks": "integers on PyTorch, strings on MindSpore 1.2.2 (both accepted here)",
+    "ur_distribution": "PyTorch only",
+    "xy_distribution": "1.2.2 tags the gradients `actv`, like the forward values",
+    "all_xy": "",
+    "forward_only": "with `backward_only` too: a warning and no activation hooks (here an error)",
+    "backward_only": "",
+    "mv_distribution": "the rows of step N are the moments before its update (one step behind)",
+    "param_distribution": "1.2.2: `param`, before the update only",
+    "wg_distribution": "",
+    "monitor_mbs_grad": "later releases only; not under FSDP",
+    "mg_direction": 'never validated: any value, `"yes"` included, switches it on',
+    "shard_reduce": None,
+    "cc_distribution.enable": "",
+    "cc_distribution.cc_codeline": "",
+    "cc_distribution.cc_pre_hook": "",
+    "cc_distribution.cc_log_only": "",
+    "alert.rules": "`AnomalyTurbulence` (later also `AnomalyNan`); here also `AnomalyZScore`",
+    "alert.dump": "`anomaly.json` only (here also `incidents.json`)",
+    "alert.non_finite": None,
+    "alert.sinks": None,
+    "alert.actions": None,
+    "alert.bundle": None,
+    "format": "no `parquet`; an unknown value falls back to `csv` with a logged error (here an error)",
+    "ops": "unknown names are dropped with a warning (here an error); later releases add `shape`, `dtype`",
+    "eps": "",
+    "ndigits": "decimal places, not significant digits",
+    "step_count_per_record": "",
+    "append_output": "1.2.2 crashes where a rank has no directory in the range (here: a new one, warned)",
+    "squash_name": "can collapse two names into one",
+    "stack_info": "later releases only",
+    "l2_targets": "later releases only",
+    "recording_l2_features": "later releases only; at every step, whatever `step_interval` says",
+    "sa_order": "later releases only; spaces pass the check, then the layout is treated as unsupported",
+    "l2_heads": None,
+}
+
 #: columns of the generated help text
 HELP_WIDTH = 96
 BEGIN, END = "<!-- generated: config keys -->", "<!-- end of generated config keys -->"
+SIDE_BEGIN = "<!-- generated: keys side by side -->"
+SIDE_END = "<!-- end of generated keys side by side -->"
 
 
 def config_keys() -> dict[str, object]:
@@ -154,6 +203,18 @@ def config_table() -> str:
     lines = ["| key | default | meaning |", "|---|---|---|"]
     for key, meaning in MEANINGS.items():
         lines.append(f"| `{key}` | `{json.dumps(defaults[key])}` | {meaning} |")
+    return "\n".join(lines)
+
+
+def side_by_side_table() -> str:
+    """The migration page's table: each key, whether msprobe reads it, trainmon's default, and
+    what msprobe does differently (in ``MEANINGS``' order)."""
+    defaults = config_keys()
+    lines = ["| key | trainmon's default | in msprobe |", "|---|---|---|"]
+    for key in MEANINGS:
+        difference = MSPROBE_DIFFERENCES[key]
+        said = "**trainmon only**" if difference is None else difference or "the same"
+        lines.append(f"| `{key}` | `{json.dumps(defaults[key])}` | {said} |")
     return "\n".join(lines)
 
 
@@ -198,9 +259,18 @@ def _subcommand_sections(parser: argparse.ArgumentParser, prog: str, level: str)
 
 def with_config_table(text: str) -> str:
     """``text`` (docs/configuration.md) with its generated table replaced by the current one."""
-    head, rest = text.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    return f"{head}{BEGIN}\n{config_table()}\n{END}{tail}"
+    return _with_generated(text, BEGIN, END, config_table())
+
+
+def with_side_by_side_table(text: str) -> str:
+    """``text`` (docs/migrating-from-msprobe.md) with its generated table replaced by the current one."""
+    return _with_generated(text, SIDE_BEGIN, SIDE_END, side_by_side_table())
+
+
+def _with_generated(text: str, begin: str, end: str, table: str) -> str:
+    head, rest = text.split(begin, 1)
+    _, tail = rest.split(end, 1)
+    return f"{head}{begin}\n{table}\n{end}{tail}"
 
 
 def main() -> int:
@@ -210,6 +280,8 @@ def main() -> int:
     docs = Path(__file__).resolve().parents[1] / "docs"
     configuration = docs / "configuration.md"
     configuration.write_text(with_config_table(configuration.read_text(encoding="utf-8")), encoding="utf-8")
+    migrating = docs / "migrating-from-msprobe.md"
+    migrating.write_text(with_side_by_side_table(migrating.read_text(encoding="utf-8")), encoding="utf-8")
     (docs / "cli.md").write_text(cli_page(build_parser()), encoding="utf-8")
     return 0
 

@@ -50,19 +50,22 @@ def test_every_config_the_pages_show_is_accepted(page, block, trainmon_log):
 
 
 def test_every_config_key_has_a_meaning_and_every_meaning_a_key():
-    from monitor.reference_docs import MEANINGS, config_keys
+    from monitor.reference_docs import MEANINGS, MSPROBE_DIFFERENCES, config_keys
 
     assert set(MEANINGS) == set(config_keys())
+    assert set(MSPROBE_DIFFERENCES) == set(config_keys())  # the migration page says each key's fate
 
 
 def test_the_generated_pages_say_what_the_code_says():
-    """docs/configuration.md's key table and docs/cli.md come from the code (regenerate them with
-    ``python -m monitor.reference_docs``)."""
+    """docs/configuration.md's key table, the migration page's and docs/cli.md come from the code
+    (regenerate them with ``python -m monitor.reference_docs``)."""
     from monitor.cli import build_parser
-    from monitor.reference_docs import cli_page, with_config_table
+    from monitor.reference_docs import cli_page, with_config_table, with_side_by_side_table
 
     configuration = (ROOT / "docs" / "configuration.md").read_text(encoding="utf-8")
     assert with_config_table(configuration) == configuration
+    migrating = (ROOT / "docs" / "migrating-from-msprobe.md").read_text(encoding="utf-8")
+    assert with_side_by_side_table(migrating) == migrating
     assert cli_page(build_parser()) == (ROOT / "docs" / "cli.md").read_text(encoding="utf-8")
 
 
