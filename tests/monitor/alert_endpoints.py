@@ -28,7 +28,8 @@ def incident(step: int = 7, rank: int = 0, number: int = 1) -> Incident:
 class Server:
     """A local HTTP endpoint: answers ``status`` (a list is used up first) with ``answer`` as its
     body after ``delay`` seconds, or hangs in ``hang``; ``location``: the redirect's target.
-    ``paths`` holds each request's path and query, ``requests`` its headers and JSON body."""
+    ``paths`` holds each request's path and query, ``requests`` its headers and JSON body,
+    ``arrivals`` the monotonic time it came in."""
 
     def __init__(
         self,
@@ -40,6 +41,7 @@ class Server:
     ) -> None:
         self.requests: list[tuple[dict, dict]] = []
         self.paths: list[str] = []
+        self.arrivals: list[float] = []
         self.statuses = list(statuses)
         self.hang = hang
         self.delay = delay
@@ -51,6 +53,7 @@ class Server:
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_POST(self):
+                server.arrivals.append(time.monotonic())
                 length = int(self.headers.get("Content-Length") or 0)
                 body = json.loads(self.rfile.read(length)) if length else None
                 server.requests.append((dict(self.headers), body))

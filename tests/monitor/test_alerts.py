@@ -81,6 +81,21 @@ def test_a_failing_endpoint_is_retried_with_back_off_then_reported_once(tmp_path
     assert not [r for r in caplog.records if "alert.sinks[1]" in r.getMessage()]
 
 
+def test_each_retry_waits_twice_as_long_as_the_one_before(tmp_path, quick):
+    """The back-off doubles: ``backoff_s`` before the first retry, twice that before the second
+    (lower bounds only: a loaded machine may wait longer, never shorter)."""
+    server = Server(statuses=(500, 500, 200))
+    alerts = alerts_of(
+        [{"type": "webhook", "ranks": "all", "retries": 2, "backoff_s": 0.3, "url": server.url}], 0, tmp_path
+    )
+    alerts.incident(incident(), None)
+    assert wait_for(lambda: len(server.requests) == 3)
+    alerts.close()
+    server.close()
+    first, second = (later - earlier for earlier, later in zip(server.arrivals, server.arrivals[1:]))
+    assert first >= 0.3 and second >= 0.6
+
+
 def test_a_token_in_the_url_never_reaches_the_log(tmp_path, monkeypatch, caplog, quick):
     with socket.socket() as free:
         free.bind(("127.0.0.1", 0))
