@@ -25,6 +25,7 @@ from monitor import TrainerMon, TrainingStopped
 from monitor.alerts.bundle import load_bundle
 from tests.adapters.torch.distributed import free_port, run_ranks, save_result
 from tests.adapters.torch.helpers import MLP, clear_non_finite, make_batches
+from tests.monitor.alert_endpoints import Server
 
 STEPS, AT = 30, 5
 #: the steps whose gradient skip_step tests poison: three in a row
@@ -156,18 +157,24 @@ def _worker(rank: int, world_size: int, workdir: str) -> None:
     ]
     if rank == 0:  # nothing listens there: rank 0's webhook fails every time
         sinks.append({"type": "webhook", "url": os.environ["DEAD_URL"], "retries": 1, "backoff_s": 0.01})
+    sinks.append({"type": "webhook", "url": os.environ["LIVE_URL"], "ranks": "all"})  # the test's server
     save_result(workdir, rank, _train(rank, fault_ranks, sinks, actions=("checkpoint", "stop")))
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("fault_ranks", [(1,), (0, 1)])
 def test_every_rank_stops_at_the_same_step(tmp_path, fault_ranks):
+    server = Server()
     env = {
         "MONITOR_OUTPUT_DIR": str(tmp_path / "out"),
         "FAULT_RANKS": json.dumps(fault_ranks),
         "DEAD_URL": f"http://127.0.0.1:{free_port()}/hook",
+        "LIVE_URL": server.url,
     }
-    results = run_ranks(_worker, 2, str(tmp_path), env)
+    try:
+        results = run_ranks(_worker, 2, str(tmp_path), env)
+    finally:
+        server.close()
     steps = {result["stopped"][0] for result in results}
     assert len(steps) == 1 and AT < steps.pop() < STEPS  # one stop step, agreed by both ranks
     assert {result["last_step"] for result in results} == {results[0]["last_step"]}
@@ -176,6 +183,12 @@ def test_every_rank_stops_at_the_same_step(tmp_path, fault_ranks):
         assert results[0]["messages"] == [] and "another rank" in results[0]["stopped"][1]
     every = sorted((m["step"], m["rank"]) for m in _lines(str(tmp_path / "all.jsonl")))
     assert every == [(AT, rank) for rank in fault_ranks]  # rank 0's failing webhook hurts no one
+    posted = sorted((body["step"], body["rank"]) for _, body in server.requests)
+    assert posted == every  # every rank's webhook delivers, whatever rank 0's dead one does
+    for rank, result in enumerate(results):  # each rank's callback had its own incidents
+        assert [(m["step"], m["rank"]) for m in result["messages"]] == (
+            [(AT, rank)] if rank in fault_ranks else []
+        )
     lowest = [(m["step"], m["rank"]) for m in _lines(str(tmp_path / "lowest.jsonl"))]
     assert lowest == [(AT, min(fault_ranks))]  # one message per incident, from the lowest rank
     rank0 = [(m["step"], m["rank"]) for m in _lines(str(tmp_path / "rank0.jsonl"))]
