@@ -131,3 +131,17 @@ def test_the_installed_packages_are_the_products_and_nothing_the_demo_writes(tmp
         "dashboards.plugin",
         "config_templates",
     }
+
+
+#: "modules under about 400 lines": a module past this wants splitting by what its parts do
+MAX_MODULE_LINES = 420
+
+
+def test_no_module_of_the_product_outgrows_one_concept():
+    long = {
+        path.relative_to(ROOT).as_posix(): lines
+        for folder in ("monitor", "adapters", "dashboards")
+        for path in sorted((ROOT / folder).rglob("*.py"))
+        if (lines := len(path.read_text(encoding="utf-8").splitlines())) > MAX_MODULE_LINES
+    }
+    assert long == {}
