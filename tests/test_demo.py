@@ -237,3 +237,34 @@ def test_trainmon_alone_lists_the_commands(capsys):
     assert cli.main([]) == 2
     shown = capsys.readouterr().err
     assert "anomaly-analyse" in shown and "rank the anomalies of all ranks" in shown
+
+
+@pytest.mark.parametrize("no_color", [None, "1"])
+def test_warnings_on_a_terminal_carry_no_colour_codes(no_color):
+    """Our log lines are plain text on a terminal too (with NO_COLOR set or not): what is copied
+    from a terminal or a log file reads the same."""
+    import pty
+
+    env = {k: v for k, v in os.environ.items() if k != "NO_COLOR"}
+    if no_color:
+        env["NO_COLOR"] = no_color
+    leader, follower = pty.openpty()
+    code = "from monitor import load_config; load_config({'ops': ['shape']})"  # warns: nothing recorded
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", code], stdout=follower, stderr=follower, env=env, timeout=120
+        )
+        os.close(follower)
+        said = b""
+        while True:
+            try:
+                chunk = os.read(leader, 4096)
+            except OSError:  # the terminal closed once everything was read
+                break
+            if not chunk:
+                break
+            said += chunk
+    finally:
+        os.close(leader)
+    assert done.returncode == 0
+    assert b"[trainmon] WARNING" in said and b"\x1b[" not in said
