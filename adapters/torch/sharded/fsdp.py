@@ -34,6 +34,7 @@ from adapters.torch.sharded.fsdp_internals import (
     check_version,
     fsdp2_group,
     fsdp2_module_type,
+    fsdp2_pending_gradient,
     fsdp2_records,
     fsdp2_reduces_gradients,
 )
@@ -175,7 +176,7 @@ class UnshardedGrads(ReducedEarly, UnreducedGrads):
         without gradient sync."""
         grad = param.grad
         record = self._hooked.get(id(param), (None, None, None))[1]
-        pending = getattr(record, "unsharded_accumulated_grad", None)
+        pending = None if record is None else fsdp2_pending_gradient(record)
         if pending is None or grad is None:
             return grad if pending is None else pending
         return pending + grad.to(pending.dtype)

@@ -3,7 +3,8 @@ were written for.
 
 - FSDP2's module class lives where torch 2.5 kept it before making it public: ``fsdp2_module_type``.
 - FSDP2 keeps the fp32 gradient sum of micro-batches run without gradient sync (mixed
-  precision) in its own per-parameter record, not in ``.grad``: ``fsdp2_records``.
+  precision) in its own per-parameter record, not in ``.grad``: ``fsdp2_records``,
+  ``fsdp2_pending_gradient``.
 - Whether a backward's gradients are reduce-scattered now (gradient sync on) is FSDP2's
   parameter group's ``reduce_grads`` and FSDP1's ``_sync_gradients``: ``fsdp2_reduces_gradients``,
   ``fsdp1_reduces_gradients``.
@@ -82,9 +83,18 @@ def fsdp2_records(group: Any) -> dict[int, Any]:
     if group is None:
         return {}
     try:
-        return {id(p.unsharded_param): p for p in group.fsdp_params if hasattr(p, "_unsharded_param")}
+        records = {id(p.unsharded_param): p for p in group.fsdp_params if hasattr(p, "_unsharded_param")}
     except AttributeError as exc:
         raise FsdpInternalsChanged(str(exc)) from exc
+    if any(not hasattr(record, "unsharded_accumulated_grad") for record in records.values()):
+        raise FsdpInternalsChanged("FSDPParam has no unsharded_accumulated_grad")
+    return records
+
+
+def fsdp2_pending_gradient(record: Any) -> torch.Tensor | None:
+    """What FSDP2 accumulated in fp32 for one parameter (its ``fsdp2_records`` entry) over the
+    micro-batches run without gradient sync under mixed precision; None when nothing is pending."""
+    return record.unsharded_accumulated_grad
 
 
 def fsdp2_reduces_gradients(module: torch.nn.Module) -> bool:

@@ -88,3 +88,18 @@ def test_fsdp2s_module_class_is_found_where_torch_2_5_kept_it(monkeypatch):
     assert fsdp2_module_type() is composable_type
     monkeypatch.delattr(composable, "FSDPModule")  # a torch without distributed support
     assert fsdp2_module_type() is None
+
+
+def test_a_record_without_fsdp2s_gradient_accumulator_is_a_changed_internal():
+    """A torch whose FSDP2 records keep no ``unsharded_accumulated_grad`` is said to have changed
+    (and the sum is said to be missing), not read as if nothing were pending."""
+    from types import SimpleNamespace
+
+    from adapters.torch.sharded.fsdp_internals import FsdpInternalsChanged, fsdp2_records
+
+    param = torch.nn.Parameter(torch.ones(2))
+    kept = SimpleNamespace(_unsharded_param=param, unsharded_param=param, unsharded_accumulated_grad=None)
+    assert fsdp2_records(SimpleNamespace(fsdp_params=[kept])) == {id(param): kept}
+    moved = SimpleNamespace(_unsharded_param=param, unsharded_param=param)
+    with pytest.raises(FsdpInternalsChanged):
+        fsdp2_records(SimpleNamespace(fsdp_params=[moved]))
