@@ -558,9 +558,10 @@ def test_fsdp_update_histograms_equal_the_replicas(tmp_path, case):
         assert counts.tolist() == expected[key][0] and nans == expected[key][1], key
 
 
-def _dynamic_worker(rank: int, world_size: int, workdir: str) -> None:
+def _dynamic_worker(rank: int, world_size: int, workdir: str, off_after: int | None = None) -> None:
     """Dynamic mode with ``shard_reduce`` (one all-gather per data type and collected step): rank 1
-    watches a copy of the config nobody edits; rank 0 switches its file on after step 1."""
+    watches a copy of the config nobody edits; rank 0 switches its file on after step 1 (and off
+    again after step ``off_after``)."""
     from monitor import TrainerMon
 
     model, _ = _sharded("fsdp2-fp32")
@@ -573,7 +574,10 @@ def _dynamic_worker(rank: int, world_size: int, workdir: str) -> None:
     for step in range(12):
         _train_step(model, optimizer, rank, step)
         if step == 1 and rank == 0:
-            replace_file(path, json.dumps({**on, "dynamic_on": True, "collect_times": 3}))
+            times = 3 if off_after is None else 100
+            replace_file(path, json.dumps({**on, "dynamic_on": True, "collect_times": times}))
+        if step == off_after and rank == 0:
+            replace_file(path, json.dumps({**on, "dynamic_on": False, "collect_times": 100}))
     mon.stop()
     frame = pd.concat(
         pd.read_csv(os.path.join(mon.output_dir, name))
@@ -593,6 +597,19 @@ def test_dynamic_mode_starts_sharded_merges_on_every_rank_at_one_step(tmp_path):
     rows = [sorted(map(tuple, result["rows"])) for result in per_rank]
     assert sorted({row[1] for row in rows[0]}) == [first, first + 1, first + 2]
     assert rows[0] == rows[1]  # whole-tensor rows: the same on both ranks
+
+
+def test_dynamic_mode_stops_sharded_merges_on_every_rank_at_one_step(tmp_path):
+    """Switched off in rank 0's file, collection ends at one step on both ranks (a rank that went
+    on alone would wait in the merge's all-gather for a peer that stopped)."""
+    for rank in range(WORLD):
+        (tmp_path / f"monitor{rank}.json").write_text(json.dumps({"dynamic_on": False}))
+    worker = functools.partial(_dynamic_worker, off_after=5)
+    per_rank = run_ranks(worker, WORLD, str(tmp_path), env={"DYNAMIC_MONITOR": "true"})
+    first, after_off = 3 + DELAY_STEPS, 7 + DELAY_STEPS  # each edit is seen at the next step's end
+    rows = [sorted(map(tuple, result["rows"])) for result in per_rank]
+    assert sorted({row[1] for row in rows[0]}) == list(range(first, after_off))
+    assert rows[0] == rows[1]
 
 
 def _nan_shard_worker(rank: int, world_size: int, workdir: str) -> None:
