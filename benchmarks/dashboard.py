@@ -1,4 +1,4 @@
-"""How fast the trainmon tab's first heatmap comes up on a big run (target: under 3 s).
+"""How fast the trainmon tab's first heatmap comes up on a big run (target: under 1 s).
 
 Writes a run with the monitor's own writers (CSV, TensorBoard or live Parquet): ROWS parameters x
 STEPS steps x RANKS ranks of one data type, plus an anomaly file with one anomaly per rank late in
