@@ -62,7 +62,8 @@ MEANINGS = {
     "eps": "`zeros` is the share of elements with `|x| < eps`",
     "format": (
         "`csv`, `tensorboard`, `parquet` (the dataset's long rows, live; needs the `dataset` extra) or "
-        "`api` (in memory, no files), in any case; anything else is an error"
+        "`api` (in memory, no statistics files; `alert.dump` still writes the anomaly files), in any "
+        "case; anything else is an error"
     ),
     "ndigits": (
         "**significant digits** in CSV (msprobe rounds to decimal places, so every `exp_avg_sq` prints 0.0)"
