@@ -41,7 +41,14 @@ from adapters.mindspore.jit_guard import LeftOutOfJit
 from adapters.mindspore.stats import StatEngine
 from monitor.config.schema import MonitorConfig
 from monitor.datatypes.leaf_grads import LeafGradients
-from monitor.datatypes.modules import call_name, direction_tensors, row_names, select_modules
+from monitor.datatypes.modules import (
+    call_name,
+    direction_tensors,
+    forward_mask_positions,
+    mask_ids,
+    row_names,
+    select_modules,
+)
 from monitor.record import RowSet
 from monitor.session.collection import UnendedStep
 
@@ -90,18 +97,26 @@ class HookedCell:
     cell: ms.nn.Cell
     formats: Mapping[str, str]
     warned: set[str] = dataclasses.field(default_factory=set)
+    #: where ``construct`` takes a mask positionally (``monitor.datatypes.modules.mask_ids``)
+    mask_positions: tuple[int, ...] = ()
 
 
 def select_cells(chunks: Sequence[ms.nn.Cell], config: MonitorConfig) -> list[HookedCell]:
     """Cells to hook: every Cell with all_xy (or no targets), else those named exactly in targets."""
     named = [(vpp, raw, cell) for vpp, chunk in enumerate(chunks) for raw, cell in chunk.cells_and_names()]
     return [
-        HookedCell(m.vpp_stage, m.name, named[m.position][2], m.formats)
+        HookedCell(
+            m.vpp_stage,
+            m.name,
+            named[m.position][2],
+            m.formats,
+            mask_positions=forward_mask_positions(type(named[m.position][2]).construct),
+        )
         for m in select_modules([(vpp, raw) for vpp, raw, _ in named], config)
     ]
 
 
-#: the dtypes of tensors that are data, not computed values (token ids, labels, masks)
+#: the dtypes of tensors that are data, not computed values (token ids, labels, boolean masks)
 _INTEGER_TYPES = frozenset((*ms.dtype.int_type, *ms.dtype.uint_type, ms.bool_))
 
 
@@ -110,16 +125,20 @@ class _Held:
 
     def __init__(self) -> None:
         self.rows: list[tuple[int, str, int]] = []
-        #: per row, whether its tensor holds integers or booleans (data the rules leave alone)
+        #: per row, whether its tensor holds integers or booleans or is a mask argument (data the
+        #: rules leave alone)
         self.unjudged: list[bool] = []
         self.tensors: list[ms.Tensor] = []
         self.numel = 0
         #: statistics already taken this step: (rows, their unjudged flags, float64 matrix on the device).
         self.blocks: list[tuple[list[tuple[int, str, int]], list[bool], ms.Tensor]] = []
 
-    def add(self, vpp: int, names: list[str], micro: int, tensors: list[ms.Tensor]) -> None:
+    def add(
+        self, vpp: int, names: list[str], micro: int, tensors: list[ms.Tensor], masks: set[int] = frozenset()
+    ) -> None:
+        """Hold ``tensors`` for the rows ``names``; ``masks``: ids of those passed as a mask."""
         self.rows.extend((vpp, name, micro) for name in names)
-        self.unjudged.extend(t.dtype in _INTEGER_TYPES for t in tensors)
+        self.unjudged.extend(t.dtype in _INTEGER_TYPES or id(t) in masks for t in tensors)
         self.tensors.extend(tensors)
         self.numel += sum(int(np.prod(t.shape, dtype=np.int64)) for t in tensors)
 
@@ -294,7 +313,8 @@ class Activations:
             entry = self.cells[index]
             if self.collect and self._recorded(entry):
                 inputs = (*args, *kwargs.values()) if kwargs else args
-                self._guard("actv", self._observe, index, "input", inputs, False)
+                masks = mask_ids(args, kwargs, entry.mask_positions, is_tensor)
+                self._guard("actv", self._observe, index, "input", inputs, False, masks)
 
         return hook
 
@@ -306,13 +326,15 @@ class Activations:
 
         return hook
 
-    def _observe(self, index: int, direction: str, obj: Any, call_done: bool) -> None:
+    def _observe(
+        self, index: int, direction: str, obj: Any, call_done: bool, masks: set[int] = frozenset()
+    ) -> None:
         entry = self.cells[index]
         micro = self.roots.micro_of(entry.vpp_stage)
         tensors = direction_tensors(entry.name, entry.formats, entry.warned, direction, obj, is_tensor)
         name = f"{call_name(entry.name, self._calls.get((index, micro), 0))}.{direction}"
         if tensors and self.forward:
-            self._hold("actv", entry.vpp_stage, row_names(name, len(tensors)), micro, tensors)
+            self._hold("actv", entry.vpp_stage, row_names(name, len(tensors)), micro, tensors, masks)
         if tensors and self.backward and grad_active():
             for tensor, row in zip(tensors, row_names(f"{name}_grad", len(tensors))):
                 if takes_part_in_grad(tensor):
@@ -342,9 +364,17 @@ class Activations:
                 self._guard("actv_grad", self._hold, "actv_grad", vpp, [name], micro, [grad])
         return grad  # MindSpore wants the gradient back; the same tensor changes nothing
 
-    def _hold(self, prefix: str, vpp: int, names: list[str], micro: int, tensors: list[ms.Tensor]) -> None:
+    def _hold(
+        self,
+        prefix: str,
+        vpp: int,
+        names: list[str],
+        micro: int,
+        tensors: list[ms.Tensor],
+        masks: set[int] = frozenset(),
+    ) -> None:
         held = self._held[prefix]
-        held.add(vpp, names, micro, tensors)
+        held.add(vpp, names, micro, tensors, masks)
         if held.numel > HOLD_MAX:
             held.describe(self.engine)
 

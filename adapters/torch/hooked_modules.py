@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -11,7 +10,7 @@ from typing import Any
 import torch
 
 from monitor.config.schema import MonitorConfig
-from monitor.datatypes.modules import direction_tensors
+from monitor.datatypes.modules import direction_tensors, forward_mask_positions, mask_ids
 from monitor.datatypes.modules import select_modules as select_module_names
 
 logger = logging.getLogger("trainmon")
@@ -44,28 +43,8 @@ def _unsharded_name(cls: type) -> str:
 
 
 def mask_arguments(entry: HookedModule, args: tuple, kwargs: dict) -> set[int]:
-    """Ids of the tensors a call passes as a mask (an argument whose name holds ``mask``, by
-    keyword or at one of the module's ``mask_positions``): an additive attention mask holds -inf
-    by design (``nn.Transformer.generate_square_subsequent_mask``), so its rows are not judged."""
-    masks = (
-        {id(v) for k, v in kwargs.items() if "mask" in k and isinstance(v, torch.Tensor)} if kwargs else set()
-    )
-    for position in entry.mask_positions:
-        if position < len(args) and isinstance(args[position], torch.Tensor):
-            masks.add(id(args[position]))
-    return masks
-
-
-def _mask_positions(module: torch.nn.Module) -> tuple[int, ...]:
-    """Where ``forward`` takes a mask positionally (a parameter whose name holds ``mask``), read
-    once at attach; () where its signature is unreadable."""
-    try:
-        parameters = list(inspect.signature(type(module).forward).parameters.values())[1:]
-    except (TypeError, ValueError):
-        return ()
-    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    names = [p.name for p in parameters if p.kind in positional]
-    return tuple(position for position, name in enumerate(names) if "mask" in name)
+    """Ids of the tensors a call passes as a mask (``monitor.datatypes.modules.mask_ids``)."""
+    return mask_ids(args, kwargs, entry.mask_positions, _is_tensor)
 
 
 def _is_tensor(obj: Any) -> bool:
@@ -101,7 +80,7 @@ def select_modules(
             m.name,
             named[m.position][2],
             m.formats,
-            mask_positions=_mask_positions(named[m.position][2]),
+            mask_positions=forward_mask_positions(type(named[m.position][2]).forward),
         )
         for m in select_module_names([(vpp, raw) for vpp, raw, _ in named], config, every)
     ]

@@ -7,11 +7,15 @@ tells their tensors apart, and get back the same selection and the same row name
 * ``{module}.input`` / ``{module}.output`` (``_grad`` for the gradients), with ``_0``, ``_1``, ...
   when a direction holds several tensors;
 * ``{module}[k]`` for the k-th extra call of a module within one micro-step.
+
+A call's mask arguments (``forward_mask_positions``, ``mask_ids``) are recorded but never judged: an
+additive attention mask holds -inf by design.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -153,3 +157,27 @@ def call_name(name: str, call: int) -> str:
 def row_names(name: str, count: int) -> list[str]:
     """Row names of the ``count`` tensors of one direction: ``name``, or ``name_0``, ``name_1``, ..."""
     return [name] if count == 1 else [f"{name}_{i}" for i in range(count)]
+
+
+def forward_mask_positions(forward: Callable) -> tuple[int, ...]:
+    """Where a module's ``forward`` (a Cell's ``construct``), taken from its class, receives a
+    mask positionally: a parameter whose name holds ``mask``. Read once at attach; () where the
+    signature is unreadable."""
+    try:
+        parameters = list(inspect.signature(forward).parameters.values())[1:]
+    except (TypeError, ValueError):
+        return ()
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    names = [p.name for p in parameters if p.kind in positional]
+    return tuple(position for position, name in enumerate(names) if "mask" in name)
+
+
+def mask_ids(args: tuple, kwargs: dict, positions: tuple[int, ...], is_tensor: IsTensor) -> set[int]:
+    """Ids of the tensors a call passes as a mask: by a keyword holding ``mask`` or at one of the
+    module's ``positions`` (``forward_mask_positions``). An additive attention mask holds -inf by design
+    (torch's ``nn.Transformer.generate_square_subsequent_mask``), so its rows are not judged."""
+    masks = {id(v) for k, v in kwargs.items() if "mask" in k and is_tensor(v)} if kwargs else set()
+    for position in positions:
+        if position < len(args) and is_tensor(args[position]):
+            masks.add(id(args[position]))
+    return masks

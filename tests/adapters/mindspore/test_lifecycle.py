@@ -464,3 +464,59 @@ def test_integer_inputs_such_as_labels_are_recorded_but_never_judged():
     (labels_row,) = [row for tag, row in rows.items() if tag.startswith("0:.input_1")]
     assert (labels_row["norm"], labels_row["zeros"]) == (0.0, 1.0)  # recorded as it was fed
     assert mon.incidents == [], [incident.root for incident in mon.incidents]
+
+
+@pytest.mark.parametrize("by_keyword", [True, False])
+def test_an_attention_mask_of_minus_inf_is_recorded_but_not_an_incident(by_keyword):
+    """An additive causal mask holds 0 and -inf by design. A Cell that takes it (a ``construct``
+    parameter named ``*mask*``, by keyword or by position) has a mask row with -inf at every
+    collected step: recorded, not a NaN/Inf fault, so the clean run opens no incident, and a NaN
+    put into the attention's output at step 30 is still one, there."""
+    import mindspore as ms
+    from mindspore import ops
+
+    seq, width = 5, 8
+
+    class Attention(nn.Cell):
+        def __init__(self) -> None:
+            super().__init__()
+            self.query, self.key = nn.Dense(width, width), nn.Dense(width, width)
+
+        def construct(self, x, attention_mask):
+            scores = ops.matmul(self.query(x), self.key(x).transpose(0, 2, 1)) + attention_mask
+            return ops.matmul(ops.softmax(scores, -1), x)
+
+    class Model(nn.Cell):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attention = Attention()
+            self.head = nn.Dense(width, 1)
+            self.poison = ms.Tensor(1.0, ms.float32)
+
+        def construct(self, x, mask):
+            hidden = self.attention(x, attention_mask=mask) if by_keyword else self.attention(x, mask)
+            return (self.head(hidden * self.poison) ** 2).mean()
+
+    model = Model()
+    optimizer = nn.AdamWeightDecay(model.trainable_params(), learning_rate=1e-3)
+    config = {
+        "xy_distribution": True,
+        "all_xy": True,
+        "ops": [*ALL_OPS],
+        "format": "api",
+        "alert": {"rules": [{"rule_name": "AnomalyNan"}, {"rule_name": "AnomalyZScore"}]},
+    }
+    mon = TrainerMon(config).set_monitor(model, grad_acc_steps=1, optimizer=optimizer)
+    grad_fn = ms.value_and_grad(model, None, optimizer.parameters)
+    mask = ms.Tensor(np.triu(np.full((seq, seq), -np.inf, np.float32), 1))
+    rng = np.random.default_rng(4)
+    for step in range(40):
+        model.poison = ms.Tensor(np.nan if step == 30 else 1.0, ms.float32)
+        _, grads = grad_fn(ms.Tensor(rng.normal(size=(2, seq, width)).astype(np.float32)), mask)
+        optimizer(grads)
+    rows = mon._latest("actv")
+    mon.stop()
+    minima = [row["min"] for tag, row in rows.items() if tag.startswith("0:attention.input_1")]
+    assert minima == [-np.inf], sorted(rows)
+    roots = [incident.root["tag_name"] for incident in mon.incidents]
+    assert [incident.onset_step for incident in mon.incidents] == [30], roots
