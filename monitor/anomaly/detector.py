@@ -356,9 +356,15 @@ class Detector:
 
 
 def _common_move(moves: np.ndarray) -> float:
-    """The median move (log) of a data type's norms, NaN with fewer than three known."""
+    """The median move (log) of a data type's norms, NaN with fewer than three known; 0 (no
+    common move) when they did not move together: their median deviation from it is as large as
+    it (a rank holding three pieces under ZeRO, one moved far, one up and one down a little, is
+    no rescaling of every tensor alike)."""
     known = moves[np.isfinite(moves)]
-    return float(np.median(known)) if known.size >= 3 else math.nan
+    if known.size < 3:
+        return math.nan
+    common = float(np.median(known))
+    return common if float(np.median(np.abs(known - common))) < abs(common) else 0.0
 
 
 def _moved_alone(

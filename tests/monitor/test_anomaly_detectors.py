@@ -619,3 +619,19 @@ def test_a_malformed_state_is_refused_and_changes_nothing(make_record, mutate, n
 def test_a_non_mapping_state_is_refused():
     with pytest.raises(ValueError, match="expected a mapping"):
         rules_only(_rules(), rank=0).load_state_dict([1, 2])
+
+
+@pytest.mark.parametrize(
+    ("ratios", "common"),
+    [
+        ((1e-3, 1e-3, 1e-3, 10.0), 1e-3),  # clipping shrank every gradient but one: together
+        ((1000.0, 1000.0, 1200.0, 900.0), 1000.0),  # a loss spike: together
+        ((2.2, 0.83, 483.0), 1.0),  # three pieces under ZeRO, one corrupted: no common move
+        ((2.0, 3.0), math.nan),  # too few to say
+    ],
+)
+def test_a_data_types_common_move_is_one_only_when_its_tensors_moved_together(ratios, common):
+    from monitor.anomaly.detector import _common_move
+
+    got = math.exp(_common_move(np.log(np.array(ratios))))
+    assert got == pytest.approx(common, rel=1e-9, nan_ok=True)
