@@ -49,6 +49,37 @@ def hookable_optimizer(optimizer: Any) -> ms.nn.Optimizer:
     )
 
 
+def trained_network(chunk: ms.nn.Cell, optimizer: ms.nn.Optimizer) -> ms.nn.Cell:
+    """The network a model chunk trains, where the chunk is a train network holding its optimizer
+    (a train cell of your own that calls it, as one that accumulates gradients does): the deepest
+    Cell inside that holds every parameter the optimizer updates, and not the optimizer. The
+    train network's own call is no training call (its ``value_and_grad`` runs inside it), so
+    its activations would go unrecorded, and the optimizer's compiled ``construct`` would meet
+    the hooks of the optimizer Cell. A chunk without the optimizer is returned as it is."""
+    if not any(cell is optimizer for _, cell in chunk.cells_and_names()):
+        return chunk
+    wanted = {id(p) for p in optimizer.parameters}
+    current = chunk
+    while True:
+        inside = [
+            cell
+            for cell in current.cells()
+            if cell is not optimizer
+            and not any(inner is optimizer for _, inner in cell.cells_and_names())
+            and wanted <= {id(p) for p in cell.get_parameters()}
+        ]
+        if len(inside) != 1:
+            break
+        current = inside[0]
+    if current is not chunk:
+        logger.info(
+            "trainmon: the model %s holds its optimizer; monitoring the network it trains inside it, %s",
+            type(chunk).__name__,
+            type(current).__name__,
+        )
+    return current
+
+
 def _moment_attributes(optimizer: ms.nn.Optimizer) -> tuple[str, str] | None:
     for cls in type(optimizer).__mro__:
         if cls.__name__ in MOMENT_ATTRIBUTES:

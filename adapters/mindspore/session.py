@@ -37,7 +37,7 @@ from adapters.mindspore.bundle import record_tensors
 from adapters.mindspore.collection import Collection
 from adapters.mindspore.dist import any_rank, global_rank, pipeline_info, world_size
 from adapters.mindspore.jit_guard import TRAINING_STEP, LeftOutOfJit
-from adapters.mindspore.optim import OptimizerView, hookable_optimizer
+from adapters.mindspore.optim import OptimizerView, hookable_optimizer, trained_network
 from monitor.config.schema import MonitorConfig
 from monitor.session.lifecycle import Attachment, SessionLifecycle, model_chunks
 
@@ -83,8 +83,8 @@ class MindSporeSession(SessionLifecycle):
             logger.warning(
                 "trainmon: params_have_main_grad is ignored: MindSpore parameters have no main_grad"
             )
-        self.chunks = chunks
         self.optimizer = hookable_optimizer(a.optimizer)
+        self.chunks = [trained_network(chunk, self.optimizer) for chunk in chunks]
         self.view = OptimizerView(self.optimizer)
         super().__init__(a.config, global_rank(), a.start_iteration, a.on_step_end)
         #: dynamic mode's ranks follow rank 0 through the schedule file when there are several

@@ -221,6 +221,38 @@ def test_model_train_callback_finds_the_optimizer_a_train_network_of_its_own_cal
         assert_stats_close(dict(row), final[name], ops=["min", "max", "norm"], what=name)
 
 
+def test_a_train_network_of_its_own_gets_the_activations_of_the_network_it_trains(
+    tmp_path, monkeypatch, caplog
+):
+    """The train network calls value_and_grad inside its own call and holds the optimizer: the
+    monitor records the activations of the network inside it that the optimizer trains (named as
+    with ``Model(net, loss, optimizer)``), every micro-batch, and the optimizer's compiled
+    ``construct`` meets no hook of the monitor's."""
+    from monitor.integrations.mindspore import TrainmonCallback
+
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path))
+    net = Net()
+    optimizer = nn.Adam(net.trainable_params(), learning_rate=0.05)
+    config = {"xy_distribution": True, "ops": ["min", "max", "norm"], "step_count_per_record": 10}
+    callback = TrainmonCallback(config, grad_acc_steps=2)
+    with caplog.at_level(logging.INFO, logger="trainmon"):
+        ms.train.Model(_Accumulating(net, optimizer)).train(
+            1, _dataset(8), callbacks=[callback], dataset_sink_mode=False
+        )
+    (out,) = [os.path.join(tmp_path, d) for d in os.listdir(tmp_path) if "-rank0-" in d]
+    frame = pd.read_csv(os.path.join(out, "actv_0-9.csv"))
+    assert sorted(set(frame["step"])) == [0, 1] and sorted(set(frame["micro_step"])) == [0, 1]
+    assert {"layers.0.input", "layers.0.output", ".output"} <= set(frame["name"])
+    inputs = [x for x, _ in _dataset(8).create_tuple_iterator(output_numpy=True)]
+    for step in (0, 1):
+        for micro in (0, 1):
+            chosen = (frame["name"] == ".input") & (frame["step"] == step) & (frame["micro_step"] == micro)
+            (row,) = frame[chosen].to_dict("records")
+            assert_stats_close(row, inputs[2 * step + micro], ops=["min", "max", "norm"], what=(step, micro))
+    assert "mindspore.jit" not in caplog.text
+    assert "holds its optimizer; monitoring the network it trains inside it, Net" in caplog.text
+
+
 def test_a_callback_given_a_trainermon_attached_by_hand_leaves_it_recording(tmp_path, monkeypatch, caplog):
     from monitor.integrations.mindspore import TrainmonCallback
 
