@@ -51,33 +51,45 @@ def hookable_optimizer(optimizer: Any) -> ms.nn.Optimizer:
 
 def trained_network(chunk: ms.nn.Cell, optimizer: ms.nn.Optimizer) -> ms.nn.Cell:
     """The network a model chunk trains, where the chunk is a train network holding its optimizer
-    (a train cell of your own that calls it, as one that accumulates gradients does): the deepest
-    Cell inside that holds every parameter the optimizer updates, and not the optimizer. The
-    train network's own call is no training call (its ``value_and_grad`` runs inside it), so
-    its activations would go unrecorded, and the optimizer's compiled ``construct`` would meet
-    the hooks of the optimizer Cell. A chunk without the optimizer is returned as it is."""
-    if not any(cell is optimizer for _, cell in chunk.cells_and_names()):
+    (a train cell of your own that calls it, as one that accumulates gradients does): the one
+    child that holds every parameter the optimizer updates (going on into it while it holds the
+    optimizer too), and inside an ``nn.WithLossCell`` its backbone, the network
+    ``Model(net, loss_fn, optimizer)`` monitors. The train network's own call is no training
+    call (its ``value_and_grad`` runs inside it), so its activations would go unrecorded, and the
+    optimizer's compiled ``construct`` would meet the hooks of the optimizer Cell. A chunk without
+    the optimizer is returned as it is; one without such a child too, and said."""
+    if not _holds(chunk, optimizer):
         return chunk
     wanted = {id(p) for p in optimizer.parameters}
     current = chunk
-    while True:
-        inside = [
-            cell
-            for cell in current.cells()
-            if cell is not optimizer
-            and not any(inner is optimizer for _, inner in cell.cells_and_names())
-            and wanted <= {id(p) for p in cell.get_parameters()}
-        ]
-        if len(inside) != 1:
-            break
-        current = inside[0]
-    if current is not chunk:
-        logger.info(
-            "trainmon: the model %s holds its optimizer; monitoring the network it trains inside it, %s",
-            type(chunk).__name__,
-            type(current).__name__,
-        )
+    while _holds(current, optimizer):
+        children = {id(c): c for c in current.cells() if c is not optimizer}.values()
+        holders = [c for c in children if wanted <= {id(p) for p in c.get_parameters()}]
+        holders = [c for c in holders if not any(o is not c and _holds(o, c) for o in holders)]
+        if len(holders) != 1 or isinstance(holders[0], (ms.nn.CellList, ms.nn.CellDict)):
+            logger.warning(
+                "trainmon: the model %s holds its optimizer, and no one Cell inside it that its call "
+                "runs holds every parameter the optimizer updates: activations are recorded only "
+                "where the model's own call runs under value_and_grad; give set_monitor the network "
+                "the optimizer trains instead",
+                type(chunk).__name__,
+            )
+            return chunk
+        current = holders[0]
+    backbone = getattr(current, "_backbone", None)
+    if isinstance(current, ms.nn.WithLossCell) and isinstance(backbone, ms.nn.Cell):
+        current = backbone if wanted <= {id(p) for p in backbone.get_parameters()} else current
+    logger.info(
+        "trainmon: the model %s holds its optimizer; monitoring the network it trains inside it, %s",
+        type(chunk).__name__,
+        type(current).__name__,
+    )
     return current
+
+
+def _holds(outer: ms.nn.Cell, cell: ms.nn.Cell) -> bool:
+    """Whether ``cell`` is ``outer`` or one of the Cells inside it."""
+    return any(inner is cell for _, inner in outer.cells_and_names())
 
 
 def _moment_attributes(optimizer: ms.nn.Optimizer) -> tuple[str, str] | None:

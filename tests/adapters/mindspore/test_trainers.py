@@ -9,6 +9,8 @@ it. (``TrainOneStepWithLossScaleCell`` needs Ascend's overflow check and does no
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 pytest.importorskip("mindspore", reason="MindSpore is not installed here (pip install -e '.[mindspore]')")
@@ -75,3 +77,64 @@ def test_model_train_records_every_step_of_every_epoch():
     ms.train.Model(net, nn.MSELoss(), optimizer).train(2, data, callbacks=[Check()], dataset_sink_mode=False)
     mon.stop()
     assert seen == [(step + 1, len(names)) for step in range(8)]  # 2 epochs of 4 batches
+
+
+class _Listed(nn.Cell):
+    """A network whose parameters all sit in a CellList (never called itself)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.CellList([nn.Dense(6, 8), nn.Dense(8, 4)])
+
+    def construct(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+class _TunedHead(nn.Cell):
+    def __init__(self) -> None:
+        super().__init__()
+        self.backbone, self.head = Net(sizes=(6, 8, 8)), nn.Dense(8, 4)
+
+    def construct(self, x):
+        return self.head(self.backbone(x))
+
+
+class _TrainCell(nn.Cell):
+    """A train network of the user's own: holds what it calls and the optimizer."""
+
+    def __init__(self, optimizer: nn.Optimizer, **inner: nn.Cell) -> None:
+        super().__init__(auto_prefix=False)
+        for name, cell in inner.items():
+            setattr(self, name, cell)
+        self.optimizer = optimizer
+
+
+def _adam(*cells: nn.Cell, head_only: bool = False) -> nn.Optimizer:
+    params = [p for cell in cells for p in (cell.head if head_only else cell).trainable_params()]
+    return nn.Adam(params, learning_rate=0.05)
+
+
+def test_a_train_network_is_monitored_at_the_network_its_optimizer_trains(caplog):
+    """Whatever holds the parameters inside the network (a CellList, a frozen backbone beside a
+    tuned head), the monitored Cell is the network the train network calls, as
+    ``Model(net, loss_fn, optimizer)`` would monitor it; a network registered twice (itself and
+    in its loss cell) is one; an optimizer over two sibling networks finds none, and says so."""
+    from adapters.mindspore.optim import trained_network
+
+    listed = _Listed()
+    optimizer = _adam(listed)
+    assert trained_network(_TrainCell(optimizer, net=listed), optimizer) is listed
+    tuned = _TunedHead()
+    optimizer = _adam(tuned, head_only=True)
+    loss = nn.WithLossCell(tuned, nn.MSELoss())
+    assert trained_network(_TrainCell(optimizer, loss=loss), optimizer) is tuned
+    assert trained_network(_TrainCell(optimizer, net=tuned, loss=loss), optimizer) is tuned
+    assert trained_network(tuned, optimizer) is tuned  # no optimizer inside: as given
+    first, second = _TunedHead(), _Listed()
+    optimizer = _adam(first, second)
+    both = _TrainCell(optimizer, first=first, second=second)
+    with caplog.at_level(logging.WARNING, logger="trainmon"):
+        assert trained_network(both, optimizer) is both
+    assert "no one Cell inside it" in caplog.text
