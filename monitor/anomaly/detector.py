@@ -12,7 +12,8 @@ is returned: which become records, and how they group into incidents, is decided
 Besides the rules' baselines the detector keeps one level per norm (an EMA of log|norm|, a value
 flagged after an unflagged one left out), from
 which each anomaly gets its ``ratio`` to that level and the ``common`` ratio of its column (the
-median over every row of the data type): when clipping or loss scaling moves every gradient by
+median over every row of the data type, where at least three rows and half of them lie within a
+factor 2 of it; else none): when clipping or loss scaling moves every gradient by
 the same factor, the one tensor that moved differently stands out (:mod:`monitor.anomaly.root`).
 The history can be saved and restored (``state_dict`` / ``load_state_dict``), so a resumed job
 keeps its baselines.
@@ -355,16 +356,21 @@ class Detector:
         self._flagged_last = {}
 
 
+#: a data type's norms moved together when this many of them, and half of those known, lie
+#: within a factor TOGETHER_FACTOR of their median move
+MIN_TOGETHER, TOGETHER_FACTOR = 3, 2.0
+
+
 def _common_move(moves: np.ndarray) -> float:
-    """The median move (log) of a data type's norms, NaN with fewer than three known; 0 (no
-    common move) when they did not move together: their median deviation from it is as large as
-    it (a rank holding three pieces under ZeRO, one moved far, one up and one down a little, is
-    no rescaling of every tensor alike)."""
+    """The median move (log) of a data type's norms where they moved together (see
+    MIN_TOGETHER), else NaN: a rank holding three pieces under ZeRO, one moved x483 and two
+    their ordinary x1.5 and x2.2, is no rescaling of every tensor alike."""
     known = moves[np.isfinite(moves)]
-    if known.size < 3:
+    if known.size < MIN_TOGETHER:
         return math.nan
     common = float(np.median(known))
-    return common if float(np.median(np.abs(known - common))) < abs(common) else 0.0
+    near = int(np.count_nonzero(np.abs(known - common) <= math.log(TOGETHER_FACTOR)))
+    return common if near >= max(MIN_TOGETHER, known.size / 2) else math.nan
 
 
 def _moved_alone(

@@ -12,7 +12,8 @@ while training or from every rank in ``anomaly-analyse``. The heuristics, in ord
 3. **The one that moved alone.** Clipping and loss scaling rescale every gradient by one factor,
    so a single corrupted tensor drags all the others with it and they are flagged too. Each
    record carries its ratio to its own recent level and the common ratio of its data type (the
-   median over every tensor, flagged or not); the record whose ratio differs from the common
+   median over every tensor, flagged or not, where they moved together: at least three and half
+   of them within a factor 2 of it); the record whose ratio differs from the common
    one by far the most is the root (of its micro-steps, the earliest that moved so).
 4. **Call order.** Otherwise the earliest in the order the monitor saw them: in forward the one
    nearest the input, in backward the one nearest the loss; across pipeline stages, earlier

@@ -626,12 +626,14 @@ def test_a_non_mapping_state_is_refused():
     [
         ((1e-3, 1e-3, 1e-3, 10.0), 1e-3),  # clipping shrank every gradient but one: together
         ((1000.0, 1000.0, 1200.0, 900.0), 1000.0),  # a loss spike: together
-        ((2.2, 0.83, 483.0), 1.0),  # three pieces under ZeRO, one corrupted: no common move
+        ((1.0, 1.1, 0.9, 483.0), 1.0),  # one moved, the rest stayed: together, at 1
+        ((2.2, 0.83, 483.0), math.nan),  # three pieces under ZeRO, one corrupted: no common move
+        ((2.2, 1.5, 483.0), math.nan),  # two that agree are not a data type moving as a whole
         ((2.0, 3.0), math.nan),  # too few to say
     ],
 )
-def test_a_data_types_common_move_is_one_only_when_its_tensors_moved_together(ratios, common):
+def test_a_data_types_common_move_is_there_only_when_its_tensors_moved_together(ratios, common):
     from monitor.anomaly.detector import _common_move
 
     got = math.exp(_common_move(np.log(np.array(ratios))))
-    assert got == pytest.approx(common, rel=1e-9, nan_ok=True)
+    assert got == pytest.approx(common, rel=0.06, nan_ok=True)

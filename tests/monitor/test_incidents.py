@@ -26,16 +26,18 @@ NAMES = ("layers.0.fc", "layers.1.fc", "layers.2.fc", "layers.3.fc")
 class Run:
     """One rank's detector and sink, fed one dict of records per step."""
 
-    def __init__(self, rules=None, rank: int = 0) -> None:
+    def __init__(self, rules=None, rank: int = 0, names: tuple[str, ...] = NAMES) -> None:
         self.sink = AnomalySink(Detector(rules if rules is not None else [AnomalyZScore()], rank=rank))
         self.rank = rank
+        self.names = names
         self._rows: dict[str, RowSet] = {}
 
     def step(self, step: int, records: dict[str, np.ndarray], ops=("norm",)) -> None:
+        names = self.names
         for task, values in records.items():
-            rows = self._rows.setdefault(task, RowSet.build([0] * len(NAMES), list(NAMES), self.rank, task))
-            array = np.asarray(values, dtype=np.float64).reshape(len(NAMES), len(ops))
-            self.sink.write(StepRecord(task, step, tuple(ops), rows, array, np.arange(len(NAMES))))
+            rows = self._rows.setdefault(task, RowSet.build([0] * len(names), list(names), self.rank, task))
+            array = np.asarray(values, dtype=np.float64).reshape(len(names), len(ops))
+            self.sink.write(StepRecord(task, step, tuple(ops), rows, array, np.arange(len(names))))
         self.sink.end_step(step)
 
     @property
@@ -204,6 +206,20 @@ def test_under_clipping_the_tensor_that_moved_alone_is_the_root():
     assert incident.root["tag_name"] == "0:layers.1.fc/rank0/post_grad"
     assert any("moved x" in line and "together" in line for line in incident.evidence)
     assert any("no local gradient was" in line for line in incident.evidence)
+
+
+def test_three_pieces_that_did_not_move_together_are_not_said_to_have_been_rescaled():
+    """A rank holding three pieces of a sharded model, one corrupted (x483) while the other two
+    wobble as usual (x1.5, x2.2): no clipping or loss scaling is claimed for the rest."""
+    names = NAMES[:3]
+    rng = np.random.default_rng(4)
+    run = Run(names=names)
+    for step in range(15):
+        run.step(step, {"post_grad": 1.0 * rng.lognormal(0.0, 0.05, len(names))})
+    run.step(15, {"post_grad": np.array([1.5, 2.2, 483.0])})
+    (incident,) = run.incidents
+    assert incident.root["tag_name"] == "0:layers.2.fc/rank0/post_grad"
+    assert not any("clipping or loss scaling" in line for line in incident.evidence), incident.evidence
 
 
 def test_a_second_spike_is_measured_against_the_level_before_the_first():
