@@ -35,6 +35,7 @@ logger = logging.getLogger("trainmon")
 
 _TUPLE_FORMAT = re.compile(r"^tuple\[(\d+)\](?::(\d+))?$")
 _MAX_DEPTH = 4
+_MASK_NAME = re.compile(r"(^|_)masks?$")
 
 IsTensor = Callable[[Any], bool]
 
@@ -161,22 +162,28 @@ def row_names(name: str, count: int) -> list[str]:
 
 def forward_mask_positions(forward: Callable) -> tuple[int, ...]:
     """Where a module's ``forward`` (a Cell's ``construct``), taken from its class, receives a
-    mask positionally: a parameter whose name holds ``mask``. Read once at attach; () where the
-    signature is unreadable."""
+    mask positionally: a parameter named as one (``is_mask_name``). Read once at attach; () where
+    the signature is unreadable."""
     try:
         parameters = list(inspect.signature(forward).parameters.values())[1:]
     except (TypeError, ValueError):
         return ()
     positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
     names = [p.name for p in parameters if p.kind in positional]
-    return tuple(position for position, name in enumerate(names) if "mask" in name)
+    return tuple(position for position, name in enumerate(names) if is_mask_name(name))
+
+
+def is_mask_name(name: str) -> bool:
+    """An argument named as a mask: ``mask``, ``masks`` or ending in ``_mask(s)``
+    (``attention_mask``, ``src_key_padding_mask``), not ``masked_input``, which holds values."""
+    return _MASK_NAME.search(name) is not None
 
 
 def mask_ids(args: tuple, kwargs: dict, positions: tuple[int, ...], is_tensor: IsTensor) -> set[int]:
-    """Ids of the tensors a call passes as a mask: by a keyword holding ``mask`` or at one of the
+    """Ids of the tensors a call passes as a mask: by a keyword named as one or at one of the
     module's ``positions`` (``forward_mask_positions``). An additive attention mask holds -inf by design
     (torch's ``nn.Transformer.generate_square_subsequent_mask``), so its rows are not judged."""
-    masks = {id(v) for k, v in kwargs.items() if "mask" in k and is_tensor(v)} if kwargs else set()
+    masks = {id(v) for k, v in kwargs.items() if is_mask_name(k) and is_tensor(v)} if kwargs else set()
     for position in positions:
         if position < len(args) and is_tensor(args[position]):
             masks.add(id(args[position]))

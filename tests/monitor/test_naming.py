@@ -237,3 +237,22 @@ def test_wrapper_prefixes_are_dropped_when_squashing():
         squash_name("module._orig_mod.layers.0._checkpoint_wrapped_module.mlp.weight")
         == "layers.0.mlp.weight"
     )
+
+
+@pytest.mark.parametrize(
+    ("name", "is_mask"),
+    [
+        ("mask", True),
+        ("attention_mask", True),
+        ("src_key_padding_mask", True),
+        ("attn_masks", True),
+        ("masked_input", False),
+        ("unmasked_x", False),
+        ("masked_lm_embeddings", False),
+        ("hidden_states", False),
+    ],
+)
+def test_an_argument_is_a_mask_by_its_name_ending_not_by_holding_the_word(name, is_mask):
+    from monitor.datatypes.modules import is_mask_name
+
+    assert is_mask_name(name) is is_mask
