@@ -30,13 +30,14 @@ import dataclasses
 import functools
 import weakref
 from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 import mindspore as ms
-import numpy as np
 from mindspore import ops
 from mindspore.graph.api import _pynative_executor
 
+from adapters.mindspore.held_tensors import HeldTensors
 from adapters.mindspore.jit_guard import LeftOutOfJit
 from adapters.mindspore.stats import StatEngine
 from monitor.config.schema import MonitorConfig
@@ -114,48 +115,6 @@ def select_cells(chunks: Sequence[ms.nn.Cell], config: MonitorConfig) -> list[Ho
         )
         for m in select_modules([(vpp, raw) for vpp, raw, _ in named], config)
     ]
-
-
-#: the dtypes of tensors that are data, not computed values (token ids, labels, boolean masks)
-_INTEGER_TYPES = frozenset((*ms.dtype.int_type, *ms.dtype.uint_type, ms.bool_))
-
-
-class _Held:
-    """Tensors of one direction waiting for their statistics, with their row labels."""
-
-    def __init__(self) -> None:
-        self.rows: list[tuple[int, str, int]] = []
-        #: per row, whether its tensor holds integers or booleans or is a mask argument (data the
-        #: rules leave alone)
-        self.unjudged: list[bool] = []
-        self.tensors: list[ms.Tensor] = []
-        self.numel = 0
-        #: statistics already taken this step: (rows, their unjudged flags, float64 matrix on the device).
-        self.blocks: list[tuple[list[tuple[int, str, int]], list[bool], ms.Tensor]] = []
-
-    def add(
-        self, vpp: int, names: list[str], micro: int, tensors: list[ms.Tensor], masks: set[int] = frozenset()
-    ) -> None:
-        """Hold ``tensors`` for the rows ``names``; ``masks``: ids of those passed as a mask."""
-        self.rows.extend((vpp, name, micro) for name in names)
-        self.unjudged.extend(t.dtype in _INTEGER_TYPES or id(t) in masks for t in tensors)
-        self.tensors.extend(tensors)
-        self.numel += sum(int(np.prod(t.shape, dtype=np.int64)) for t in tensors)
-
-    def describe(self, engine: StatEngine) -> None:
-        """Statistics of the held tensors, each distinct tensor measured once (a Cell's output
-        is often the next Cell's input: the same tensor, held for two rows)."""
-        if not self.tensors:
-            return
-        position: dict[int, int] = {}
-        slots = [position.setdefault(id(t), len(position)) for t in self.tensors]
-        if len(position) == len(self.tensors):
-            matrix = engine.matrix(self.tensors)
-        else:
-            distinct = list({id(t): t for t in self.tensors}.values())
-            matrix = ops.gather(engine.matrix(distinct), ms.Tensor(np.array(slots, dtype=np.int32)), 0)
-        self.blocks.append((self.rows, self.unjudged, matrix))
-        self.rows, self.unjudged, self.tensors, self.numel = [], [], [], 0
 
 
 class RootCalls:
@@ -265,7 +224,7 @@ class Activations:
             on_end=lambda vpp: self._guard("actv", self._held["actv"].describe, self.engine),
         )
         self._calls: dict[tuple[int, int], int] = {}
-        self._held = {prefix: _Held() for prefix in PREFIXES}
+        self._held = {prefix: HeldTensors() for prefix in PREFIXES}
         #: id -> (the tensor, weakly; the gradient rows its one hook fills): a Cell's output is
         #: usually the next one's input, and each ``register_hook`` costs most of a millisecond
         self._watched: dict[int, tuple[weakref.ref, list[tuple[int, str, int]]]] = {}
@@ -327,7 +286,7 @@ class Activations:
         return hook
 
     def _observe(
-        self, index: int, direction: str, obj: Any, call_done: bool, masks: set[int] = frozenset()
+        self, index: int, direction: str, obj: Any, call_done: bool, masks: AbstractSet[int] = frozenset()
     ) -> None:
         entry = self.cells[index]
         micro = self.roots.micro_of(entry.vpp_stage)
@@ -371,7 +330,7 @@ class Activations:
         names: list[str],
         micro: int,
         tensors: list[ms.Tensor],
-        masks: set[int] = frozenset(),
+        masks: AbstractSet[int] = frozenset(),
     ) -> None:
         held = self._held[prefix]
         held.add(vpp, names, micro, tensors, masks)
@@ -413,4 +372,4 @@ class Activations:
         self._calls.clear()
         self._watched.clear()
         self._leaves.remove()
-        self._held = {prefix: _Held() for prefix in PREFIXES}
+        self._held = {prefix: HeldTensors() for prefix in PREFIXES}

@@ -27,6 +27,7 @@ import functools
 import logging
 import weakref
 from collections.abc import Callable, Sequence
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 import torch
@@ -264,7 +265,7 @@ class Activations:
         micro: int,
         tensors: list[torch.Tensor],
         tags: list[Piece | None] | None = None,
-        masks: set[int] = frozenset(),
+        masks: AbstractSet[int] = frozenset(),
     ) -> None:
         if not tensors:
             return
