@@ -208,7 +208,8 @@ def merge(incidents: list[dict[str, Any]], window: int = MERGE_WINDOW) -> list[M
             if r.get("step") == item.onset_step
         ]
         if first:
-            item.root, item.evidence = choose_root(first, item.world_size)
+            local = all(m.get("local_gradients_recorded", True) is not False for m in item.members)
+            item.root, item.evidence = choose_root(first, item.world_size, local)
         else:  # records trimmed away: keep the first member's own verdict
             item.root, item.evidence = (
                 item.members[0].get("root", {}),

@@ -33,6 +33,8 @@ from monitor.naming import split_tag
 
 logger = logging.getLogger("trainmon")
 
+#: the tasks of local gradients (before reduction)
+LOCAL_GRADIENT_TASKS = frozenset(("acc_grad", "pre_grad"))
 #: collected steps without an abnormal value after which an incident is closed.
 CLOSE_AFTER = 3
 #: records kept in full per incident (the incidents file is rewritten at each step with news);
@@ -71,6 +73,8 @@ class Incident:
     step_batch_ids: dict[int, list[Any]] = field(default_factory=dict)
     #: the run's number of ranks, where known (anomaly-analyse words the merged root's evidence by it)
     world_size: int | None = None
+    #: whether local gradients (before reduction) were recorded at the onset step
+    local_gradients_recorded: bool = True
 
     @property
     def tensors(self) -> int:
@@ -93,6 +97,7 @@ class Incident:
             "rank": self.rank,
             "ranks": [self.rank],
             "world_size": self.world_size,
+            "local_gradients_recorded": self.local_gradients_recorded,
             "onset_step": self.onset_step,
             "onset_micro_step": self.onset_micro_step,
             "state": self.state,
@@ -176,6 +181,8 @@ class IncidentTracker:
         self._present: set[str] = set()
         self._recorded: set[str] = set()
         self._new: list[Anomaly] = []
+        #: the tasks (``acc_grad``, ``post_grad``, ...) judged at this step
+        self._tasks: set[str] = set()
         self._last_step: int | None = None
         self.changed = False
 
@@ -188,12 +195,14 @@ class IncidentTracker:
         abnormal tag, not per cell, and an Anomaly is built only for a new record: a NaN that
         makes every statistic of every tag NaN costs a few set lookups per row and step.
         """
+        tags = verdicts.record.rows.tags
+        if len(tags):
+            self._tasks.add(str(tags[0]).rpartition("/")[2])
         if self._before:
-            self._present.update(self._before.intersection(verdicts.record.rows.tags))
+            self._present.update(self._before.intersection(tags))
         if not len(verdicts):
             return []
         _, first = np.unique(verdicts.rows, return_index=True)
-        tags = verdicts.record.rows.tags
         new = []
         for i in np.sort(first):
             tag = tags[verdicts.rows[i]]
@@ -218,11 +227,11 @@ class IncidentTracker:
         ``step_ids``: the ids of each micro-batch of the step, where the loop named them."""
         opened = closed = None
         self._last_step = step
-        new, abnormal = self._new, bool(self._now)
+        new, abnormal, local = self._new, bool(self._now), bool(LOCAL_GRADIENT_TASKS & self._tasks)
         self._before = (self._before - self._present) | self._now
-        self._now, self._present, self._recorded, self._new = set(), set(), set(), []
+        self._now, self._present, self._recorded, self._new, self._tasks = set(), set(), set(), [], set()
         if self.open is None and new:
-            opened = self.open = self._start(step, new)
+            opened = self.open = self._start(step, new, local)
             if step_ids:
                 opened.batch_ids = onset_batches(opened.root, step_ids)
                 opened.step_batch_ids[step] = step_ids
@@ -263,9 +272,9 @@ class IncidentTracker:
         self.open, self.changed = None, True
         return incident
 
-    def _start(self, step: int, new: list[Anomaly]) -> Incident:
+    def _start(self, step: int, new: list[Anomaly], local_recorded: bool) -> Incident:
         records = [cell.details() for cell in new]
-        root, evidence = choose_root(records, self.world_size)
+        root, evidence = choose_root(records, self.world_size, local_recorded)
         micro = min((r["micro_step"] for r in records if phase_of(r) == phase_of(root)), default=0)
         incident = Incident(
             id=self.next_id,
@@ -277,6 +286,7 @@ class IncidentTracker:
             records=records,
             last_abnormal_step=step,
             world_size=self.world_size,
+            local_gradients_recorded=local_recorded,
         )
         self.next_id += 1
         self._quiet = 0

@@ -159,9 +159,12 @@ def _peer_outlier(group: Sequence[Record], root: Record) -> tuple[Record, float]
     return best
 
 
-def choose_root(records: Sequence[Record], world_size: int | None = None) -> tuple[Record, list[str]]:
+def choose_root(
+    records: Sequence[Record], world_size: int | None = None, local_recorded: bool = True
+) -> tuple[Record, list[str]]:
     """The root of an incident's first-step records and the evidence for it, in words;
-    ``world_size`` (None where unknown) says whether peers' gradients may have reached them.
+    ``world_size`` (None where unknown) says whether peers' gradients may have reached them;
+    ``local_recorded``: whether local gradients (before reduction) were recorded at that step.
 
     Raises:
         ValueError: no records.
@@ -226,7 +229,12 @@ def choose_root(records: Sequence[Record], world_size: int | None = None) -> tup
         root = peer[0]
     if peer is not None:
         evidence.append(f"rank {root['rank']}'s value is x{peer[1]:.3g} off its peers' median")
-    if after_backward:
+    if after_backward and not local_recorded:
+        evidence.append(
+            "local gradients (before reduction) were not recorded at this step (FSDP reducing at "
+            "every micro-batch leaves none): it may have begun on any rank, before the reduction"
+        )
+    elif after_backward:
         evidence.append(_changed_after_backward(records, common, world_size))
     evidence.extend(_same_on_ranks(records, root))
     return root, evidence

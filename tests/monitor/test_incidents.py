@@ -26,8 +26,11 @@ NAMES = ("layers.0.fc", "layers.1.fc", "layers.2.fc", "layers.3.fc")
 class Run:
     """One rank's detector and sink, fed one dict of records per step."""
 
-    def __init__(self, rules=None, rank: int = 0, names: tuple[str, ...] = NAMES) -> None:
-        self.sink = AnomalySink(Detector(rules if rules is not None else [AnomalyZScore()], rank=rank))
+    def __init__(
+        self, rules=None, rank: int = 0, names: tuple[str, ...] = NAMES, world_size: int | None = None
+    ) -> None:
+        detector = Detector(rules if rules is not None else [AnomalyZScore()], rank=rank)
+        self.sink = AnomalySink(detector, world_size=world_size)
         self.rank = rank
         self.names = names
         self._rows: dict[str, RowSet] = {}
@@ -322,10 +325,10 @@ def test_merged_the_run_size_its_ranks_recorded_words_a_gradient_changed_after_b
     neither the reduction nor a peer (nothing was reduced); the merged record keeps the size."""
     run = Run(rank=0)
     rng = np.random.default_rng(40)
-    _clean(run, rng, range(15), tasks=("post_grad",))
+    _clean(run, rng, range(15), tasks=("acc_grad", "post_grad"))
     edited = _noise(rng)
     edited[1] *= 1e4
-    run.step(15, {"post_grad": edited})
+    run.step(15, {"acc_grad": _noise(rng), "post_grad": edited})
     incidents = [incident.to_json() for incident in run.incidents]
     for incident in incidents:
         incident["world_size"] = world_size  # as a rank writes it (MonitorCore knows the run's size)
@@ -458,6 +461,27 @@ def test_reduced_gradients_abnormal_with_no_local_one_say_where_they_may_have_ch
     (said,) = [line for line in evidence if "rescaled after backward" in line]
     assert ("reduction" in said) == (world_size != 1), said
     assert ("another rank's gradients reached them" in said) == (len(ranks) == 1 and world_size != 1), said
+
+
+def test_without_local_gradients_recorded_a_reduced_one_is_not_said_to_have_changed_after_backward():
+    """FSDP reducing at every micro-batch leaves no local gradient to record: a reduced gradient
+    abnormal at a step with none recorded may have begun anywhere before the reduction, on any
+    rank; said so by the rank's incident and by the incidents merged over ranks."""
+    rng = np.random.default_rng(6)
+    run = Run(world_size=2)
+    _clean(run, rng, range(15), tasks=("post_grad",))
+    spiked = _noise(rng)
+    spiked[2] = 500.0
+    run.step(15, {"post_grad": spiked})
+    (incident,) = run.incidents
+    assert incident.root["tag_name"] == "0:layers.2.fc/rank0/post_grad"
+    assert not any("changed after backward" in line for line in incident.evidence), incident.evidence
+    assert any("local gradients (before reduction) were not recorded" in line for line in incident.evidence)
+    (merged,) = merge([incident.to_json()])
+    assert any("were not recorded" in line for line in merged.evidence), merged.evidence
+    recorded = {**incident.to_json(), "local_gradients_recorded": True}
+    (merged,) = merge([recorded])
+    assert any("changed after backward" in line for line in merged.evidence), merged.evidence
 
 
 def _record(tag: str, call_id: int = 0, **fields) -> dict:
