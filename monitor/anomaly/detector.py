@@ -377,12 +377,14 @@ def _moved_alone(
     moves: np.ndarray, common: float, flagged: np.ndarray, level: np.ndarray, index: np.ndarray | None
 ) -> tuple[int, float] | None:
     """(row, baseline) of the norm that moved against its data type's common move, when that
-    common move (the median over every row) is at least ALONE_FACTOR and was flagged somewhere:
-    clipping or loss scaling then moved every tensor alike, and the tensor that caused it may itself
-    look ordinary (clipped back to the usual size) while every other one is flagged; else None."""
+    common move (the median over every row) is a fall by ALONE_FACTOR or more and was flagged
+    somewhere: clipping or a loss scaler's back-off then shrank every tensor alike, and the
+    tensor that caused it may itself look ordinary (clipped back to the usual size) while every
+    other one is flagged; else None. A common rise has no such cause: the one tensor that stayed
+    while the rest grew (a learning rate blowing up) is no culprit."""
     known = np.flatnonzero(np.isfinite(moves))
     limit = math.log(ALONE_FACTOR)
-    if abs(common) < limit:
+    if common > -limit:
         return None
     excess = np.abs(moves[known] - common)
     order = np.argsort(excess)[::-1]

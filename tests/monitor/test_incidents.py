@@ -211,6 +211,18 @@ def test_under_clipping_the_tensor_that_moved_alone_is_the_root():
     assert any("no local gradient was" in line for line in incident.evidence)
 
 
+def test_the_one_tensor_that_stayed_while_every_other_rose_is_not_a_culprit():
+    """Every gradient but one grew x30 (a learning rate blowing up, say): a common rise has no
+    clipping or scaling behind it, so the tensor that stayed is not recorded as MovedAlone."""
+    rng = np.random.default_rng(8)
+    run = Run()
+    _clean(run, rng, range(15), tasks=("acc_grad", "post_grad"))
+    rose = _noise(rng) * np.array([30.0, 30.0, 30.0, 1.0])
+    run.step(15, {"acc_grad": rose, "post_grad": rose})
+    assert run.incidents and all(r.rule != "MovedAlone" for r in run.records), [r.rule for r in run.records]
+    assert "layers.3.fc" not in str([r.tag_name for r in run.records])
+
+
 def test_three_pieces_that_did_not_move_together_are_not_said_to_have_been_rescaled():
     """A rank holding three pieces of a sharded model, one corrupted (x483) while the other two
     wobble as usual (x1.5, x2.2): no clipping or loss scaling is claimed for the rest."""
