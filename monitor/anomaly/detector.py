@@ -4,8 +4,8 @@ For each data type the detector keeps a Baseline whose rows are tags; a step's r
 evaluated with numpy over all (tag, op) cells at once. Non-finite values come first (on by
 default, whatever the rules: a NaN or Inf statistic, or a NaN count above zero, is rule
 ``NonFinite``); then the first rule (in config order) that flags a cell reports it; then, when
-a data type's norms moved together (clipping, loss scaling) and were flagged, the one norm that
-moved against that common move is reported as ``MovedAlone``. Every abnormal cell of every step
+the reduced gradients' norms fell together (clipping) and were flagged, the one norm that moved
+against that common move is reported as ``MovedAlone``. Every abnormal cell of every step
 is returned: which become records, and how they group into incidents, is decided by
 :mod:`monitor.anomaly.incidents`.
 
@@ -165,7 +165,7 @@ class Detector:
             norm = record.ops.index("norm")
             flagged = np.concatenate(rows)[np.concatenate(cols) == norm]
             common = _common_move(norms[1]) if len(flagged) else math.nan
-        if norms is not None and self.moved_alone and math.isfinite(common):
+        if norms is not None and self.moved_alone and math.isfinite(common) and _rescaled(record):
             alone = _moved_alone(norms[1], common, flagged, self._levels[record.prefix][0], index)
             if alone is not None:
                 reported[alone[0], norm] = True
@@ -371,6 +371,14 @@ def _common_move(moves: np.ndarray) -> float:
     common = float(np.median(known))
     near = int(np.count_nonzero(np.abs(known - common) <= math.log(TOGETHER_FACTOR)))
     return common if near >= max(MIN_TOGETHER, known.size / 2) else math.nan
+
+
+def _rescaled(record: Any) -> bool:
+    """Whether a record's values are the gradients the optimizer takes, after clipping (their
+    tags' task ``post_grad``): the local ones are read before it, so a common fall there is no
+    clipping but, say, a network whose units died, where the one tensor still moving is no culprit."""
+    tags = record.rows.tags
+    return bool(len(tags)) and str(tags[0]).endswith("/post_grad")
 
 
 def _moved_alone(

@@ -223,6 +223,17 @@ def test_the_one_tensor_that_stayed_while_every_other_rose_is_not_a_culprit():
     assert "layers.3.fc" not in str([r.tag_name for r in run.records])
 
 
+def test_the_one_local_gradient_still_moving_while_every_other_fell_is_not_a_culprit():
+    """Every local gradient but one fell x1e-6 (the network's units died): local gradients are
+    read before clipping, so their common fall is no clipping and the one that moved otherwise
+    is not recorded as MovedAlone."""
+    rng = np.random.default_rng(9)
+    run = Run()
+    _clean(run, rng, range(15), tasks=("acc_grad",))
+    run.step(15, {"acc_grad": _noise(rng) * np.array([1e-6, 1e-6, 1e-6, 1.4])})
+    assert run.incidents and all(r.rule != "MovedAlone" for r in run.records), [r.rule for r in run.records]
+
+
 def test_three_pieces_that_did_not_move_together_are_not_said_to_have_been_rescaled():
     """A rank holding three pieces of a sharded model, one corrupted (x483) while the other two
     wobble as usual (x1.5, x2.2): no clipping or loss scaling is claimed for the rest."""
