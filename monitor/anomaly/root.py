@@ -191,9 +191,11 @@ def choose_root(
     if alone is not None:
         root, ratio, common = alone
         if _as_a_whole(common) and phase in (PHASES["acc_grad"], PHASES["post_grad"]):
+            # local gradients are read before clipping: only a loss scale rescales them all
+            why = "clipping or loss scaling" if phase == PHASES["post_grad"] else "loss scaling"
             evidence.append(
                 f"it moved x{ratio:.3g} while its data type moved x{common:.3g} together "
-                "(clipping or loss scaling rescales every tensor alike)"
+                f"({why} rescales every tensor alike)"
             )
         elif _as_a_whole(common) and (ratio > 1) == (common > 1):
             evidence.append(f"it moved x{ratio:.3g}, far beyond its data type's common move (x{common:.3g})")

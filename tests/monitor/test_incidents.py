@@ -600,6 +600,19 @@ def test_of_a_tensor_that_moved_alone_at_two_micro_steps_the_earlier_is_the_root
     assert root["tag_name"] == "0:.output:0/rank1/actv"
 
 
+@pytest.mark.parametrize(
+    "task, why", [("post_grad", "clipping or loss scaling"), ("acc_grad", "loss scaling")]
+)
+def test_a_tensor_that_moved_against_its_rescaled_data_type_names_what_can_rescale_it(task, why):
+    """Reduced gradients may have been clipped or loss-scaled; local ones, read before clipping,
+    only loss-scaled."""
+    records = [_record(f"0:{n}/rank0/{task}", i, ratio=0.01, common=0.01) for i, n in enumerate("abc")]
+    records.append(_record(f"0:d/rank0/{task}", 3, ratio=5.0, common=0.01))
+    root, evidence = choose_root(records)
+    assert root["tag_name"] == f"0:d/rank0/{task}"
+    assert any(f"({why} rescales every tensor alike)" in line for line in evidence), evidence
+
+
 def test_reduced_gradients_rescaled_together_with_no_local_one_flagged_are_said_clipped():
     """Local gradients rose x18 unflagged (a noisy history), clipping cut every reduced one x0.2."""
     records = [_record(f"0:{n}/rank0/post_grad", i, ratio=0.21, common=0.2) for i, n in enumerate("abc")]
