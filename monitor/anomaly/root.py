@@ -282,8 +282,9 @@ def _followed_as_a_whole(records: Sequence[Record], root: Record) -> list[str]:
         common = statistics.median(moves) if moves else math.nan
         if _moved_with(ratio, common):
             return [
-                f"the {PHASE_NAMES[later]} that followed moved x{common:.3g} as a "
-                "whole: this value reached every gradient (as a loss computed inside the model does)"
+                f"the {PHASE_NAMES[later]} that followed moved x{common:.3g} as a whole: its "
+                "cause reached every gradient (a loss computed inside the model, the batch, or "
+                "weights the last update moved, as a raised learning rate does)"
             ]
     return []
 

@@ -583,6 +583,8 @@ def test_a_loss_computed_in_the_model_is_the_activation_that_moved_alone_and_its
     assert any("moved x962 while the rest of its data type stayed (x1.01)" in line for line in evidence)
     assert not any("clipping" in line for line in evidence), evidence
     assert any("activation gradients that followed moved x1e+03 as a whole" in line for line in evidence)
+    # the same pattern follows weights moved far by the last update: the wording names both
+    assert any("a loss computed inside the model" in line and "learning rate" in line for line in evidence)
 
 
 def test_of_a_tensor_that_moved_alone_at_two_micro_steps_the_earlier_is_the_root():
