@@ -244,22 +244,28 @@ def choose_root(
 
 def _same_on_ranks(records: Sequence[Record], root: Record) -> list[str]:
     """When other ranks show the root's tensor with the very same value (replicas, or pieces
-    merged with shard_reduce), the rank named is only the lowest: said, in words."""
+    merged with shard_reduce), or non-finite too, the rank named is only the lowest: said, in
+    words."""
     value = number(root.get("value"))
-    if not math.isfinite(value):  # NaN/Inf spread from rank to rank: alike, yet not replicas
-        return []
     place = (root.get("step"), root.get("micro_step", 0))
+    finite = math.isfinite(value)
     ranks = sorted(
         {
             int(r["rank"])
             for r in records
             if _tensor_of(r) == _tensor_of(root)
             and (r.get("step"), r.get("micro_step", 0)) == place
-            and number(r.get("value")) == value
+            and (number(r.get("value")) == value if finite else not math.isfinite(number(r.get("value"))))
         }
     )
     if len(ranks) < 2:
         return []
+    if not finite:  # NaN/Inf spreads through the collectives between ranks (tensor parallelism)
+        return [
+            f"ranks {', '.join(map(str, ranks))} show it non-finite at the same place: NaN/Inf "
+            "spreads through the collectives between them, so the rank named is not known to be "
+            "where it began"
+        ]
     return [
         f"ranks {', '.join(map(str, ranks))} show the same value (replicas, or pieces merged with "
         "shard_reduce): it does not tell which rank's data it came from (the rows of each rank's "

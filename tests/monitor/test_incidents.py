@@ -507,6 +507,17 @@ def test_without_local_gradients_recorded_a_reduced_one_is_not_said_to_have_chan
     assert any("changed after backward" in line for line in merged.evidence), merged.evidence
 
 
+def test_a_non_finite_root_on_several_ranks_says_the_rank_named_may_not_be_where_it_began():
+    """A NaN that tensor parallelism's all-reduce spread: both ranks show the activation NaN at
+    the same place, so naming the lowest is said to tell nothing; on one rank alone it does."""
+    nan = {"rule": "NonFinite", "value": "nan", "ratio": "nan", "common": "nan"}
+    spread = [_record(f"0:fc2.input:0/rank{r}/actv", 3, rank=r, **nan) for r in (0, 1)]
+    _, evidence = choose_root(spread, 2)
+    assert any("ranks 0, 1 show it non-finite" in line for line in evidence), evidence
+    _, evidence = choose_root(spread[1:], 2)
+    assert not any("non-finite at the same place" in line for line in evidence), evidence
+
+
 def _record(tag: str, call_id: int = 0, **fields) -> dict:
     return {"rank": 0, "step": 4, "micro_step": 0, "call_id": call_id, "tag_name": tag, "rule": "X"} | fields
 
