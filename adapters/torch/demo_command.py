@@ -89,7 +89,7 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
 
 def _run_demo(args: argparse.Namespace) -> int:
     from adapters.torch.demo import run_demo
-    from monitor.anomaly.incidents import describe_root
+    from monitor.anomaly.root import describe_root
     from monitor.config.values import ConfigError
 
     config = args.config or template_path(DEMO_TEMPLATE)

@@ -17,8 +17,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from monitor.anomaly.incidents import describe_root
-from monitor.anomaly.root import choose_root, phase_of
+from monitor.anomaly.root import choose_root, describe_root, phase_of
 
 INCIDENTS_NAME = "incidents.json"
 OUTPUT_NAME = "incidents_analyse.json"

@@ -7,11 +7,13 @@ The detector returns every abnormal (tag, op) cell of every step. Here, on the w
   abnormal at consecutive collected steps, whether by a rule or as a non-finite value (a spike
   that turns into NaN is one event: the incident counts the NaN steps).
 * **Incidents.** New records while no incident is open start one: its onset is that step, its
-  root and the evidence come from :mod:`monitor.anomaly.root`. While an incident is open, every
-  new record joins it (what follows a fault is mostly its echo: the optimizer's moments, the
-  next steps' activations); it stays open while any tag is abnormal and closes after
-  ``CLOSE_AFTER`` collected steps without one, or when monitoring ends after a step without
-  one. A NaN that stays is one incident, open to the end.
+  root and the evidence come from :mod:`monitor.anomaly.root`. While an incident is open, new
+  records join it (what follows a fault is mostly its echo: the optimizer's moments, the next
+  steps' activations) until it has gone ``FRESH_AFTER`` collected steps without one: records
+  after that start an incident of their own (a second fault while the first one's values stay
+  abnormal), the first staying open. Open incidents stay open while any tag is abnormal and
+  close after ``CLOSE_AFTER`` collected steps without one, or when monitoring ends after a step
+  without one. A NaN that stays is one incident, open to the end.
 
 The console gets one line per new incident (warning) and one when it closes (info).
 """
@@ -27,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from monitor.anomaly.detector import Anomaly, Detector, Verdicts
-from monitor.anomaly.root import choose_root, number, phase_of
+from monitor.anomaly.root import choose_root, describe_root, phase_of
 from monitor.datatypes.tasks import SCALED_PREFIXES, parse_tag
 from monitor.naming import split_tag
 
@@ -35,6 +37,8 @@ logger = logging.getLogger("trainmon")
 
 #: the tasks of local gradients (before reduction)
 LOCAL_GRADIENT_TASKS = frozenset(("acc_grad", "pre_grad"))
+#: collected steps an open incident goes without new records after which new ones start another
+FRESH_AFTER = 10
 #: collected steps without an abnormal value after which an incident is closed.
 CLOSE_AFTER = 3
 #: records kept in full per incident (the incidents file is rewritten at each step with news);
@@ -140,26 +144,6 @@ def onset_batches(root: dict[str, Any], step_ids: list[Any]) -> list[dict[str, A
     return [{"micro_step": index, "ids": ids} for index, ids in enumerate(step_ids)]
 
 
-def describe_root(root: dict[str, Any]) -> str:
-    """``root <tag> <op> <value> (<rule>, baseline <b>)`` for console lines and tables; the root
-    module's rows, which the files name ``.input`` / ``.output`` as msprobe does, say so, and so
-    does a root in a later pipeline stage, whose layers Megatron numbers from 0 again."""
-    value, baseline = number(root.get("value")), number(root.get("baseline"))
-    base = f", baseline {baseline:.3g}" if baseline == baseline else ""
-    tag = str(root["tag_name"])
-    name = split_tag(tag)[1]
-    model = ""
-    if name.startswith((".input", ".output")):
-        what = "input" if name.startswith(".input") else "output"
-        if "_grad" in name:
-            what += "'s gradient"
-        model = f" [the model's own {what}]"
-    stage = root.get("pp_stage")
-    if isinstance(stage, int) and stage > 0:
-        model += f" [pipeline stage {stage}, whose layers count from 0]"
-    return f"root {tag}{model} {root.get('op', '')} = {value:.3g} ({root.get('rule')}{base})"
-
-
 class IncidentTracker:
     """Turns each step's abnormal cells into records and incidents (one rank)."""
 
@@ -170,7 +154,11 @@ class IncidentTracker:
         self.world_size = world_size
         self.close_after = close_after
         self.incidents: list[Incident] = []
+        #: the open incident new records join, and those opened before it that are still open
         self.open: Incident | None = None
+        self._earlier: list[Incident] = []
+        #: collected steps since the open incident last got a new record
+        self._since_news = 0
         #: the number the next incident gets (a restarted collection of the run goes on from it)
         self.next_id = first_id
         self._quiet = 0
@@ -222,25 +210,29 @@ class IncidentTracker:
 
     def end_step(
         self, step: int, step_ids: list[Any] | None = None
-    ) -> tuple[Incident | None, Incident | None]:
-        """Close the step: ``(incident opened, incident closed)`` at this step, either may be None.
+    ) -> tuple[Incident | None, list[Incident]]:
+        """Close the step: ``(incident opened or None, incidents closed)`` at this step.
         ``step_ids``: the ids of each micro-batch of the step, where the loop named them."""
-        opened = closed = None
         self._last_step = step
         new, abnormal, local = self._new, bool(self._now), bool(LOCAL_GRADIENT_TASKS & self._tasks)
         self._before = (self._before - self._present) | self._now
         self._now, self._present, self._recorded, self._new, self._tasks = set(), set(), set(), [], set()
+        if new and self.open is not None and self._since_news >= FRESH_AFTER:
+            self._earlier.append(self.open)  # stays open; what is new now is a fault of its own
+            self.open = None
         if self.open is None and new:
             opened = self.open = self._start(step, new, local)
+            self._since_news = 0
             if step_ids:
                 opened.batch_ids = onset_batches(opened.root, step_ids)
                 opened.step_batch_ids[step] = step_ids
             self.incidents.append(opened)
             self.changed = True
-            return opened, None
+            return opened, []
         incident = self.open
         if incident is None:
-            return None, None
+            return None, []
+        self._since_news = 0 if new else self._since_news + 1
         if new:
             room = max(MAX_RECORDS - len(incident.records), 0)
             incident.records += [cell.details() for cell in new[:room]]
@@ -250,27 +242,31 @@ class IncidentTracker:
             self.changed = True
         if abnormal:
             self._quiet = 0
-            if incident.last_abnormal_step != step:
-                incident.abnormal_steps += 1
-                incident.last_abnormal_step = step
-                self.changed = True
-        else:
-            self._quiet += 1
-            if self._quiet >= self.close_after:
-                incident.state, incident.closed_step = "closed", step
-                closed, self.open, self.changed = incident, None, True
-                self._before = set()  # a tag without rows since is judged afresh when it returns
-        return None, closed
+            for each in (*self._earlier, incident):
+                if each.last_abnormal_step != step:
+                    each.abnormal_steps += 1
+                    each.last_abnormal_step = step
+                    self.changed = True
+            return None, []
+        self._quiet += 1
+        if self._quiet < self.close_after:
+            return None, []
+        self._before = set()  # a tag without rows since is judged afresh when it returns
+        return None, self._close_all(step)
 
-    def finish(self) -> Incident | None:
-        """The end of monitoring: an open incident whose values were back to normal at the last
-        step is closed there (one still abnormal at the last step stays open); returns it."""
-        incident = self.open
-        if incident is None or self._quiet == 0 or self._last_step is None:
-            return None
-        incident.state, incident.closed_step = "closed", self._last_step
-        self.open, self.changed = None, True
-        return incident
+    def finish(self) -> list[Incident]:
+        """The end of monitoring: open incidents whose values were back to normal at the last
+        step are closed there (ones still abnormal at the last step stay open); returns them."""
+        if self.open is None or self._quiet == 0 or self._last_step is None:
+            return []
+        return self._close_all(self._last_step)
+
+    def _close_all(self, step: int) -> list[Incident]:
+        closed = [*self._earlier, self.open]
+        for incident in closed:
+            incident.state, incident.closed_step = "closed", step
+        self.open, self._earlier, self.changed = None, [], True
+        return closed
 
     def _start(self, step: int, new: list[Anomaly], local_recorded: bool) -> Incident:
         records = [cell.details() for cell in new]
@@ -365,7 +361,7 @@ class AnomalySink:
                 self._held.append(record)
         step_ids = self._batch_ids.pop(step, None)
         self._batch_ids = {s: ids for s, ids in self._batch_ids.items() if s > step}
-        opened, closed = self.tracker.end_step(step, step_ids)
+        opened, closed_now = self.tracker.end_step(step, step_ids)
         if opened is not None:
             logger.warning("%s", opened.announcement())
             if self.on_open is not None:
@@ -373,7 +369,7 @@ class AnomalySink:
                     self.on_open(opened)
                 except Exception as exc:
                     logger.error("trainmon: handing incident %d to the alerts failed (%r)", opened.id, exc)
-        if closed is not None:
+        for closed in closed_now:
             logger.info(
                 "trainmon: incident %d closed at step %d (abnormal at %d step(s), %d record(s))",
                 closed.id,
@@ -390,7 +386,7 @@ class AnomalySink:
         held, self._held = self._held, []
         for record in held:  # steps that never ended (a step raised): judged
             self._observe(record)
-        if self.tracker.finish() is not None or self.tracker.changed:
+        if self.tracker.finish() or self.tracker.changed:
             self.tracker.changed = False
             self._to_dump("set_incidents", self.tracker.incidents)
         self._to_dump("close")

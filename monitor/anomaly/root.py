@@ -1,4 +1,5 @@
-"""Which abnormal value of an incident's first step is its root, and why.
+"""Which abnormal value of an incident's first step is its root, and why (and the root in words:
+``describe_root``).
 
 Works on anomaly records as the incidents file holds them (``Anomaly.details()``: rank, step,
 micro_step, call_id, tag_name, op, value, baseline, rule, prefix, ratio, common), from one rank
@@ -335,3 +336,23 @@ def _changed_after_backward(records: Sequence[Record], common: float, world_size
         "its reduced gradient is abnormal while no local gradient was: it changed after backward "
         f"({peers}in the reduction, or edited in place before the optimizer step)"
     )
+
+
+def describe_root(root: dict[str, Any]) -> str:
+    """``root <tag> <op> <value> (<rule>, baseline <b>)`` for console lines and tables; the root
+    module's rows, which the files name ``.input`` / ``.output`` as msprobe does, say so, and so
+    does a root in a later pipeline stage, whose layers Megatron numbers from 0 again."""
+    value, baseline = number(root.get("value")), number(root.get("baseline"))
+    base = f", baseline {baseline:.3g}" if baseline == baseline else ""
+    tag = str(root["tag_name"])
+    name = split_tag(tag)[1]
+    model = ""
+    if name.startswith((".input", ".output")):
+        what = "input" if name.startswith(".input") else "output"
+        if "_grad" in name:
+            what += "'s gradient"
+        model = f" [the model's own {what}]"
+    stage = root.get("pp_stage")
+    if isinstance(stage, int) and stage > 0:
+        model += f" [pipeline stage {stage}, whose layers count from 0]"
+    return f"root {tag}{model} {root.get('op', '')} = {value:.3g} ({root.get('rule')}{base})"

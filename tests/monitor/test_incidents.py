@@ -15,8 +15,8 @@ import pytest
 
 from monitor.anomaly.detector import Detector
 from monitor.anomaly.incident_files import merge
-from monitor.anomaly.incidents import CLOSE_AFTER, MAX_UNJUDGED_STEPS, AnomalySink, describe_root
-from monitor.anomaly.root import choose_root
+from monitor.anomaly.incidents import CLOSE_AFTER, FRESH_AFTER, MAX_UNJUDGED_STEPS, AnomalySink
+from monitor.anomaly.root import choose_root, describe_root
 from monitor.anomaly.rules import AnomalyTurbulence, AnomalyZScore
 from monitor.record import RowSet, StepRecord
 
@@ -232,6 +232,29 @@ def test_the_one_local_gradient_still_moving_while_every_other_fell_is_not_a_cul
     _clean(run, rng, range(15), tasks=("acc_grad",))
     run.step(15, {"acc_grad": _noise(rng) * np.array([1e-6, 1e-6, 1e-6, 1.4])})
     assert run.incidents and all(r.rule != "MovedAlone" for r in run.records), [r.rule for r in run.records]
+
+
+def test_a_fault_long_after_an_open_incident_last_grew_is_an_incident_of_its_own(caplog):
+    """One layer's gradient turns NaN at step 15 and stays NaN (its incident stays open); a spike
+    of another layer at step 30, FRESH_AFTER steps and more after anything new joined the first,
+    is a second incident with its own console line, the first staying open; a record two steps
+    after an onset is its echo and joins it."""
+    rng = np.random.default_rng(12)
+    run = Run()
+    _clean(run, rng, range(15), tasks=("acc_grad",))
+    for step in range(15, 40):
+        values = _noise(rng)
+        values[0] = np.nan
+        values[2] *= 1000.0 if step == 30 else 1.0
+        values[3] *= 1000.0 if step == 32 else 1.0
+        with caplog.at_level(logging.WARNING, logger="trainmon"):
+            run.step(step, {"acc_grad": values})
+    first, second = run.incidents
+    assert (first.onset_step, first.state) == (15, "open")
+    assert (second.onset_step, second.root["tag_name"]) == (30, "0:layers.2.fc/rank0/acc_grad")
+    assert {r["tag_name"] for r in second.records} >= {"0:layers.3.fc/rank0/acc_grad"}  # its echo
+    assert [line for line in caplog.messages if "incident 2 at step 30" in line]
+    assert FRESH_AFTER <= 30 - 15
 
 
 def test_three_pieces_that_did_not_move_together_are_not_said_to_have_been_rescaled():
