@@ -1,7 +1,8 @@
 """Anomalies, during the run and after it: the rules and the detector that apply them to each
 step's records (``rules``, with ``zscore`` and what rules share in ``rule_cells``;
-``detector``), incidents with their roots and the per-rank anomaly files (``incidents``,
-``root``, ``incident_files``, ``anomaly_files``, ``dump``), and the readers behind
+``detector``, with how a data type's norms moved together in ``moves``), incidents with their
+roots and the per-rank anomaly files (``incidents``, ``root``, ``incident_files``,
+``anomaly_files``, ``dump``), and the readers behind
 ``anomaly-analyse`` and its cross-rank comparison (``analyse``, ``ordering``, ``cross_rank``,
 ``windows``, ``peers``, ``peer_rows`` with its C kernel ``_peer_rows``, ``peers_sql``,
 ``rank_csv``, ``verdicts``, ``report``, ``workers``).

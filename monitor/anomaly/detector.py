@@ -34,7 +34,7 @@ from monitor.anomaly.detector_state import (
     saved_levels,
     state_arrays,
 )
-from monitor.anomaly.root import ALONE_FACTOR
+from monitor.anomaly.moves import common_move, is_rescaled, moved_alone
 from monitor.anomaly.rules import MOVED_ALONE, NONFINITE, non_finite_cells
 from monitor.anomaly.verdicts import REFERENCE_FIELDS, Anomaly, Verdicts
 from monitor.record import RowSet, StepRecord
@@ -164,9 +164,9 @@ class Detector:
         if norms is not None and rows:
             norm = record.ops.index("norm")
             flagged = np.concatenate(rows)[np.concatenate(cols) == norm]
-            common = _common_move(norms[1]) if len(flagged) else math.nan
-        if norms is not None and self.moved_alone and math.isfinite(common) and _rescaled(record):
-            alone = _moved_alone(norms[1], common, flagged, self._levels[record.prefix][0], index)
+            common = common_move(norms[1]) if len(flagged) else math.nan
+        if norms is not None and self.moved_alone and math.isfinite(common) and is_rescaled(record):
+            alone = moved_alone(norms[1], common, flagged, self._levels[record.prefix][0], index)
             if alone is not None:
                 reported[alone[0], norm] = True
                 rows.append(np.array([alone[0]])), cols.append(np.array([norm]))
@@ -354,53 +354,6 @@ class Detector:
             raise ValueError(f"detector state: malformed ({type(exc).__name__}: {exc})") from None
         self._rows, self._states, self._index_cache, self._levels = rows, states, {}, levels
         self._flagged_last = {}
-
-
-#: a data type's norms moved together when this many of them, and half of those known, lie
-#: within a factor TOGETHER_FACTOR of their median move
-MIN_TOGETHER, TOGETHER_FACTOR = 3, 2.0
-
-
-def _common_move(moves: np.ndarray) -> float:
-    """The median move (log) of a data type's norms where they moved together (see
-    MIN_TOGETHER), else NaN: a rank holding three pieces under ZeRO, one moved x483 and two
-    their ordinary x1.5 and x2.2, is no rescaling of every tensor alike."""
-    known = moves[np.isfinite(moves)]
-    if known.size < MIN_TOGETHER:
-        return math.nan
-    common = float(np.median(known))
-    near = int(np.count_nonzero(np.abs(known - common) <= math.log(TOGETHER_FACTOR)))
-    return common if near >= max(MIN_TOGETHER, known.size / 2) else math.nan
-
-
-def _rescaled(record: Any) -> bool:
-    """Whether a record's values are the gradients the optimizer takes, after clipping (their
-    tags' task ``post_grad``): the local ones are read before it, so a common fall there is no
-    clipping but, say, a network whose units died, where the one tensor still moving is no culprit."""
-    tags = record.rows.tags
-    return bool(len(tags)) and str(tags[0]).endswith("/post_grad")
-
-
-def _moved_alone(
-    moves: np.ndarray, common: float, flagged: np.ndarray, level: np.ndarray, index: np.ndarray | None
-) -> tuple[int, float] | None:
-    """(row, baseline) of the norm that moved against its data type's common move, when that
-    common move (the median over every row) is a fall by ALONE_FACTOR or more and was flagged
-    somewhere: clipping or a loss scaler's back-off then shrank every tensor alike, and the
-    tensor that caused it may itself look ordinary (clipped back to the usual size) while every
-    other one is flagged; else None. A common rise has no such cause: the one tensor that stayed
-    while the rest grew (a learning rate blowing up) is no culprit."""
-    known = np.flatnonzero(np.isfinite(moves))
-    limit = math.log(ALONE_FACTOR)
-    if common > -limit:
-        return None
-    excess = np.abs(moves[known] - common)
-    order = np.argsort(excess)[::-1]
-    best, runner_up = excess[order[0]], excess[order[1]]
-    row = int(known[order[0]])
-    if best < limit or best - runner_up < limit or row in set(flagged.tolist()):
-        return None
-    return row, math.exp(float(level[row if index is None else index[row]]))
 
 
 def _element_scale(values: np.ndarray, ops: tuple[str, ...]) -> np.ndarray | None:

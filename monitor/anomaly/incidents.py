@@ -30,13 +30,13 @@ import numpy as np
 
 from monitor.anomaly.detector import Anomaly, Detector, Verdicts
 from monitor.anomaly.root import choose_root, describe_root, phase_of
-from monitor.datatypes.tasks import SCALED_PREFIXES, parse_tag
+from monitor.datatypes.tasks import SCALED_PREFIXES, parse_tag, tasks_of_prefix
 from monitor.naming import split_tag
 
 logger = logging.getLogger("trainmon")
 
 #: the tasks of local gradients (before reduction)
-LOCAL_GRADIENT_TASKS = frozenset(("acc_grad", "pre_grad"))
+LOCAL_GRADIENT_TASKS = frozenset(tasks_of_prefix("grad_unreduced"))
 #: collected steps an open incident goes without new records after which new ones start another
 FRESH_AFTER = 10
 #: collected steps without an abnormal value after which an incident is closed.

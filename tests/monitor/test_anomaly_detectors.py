@@ -633,7 +633,7 @@ def test_a_non_mapping_state_is_refused():
     ],
 )
 def test_a_data_types_common_move_is_there_only_when_its_tensors_moved_together(ratios, common):
-    from monitor.anomaly.detector import _common_move
+    from monitor.anomaly.moves import common_move
 
-    got = math.exp(_common_move(np.log(np.array(ratios))))
+    got = math.exp(common_move(np.log(np.array(ratios))))
     assert got == pytest.approx(common, rel=0.06, nan_ok=True)
