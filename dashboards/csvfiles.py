@@ -1,9 +1,10 @@
 """Reading the monitor's CSV files as tables, one per file, for the dashboards (the layout msprobe writes).
 
-The layout (file names, header, complete lines only) and the parsing are monitor.anomaly.rank_csv's,
-the one place that knows them; ``list_csv_files`` is re-exported from there. A row that does not
-parse (wrong field count, a value that is not a number) is skipped and counted, never guessed; the
-msprobe columns ``shape`` and ``dtype`` are ignored.
+The layout (file names, header) is monitor.anomaly.rank_csv's, the one place that knows it;
+``list_csv_files`` is re-exported from there. The reading is the query layer's
+(monitor.query.csv_files: DuckDB, complete lines only): a row that does not parse (wrong field
+count, a value that is not a number) is skipped and counted, never guessed; the msprobe columns
+``shape`` and ``dtype`` are ignored.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from monitor.anomaly.rank_csv import Table, header_columns, list_csv_files, parse_rows, read_complete_lines
+from monitor.anomaly.rank_csv import LABELS, Table, as_table, header_columns, list_csv_files
+from monitor.query import csv_files
 from monitor.writers.eventfile import open_regular
 
 __all__ = [
@@ -132,61 +134,53 @@ def read_csv_file(path: str | os.PathLike) -> CsvTable:
         ValueError: the first line is not a monitor CSV header.
         OSError: the path is not a regular file (symlinks are refused).
     """
-    return _table(read_complete_lines(path))
+    return read_csv_files([path])[0]
 
 
 def read_csv_files(paths: Sequence[str | os.PathLike]) -> list[CsvTable]:
-    """``read_csv_file`` of each path, with files that share a header parsed in one pass.
-
-    Many small files (one step each) cost mostly per-parse overhead, so their bodies are joined and
-    parsed once, then split by line counts. Files whose body has a quote (a name that could hold a
-    line break) or that do not parse cleanly are read one by one.
-    """
-    texts = [read_complete_lines(path) for path in paths]
-    tables: list[CsvTable | None] = [None] * len(texts)
-    groups: dict[bytes, list[int]] = {}
-    for index, text in enumerate(texts):
-        header_end = text.find(b"\n") + 1
-        if header_end and b'"' not in text:
-            groups.setdefault(text[:header_end], []).append(index)
-    for header, members in groups.items():
-        if len(members) < 2:
-            continue
-        skip = len(header)
-        counts = [texts[i].count(b"\n", skip) for i in members]
-        try:
-            joined = _parse(header[:-1].rstrip(b"\r"), b"".join(memoryview(texts[i])[skip:] for i in members))
-        except ValueError:
-            continue  # not monitor files: read_csv_file says so for each
-        if joined.skipped or len(joined) != sum(counts):
-            continue
-        start = 0
-        for index, count in zip(members, counts):
-            stop = start + count
-            tables[index] = joined.slice(start, stop)
-            start = stop
-    return [table if table is not None else _table(text) for table, text in zip(tables, texts)]
-
-
-def _table(data: bytes) -> CsvTable:
-    if not data:
-        return _empty(())
-    end = data.index(b"\n")
-    return _parse(data[:end].rstrip(b"\r"), memoryview(data)[end + 1 :])
-
-
-def _parse(header: bytes, body: bytes | memoryview) -> CsvTable:
-    """Rows under one header as a CSV table, by the cross-rank reader's parser (monitor.anomaly.
-    rank_csv.parse_rows: pyarrow's CSV reader, else pandas', rows that do not parse dropped and
-    counted).
+    """``read_csv_file`` of each path; the files that share a header are read in one query.
 
     Raises:
-        ValueError: the header is not a monitor CSV header.
+        ValueError: a file's first line is not a monitor CSV header.
+        OSError: a file is not a regular file (symlinks are refused) or cannot be read.
     """
-    table, dropped = parse_rows(header, body)
-    if table is None:
-        raise ValueError(f"not a monitor CSV header: {header[:200].decode('utf-8', 'replace')!r}")
-    return as_csv_table(table, dropped)
+    tables: list[CsvTable] = [_empty(())] * len(paths)
+    groups: dict[str, list[int]] = {}
+    for index, path in enumerate(paths):
+        header = csv_files.read_header(path)
+        if header is not None:
+            groups.setdefault(header, []).append(index)
+    for header, members in groups.items():
+        try:
+            has_micro, ops = header_columns(header)
+        except ValueError:
+            raise ValueError(f"not a monitor CSV header: {header[:200]!r}") from None
+        fields = csv_files.header_fields(header)
+        columns = [*LABELS[: 4 if has_micro else 3], *ops]
+        rows = csv_files.read([os.fspath(paths[i]) for i in members], fields, columns)
+        file = rows.table["file"].to_numpy()
+        if np.any(file[1:] < file[:-1]):  # read in the files' order, as DuckDB keeps it: else sorted
+            rows.table = rows.table.take(np.argsort(file, kind="stable"))
+            file = file[np.argsort(file, kind="stable")]
+        table = as_table(rows.table, has_micro, ops)
+        bounds = np.searchsorted(file, np.arange(len(members) + 1))
+        for place, index in enumerate(members):
+            start, stop = bounds[place], bounds[place + 1]
+            tables[index] = as_csv_table(_rows(table, start, stop), rows.dropped.get(place, 0))
+    return tables
+
+
+def _rows(table: Table, start: int, stop: int) -> Table:
+    micro = None if table.micro is None else table.micro[start:stop]
+    return Table(
+        table.ops,
+        table.names,
+        table.codes[start:stop],
+        table.vpp[start:stop],
+        micro,
+        table.steps[start:stop],
+        table.values[start:stop],
+    )
 
 
 def as_csv_table(table: Table, skipped: int = 0) -> CsvTable:

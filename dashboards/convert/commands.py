@@ -214,19 +214,11 @@ def add_compact_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_compact(args: argparse.Namespace) -> int:
     """``trainmon compact``."""
+    import duckdb
+
+    from dashboards.convert.compact import compact
     from dashboards.convert.runs import ConvertError
 
-    try:
-        import duckdb
-
-        from dashboards.convert.compact import compact
-    except ImportError:
-        print(
-            "trainmon compact: needs DuckDB: install the dataset extra "
-            "(pip install -e '.[dataset]' in the source tree)",
-            file=sys.stderr,
-        )
-        return 2
     monitor_path = _monitor_path(args, "compact")
     if monitor_path is None or _unusable_output("compact", args.output, directory=True):
         return 2

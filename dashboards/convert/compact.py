@@ -63,7 +63,6 @@ from dashboards.convert.compact_tables import (
     TEMPORARY_PREFIX,
     TEMPORARY_SUFFIX,
     copy_to_parquet,
-    quoted,
     write_tables,
 )
 from dashboards.convert.event_values import EventDirs
@@ -71,6 +70,8 @@ from dashboards.convert.runs import ConvertError, select_rank_dirs
 from dashboards.csvfiles import list_csv_files
 from dashboards.plugin.eventsource import EventSource
 from monitor.memory_limit import COMPACT_DEFAULT, parse_size
+from monitor.query import engine
+from monitor.query.engine import quoted
 from monitor.writers.parquet_files import live_prefixes, not_a_run_hint, part_steps
 
 logger = logging.getLogger("trainmon")
@@ -125,7 +126,6 @@ def compact(
 
 
 def _compact_once(monitor_path: str, output: str | None, memory_limit: int) -> dict[str, int]:
-    import duckdb
 
     ranks = select_rank_dirs(monitor_path)
     if not ranks:
@@ -135,8 +135,7 @@ def _compact_once(monitor_path: str, output: str | None, memory_limit: int) -> d
         )
     output = os.path.abspath(output or os.path.join(monitor_path, "dataset"))
     manifest = open_dataset(output, monitor_path, [d for dirs in ranks.values() for d in dirs])
-    con = duckdb.connect()
-    con.execute(f"SET memory_limit = '{int(memory_limit)}B'")
+    con = engine.connect(memory_limit)
     events = EventDirs()
     try:
         #: (part, unit) -> its block of steps (None: every block) and the files it is made from

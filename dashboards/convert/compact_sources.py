@@ -4,20 +4,18 @@ only, rows that do not parse left out and said, live files merged away while lis
 
 from __future__ import annotations
 
-import io
 import logging
 import os
 from collections.abc import Sequence
 from typing import Any
 
-from dashboards.convert.compact_tables import quoted
 from dashboards.csvfiles import header_columns, header_ops
-from monitor.anomaly.rank_csv import read_complete_lines
+from monitor.query import csv_files
+from monitor.query.csv_files import header_fields, read_header
+from monitor.query.engine import quoted
 from monitor.writers.parquet_files import layout_problem
 
 logger = logging.getLogger("trainmon")
-
-_LABELS = {"vpp_stage": "BIGINT", "name": "VARCHAR", "step": "BIGINT", "micro_step": "BIGINT"}
 
 
 def table_values(con: Any, paths: Sequence[str]) -> str | None:
@@ -47,48 +45,35 @@ def table_values(con: Any, paths: Sequence[str]) -> str | None:
 
 def _csv_values(con: Any, paths: dict[int, str]) -> str | None:
     """Every value of these CSV files (by their ``_file``) as a row (step, micro_step,
-    vpp_stage, name, _file, op, value); None where they hold no statistic. Complete lines only,
-    as every reader takes them: a run killed while writing leaves its last line cut short, and
-    read as a row it would give a wrong value (``-0.0`` of ``-0.016``) and lose the rest. The
-    newest file (the one a live run may be appending to between a check and DuckDB's read) and any
-    file not ending a line are read from a copy of their complete lines in memory."""
-    selects, ops, has_micro = [], [], False
-    newest = max(paths, default=None)
+    vpp_stage, name, _file, op, value); None where they hold no statistic. The files of each
+    header are read by the query layer (monitor.query.csv_files: complete lines only, as every
+    reader takes them); a step, micro-step or stage that is no integer leaves its row out."""
+    groups: dict[str, list[int]] = {}
     for index, path in paths.items():
-        file_ops = list(header_ops(path))
-        if not file_ops:  # empty, or a header without statistics: nothing to read
-            if not_a_header(path):
-                logger.warning("trainmon compact: skipping %s: not a monitor CSV header", path)
-            continue
-        ops += [op for op in file_ops if op not in ops]
-        with open(path, encoding="utf-8", errors="replace") as handle:
-            header = handle.readline().strip().split(",")
-        has_micro |= "micro_step" in header
-        types = {**{c: t for c, t in _LABELS.items() if c in header}, **dict.fromkeys(file_ops, "DOUBLE")}
-        columns = ", ".join(f"{quoted(c)}: {quoted(t)}" for c, t in types.items())
-        if index != newest and _ends_a_line(path):
-            source = (
-                f"read_csv({quoted(path)}, header = true, columns = {{{columns}}}, auto_detect = false, "
-                "ignore_errors = true, store_rejects = true)"
-            )
-        else:  # read now into a table, so that its rows that do not parse are said under its name
-            source = f"complete_lines_{index}"
-            con.register("complete_lines", con.read_csv(
-                io.BytesIO(read_complete_lines(path)), header=True, columns=types, auto_detect=False,
-                ignore_errors=True, store_rejects=True,
-            ))  # fmt: skip
-            con.execute(f"CREATE OR REPLACE TEMP TABLE {source} AS SELECT * FROM complete_lines")
-            con.unregister("complete_lines")
-            say_rejected(con, path)
-        selects.append(f"SELECT *, {index} AS _file FROM {source}")
+        header = read_header(path)
+        if header is not None and header_ops(path):
+            groups.setdefault(header, []).append(index)
+        elif not_a_header(path):  # empty, or a header without statistics: nothing to read
+            logger.warning("trainmon compact: skipping %s: not a monitor CSV header", path)
+    selects, ops, has_micro = [], [], False
+    for number, (header, members) in enumerate(groups.items()):
+        fields = header_fields(header)
+        has_micro |= "micro_step" in fields
+        ops += [op for op in header_columns(header)[1] if op not in ops]
+        sql, dropped = csv_files.relation(con, [paths[i] for i in members], fields, tag=f"_{number}")
+        for place, count in dropped.items():
+            _say(con, paths[members[place]], count)
+        whole = " AND ".join(f"{c} = trunc({c})" for c in fields if c in ("vpp_stage", "step", "micro_step"))
+        selects.append(f"SELECT * EXCLUDE (file), {members}[file + 1] AS _file FROM ({sql}) WHERE {whole}")
     if not ops:
         return None
     union = " UNION ALL BY NAME ".join(selects)
-    micro = "micro_step" if has_micro else "CAST(NULL AS BIGINT) AS micro_step"
+    micro = "CAST(micro_step AS BIGINT) AS micro_step" if has_micro else "CAST(NULL AS BIGINT) AS micro_step"
     op_columns = ", ".join(f'"{op}"' for op in ops)
     return f"""
         SELECT step, micro_step, vpp_stage, name, _file, op, value FROM (
-            UNPIVOT (SELECT step, {micro}, vpp_stage, name, _file, {op_columns} FROM ({union}))
+            UNPIVOT (SELECT CAST(step AS BIGINT) AS step, {micro}, CAST(vpp_stage AS BIGINT) AS vpp_stage,
+                            name, _file, {op_columns} FROM ({union}))
             ON {op_columns} INTO NAME op VALUE value)
     """
 
@@ -110,11 +95,10 @@ def unreadable_parquet(con: Any, paths: Sequence[str]) -> list[str]:
     return damaged
 
 
-def say_rejected(con: Any, path: str | None = None) -> None:
+def say_rejected(con: Any) -> None:
     """The CSV rows just read that did not parse (a value that is no number): left out, as every
-    reader leaves them, and said once per file (``path``: the file of the only read since the last
-    call, read from memory), as csv2tb says it; a file whose steps span two of the dataset's files
-    is read once for each."""
+    reader leaves them, and said once per file, as csv2tb says it; a file whose steps span two of
+    the dataset's files is read once for each."""
     import duckdb
 
     try:
@@ -124,15 +108,18 @@ def say_rejected(con: Any, path: str | None = None) -> None:
         ).fetchall()
     except duckdb.CatalogException:  # nothing was read with store_rejects yet
         return
-    con.execute("CREATE TEMP TABLE IF NOT EXISTS rejects_said (file VARCHAR PRIMARY KEY)")
-    for read, count in found:
-        name = path or read
-        if con.execute("SELECT count(*) FROM rejects_said WHERE file = ?", [name]).fetchone()[0]:
-            continue
-        con.execute("INSERT INTO rejects_said VALUES (?)", [name])
-        logger.warning("trainmon compact: %s: skipped %d row(s) that did not parse", name, count)
+    for path, count in found:
+        _say(con, path, count)
     con.execute("DELETE FROM reject_errors")
     con.execute("DELETE FROM reject_scans")
+
+
+def _say(con: Any, path: str, count: int) -> None:
+    con.execute("CREATE TEMP TABLE IF NOT EXISTS rejects_said (file VARCHAR PRIMARY KEY)")
+    if con.execute("SELECT count(*) FROM rejects_said WHERE file = ?", [path]).fetchone()[0]:
+        return
+    con.execute("INSERT INTO rejects_said VALUES (?)", [path])
+    logger.warning("trainmon compact: %s: skipped %d row(s) that did not parse", path, count)
 
 
 def not_a_header(path: str) -> bool:
@@ -147,12 +134,3 @@ def not_a_header(path: str) -> bool:
     except (UnicodeDecodeError, ValueError, StopIteration):
         return True
     return False
-
-
-def _ends_a_line(path: str) -> bool:
-    """Whether a file's last byte ends a line (an empty file has no line to cut short)."""
-    with open(path, "rb") as handle:
-        if handle.seek(0, os.SEEK_END) == 0:
-            return True
-        handle.seek(-1, os.SEEK_END)
-        return handle.read(1) == b"\n"

@@ -16,6 +16,7 @@ from typing import Any
 from monitor.anomaly.incident_files import INCIDENTS_NAME
 from monitor.anomaly.ordering import parse_record
 from monitor.files import FILE_MODE, make_private_dir
+from monitor.query.engine import quoted
 from monitor.run_info import RUN_INFO_FILE
 
 logger = logging.getLogger("trainmon")
@@ -87,11 +88,6 @@ def read_json_object(path: str) -> dict[str, Any]:
         logger.warning("trainmon compact: skipping %s: expected a JSON object", path)
         return {}
     return document
-
-
-def quoted(text: str) -> str:
-    """``text`` as an SQL string literal."""
-    return "'" + text.replace("'", "''") + "'"
 
 
 def copy_to_parquet(con: Any, query: str, target: str, level: int = 3) -> None:

@@ -39,7 +39,7 @@ from monitor import __version__
 from monitor.anomaly import rank_csv
 from monitor.datatypes.tasks import OP_ORDER, order_key
 from monitor.files import FILE_MODE, TIME_FORMAT
-from monitor.writers.parquet_files import file_ops
+from monitor.query.parquet_values import file_ops
 
 logger = logging.getLogger("trainmon")
 

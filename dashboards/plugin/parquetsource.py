@@ -13,7 +13,8 @@ import numpy as np
 
 from dashboards.plugin.cache import ByteLRU
 from dashboards.plugin.sources import Block, Chunk, PrefixInfo, Source
-from monitor.writers.parquet_files import file_ops, live_prefixes, part_steps, read_wide
+from monitor.query.parquet_values import file_ops, read_wide
+from monitor.writers.parquet_files import live_prefixes, part_steps
 
 #: files whose ops are remembered, at most
 OPS_CACHE = 4096

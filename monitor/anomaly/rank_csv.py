@@ -2,20 +2,17 @@
 
 A run's output root holds ``{time}-rank{R}-{id}/`` directories with ``{prefix}_{a}-{b}.csv`` files
 (``.{n}.csv`` when an appended run had other columns), header ``vpp_stage,name,step[,micro_step],
-<ops>`` (msprobe's layout; its ``shape``/``dtype`` columns are ignored). The listing, header,
-complete-line and parsing helpers here also serve the dashboards' reader (dashboards.csvfiles);
-the arrays are for the cross-rank analysis (monitor.anomaly.windows), which also reads a data type
-written with ``format: parquet`` (monitor.writers.parquet_files) into the same arrays, a window of
-steps at a time. The files of one data type and header on a rank are parsed in one call, by
-pyarrow's CSV reader where it is installed, else by pandas'. A file being written is read up to
-its last complete line; a row with a wrong field count or a cell that is not a number is dropped
-and counted, never guessed. Symlinked files and directories are not followed.
+<ops>`` (msprobe's layout; its ``shape``/``dtype`` columns are ignored). The listing and header
+helpers here also serve the dashboards' reader (dashboards.csvfiles); the arrays are for the
+cross-rank analysis (monitor.anomaly.windows), which also reads a data type written with
+``format: parquet`` (monitor.writers.parquet_files) into the same arrays, a window of steps at a
+time. The files of one data type and header on a rank are read in one query of the query layer
+(monitor.query.csv_files: complete lines only, rows that do not parse dropped and counted, never
+guessed). Symlinked files and directories are not followed.
 """
 
 from __future__ import annotations
 
-import csv
-import io
 import os
 import re
 from dataclasses import dataclass
@@ -25,16 +22,17 @@ import numpy as np
 
 import monitor.writers.parquet_files as parquet_files
 from monitor.files import RANK_DIR_PATTERN, in_time_range, parse_time_tag
-from monitor.writers.eventfile import open_regular
+from monitor.query import csv_files, parquet_values
+from monitor.query.csv_files import (
+    IGNORED_COLUMNS,
+    LABEL_TYPES,
+    header_fields,
+)
 
 #: ``{prefix}_{a}-{b}.csv``; ``.{n}.csv`` when an appended run had other columns (monitor.writers.csv).
 CSV_NAME = re.compile(r"^(?P<prefix>[A-Za-z0-9_]+?)_(?P<start>\d+)-(?P<end>\d+)(?:\.(?P<part>\d+))?\.csv$")
 #: header columns that are labels, not statistics.
-LABELS = ("vpp_stage", "name", "step", "micro_step")
-#: msprobe columns that hold no number.
-IGNORED_COLUMNS = ("shape", "dtype")
-#: how a NaN value is written.
-NAN_TEXT = ("nan", "-nan", "+nan", "NaN")
+LABELS = tuple(LABEL_TYPES)
 
 
 class DuplicateRankError(ValueError):
@@ -160,57 +158,12 @@ def header_columns(header: str) -> tuple[bool, tuple[str, ...]]:
     Raises:
         ValueError: not a monitor CSV header.
     """
-    fields = next(csv.reader([header]))
+    fields = header_fields(header)
     if fields[:3] != list(LABELS[:3]):
         raise ValueError(f"not a monitor CSV header: {header.strip()[:200]!r}")
     has_micro = len(fields) > 3 and fields[3] == LABELS[3]
     ops = tuple(f for f in fields[4 if has_micro else 3 :] if f not in IGNORED_COLUMNS)
     return has_micro, ops
-
-
-def read_complete_lines(path: str | os.PathLike) -> bytes:
-    """A file's bytes up to its last line break (a file being written may end mid-line).
-
-    Raises:
-        OSError: unreadable, or not a regular file (symlinks are refused).
-    """
-    fd = open_regular(path)
-    try:
-        with os.fdopen(fd, "rb", closefd=False) as handle:
-            data = handle.read()
-    finally:
-        os.close(fd)
-    end = data.rfind(b"\n")
-    return data if end == len(data) - 1 else data[: end + 1]  # no copy when the last line is whole
-
-
-def parse_arrow(data: bytes, has_micro: bool, ops: tuple[str, ...]) -> Any | None:
-    """Monitor CSV text (header first) as an Arrow table of its label and op columns, by pyarrow's
-    CSV reader: four times pandas' speed here, with every float correctly rounded as Python
-    rounds it. None where pyarrow is missing or a row does not parse (the callers' lenient paths
-    then skip and count such rows); a tensor called ``nan`` stays a name."""
-    try:
-        import pyarrow as pa
-        import pyarrow.csv as pa_csv
-    except ImportError:
-        return None
-    labels = list(LABELS[: 4 if has_micro else 3])
-    types = {
-        **dict.fromkeys(labels, pa.int64()),
-        "name": pa.dictionary(pa.int32(), pa.string()),
-        **dict.fromkeys(ops, pa.float64()),
-    }
-    options = pa_csv.ConvertOptions(
-        column_types=types,
-        include_columns=labels + list(ops),
-        null_values=[],
-        strings_can_be_null=False,
-        quoted_strings_can_be_null=False,
-    )
-    try:
-        return pa_csv.read_csv(io.BytesIO(data), convert_options=options)
-    except (pa.ArrowInvalid, pa.ArrowKeyError):  # a malformed row, or a column the header lacks
-        return None
 
 
 def op_values(arrow: Any, ops: tuple[str, ...]) -> np.ndarray:
@@ -220,41 +173,18 @@ def op_values(arrow: Any, ops: tuple[str, ...]) -> np.ndarray:
     return np.column_stack([arrow[op].to_numpy() for op in ops])
 
 
-def parse_rows(header: bytes, body: bytes | memoryview) -> tuple[Table | None, int]:
-    """Rows under one header as a Table (None: not a monitor header) and the count dropped as
-    malformed."""
-    try:
-        has_micro, ops = header_columns(header.decode("utf-8", "replace"))
-    except ValueError:
-        return None, 0
-    labels = list(LABELS[: 4 if has_micro else 3])
-    data = header + b"\n" + body
-    arrow = parse_arrow(data, has_micro, ops)
-    if arrow is not None:
-        codes, names = parquet_files.encoded(arrow["name"])
-        return Table(
-            ops,
-            names,
-            codes.astype(np.int32),
-            arrow["vpp_stage"].to_numpy().astype(np.int32),
-            arrow["micro_step"].to_numpy() if has_micro else None,
-            arrow["step"].to_numpy(),
-            op_values(arrow, ops),
-        ), 0
-    from monitor.anomaly.csv_pandas import read_frame  # without pyarrow only: pandas is slow to import
-
-    frame, dropped = read_frame(data, labels, ops)
-    names = frame["name"].astype("category").cat
-    table = Table(
+def as_table(arrow: Any, has_micro: bool, ops: tuple[str, ...]) -> Table:
+    """An Arrow table of label and op columns (as ``monitor.query.csv_files.read`` gives) as a Table."""
+    codes, names = parquet_values.encoded(arrow["name"])
+    return Table(
         ops,
-        [str(name) for name in names.categories],
-        names.codes.to_numpy(np.int32),
-        frame["vpp_stage"].to_numpy(np.int32),
-        frame["micro_step"].to_numpy(np.int64) if "micro_step" in labels else None,
-        frame["step"].to_numpy(np.int64),
-        frame[list(ops)].to_numpy(np.float64).reshape(len(frame), len(ops)),
+        names,
+        codes.astype(np.int32),
+        arrow["vpp_stage"].to_numpy().astype(np.int32),
+        arrow["micro_step"].to_numpy() if has_micro else None,
+        arrow["step"].to_numpy(),
+        op_values(arrow, ops),
     )
-    return table, dropped
 
 
 class Part(NamedTuple):
@@ -301,38 +231,45 @@ def read_parts(
 def _csv_tables(
     rank_dir: str, prefix: str, parts: list[Part], window: tuple[int, int], warnings: list[str]
 ) -> list[Table]:
-    """The rows of ``window`` in these CSV files, each file's rows only within the steps its name
-    gives (so that what is compared does not depend on how the steps are cut into windows)."""
-    groups: dict[bytes, list[tuple[Part, bytes]]] = {}
+    """The rows of ``window`` in these CSV files, one Table per header, each file's rows only
+    within the steps its name gives (so that what is compared does not depend on how the steps
+    are cut into windows)."""
+    groups: dict[str, list[Part]] = {}
     for part in parts:
         try:
-            data = read_complete_lines(part.path)
+            header = csv_files.read_header(part.path)
         except OSError as exc:
             warnings.append(f"skipping {part.path}: {exc.strerror or exc}")
             continue
-        if data:
-            end = data.index(b"\n")
-            groups.setdefault(data[:end].rstrip(b"\r"), []).append((part, data[end + 1 :]))
+        if header is not None:
+            groups.setdefault(header, []).append(part)
     tables = []
     for header, members in groups.items():
-        table, dropped = parse_rows(header, b"".join(body for _, body in members))
-        if table is None:
+        try:
+            has_micro, ops = header_columns(header)
+        except ValueError:
             warnings.append(f"skipping {prefix} files in {rank_dir}: not a monitor CSV header")
             continue
+        columns = [*LABELS[: 4 if has_micro else 3], *ops]
+        try:
+            rows = csv_files.read([p.path for p in members], header_fields(header), columns)
+        except OSError as exc:
+            warnings.append(f"skipping {prefix} files in {rank_dir}: {exc}")
+            continue
+        dropped = sum(rows.dropped.values())
         if dropped:
             warnings.append(f"{rank_dir}: dropped {dropped} malformed {prefix} row(s)")
-        keep = (table.steps >= window[0]) & (table.steps <= window[1])
-        counts = [body.count(b"\n") for _, body in members]
-        if sum(counts) == len(table.steps):  # every row parsed: each file's rows are known
-            named = (table.steps >= np.repeat([p.start for p, _ in members], counts)) & (
-                table.steps <= np.repeat([p.end for p, _ in members], counts)
+        table = as_table(rows.table, has_micro, ops)
+        file = rows.table["file"].to_numpy()
+        named = (table.steps >= np.array([p.start for p in members])[file]) & (
+            table.steps <= np.array([p.end for p in members])[file]
+        )
+        if not named.all():
+            warnings.append(
+                f"{rank_dir}: {prefix} rows whose step lies outside the steps their file's name "
+                "gives are left out"
             )
-            if not named.all():
-                warnings.append(
-                    f"{rank_dir}: {prefix} rows whose step lies outside the steps their file's name "
-                    "gives are left out"
-                )
-            keep &= named
+        keep = named & (table.steps >= window[0]) & (table.steps <= window[1])
         if keep.any():
             tables.append(_subset(table, keep))
     return tables
@@ -361,7 +298,7 @@ def _parquet_tables(
     since it was listed makes the files be listed once more; a file cut short or of other
     columns is skipped, and said."""
     try:
-        wide = parquet_files.read_wide(paths, window)
+        wide = parquet_values.read_wide(paths, window)
     except (FileNotFoundError, ValueError):  # merged away since listed, or cut short
         listed = parquet_files.live_prefixes(rank_dir, (prefix,)).get(prefix, [])
         relisted = [p for p in listed if parquet_files.overlaps(p, window)]
@@ -370,10 +307,10 @@ def _parquet_tables(
         if bad:
             said = "; ".join(f"{path} ({problem})" for path, problem in bad.items())
             warnings.append(f"skipping Parquet files the monitor cannot read: {said}")
-        wide = parquet_files.read_wide([path for path in relisted if path not in bad], window)
+        wide = parquet_values.read_wide([path for path in relisted if path not in bad], window)
     if not len(wide.steps):
         return []
-    names, name_codes = parquet_files.distinct_names(tuple(wide.names))
+    names, name_codes = parquet_values.distinct_names(tuple(wide.names))
     if wide.present is None:  # every op of every entry: one Table
         pattern_of, codes = None, [(1 << len(wide.ops)) - 1]
     else:  # the set of ops an entry has, as one integer (a bit per op)

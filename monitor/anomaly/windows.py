@@ -19,6 +19,8 @@ import numpy as np
 
 from monitor.anomaly import peers, rank_csv
 from monitor.anomaly.workers import map_in_workers, max_workers, total_size
+from monitor.query import engine
+from monitor.query.csv_files import read_complete_lines
 from monitor.run_info import read_pipeline_stage
 from monitor.writers.parquet_files import row_count
 
@@ -127,11 +129,12 @@ def pipeline_stages(rank_dirs: dict[int, str], warn: Callable[[str], None]) -> d
 
 def compare_window(task: Task) -> tuple[peers.Partial, list[str]]:
     """Read one window from every rank and compare it (in a worker process, or this one)."""
-    in_worker = multiprocessing.parent_process() is not None
-    if in_worker and any(p.parquet for *_, parts in task.files for p in parts):
-        import pyarrow
+    if multiprocessing.parent_process() is not None:  # the other cores run the other workers
+        engine.use_one_thread()
+        if any(p.parquet for *_, parts in task.files for p in parts):
+            import pyarrow
 
-        pyarrow.set_cpu_count(1)  # the other cores run the other workers
+            pyarrow.set_cpu_count(1)
     warnings: list[str] = []
     tables = [
         (column, table)
@@ -207,7 +210,7 @@ def _values(part: rank_csv.Part) -> int:
     if part.parquet:
         return row_count(part.path) or 0
     try:
-        data = rank_csv.read_complete_lines(part.path)
+        data = read_complete_lines(part.path)
     except OSError:
         return 0
     end = data.find(b"\n")

@@ -9,7 +9,6 @@ hold keys of its other versions), an unknown key inside another section is an er
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -204,12 +203,6 @@ def validate_config(raw: Mapping[str, Any]) -> MonitorConfig:
         fmt = raw["format"]
         if not isinstance(fmt, str) or fmt.lower() not in FORMATS:
             raise not_one_of("format", fmt, FORMATS)
-        if fmt.lower() == "parquet" and importlib.util.find_spec("pyarrow") is None:
-            raise ConfigError(
-                "format: 'parquet' is written through pyarrow, which is not installed; "
-                "install its extra (pip install -e '.[dataset]' in the source tree), or choose 'csv' "
-                "or 'tensorboard'"
-            )
         values["format"] = fmt.lower()
     if "ops" in raw:
         values["ops"] = _ops(raw["ops"])

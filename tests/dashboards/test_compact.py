@@ -14,17 +14,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import duckdb
+import numpy as np
 import pytest
 
-duckdb = pytest.importorskip("duckdb", reason="DuckDB is not installed here (pip install -e '.[dataset]')")
-
-import numpy as np  # noqa: E402
-
-from dashboards.convert.compact import FARTHEST_RANK_SQL, STEPS_PER_FILE, compact  # noqa: E402
-from dashboards.convert.runs import ConvertError  # noqa: E402
-from monitor.record import RowSet, StepRecord  # noqa: E402
-from monitor.writers.csv import CsvWriter  # noqa: E402
-from tests.dashboards.conftest import NAMES, OPS, generated_value, read_csv_rows, write_run  # noqa: E402
+from dashboards.convert.compact import FARTHEST_RANK_SQL, STEPS_PER_FILE, compact
+from dashboards.convert.runs import ConvertError
+from monitor.record import RowSet, StepRecord
+from monitor.writers.csv import CsvWriter
+from tests.dashboards.conftest import NAMES, OPS, generated_value, read_csv_rows, write_run
 
 COLUMNS = {"rank", "step", "micro_step", "vpp_stage", "data_type", "name", "op", "value"}
 

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import shutil
 
+import duckdb
 import numpy as np
 import pytest
 
 pyspark = pytest.importorskip("pyspark", reason="pyspark is not installed (pip install -e '.[spark]')")
-duckdb = pytest.importorskip("duckdb", reason="DuckDB is not installed (pip install -e '.[dataset]')")
+
 if shutil.which("java") is None:
     pytest.skip("no Java runtime for Spark on this machine", allow_module_level=True)
 

@@ -18,7 +18,6 @@ from dashboards.convert.csv2db import csv2db
 from dashboards.convert.csv2tb import csv2tensorboard_by_step
 from dashboards.convert.runs import ConvertError
 from tests.dashboards.conftest import NAMES, generated_value, rank_dir, read_csv_rows, same, write_run
-from tests.extras import NEEDS_DUCKDB
 
 PREFIXES = ("grad_reduced", "exp_avg")
 
@@ -270,7 +269,7 @@ def test_command_lines(tmp_path, capsys, name):
     assert "got 'exp_avg,grad_reducd'; did you mean 'grad_reduced'?" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("name", ["csv2tb", "csv2db", pytest.param("compact", marks=NEEDS_DUCKDB)])
+@pytest.mark.parametrize("name", ["csv2tb", "csv2db", "compact"])
 def test_an_output_of_the_wrong_kind_is_refused_before_any_work(tmp_path, capsys, name):
     """-o naming a file where a directory is written (csv2tb, compact), or a directory where the
     database file is (csv2db): a one-line error, nothing converted, nothing replaced."""
@@ -304,7 +303,6 @@ def test_the_command_module_does_not_import_the_converters():
 def _parquet_run(root) -> dict:
     """Two ranks written with format parquet (merged windows of 2 steps and a last step file),
     a NaN, an Inf and a cell left out; returns (rank, prefix, name, step) -> op -> value written."""
-    pytest.importorskip("pyarrow")
     special = {(0, "grad_reduced", 2, 1, "norm"): float("nan"), (1, "exp_avg", 3, 2, "max"): float("inf")}
     skip = {(1, "grad_reduced", 4): [3]}
     write_run(

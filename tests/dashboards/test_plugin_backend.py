@@ -36,7 +36,7 @@ from tests.dashboards.conftest import (
     same,
     write_run,
 )
-from tests.extras import NEEDS_PYARROW, OUTPUT_FORMATS
+from tests.extras import OUTPUT_FORMATS
 
 
 @pytest.fixture
@@ -194,7 +194,6 @@ def test_nan_inf_and_missing_cells_are_told_apart(tmp_path):
     assert not present[3, 5] and present.sum() == len(rows)
 
 
-@NEEDS_PYARROW
 def test_parquet_heatmap_holds_every_value_the_files_hold(tmp_path, fresh):
     """format parquet: every value as pyarrow reads it from the files, NaN, Inf and missing cells
     told apart, rows of several merged files and a step file, micro-steps as their own rows."""
@@ -431,7 +430,7 @@ def test_a_stray_newest_csv_file_does_not_hide_its_data_type(tmp_path):
 def test_an_unreadable_newest_parquet_file_does_not_hide_its_data_type(tmp_path, fault):
     """The ops come from the newest file that can be read: a newest file cut short by a disk
     fault, or a stray one of other columns, hid the rank's whole data type."""
-    pa = pytest.importorskip("pyarrow", reason="format parquet needs the dataset extra")
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
     directory = write_run(tmp_path, fmt="parquet", steps=range(4))[0]
@@ -591,7 +590,6 @@ def test_root_module_rows_show_its_class_and_files_keep_msprobe_names(tmp_path, 
     )
 
 
-@NEEDS_PYARROW
 def test_a_late_parquet_file_does_not_hide_the_newest_steps(tmp_path):
     """A record of the last step that came after its window was merged: its file sorts last, but
     the data type's ops are those of its steps' files."""

@@ -12,19 +12,9 @@ from tensorboard.compat.proto.summary_pb2 import HistogramProto
 
 from dashboards.csvfiles import csv_bounds, read_csv_file, read_csv_files
 from dashboards.plugin.eventscalars import LayoutCache, event_head, first_scalar_tag
-from monitor.anomaly import rank_csv
 from monitor.writers.eventfile import frame_record, iter_records, open_regular, read_record, scan_records
-from tests.extras import NEEDS_PYARROW
 
 HEADER = "vpp_stage,name,step,norm,min\n"
-
-
-@pytest.fixture(params=[pytest.param("pyarrow", marks=NEEDS_PYARROW), "pandas"])
-def engine(request, monkeypatch):
-    """The CSV files read by pyarrow's reader (installed with the dataset extra) or without it."""
-    if request.param == "pandas":
-        monkeypatch.setattr(rank_csv, "parse_arrow", lambda *args: None)
-    return request.param
 
 
 def _write(path, text: str):
@@ -37,7 +27,7 @@ def _rows_by_csv_module(path) -> list[list[str]]:
         return list(csv.reader(handle))[1:]
 
 
-def test_one_file_many_forms_of_value(tmp_path, engine):
+def test_one_file_many_forms_of_value(tmp_path):
     path = _write(
         tmp_path / "grad_reduced_0-0.csv",
         HEADER + '0,a.weight,0,1.5,-2\n1,"b,c ""q""",0,nan,inf\n0,nan,0,-inf,1e-300\n0,partial,0,1',
@@ -51,9 +41,8 @@ def test_one_file_many_forms_of_value(tmp_path, engine):
 
 
 @pytest.mark.parametrize("malformed", [False, True])
-def test_every_value_is_read_exactly_as_written(tmp_path, engine, malformed):
-    """ndigits up to 17 writes values that only a correctly rounding parser reads back exactly
-    (pyarrow's reader, pandas' round_trip parser and, for files with a malformed row, Python's float)."""
+def test_every_value_is_read_exactly_as_written(tmp_path, malformed):
+    """ndigits up to 17 writes values that only a correctly rounding parser reads back exactly."""
     values = np.random.default_rng(3).lognormal(0, 30, (500, 2)) * np.random.default_rng(4).choice(
         [-1, 1], (500, 2)
     )
@@ -64,14 +53,15 @@ def test_every_value_is_read_exactly_as_written(tmp_path, engine, malformed):
     assert table.values.tobytes() == values.tobytes()
 
 
-def test_rows_that_do_not_parse_are_skipped_and_counted(tmp_path, engine):
+def test_rows_that_do_not_parse_are_skipped_and_counted(tmp_path):
     rows = "0,a,0,1,2\n0,b,zero,1,2\n0,c,1,one,2\n0,d,1\n0,e,2,3,4\n0,f,2,3,4,5\n"  # f: one field too many
+    rows += "0,g,2.5,1,2\n1.5,h,3,1,2\n0,i,3,,2\n"  # a step or stage that is no integer, an empty value
     table = read_csv_file(_write(tmp_path / "x_0-0.csv", HEADER + rows))
-    assert table.names == ["a", "e"] and table.skipped == 4
+    assert table.names == ["a", "e"] and table.skipped == 7
     assert table.values.tolist() == [[1.0, 2.0], [3.0, 4.0]]
 
 
-def test_many_files_at_once_equal_one_by_one(tmp_path, engine):
+def test_many_files_at_once_equal_one_by_one(tmp_path):
     paths = []
     rng = np.random.default_rng(0)
     for step in range(30):

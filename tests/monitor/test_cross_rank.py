@@ -265,10 +265,7 @@ def test_pipeline_stages_of_too_few_ranks_each_say_so_and_ranks_without_a_stage_
     assert load(tmp_path / cross_rank.OUTPUT_NAME)["pipeline_stages"]["grad_unreduced"]["0"] == [0, 4, 6]
 
 
-@pytest.mark.parametrize("engine", ["pyarrow", "pandas"])
-def test_outliers_and_their_numbers_match_the_reference(tmp_path, monkeypatch, engine):
-    if engine == "pandas":  # the reader without the dataset extra
-        monkeypatch.setattr(rank_csv, "parse_arrow", lambda *args: None)
+def test_outliers_and_their_numbers_match_the_reference(tmp_path):
     write_run(tmp_path, scaled=(1, 4, 1.6), seed=3)
     assert run_cli("-d", str(tmp_path), "--k-mad", "5", "--ops", ",".join(OPS)) == 0
     document = load(tmp_path / cross_rank.OUTPUT_NAME)
@@ -289,7 +286,6 @@ def test_outliers_and_their_numbers_match_the_reference(tmp_path, monkeypatch, e
 
 
 def test_a_parquet_run_gives_the_reference_outliers_per_micro_step(tmp_path):
-    pytest.importorskip("pyarrow", reason="format parquet needs the dataset extra")
     write_run(tmp_path, scaled=(3, 5, 1.8), seed=4, micro_steps=2, fmt="parquet", per_record=4)
     assert run_cli("-d", str(tmp_path), "--k-mad", "5") == 0
     found = found_keys(load(tmp_path / cross_rank.OUTPUT_NAME))
@@ -302,7 +298,6 @@ def test_a_parquet_run_gives_the_reference_outliers_per_micro_step(tmp_path):
 def test_a_parquet_run_whose_ops_change_on_one_rank_has_no_false_outliers(tmp_path):
     """Rank 0 stops recording ``max`` at step 3 (its config changed): the values it lacks are not
     NaNs, and its other values are still compared."""
-    pytest.importorskip("pyarrow", reason="format parquet needs the dataset extra")
     from monitor.writers.parquet import ParquetWriter
 
     rng = np.random.default_rng(2)
@@ -458,7 +453,8 @@ def test_a_sparse_tensor_against_peers_at_zero_is_measured_in_its_usual_magnitud
     (outlier,) = document["outliers"]  # four times the usual -0.005
     assert (outlier["rank"], outlier["step"], outlier["scale"]) == (3, 8, 0.005)
     assert outlier["deviation_mads"] == pytest.approx(4.0)
-    duckdb = pytest.importorskip("duckdb", reason="DuckDB comes with the dataset extra")
+    import duckdb
+
     con = duckdb.connect()  # the SQL form on the same values
     con.execute(
         "CREATE TABLE v(rank BIGINT, step BIGINT, micro_step BIGINT, vpp_stage BIGINT, data_type VARCHAR, "
@@ -708,8 +704,6 @@ def test_the_anomaly_ranking_comes_first_in_the_same_report(tmp_path, capsys):
 
 @pytest.mark.parametrize("fmt", ["csv", "parquet"])
 def test_windows_of_steps_in_worker_processes_find_what_one_window_finds(tmp_path, monkeypatch, fmt):
-    if fmt == "parquet":
-        pytest.importorskip("pyarrow", reason="format parquet needs the dataset extra")
     write_run(tmp_path, scaled=(2, 7, 3.0), ranks=5, steps=23, per_record=4, fmt=fmt, micro_steps=2)
     dirs = rank_csv.find_rank_dirs(str(tmp_path))
     types = ("grad_unreduced",)
@@ -782,7 +776,7 @@ def test_sizes_are_read_as_duckdb_writes_them(text, size):
 def test_an_unreadable_parquet_file_is_skipped_with_a_warning_and_the_rest_compared(tmp_path, capsys, fault):
     """A file cut short by a disk fault, or a stray Parquet file of other columns, is skipped
     alone: rank 1's other steps of the data type are still compared (they were all dropped)."""
-    pa = pytest.importorskip("pyarrow", reason="format parquet needs the dataset extra")
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
     write_run(tmp_path, scaled=(1, 9, 3.0), fmt="parquet", per_record=4)
@@ -801,7 +795,8 @@ def test_an_unreadable_parquet_file_is_skipped_with_a_warning_and_the_rest_compa
 
 @pytest.mark.parametrize(("ranks", "micro_steps"), [(4, 2), (5, 2), (5, None), (2, None)])
 def test_the_documented_sql_finds_what_the_command_finds(tmp_path, ranks, micro_steps):
-    duckdb = pytest.importorskip("duckdb", reason="DuckDB comes with the dataset extra")
+    import duckdb
+
     write_run(
         tmp_path,
         scaled=(2, 7, 3.0),
@@ -847,8 +842,6 @@ def test_the_documented_sql_finds_what_the_command_finds(tmp_path, ranks, micro_
 
 @pytest.mark.parametrize("fmt", ["csv", "parquet"])
 def test_aligned_ranks_side_by_side_find_what_scattering_finds(tmp_path, monkeypatch, fmt):
-    if fmt == "parquet":
-        pytest.importorskip("pyarrow", reason="format parquet needs the dataset extra")
     write_run(tmp_path, scaled=(2, 7, 3.0), ranks=5, micro_steps=2, fmt=fmt, nan_at=(1, 4))
     dirs = rank_csv.find_rank_dirs(str(tmp_path))
     aligned_calls = []

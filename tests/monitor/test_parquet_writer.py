@@ -6,16 +6,14 @@ from __future__ import annotations
 import os
 import stat
 
+import duckdb
 import numpy as np
 import pytest
 
-pytest.importorskip("pyarrow", reason="format: parquet needs the dataset extra (pyarrow)")
-duckdb = pytest.importorskip("duckdb", reason="the dataset extra (duckdb) reads the files back")
-
-from monitor.config.schema import load_config  # noqa: E402
-from monitor.config.values import ConfigError  # noqa: E402
-from monitor.writers.parquet import ParquetWriter  # noqa: E402
-from monitor.writers.parquet_files import live_parts, live_prefixes  # noqa: E402
+from monitor.config.schema import load_config
+from monitor.config.values import ConfigError
+from monitor.writers.parquet import ParquetWriter
+from monitor.writers.parquet_files import live_parts, live_prefixes
 
 OPS = ("norm", "min", "max", "nans")
 NAMES = ("layers.0.fc1.weight", "layers.0.fc2.weight", 'it\'s, "quoted"')
@@ -210,20 +208,9 @@ def test_format_parquet_in_the_config():
         load_config({"format": "parquets"})
 
 
-def test_format_parquet_without_pyarrow_is_refused_at_the_door(monkeypatch):
-    import importlib.util
-
-    find_spec = importlib.util.find_spec
-    monkeypatch.setattr(
-        importlib.util, "find_spec", lambda name: None if name == "pyarrow" else find_spec(name)
-    )
-    with pytest.raises(ConfigError, match=r"format: 'parquet'.*pyarrow.*pip install -e '\.\[dataset\]'"):
-        load_config({"format": "parquet"})
-
-
 @pytest.mark.parametrize("ops", [("norm",), OPS], ids=["one-op", "four-ops"])
 def test_read_wide_gives_one_entry_per_tensor_and_step(tmp_path, make_record, ops):
-    from monitor.writers.parquet_files import read_wide
+    from monitor.query.parquet_values import read_wide
 
     writer = ParquetWriter(tmp_path, rank=0, merge_steps=2)
     for step in range(3):

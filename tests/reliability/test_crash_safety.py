@@ -23,7 +23,7 @@ from collections import Counter
 
 import pytest
 
-from tests.extras import NEEDS_PYARROW, OUTPUT_FORMATS
+from tests.extras import OUTPUT_FORMATS
 from tests.reliability import crash_child
 from tests.reliability.training import read_csv_rows
 
@@ -255,7 +255,6 @@ def test_a_completed_step_is_on_disk_even_when_the_disk_is_slow(tmp_path, fmt):
     _check(out, fmt, complete_before=kill_step)
 
 
-@NEEDS_PYARROW
 def test_sigkill_between_a_parquet_merge_and_its_deletions_loses_and_repeats_nothing(tmp_path):
     """The first merge (steps 0-3) runs when the writer thread has nothing queued after step 4
     ended: every step up to 4 at least, and none twice, must be readable."""
