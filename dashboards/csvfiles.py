@@ -158,28 +158,27 @@ def read_csv_files(paths: Sequence[str | os.PathLike]) -> list[CsvTable]:
         fields = csv_files.header_fields(header)
         columns = [*LABELS[: 4 if has_micro else 3], *ops]
         rows = csv_files.read([os.fspath(paths[i]) for i in members], fields, columns)
-        file = rows.table["file"].to_numpy()
+        table, file = as_table(rows.table, has_micro, ops), rows.file
         if np.any(file[1:] < file[:-1]):  # read in the files' order, as DuckDB keeps it: else sorted
-            rows.table = rows.table.take(np.argsort(file, kind="stable"))
-            file = file[np.argsort(file, kind="stable")]
-        table = as_table(rows.table, has_micro, ops)
+            order = np.argsort(file, kind="stable")
+            table, file = _rows(table, order), file[order]
         bounds = np.searchsorted(file, np.arange(len(members) + 1))
         for place, index in enumerate(members):
             start, stop = bounds[place], bounds[place + 1]
-            tables[index] = as_csv_table(_rows(table, start, stop), rows.dropped.get(place, 0))
+            tables[index] = as_csv_table(_rows(table, slice(start, stop)), rows.dropped.get(place, 0))
     return tables
 
 
-def _rows(table: Table, start: int, stop: int) -> Table:
-    micro = None if table.micro is None else table.micro[start:stop]
+def _rows(table: Table, chosen: slice | np.ndarray) -> Table:
+    micro = None if table.micro is None else table.micro[chosen]
     return Table(
         table.ops,
         table.names,
-        table.codes[start:stop],
-        table.vpp[start:stop],
+        table.codes[chosen],
+        table.vpp[chosen],
         micro,
-        table.steps[start:stop],
-        table.values[start:stop],
+        table.steps[chosen],
+        table.values[chosen],
     )
 
 

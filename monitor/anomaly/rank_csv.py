@@ -260,7 +260,7 @@ def _csv_tables(
         if dropped:
             warnings.append(f"{rank_dir}: dropped {dropped} malformed {prefix} row(s)")
         table = as_table(rows.table, has_micro, ops)
-        file = rows.table["file"].to_numpy()
+        file = rows.file
         named = (table.steps >= np.array([p.start for p in members])[file]) & (
             table.steps <= np.array([p.end for p in members])[file]
         )

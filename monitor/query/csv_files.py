@@ -167,10 +167,13 @@ def rejected(con: Any, paths: Sequence[str]) -> dict[int, int]:
 @dataclass
 class CsvRows:
     """The rows of files that share a header: Arrow columns (``vpp_stage``, ``step``,
-    ``micro_step`` as int64, ``name`` text, the ops as float64) and ``file`` (int64: the place of
-    each row's file), and the rows left out because they did not parse, by place."""
+    ``micro_step`` as int64, ``name`` dictionary-encoded, the ops as float64), ``file`` (int64
+    numpy: the place of each row's file) and the rows left out because they did not parse, by
+    place. (The file is no Arrow column: building one from numpy would import pandas, a third of
+    a second, into a dashboard that never needs it.)"""
 
     table: Any
+    file: np.ndarray
     dropped: dict[int, int]
 
 
@@ -189,7 +192,7 @@ def read(paths: Sequence[str], fields: Sequence[str], columns: Sequence[str]) ->
     bodies = [text[text.find(b"\n") + 1 :] if text else b"" for text in texts]
     joined = [i for i, body in enumerate(bodies) if b'"' not in body]
     batches = [joined] + [[i] for i in range(len(paths)) if i not in set(joined)]
-    tables, dropped = [], {}
+    tables, files, dropped = [], [], {}
     for batch in batches:
         table, rejected_lines = _parse(bodies, batch, fields, columns)
         counts = np.array([bodies[i].count(b"\n") for i in batch], dtype=np.int64)
@@ -204,9 +207,10 @@ def read(paths: Sequence[str], fields: Sequence[str], columns: Sequence[str]) ->
             line_file = np.full(table.num_rows, batch[0], dtype=np.int64)
         for index, count in zip(*np.unique(line_file[~kept], return_counts=True)):
             dropped[int(index)] = dropped.get(int(index), 0) + int(count)
-        tables.append(table.append_column("file", pa.array(line_file[kept])))
+        tables.append(table)
+        files.append(line_file[kept])
     table = pa.concat_tables(tables) if len(tables) > 1 else tables[0]
-    return CsvRows(*_whole_labels(table, columns, dropped))
+    return _whole_labels(CsvRows(table, np.concatenate(files), dropped), columns)
 
 
 def _parse(
@@ -233,23 +237,23 @@ def _parse(
     return table, np.sort(lines.astype(np.int64)) - 2  # line 1 is the header
 
 
-def _whole_labels(table: Any, columns: Sequence[str], dropped: dict[int, int]) -> tuple[Any, dict[int, int]]:
-    """``table`` without the rows whose step, micro-step or stage is no integer (a step of 2.5 is
-    left out, not rounded), those columns as int64; ``dropped`` counts the rows left out."""
+def _whole_labels(rows: CsvRows, columns: Sequence[str]) -> CsvRows:
+    """``rows`` without those whose step, micro-step or stage is no integer (a step of 2.5 is left
+    out, not rounded; counted in ``dropped``), those columns as int64."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
     labels = [c for c in columns if LABEL_TYPES.get(c) == "DOUBLE"]
-    whole = None
+    table, file, whole = rows.table, rows.file, None
     for label in labels:
         column = table[label]
         ok = pc.and_(pc.equal(column, pc.trunc(column)), pc.less_equal(pc.abs(column), _LARGEST_LABEL))
         whole = ok if whole is None else pc.and_(whole, ok)
     if whole is not None and not pc.all(whole).as_py():
-        files = table["file"].filter(pc.invert(whole)).to_numpy()
-        for index, count in zip(*np.unique(files, return_counts=True)):
-            dropped[int(index)] = dropped.get(int(index), 0) + int(count)
-        table = table.filter(whole)
+        keep = whole.to_numpy(zero_copy_only=False)
+        for index, count in zip(*np.unique(file[~keep], return_counts=True)):
+            rows.dropped[int(index)] = rows.dropped.get(int(index), 0) + int(count)
+        table, file = table.filter(whole), file[keep]
     for label in labels:
         table = table.set_column(table.schema.get_field_index(label), label, table[label].cast(pa.int64()))
-    return table, dropped
+    return CsvRows(table, file, rows.dropped)

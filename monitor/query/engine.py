@@ -22,9 +22,11 @@ from monitor.memory_limit import ENV, parse_size
 #: batches then compares, so few large ones
 _BATCH_ROWS = 1 << 22
 _lock = threading.Lock()
+#: the text columns read as codes
+_CODED = ("name", "op")
 _database: tuple[int, Any] | None = None  # (pid, connection)
 _threads: int | None = None
-_names: str | None = None  # this process's ENUM type of the tensor names read so far
+_names: tuple[str, tuple[str, ...]] | None = None  # the ENUM type of the names read so far, its values
 _types_made = 0
 
 
@@ -69,34 +71,38 @@ def cursor() -> Any:
 
 
 def fetch_coded(con: Any, columns: list[str], source: str, where: str = "") -> Any:
-    """``SELECT columns FROM source WHERE where`` as an Arrow table, its ``name`` column
-    dictionary-encoded: a run's rows repeat a few thousand names millions of times, which as
-    text would cost more memory than every other column together and as codes cost two bytes.
-    The names are an ENUM type of this process's database that grows as new names are read."""
+    """``SELECT columns FROM source WHERE where`` as an Arrow table, its text columns ``name``
+    and ``op`` dictionary-encoded: a run's rows repeat a few thousand names millions of times,
+    which as text would cost more memory than every other column together and as codes cost two
+    bytes. The labels are an ENUM type of this process's database; a read that meets labels it
+    does not hold yet takes them as text (one pass over the source either way) and adds them."""
+    import pyarrow.compute as pc
+
     condition = f" WHERE {where}" if where else ""
-    for extend in (False, True):
-        names = _name_type(con, source if extend or _names is None else None)
-        listed = ", ".join(f"TRY_CAST(name AS {names}) AS name" if c == "name" else c for c in columns)
+    coded = [c for c in columns if c in _CODED]
+    if _names is not None:
+        listed = ", ".join(f"TRY_CAST({c} AS {_names[0]}) AS {c}" if c in _CODED else c for c in columns)
         table = con.sql(f"SELECT {listed} FROM {source}{condition}").to_arrow_table(_BATCH_ROWS)
-        if table["name"].null_count == 0:
-            break
+        if not any(table[c].null_count for c in coded):
+            return table
+    table = con.sql(f"SELECT {', '.join(columns)} FROM {source}{condition}").to_arrow_table(_BATCH_ROWS)
+    _add_names(con, [label for c in coded for label in pc.unique(table[c]).to_pylist()])
     return table
 
 
-def _name_type(con: Any, source: str | None) -> str:
-    """The ENUM type of the names read so far, first extended by those of ``source`` if given."""
+def _add_names(con: Any, names: list[str]) -> None:
+    """Make the ENUM of the names read so far hold ``names`` too."""
     global _names, _types_made
     with _lock:
-        if source is None and _names is not None:
-            return _names
-        earlier = f"SELECT unnest(enum_range(NULL::{_names})) AS name UNION " if _names else ""
+        held = _names[1] if _names is not None else ()
+        known = set(held)
+        fresh = [name for name in names if name not in known]
+        if not fresh:
+            return
         _types_made += 1
-        made = f"trainmon_names_{_types_made}"
-        con.execute(
-            f"CREATE TYPE {made} AS ENUM ({earlier}SELECT DISTINCT CAST(name AS VARCHAR) FROM {source})"
-        )
-        _names = made
-        return made
+        made, values = f"trainmon_names_{_types_made}", (*held, *fresh)
+        con.execute(f"CREATE TYPE {made} AS ENUM ({', '.join(quoted(name) for name in values)})")
+        _names = (made, values)
 
 
 def _close_before_fork() -> None:

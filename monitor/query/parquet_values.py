@@ -118,10 +118,13 @@ def encoded(column: Any) -> tuple[np.ndarray, list[str]]:
     names = encoded.dictionary.to_pylist()
     # the query layer's dictionary holds every name it read, in no set order: the rows' names
     # only, in the order the rows first name them (the model's), whatever the process read before
+    order = np.flatnonzero(np.bincount(codes, minlength=len(names)))
     first = np.full(len(names), len(codes))
-    np.minimum.at(first, codes, np.arange(len(codes)))
-    order = np.flatnonzero(first < len(codes))
-    order = order[np.argsort(first[order])]
+    start, width = 0, 1 << 14
+    while start < len(codes) and (first[order] == len(codes)).any():  # a step's rows name them all
+        np.minimum.at(first, codes[start : start + width], np.arange(start, min(start + width, len(codes))))
+        start, width = start + width, width * 2
+    order = order[np.argsort(first[order], kind="stable")]
     place = np.zeros(len(names), dtype=np.int64)
     place[order] = np.arange(len(order))
     return place[codes], [names[i] for i in order]
