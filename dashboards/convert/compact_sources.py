@@ -99,19 +99,8 @@ def say_rejected(con: Any) -> None:
     """The CSV rows just read that did not parse (a value that is no number): left out, as every
     reader leaves them, and said once per file, as csv2tb says it; a file whose steps span two of
     the dataset's files is read once for each."""
-    import duckdb
-
-    try:
-        found = con.execute(
-            "SELECT s.file_path, count(DISTINCT e.line) FROM reject_errors e "
-            "JOIN reject_scans s USING (scan_id, file_id) GROUP BY 1 ORDER BY 1"
-        ).fetchall()
-    except duckdb.CatalogException:  # nothing was read with store_rejects yet
-        return
-    for path, count in found:
+    for path, count in csv_files.rejected(con).items():
         _say(con, path, count)
-    con.execute("DELETE FROM reject_errors")
-    con.execute("DELETE FROM reject_scans")
 
 
 def _say(con: Any, path: str, count: int) -> None:

@@ -100,26 +100,20 @@ def _options(types: dict[str, str]) -> str:
 
 
 def relation(
-    con: Any,
-    paths: Sequence[str],
-    fields: Sequence[str],
-    tag: str = "",
-    growing: Sequence[bool] | None = None,
+    con: Any, paths: Sequence[str], fields: Sequence[str], tag: str = ""
 ) -> tuple[str, dict[int, int]]:
-    """SQL of the rows of these files (which share the header ``fields``) in connection ``con``:
-    their columns and ``file``, the place of each row's file in ``paths``; and the rows that did
-    not parse of the files read from memory now (into temporary tables of ``con`` named after
-    ``tag``), by place. ``rejected`` gives the others' once the SQL has run. ``growing`` says of
-    each file whether to read it from memory: a live run may be appending to it, or it does not
-    end a line (None: the last file, and any that does not end a line).
+    """SQL of the rows of these files (which share the header ``fields``) in connection ``con``,
+    for a query that reads them out of core: their columns and ``file``, the place of each row's
+    file in ``paths``; and the rows that did not parse of the files read from memory now (into
+    temporary tables of ``con`` named after ``tag``), by place. The last file (a live run may be
+    appending to it) and any that does not end a line are read from memory; ``rejected`` gives
+    the others' rows that did not parse once the SQL has run.
 
     Raises:
         OSError: a file cannot be read, or is not a regular file.
     """
     types = column_types(fields)
-    if growing is None:
-        growing = [i == len(paths) - 1 or not peek(path)[1] for i, path in enumerate(paths)]
-    on_disk = [i for i in range(len(paths)) if not growing[i]]
+    on_disk = [i for i, path in enumerate(paths) if i < len(paths) - 1 and peek(path)[1]]
     selects, counts = [], {}
     if on_disk:
         listed = ", ".join(quoted(paths[i]) for i in on_disk)
@@ -135,33 +129,28 @@ def relation(
         ))  # fmt: skip
         con.execute(f"CREATE OR REPLACE TEMP TABLE {table} AS SELECT *, {i} AS file FROM complete_lines")
         con.unregister("complete_lines")
-        dropped = sum(rejected(con, ()).values())
+        dropped = sum(rejected(con).values())
         if dropped:
             counts[i] = dropped
         selects.append(f"SELECT * FROM {table}")
     return " UNION ALL ".join(selects), counts
 
 
-def rejected(con: Any, paths: Sequence[str]) -> dict[int, int]:
-    """Rows of the reads of ``con`` since the last call that did not parse, by the place of their
-    file in ``paths`` (-1: a file not among them, one read from memory)."""
+def rejected(con: Any) -> dict[str, int]:
+    """The rows that did not parse in the reads of ``con`` since the last call, by file path (a
+    file read from memory under the name DuckDB gave it)."""
     import duckdb
 
     try:
         found = con.execute(
             "SELECT s.file_path, count(DISTINCT e.line) FROM reject_errors e "
-            "JOIN reject_scans s USING (scan_id, file_id) GROUP BY 1"
+            "JOIN reject_scans s USING (scan_id, file_id) GROUP BY 1 ORDER BY 1"
         ).fetchall()
     except duckdb.CatalogException:  # nothing was read with store_rejects yet
         return {}
     con.execute("DELETE FROM reject_errors")
     con.execute("DELETE FROM reject_scans")
-    place = {path: i for i, path in enumerate(paths)}
-    counts: dict[int, int] = {}
-    for path, count in found:
-        index = place.get(path, -1)
-        counts[index] = counts.get(index, 0) + count
-    return counts
+    return dict(found)
 
 
 @dataclass
@@ -169,8 +158,7 @@ class CsvRows:
     """The rows of files that share a header: Arrow columns (``vpp_stage``, ``step``,
     ``micro_step`` as int64, ``name`` dictionary-encoded, the ops as float64), ``file`` (int64
     numpy: the place of each row's file) and the rows left out because they did not parse, by
-    place. (The file is no Arrow column: building one from numpy would import pandas, a third of
-    a second, into a dashboard that never needs it.)"""
+    place."""
 
     table: Any
     file: np.ndarray
@@ -209,6 +197,11 @@ def read(paths: Sequence[str], fields: Sequence[str], columns: Sequence[str]) ->
             dropped[int(index)] = dropped.get(int(index), 0) + int(count)
         tables.append(table)
         files.append(line_file[kept])
+    if len(tables) > 1:  # names coded by the ENUM (of any index width) or encoded from text: one type
+        coded = pa.dictionary(pa.int32(), pa.string())
+        tables = [
+            t.set_column(t.schema.get_field_index("name"), "name", t["name"].cast(coded)) for t in tables
+        ]
     table = pa.concat_tables(tables) if len(tables) > 1 else tables[0]
     return _whole_labels(CsvRows(table, np.concatenate(files), dropped), columns)
 

@@ -80,13 +80,15 @@ def fetch_coded(con: Any, columns: list[str], source: str, where: str = "") -> A
 
     condition = f" WHERE {where}" if where else ""
     coded = [c for c in columns if c in _CODED]
+    table = None
     if _names is not None:
         listed = ", ".join(f"TRY_CAST({c} AS {_names[0]}) AS {c}" if c in _CODED else c for c in columns)
         table = con.sql(f"SELECT {listed} FROM {source}{condition}").to_arrow_table(_BATCH_ROWS)
-        if not any(table[c].null_count for c in coded):
-            return table
-    table = con.sql(f"SELECT {', '.join(columns)} FROM {source}{condition}").to_arrow_table(_BATCH_ROWS)
-    _add_names(con, [label for c in coded for label in pc.unique(table[c]).to_pylist()])
+        if any(table[c].null_count for c in coded):
+            table = None
+    if table is None:
+        table = con.sql(f"SELECT {', '.join(columns)} FROM {source}{condition}").to_arrow_table(_BATCH_ROWS)
+        _add_names(con, [label for c in coded for label in pc.unique(table[c]).to_pylist()])
     return table
 
 
