@@ -161,25 +161,12 @@ def read_csv_files(paths: Sequence[str | os.PathLike]) -> list[CsvTable]:
         table, file = as_table(rows.table, has_micro, ops), rows.file
         if np.any(file[1:] < file[:-1]):  # read in the files' order, as DuckDB keeps it: else sorted
             order = np.argsort(file, kind="stable")
-            table, file = _rows(table, order), file[order]
+            table, file = table.rows(order), file[order]
         bounds = np.searchsorted(file, np.arange(len(members) + 1))
         for place, index in enumerate(members):
             start, stop = bounds[place], bounds[place + 1]
-            tables[index] = as_csv_table(_rows(table, slice(start, stop)), rows.dropped.get(place, 0))
+            tables[index] = as_csv_table(table.rows(slice(start, stop)), rows.dropped.get(place, 0))
     return tables
-
-
-def _rows(table: Table, chosen: slice | np.ndarray) -> Table:
-    micro = None if table.micro is None else table.micro[chosen]
-    return Table(
-        table.ops,
-        table.names,
-        table.codes[chosen],
-        table.vpp[chosen],
-        micro,
-        table.steps[chosen],
-        table.values[chosen],
-    )
 
 
 def as_csv_table(table: Table, skipped: int = 0) -> CsvTable:

@@ -71,6 +71,19 @@ class Table:
     steps: np.ndarray
     values: np.ndarray
 
+    def rows(self, chosen: slice | np.ndarray) -> Table:
+        """The rows ``chosen`` (a slice, a mask or indices), with the same names and ops."""
+        micro = None if self.micro is None else self.micro[chosen]
+        return Table(
+            self.ops,
+            self.names,
+            self.codes[chosen],
+            self.vpp[chosen],
+            micro,
+            self.steps[chosen],
+            self.values[chosen],
+        )
+
 
 def find_rank_dirs(
     root: str, ranks: frozenset[int] | None = None, within: tuple[Any, Any] = (None, None)
@@ -271,23 +284,8 @@ def _csv_tables(
             )
         keep = named & (table.steps >= window[0]) & (table.steps <= window[1])
         if keep.any():
-            tables.append(_subset(table, keep))
+            tables.append(table if keep.all() else table.rows(keep))
     return tables
-
-
-def _subset(table: Table, keep: np.ndarray) -> Table:
-    if keep.all():
-        return table
-    micro = None if table.micro is None else table.micro[keep]
-    return Table(
-        table.ops,
-        table.names,
-        table.codes[keep],
-        table.vpp[keep],
-        micro,
-        table.steps[keep],
-        table.values[keep],
-    )
 
 
 def _parquet_tables(
