@@ -200,8 +200,9 @@ class Channel:
             except Exception as exc:
                 delay = self.spec.backoff_s * 2**attempt
                 if attempt == self.spec.retries or not self._may_wait(delay):
-                    self.failed += 1
+                    # said before counted: whoever sees the count (a test, a summary) finds it said
                     self._warn_once(f"failed after {attempt + 1} attempt(s) ({exc}); training goes on")
+                    self.failed += 1
                     return
             else:
                 self._sent.append(time.monotonic())
