@@ -165,7 +165,9 @@ def read_csv_files(paths: Sequence[str | os.PathLike]) -> list[CsvTable]:
         bounds = np.searchsorted(file, np.arange(len(members) + 1))
         for place, index in enumerate(members):
             start, stop = bounds[place], bounds[place + 1]
-            tables[index] = as_csv_table(table.rows(slice(start, stop)), rows.dropped.get(place, 0))
+            # copies: a file's table (cached on its own) must not keep the whole group's alive
+            part = table.rows(np.arange(start, stop))
+            tables[index] = as_csv_table(part, rows.dropped.get(place, 0))
     return tables
 
 

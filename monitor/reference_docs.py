@@ -61,7 +61,7 @@ MEANINGS = {
     ),
     "eps": "`zeros` is the share of elements with `|x| < eps`",
     "format": (
-        "`csv`, `tensorboard`, `parquet` (the dataset's long rows, live; needs the `dataset` extra) or "
+        "`csv`, `tensorboard`, `parquet` (the dataset's long rows, live) or "
         "`api` (in memory, no statistics files; `alert.dump` still writes the anomaly files), in any "
         "case; anything else is an error"
     ),

@@ -71,7 +71,7 @@ from dashboards.csvfiles import list_csv_files
 from dashboards.plugin.eventsource import EventSource
 from monitor.memory_limit import COMPACT_DEFAULT, parse_size
 from monitor.query import engine
-from monitor.query.engine import quoted
+from monitor.query.engine import quoted_path
 from monitor.writers.parquet_files import live_prefixes, not_a_run_hint, part_steps
 
 logger = logging.getLogger("trainmon")
@@ -319,7 +319,7 @@ def _part_rows(
     if earlier:
         kept = (
             "SELECT step, micro_step, vpp_stage, name, -1 AS _file, op, CAST(value AS DOUBLE) AS value "
-            f"FROM read_parquet([{', '.join(quoted(p) for p in earlier)}])"
+            f"FROM read_parquet([{', '.join(quoted_path(p) for p in earlier)}])"
         )
         source = (
             kept

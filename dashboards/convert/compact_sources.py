@@ -12,7 +12,7 @@ from typing import Any
 from dashboards.csvfiles import header_columns, header_ops
 from monitor.query import csv_files
 from monitor.query.csv_files import header_fields, read_header
-from monitor.query.engine import quoted
+from monitor.query.engine import quoted_path
 from monitor.writers.parquet_files import layout_problem
 
 logger = logging.getLogger("trainmon")
@@ -36,7 +36,7 @@ def table_values(con: Any, paths: Sequence[str]) -> str | None:
             csv_files[index] = path
     selects = [
         f"SELECT step, micro_step, vpp_stage, name, {index} AS _file, op, value "
-        f"FROM read_parquet([{', '.join(quoted(p) for p in files)}])"
+        f"FROM read_parquet([{', '.join(quoted_path(p) for p in files)}])"
         for index, files in parquet_dirs.values()
     ]
     csv_rows = _csv_values(con, csv_files)
@@ -88,7 +88,7 @@ def unreadable_parquet(con: Any, paths: Sequence[str]) -> list[str]:
         try:
             con.execute(
                 "SELECT max(step), max(micro_step), max(vpp_stage), max(length(name)), max(length(op)), "
-                f"max(value) FROM read_parquet({quoted(path)})"
+                f"max(value) FROM read_parquet({quoted_path(path)})"
             ).fetchall()
         except Exception:  # any failure to decode: DuckDB raises several kinds
             damaged.append(path)

@@ -16,7 +16,7 @@ from typing import Any
 from monitor.anomaly.incident_files import INCIDENTS_NAME
 from monitor.anomaly.ordering import parse_record
 from monitor.files import FILE_MODE, make_private_dir
-from monitor.query.engine import quoted
+from monitor.query.engine import quoted, quoted_path
 from monitor.run_info import RUN_INFO_FILE
 
 logger = logging.getLogger("trainmon")
@@ -138,7 +138,7 @@ def _runs_gone(con: Any, output: str, runs: list[tuple]) -> list[tuple]:
     present = {(row[0], row[1]) for row in runs}
     try:
         kept = con.execute(
-            f"SELECT {', '.join(c for c, _ in RUNS)} FROM read_parquet({quoted(path)})"
+            f"SELECT {', '.join(c for c, _ in RUNS)} FROM read_parquet({quoted_path(path)})"
         ).fetchall()
     except Exception as exc:  # duckdb.Error: the table is rewritten from the sources alone
         logger.warning(

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from monitor.query import engine
-from monitor.query.engine import cursor, quoted
+from monitor.query.engine import cursor, quoted, quoted_path
 from monitor.writers.eventfile import open_regular
 
 #: header columns that are labels, not statistics, and the SQL types they are read as (integers
@@ -62,6 +62,11 @@ def peek(path: str | os.PathLike, probe: int = 65536) -> tuple[str | None, bool]
     try:
         head = os.pread(fd, probe, 0)
         size = os.fstat(fd).st_size
+        while b"\n" not in head and len(head) < size:  # a header of very many statistics
+            more = os.pread(fd, len(head), len(head))
+            if not more:  # cut short meanwhile
+                break
+            head += more
         last = head[size - 1 : size] if size <= len(head) else os.pread(fd, 1, size - 1)
     finally:
         os.close(fd)
@@ -116,7 +121,7 @@ def relation(
     on_disk = [i for i, path in enumerate(paths) if i < len(paths) - 1 and peek(path)[1]]
     selects, counts = [], {}
     if on_disk:
-        listed = ", ".join(quoted(paths[i]) for i in on_disk)
+        listed = ", ".join(quoted_path(paths[i]) for i in on_disk)
         index = "CAST(file_index AS BIGINT)"
         if on_disk != list(range(len(on_disk))):
             index = f"{on_disk}[{index} + 1]"
@@ -169,7 +174,8 @@ def read(paths: Sequence[str], fields: Sequence[str], columns: Sequence[str]) ->
     """The ``columns`` of these CSV files, which share the header ``fields``: their complete lines
     joined under one header and parsed in one pass (most of the cost of many small files, one a
     step, is per file, not per row); a file with a quote, whose quoted name could hold a line
-    break, is parsed alone.
+    break, is parsed alone, and so is each file of a batch the parser cannot read whole (a file
+    it cannot read at all has every line counted as dropped). Windows line ends read as ``\n``.
 
     Raises:
         OSError: a file cannot be read, or is not a regular file (symlinks are refused).
@@ -177,20 +183,29 @@ def read(paths: Sequence[str], fields: Sequence[str], columns: Sequence[str]) ->
     import pyarrow as pa
 
     texts = [read_complete_lines(path) for path in paths]
+    texts = [text.replace(b"\r\n", b"\n") if b"\r" in text else text for text in texts]
     bodies = [text[text.find(b"\n") + 1 :] if text else b"" for text in texts]
     joined = [i for i, body in enumerate(bodies) if b'"' not in body]
     batches = [joined] + [[i] for i in range(len(paths)) if i not in set(joined)]
     tables, files, dropped = [], [], {}
     for batch in batches:
-        table, rejected_lines = _parse(bodies, batch, fields, columns)
         counts = np.array([bodies[i].count(b"\n") for i in batch], dtype=np.int64)
+        parsed = _parse(bodies, batch, fields, columns)
+        if parsed is None and len(batch) == 1:  # not even its own lines parse: all dropped
+            dropped[batch[0]] = dropped.get(batch[0], 0) + int(counts[0])
+            continue
         line_file = np.repeat(np.array(batch, dtype=np.int64), counts)
         kept = np.ones(len(line_file), dtype=bool)
-        kept[rejected_lines] = False
-        if kept.sum() != table.num_rows:  # lines the parser did not count as rows: file by file
+        if parsed is not None:
+            table, rejected_lines = parsed
+            kept[rejected_lines] = False
+        if parsed is None or kept.sum() != table.num_rows:  # lines not counted as rows: file by file
             if len(batch) > 1:
                 batches += [[i] for i in batch]
                 continue
+            # which lines are the rows is unknown (a blank line, a line break in a quoted name):
+            # the rows that did not parse are the ones the parser rejected
+            dropped[batch[0]] = dropped.get(batch[0], 0) + len(rejected_lines)
             kept = np.ones(table.num_rows, dtype=bool)
             line_file = np.full(table.num_rows, batch[0], dtype=np.int64)
         for index, count in zip(*np.unique(line_file[~kept], return_counts=True)):
@@ -202,15 +217,21 @@ def read(paths: Sequence[str], fields: Sequence[str], columns: Sequence[str]) ->
         tables = [
             t.set_column(t.schema.get_field_index("name"), "name", t["name"].cast(coded)) for t in tables
         ]
+    if not tables:  # every batch dropped whole: the empty result of a header alone
+        table, _ = _parse([b""], [0], fields, columns) or (None, None)
+        tables, files = [table], [np.zeros(0, dtype=np.int64)]
     table = pa.concat_tables(tables) if len(tables) > 1 else tables[0]
     return _whole_labels(CsvRows(table, np.concatenate(files), dropped), columns)
 
 
 def _parse(
     bodies: list[bytes], batch: list[int], fields: Sequence[str], columns: Sequence[str]
-) -> tuple[Any, np.ndarray]:
+) -> tuple[Any, np.ndarray] | None:
     """The rows of these files' bodies under the header ``fields``, and the places (among their
-    lines) of the lines that did not parse."""
+    lines) of the lines that did not parse; None where DuckDB cannot read them at all (its CSV
+    state machine refuses some damage outright instead of rejecting a row)."""
+    import duckdb
+
     header = ",".join(f'"{f}"' if "," in f or '"' in f else f for f in fields).encode() + b"\n"
     con = cursor()
     try:
@@ -223,8 +244,10 @@ def _parse(
         table = engine.fetch_coded(con, listed, "csv_rows")
         try:
             lines = con.execute("SELECT DISTINCT line FROM reject_errors").fetchnumpy()["line"]
-        except Exception:  # duckdb.CatalogException: no reject table, nothing was rejected
+        except duckdb.CatalogException:  # no reject table: nothing was rejected
             lines = np.zeros(0, dtype=np.int64)
+    except (duckdb.InvalidInputException, duckdb.ConversionException):
+        return None
     finally:
         con.close()
     return table, np.sort(lines.astype(np.int64)) - 2  # line 1 is the header

@@ -70,7 +70,7 @@ def file_ops(path: str) -> tuple[str, ...]:
     con = engine.cursor()
     try:
         found = con.sql(
-            f"SELECT op FROM read_parquet({engine.quoted(path)}, file_row_number = true) "
+            f"SELECT op FROM read_parquet({engine.quoted_path(path)}, file_row_number = true) "
             "GROUP BY op ORDER BY min(file_row_number)"
         ).fetchall()
     except duckdb.IOException as exc:
@@ -115,19 +115,19 @@ def encoded(column: Any) -> tuple[np.ndarray, list[str]]:
     else:
         encoded = column.combine_chunks().dictionary_encode()
     codes = encoded.indices.to_numpy(zero_copy_only=False).astype(np.int64)
-    names = encoded.dictionary.to_pylist()
+    size = len(encoded.dictionary)
     # the query layer's dictionary holds every name it read, in no set order: the rows' names
     # only, in the order the rows first name them (the model's), whatever the process read before
-    order = np.flatnonzero(np.bincount(codes, minlength=len(names)))
-    first = np.full(len(names), len(codes))
+    order = np.flatnonzero(np.bincount(codes, minlength=size))
+    first = np.full(size, len(codes))
     start, width = 0, 1 << 14
     while start < len(codes) and (first[order] == len(codes)).any():  # a step's rows name them all
         np.minimum.at(first, codes[start : start + width], np.arange(start, min(start + width, len(codes))))
         start, width = start + width, width * 2
     order = order[np.argsort(first[order], kind="stable")]
-    place = np.zeros(len(names), dtype=np.int64)
+    place = np.zeros(size, dtype=np.int64)
     place[order] = np.arange(len(order))
-    return place[codes], [names[i] for i in order]
+    return place[codes], encoded.dictionary.take(order).to_pylist()
 
 
 def _distinct(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -172,7 +172,7 @@ def read_wide(paths: Sequence[str], window: tuple[int, int] | None = None) -> Wi
     table = None
     if paths:
         columns = [column for column in COLUMNS if column not in constant]
-        source = f"read_parquet([{', '.join(engine.quoted(p) for p in paths)}])"
+        source = f"read_parquet([{', '.join(engine.quoted_path(p) for p in paths)}])"
         where = ""
         if window is not None and not all(_within(path, window) for path in paths):  # a filter costs
             where = f"step BETWEEN {int(window[0])} AND {int(window[1])}"

@@ -153,3 +153,18 @@ def test_corrupt_record_is_detected(tmp_path):
     path.write_bytes(bytes(data))
     with pytest.raises(ValueError, match="checksum"):
         list(iter_records(path))
+
+
+def test_windows_line_ends_blank_lines_and_a_line_break_in_a_name(tmp_path):
+    """Files joined for one parse may differ in line ends; a blank line or a quoted name holding a
+    line break puts the lines and the rows out of step: such a file is read alone, and its rows
+    that do not parse are still counted."""
+    paths = [
+        _write(tmp_path / "g_1-1.csv", HEADER.replace("\n", "\r\n") + "0,a,1,1,2\r\n0,b,1,3,4\r\n"),
+        _write(tmp_path / "g_2-2.csv", HEADER + "0,a,2,5,6\n\n0,a,2,x,6\n0,b,2,7,8\n"),
+        _write(tmp_path / "g_3-3.csv", HEADER + '0,"c\nd",3,9,10\n0,e,3,x,1\n'),
+    ]
+    tables = read_csv_files(paths)
+    assert [t.names for t in tables] == [["a", "b"], ["a", "b"], ["c\nd"]]
+    assert [t.values.tolist() for t in tables] == [[[1, 2], [3, 4]], [[5, 6], [7, 8]], [[9, 10]]]
+    assert [t.skipped for t in tables] == [0, 1, 1]

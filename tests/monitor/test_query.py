@@ -32,3 +32,21 @@ def test_the_database_is_closed_before_a_fork_and_workers_read_as_this_process(t
     assert all(result[:2] == here[:2] for result in there)
     assert {result[2] for result in there} != {os.getpid()}  # read in worker processes
     assert here[0] == [f"layer.{i}" for i in range(50)] and here[1] == [i / 7 for i in range(50)]
+
+
+def test_a_path_with_glob_characters_is_read_as_that_file_only(tmp_path):
+    """DuckDB expands ``[``, ``*`` and ``?`` in a path; an output directory may hold them."""
+    import duckdb
+
+    from monitor.query.parquet_values import file_ops, read_wide
+
+    for directory, op in (("runs[1]", "norm"), ("runs1", "max"), ("a*b", "min"), ("axb", "mean")):
+        (tmp_path / directory).mkdir()
+        target = (tmp_path / directory / "steps-0000000000-0000000000.parquet").as_posix()
+        duckdb.sql(
+            "SELECT 0::BIGINT AS rank, 0::BIGINT AS step, NULL::BIGINT AS micro_step, "
+            f"0::BIGINT AS vpp_stage, 'w' AS name, '{op}' AS op, 1.0::DOUBLE AS value"
+        ).write_parquet(target)
+    assert file_ops(str(tmp_path / "runs[1]" / "steps-0000000000-0000000000.parquet")) == ("norm",)
+    wide = read_wide([str(tmp_path / "a*b" / "steps-0000000000-0000000000.parquet")])
+    assert wide.ops == ("min",) and wide.names == ["w"]
