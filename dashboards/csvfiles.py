@@ -113,17 +113,15 @@ def csv_bounds(path: str | os.PathLike, probe: int = 65536) -> CsvBounds | None:
 
 
 def header_ops(path: str | os.PathLike) -> tuple[str, ...]:
-    """The statistic columns named in a CSV file's header (empty when there is no header line)."""
-    fd = open_regular(path)
+    """The statistic columns named in a CSV file's header (empty when there is no monitor header).
+
+    Raises:
+        OSError: unreadable, or not a regular file (symlinks are refused).
+    """
+    header = csv_files.read_header(path)
     try:
-        head = os.pread(fd, 65536, 0)
-    finally:
-        os.close(fd)
-    if b"\n" not in head:
-        return ()
-    try:
-        return header_columns(head[: head.index(b"\n")].decode("utf-8", errors="replace"))[1]
-    except (ValueError, StopIteration):
+        return header_columns(header)[1] if header is not None else ()
+    except ValueError:
         return ()
 
 

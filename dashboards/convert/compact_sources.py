@@ -9,7 +9,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from dashboards.csvfiles import header_columns, header_ops
+from dashboards.csvfiles import header_columns
 from monitor.query import csv_files
 from monitor.query.csv_files import header_fields, read_header
 from monitor.query.engine import quoted_path
@@ -49,17 +49,21 @@ def _csv_values(con: Any, paths: dict[int, str]) -> str | None:
     header are read by the query layer (monitor.query.csv_files: complete lines only, as every
     reader takes them); a step, micro-step or stage that is no integer leaves its row out."""
     groups: dict[str, list[int]] = {}
+    ops: list[str] = []
     for index, path in paths.items():
         header = read_header(path)
-        if header is not None and header_ops(path):
-            groups.setdefault(header, []).append(index)
-        elif not_a_header(path):  # empty, or a header without statistics: nothing to read
+        try:
+            found = header_columns(header)[1] if header is not None else ()
+        except ValueError:  # damaged, another tool's file
             logger.warning("trainmon compact: skipping %s: not a monitor CSV header", path)
-    selects, ops, has_micro = [], [], False
+            continue
+        if found:  # an empty file, or a header without statistics, has nothing to read
+            groups.setdefault(header, []).append(index)
+            ops += [op for op in found if op not in ops]
+    selects, has_micro = [], False
     for number, (header, members) in enumerate(groups.items()):
         fields = header_fields(header)
         has_micro |= "micro_step" in fields
-        ops += [op for op in header_columns(header)[1] if op not in ops]
         sql, dropped = csv_files.relation(con, [paths[i] for i in members], fields, tag=f"_{number}")
         for place, count in dropped.items():
             _say(con, paths[members[place]], count)
@@ -109,17 +113,3 @@ def _say(con: Any, path: str, count: int) -> None:
         return
     con.execute("INSERT INTO rejects_said VALUES (?)", [path])
     logger.warning("trainmon compact: %s: skipped %d row(s) that did not parse", path, count)
-
-
-def not_a_header(path: str) -> bool:
-    """Whether a CSV file's first line is there but is no monitor CSV header (damaged, another
-    tool's file, not UTF-8), as the other readers say of it; an empty file is not."""
-    with open(path, "rb") as handle:
-        first = handle.readline()
-    if not first.strip():
-        return False
-    try:
-        header_columns(first.decode("utf-8").strip())
-    except (UnicodeDecodeError, ValueError, StopIteration):
-        return True
-    return False

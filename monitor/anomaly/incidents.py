@@ -30,7 +30,7 @@ import numpy as np
 
 from monitor.anomaly.detector import Anomaly, Detector, Verdicts
 from monitor.anomaly.root import choose_root, describe_root, phase_of
-from monitor.datatypes.tasks import SCALED_PREFIXES, parse_tag, tasks_of_prefix
+from monitor.datatypes.tasks import SCALED_PREFIXES, parse_tag, task_of_tags, tasks_of_prefix
 from monitor.naming import split_tag
 
 logger = logging.getLogger("trainmon")
@@ -170,7 +170,7 @@ class IncidentTracker:
         self._recorded: set[str] = set()
         self._new: list[Anomaly] = []
         #: the tasks (``acc_grad``, ``post_grad``, ...) judged at this step
-        self._tasks: set[str] = set()
+        self._tasks: set[str | None] = set()
         self._last_step: int | None = None
         self.changed = False
 
@@ -184,8 +184,7 @@ class IncidentTracker:
         makes every statistic of every tag NaN costs a few set lookups per row and step.
         """
         tags = verdicts.record.rows.tags
-        if len(tags):
-            self._tasks.add(str(tags[0]).rpartition("/")[2])
+        self._tasks.add(task_of_tags(tags))
         if self._before:
             self._present.update(self._before.intersection(tags))
         if not len(verdicts):

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from monitor.anomaly.root import ALONE_FACTOR
-from monitor.datatypes.tasks import tasks_of_prefix
+from monitor.datatypes.tasks import task_of_tags, tasks_of_prefix
 
 #: the tasks of the gradients the optimizer takes (reduced, after clipping)
 _REDUCED_TASKS = frozenset(tasks_of_prefix("grad_reduced"))
@@ -39,8 +39,7 @@ def is_rescaled(record: Any) -> bool:
     tags' task is reduced gradients'): the local ones are read before it, so a common fall there
     is no clipping but, say, a network whose units died, where the one tensor still moving is no
     culprit."""
-    tags = record.rows.tags
-    return bool(len(tags)) and str(tags[0]).rpartition("/")[2] in _REDUCED_TASKS
+    return task_of_tags(record.rows.tags) in _REDUCED_TASKS
 
 
 def moved_alone(

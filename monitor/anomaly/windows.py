@@ -131,10 +131,6 @@ def compare_window(task: Task) -> tuple[peers.Partial, list[str]]:
     """Read one window from every rank and compare it (in a worker process, or this one)."""
     if multiprocessing.parent_process() is not None:  # the other cores run the other workers
         engine.use_one_thread()
-        if any(p.parquet for *_, parts in task.files for p in parts):
-            import pyarrow
-
-            pyarrow.set_cpu_count(1)
     warnings: list[str] = []
     tables = [
         (column, table)

@@ -66,6 +66,11 @@ def tasks_of_prefix(prefix: str) -> tuple[str, ...]:
     return PREFIX_TASKS.get(prefix, (prefix,))
 
 
+def task_of_tags(tags: Sequence[str]) -> str | None:
+    """The task of a record's tags (its rows share one), None for a record without rows."""
+    return split_tag(str(tags[0]))[3] if len(tags) else None
+
+
 def order_key(name: str, order: tuple[str, ...]) -> tuple[int, str]:
     """Sort key: known names in ``order`` first, then the others alphabetically."""
     return (order.index(name), "") if name in order else (len(order), name)

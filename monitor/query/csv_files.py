@@ -1,14 +1,15 @@
 """The monitor's CSV files read by DuckDB, with the rules every reader keeps.
 
 A file's header names its columns (msprobe's layout: ``vpp_stage,name,step[,micro_step],<ops>``,
-its ``shape``/``dtype`` columns read as text and left out). Files that share a header are read
-in one query, in parallel, each row tagged with its file. Only complete lines are read: a run
+its ``shape``/``dtype`` columns read as text and left out). Only complete lines are read: a run
 killed while writing leaves its last line cut short, and read as a row it would give a wrong
-value (``-0.0`` of ``-0.016``); so the newest file of a set (the one a live run may be appending
-to between a check and the read) and any file not ending a line are read from a copy of their
-complete lines in memory. A row that does not parse (a wrong field count, a value that is no
-number, an empty cell, a step that is no integer) is left out and counted per file, never
-guessed. A tensor called ``nan`` stays a name.
+value (``-0.0`` of ``-0.016``). The readers (``read``) join the complete lines of the files
+that share a header and parse them in one pass, each row given back its file; ``compact``'s
+out-of-core query (``relation``) hands DuckDB the files themselves, except the newest of a set
+(the one a live run may be appending to between a check and the read) and any file not ending a
+line, which it reads from a copy of their complete lines in memory. A row that does not parse
+(a wrong field count, a value that is no number, an empty cell, a step that is no integer) is
+left out and counted per file, never guessed. A tensor called ``nan`` stays a name.
 """
 
 from __future__ import annotations
